@@ -1,0 +1,3 @@
+from shardlab.train import cli
+
+cli()

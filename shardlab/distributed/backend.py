@@ -1,0 +1,136 @@
+"""The Backend interface: how a model is placed on devices and ranks, and how its gradients are reduced.
+
+The trainer talks only to this interface, so a new backend is a new registered class, not a trainer change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardlab.config import DistributedConfig
+from shardlab.distributed.env import DistEnv
+
+DTYPE_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_dtypes(cfg: DistributedConfig) -> tuple[torch.dtype, torch.dtype]:
+    """(param_dtype, reduce_dtype) from the explicit fields or the ``precision`` shorthand.
+
+    fairseq's --fp16 reduces in fp16 too; bf16 reduces in fp32 by default because bf16 sums lose bits fast.
+    """
+    param = cfg.param_dtype or cfg.precision
+    reduce = cfg.reduce_dtype or ("fp32" if cfg.precision == "bf16" else cfg.precision)
+    return DTYPE_BY_NAME[param], DTYPE_BY_NAME[reduce]
+
+
+class Backend:
+    """Base class: one process, no wrapping. Subclasses override ``parallelize`` and the gradient hooks."""
+
+    name = "single"
+
+    def __init__(self, cfg: DistributedConfig, env: DistEnv) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.device = self._pick_device()
+        self.param_dtype, self.reduce_dtype = resolve_dtypes(cfg)
+
+    # ---- process group -------------------------------------------------------------------------------------------
+    def _pick_device(self) -> torch.device:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.env.local_rank)
+            return torch.device("cuda", self.env.local_rank)
+        return torch.device("cpu")
+
+    def setup(self) -> None:
+        """Join the process group (every backend does when world_size > 1, so metrics and checkpoints can sync)."""
+        if self.env.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(
+                backend="nccl" if self.device.type == "cuda" else "gloo",
+                init_method=f"tcp://{self.env.master_addr}:{self.env.master_port}",
+                rank=self.env.rank,
+                world_size=self.env.world_size,
+                timeout=timedelta(seconds=self.cfg.timeout_s),
+            )
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (which each read a different slice of a batch)."""
+        return self.env.rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.env.world_size
+
+    # ---- model ---------------------------------------------------------------------------------------------------
+    def parallelize(
+        self, model: nn.Module, units: list[nn.Module], materialize: Callable[[nn.Module], None]
+    ) -> nn.Module:
+        """Wrap ``model`` (built on meta) for this backend and materialize its weights with ``materialize``."""
+        materialize(model)
+        return model
+
+    @property
+    def param_device(self) -> torch.device:
+        """Where parameters live between steps (the CPU under cpu_offload)."""
+        return self.device
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Around forward and loss: autocast where the backend does not cast parameters itself, and saved-tensor
+        offload to the CPU when distributed.offload_activations is set."""
+        stack = contextlib.ExitStack()
+        if self.casts_in_forward and self.param_dtype != torch.float32:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.param_dtype))
+        if self.cfg.offload_activations:
+            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda"))
+        return stack
+
+    casts_in_forward = True
+    """True where lower precision comes from autocast; FSDP2 casts parameters itself (MixedPrecisionPolicy)."""
+
+    def grad_sync(self, model: nn.Module, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's backward: backends may skip gradient reduction until the last one."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip to ``max_norm`` (0: only measure) and return the global gradient norm as a plain tensor.
+
+        torch's clip_grad_norm_ handles sharded (DTensor) gradients: the norm it computes spans every rank.
+        """
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm.detach().cpu()
+
+    def make_grad_scaler(self) -> torch.amp.GradScaler | None:
+        if self.param_dtype != torch.float16:
+            return None
+        return torch.amp.GradScaler(self.device.type)
+
+    # ---- collectives for metrics ---------------------------------------------------------------------------------
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized() and self.env.world_size > 1:
+            values = values.clone()
+            dist.all_reduce(values)
+        return values
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def describe(self) -> Iterator[str]:
+        yield f"backend {self.name}: world size {self.env.world_size} ({self.env.launcher}), device {self.device}"

@@ -1,0 +1,37 @@
+"""DistributedDataParallel: every rank holds the whole model; gradients are all-reduced in buckets."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from shardlab.distributed.activation_checkpointing import wrap_units
+from shardlab.distributed.backend import Backend
+
+
+class DDPBackend(Backend):
+    name = "ddp"
+
+    def parallelize(
+        self, model: nn.Module, units: list[nn.Module], materialize: Callable[[nn.Module], None]
+    ) -> nn.Module:
+        materialize(model)
+        if self.cfg.activation_checkpointing == "full":
+            wrap_units(model, units)
+        ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        # Reduce in the configured dtype: DDP's compression hooks cast each bucket before the all-reduce.
+        if self.reduce_dtype == torch.float16:
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif self.reduce_dtype == torch.bfloat16:
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        return ddp
+
+    def grad_sync(self, model: nn.Module, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
+        if is_last_microbatch or self.cfg.reduce_every_microbatch:
+            return contextlib.nullcontext()
+        return model.no_sync()

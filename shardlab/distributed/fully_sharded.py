@@ -1,0 +1,121 @@
+"""fully_sharded: PyTorch's FSDP2 (`fully_shard`) over the task's unit plan, with every knob as a config field.
+
+Order (nanochat/torchtitan): the model is built on meta, each unit is sharded (after activation-checkpoint wrapping),
+the root last, then weights are materialized shard by shard (shardlab.init) - no rank ever holds the full model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from shardlab.distributed.activation_checkpointing import wrap_units
+from shardlab.distributed.backend import Backend
+
+
+def generic_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
+    """For models without a unit plan: the largest submodules holding >= min_num_params params that do not contain
+    another such submodule (a size-based auto-wrap policy, as FSDP1's size_based_auto_wrap_policy)."""
+    if min_num_params <= 0:
+        return []
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> int:
+        own = sum(p.numel() for p in module.parameters(recurse=False))
+        rest = 0
+        for child in module.children():
+            rest += visit(child)
+        remaining = own + rest
+        if module is not model and remaining >= min_num_params:
+            units.append(module)
+            return 0  # its params now live in its own unit
+        return remaining
+
+    visit(model)
+    return units
+
+
+class FullyShardedBackend(Backend):
+    name = "fully_sharded"
+    casts_in_forward = False
+
+    def setup(self) -> None:
+        super().setup()
+        world, degree = self.env.world_size, self.cfg.sharding_degree
+        degree = world if degree in (-1, 0) else degree
+        self.sharding_degree = degree
+        if degree == world:
+            self.mesh: DeviceMesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("shard",))
+        else:  # hybrid: shard inside groups of `degree` ranks, replicate across the groups (HSDP)
+            self.mesh = init_device_mesh(
+                self.device.type, (world // degree, degree), mesh_dim_names=("replicate", "shard")
+            )
+
+    @property
+    def param_device(self) -> torch.device:
+        return torch.device("cpu") if self.cfg.cpu_offload else self.device
+
+    full_precision_modules: list[nn.Module] = []
+    """Set by the trainer from Task.full_precision_modules: each becomes an fp32 unit under mixed precision."""
+
+    def parallelize(
+        self, model: nn.Module, units: list[nn.Module], materialize: Callable[[nn.Module], None]
+    ) -> nn.Module:
+        units = units or generic_units(model, self.cfg.wrap_min_num_params)
+        if self.cfg.activation_checkpointing == "full":
+            units = wrap_units(model, units)
+        self.units = units
+        kwargs = self.shard_kwargs()
+        if self.param_dtype != torch.float32 or self.reduce_dtype != torch.float32:
+            fp32 = {**kwargs, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}
+            for module in self.full_precision_modules:
+                fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward, **fp32)
+        for i, unit in enumerate(units):
+            # The last unit's params are needed again at once by backward: resharding them would only re-gather.
+            reshard = self.cfg.reshard_after_forward and i < len(units) - 1
+            fully_shard(unit, reshard_after_forward=reshard, **kwargs)
+        fully_shard(model, reshard_after_forward=self.cfg.reshard_after_forward, **kwargs)
+        materialize(model)
+        if self.cfg.cpu_offload and self.device.type != "cpu":
+            for module in model.modules():  # FSDP offloads parameters only; buffers must sit on the compute device
+                for key, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[key] = buf.to(self.device)
+        return model
+
+    def shard_kwargs(self) -> dict:
+        return {
+            "mesh": self.mesh,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype),
+            "offload_policy": CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+            if self.cfg.cpu_offload
+            else OffloadPolicy(),
+        }
+
+    def grad_sync(self, model: nn.Module, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
+        if not self.cfg.reduce_every_microbatch:
+            # Accumulate unsharded gradients locally and reduce-scatter once, on the last micro-batch.
+            model.set_requires_gradient_sync(is_last_microbatch)
+        return contextlib.nullcontext()
+
+    def make_grad_scaler(self):
+        if self.param_dtype != torch.float16:
+            return None
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # Each rank sees only its gradient shards: the scaler all-reduces "found inf" so all ranks skip together.
+        return ShardedGradScaler(device=self.device.type)
+
+    def describe(self) -> Iterator[str]:
+        yield from super().describe()
+        mesh = "x".join(map(str, self.mesh.shape))
+        yield (
+            f"fully_sharded: mesh {mesh} {self.mesh.mesh_dim_names}, reshard_after_forward="
+            f"{self.cfg.reshard_after_forward}, param/reduce dtype {self.param_dtype}/{self.reduce_dtype}, "
+            f"cpu_offload={self.cfg.cpu_offload}, activation_checkpointing={self.cfg.activation_checkpointing}"
+        )

@@ -1,0 +1,46 @@
+"""Materialize a model built on the meta device and initialise it identically on every rank, without a broadcast.
+
+Each parameter's full value is drawn from a generator seeded by (seed, parameter name), so the result depends on
+neither the wrap order nor the world size: a sharded rank keeps only its chunk of the same full tensor that a single
+process would hold. One full parameter exists at a time, so peak extra memory is the largest parameter.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+InitFn = Callable[[str, torch.Tensor, torch.Generator], None]
+"""Fills a full (unsharded) tensor in place, given its fully qualified name and a seeded generator."""
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return g
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, init_fn: InitFn, seed: int) -> None:
+    """``to_empty`` on ``device`` then fill every parameter and buffer through ``init_fn``."""
+    model.to_empty(device=device)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        name = _clean_name(name)
+        if isinstance(tensor, DTensor):
+            full = torch.empty(tensor.shape, dtype=tensor.dtype)
+            init_fn(name, full, _generator(seed, name))
+            local = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+            tensor.to_local().copy_(local)
+        else:
+            full = torch.empty(tensor.shape, dtype=tensor.dtype)
+            init_fn(name, full, _generator(seed, name))
+            tensor.copy_(full)
+
+
+def _clean_name(name: str) -> str:
+    """Strip wrapper prefixes (activation checkpointing, DDP) so names match the unwrapped model's."""
+    return name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")

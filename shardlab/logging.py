@@ -1,0 +1,88 @@
+"""What the user sees while training: a rank-0 progress bar, periodic log lines and TensorBoard scalars."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from shardlab.config import LoggingConfig
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory of this rank: the CUDA allocator's peak on GPU; on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    parts = []
+    for key, value in metrics.items():
+        if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) >= 1000):
+            parts.append(f"{key} {int(value)}")
+        elif abs(value) >= 100:
+            parts.append(f"{key} {value:.1f}")
+        elif abs(value) < 0.01 and value != 0:
+            parts.append(f"{key} {value:.2e}")
+        else:
+            parts.append(f"{key} {value:.4g}")
+    return " | ".join(parts)
+
+
+class RunLogger:
+    """Console + TensorBoard on rank 0; every method is a no-op elsewhere so call sites need no rank checks."""
+
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, is_main: bool, total_steps: int, start_step: int) -> None:
+        self.is_main = is_main
+        self.bar = None
+        self.tb = None
+        if not is_main:
+            return
+        if cfg.progress_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                mininterval=1.0,
+            )
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def info(self, message: str) -> None:
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stdout)
+        else:
+            print(message, flush=True)
+
+    def advance(self, postfix: dict[str, float] | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if postfix:
+                self.bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
+
+    def log(self, split: str, step: int, metrics: dict[str, float]) -> None:
+        if not self.is_main:
+            return
+        self.info(f"[{split}] step {step} | {format_metrics(metrics)}")
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(f"{split}/{key}", value, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,36 @@
+"""What a run will hold, before anything is allocated: parameters per FSDP unit and bytes per rank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+def count_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def describe_plan(model: nn.Module, units: list[nn.Module], world_size: int, backend: str) -> Iterator[str]:
+    """Lines for the console: units, their parameters, and fp32 bytes per rank for params + grads + Adam state."""
+    total = count_params(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    yield f"model: {total:,} parameters ({total * 4 / 2**30:.2f} GiB in fp32)"
+    if units:
+        in_units = 0
+        yield f"FSDP units ({len(units)} + root):"
+        for u in units:
+            n = count_params(u)
+            in_units += n
+            yield f"  {names.get(id(u), type(u).__name__):<24} {type(u).__name__:<20} {n:>14,}"
+        yield f"  {'(root)':<24} {type(model).__name__:<20} {total - in_units:>14,}"
+    shards = world_size if backend == "fully_sharded" else 1
+    # fp32 param + fp32 grad + two fp32 Adam moments = 16 bytes per parameter, divided among the shard group.
+    per_rank = total * 16 / shards
+    yield f"state per rank ({backend}, {world_size} rank(s)): ~{per_rank / 2**30:.2f} GiB (params+grads+Adam, fp32)"
+
+
+def meta_model(build) -> nn.Module:
+    with torch.device("meta"):
+        return build()

@@ -1,0 +1,120 @@
+"""Run one training job in this process, or start world_size local processes that each run it.
+
+train.py (the CLI), the tests and the benchmarks all come through here, so they exercise the same code path.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from shardlab.config import validate
+from shardlab.distributed import env as dist_env
+from shardlab.errors import ConfigError, ShardlabError
+from shardlab.registry import BACKENDS, TASKS, load_plugins
+
+
+def build_task(cfg: DictConfig):
+    """The task for ``cfg``, after every generic and task-specific config check (one ConfigError for all)."""
+    load_plugins()
+    import shardlab.distributed.backends  # noqa: F401  (registers single, ddp, fully_sharded)
+
+    problems: list[str] = []
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        problems.append(str(e))
+    BACKENDS.get(cfg.distributed.backend, key="distributed.backend")
+    task = TASKS.build(cfg.task.name, cfg, key="task.name")
+    problems += task.config_errors()
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return task
+
+
+def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> dict[str, Any]:
+    """Train on this rank; returns {'final': last validation metrics, 'history': logged records (rank 0)}."""
+    from shardlab.trainer import Trainer
+
+    task = build_task(cfg)
+    backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, env, key="distributed.backend")
+    backend.setup()
+    try:
+        trainer = Trainer(cfg, task, backend, run_dir)
+        trainer.setup()
+        for line in backend.describe():
+            trainer_log(env, line)
+        final = trainer.fit()
+        return {"final": final, "history": trainer.history, "stopped_early": trainer.stop_requested}
+    finally:
+        backend.teardown()
+
+
+def trainer_log(env: dist_env.DistEnv, line: str) -> None:
+    if env.is_main:
+        print(line, flush=True)
+
+
+def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int) -> None:
+    """Body of a locally spawned rank: errors are reported with the rank and end the process non-zero."""
+    faulthandler.register(__import__("signal").SIGUSR2)  # `kill -USR2 <pid>` dumps a hung rank's stacks
+    cfg = OmegaConf.create(cfg_yaml)
+    env = dist_env.detect(spawned_rank=rank, spawned_world=world_size, spawned_port=port)
+    try:
+        run_rank(cfg, Path(run_dir), env)
+    except ShardlabError as e:
+        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except Exception:
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> None:
+    """Start ``world_size`` processes on this machine (gloo on CPU, nccl on CUDA) and wait for all of them."""
+    import torch.multiprocessing as mp
+
+    port = dist_env.free_port()
+    # glibc keeps FSDP's freed per-unit buffers in its arenas; a lower mmap threshold returns them to the OS
+    # (measured: 7.45 -> 4.69 GiB total RSS at 4 ranks). Children inherit the environment at spawn.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    try:
+        mp.start_processes(
+            _spawned_entry,
+            args=(cfg_yaml, str(run_dir), world_size, port),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+    except mp.ProcessExitedException as e:
+        raise SystemExit(f"error: rank {e.error_index} exited with code {e.exit_code}; see its message above") from None
+    except mp.ProcessRaisedException as e:
+        raise SystemExit(f"error: rank {e.error_index} failed: {str(e).strip().splitlines()[-1]}") from None
+
+
+def print_plan(cfg: DictConfig, task) -> None:
+    """dry_run: build on meta, print the size and the unit plan, allocate nothing."""
+    from shardlab.plan import describe_plan, meta_model
+
+    model = meta_model(task.build_model)
+    units = task.fsdp_units(model)
+    if cfg.distributed.backend == "fully_sharded" and not units:
+        from shardlab.distributed.fully_sharded import generic_units
+
+        units = generic_units(model, cfg.distributed.wrap_min_num_params)
+    for line in describe_plan(model, units, cfg.distributed.world_size, cfg.distributed.backend):
+        print(line)
+
+
+def format_final(metrics: dict[str, float]) -> str:
+    from shardlab.logging import format_metrics
+
+    return format_metrics(metrics)

@@ -1,0 +1,64 @@
+"""The Task interface: everything model- and data-specific the trainer needs, and nothing the trainer owns.
+
+A task plug-in (tasks/<name>/) subclasses Task and registers a factory in TASKS from its light config module.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class Task(ABC):
+    unit = "samples"
+    """What throughput counts (tokens for the LM, images for vision)."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.train_dataset: Dataset | None = None
+        self.valid_dataset: Dataset | None = None
+
+    def config_errors(self) -> list[str]:
+        """Task-specific config problems (model/data sections); each names its dotted key."""
+        return []
+
+    @abstractmethod
+    def prepare_data(self) -> None:
+        """Preprocess (rank 0 first, cached) and open train_dataset / valid_dataset."""
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """The model with shapes only (called under the meta device)."""
+
+    @abstractmethod
+    def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill the full value of the parameter or buffer ``name`` in place (see shardlab.init)."""
+
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        """Submodules to shard as separate FSDP units, in forward order; the root is wrapped last by the backend.
+        Empty means: let the backend's generic policy decide."""
+        return []
+
+    def full_precision_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Modules that must compute in fp32 whatever distributed.param_dtype says (e.g. BatchNorm). fully_sharded
+        gives each its own FSDP unit with an fp32 mixed-precision policy; autocast backends leave them to autocast."""
+        return []
+
+    def collate(self, samples: list) -> Any:
+        return torch.utils.data.default_collate(samples)
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Any, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(mean loss to backpropagate, sums to aggregate over ranks and batches for ``summarize``)."""
+
+    @abstractmethod
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metrics from summed statistics (e.g. loss and perplexity); ``sums['count']`` is the number of units."""
+
+    def num_units(self, batch: Any) -> int:
+        """Throughput units in a local batch."""
+        return len(batch)

@@ -1,0 +1,65 @@
+"""Config schemas of the causal language-model task. Light on purpose: imported at start-up for every run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hydra.core.config_store import ConfigStore
+
+from shardlab.registry import TASKS
+
+
+@dataclass
+class GPTConfig:
+    arch: str = "gpt"
+    """A name in MODELS."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    dim: int = 256
+    """Residual stream width."""
+    num_heads: int = 4
+    """Attention heads; must divide dim."""
+    mlp_ratio: float = 4.0
+    """MLP hidden width as a multiple of dim."""
+    max_seq_len: int = 256
+    """Positions in the learned position embedding; data.seq_len must not exceed it."""
+    vocab_size: int | None = None
+    """Token vocabulary; null = the tokenizer's size (rounded up to a multiple of 64 for fast matmuls)."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output projection."""
+    dropout: float = 0.0
+    """Dropout on attention weights and residual branches."""
+    init_std: float = 0.02
+    """Std of the normal init of weights; residual projections are scaled by 1/sqrt(2 * num_layers)."""
+
+
+@dataclass
+class LMDataConfig:
+    path: str | None = None
+    """A directory of text files or one text file; null = the embedded corpus (this Python's standard library)."""
+    cache_dir: str = "~/.cache/shardlab"
+    """Where preprocessed token files are kept (reused across runs)."""
+    tokenizer: str = "byte"
+    """Tokenizer: byte (256 byte values + end-of-document)."""
+    seq_len: int = 256
+    """Tokens per training sample."""
+    valid_percent: float = 5.0
+    """Percent of documents held out for validation (chosen by a hash of the file path)."""
+    max_corpus_mb: float = 0.0
+    """Cap on text read at preprocessing, in MB (0 = all)."""
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(group="model", name="gpt_schema", node=GPTConfig)
+    cs.store(group="data", name="lm_schema", node=LMDataConfig)
+
+
+register_schemas()
+
+
+@TASKS.register("lm")
+def build_lm_task(cfg):
+    from tasks.lm.task import LanguageModelingTask
+
+    return LanguageModelingTask(cfg)

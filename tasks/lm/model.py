@@ -1,0 +1,111 @@
+"""A GPT-style decoder: pre-LN blocks, causal attention through scaled_dot_product_attention, GELU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlab.registry import MODELS
+from tasks.lm.config import GPTConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        hidden = int(cfg.mlp_ratio * cfg.dim)
+        self.fc = nn.Linear(cfg.dim, hidden)
+        self.proj = nn.Linear(hidden, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.dim)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.dim)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: GPTConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, cfg.dim)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(positions))
+
+
+class Head(nn.Module):
+    """Final norm and output projection: one FSDP unit (tied to the token embedding when tie_embeddings)."""
+
+    def __init__(self, cfg: GPTConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.out = nn.Linear(cfg.dim, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln_f(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embeddings(cfg, vocab_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.head = Head(cfg, vocab_size)
+        if cfg.tie_embeddings:
+            self.head.out.weight = self.embed.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def init_gpt_tensor(cfg: GPTConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    """GPT-2 init of the full tensor ``name``: N(0, init_std) weights, residual projections scaled by
+    1/sqrt(2 * layers), zero biases, unit norms."""
+    if ".ln_" in name or name.startswith("head.ln_f"):
+        tensor.fill_(1.0 if name.endswith("weight") else 0.0)
+    elif name.endswith("bias"):
+        tensor.zero_()
+    elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+        tensor.normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.num_layers), generator=generator)
+    else:
+        tensor.normal_(0.0, cfg.init_std, generator=generator)
+
+
+@MODELS.register("gpt")
+def build_gpt(cfg: GPTConfig, vocab_size: int) -> GPT:
+    return GPT(cfg, vocab_size)
