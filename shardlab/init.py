@@ -27,7 +27,13 @@ def _generator(seed: int, name: str) -> torch.Generator:
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, init_fn: InitFn, seed: int) -> None:
     """``to_empty`` on ``device`` then fill every parameter and buffer through ``init_fn``."""
+    shared = _shared_parameter_slots(model)
     model.to_empty(device=device)
+    # to_empty gives every module its own new tensor, silently untying shared weights (tied embeddings): re-tie.
+    for slots in shared:
+        first_module, first_name = slots[0]
+        for module, name in slots[1:]:
+            module._parameters[name] = first_module._parameters[first_name]
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         name = _clean_name(name)
         if isinstance(tensor, DTensor):
@@ -39,6 +45,16 @@ def materialize(model: nn.Module, device: torch.device, init_fn: InitFn, seed: i
             full = torch.empty(tensor.shape, dtype=tensor.dtype)
             init_fn(name, full, _generator(seed, name))
             tensor.copy_(full)
+
+
+def _shared_parameter_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute) slots that hold the same parameter object, for every parameter held by more than one."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module, name))
+    return [s for s in slots.values() if len(s) > 1]
 
 
 def _clean_name(name: str) -> str:

@@ -10,7 +10,6 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -38,8 +37,12 @@ def build_task(cfg: DictConfig):
     return task
 
 
-def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> dict[str, Any]:
-    """Train on this rank; returns {'final': last validation metrics, 'history': logged records (rank 0)}."""
+def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, after_fit=None, teardown: bool = True) -> dict:
+    """Train on this rank; returns {'final': last validation metrics, 'history': logged records (rank 0)}.
+
+    ``after_fit(trainer) -> dict`` runs before the process group is torn down (tests and benchmarks inspect the
+    trained model there); ``teardown=False`` keeps the group for another run in the same processes.
+    """
     from shardlab.trainer import Trainer
 
     task = build_task(cfg)
@@ -51,9 +54,11 @@ def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> dict[str,
         for line in backend.describe():
             trainer_log(env, line)
         final = trainer.fit()
-        return {"final": final, "history": trainer.history, "stopped_early": trainer.stop_requested}
+        extra = after_fit(trainer) if after_fit is not None else {}
+        return {"final": final, "history": trainer.history, "stopped_early": trainer.stop_requested, **extra}
     finally:
-        backend.teardown()
+        if teardown:
+            backend.teardown()
 
 
 def trainer_log(env: dist_env.DistEnv, line: str) -> None:

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from shardlab.distributed.activation_checkpointing import wrap_units
 from shardlab.distributed.backend import Backend
+from shardlab.distributed.grad_scaler import ShardedGradScaler
 
 
 def generic_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
@@ -106,10 +107,7 @@ class FullyShardedBackend(Backend):
     def make_grad_scaler(self):
         if self.param_dtype != torch.float16:
             return None
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        # Each rank sees only its gradient shards: the scaler all-reduces "found inf" so all ranks skip together.
-        return ShardedGradScaler(device=self.device.type)
+        return ShardedGradScaler(self.device.type)
 
     def describe(self) -> Iterator[str]:
         yield from super().describe()

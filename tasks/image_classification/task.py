@@ -1,0 +1,129 @@
+"""Image classification: label-smoothed cross-entropy, top-1/top-5 accuracy, RegNets with (synced) BatchNorm."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from shardlab.distributed.sync_bn import convert_sync_batchnorm
+from shardlab.errors import ConfigError
+from shardlab.registry import MODELS, unknown_name_message
+from shardlab.task import Task
+from tasks.image_classification import model as regnet  # importing it registers regnet and regnet_cifar
+from tasks.image_classification.data import SOURCES, count_classes, open_datasets, source_of
+
+
+class ImageClassificationTask(Task):
+    unit = "images"
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.data_classes: int | None = None
+        self._init_plan: dict = {}
+
+    @property
+    def num_workers(self) -> int:
+        """DataLoader workers per rank (data.num_workers): decoding JPEGs needs them; in-memory images do not."""
+        return self.cfg.data.num_workers
+
+    def config_errors(self) -> list[str]:
+        m, d = self.cfg.model, self.cfg.data
+        errors = []
+        if m.arch == "regnet" and m.flavor not in regnet.FLAVORS:
+            errors.append(unknown_name_message(str(m.flavor), "RegNet flavor", regnet.FLAVORS, "model.flavor"))
+        if m.arch == "regnet_cifar":
+            errors += regnet.design_errors(m)
+        if m.num_classes is not None and m.num_classes < 1:
+            errors.append(f"model.num_classes must be >= 1 or null (from the data), got {m.num_classes}")
+        if m.sync_bn_group_size < 0:
+            errors.append(f"model.sync_bn_group_size must be >= 0 (0 = all ranks), got {m.sync_bn_group_size}")
+        if d.source is not None and d.source not in SOURCES:
+            errors.append(unknown_name_message(d.source, "image source", list(SOURCES), "data.source"))
+        elif source_of(d) == "folder" and not d.path:
+            errors.append("data.source=folder needs data.path (a directory with train/<class>/ and val/<class>/)")
+        if d.image_size is not None and d.image_size < 8:
+            errors.append(f"data.image_size must be >= 8 pixels or null (the source's own), got {d.image_size}")
+        if not 0 <= d.label_smoothing < 1:
+            errors.append(f"data.label_smoothing must be in [0, 1), got {d.label_smoothing}")
+        if d.num_workers < 0:
+            errors.append(f"data.num_workers must be >= 0, got {d.num_workers}")
+        if source_of(d) != "folder":
+            vb = self.cfg.validation.batch_size
+            if d.num_train < 1:
+                errors.append(f"data.num_train must be >= 1, got {d.num_train}")
+            if d.num_valid < vb:
+                errors.append(
+                    f"data.num_valid ({d.num_valid}) must hold at least one validation.batch_size ({vb}) of images"
+                )
+        return errors
+
+    # ---- data ----------------------------------------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        self.train_dataset, self.valid_dataset, self.data_classes = open_datasets(self.cfg.data)
+        wanted = self.cfg.model.num_classes
+        if wanted is not None and wanted < self.data_classes:
+            raise ConfigError(
+                f"model.num_classes ({wanted}) is smaller than the {self.data_classes} classes in the data; "
+                "use null to take the data's"
+            )
+
+    def num_classes(self) -> int:
+        if self.cfg.model.num_classes is not None:
+            return self.cfg.model.num_classes
+        return self.data_classes if self.data_classes is not None else count_classes(self.cfg.data)
+
+    # ---- model ---------------------------------------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        m = self.cfg.model
+        model = MODELS.build(m.arch, m, self.num_classes(), key="model.arch")
+        # Runs inside the ranks after the backend joined the process group (never in dry_run), so the sync group
+        # can be created here; every rank builds the model, as creating subgroups requires.
+        if m.sync_bn and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            model = convert_sync_batchnorm(model, m.sync_bn_group_size)
+        regnet.keep_norm_input_dtype(model)
+        self._init_plan = regnet.init_plan(model)
+        return model
+
+    def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        assert name in self._init_plan, f"no init rule for {name}: build_model makes the plan"
+        self._init_plan[name](tensor, generator)
+
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        return regnet.fsdp_units(model)
+
+    def full_precision_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [module for module in model.modules() if isinstance(module, _BatchNorm)]
+
+    # ---- loss and metrics ----------------------------------------------------------------------------------------
+    def loss(self, model: nn.Module, batch, device: torch.device):
+        images, labels, skipped = batch
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        logits = model(images).float()
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.cfg.data.label_smoothing)
+        top5 = logits.topk(min(5, logits.size(1)), dim=1).indices
+        hits = top5 == labels[:, None]
+        n = labels.numel()
+        return loss, {
+            "loss_sum": loss.detach() * n,
+            "top1": hits[:, 0].sum().float(),
+            "top5": hits.any(1).sum().float(),
+            "count": torch.tensor(float(n)),
+            "skipped": skipped.sum().float(),
+        }
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        count = max(sums["count"], 1)
+        metrics = {
+            "loss": sums["loss_sum"] / count,
+            "top1": 100 * sums["top1"] / count,
+            "top5": 100 * sums["top5"] / count,
+        }
+        if sums.get("skipped"):
+            metrics["skipped"] = int(sums["skipped"])  # undecodable images passed over (data.skip_corrupt=true)
+        return metrics
+
+    def num_units(self, batch) -> int:
+        return len(batch[1])

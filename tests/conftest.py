@@ -1,0 +1,57 @@
+"""Shared fixtures: configs composed through Hydra exactly as the CLI composes them, on a small slice of the corpus."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from shardlab.cli import CONF_DIR
+from shardlab.config import register_schemas
+from shardlab.registry import load_plugins
+
+register_schemas()
+load_plugins()
+
+# Tiny models gain nothing from a second thread, and OpenMP threads that spin-wait on an oversubscribed 2-core machine
+# (spawned ranks beside this process) slow every op ~50x. One thread each keeps the suite fast and steady.
+torch.set_num_threads(1)
+
+# A tiny LM on 1 MB of the embedded corpus: every step takes milliseconds, so parity checks run many configs.
+TINY_LM = [
+    "model.num_layers=2",
+    "model.dim=64",
+    "model.num_heads=4",
+    "model.max_seq_len=32",
+    "data.seq_len=32",
+    "data.max_corpus_mb=1",
+    "optimization.batch_size=8",
+    "optimization.max_steps=10",
+    "lr_scheduler.warmup_steps=2",
+    "validation.interval_steps=5",
+    "validation.num_batches=2",
+    "validation.batch_size=8",
+    "checkpoint.interval_steps=0",
+    "logging.interval_steps=1",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.fixture(scope="session")
+def corpus_cache(tmp_path_factory) -> str:
+    """One preprocessing of the test corpus slice per session, shared by every test and spawned rank."""
+    return str(tmp_path_factory.mktemp("corpus_cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(corpus_cache):
+    def make(*overrides: str):
+        return compose_config([*TINY_LM, f"data.cache_dir={corpus_cache}", *overrides])
+
+    return make

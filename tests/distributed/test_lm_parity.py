@@ -1,0 +1,159 @@
+"""ddp and fully_sharded (every toggle) train exactly like one process on the same global batch (CPU, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from shardlab.distributed import env as dist_env
+from shardlab.runner import run_rank
+from tests.distributed.harness import run_spawned
+
+LOSS_RTOL = 1e-5
+REDUCE_DTYPES: list[torch.dtype] = []
+
+
+def record_reduce_dtypes() -> None:
+    """Patch the collectives FSDP2 reduce-scatters with, to see which dtype really reaches them."""
+    import torch.distributed as dist
+
+    def recording(original):
+        def reduce_scatter(output, input, *args, **kwargs):
+            REDUCE_DTYPES.append(input.dtype)
+            return original(output, input, *args, **kwargs)
+
+        return reduce_scatter
+
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # the latter is FSDP2's since torch 2.10
+        if hasattr(dist, name):
+            setattr(dist, name, recording(getattr(dist, name)))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def inspect(trainer) -> dict:
+    """Full parameters, this rank's state bytes (params + grads + optimizer state, from the local shards)."""
+    model = trainer.model
+    unwrapped = getattr(model, "module", model)  # DDP wraps; FSDP2 does not
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    batch = trainer.task.collate([trainer.task.train_dataset[i] for i in range(2)])
+    loss, _ = trainer.task.loss(model, batch, trainer.backend.device)
+    loss.backward()  # grads exist again, so their bytes can be measured (the trainer frees them after each step)
+    params = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
+    grads = sum(_local(p.grad).numel() * _local(p.grad).element_size() for p in model.parameters())
+    optim = sum(
+        _local(v).numel() * _local(v).element_size()
+        for s in trainer.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.ndim > 0
+    )
+    # One unit's worth of state: fp32 param + grad + two Adam moments of the largest block.
+    largest_unit = max(
+        (sum(p.numel() * 16 for p in u.parameters()) for u in trainer.task.fsdp_units(unwrapped)), default=0
+    )
+    model.zero_grad(set_to_none=True)
+    reduce_dtypes = sorted({str(d) for d in REDUCE_DTYPES})
+    REDUCE_DTYPES.clear()
+    return {
+        "params": full,
+        "state_bytes": params + grads + optim,
+        "unit_bytes": largest_unit,
+        "reduce_dtypes": reduce_dtypes,
+    }
+
+
+def losses(result: dict) -> torch.Tensor:
+    return torch.tensor([r["loss"] for r in result["history"] if r["split"] == "train"], dtype=torch.float64)
+
+
+def run_single(cfg, tmp_path) -> dict:
+    return run_rank(cfg, tmp_path, dist_env.detect(), after_fit=inspect)
+
+
+TWO_RANK_VARIANTS = {
+    "ddp": ["distributed.backend=ddp"],
+    "fsdp_reshard": ["distributed.backend=fully_sharded"],
+    "fsdp_no_reshard": ["distributed.backend=fully_sharded", "distributed.reshard_after_forward=false"],
+    "fsdp_untied": ["distributed.backend=fully_sharded", "model.tie_embeddings=false"],
+    "fsdp_offload": ["distributed.backend=fully_sharded", "distributed.cpu_offload=true"],
+    "fsdp_act_ckpt": ["distributed.backend=fully_sharded", "distributed.activation_checkpointing=full"],
+    "fsdp_offload_activations": ["distributed.backend=fully_sharded", "distributed.offload_activations=true"],
+    "fsdp_accum_every": ["distributed.backend=fully_sharded", "optimization.update_freq=2"],
+    "fsdp_accum_last": [
+        "distributed.backend=fully_sharded",
+        "optimization.update_freq=2",
+        "distributed.reduce_every_microbatch=false",
+    ],
+    "ddp_accum_last": [
+        "distributed.backend=ddp",
+        "optimization.update_freq=2",
+        "distributed.reduce_every_microbatch=false",
+    ],
+    "fsdp_bf16": ["distributed.backend=fully_sharded", "distributed.precision=bf16"],
+    "fsdp_fp16": ["distributed.backend=fully_sharded", "distributed.precision=fp16"],
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tiny_lm, tmp_path_factory):
+    cfgs = [tiny_lm(*overrides) for overrides in TWO_RANK_VARIANTS.values()]
+    results = run_spawned(cfgs, world_size=2, inspect=inspect, prepare=record_reduce_dtypes)
+    return dict(zip(TWO_RANK_VARIANTS, results, strict=True))
+
+
+@pytest.fixture(scope="module")
+def single_results(tiny_lm, tmp_path_factory):
+    return {
+        "plain": run_single(tiny_lm(), tmp_path_factory.mktemp("single")),
+        "untied": run_single(tiny_lm("model.tie_embeddings=false"), tmp_path_factory.mktemp("single_untied")),
+        "accum": run_single(tiny_lm("optimization.update_freq=2"), tmp_path_factory.mktemp("single_accum")),
+    }
+
+
+def reference_for(name: str, single_results: dict) -> dict:
+    if "untied" in name:
+        return single_results["untied"]
+    return single_results["accum"] if "accum" in name else single_results["plain"]
+
+
+@pytest.mark.parametrize("name", [n for n in TWO_RANK_VARIANTS if "16" not in n])
+def test_two_ranks_match_single_process_losses_and_params(name, two_rank_results, single_results):
+    result, reference = two_rank_results[name], reference_for(name, single_results)
+    assert len(losses(result)) == 10
+    torch.testing.assert_close(losses(result), losses(reference), rtol=LOSS_RTOL, atol=0)
+    # Parameters: rtol 1e-5, plus atol 1e-5 because some gradients are pure rounding noise (the key bias cannot change
+    # attention, so its true gradient is 0) and Adam scales noise of any size up to ~lr-sized steps.
+    assert result["params"].keys() == reference["params"].keys()
+    for key, value in reference["params"].items():
+        torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["fsdp_bf16", "fsdp_fp16"])
+def test_low_precision_stays_finite_and_tracks_fp32(name, two_rank_results, single_results):
+    low, fp32 = losses(two_rank_results[name]), losses(single_results["plain"])
+    assert torch.isfinite(low).all()
+    # bf16 keeps ~3 significant digits; over 10 steps the curves stay within 2% of each other.
+    torch.testing.assert_close(low, fp32, rtol=0.02, atol=0)
+
+
+def test_fp16_reduce_scatter_reaches_the_collective_in_fp16(two_rank_results):
+    assert two_rank_results["fsdp_fp16"]["reduce_dtypes"] == ["torch.float16"]
+    assert two_rank_results["fsdp_bf16"]["reduce_dtypes"] == ["torch.float32"]  # bf16 compute, fp32 reduce
+    assert two_rank_results["fsdp_reshard"]["reduce_dtypes"] == ["torch.float32"]
+
+
+def test_fp16_counts_skipped_steps_and_logs_loss_scale(two_rank_results):
+    train = [r for r in two_rank_results["fsdp_fp16"]["history"] if r["split"] == "train"]
+    assert all("loss_scale" in r for r in train)
+    assert all(r["skipped_steps"] >= 0 for r in train)
+
+
+def test_fully_sharded_holds_a_world_size_fraction_of_ddp_state(two_rank_results):
+    ddp = two_rank_results["ddp"]["state_bytes"]
+    fsdp = two_rank_results["fsdp_reshard"]
+    assert ddp > 0
+    assert fsdp["state_bytes"] <= 1.05 * ddp / 2 + fsdp["unit_bytes"], (fsdp["state_bytes"], ddp, fsdp["unit_bytes"])
