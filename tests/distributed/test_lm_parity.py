@@ -129,7 +129,7 @@ def test_two_ranks_match_single_process_losses_and_params(name, two_rank_results
     # attention, so its true gradient is 0) and Adam scales noise of any size up to ~lr-sized steps.
     assert result["params"].keys() == reference["params"].keys()
     for key, value in reference["params"].items():
-        torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("name", ["fsdp_bf16", "fsdp_fp16"])
