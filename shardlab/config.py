@@ -158,8 +158,12 @@ def register_schemas() -> None:
 DTYPES = ("fp32", "bf16", "fp16")
 
 
-def validate(cfg: Any) -> None:
-    """Check ranges and cross-field rules of the generic sections; raise one ConfigError listing all problems."""
+def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0) -> None:
+    """Check ranges and cross-field rules of the generic sections; raise one ConfigError listing all problems.
+
+    ``world_size`` is the job's (from the launcher, else distributed.world_size); invalid flag combinations are
+    caught here, before any process starts or any memory is allocated.
+    """
     errors: list[str] = []
 
     def check(ok: bool, msg: str) -> None:
@@ -202,5 +206,48 @@ def validate(cfg: Any) -> None:
         d.activation_checkpointing in ("none", "full"),
         f"distributed.activation_checkpointing must be none or full, got '{d.activation_checkpointing}'",
     )
+    errors += distributed_errors(cfg, world_size or d.world_size, num_cuda_devices)
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
+    """Flag combinations that cannot work (or silently would not do what they say)."""
+    d, errors = cfg.distributed, []
+    sharded = d.backend == "fully_sharded"
+    if world > 1 and cfg.optimization.batch_size % world:
+        errors.append(
+            f"optimization.batch_size ({cfg.optimization.batch_size}) must be divisible by the world size "
+            f"({world}): it is the global micro-batch, split evenly over the ranks"
+        )
+    if world > 1 and cfg.validation.batch_size % world:
+        errors.append(
+            f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by the world size ({world})"
+        )
+    if sharded and d.sharding_degree not in (-1, 0) and (d.sharding_degree < 1 or world % d.sharding_degree):
+        errors.append(
+            f"distributed.sharding_degree ({d.sharding_degree}) must divide the world size ({world}); "
+            "use -1 for all ranks"
+        )
+    if not sharded and d.sharding_degree not in (-1, 0):
+        errors.append(f"distributed.sharding_degree applies to fully_sharded only (backend is {d.backend}); drop it")
+    if d.cpu_offload and not sharded:
+        errors.append(f"distributed.cpu_offload needs distributed.backend=fully_sharded (backend is {d.backend})")
+    if cfg.optimizer.name == "cpu_adam" and not d.cpu_offload and num_cuda_devices > 0:
+        errors.append(
+            "optimizer=cpu_adam steps parameters on the CPU, but they live on the GPU; set "
+            "distributed.cpu_offload=true or use optimizer=adamw"
+        )
+    if d.offload_activations and d.activation_checkpointing != "none":
+        errors.append(
+            "distributed.offload_activations and activation_checkpointing=full both shrink activation "
+            "memory; choose one"
+        )
+    dtypes = {d.param_dtype or d.precision, d.reduce_dtype or d.precision}
+    if {"fp16", "bf16"} <= dtypes:
+        errors.append("distributed.param_dtype and reduce_dtype mix fp16 and bf16; use one low-precision format")
+    if num_cuda_devices and d.backend != "single" and world > num_cuda_devices and d.world_size > 1:
+        errors.append(f"distributed.world_size ({world}) exceeds the {num_cuda_devices} visible CUDA devices")
+    if d.backend == "single" and d.world_size > 1:
+        errors.append(f"distributed.world_size={d.world_size} needs distributed.backend=ddp or fully_sharded")
+    return errors

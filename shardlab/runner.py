@@ -19,14 +19,17 @@ from shardlab.errors import ConfigError, ShardlabError
 from shardlab.registry import BACKENDS, TASKS, load_plugins
 
 
-def build_task(cfg: DictConfig):
+def build_task(cfg: DictConfig, world_size: int | None = None):
     """The task for ``cfg``, after every generic and task-specific config check (one ConfigError for all)."""
+    import torch
+
     load_plugins()
     import shardlab.distributed.backends  # noqa: F401  (registers single, ddp, fully_sharded)
 
     problems: list[str] = []
+    world_size = world_size or dist_env.detect().world_size
     try:
-        validate(cfg)
+        validate(cfg, world_size if world_size > 1 else None, torch.cuda.device_count())
     except ConfigError as e:
         problems.append(str(e))
     BACKENDS.get(cfg.distributed.backend, key="distributed.backend")
@@ -45,7 +48,7 @@ def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, after_fit=No
     """
     from shardlab.trainer import Trainer
 
-    task = build_task(cfg)
+    task = build_task(cfg, env.world_size)
     backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, env, key="distributed.backend")
     backend.setup()
     try:
