@@ -18,6 +18,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -56,6 +57,16 @@ def read_meta(path: Path) -> dict[str, Any]:
         return json.loads(meta_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_file} is unreadable ({e}); delete that checkpoint or resume from another") from e
+
+
+def _first_cause(error: BaseException) -> str:
+    """A one-line reason; DCP wraps each rank's exception (a BaseException subclass) in CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+        error = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback) per rank
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
 
 
 class Checkpointer:
@@ -117,8 +128,8 @@ class Checkpointer:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:  # DCP raises many types for torn or foreign files; all mean the same to the user
-            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        except (Exception, CheckpointException) as e:  # torn or foreign files: all mean the same to the user
+            reason = _first_cause(e)
             raise CheckpointError(
                 f"checkpoint {path} could not be loaded ({reason}); delete it to fall back to an "
                 "older one, or pass checkpoint.resume=<path of another step_N>"

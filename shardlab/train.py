@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from shardlab.cli import CONF_DIR, preflight, report_and_exit
-from shardlab.config import register_schemas
+from shardlab.config import register_schemas, validate
 from shardlab.errors import ShardlabError
 from shardlab.registry import load_plugins
 
@@ -43,7 +44,9 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
     try:
-        preflight(sys.argv[1:])
+        cfg = preflight(sys.argv[1:])
+        if cfg is not None:  # generic checks now, before torch is even imported; task checks follow in main
+            validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
     except ShardlabError as e:
         report_and_exit(e)
     main()

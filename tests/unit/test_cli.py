@@ -1,0 +1,147 @@
+"""The command line as a user meets it: one-line errors with exit code 2, dry runs, kill-and-resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardlab.runner import build_task, print_plan
+from tests.conftest import TINY_LM, compose_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def train_cli(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardlab.train", *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kwargs,
+    )
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    proc = train_cli(*args)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def bad_paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    (root / "empty").mkdir()
+    (root / "binary").mkdir()
+    (root / "binary" / "x.bin").write_bytes(b"\0" * 100)
+    ckpt = root / "run" / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "shardlab.json").write_text("{not json")
+    return root
+
+
+BAD_INPUTS = {
+    "unknown task": (["task=lmm"], r"task: 'lmm' is not a known task option .* Did you mean 'lm'\?"),
+    "unknown model": (["model=gpt_tyni"], r"Did you mean 'gpt_tiny'\?"),
+    "unknown optimizer": (["optimizer=adamm"], r"known: adamw, cpu_adam, sgd\. Did you mean 'adamw'\?"),
+    "unknown scheduler": (["lr_scheduler=cosin"], r"Did you mean 'cosine'\?"),
+    "unknown backend": (["distributed.backend=fuly_sharded"], r"Did you mean 'fully_sharded'\?"),
+    "wrong type": (["optimization.batch_size=abc"], r"optimization.batch_size"),
+    "negative lr": (["optimizer.lr=-0.1"], r"optimizer.lr must be > 0, got -0.1"),
+    "zero batch": (["optimization.batch_size=0"], r"optimization.batch_size must be > 0, got 0"),
+    "warmup > max_steps": (["optimization.max_steps=10"], r"lr_scheduler.warmup_steps \(30\) must not exceed"),
+    "missing data path": (["data.path={root}/nope"], r"data.path: .*/nope does not exist"),
+    "no text in data path": (["data.path={root}/binary"], r"data.path: .*/binary holds no text files"),
+    "corrupt checkpoint": (
+        ["hydra.run.dir={root}/run", "checkpoint.resume={root}/run/checkpoints/step_00000004", *TINY_LM],
+        r"shardlab.json is unreadable",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gets_one_line_error_and_nonzero_exit(case, bad_paths):
+    args, pattern = BAD_INPUTS[case]
+    code, out, err = run_cli(*[a.format(root=bad_paths) for a in args], f"data.cache_dir={bad_paths}/cache")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (out, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+def test_corrupt_checkpoint_error_leaves_the_file_in_place(bad_paths):
+    meta = bad_paths / "run" / "checkpoints" / "step_00000004" / "shardlab.json"
+    assert meta.read_text() == "{not json"
+
+
+def test_dry_run_prints_size_of_large_model_without_allocating_it(capsys):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cfg = compose_config(["model=gpt_1_3b", "dry_run=true"])
+    print_plan(cfg, build_task(cfg, world_size=1))
+    out = capsys.readouterr().out
+    assert "model: 1,315,819,520 parameters" in out
+    assert "blocks.23" in out
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 500, f"dry run allocated {grown_mib:.0f} MiB; the weights alone would be 5000"
+
+
+def test_help_lists_groups_and_options():
+    code, out, _ = run_cli("--help")
+    assert code == 0
+    for pattern in (r"^task: .*\blm\b", r"^model: .*\bgpt_1_3b\b", r"^distributed: .*\bfully_sharded\b"):
+        assert re.search(pattern, out, re.MULTILINE), pattern
+
+
+KILL_RUN = [
+    "model.num_layers=2",
+    "model.dim=128",
+    "model.num_heads=4",
+    "model.max_seq_len=64",
+    "data.seq_len=64",
+    "data.max_corpus_mb=1",
+    "optimization.batch_size=8",
+    "optimization.max_steps=40",
+    "lr_scheduler.warmup_steps=4",
+    "validation.interval_steps=20",
+    "validation.num_batches=4",
+    "checkpoint.interval_steps=10",
+    "logging.interval_steps=10",
+    "logging.tensorboard=false",
+]
+
+
+def final_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("final validation:"))
+
+
+def test_killed_run_rerun_with_resume_auto_ends_like_an_uninterrupted_one(tmp_path, corpus_cache):
+    common = [*KILL_RUN, f"data.cache_dir={corpus_cache}"]
+    code, out, err = run_cli(*common, f"hydra.run.dir={tmp_path / 'whole'}")
+    assert code == 0, err
+    expected = final_line(out)
+
+    run_dir = tmp_path / "killed"
+    proc = train_cli(*common, f"hydra.run.dir={run_dir}")
+    deadline = time.time() + 240
+    while not (run_dir / "checkpoints" / "step_00000010").exists():
+        assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert not (run_dir / "checkpoints" / "step_00000040").exists(), "killed too late to test resuming"
+
+    code, out, err = run_cli(*common, f"hydra.run.dir={run_dir}", "checkpoint.resume=auto")
+    assert code == 0, err
+    assert "resumed from" in out
+    assert final_line(out) == expected

@@ -1,0 +1,115 @@
+"""Config composition and validation: every mistake comes back as one ConfigError naming the key and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardlab.cli import preflight
+from shardlab.errors import ConfigError
+from shardlab.registry import Registry
+from shardlab.runner import build_task
+from tests.conftest import compose_config
+
+
+def test_default_config_composes_every_section():
+    cfg = compose_config([])
+    for section in (
+        "task",
+        "model",
+        "data",
+        "optimizer",
+        "lr_scheduler",
+        "distributed",
+        "optimization",
+        "validation",
+        "checkpoint",
+        "logging",
+    ):
+        assert section in cfg
+    assert cfg.task.name == "lm" and cfg.model.arch == "gpt" and cfg.distributed.backend == "single"
+
+
+def test_group_choice_sets_its_section():
+    cfg = compose_config(["distributed=fully_sharded", "optimizer=sgd", "lr_scheduler=inverse_sqrt"])
+    assert (cfg.distributed.backend, cfg.optimizer.name, cfg.lr_scheduler.name) == (
+        "fully_sharded",
+        "sgd",
+        "inverse_sqrt",
+    )
+
+
+def test_task_defaults_win_over_generic_section_defaults():
+    cfg = compose_config([])
+    assert cfg.lr_scheduler.warmup_steps == 30  # set by conf/task/lm.yaml, not the schema's 0
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model=gpt_tyni", "Did you mean 'gpt_tiny'"),
+        ("task=lmm", "Did you mean 'lm'"),
+        ("optimizer=adamm", "Did you mean 'adamw'"),
+        ("lr_scheduler=cosin", "Did you mean 'cosine'"),
+        ("optimization.batch_size=abc", "optimization.batch_size"),
+        ("optimization.bach_size=3", "bach_size"),
+    ],
+)
+def test_preflight_answers_bad_overrides_in_one_line(override, expected):
+    with pytest.raises(ConfigError) as e:
+        preflight([override])
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_validation_collects_every_problem_at_once():
+    cfg = compose_config(
+        ["optimizer.lr=-1", "optimization.batch_size=0", "optimization.max_steps=10", "lr_scheduler.warmup_steps=20"]
+    )
+    with pytest.raises(ConfigError) as e:
+        build_task(cfg, world_size=1)
+    message = str(e.value)
+    assert "optimizer.lr must be > 0" in message
+    assert "optimization.batch_size must be > 0" in message
+    assert "lr_scheduler.warmup_steps (20) must not exceed optimization.max_steps (10)" in message
+
+
+def test_unknown_backend_names_known_ones_and_suggests():
+    with pytest.raises(ConfigError, match="known: ddp, fully_sharded, single. Did you mean 'fully_sharded'"):
+        build_task(compose_config(["distributed.backend=fuly_sharded"]), world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "expected"),
+    [
+        (["distributed.backend=ddp", "distributed.cpu_offload=true"], 2, "cpu_offload needs distributed.backend"),
+        (["distributed.backend=fully_sharded", "distributed.sharding_degree=3"], 4, "sharding_degree (3) must divide"),
+        (["distributed.backend=fully_sharded", "optimization.batch_size=5"], 2, "must be divisible by the world size"),
+        (
+            ["distributed.backend=fully_sharded", "distributed.param_dtype=fp16", "distributed.reduce_dtype=bf16"],
+            2,
+            "mix fp16 and bf16",
+        ),
+        (["distributed.offload_activations=true", "distributed.activation_checkpointing=full"], 1, "choose one"),
+        (["distributed.world_size=2"], 1, "needs distributed.backend=ddp or fully_sharded"),
+        (["data.seq_len=512"], 1, "data.seq_len (512) must be in [1, model.max_seq_len=256]"),
+        (["model.num_heads=5"], 1, "model.num_heads (5) must divide model.dim"),
+    ],
+)
+def test_invalid_combinations_are_rejected_before_launch(overrides, world, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        build_task(compose_config(overrides), world_size=world)
+
+
+def test_registry_raises_error_when_name_unknown():
+    registry: Registry = Registry("widget")
+    registry.register("sprocket")(lambda: 1)
+    assert registry.build("sprocket") == 1
+    with pytest.raises(ConfigError, match=r"^x.y: 'sprockt' is not a known widget; known: sprocket. Did you mean"):
+        registry.get("sprockt", key="x.y")
+
+
+def test_registry_refuses_two_factories_under_one_name():
+    registry: Registry = Registry("widget")
+    registry.register("a")(lambda: 1)
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register("a")(lambda: 2)

@@ -1,0 +1,94 @@
+"""A run that dies and is restarted with checkpoint.resume=auto ends exactly where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from shardlab.distributed import env as dist_env
+from shardlab.errors import CheckpointError, ConfigError
+from shardlab.runner import run_rank
+from tasks.lm.task import LanguageModelingTask
+
+CKPT = [
+    "optimization.max_steps=12",
+    "checkpoint.interval_steps=4",
+    "checkpoint.keep_last=2",
+    "validation.interval_steps=0",
+]
+
+
+def train_losses(result) -> torch.Tensor:
+    return torch.tensor([r["loss"] for r in result["history"] if r["split"] == "train"], dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_lm, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    return run_dir, run_rank(tiny_lm(*CKPT), run_dir, dist_env.detect())
+
+
+def test_crashed_run_resumes_bit_exactly(tiny_lm, tmp_path, monkeypatch, uninterrupted):
+    _, reference = uninterrupted
+    original_loss = LanguageModelingTask.loss
+    calls = {"n": 0}
+
+    def crash_at_step_7(self, model, batch, device):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise RuntimeError("simulated crash")
+        return original_loss(self, model, batch, device)
+
+    monkeypatch.setattr(LanguageModelingTask, "loss", crash_at_step_7)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_rank(tiny_lm(*CKPT), tmp_path, dist_env.detect())
+    monkeypatch.setattr(LanguageModelingTask, "loss", original_loss)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004"]
+
+    resumed = run_rank(tiny_lm(*CKPT, "checkpoint.resume=auto"), tmp_path, dist_env.detect())
+    steps = [r["step"] for r in resumed["history"] if r["split"] == "train"]
+    assert steps == list(range(5, 13))
+    assert torch.equal(train_losses(resumed), train_losses(reference)[4:])
+    assert resumed["final"] == reference["final"]
+
+
+def test_only_the_newest_checkpoints_are_kept_and_hold_the_data_position(uninterrupted):
+    run_dir, _ = uninterrupted
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == ["step_00000008", "step_00000012"]
+    meta = json.loads((run_dir / "checkpoints" / "step_00000012" / "shardlab.json").read_text())
+    assert meta["step"] == 12 and meta["samples_seen"] == 12 * 8
+
+
+def test_a_half_written_checkpoint_is_ignored(tiny_lm, tmp_path, uninterrupted):
+    run_dir, _ = uninterrupted
+    shutil.copytree(run_dir / "checkpoints" / "step_00000008", tmp_path / "checkpoints" / "step_00000008")
+    (tmp_path / "checkpoints" / "step_00000012.tmp").mkdir()  # killed mid-save: never renamed, no shardlab.json
+    resumed = run_rank(tiny_lm(*CKPT), tmp_path, dist_env.detect())
+    assert [r["step"] for r in resumed["history"] if r["split"] == "train"][0] == 9
+
+
+def test_fresh_start_refuses_to_overwrite_existing_checkpoints(tiny_lm, uninterrupted):
+    run_dir, _ = uninterrupted
+    with pytest.raises(ConfigError, match="checkpoint.resume=none but .* already holds step_00000012"):
+        run_rank(tiny_lm(*CKPT, "checkpoint.resume=none"), run_dir, dist_env.detect())
+
+
+def test_corrupt_checkpoint_is_reported_with_its_path(tiny_lm, tmp_path, uninterrupted):
+    run_dir, _ = uninterrupted
+    ckpt = tmp_path / "checkpoints" / "step_00000012"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000012", ckpt)
+    for shard in ckpt.glob("*.distcp"):
+        shard.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=f"checkpoint {ckpt} could not be loaded \\(EOFError"):
+        run_rank(tiny_lm(*CKPT), tmp_path, dist_env.detect())
+
+
+def test_checkpoint_of_another_model_is_refused_naming_the_key(tiny_lm, tmp_path, uninterrupted):
+    run_dir, _ = uninterrupted
+    ckpt = run_dir / "checkpoints" / "step_00000012"
+    with pytest.raises(CheckpointError, match=r"saved with model.dim=64 but this run has model.dim=32"):
+        run_rank(tiny_lm(*CKPT, "model.dim=32", f"checkpoint.resume={ckpt}"), tmp_path, dist_env.detect())

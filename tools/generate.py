@@ -1,0 +1,97 @@
+"""Sample text from a language-model checkpoint, to see what a run learned.
+
+    python tools/generate.py runs/lm/checkpoints/step_00000300 --prompt "def " --max-new-tokens 200
+    python tools/generate.py runs/lm/checkpoints/step_00000300 --top-k 0     # greedy
+
+Works with checkpoints from any backend and world size (DCP loads them into one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from shardlab.checkpoint import Checkpointer, read_meta
+from shardlab.errors import ShardlabError
+from shardlab.init import materialize
+from shardlab.runner import build_task
+
+
+@torch.no_grad()
+def sample(
+    model,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    top_k: int,
+    temperature: float,
+    max_seq_len: int,
+    generator: torch.Generator,
+) -> str:
+    ids = torch.tensor([tokenizer.encode(prompt) or [tokenizer.eod]])
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -max_seq_len:])[0, -1, : tokenizer.vocab_size].float()
+        if top_k <= 0:
+            next_id = logits.argmax()
+        else:
+            values, indices = logits.topk(min(top_k, logits.numel()))
+            probs = torch.softmax(values / max(temperature, 1e-6), dim=-1)
+            next_id = indices[torch.multinomial(probs, 1, generator=generator)][0]
+        if int(next_id) == tokenizer.eod:
+            break
+        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return tokenizer.decode(ids[0].tolist())
+
+
+def load_model(checkpoint: Path):
+    """The checkpoint's model in one process on the CPU, with the config it was trained with."""
+    meta = read_meta(checkpoint)
+    cfg = OmegaConf.create(meta["config"])
+    cfg.distributed.backend, cfg.distributed.world_size = "single", 1
+    task = build_task(cfg, world_size=1)
+    if task.unit != "tokens":
+        raise ShardlabError(f"{checkpoint} is a {cfg.task.name} checkpoint; generate.py samples language models only")
+    with torch.device("meta"):
+        model = task.build_model()
+    materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
+    Checkpointer(checkpoint.parent, 1, 0, lambda: None).load(
+        checkpoint, model, None, OmegaConf.to_container(cfg.model, resolve=True)
+    )
+    return model.eval(), task, cfg
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a step_N checkpoint directory")
+    parser.add_argument("--prompt", default="def ", help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--top-k", type=int, default=8, help="sample among the k likeliest tokens; 0 = greedy")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    model, task, cfg = load_model(args.checkpoint)
+    text = sample(
+        model,
+        task.tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        args.top_k,
+        args.temperature,
+        cfg.model.max_seq_len,
+        torch.Generator().manual_seed(args.seed),
+    )
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ShardlabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
