@@ -8,9 +8,9 @@ here computes the same global statistics with plain tensor ops and autograd-awar
   out through their zero count); the running mean takes the global mean, the running variance the unbiased global
   variance, with the module's momentum.
 - backward: the gather is an all-reduce of one-row-per-rank tensors, whose backward is an all-reduce of the
-  gradients (torch.distributed.nn.functional). Autograd then gives each rank d(sum of all ranks' losses)/d(its
-  input): the sum_dy / sum_dy_xmu all-reduce of torch's hand-written backward. Weight and bias gradients stay local,
-  to be reduced with every other gradient by DDP or FSDP.
+  gradients (torch's functional collectives are differentiable). Autograd then gives each rank d(sum of all ranks'
+  losses)/d(its input): what the sum_dy / sum_dy_xmu all-reduce of torch's hand-written backward computes. Weight
+  and bias gradients stay local, to be reduced with every other gradient by DDP or FSDP.
 
 ``convert_sync_batchnorm(model, group_size)`` picks torch's module where its kernels run (nccl) and this one
 elsewhere, over all ranks (0) or groups of ``group_size`` consecutive ranks.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -50,7 +50,10 @@ def sync_batch_norm(
         local = x32.new_zeros(2 * channels + 1)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = [local if r == rank else torch.zeros_like(local) for r in range(world)]
-    gathered = dist_nn.all_reduce(torch.stack(rows), group=group)  # an all-gather with an autograd-aware backward
+    # An all-gather done as an all-reduce of one-row-per-rank tensors: the collective every backend has, and its
+    # functional form is differentiable (backward: all-reduce of the gradients). world x (2C + 1) floats per BN is
+    # nothing at the few-rank scale this module serves; CUDA runs take torch's module.
+    gathered = funcol.all_reduce(torch.stack(rows), "sum", group)
     means, variances, counts = gathered.split([channels, channels, 1], dim=1)
     total = counts.sum()
     global_mean = (counts * means).sum(0) / total

@@ -117,12 +117,13 @@ class KeepInputDtype:
     """Mixin for a norm layer that runs as its own fp32 FSDP2 unit: its output leaves in the dtype its input came in.
 
     With param_dtype=bf16, fully_sharded gives every BatchNorm its own unit with an fp32 MixedPrecisionPolicy. That
-    unit's pre-forward hook casts the (bf16) input to fp32 - so the statistics and the normalization are fp32 - and
-    nothing casts the fp32 output back: ReLU would pass fp32 on, and the next convolution (bf16 weights, inside the
-    block's bf16 unit) fails with "Input type (float) and bias type (c10::BFloat16) should be the same"; a residual
-    sum would silently promote to fp32. The dtype has to be read before FSDP's hook changes it, and FSDP prepends its
-    hooks, so this overrides __call__ (which runs the hooks) rather than forward: input bf16 -> BN in fp32 -> bf16.
-    Gradients flow back through the cast (to fp32 into BN, to bf16 out of it). A no-op in fp32 runs.
+    unit's pre-forward hook casts the (bf16) input to fp32, so statistics and normalization are computed in fp32 with
+    fp32 weights and running buffers - but nothing casts the fp32 output back. ReLU would pass fp32 on, and the next
+    convolution (bf16 weights, in its block's bf16 unit) fails: "Input type (torch.FloatTensor) and weight type
+    (CPUBFloat16Type) should be the same"; residual sums would silently promote to fp32. The input dtype must be read
+    before FSDP's hook changes it, and FSDP prepends its hooks, so this overrides __call__ (which runs the hooks)
+    rather than forward: bf16 in -> BN in fp32 -> bf16 out; backward casts the same way in reverse, so BN's backward
+    is fp32 too. In fp32 runs the cast is a no-op.
     """
 
     def __call__(self, input: Tensor) -> Tensor:
