@@ -113,10 +113,20 @@ class Checkpointer:
         self.barrier()
         return final
 
-    def load(self, path: Path, model: nn.Module, optimizer: Optimizer | None, model_config: dict) -> dict[str, Any]:
+    def load(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        model_config: dict,
+        ignore_keys: tuple[str, ...] = (),
+    ) -> dict[str, Any]:
+        """Load model (and optimizer) state from ``path``; ``model_config`` must match the saved one except for
+        ``ignore_keys`` (settings that do not change what the weights mean, such as dropout)."""
         meta = read_meta(path)
         saved = meta.get("model_config", {})
-        diffs = [k for k in sorted(set(saved) | set(model_config)) if saved.get(k) != model_config.get(k)]
+        keys = sorted((set(saved) | set(model_config)) - set(ignore_keys))
+        diffs = [k for k in keys if saved.get(k) != model_config.get(k)]
         if diffs:
             k = diffs[0]
             raise CheckpointError(

@@ -150,9 +150,9 @@ class TrainConfig:
 def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=TrainConfig)
-    cs.store(group="optimizer", name="optimizer_schema", node=OptimizerConfig)
-    cs.store(group="lr_scheduler", name="lr_scheduler_schema", node=LRSchedulerConfig)
-    cs.store(group="distributed", name="distributed_schema", node=DistributedConfig)
+    cs.store(group="schema", name="optimizer", node=OptimizerConfig)
+    cs.store(group="schema", name="lr_scheduler", node=LRSchedulerConfig)
+    cs.store(group="schema", name="distributed", node=DistributedConfig)
 
 
 DTYPES = ("fp32", "bf16", "fp16")

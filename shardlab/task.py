@@ -16,6 +16,10 @@ from torch.utils.data import Dataset
 class Task(ABC):
     unit = "samples"
     """What throughput counts (tokens for the LM, images for vision)."""
+    num_workers = 0
+    """DataLoader worker processes per rank; 0 reads in the training process (enough for memory-mapped tokens)."""
+    resumable_model_changes: tuple[str, ...] = ("dropout",)
+    """Model config keys that may differ between a checkpoint and the run resuming it (no effect on shapes)."""
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg

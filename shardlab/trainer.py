@@ -72,7 +72,13 @@ class Trainer:
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
         resume_from = self.checkpointer.resolve_resume(cfg.checkpoint.resume)
         if resume_from is not None:
-            meta = self.checkpointer.load(resume_from, self.model, self.optimizer, self.model_config)
+            meta = self.checkpointer.load(
+                resume_from,
+                self.model,
+                self.optimizer,
+                self.model_config,
+                ignore_keys=self.task.resumable_model_changes,
+            )
             self.state = TrainState(step=meta["step"], samples_seen=meta["samples_seen"])
             self.scheduler.load_state_dict(meta["scheduler"])
             if self.scaler is not None and meta.get("grad_scaler"):
@@ -100,6 +106,7 @@ class Trainer:
                 backend.dp_rank,
                 backend.dp_world_size,
                 collate_fn=self.task.collate,
+                num_workers=self.task.num_workers,
             )
         )
         sums: dict[str, torch.Tensor] = {}
@@ -190,6 +197,7 @@ class Trainer:
             backend.dp_world_size,
             num_batches=num_batches,
             collate_fn=self.task.collate,
+            num_workers=self.task.num_workers,
         )
         sums: dict[str, torch.Tensor] = {}
         for batch in loader:

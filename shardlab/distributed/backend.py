@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import DistributedConfig
-from shardlab.distributed.env import DistEnv
+from shardlab.distributed.env import DistEnv, free_port
 
 DTYPE_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,11 +49,13 @@ class Backend:
         return torch.device("cpu")
 
     def setup(self) -> None:
-        """Join the process group (every backend does when world_size > 1, so metrics and checkpoints can sync)."""
-        if self.env.world_size > 1 and not dist.is_initialized():
+        """Join the process group: every backend does when world_size > 1 (metrics and checkpoints sync through
+        it), and ddp / fully_sharded do at world size 1 too, since DDP and FSDP2 need one."""
+        if (self.env.world_size > 1 or self.name != "single") and not dist.is_initialized():
+            port = self.env.master_port or free_port()  # one process started without a launcher: any free port
             dist.init_process_group(
                 backend="nccl" if self.device.type == "cuda" else "gloo",
-                init_method=f"tcp://{self.env.master_addr}:{self.env.master_port}",
+                init_method=f"tcp://{self.env.master_addr}:{port}",
                 rank=self.env.rank,
                 world_size=self.env.world_size,
                 timeout=timedelta(seconds=self.cfg.timeout_s),

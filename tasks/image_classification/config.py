@@ -71,8 +71,8 @@ class ImageDataConfig:
 
 def register_schemas() -> None:
     cs = ConfigStore.instance()
-    cs.store(group="model", name="regnet_schema", node=RegNetConfig)
-    cs.store(group="data", name="image_schema", node=ImageDataConfig)
+    cs.store(group="schema", name="regnet_model", node=RegNetConfig)
+    cs.store(group="schema", name="image_data", node=ImageDataConfig)
 
 
 register_schemas()

@@ -18,6 +18,7 @@ from tasks.image_classification.data import SOURCES, count_classes, open_dataset
 
 class ImageClassificationTask(Task):
     unit = "images"
+    resumable_model_changes = ("dropout", "sync_bn", "sync_bn_group_size")  # how BN syncs, not what it holds
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)

@@ -51,8 +51,8 @@ class LMDataConfig:
 
 def register_schemas() -> None:
     cs = ConfigStore.instance()
-    cs.store(group="model", name="gpt_schema", node=GPTConfig)
-    cs.store(group="data", name="lm_schema", node=LMDataConfig)
+    cs.store(group="schema", name="gpt_model", node=GPTConfig)
+    cs.store(group="schema", name="lm_data", node=LMDataConfig)
 
 
 register_schemas()
