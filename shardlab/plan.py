@@ -12,8 +12,20 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def describe_plan(model: nn.Module, units: list[nn.Module], world_size: int, backend: str) -> Iterator[str]:
-    """Lines for the console: units, their parameters, and fp32 bytes per rank for params + grads + Adam state."""
+def describe_plan(model: nn.Module, units: list[nn.Module], cfg, world_size: int | None = None) -> list[str]:
+    """Lines for the console: FSDP units (the task's, else the generic size policy's), their parameters, and fp32
+    bytes per rank for params + grads + Adam state. ``cfg`` is the distributed section."""
+    return list(_plan_lines(model, units, cfg, world_size or cfg.world_size))
+
+
+def _plan_lines(model: nn.Module, units: list[nn.Module], cfg, world_size: int) -> Iterator[str]:
+    backend = cfg.backend
+    if backend == "fully_sharded" and not units:
+        from shardlab.distributed.fully_sharded import generic_units
+
+        units = generic_units(model, cfg.wrap_min_num_params)
+    if backend != "fully_sharded":
+        units = []
     total = count_params(model)
     names = {id(m): n for n, m in model.named_modules()}
     yield f"model: {total:,} parameters ({total * 4 / 2**30:.2f} GiB in fp32)"

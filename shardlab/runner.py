@@ -54,7 +54,7 @@ def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, after_fit=No
     try:
         trainer = Trainer(cfg, task, backend, run_dir)
         trainer.setup()
-        for line in backend.describe():
+        for line in [*trainer.plan, *backend.describe()]:
             trainer_log(env, line)
         final = trainer.fit()
         extra = after_fit(trainer) if after_fit is not None else {}
@@ -113,12 +113,7 @@ def print_plan(cfg: DictConfig, task) -> None:
     from shardlab.plan import describe_plan, meta_model
 
     model = meta_model(task.build_model)
-    units = task.fsdp_units(model)
-    if cfg.distributed.backend == "fully_sharded" and not units:
-        from shardlab.distributed.fully_sharded import generic_units
-
-        units = generic_units(model, cfg.distributed.wrap_min_num_params)
-    for line in describe_plan(model, units, cfg.distributed.world_size, cfg.distributed.backend):
+    for line in describe_plan(model, task.fsdp_units(model), cfg.distributed):
         print(line)
 
 

@@ -22,6 +22,7 @@ from shardlab.distributed.backend import Backend
 from shardlab.init import materialize
 from shardlab.logging import RunLogger, memory_gib
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
+from shardlab.plan import describe_plan
 from shardlab.task import Task
 
 
@@ -57,6 +58,7 @@ class Trainer:
         with torch.device("meta"):
             model = self.task.build_model()
         units = self.task.fsdp_units(model)
+        self.plan = describe_plan(model, units, cfg.distributed, backend.env.world_size)
         backend.full_precision_modules = self.task.full_precision_modules(model)
         self.model = backend.parallelize(
             model, units, lambda m: materialize(m, backend.param_device, self.task.init_tensor, cfg.seed)

@@ -52,10 +52,13 @@ class Backend:
         """Join the process group: every backend does when world_size > 1 (metrics and checkpoints sync through
         it), and ddp / fully_sharded do at world size 1 too, since DDP and FSDP2 need one."""
         if (self.env.world_size > 1 or self.name != "single") and not dist.is_initialized():
-            port = self.env.master_port or free_port()  # one process started without a launcher: any free port
+            if self.env.launcher == "torchrun":
+                init_method = "env://"  # reuse torchrun's own store, which already listens on MASTER_PORT
+            else:  # local spawn, Slurm, or one process without a launcher (then any free port)
+                init_method = f"tcp://{self.env.master_addr}:{self.env.master_port or free_port()}"
             dist.init_process_group(
                 backend="nccl" if self.device.type == "cuda" else "gloo",
-                init_method=f"tcp://{self.env.master_addr}:{port}",
+                init_method=init_method,
                 rank=self.env.rank,
                 world_size=self.env.world_size,
                 timeout=timedelta(seconds=self.cfg.timeout_s),

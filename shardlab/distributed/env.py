@@ -1,8 +1,9 @@
 """Who am I in the job? One place decides rank / world size / local rank / rendezvous from whichever launcher ran us.
 
-Order: torchrun (RANK, WORLD_SIZE, MASTER_ADDR set), then Slurm (SLURM_PROCID... via submitit's
-TorchDistributedEnvironment, the well-kept parser of Slurm's node lists), then shardlab's own local spawn
-(distributed.world_size), else a single process.
+Order: shardlab's own local spawn (distributed.world_size), torchrun (RANK, WORLD_SIZE, MASTER_ADDR set), Slurm
+tasks (SLURM_PROCID etc., read through submitit's SlurmJobEnvironment, the well-kept parser of Slurm's node lists;
+it also serves plain `srun`, where submitit's TorchDistributedEnvironment would insist on SUBMITIT_EXECUTOR), else
+a single process.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ def detect(spawned_rank: int | None = None, spawned_world: int = 1, spawned_port
             launcher="torchrun",
         )
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        from submitit.helpers import TorchDistributedEnvironment
+        from submitit.slurm.slurm import SlurmJobEnvironment
 
-        env = TorchDistributedEnvironment()
-        return DistEnv(env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port, "slurm")
+        job = SlurmJobEnvironment()
+        # Every task derives the same port from the job id (as submitit does) unless MASTER_PORT pins one.
+        port = int(os.environ.get("MASTER_PORT") or 20000 + int(job.job_id.split("_")[0]) % 40000)
+        return DistEnv(job.global_rank, job.num_tasks, job.local_rank, job.hostnames[0], port, "slurm")
     return DistEnv(0, 1, 0, "127.0.0.1", 0, "none")
 
 

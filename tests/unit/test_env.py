@@ -1,0 +1,74 @@
+"""shardlab.distributed.env reads rank and rendezvous from whichever launcher started the process."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardlab.distributed import env as dist_env
+
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_NODEID",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_single_process_without_launcher():
+    env = dist_env.detect()
+    assert (env.rank, env.world_size, env.launcher) == (0, 1, "none")
+
+
+def test_torchrun_variables(monkeypatch):
+    for key, value in {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "10.1.2.3",
+        "MASTER_PORT": "29555",
+    }.items():
+        monkeypatch.setenv(key, value)
+    env = dist_env.detect()
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port, env.launcher) == (
+        3,
+        4,
+        1,
+        "10.1.2.3",
+        29555,
+        "torchrun",
+    )
+
+
+def test_slurm_tasks_through_submitit(monkeypatch):
+    for key, value in {
+        "SLURM_NTASKS": "8",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NODEID": "1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    env = dist_env.detect()
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.launcher) == (5, 8, 1, "gpu07", "slurm")
+    assert 20000 <= env.master_port < 65536  # derived from the job id, the same on every task
+
+
+def test_locally_spawned_rank():
+    env = dist_env.detect(spawned_rank=1, spawned_world=2, spawned_port=1234)
+    assert (env.rank, env.world_size, env.master_port, env.launcher) == (1, 2, 1234, "local")
