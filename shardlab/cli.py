@@ -7,6 +7,7 @@ overrides here first lets shardlab answer in its own words (with a did-you-mean)
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -74,3 +75,11 @@ def preflight(argv: list[str]) -> DictConfig | None:
 def report_and_exit(error: ShardlabError) -> None:
     print(f"error: {error}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def run_tool(main: Callable[[], object]) -> None:
+    """Run a tools/ script's main the way the trainer's CLI runs: a user mistake is one line and exit code 2."""
+    try:
+        main()
+    except ShardlabError as e:
+        report_and_exit(e)

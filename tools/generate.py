@@ -9,13 +9,13 @@ Works with checkpoints from any backend and world size (DCP loads them into one 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from shardlab.checkpoint import Checkpointer, read_meta
+from shardlab.cli import run_tool
 from shardlab.errors import ShardlabError
 from shardlab.init import materialize
 from shardlab.runner import build_task
@@ -90,8 +90,4 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ShardlabError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from shardlab.errors import ShardlabError
+from shardlab.cli import run_tool
 from tasks.lm.config import LMDataConfig
 from tasks.lm.data import prepare_corpus
 
@@ -36,8 +35,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ShardlabError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_tool(main)
