@@ -70,3 +70,6 @@ def build_schedule(optimizer, cfg: LRSchedulerConfig, max_steps: int) -> torch.o
 
 for _name in ("cosine", "inverse_sqrt", "constant"):
     LR_SCHEDULERS.register(_name)(build_schedule)
+
+
+import shardlab.cpu_adam  # noqa: E402,F401  (registers cpu_adam, the Adam for CPU-offloaded shards)

@@ -81,6 +81,11 @@ class FullyShardedBackend(Backend):
             reshard = self.cfg.reshard_after_forward and i < len(units) - 1
             fully_shard(unit, reshard_after_forward=reshard, **kwargs)
         fully_shard(model, reshard_after_forward=self.cfg.reshard_after_forward, **kwargs)
+        k = self.cfg.prefetch_units
+        if k > 0:  # issue the next units' all-gathers before this unit's compute, so they overlap it
+            for i, unit in enumerate(units):
+                unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + k])
+                unit.set_modules_to_backward_prefetch(units[max(0, i - k) : i][::-1])
         materialize(model)
         if self.cfg.cpu_offload and self.device.type != "cpu":
             for module in model.modules():  # FSDP offloads parameters only; buffers must sit on the compute device

@@ -80,6 +80,11 @@ TWO_RANK_VARIANTS = {
     "fsdp_no_reshard": ["distributed.backend=fully_sharded", "distributed.reshard_after_forward=false"],
     "fsdp_untied": ["distributed.backend=fully_sharded", "model.tie_embeddings=false"],
     "fsdp_offload": ["distributed.backend=fully_sharded", "distributed.cpu_offload=true"],
+    "fsdp_offload_cpu_adam": [
+        "distributed.backend=fully_sharded",
+        "distributed.cpu_offload=true",
+        "optimizer=cpu_adam",
+    ],
     "fsdp_act_ckpt": ["distributed.backend=fully_sharded", "distributed.activation_checkpointing=full"],
     "fsdp_offload_activations": ["distributed.backend=fully_sharded", "distributed.offload_activations=true"],
     "fsdp_accum_every": ["distributed.backend=fully_sharded", "optimization.update_freq=2"],

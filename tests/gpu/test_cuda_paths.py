@@ -23,11 +23,15 @@ def single(tiny_lm, tmp_path_factory):
     return run_rank(tiny_lm(), tmp_path_factory.mktemp("single"), dist_env.detect())
 
 
-@pytest.mark.parametrize("overrides", [
-    ["distributed.backend=fully_sharded"],
-    ["distributed.backend=fully_sharded", "distributed.cpu_offload=true"],  # pinned-memory offload on CUDA
-    ["distributed.backend=ddp"],
-], ids=["fully_sharded", "pinned_offload", "ddp"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["distributed.backend=fully_sharded"],
+        ["distributed.backend=fully_sharded", "distributed.cpu_offload=true"],  # pinned-memory offload on CUDA
+        ["distributed.backend=ddp"],
+    ],
+    ids=["fully_sharded", "pinned_offload", "ddp"],
+)
 def test_nccl_world_size_one_matches_single_device(overrides, single, tiny_lm, tmp_path):
     result = run_rank(tiny_lm(*overrides), tmp_path, dist_env.detect())
     # GPU kernels may pick different reduction orders run to run: a looser bound than CPU's 1e-5.
@@ -35,8 +39,9 @@ def test_nccl_world_size_one_matches_single_device(overrides, single, tiny_lm, t
 
 
 def test_fp16_with_grad_scaler_trains_finite_on_cuda(single, tiny_lm, tmp_path):
-    result = run_rank(tiny_lm("distributed.backend=fully_sharded", "distributed.precision=fp16"), tmp_path,
-                      dist_env.detect())
+    result = run_rank(
+        tiny_lm("distributed.backend=fully_sharded", "distributed.precision=fp16"), tmp_path, dist_env.detect()
+    )
     losses = train_losses(result)
     assert torch.isfinite(losses).all()
     torch.testing.assert_close(losses, train_losses(single), rtol=0.02, atol=0)
@@ -46,13 +51,25 @@ def test_fp16_with_grad_scaler_trains_finite_on_cuda(single, tiny_lm, tmp_path):
 def test_sync_bn_uses_torch_syncbatchnorm_on_cuda(tmp_path):
     from tests.conftest import compose_config
 
-    cfg = compose_config(["task=image_classification", "distributed.backend=fully_sharded", "model.sync_bn=true",
-                          "optimization.max_steps=3", "lr_scheduler.warmup_steps=1", "validation.interval_steps=0",
-                          "data.num_train=256", "data.num_valid=200", "logging.progress_bar=false",
-                          "logging.tensorboard=false"])
+    cfg = compose_config(
+        [
+            "task=image_classification",
+            "distributed.backend=fully_sharded",
+            "model.sync_bn=true",
+            "optimization.max_steps=3",
+            "lr_scheduler.warmup_steps=1",
+            "validation.interval_steps=0",
+            "data.num_train=256",
+            "data.num_valid=200",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+        ]
+    )
 
     def bn_types(trainer):
-        return {"bn": {type(m) for m in trainer.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}}
+        return {
+            "bn": {type(m) for m in trainer.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+        }
 
     result = run_rank(cfg, tmp_path, dist_env.detect(), after_fit=bn_types)
     # FSDP2 subclasses each module it shards, so compare by inheritance: torch's own SyncBatchNorm, not shardlab's.

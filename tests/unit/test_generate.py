@@ -17,8 +17,12 @@ def probe_logits(trainer) -> dict:
 
 
 def test_generate_loads_the_trained_weights_and_continues_the_prompt(tiny_lm, tmp_path, capsys):
-    trained = run_rank(tiny_lm("optimization.max_steps=6", "checkpoint.interval_steps=6"), tmp_path,
-                       dist_env.detect(), after_fit=probe_logits)
+    trained = run_rank(
+        tiny_lm("optimization.max_steps=6", "checkpoint.interval_steps=6"),
+        tmp_path,
+        dist_env.detect(),
+        after_fit=probe_logits,
+    )
     checkpoint = tmp_path / "checkpoints" / "step_00000006"
     model, task, _ = generate.load_model(checkpoint)
     with torch.no_grad():
