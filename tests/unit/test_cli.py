@@ -87,11 +87,12 @@ def test_corrupt_checkpoint_error_leaves_the_file_in_place(bad_paths):
 
 def test_dry_run_prints_size_of_large_model_without_allocating_it(capsys):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    cfg = compose_config(["model=gpt_1_3b", "dry_run=true"])
+    cfg = compose_config(["model=gpt_1_3b", "dry_run=true", "distributed=fully_sharded", "distributed.world_size=8"])
     print_plan(cfg, build_task(cfg, world_size=1))
     out = capsys.readouterr().out
     assert "model: 1,315,819,520 parameters" in out
-    assert "blocks.23" in out
+    assert re.search(r"blocks\.23 +Block +50,358,272", out)  # the unit plan, one line per FSDP unit
+    assert "state per rank (fully_sharded, 8 rank(s)): ~2.45 GiB" in out  # 16 bytes/param over 8 shards
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mib < 500, f"dry run allocated {grown_mib:.0f} MiB; the weights alone would be 5000"
 
