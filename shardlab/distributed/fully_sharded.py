@@ -80,12 +80,15 @@ class FullyShardedBackend(Backend):
             # The last unit's params are needed again at once by backward: resharding them would only re-gather.
             reshard = self.cfg.reshard_after_forward and i < len(units) - 1
             fully_shard(unit, reshard_after_forward=reshard, **kwargs)
-        fully_shard(model, reshard_after_forward=self.cfg.reshard_after_forward, **kwargs)
+        # The root's params (embeddings, head) are used again first thing in backward: resharding them only re-gathers.
+        fully_shard(model, reshard_after_forward=False, **kwargs)
         k = self.cfg.prefetch_units
         if k > 0:  # issue the next units' all-gathers before this unit's compute, so they overlap it
             for i, unit in enumerate(units):
                 unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + k])
                 unit.set_modules_to_backward_prefetch(units[max(0, i - k) : i][::-1])
+            # Without this FSDP2 issues a prefetched all-gather as a blocking op on CPU, and nothing overlaps.
+            model._set_unshard_async_op(True)
         materialize(model)
         if self.cfg.cpu_offload and self.device.type != "cpu":
             for module in model.modules():  # FSDP offloads parameters only; buffers must sit on the compute device
