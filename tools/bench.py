@@ -456,4 +456,4 @@ def main(argv: list[str] | None = None) -> dict | None:
 if __name__ == "__main__":
     from shardlab.cli import run_tool
 
-    run_tool(main)
+    run_tool(main)  # a config mistake is one line and exit code 2, as for shardlab.train
