@@ -54,19 +54,14 @@ def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, after_fit=No
     try:
         trainer = Trainer(cfg, task, backend, run_dir)
         trainer.setup()
-        for line in [*trainer.plan, *backend.describe()]:
-            trainer_log(env, line)
+        if env.is_main:
+            print("\n".join([*trainer.plan, *backend.describe()]), flush=True)
         final = trainer.fit()
         extra = after_fit(trainer) if after_fit is not None else {}
         return {"final": final, "history": trainer.history, "stopped_early": trainer.stop_requested, **extra}
     finally:
         if teardown:
             backend.teardown()
-
-
-def trainer_log(env: dist_env.DistEnv, line: str) -> None:
-    if env.is_main:
-        print(line, flush=True)
 
 
 def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int) -> None:

@@ -72,7 +72,7 @@ class Trainer:
             self.run_dir / cfg.checkpoint.dir, cfg.checkpoint.keep_last, backend.env.rank, backend.barrier
         )
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
-        resume_from = self.checkpointer.resolve_resume(cfg.checkpoint.resume)
+        self.resumed_from = resume_from = self.checkpointer.resolve_resume(cfg.checkpoint.resume)
         if resume_from is not None:
             meta = self.checkpointer.load(
                 resume_from,
@@ -85,9 +85,6 @@ class Trainer:
             self.scheduler.load_state_dict(meta["scheduler"])
             if self.scaler is not None and meta.get("grad_scaler"):
                 self.scaler.load_state_dict(meta["grad_scaler"])
-            self.resumed_from = resume_from
-        else:
-            self.resumed_from = None
         self.global_batch = cfg.optimization.batch_size
         self.train_order = GlobalOrder(len(self.task.train_dataset), cfg.seed, shuffle=True)
 
@@ -113,7 +110,6 @@ class Trainer:
         )
         sums: dict[str, torch.Tensor] = {}
         window_start, window_steps = time.perf_counter(), 0
-        grad_norm = torch.zeros(())
         last_valid: dict[str, float] = {}
         while state.step < o.max_steps and not self.stop_requested:
             self.model.train()
