@@ -79,6 +79,12 @@ class DistributedConfig:
     prefetch_units: int = 1
     """fully_sharded: all-gather this many units ahead, asynchronously (forward: next, backward: previous); 0 leaves
     FSDP2's implicit prefetching (measured here: +9% tokens/s with 1 on the 25M LM at 2 ranks)."""
+    reduce_scatter: str = "auto"
+    """fully_sharded: how gradients are reduce-scattered. native = the process group's reduce_scatter; all_reduce =
+    one all-reduce of the unit's gradient buffer, keeping the local shard (FSDP2's custom-comm hook), run under the
+    next unit's backward where nothing reads it sooner; auto = all_reduce on gloo (CPU), where gloo's reduce_scatter
+    measured slower and blocks backward (tools/bench_collectives.py), native elsewhere (NCCL's reduce-scatter moves
+    half an all-reduce's bytes, on a side stream)."""
     reduce_every_microbatch: bool = True
     """Gradient accumulation: reduce-scatter every micro-batch (least memory) or only the last (least traffic)."""
     wrap_min_num_params: int = 0
@@ -203,6 +209,10 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     check(d.world_size >= 1, f"distributed.world_size must be >= 1, got {d.world_size}")
     check(d.timeout_s > 0, f"distributed.timeout_s must be > 0, got {d.timeout_s}")
     check(d.prefetch_units >= 0, f"distributed.prefetch_units must be >= 0, got {d.prefetch_units}")
+    check(
+        d.reduce_scatter in ("auto", "native", "all_reduce"),
+        f"distributed.reduce_scatter must be auto, native or all_reduce, got '{d.reduce_scatter}'",
+    )
     for key in ("precision", "param_dtype", "reduce_dtype"):
         value = getattr(d, key)
         check(value is None or value in DTYPES, f"distributed.{key} must be one of {', '.join(DTYPES)}, got '{value}'")

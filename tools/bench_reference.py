@@ -2,13 +2,16 @@
 
     python tools/bench_reference.py --world-size 2 --steps 20 --warmup 5 --out bench_reference.json
 
-No shardlab code runs here except tasks/lm/model.py, for the identical model. The defaults are model=gpt_small with
-the LM task's defaults (seq_len 128, global batch 32, AdamW lr 3e-3 / betas 0.9, 0.95 / weight decay 0.1 on
-matrices, clip_norm 1.0); tokens are random. fully_shard goes on every block (all but the last reshard after forward,
-as torchtitan does) and on the root with FSDP2's default (the root does not reshard). AdamW is fused. The ranks are
-spawned with MALLOC_MMAP_THRESHOLD_=1048576 (unless set) and OMP_NUM_THREADS = cores // ranks, as shardlab's local
-launcher does. ``--prefetch`` issues each block's all-gather asynchronously one block ahead (FSDP2 overlaps
-all-gathers through CUDA streams; on CPU/gloo every unshard otherwise blocks); ``--parallel ddp`` wraps in DDP instead.
+No shardlab code runs here except tasks/lm/model.py, for the identical model (and the comm of --reduce-scatter). The
+defaults are model=gpt_small with the LM task's defaults (seq_len 128, global batch 32, AdamW lr 3e-3 / betas 0.9,
+0.95 / weight decay 0.1 on matrices, clip_norm 1.0); tokens are random. fully_shard goes on every block (all but the
+last reshard after forward, as torchtitan does) and on the root with FSDP2's default (the root does not reshard).
+AdamW is fused. The ranks are spawned with MALLOC_MMAP_THRESHOLD_=1048576 (unless set) and OMP_NUM_THREADS = cores //
+ranks, as shardlab's local launcher does. ``--prefetch`` issues each block's all-gather asynchronously one block ahead
+(FSDP2 overlaps all-gathers through CUDA streams; on CPU/gloo every unshard otherwise blocks); ``--reduce-scatter
+all_reduce`` issues FSDP2's reduce-scatter as an all-reduce through FSDP2's custom-comm hook, overlapped with the next
+block's backward (shardlab's gloo default, and the one piece of shardlab imported here); ``--parallel ddp`` wraps in
+DDP instead.
 
 Writes the same keys as tools/bench.py: tokens_per_s (global tokens per step / median step time), tokens_per_s_mean,
 median_step_ms, mean_step_ms, step_ms, optimizer_step_ms (rank 0; the ranks run in lockstep).
@@ -41,6 +44,7 @@ def train(rank: int, args: argparse.Namespace, port: int) -> None:
     cfg = GPTConfig(num_layers=args.layers, dim=args.dim, num_heads=args.heads, max_seq_len=args.max_seq_len)
     with torch.device("meta"):
         model = GPT(cfg, args.vocab)
+    reduce_comm = None
     if args.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -55,6 +59,13 @@ def train(rank: int, args: argparse.Namespace, port: int) -> None:
                 block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
                 block.set_modules_to_backward_prefetch(blocks[i - 1 : i] if i else [])
             model._set_unshard_async_op(True)
+        if args.reduce_scatter == "all_reduce":
+            from shardlab.distributed.gloo_comms import AllReduceReduceScatter
+
+            reduce_comm = AllReduceReduceScatter()
+            reduce_comm.overlap = True  # fp32, no accumulation: each reduce may finish under the next block's backward
+            for module in [*model.blocks, model]:
+                module.set_custom_reduce_scatter(reduce_comm)
     model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -88,6 +99,8 @@ def train(rank: int, args: argparse.Namespace, port: int) -> None:
         logits = model(inputs)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
         loss.backward()
+        if reduce_comm is not None:
+            reduce_comm.wait()  # the overlapped reduces: gradients are complete from here
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         t0 = time.perf_counter()
         optimizer.step()
@@ -103,6 +116,7 @@ def train(rank: int, args: argparse.Namespace, port: int) -> None:
             "tool": "bench_reference",
             "parallel": args.parallel,
             "prefetch": args.prefetch,
+            "reduce_scatter": args.reduce_scatter,
             "world_size": world,
             "model": {"num_layers": args.layers, "dim": args.dim, "num_heads": args.heads, "vocab": args.vocab},
             "num_params": sum(p.numel() for p in model.parameters()),
@@ -143,6 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp")
     parser.add_argument("--prefetch", action="store_true", help="fsdp: explicit async prefetch of the next block")
+    parser.add_argument(
+        "--reduce-scatter", choices=("native", "all_reduce"), default="native", help="fsdp: gloo's, or as all-reduce"
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)

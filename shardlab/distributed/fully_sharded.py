@@ -10,12 +10,14 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from shardlab.distributed.activation_checkpointing import wrap_units
 from shardlab.distributed.backend import Backend
+from shardlab.distributed.gloo_comms import AllReduceReduceScatter
 from shardlab.distributed.grad_scaler import ShardedGradScaler
 
 
@@ -58,6 +60,11 @@ class FullyShardedBackend(Backend):
             )
 
     @property
+    def reduce_scatter_via_all_reduce(self) -> bool:
+        choice = self.cfg.reduce_scatter
+        return choice == "all_reduce" or (choice == "auto" and dist.get_backend(self.mesh.get_group("shard")) == "gloo")
+
+    @property
     def param_device(self) -> torch.device:
         return torch.device("cpu") if self.cfg.cpu_offload else self.device
 
@@ -89,6 +96,12 @@ class FullyShardedBackend(Backend):
                 unit.set_modules_to_backward_prefetch(units[max(0, i - k) : i][::-1])
             # Without this FSDP2 issues a prefetched all-gather as a blocking op on CPU, and nothing overlaps.
             model._set_unshard_async_op(True)
+        self.reduce_comm: AllReduceReduceScatter | None = None
+        if self.reduce_scatter_via_all_reduce:
+            self.reduce_comm = AllReduceReduceScatter()
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_custom_reduce_scatter(self.reduce_comm)
         materialize(model)
         if self.cfg.cpu_offload and self.device.type != "cpu":
             for module in model.modules():  # FSDP offloads parameters only; buffers must sit on the compute device
@@ -106,11 +119,27 @@ class FullyShardedBackend(Backend):
             else OffloadPolicy(),
         }
 
-    def grad_sync(self, model: nn.Module, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def grad_sync(self, model: nn.Module, is_last_microbatch: bool) -> Iterator[None]:
         if not self.cfg.reduce_every_microbatch:
             # Accumulate unsharded gradients locally and reduce-scatter once, on the last micro-batch.
             model.set_requires_gradient_sync(is_last_microbatch)
-        return contextlib.nullcontext()
+        comm = self.reduce_comm
+        if comm is not None:
+            # Overlap each unit's gradient reduce with the next unit's backward, unless FSDP2 reads the reduced
+            # gradient at once: fp16's post-divide, a cast to another dtype, HSDP's all-reduce, or accumulation into
+            # gradients an earlier micro-batch left (see shardlab.distributed.gloo_comms).
+            comm.overlap = (
+                self.mesh.ndim == 1
+                and self.reduce_dtype == torch.float32
+                and all(p.grad is None for p in model.parameters())
+            )
+        try:
+            yield
+        finally:
+            if comm is not None:
+                comm.wait()
+                comm.overlap = False  # a backward outside this context (no wait() after it) must not overlap
 
     def make_grad_scaler(self):
         if self.param_dtype != torch.float16:
@@ -123,5 +152,6 @@ class FullyShardedBackend(Backend):
         yield (
             f"fully_sharded: mesh {mesh} {self.mesh.mesh_dim_names}, reshard_after_forward="
             f"{self.cfg.reshard_after_forward}, param/reduce dtype {self.param_dtype}/{self.reduce_dtype}, "
-            f"cpu_offload={self.cfg.cpu_offload}, activation_checkpointing={self.cfg.activation_checkpointing}"
+            f"cpu_offload={self.cfg.cpu_offload}, activation_checkpointing={self.cfg.activation_checkpointing}, "
+            f"reduce-scatter {'as overlapped all-reduce' if self.reduce_scatter_via_all_reduce else 'native'}"
         )

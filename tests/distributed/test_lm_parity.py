@@ -12,23 +12,29 @@ from shardlab.runner import run_rank
 from tests.distributed.harness import run_spawned
 
 LOSS_RTOL = 1e-5
-REDUCE_DTYPES: list[torch.dtype] = []
+REDUCE_DTYPES: list[str] = []
+OVERLAPPED_REDUCES: list[int] = []
 
 
 def record_reduce_dtypes() -> None:
-    """Patch the collectives FSDP2 reduce-scatters with, to see which dtype really reaches them."""
+    """Patch the collectives FSDP2 reduces gradients with, to see which dtype really reaches them: reduce_scatter_single
+    (native) or all_reduce (distributed.reduce_scatter=all_reduce, the gloo default). All-reduces of fewer than 1024
+    elements are the trainer's scalars (clipping norm, found-inf, logged sums), not gradient buffers."""
     import torch.distributed as dist
 
-    def recording(original):
-        def reduce_scatter(output, input, *args, **kwargs):
-            REDUCE_DTYPES.append(input.dtype)
-            return original(output, input, *args, **kwargs)
+    def recording(original, kind, name, position, min_numel):
+        def collective(*args, **kwargs):
+            tensor = kwargs[name] if name in kwargs else args[position]
+            if tensor.numel() >= min_numel:
+                REDUCE_DTYPES.append(f"{kind}:{tensor.dtype}")
+                if kwargs.get("async_op"):  # overlapped with the next unit's backward
+                    OVERLAPPED_REDUCES.append(tensor.numel())
+            return original(*args, **kwargs)
 
-        return reduce_scatter
+        return collective
 
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # the latter is FSDP2's since torch 2.10
-        if hasattr(dist, name):
-            setattr(dist, name, recording(getattr(dist, name)))
+    dist.reduce_scatter_single = recording(dist.reduce_scatter_single, "reduce_scatter", "input", 1, 0)
+    dist.all_reduce = recording(dist.all_reduce, "all_reduce", "tensor", 0, 1024)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -56,13 +62,16 @@ def inspect(trainer) -> dict:
         (sum(p.numel() * 16 for p in u.parameters()) for u in trainer.task.fsdp_units(unwrapped)), default=0
     )
     model.zero_grad(set_to_none=True)
-    reduce_dtypes = sorted({str(d) for d in REDUCE_DTYPES})
+    reduce_dtypes = sorted(set(REDUCE_DTYPES))
+    overlapped = len(OVERLAPPED_REDUCES)
     REDUCE_DTYPES.clear()
+    OVERLAPPED_REDUCES.clear()
     return {
         "params": full,
         "state_bytes": params + grads + optim,
         "unit_bytes": largest_unit,
         "reduce_dtypes": reduce_dtypes,
+        "overlapped_reduces": overlapped,
     }
 
 
@@ -77,6 +86,7 @@ def run_single(cfg, tmp_path) -> dict:
 TWO_RANK_VARIANTS = {
     "ddp": ["distributed.backend=ddp"],
     "fsdp_reshard": ["distributed.backend=fully_sharded"],
+    "fsdp_native_reduce_scatter": ["distributed.backend=fully_sharded", "distributed.reduce_scatter=native"],
     "fsdp_no_reshard": ["distributed.backend=fully_sharded", "distributed.reshard_after_forward=false"],
     "fsdp_untied": ["distributed.backend=fully_sharded", "model.tie_embeddings=false"],
     "fsdp_offload": ["distributed.backend=fully_sharded", "distributed.cpu_offload=true"],
@@ -100,6 +110,11 @@ TWO_RANK_VARIANTS = {
     ],
     "fsdp_bf16": ["distributed.backend=fully_sharded", "distributed.precision=bf16"],
     "fsdp_fp16": ["distributed.backend=fully_sharded", "distributed.precision=fp16"],
+    "fsdp_fp16_native_reduce_scatter": [
+        "distributed.backend=fully_sharded",
+        "distributed.precision=fp16",
+        "distributed.reduce_scatter=native",
+    ],
 }
 
 
@@ -137,7 +152,7 @@ def test_two_ranks_match_single_process_losses_and_params(name, two_rank_results
         torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("name", ["fsdp_bf16", "fsdp_fp16"])
+@pytest.mark.parametrize("name", ["fsdp_bf16", "fsdp_fp16", "fsdp_fp16_native_reduce_scatter"])
 def test_low_precision_stays_finite_and_tracks_fp32(name, two_rank_results, single_results):
     low, fp32 = losses(two_rank_results[name]), losses(single_results["plain"])
     assert torch.isfinite(low).all()
@@ -146,9 +161,27 @@ def test_low_precision_stays_finite_and_tracks_fp32(name, two_rank_results, sing
 
 
 def test_fp16_reduce_scatter_reaches_the_collective_in_fp16(two_rank_results):
-    assert two_rank_results["fsdp_fp16"]["reduce_dtypes"] == ["torch.float16"]
-    assert two_rank_results["fsdp_bf16"]["reduce_dtypes"] == ["torch.float32"]  # bf16 compute, fp32 reduce
-    assert two_rank_results["fsdp_reshard"]["reduce_dtypes"] == ["torch.float32"]
+    dtypes = {name: two_rank_results[name]["reduce_dtypes"] for name in two_rank_results}
+    assert dtypes["fsdp_fp16"] == ["all_reduce:torch.float16"]  # gloo default: the reduce-scatter as an all-reduce
+    assert dtypes["fsdp_fp16_native_reduce_scatter"] == ["reduce_scatter:torch.float16"]
+    assert dtypes["fsdp_bf16"] == ["all_reduce:torch.float32"]  # bf16 compute, fp32 reduce
+    assert dtypes["fsdp_reshard"] == ["all_reduce:torch.float32"]
+    assert dtypes["fsdp_native_reduce_scatter"] == ["reduce_scatter:torch.float32"]
+
+
+def test_gradient_reduces_overlap_backward_only_where_nothing_reads_them_early(two_rank_results):
+    """On gloo each unit's reduce runs asynchronously under the next unit's backward (the parity tests above prove
+    the gradients come out right), except where FSDP2 reads the reduced gradient at once."""
+    overlapped = {name: result["overlapped_reduces"] for name, result in two_rank_results.items()}
+    units = 2 + 1  # the tiny LM's blocks + the root
+    steps = 10
+    assert overlapped["fsdp_reshard"] >= units * steps
+    assert overlapped["fsdp_bf16"] >= units * steps  # bf16 compute, fp32 reduce
+    assert overlapped["fsdp_accum_last"] >= units * steps  # one reduce per step, into empty gradients
+    # update_freq=2, reducing every micro-batch: the first overlaps, the second accumulates into it and must not.
+    assert units * steps <= overlapped["fsdp_accum_every"] < 2 * units * steps
+    for name in ("fsdp_fp16", "fsdp_native_reduce_scatter", "fsdp_fp16_native_reduce_scatter"):
+        assert overlapped[name] == 0, name  # fp16 post-divides at once; native reduce-scatter blocks
 
 
 def test_fp16_counts_skipped_steps_and_logs_loss_scale(two_rank_results):
