@@ -22,6 +22,11 @@ The JSON (rank 0 writes it):
                          gathered params. Counted by a TorchDispatchMode that sees every c10d / functional-collective
                          op (FSDP2's, DDP's reducer's, DTensor's), also those issued from backward.
   expected_collectives   what that should be from the FSDP2 unit plan / DDP (bytes), to check the counts against
+  model_flops_per_step   3 x the forward FLOPs of one micro-batch (torch's FlopCounterMode on rank 0's first forward of
+                         the counted step) x micro-batches x ranks: model FLOPs, so recomputation does not count
+  achieved_tflops, mfu   model FLOPs per median step, and that over peak_tflops (the whole run's: ranks x one device's)
+  peak_tflops            --peak-tflops if given; else a known GPU's bf16 dense peak (shardlab.flops); on CPU the fp32
+                         GEMM rate of one thread, measured before the ranks start, x the threads the ranks use
 
 Peak memory: on CUDA the caching allocator's peak (max_memory_allocated); on CPU the rank's peak resident set size
 (VmHWM of /proc/self/status, which includes the ~0.3-0.5 GiB of Python, torch and the memory-mapped corpus;
@@ -56,6 +61,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from shardlab import runner  # noqa: E402
 from shardlab.distributed import env as dist_env  # noqa: E402
+from shardlab.flops import FlopCounterMode, flop_counter, peak_flops_per_s  # noqa: E402
 
 BENCH_DEFAULTS = {  # applied unless the command line sets the key: no checkpoints, logs or validation mid-run
     "checkpoint.resume": "none",
@@ -161,6 +167,9 @@ class StepProbe:
         self.mem: dict[str, Any] = {"rss_at_start_bytes": _proc_status_kib("VmRSS") * 1024}
         self.counter: CollectiveCounter | None = None
         self.counts: dict[str, dict[str, int]] = {}
+        self.flops: FlopCounterMode | None = None
+        self.forward_flops = 0
+        """Counted in the first forward of the counted step (one micro-batch of this rank)."""
         self.profile_dir = profile_dir if rank == 0 else None
         self.profiler = None
         self._t0 = 0.0
@@ -174,6 +183,7 @@ class StepProbe:
             register_optimizer_step_pre_hook(self.pre),
             register_optimizer_step_post_hook(self.post),
             torch.nn.modules.module.register_module_forward_pre_hook(self.forward_pre),
+            torch.nn.modules.module.register_module_forward_hook(self.forward_post),
         ]
 
     def forward_pre(self, module, inputs) -> None:
@@ -203,6 +213,13 @@ class StepProbe:
             self._read_memory(now)
             self.counter = CollectiveCounter()
             self.counter.__enter__()
+            self.flops = flop_counter()
+            self.flops.__enter__()
+
+    def forward_post(self, module, inputs, output) -> None:
+        if module is self.root and self.flops is not None:
+            self.flops.__exit__(None, None, None)
+            self.forward_flops, self.flops = self.flops.get_total_flops(), None
 
     def pre(self, optimizer, args, kwargs) -> None:
         if self.warmup < self.step <= self.last_timed:
@@ -239,6 +256,8 @@ class StepProbe:
         """Remove the hooks, and whatever is still active if the run ended early."""
         for h in self._handles:
             h.remove()
+        if self.flops is not None:
+            self.flops.__exit__(None, None, None)
         self._stop_counting()
         if self.profiler is not None:
             self.profiler.__exit__(None, None, None)
@@ -254,7 +273,8 @@ class StepProbe:
 
 def expected_collectives(trainer) -> dict[str, Any]:
     """Per step, from the model's plan: FSDP2 gathers each unit's params (in param dtype) for forward and again for
-    backward where the unit reshards after forward, and reduce-scatters its grads (reduce dtype); DDP all-reduces
+    backward where the unit reshards after forward, and reduce-scatters its grads (reduce dtype; an all-reduce of the
+    same buffer under distributed.reduce_scatter=all_reduce, the gloo default); DDP all-reduces
     every grad once. Micro-batches multiply both (reduce-scatter only when reduce_every_microbatch)."""
     backend, model, cfg = trainer.backend, trainer.model, trainer.cfg
     micro = cfg.optimization.update_freq
@@ -279,7 +299,8 @@ def expected_collectives(trainer) -> dict[str, Any]:
         passes = 2 if group.post_forward_mesh_info is not None else 1
         gather += numel * (mp.param_dtype or unit_params[0].dtype).itemsize * passes * micro
         reduce += numel * (mp.reduce_dtype or mp.param_dtype or unit_params[0].dtype).itemsize * syncs
-    return {"all_gather": {"bytes": gather}, "reduce_scatter": {"bytes": reduce}}
+    reduce_kind = "all_reduce" if backend.reduce_scatter_via_all_reduce else "reduce_scatter"
+    return {"all_gather": {"bytes": gather}, reduce_kind: {"bytes": reduce}}
 
 
 def units_per_sample(task) -> int:
@@ -325,6 +346,10 @@ def assemble(cfg, opts: dict, probe: StepProbe, result: dict) -> dict:
     per_step = result["units_per_sample"] * o.batch_size * o.update_freq
     median = statistics.median(step_ms)
     mean = statistics.fmean(step_ms)
+    # Every data-parallel rank runs the same shapes; a step is update_freq micro-batches of 3x forward FLOPs each.
+    model_flops = 3 * probe.forward_flops * o.update_freq * len(result["bench_ranks"])
+    achieved = model_flops / (median / 1000)
+    peak, peak_method = opts["peak"]
     out = {
         "tool": "bench",
         "overrides": opts["overrides"],
@@ -345,6 +370,11 @@ def assemble(cfg, opts: dict, probe: StepProbe, result: dict) -> dict:
         "mean_step_ms": mean,
         "step_ms": [round(t, 3) for t in step_ms],
         "optimizer_step_ms": statistics.median(probe.optimizer_ms) if probe.optimizer_ms else None,
+        "model_flops_per_step": model_flops,
+        "achieved_tflops": achieved / 1e12,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "peak_method": peak_method,
+        "mfu": achieved / peak if peak else None,
         "optimizer_steps_taken": len(probe.optimizer_ms),
         "per_rank": [
             {**r, "state_bytes": r.get("param_bytes", 0) + r.get("grad_bytes", 0) + r.get("optimizer_state_bytes", 0)}
@@ -367,6 +397,18 @@ def assemble(cfg, opts: dict, probe: StepProbe, result: dict) -> dict:
     return out
 
 
+def peak_for(world: int, threads_per_rank: int, peak_tflops: float | None) -> tuple[float | None, str]:
+    """The whole run's peak FLOP/s: world x one device's, or on CPU the measured rate of the threads the ranks use.
+    Measured before the ranks start, so nothing else competes for the cores."""
+    if peak_tflops:
+        return peak_tflops * 1e12 * world, f"--peak-tflops {peak_tflops} x {world} ranks"
+    if torch.cuda.is_available():
+        peak, method = peak_flops_per_s(torch.device("cuda", torch.cuda.current_device()), threads=0)
+        return (peak * world if peak else None), f"{method} x {world} ranks"
+    threads = min(world * threads_per_rank, os.cpu_count() or 1)
+    return peak_flops_per_s(torch.device("cpu"), threads)
+
+
 def _spawned(rank: int, cfg_yaml: str, run_dir: str, world: int, port: int, opts: dict) -> None:
     env = dist_env.detect(spawned_rank=rank, spawned_world=world, spawned_port=port)
     try:
@@ -383,6 +425,8 @@ def write(out: dict, path: str) -> None:
     unit = out["unit"]
     cols = {k: out[k] for k in ("backend", "world_size", "optimizer", f"{unit}_per_s", "median_step_ms")}
     cols["optimizer_step_ms"] = out["optimizer_step_ms"]
+    if out["mfu"] is not None:
+        cols["mfu_percent"] = 100 * out["mfu"]
     print("bench: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in cols.items()))
     print(f"bench: wrote {path}", flush=True)
 
@@ -416,6 +460,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (>= 1)")
     parser.add_argument("--out", default="bench.json")
     parser.add_argument("--profile", default=None, help="directory: torch.profiler trace of rank 0's timed steps")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="one device's peak for MFU (default: known GPUs; CPU: measured)"
+    )
     args, overrides = parser.parse_known_args(argv)
     unknown = [o for o in overrides if o.startswith("-")]
     if unknown:
@@ -436,6 +483,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             task.prepare_data()  # once, here; the ranks find it cached
             os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")  # as shardlab.runner.launch_local
             os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+            opts["peak"] = peak_for(world, int(os.environ["OMP_NUM_THREADS"]), args.peak_tflops)
             cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
             mp.start_processes(
                 _spawned,
@@ -445,6 +493,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 start_method="spawn",
             )
             return json.loads(Path(args.out).read_text())
+        opts["peak"] = peak_for(env.world_size, torch.get_num_threads(), args.peak_tflops)
         out = bench_rank(cfg, env, run_dir, opts)  # one process, or this rank of a torchrun/Slurm job
         if out is not None:
             write(out, args.out)
