@@ -97,11 +97,13 @@ class FullyShardedBackend(Backend):
             # Without this FSDP2 issues a prefetched all-gather as a blocking op on CPU, and nothing overlaps.
             model._set_unshard_async_op(True)
         self.reduce_comm: AllReduceReduceScatter | None = None
+        self._forwarded: set[int] = set()
         if self.reduce_scatter_via_all_reduce:
             self.reduce_comm = AllReduceReduceScatter()
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.set_custom_reduce_scatter(self.reduce_comm)
+                    module.register_forward_pre_hook(self._note_forward)
         materialize(model)
         if self.cfg.cpu_offload and self.device.type != "cpu":
             for module in model.modules():  # FSDP offloads parameters only; buffers must sit on the compute device
@@ -125,21 +127,42 @@ class FullyShardedBackend(Backend):
             # Accumulate unsharded gradients locally and reduce-scatter once, on the last micro-batch.
             model.set_requires_gradient_sync(is_last_microbatch)
         comm = self.reduce_comm
-        if comm is not None:
-            # Overlap each unit's gradient reduce with the next unit's backward, unless FSDP2 reads the reduced
-            # gradient at once: fp16's post-divide, a cast to another dtype, HSDP's all-reduce, or accumulation into
-            # gradients an earlier micro-batch left (see shardlab.distributed.gloo_comms).
-            comm.overlap = (
-                self.mesh.ndim == 1
-                and self.reduce_dtype == torch.float32
-                and all(p.grad is None for p in model.parameters())
-            )
+        if comm is None:
+            yield
+            return
+        comm.overlap = self.can_overlap_reduce(model)
+        self._forwarded.clear()
         try:
             yield
+        except BaseException:
+            comm.discard()
+            raise
+        else:
+            comm.wait()
         finally:
-            if comm is not None:
-                comm.wait()
-                comm.overlap = False  # a backward outside this context (no wait() after it) must not overlap
+            comm.overlap = False  # a backward outside this context (no wait() after it) must not overlap
+
+    def can_overlap_reduce(self, model: nn.Module) -> bool:
+        """Whether each unit's gradient reduce may finish under the next unit's backward: only where nothing reads the
+        reduced shard before grad_sync's wait(). FSDP2 reads it at once for a cast to another dtype (reduce_dtype
+        bf16), HSDP's all-reduce across replicas (2-D mesh), accumulation into gradients an earlier micro-batch left,
+        and post-accumulate-grad hooks; a CUDA copy to pinned CPU memory (cpu_offload) would copy it unwritten."""
+        params = list(model.parameters())
+        return (
+            self.device.type == "cpu"
+            and self.mesh.ndim == 1
+            and self.reduce_dtype == torch.float32
+            and all(p.grad is None and not getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
+        )
+
+    def _note_forward(self, module: nn.Module, args) -> None:
+        """A unit run twice in one step is reduced twice in its backward, the second time accumulating into the
+        first's (still unwritten) shard: no overlap then. Recomputation in backward does not count."""
+        if self.reduce_comm is None or torch._C._current_graph_task_id() != -1:
+            return
+        if id(module) in self._forwarded:
+            self.reduce_comm.overlap = False
+        self._forwarded.add(id(module))
 
     def make_grad_scaler(self):
         if self.param_dtype != torch.float16:

@@ -62,6 +62,9 @@ def inspect(trainer) -> dict:
         (sum(p.numel() * 16 for p in u.parameters()) for u in trainer.task.fsdp_units(unwrapped)), default=0
     )
     model.zero_grad(set_to_none=True)
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
     reduce_dtypes = sorted(set(REDUCE_DTYPES))
     overlapped = len(OVERLAPPED_REDUCES)
     REDUCE_DTYPES.clear()
@@ -72,6 +75,7 @@ def inspect(trainer) -> dict:
         "unit_bytes": largest_unit,
         "reduce_dtypes": reduce_dtypes,
         "overlapped_reduces": overlapped,
+        "reducing_units": sum(g is not None for g in groups),  # FSDP units holding parameters: one reduce each
     }
 
 
@@ -110,6 +114,11 @@ TWO_RANK_VARIANTS = {
     ],
     "fsdp_bf16": ["distributed.backend=fully_sharded", "distributed.precision=bf16"],
     "fsdp_fp16": ["distributed.backend=fully_sharded", "distributed.precision=fp16"],
+    "fsdp_bf16_reduce": [
+        "distributed.backend=fully_sharded",
+        "distributed.precision=bf16",
+        "distributed.reduce_dtype=bf16",
+    ],
     "fsdp_fp16_native_reduce_scatter": [
         "distributed.backend=fully_sharded",
         "distributed.precision=fp16",
@@ -152,7 +161,7 @@ def test_two_ranks_match_single_process_losses_and_params(name, two_rank_results
         torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("name", ["fsdp_bf16", "fsdp_fp16", "fsdp_fp16_native_reduce_scatter"])
+@pytest.mark.parametrize("name", ["fsdp_bf16", "fsdp_bf16_reduce", "fsdp_fp16", "fsdp_fp16_native_reduce_scatter"])
 def test_low_precision_stays_finite_and_tracks_fp32(name, two_rank_results, single_results):
     low, fp32 = losses(two_rank_results[name]), losses(single_results["plain"])
     assert torch.isfinite(low).all()
@@ -165,23 +174,41 @@ def test_fp16_reduce_scatter_reaches_the_collective_in_fp16(two_rank_results):
     assert dtypes["fsdp_fp16"] == ["all_reduce:torch.float16"]  # gloo default: the reduce-scatter as an all-reduce
     assert dtypes["fsdp_fp16_native_reduce_scatter"] == ["reduce_scatter:torch.float16"]
     assert dtypes["fsdp_bf16"] == ["all_reduce:torch.float32"]  # bf16 compute, fp32 reduce
+    assert dtypes["fsdp_bf16_reduce"] == ["all_reduce:torch.bfloat16"]
     assert dtypes["fsdp_reshard"] == ["all_reduce:torch.float32"]
     assert dtypes["fsdp_native_reduce_scatter"] == ["reduce_scatter:torch.float32"]
 
 
-def test_gradient_reduces_overlap_backward_only_where_nothing_reads_them_early(two_rank_results):
+OVERLAPPING = [  # every fp32-reduce 1-D variant: each unit's reduce runs under the next unit's backward
+    "fsdp_reshard",
+    "fsdp_no_reshard",
+    "fsdp_untied",
+    "fsdp_offload",
+    "fsdp_offload_cpu_adam",
+    "fsdp_act_ckpt",
+    "fsdp_offload_activations",
+    "fsdp_bf16",  # bf16 compute, fp32 reduce
+    "fsdp_accum_last",  # one reduce per step, into empty gradients
+    "fsdp_accum_every",  # update_freq=2: the first micro-batch overlaps; the second accumulates into it, so must not
+]
+
+
+@pytest.mark.parametrize("name", OVERLAPPING)
+def test_gradient_reduces_overlap_backward_where_nothing_reads_them_early(name, two_rank_results):
     """On gloo each unit's reduce runs asynchronously under the next unit's backward (the parity tests above prove
-    the gradients come out right), except where FSDP2 reads the reduced gradient at once."""
-    overlapped = {name: result["overlapped_reduces"] for name, result in two_rank_results.items()}
-    units = 2 + 1  # the tiny LM's blocks + the root
-    steps = 10
-    assert overlapped["fsdp_reshard"] >= units * steps
-    assert overlapped["fsdp_bf16"] >= units * steps  # bf16 compute, fp32 reduce
-    assert overlapped["fsdp_accum_last"] >= units * steps  # one reduce per step, into empty gradients
-    # update_freq=2, reducing every micro-batch: the first overlaps, the second accumulates into it and must not.
-    assert units * steps <= overlapped["fsdp_accum_every"] < 2 * units * steps
-    for name in ("fsdp_fp16", "fsdp_native_reduce_scatter", "fsdp_fp16_native_reduce_scatter"):
-        assert overlapped[name] == 0, name  # fp16 post-divides at once; native reduce-scatter blocks
+    the gradients come out right): exactly once per unit per step, and never for the evaluation backward that
+    inspect() runs outside the trainer's grad_sync."""
+    result = two_rank_results[name]
+    assert result["reducing_units"] >= 3
+    assert result["overlapped_reduces"] == result["reducing_units"] * 10
+
+
+@pytest.mark.parametrize(
+    "name", ["fsdp_fp16", "fsdp_bf16_reduce", "fsdp_native_reduce_scatter", "fsdp_fp16_native_reduce_scatter"]
+)
+def test_gradient_reduces_block_where_fsdp2_reads_them_at_once(name, two_rank_results):
+    # fp16 post-divides at once, a bf16 reduce is cast to fp32 at once; the native reduce-scatter always blocks.
+    assert two_rank_results[name]["overlapped_reduces"] == 0
 
 
 def test_fp16_counts_skipped_steps_and_logs_loss_scale(two_rank_results):
