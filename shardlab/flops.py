@@ -46,8 +46,9 @@ def peak_flops_per_s(device: torch.device, threads: int) -> tuple[float | None, 
     return per_thread * threads, f"measured fp32 GEMM, {per_thread / 1e9:.1f} GFLOP/s per thread x {threads} threads"
 
 
-def measure_cpu_gemm_flops(n: int = 1024, seconds: float = 1.0) -> float:
-    """FLOP/s of an n x n fp32 matmul on one thread (the best of a few timed runs)."""
+def measure_cpu_gemm_flops(n: int = 1024, seconds: float = 2.0) -> float:
+    """FLOP/s of an n x n fp32 matmul on one thread: the best of the runs that fit in ``seconds`` (a shared machine's
+    rate varies by tens of percent from second to second, so compare MFU within one session)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

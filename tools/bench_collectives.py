@@ -70,7 +70,9 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], dtype: str, it
         native, via = torch.empty_like(shard), torch.empty_like(shard)
         dist.reduce_scatter_single(native, full.clone(), op=dist.ReduceOp.AVG)
         via_all_reduce(via, full.clone(), dist.group.WORLD, dist.ReduceOp.AVG)
-        row["max_abs_diff_vs_native"] = (native - via).abs().max().item()
+        diff = (native - via).abs().max()
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)  # every rank's chunk, not only rank 0's
+        row["max_abs_diff_vs_native"] = diff.item()
         row["reduce_scatter_speedup_via_all_reduce"] = (
             row["reduce_scatter_native_ms"] / row["reduce_scatter_via_all_reduce_ms"]
         )

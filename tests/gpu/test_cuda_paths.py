@@ -33,9 +33,13 @@ def single(tiny_lm, tmp_path_factory):
     ids=["fully_sharded", "pinned_offload", "ddp"],
 )
 def test_nccl_world_size_one_matches_single_device(overrides, single, tiny_lm, tmp_path):
-    result = run_rank(tiny_lm(*overrides), tmp_path, dist_env.detect())
+    def reduce_path(trainer):
+        return {"via_all_reduce": getattr(trainer.backend, "reduce_scatter_via_all_reduce", False)}
+
+    result = run_rank(tiny_lm(*overrides), tmp_path, dist_env.detect(), after_fit=reduce_path)
     # GPU kernels may pick different reduction orders run to run: a looser bound than CPU's 1e-5.
     torch.testing.assert_close(train_losses(result), train_losses(single), rtol=1e-4, atol=0)
+    assert not result["via_all_reduce"]  # distributed.reduce_scatter=auto keeps NCCL's native reduce-scatter
 
 
 def test_fp16_with_grad_scaler_trains_finite_on_cuda(single, tiny_lm, tmp_path):

@@ -113,7 +113,8 @@ def test_bench_counts_fully_sharded_collectives_as_the_plan_expects(tmp_path):
     # Model FLOPs: at least 6 per parameter per token (the matmuls; embeddings are lookups but the tied head is not),
     # counted by FlopCounterMode, and a measured CPU peak that the run cannot exceed.
     tokens = result["tokens_per_step"]
-    assert 6 * (result["num_params"] - 16 * 32) * tokens <= result["model_flops_per_step"]
+    position_table = result["model"]["max_seq_len"] * result["model"]["dim"]  # a lookup: no FLOPs
+    assert 6 * (result["num_params"] - position_table) * tokens <= result["model_flops_per_step"]
     assert result["model_flops_per_step"] <= 2 * 6 * result["num_params"] * tokens
     assert 0 < result["mfu"] < 1 and result["peak_method"].startswith("measured fp32 GEMM")
 
@@ -128,4 +129,4 @@ def test_bench_collectives_times_each_op_and_the_all_reduce_form_matches_native(
     for row in rows:
         for op in ("all_reduce", "reduce_scatter_native", "reduce_scatter_via_all_reduce", "all_gather_native"):
             assert row[f"{op}_ms"] > 0, op
-        assert row["max_abs_diff_vs_native"] < 1e-6  # two ranks: a + b either way
+        assert row["max_abs_diff_vs_native"] < 1e-6  # rounding at most, on every rank's chunk; a wrong chunk: ~1
