@@ -481,8 +481,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             import torch.multiprocessing as mp
 
             task.prepare_data()  # once, here; the ranks find it cached
-            os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")  # as shardlab.runner.launch_local
-            os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+            dist_env.set_local_rank_defaults(world)  # as shardlab.runner.launch_local
             opts["peak"] = peak_for(world, int(os.environ["OMP_NUM_THREADS"]), args.peak_tflops)
             cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
             mp.start_processes(

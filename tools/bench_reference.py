@@ -2,16 +2,16 @@
 
     python tools/bench_reference.py --world-size 2 --steps 20 --warmup 5 --out bench_reference.json
 
-No shardlab code runs here except tasks/lm/model.py, for the identical model (and the comm of --reduce-scatter). The
-defaults are model=gpt_small with the LM task's defaults (seq_len 128, global batch 32, AdamW lr 3e-3 / betas 0.9,
-0.95 / weight decay 0.1 on matrices, clip_norm 1.0); tokens are random. fully_shard goes on every block (all but the
-last reshard after forward, as torchtitan does) and on the root with FSDP2's default (the root does not reshard).
-AdamW is fused. The ranks are spawned with MALLOC_MMAP_THRESHOLD_=1048576 (unless set) and OMP_NUM_THREADS = cores //
-ranks, as shardlab's local launcher does. ``--prefetch`` issues each block's all-gather asynchronously one block ahead
-(FSDP2 overlaps all-gathers through CUDA streams; on CPU/gloo every unshard otherwise blocks); ``--reduce-scatter
-all_reduce`` issues FSDP2's reduce-scatter as an all-reduce through FSDP2's custom-comm hook, overlapped with the next
-block's backward (shardlab's gloo default, and the one piece of shardlab imported here); ``--parallel ddp`` wraps in
-DDP instead.
+No shardlab code runs in the timed loop except tasks/lm/model.py, for the identical model (and the comm of
+--reduce-scatter); the launch uses shardlab's free-port and rank-environment helpers. The defaults are model=gpt_small
+with the LM task's defaults (seq_len 128, global batch 32, AdamW lr 3e-3 / betas 0.9, 0.95 / weight decay 0.1 on
+matrices, clip_norm 1.0); tokens are random. fully_shard goes on every block (all but the last reshard after forward,
+as torchtitan does) and on the root with FSDP2's default (the root does not reshard). AdamW is fused. The ranks are
+spawned with MALLOC_MMAP_THRESHOLD_=1048576 (unless set) and OMP_NUM_THREADS = cores // ranks, as shardlab's local
+launcher does. ``--prefetch`` issues each block's all-gather asynchronously one block ahead (FSDP2 overlaps
+all-gathers through CUDA streams; on CPU/gloo every unshard otherwise blocks); ``--reduce-scatter all_reduce`` issues
+FSDP2's reduce-scatter as an all-reduce through FSDP2's custom-comm hook, overlapped with the next block's backward
+(shardlab's gloo default); ``--parallel ddp`` wraps in DDP instead.
 
 Writes the same keys as tools/bench.py: tokens_per_s (global tokens per step / median step time), tokens_per_s_mean,
 median_step_ms, mean_step_ms, step_ms, optimizer_step_ms (rank 0; the ranks run in lockstep).
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from shardlab.distributed.env import free_port, set_local_rank_defaults  # noqa: E402
 from tasks.lm.config import GPTConfig  # noqa: E402
 from tasks.lm.model import GPT  # noqa: E402
 
@@ -173,14 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.batch_size % args.world_size:
         parser.error("--batch-size must be divisible by --world-size")
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.world_size)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    set_local_rank_defaults(args.world_size)  # as shardlab's local launcher
     import torch.multiprocessing as mp
 
-    mp.start_processes(train, args=(args, port), nprocs=args.world_size, join=True, start_method="spawn")
+    mp.start_processes(train, args=(args, free_port()), nprocs=args.world_size, join=True, start_method="spawn")
     return json.loads(Path(args.out).read_text())
 
 

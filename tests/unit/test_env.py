@@ -33,15 +33,13 @@ def test_single_process_without_launcher():
     assert (env.rank, env.world_size, env.launcher) == (0, 1, "none")
 
 
-def test_torchrun_variables(monkeypatch):
-    for key, value in {
-        "RANK": "3",
-        "WORLD_SIZE": "4",
-        "LOCAL_RANK": "1",
-        "MASTER_ADDR": "10.1.2.3",
-        "MASTER_PORT": "29555",
-    }.items():
+def setenv_all(monkeypatch, **variables: str) -> None:
+    for key, value in variables.items():
         monkeypatch.setenv(key, value)
+
+
+def test_torchrun_variables(monkeypatch):
+    setenv_all(monkeypatch, RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_ADDR="10.1.2.3", MASTER_PORT="29555")
     env = dist_env.detect()
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port, env.launcher) == (
         3,
@@ -54,16 +52,16 @@ def test_torchrun_variables(monkeypatch):
 
 
 def test_slurm_tasks_through_submitit(monkeypatch):
-    for key, value in {
-        "SLURM_NTASKS": "8",
-        "SLURM_PROCID": "5",
-        "SLURM_LOCALID": "1",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NODELIST": "gpu[07-08]",
-        "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_NODEID": "1",
-    }.items():
-        monkeypatch.setenv(key, value)
+    setenv_all(
+        monkeypatch,
+        SLURM_NTASKS="8",
+        SLURM_PROCID="5",
+        SLURM_LOCALID="1",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_NODEID="1",
+    )
     env = dist_env.detect()
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.launcher) == (5, 8, 1, "gpu07", "slurm")
     assert 20000 <= env.master_port < 65536  # derived from the job id, the same on every task
