@@ -57,10 +57,13 @@ def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, after_fit=No
             print("\n".join([*trainer.plan, *backend.describe()]), flush=True)
         final = trainer.fit()
         extra = after_fit(trainer) if after_fit is not None else {}
-        return {"final": final, "history": trainer.history, "stopped_early": trainer.stop_requested, **extra}
+        result = {"final": final, "history": trainer.history, "stopped_by": trainer.stopped_by, **extra}
     finally:
         if teardown:
             backend.teardown()
+    if trainer.stopped_by:
+        trainer.stop_signals.forward()  # under submitit: its requeue, now that the checkpoint is written
+    return result
 
 
 def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from shardlab.init import materialize
 from shardlab.logging import RunLogger, memory_gib
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
 from shardlab.plan import describe_plan
+from shardlab.preemption import StopSignals
 from shardlab.task import Task
 
 
@@ -43,7 +43,9 @@ class Trainer:
         self.state = TrainState()
         self.history: list[dict[str, float]] = []
         """Every logged train/valid record (rank 0 has the global values); tests compare these across backends."""
-        self.stop_requested = False
+        self.stop_signals = StopSignals()
+        self.stopped_by: str | None = None
+        """The stop signal that ended training before optimization.max_steps (after a checkpoint), if one did."""
         self.skipped_steps = 0
         """Optimizer steps skipped for non-finite gradients (fp16 overflow, or a diverged run)."""
 
@@ -90,10 +92,19 @@ class Trainer:
 
     # ---- loop ----------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
+        """Train to optimization.max_steps, or until a stop signal (then save and set ``stopped_by``)."""
+        cfg, is_main = self.cfg, self.backend.env.is_main
+        log = RunLogger(cfg.logging, self.run_dir, is_main, cfg.optimization.max_steps, self.state.step)
+        self.stop_signals.install()
+        try:
+            return self._fit(log)
+        finally:
+            self.stop_signals.restore()
+            log.close()
+
+    def _fit(self, log: RunLogger) -> dict[str, float]:
         cfg, backend, state = self.cfg, self.backend, self.state
         o = cfg.optimization
-        log = RunLogger(cfg.logging, self.run_dir, backend.env.is_main, o.max_steps, state.step)
-        self._install_signal_handlers()
         if self.resumed_from is not None:
             log.info(f"resumed from {self.resumed_from} (step {state.step}, {state.samples_seen} samples seen)")
         loader = iter(
@@ -111,7 +122,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         window_start, window_steps = time.perf_counter(), 0
         last_valid: dict[str, float] = {}
-        while state.step < o.max_steps and not self.stop_requested:
+        while state.step < o.max_steps:
             self.model.train()
             # Per-step seeding (as fairseq): dropout and augmentation depend on (seed, step, rank) only, so a resumed
             # run draws the same random numbers as an uninterrupted one without storing RNG state.
@@ -131,6 +142,8 @@ class Trainer:
             state.samples_seen += self.global_batch * o.update_freq
             window_steps += 1
             log.advance()
+            # Agreed at every step end, so all ranks stop (and save) at the same step whichever rank got the signal.
+            (stop,) = backend.any_rank(self.stop_signals.received is not None)
             if state.step % cfg.logging.interval_steps == 0 or state.step == o.max_steps:
                 totals = self._sum_over_ranks(sums)
                 metrics = self.task.summarize(totals)
@@ -149,15 +162,19 @@ class Trainer:
                 metrics["skipped_steps"] = self.skipped_steps
                 self._record("train", metrics, log)
                 sums, window_start, window_steps = {}, time.perf_counter(), 0
+            last = state.step == o.max_steps
             vi = cfg.validation.interval_steps
-            if state.step == o.max_steps or (vi and state.step % vi == 0):
+            if last or (vi and state.step % vi == 0 and not stop):  # stopping: the save comes first
                 last_valid = self.validate(log)
             ci = cfg.checkpoint.interval_steps
-            if state.step == o.max_steps or self.stop_requested or (ci and state.step % ci == 0):
-                self.save()
-        if not last_valid and not self.stop_requested:  # resumed at the end: still report the final quality
+            if last or stop or (ci and state.step % ci == 0):
+                path = self.save()
+            if stop and not last:
+                self.stopped_by = self.stop_signals.name or "a stop signal on another rank"
+                log.info(f"stopped at step {state.step} on {self.stopped_by}; saved {path}")
+                break
+        if not last_valid and not self.stopped_by:  # resumed at the end: still report the final quality
             last_valid = self.validate(log)
-        log.close()
         return last_valid
 
     def _step(self) -> torch.Tensor:
@@ -230,15 +247,3 @@ class Trainer:
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
         return self.checkpointer.save(self.state.step, self.model, self.optimizer, meta)
-
-    def _install_signal_handlers(self) -> None:
-        """SIGTERM / SIGUSR1 (Slurm preemption, `kill`): finish the current step, save, and stop cleanly."""
-
-        def request_stop(signum, frame):
-            self.stop_requested = True
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            try:
-                signal.signal(sig, request_stop)
-            except ValueError:  # not the main thread (e.g. inside a test harness): keep the default handler
-                pass

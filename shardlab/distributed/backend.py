@@ -133,6 +133,15 @@ class Backend:
             dist.all_reduce(values)
         return values
 
+    def any_rank(self, *flags: bool) -> list[bool]:
+        """Each flag OR-ed over all ranks, in one small all-reduce. Decisions such as "stop now" or "save now" must
+        be the same on every rank, or one rank enters a collective that the others never join."""
+        if not (dist.is_initialized() and self.env.world_size > 1):
+            return list(flags)
+        packed = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in packed.tolist()]
+
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
