@@ -74,7 +74,7 @@ def preflight(argv: list[str]) -> DictConfig | None:
 
 def report_and_exit(error: ShardlabError) -> None:
     print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(getattr(error, "exit_code", 2))
 
 
 def run_tool(main: Callable[[], object]) -> None:

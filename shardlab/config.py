@@ -157,6 +157,9 @@ class TrainConfig:
 
 
 def register_schemas() -> None:
+    from shardlab.run_dir import register_resolvers
+
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=TrainConfig)
     cs.store(group="schema", name="optimizer", node=OptimizerConfig)

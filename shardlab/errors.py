@@ -18,3 +18,9 @@ class DataError(ShardlabError):
 
 class CheckpointError(ShardlabError):
     """A checkpoint is corrupt, incomplete or does not match the model being trained."""
+
+
+class RankFailed(ShardlabError):
+    """A training process crashed (its traceback is printed above); not a config mistake, so exit code 1."""
+
+    exit_code = 1

@@ -1,14 +1,22 @@
-"""What the user sees while training: a rank-0 progress bar, periodic log lines and TensorBoard scalars."""
+"""What the user sees while training: a rank-0 progress bar, periodic log lines and TensorBoard scalars.
+
+The log lines also go to the run directory's train.log (beside Hydra's own lines there, on every launch path) and
+the step reached to its status.json (for sweep summaries).
+"""
 
 from __future__ import annotations
 
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
 
+from shardlab import run_record
 from shardlab.config import LoggingConfig
+
+LOG_FILE = "train.log"
 
 
 def memory_gib(device: torch.device) -> float:
@@ -37,10 +45,13 @@ class RunLogger:
 
     def __init__(self, cfg: LoggingConfig, run_dir: Path, is_main: bool, total_steps: int, start_step: int) -> None:
         self.is_main = is_main
+        self.run_dir = run_dir
         self.bar = None
         self.tb = None
         if not is_main:
             return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / LOG_FILE, "a", buffering=1)  # noqa: SIM115  (closed in close())
         if cfg.progress_bar:
             from tqdm import tqdm
 
@@ -56,7 +67,9 @@ class RunLogger:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # A resumed run first discards events past its checkpoint (logged before a crash or kill, then trained
+            # again), so the directory holds one continuous history.
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
 
     def info(self, message: str) -> None:
         if not self.is_main:
@@ -65,6 +78,7 @@ class RunLogger:
             self.bar.write(message, file=sys.stdout)
         else:
             print(message, flush=True)
+        self.file.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}\n")
 
     def advance(self, postfix: dict[str, float] | None = None) -> None:
         if self.bar is not None:
@@ -76,12 +90,17 @@ class RunLogger:
         if not self.is_main:
             return
         self.info(f"[{split}] step {step} | {format_metrics(metrics)}")
+        if split == "train":
+            run_record.update(self.run_dir, step=step)
         if self.tb is not None:
             for key, value in metrics.items():
                 self.tb.add_scalar(f"{split}/{key}", value, step)
             self.tb.flush()
 
     def close(self) -> None:
+        if not self.is_main:
+            return
+        self.file.close()
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:

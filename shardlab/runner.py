@@ -6,15 +6,21 @@ train.py (the CLI), the tests and the benchmarks all come through here, so they 
 from __future__ import annotations
 
 import faulthandler
+import json
+import os
+import signal
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from shardlab import run_record
 from shardlab.config import validate
 from shardlab.distributed import env as dist_env
-from shardlab.errors import ConfigError, ShardlabError
+from shardlab.errors import ConfigError, RankFailed, ShardlabError
+from shardlab.preemption import STOP_SIGNALS
 from shardlab.registry import BACKENDS, TASKS, load_plugins
 
 
@@ -37,6 +43,46 @@ def build_task(cfg: DictConfig, world_size: int | None = None):
     if problems:
         raise ConfigError("; ".join(problems))
     return task
+
+
+def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | None:
+    """One run as the CLI starts it (also one sweep point, or one task of a Slurm job): plan only (dry_run), spawn
+    distributed.world_size local ranks, or train as this launcher's rank. Global rank 0 keeps the run's status.json
+    (shardlab.run_record) and prints the final validation. Returns the final validation loss."""
+    env = dist_env.detect()
+    record = env.is_main and not cfg.dry_run
+    if record:
+        run_record.start(run_dir, overrides, cfg.optimization.max_steps)
+    try:
+        task = build_task(cfg, env.world_size)
+        if cfg.dry_run:
+            print_plan(cfg, task)
+            return None
+        if env.launcher == "none" and cfg.distributed.world_size > 1:
+            task.prepare_data()  # once, here, so the ranks find it cached and data errors come back as one line
+            result = launch_local(cfg, run_dir, cfg.distributed.world_size)
+        else:
+            result = run_rank(cfg, run_dir, env)
+    except BaseException as e:
+        if record and (run_record.read(run_dir) or {}).get("status") == "running":  # not a stop that saved
+            run_record.fail(run_dir, one_line(e))
+        raise
+    if record:
+        run_record.finish(run_dir, result)
+        if result["final"]:
+            print(f"final validation: {format_final(result['final'])}", flush=True)
+        if result["stopped_by"]:
+            print(f"stopped early on {result['stopped_by']}; rerun the same command to resume", flush=True)
+    return result["final"].get("loss") if result["final"] else None
+
+
+def one_line(error: BaseException) -> str:
+    if isinstance(error, ShardlabError):
+        return str(error)
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1] if text else ''}".rstrip(": ")
 
 
 def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, after_fit=None, teardown: bool = True) -> dict:
@@ -62,44 +108,69 @@ def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, after_fit=No
         if teardown:
             backend.teardown()
     if trainer.stopped_by:
+        if env.is_main:
+            run_record.finish(run_dir, result)  # before the handler below, which may end the process
         trainer.stop_signals.forward()  # under submitit: its requeue, now that the checkpoint is written
     return result
 
 
-def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int) -> None:
-    """Body of a locally spawned rank: errors are reported with the rank and end the process non-zero."""
-    faulthandler.register(__import__("signal").SIGUSR2)  # `kill -USR2 <pid>` dumps a hung rank's stacks
+def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int, result_file: str) -> None:
+    """Body of a locally spawned rank: rank 0 hands its result back through ``result_file``; errors are reported with
+    the rank and end the process non-zero."""
+    faulthandler.register(signal.SIGQUIT)  # `kill -QUIT <pid>` dumps a hung rank's stacks (USR1/2 are stop signals)
     cfg = OmegaConf.create(cfg_yaml)
     env = dist_env.detect(spawned_rank=rank, spawned_world=world_size, spawned_port=port)
     try:
-        run_rank(cfg, Path(run_dir), env)
+        result = run_rank(cfg, Path(run_dir), env)
     except ShardlabError as e:
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        raise  # torch.multiprocessing hands the message to the parent
     except Exception:
         print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        raise
+    if rank == 0:
+        Path(result_file).write_text(json.dumps({"final": result["final"], "stopped_by": result["stopped_by"]}))
 
 
-def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> None:
-    """Start ``world_size`` processes on this machine (gloo on CPU, nccl on CUDA) and wait for all of them."""
+def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> dict:
+    """Start ``world_size`` processes on this machine (gloo on CPU, nccl on CUDA), wait for all of them, and return
+    rank 0's result. A stop signal sent to this process reaches every rank, which then stop at an agreed step."""
     import torch.multiprocessing as mp
 
     port = dist_env.free_port()
     dist_env.set_local_rank_defaults(world_size)
     cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    try:
-        mp.start_processes(
+    with tempfile.TemporaryDirectory(prefix="shardlab-") as tmp:
+        result_file = str(Path(tmp) / "result.json")
+        context = mp.start_processes(
             _spawned_entry,
-            args=(cfg_yaml, str(run_dir), world_size, port),
+            args=(cfg_yaml, str(run_dir), world_size, port, result_file),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
-    except mp.ProcessExitedException as e:
-        raise SystemExit(f"error: rank {e.error_index} exited with code {e.exit_code}; see its message above") from None
-    except mp.ProcessRaisedException as e:
-        raise SystemExit(f"error: rank {e.error_index} failed: {str(e).strip().splitlines()[-1]}") from None
+
+        def forward(signum, frame):
+            for process in context.processes:
+                if process.is_alive():
+                    os.kill(process.pid, signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+        try:
+            while not context.join():
+                pass
+        except mp.ProcessRaisedException as e:
+            last = str(e).strip().splitlines()[-1]
+            name, _, message = last.partition(": ")
+            if name.rsplit(".", 1)[-1] in ("ConfigError", "DataError", "CheckpointError"):
+                raise ConfigError(message) from None  # already printed by the rank; one line and exit code 2 here
+            raise RankFailed(f"rank {e.error_index} failed: {last}") from None
+        except mp.ProcessExitedException as e:
+            raise RankFailed(f"rank {e.error_index} exited with code {e.exit_code}; see its message above") from None
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return json.loads(Path(result_file).read_text())
 
 
 def print_plan(cfg: DictConfig, task) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from shardlab.cli import CONF_DIR, preflight, report_and_exit
@@ -20,26 +23,25 @@ load_plugins()
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
+    """Hydra's task function: one run (or one sweep point); returns its final validation loss for sweepers."""
     from shardlab import runner
-    from shardlab.distributed import env as dist_env
 
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        task = runner.build_task(cfg)
-        if cfg.dry_run:
-            runner.print_plan(cfg, task)
-            return
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
-        env = dist_env.detect()
-        if env.launcher == "none" and cfg.distributed.world_size > 1:
-            task.prepare_data()  # once, here, so the ranks find it cached and data errors come back as one line
-            runner.launch_local(cfg, run_dir, cfg.distributed.world_size)
-        else:
-            result = runner.run_rank(cfg, run_dir, env)
-            if env.is_main and result["final"]:
-                print(f"final validation: {runner.format_final(result['final'])}", flush=True)
-    except ShardlabError as e:
-        report_and_exit(e)
+        return runner.run_job(cfg, run_dir, list(hydra_cfg.overrides.task))
+    except Exception as e:
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            if isinstance(e, ShardlabError):
+                report_and_exit(e)
+            raise
+        # A sweep point that fails must not stop the others: it is recorded as failed in its status.json (rank 0
+        # did), reported here in its own words, and in the summary at the end.
+        print(f"error: {e}" if isinstance(e, ShardlabError) else traceback.format_exc(), file=sys.stderr, flush=True)
+        if os.environ.get("SUBMITIT_EXECUTOR"):
+            raise  # a submitit job: the job itself must fail (the launcher raises it past Hydra's run_job)
+        return math.nan
 
 
 def cli() -> None:

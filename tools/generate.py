@@ -1,7 +1,7 @@
 """Sample text from a language-model checkpoint, to see what a run learned.
 
-    python tools/generate.py runs/lm/checkpoints/step_00000300 --prompt "def " --max-new-tokens 200
-    python tools/generate.py runs/lm/checkpoints/step_00000300 --top-k 0     # greedy
+    python tools/generate.py runs/lm/default/checkpoints/step_00000300 --prompt "def " --max-new-tokens 200
+    python tools/generate.py runs/lm/default/checkpoints/step_00000300 --top-k 0     # greedy
 
 Works with checkpoints from any backend and world size (DCP loads them into one process).
 """

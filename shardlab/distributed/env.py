@@ -1,15 +1,16 @@
 """Who am I in the job? One place decides rank / world size / local rank / rendezvous from whichever launcher ran us.
 
-Order: shardlab's own local spawn (distributed.world_size), torchrun (RANK, WORLD_SIZE, MASTER_ADDR set), Slurm
-tasks (SLURM_PROCID etc., read through submitit's SlurmJobEnvironment, the well-kept parser of Slurm's node lists;
-it also serves plain `srun`, where submitit's TorchDistributedEnvironment would insist on SUBMITIT_EXECUTOR), else
-a single process.
+Order: shardlab's own local spawn (distributed.world_size), torchrun (RANK, WORLD_SIZE, MASTER_ADDR set), the tasks
+of a Slurm job step or of a submitit local job (read through submitit's JobEnvironment classes, the well-kept parser
+of Slurm's node lists; they also serve plain `srun`, where submitit's TorchDistributedEnvironment would insist on
+SUBMITIT_EXECUTOR), else a single process.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import zlib
 from dataclasses import dataclass
 
 
@@ -21,7 +22,7 @@ class DistEnv:
     master_addr: str
     master_port: int
     launcher: str
-    """torchrun, slurm, local (shardlab spawned the ranks) or none (one process)."""
+    """torchrun, slurm, submitit_local, local (shardlab spawned the ranks) or none (one process)."""
 
     @property
     def is_main(self) -> bool:
@@ -41,14 +42,41 @@ def detect(spawned_rank: int | None = None, spawned_world: int = 1, spawned_port
             master_port=int(os.environ.get("MASTER_PORT", 29500)),
             launcher="torchrun",
         )
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        from submitit.slurm.slurm import SlurmJobEnvironment
-
-        job = SlurmJobEnvironment()
-        # Every task derives the same port from the job id (as submitit does) unless MASTER_PORT pins one.
-        port = int(os.environ.get("MASTER_PORT") or 20000 + int(job.job_id.split("_")[0]) % 40000)
-        return DistEnv(job.global_rank, job.num_tasks, job.local_rank, job.hostnames[0], port, "slurm")
+    job = _job_environment()
+    if job is not None and job.num_tasks > 1:  # one task: like no launcher, so distributed.world_size spawns ranks
+        launcher = "submitit_local" if os.environ.get("SUBMITIT_EXECUTOR") == "local" else "slurm"
+        return DistEnv(job.global_rank, job.num_tasks, job.local_rank, job.hostnames[0], job_port(job), launcher)
     return DistEnv(0, 1, 0, "127.0.0.1", 0, "none")
+
+
+def _job_environment():
+    """submitit's view of a Slurm task (or of a submitit local job), else None.
+
+    The master address is the first node of the *step* (srun puts task 0 there), which is the job's first node unless
+    the step runs on part of the allocation; submitit reads the job's list, so it is pointed at the step's here."""
+    if os.environ.get("SUBMITIT_EXECUTOR") == "local":
+        from submitit.local.local import LocalJobEnvironment
+
+        return LocalJobEnvironment()
+    if "SLURM_PROCID" not in os.environ:
+        return None
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    class SlurmStepEnvironment(SlurmJobEnvironment):
+        _env = {**SlurmJobEnvironment._env, "nodes": "SLURM_STEP_NODELIST"}
+
+    return SlurmStepEnvironment() if os.environ.get("SLURM_STEP_NODELIST") else SlurmJobEnvironment()
+
+
+def job_port(job) -> int:
+    """The rendezvous port, the same on every task of a job and different between jobs on one node: from the job's
+    own id (each array task has its own SLURM_JOB_ID; the array's id would give all of them one port), unless
+    MASTER_PORT pins one."""
+    if os.environ.get("MASTER_PORT"):
+        return int(os.environ["MASTER_PORT"])
+    raw = job.raw_job_id
+    number = int(raw) if raw.isdigit() else zlib.crc32(raw.encode())
+    return 20000 + number % 40000
 
 
 def set_local_rank_defaults(world_size: int) -> None:

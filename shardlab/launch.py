@@ -1,0 +1,144 @@
+"""Submitting a sweep through submitit (Slurm, or local processes): what hydra-submitit-launcher does, plus what a
+researcher on a cluster needs from it.
+
+- Every point of the sweep is submitted as one job array; the terminal shows each job's id, run directory and log.
+- ``wait: true`` (default) follows every job to its end, reporting each as it finishes, a failed one with its
+  one-line error (from the run's status.json); one failure does not stop the others. ``wait: false`` returns right
+  after submission: submit and walk away, and come back with ``tools/sweep_summary.py <sweep dir>``.
+- The sweep's ``sweep.json`` manifest lists every job, so a summary also shows jobs that have not started.
+- In the job, a failed run raises, so Slurm records the job as FAILED (Hydra's run_job would report success).
+
+The Hydra plugin classes are in hydra_plugins/shardlab_launcher (Hydra loads launchers only from that namespace);
+the logic is here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from omegaconf import OmegaConf, open_dict
+
+from shardlab import run_record, sweep
+
+log = logging.getLogger("shardlab.launch")
+
+SHARDLAB_KEYS = ("wait", "poll_s")
+"""Launcher keys that shardlab consumes itself; every other key goes to submitit as hydra-submitit-launcher's do."""
+
+
+def _executor(launcher: Any):
+    """A submitit executor configured like hydra-submitit-launcher's (same keys, same meaning)."""
+    import submitit
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+
+    kind, params = launcher._EXECUTOR, dict(launcher.params)
+    init_keys = {"submitit_folder", "max_num_timeout"}
+    executor = submitit.AutoExecutor(
+        cluster=kind,
+        folder=params["submitit_folder"],
+        **({f"{kind}_max_num_timeout": params["max_num_timeout"]} if "max_num_timeout" in params else {}),
+    )
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor.update_parameters(
+        **{k if k in base else f"{kind}_{k}": v for k, v in params.items() if k not in init_keys}
+    )
+    return executor
+
+
+def _run_dir(launcher: Any, overrides: list[str], num: int) -> Path:
+    """The directory the job will run in, resolved as Hydra resolves it inside the job."""
+    config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+    with open_dict(config.hydra.job):
+        config.hydra.job.num = num
+    saved = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(config)
+    try:
+        return Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
+    finally:
+        HydraConfig.instance().cfg = saved
+
+
+def launch(launcher: Any, job_overrides, initial_job_idx: int) -> list[JobReturn]:
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    executor = _executor(launcher)
+    nums = [initial_job_idx + i for i in range(len(job_overrides))]
+    state = Singleton.get_state()
+    args = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", state) for o, n in zip(job_overrides, nums, strict=True)]
+    jobs = executor.map_array(launcher, *zip(*args, strict=True))
+    entries = []
+    for job, overrides, num in zip(jobs, job_overrides, nums, strict=True):
+        run_dir = _run_dir(launcher, overrides, num)
+        entry = {
+            "num": num,
+            "job_id": job.job_id,
+            "overrides": filter_overrides(list(overrides)),
+            "run_dir": str(run_dir),
+            "log": str(job.paths.stdout),
+        }
+        entries.append(entry)
+        log.info(f"#{num} job {job.job_id}: {' '.join(entry['overrides']) or '(no overrides)'}")
+        log.info(f"    run dir {run_dir}\n    log     {entry['log']}")
+    sweep.write_manifest(sweep_dir, entries)
+    if not launcher.wait:
+        log.info(
+            f"submitted {len(jobs)} job(s) ({', '.join(j.job_id for j in jobs)}); not waiting (wait=false). "
+            f"Results: python tools/sweep_summary.py {sweep_dir}"
+        )
+        return [_job_return(e, None) for e in entries]
+    return _follow(jobs, entries, launcher.poll_s)
+
+
+def _follow(jobs, entries: list[dict[str, Any]], poll_s: float) -> list[JobReturn]:
+    """Wait for every job, reporting each as it ends; a failed or cancelled job never stops the wait for the others."""
+    results: dict[int, JobReturn] = {}
+    while len(results) < len(jobs):
+        for i, (job, entry) in enumerate(zip(jobs, entries, strict=True)):
+            if i in results or not job.done():
+                continue
+            value, line = _outcome(job, entry)
+            log.info(f"#{entry['num']} job {job.job_id} {line}")
+            results[i] = _job_return(entry, value)
+        if len(results) < len(jobs):
+            time.sleep(poll_s)
+    return [results[i] for i in range(len(jobs))]
+
+
+def _outcome(job, entry: dict[str, Any]) -> tuple[float | None, str]:
+    """(the job's return value, a one-line report) for a finished job."""
+    status = run_record.read(Path(entry["run_dir"])) or {}
+    try:
+        ret = job.results()[0]  # task 0 (global rank 0) answers for the job
+    except Exception as e:  # FailedJobError (the job raised) or UncompletedJobError (cancelled, killed, timed out)
+        reason = status.get("error") or f"{type(e).__name__}: {_last_line(str(e))} (state {job.state})"
+        return math.nan, f"failed: {reason}; log {entry['log']}"
+    value = ret.return_value if isinstance(ret, JobReturn) else ret
+    final = status.get("final") or {}
+    metrics = ", ".join(f"{k} {v:.4g}" for k, v in final.items())
+    return value, f"{status.get('status', 'completed')} at step {status.get('step', '?')}: {metrics or 'no metrics'}"
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _job_return(entry: dict[str, Any], value: Any) -> JobReturn:
+    ret = JobReturn(overrides=entry["overrides"], working_dir=entry["run_dir"])
+    ret.status = JobStatus.COMPLETED  # failures are reported above and in the summary; Hydra must not stop on them
+    ret._return_value = value
+    return ret
+
+
+def raise_if_failed(ret: JobReturn) -> JobReturn:
+    """In the job: a failed run raises, so submitit records the error and Slurm the job as FAILED."""
+    if ret.status == JobStatus.FAILED:
+        raise ret._return_value
+    return ret

@@ -1,0 +1,165 @@
+"""The summary of a sweep: one row per point (overrides, status, steps, final metrics, wall time, error).
+
+Rows come from each point's ``status.json`` (shardlab.run_record) and, for sweeps submitted through shardlab's
+submitit launchers, from the ``sweep.json`` manifest they write at submission (so points that have not started yet,
+or died without a word, are listed too). Printed and written as ``summary.json`` and ``summary.csv`` at the end of a
+multirun, and rebuilt at any time by ``tools/sweep_summary.py <sweep dir>``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from shardlab import run_record
+
+MANIFEST = "sweep.json"
+COLUMNS = ("job", "overrides", "status", "step", "wall_s")
+
+
+def write_manifest(sweep_dir: Path, jobs: list[dict[str, Any]]) -> None:
+    """``jobs``: one dict per point with at least ``num``, ``overrides``, ``run_dir``; submitit adds ``job_id`` and
+    ``log``. Merged with an existing manifest (a sweep submitted in several batches)."""
+    path = sweep_dir / MANIFEST
+    known = {j["num"]: j for j in (json.loads(path.read_text()) if path.is_file() else [])}
+    known.update({j["num"]: j for j in jobs})
+    path.write_text(json.dumps([known[k] for k in sorted(known)], indent=1))
+
+
+def _slurm_states(job_ids: list[str]) -> dict[str, str]:
+    """Slurm's state of each job still known to it (squeue), or {} without Slurm."""
+    if not job_ids or shutil.which("squeue") is None:
+        return {}
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-t", "all", "-o", "%i|%T", "-j", ",".join(job_ids)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(line.split("|", 1) for line in out.split() if "|" in line)
+
+
+def collect(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per point of the sweep in ``sweep_dir``, in job order."""
+    sweep_dir = Path(sweep_dir)
+    manifest = json.loads((sweep_dir / MANIFEST).read_text()) if (sweep_dir / MANIFEST).is_file() else []
+    entries = {str(Path(j["run_dir"]).resolve()): j for j in manifest}
+    for overrides_file in sorted(sweep_dir.glob("*/.hydra/overrides.yaml")):  # points of a local (basic) sweep
+        run_dir = str(overrides_file.parent.parent.resolve())
+        entries.setdefault(run_dir, {"num": None, "run_dir": run_dir})
+    slurm = _slurm_states([str(j["job_id"]) for j in manifest if j.get("job_id")])
+    rows = []
+    for run_dir, entry in entries.items():
+        status = run_record.read(Path(run_dir)) or {}
+        row: dict[str, Any] = {
+            "job": entry.get("job_id") or entry.get("num"),
+            "num": entry.get("num"),
+            "overrides": " ".join(status.get("overrides") or entry.get("overrides") or []),
+            "status": status.get("status", "pending"),
+            "step": status.get("step", 0),
+            "max_steps": status.get("max_steps"),
+            "wall_s": round(status["updated"] - status["started"], 1) if "started" in status else None,
+            "final": status.get("final") or {},
+            "error": status.get("error"),
+            "run_dir": run_dir,
+            "log": entry.get("log"),
+        }
+        state = slurm.get(str(entry.get("job_id")))
+        if state and row["status"] in ("pending", "running"):
+            row["status"] = "pending" if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD") else row["status"]
+            if state in ("CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"):
+                row["status"] = f"died ({state.lower()})"
+        rows.append(row)
+    rows.sort(key=lambda r: (r["num"] is None, r["num"] if r["num"] is not None else 0, r["run_dir"]))
+    for i, row in enumerate(rows):
+        if row["job"] is None:
+            row["job"] = i
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as an aligned table; overrides shared by every point are listed once above it."""
+    metrics = sorted({k for r in rows for k in r["final"]}, key=lambda k: (k != "loss", k))
+    split = [r["overrides"].split() for r in rows]
+    common = [o for o in split[0] if all(o in s for s in split[1:])] if len(rows) > 1 else []
+    rows = [
+        {**r, "overrides": " ".join(o for o in s if o not in common) or "-"} for r, s in zip(rows, split, strict=True)
+    ]
+    header = [*COLUMNS, *metrics]
+    body = [
+        [
+            *(
+                _cell(r[c] if c != "step" else f"{r['step']}/{r['max_steps']}" if r["max_steps"] else r["step"])
+                for c in COLUMNS
+            ),
+            *(_cell(r["final"].get(m)) for m in metrics),
+        ]
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(line[i]) for line in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = [f"common overrides: {' '.join(common)}"] if common else []
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in body]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"job {r['job']} ({r['overrides'] or 'no overrides'}) failed: {r['error']}")
+    return "\n".join(lines)
+
+
+def write_summary(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
+    sweep_dir = Path(sweep_dir)
+    (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=1))
+    metrics = sorted({k for r in rows for k in r["final"]})
+    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*COLUMNS, "max_steps", *metrics, "error", "run_dir"])
+        for r in rows:
+            writer.writerow(
+                [
+                    *(r[c] for c in COLUMNS),
+                    r["max_steps"],
+                    *(r["final"].get(m) for m in metrics),
+                    r["error"],
+                    r["run_dir"],
+                ]
+            )
+
+
+def summarize(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Collect, print and write the summary of ``sweep_dir``; returns its rows."""
+    rows = collect(sweep_dir)
+    write_summary(sweep_dir, rows)
+    print(f"\nsweep {sweep_dir} ({time.strftime('%Y-%m-%d %H:%M:%S')}):\n{format_table(rows)}", flush=True)
+    print(f"written to {Path(sweep_dir) / 'summary.json'} and summary.csv", flush=True)
+    return rows
+
+
+class SweepSummary(Callback):
+    """Hydra callback (conf/config.yaml): the summary table after every multirun, and exit code 1 when a point failed,
+    died or was stopped before its end, so shells and CI see it although Hydra was told each point returned (a
+    failed point must not stop the others). Points still pending or running (``wait: false``) are not failures."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        rows = summarize(Path(config.hydra.sweep.dir))
+        if any(r["status"] not in ("completed", "pending", "running") for r in rows):  # failed, died, stopped
+            raise SystemExit(1)
