@@ -19,6 +19,14 @@ LAUNCHER_VARS = (
     "SLURM_JOB_NODELIST",
     "SLURM_JOB_NUM_NODES",
     "SLURM_NODEID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+    "SUBMITIT_EXECUTOR",
+    "SUBMITIT_LOCAL_JOB_ID",
+    "SUBMITIT_LOCAL_NTASKS",
+    "SUBMITIT_LOCAL_GLOBALID",
+    "SUBMITIT_LOCAL_LOCALID",
 )
 
 
@@ -70,3 +78,48 @@ def test_slurm_tasks_through_submitit(monkeypatch):
 def test_locally_spawned_rank():
     env = dist_env.detect(spawned_rank=1, spawned_world=2, spawned_port=1234)
     assert (env.rank, env.world_size, env.master_port, env.launcher) == (1, 2, 1234, "local")
+
+
+def slurm_task(monkeypatch, job_id: str, **extra: str) -> dist_env.DistEnv:
+    setenv_all(
+        monkeypatch,
+        SLURM_NTASKS="2",
+        SLURM_PROCID="1",
+        SLURM_LOCALID="1",
+        SLURM_JOB_ID=job_id,
+        SLURM_JOB_NODELIST="node[3-4]",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NODEID="0",
+        **extra,
+    )
+    return dist_env.detect()
+
+
+def test_array_tasks_on_one_node_get_different_ports(monkeypatch):
+    first = slurm_task(monkeypatch, "101", SLURM_ARRAY_JOB_ID="100", SLURM_ARRAY_TASK_ID="0")
+    second = slurm_task(monkeypatch, "102", SLURM_ARRAY_JOB_ID="100", SLURM_ARRAY_TASK_ID="1")
+    assert first.master_port != second.master_port
+    assert slurm_task(monkeypatch, "101").master_port == first.master_port  # every task of a job agrees
+
+
+def test_master_is_the_first_node_of_the_step(monkeypatch):
+    assert slurm_task(monkeypatch, "7").master_addr == "node3"
+    assert slurm_task(monkeypatch, "7", SLURM_STEP_NODELIST="node[4-5]").master_addr == "node4"
+
+
+def test_a_one_task_slurm_job_spawns_its_own_ranks(monkeypatch):
+    setenv_all(monkeypatch, SLURM_NTASKS="1", SLURM_PROCID="0", SLURM_JOB_ID="9", SLURM_JOB_NODELIST="n1")
+    assert dist_env.detect().launcher == "none"
+
+
+def test_submitit_local_job_tasks(monkeypatch):
+    setenv_all(
+        monkeypatch,
+        SUBMITIT_EXECUTOR="local",
+        SUBMITIT_LOCAL_JOB_ID="31337",
+        SUBMITIT_LOCAL_NTASKS="2",
+        SUBMITIT_LOCAL_GLOBALID="1",
+        SUBMITIT_LOCAL_LOCALID="1",
+    )
+    env = dist_env.detect()
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (1, 2, 1, "submitit_local")

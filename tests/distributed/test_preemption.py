@@ -1,0 +1,59 @@
+"""A stop signal on one rank stops every rank at the same step, with a checkpoint there; the run then resumes to the
+same losses as an uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from shardlab.distributed import env as dist_env
+from shardlab.runner import run_rank
+from tests.distributed.harness import run_spawned
+
+STOP_AT_LOSS_CALL = 3  # rank 1 signals itself during its 3rd forward: training step 3
+
+
+def signal_rank1_during_step3() -> None:
+    """Runs in each spawned rank before the configs: rank 1 sends itself SIGUSR1 in the middle of step 3."""
+    import torch.distributed as dist
+
+    from tasks.lm.task import LanguageModelingTask
+
+    original, calls = LanguageModelingTask.loss, {"n": 0}
+
+    def loss(self, model, batch, device):
+        calls["n"] += 1
+        if calls["n"] == STOP_AT_LOSS_CALL and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return original(self, model, batch, device)
+
+    LanguageModelingTask.loss = loss
+
+
+def train_losses(result: dict) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in result["history"] if r["split"] == "train"}
+
+
+def test_signal_on_one_rank_stops_all_at_one_step_and_resume_matches(tiny_lm, tmp_path):
+    cfg = tiny_lm("distributed.backend=fully_sharded", "validation.interval_steps=0")
+    run_dir = tmp_path / "interrupted"
+    (stopped,) = run_spawned([cfg], world_size=2, run_dirs=[run_dir], prepare=signal_rank1_during_step3)
+
+    assert stopped["stopped_by"] == "a stop signal on another rank"  # rank 0 itself got no signal
+    assert sorted(train_losses(stopped)) == [1, 2, 3]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000003"]
+
+    (resumed,) = run_spawned([cfg], world_size=2, run_dirs=[run_dir])
+    reference = run_rank(cfg, tmp_path / "uninterrupted", dist_env.detect())
+    got, expected = train_losses(resumed), train_losses(reference)
+    assert sorted(got) == list(range(4, 11))
+    torch.testing.assert_close(
+        torch.tensor([got[s] for s in sorted(got)], dtype=torch.float64),
+        torch.tensor([expected[s] for s in sorted(got)], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
+    assert resumed["final"]["loss"] == pytest.approx(reference["final"]["loss"], rel=1e-5)

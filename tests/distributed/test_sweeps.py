@@ -1,0 +1,64 @@
+"""Hydra multirun on this machine: every point in its own directory, a failed point reported without stopping the
+others, and the summary table at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import TINY_LM
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sweep(sweep_dir: Path, corpus_cache: str, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardlab.train",
+        "-m",
+        *TINY_LM,
+        "optimization.max_steps=6",
+        "validation.interval_steps=0",
+        f"data.cache_dir={corpus_cache}",
+        f"hydra.sweep.dir={sweep_dir}",
+        *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_four_point_sweep_on_two_ranks_each_gets_its_own_directory_and_summary(tmp_path, corpus_cache):
+    proc = sweep(
+        tmp_path, corpus_cache, "optimizer.lr=1e-3,3e-3", "model.num_layers=1,2", "distributed.backend=ddp",
+        "distributed.world_size=2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert len(rows) == 4 and len({r["run_dir"] for r in rows}) == 4
+    assert all(r["status"] == "completed" and r["step"] == 6 and r["final"]["loss"] > 0 for r in rows)
+    swept = ("optimizer.lr", "model.num_layers")
+    points = {tuple(sorted(o for o in r["overrides"].split() if o.startswith(swept))) for r in rows}
+    assert points == {(f"model.num_layers={n}", f"optimizer.lr={lr}") for n in (1, 2) for lr in ("0.001", "0.003")}
+    for r in rows:  # each point trained on 2 ranks, kept its own checkpoints, and printed its final line
+        assert (Path(r["run_dir"]) / "checkpoints" / "step_00000006").is_dir()
+    assert proc.stdout.count("world size 2 (local)") == 4 and proc.stdout.count("final validation:") == 4
+    table = proc.stdout[proc.stdout.index("\nsweep ") :]
+    assert "model.num_layers=2 optimizer.lr=0.003  completed  6/6" in table
+
+
+def test_a_failed_point_is_reported_and_the_others_finish(tmp_path, corpus_cache):
+    proc = sweep(tmp_path, corpus_cache, "model.num_heads=3,4")
+    assert proc.returncode == 1
+    assert "error: model.num_heads (3) must divide model.dim (64)" in proc.stderr
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    heads = [next(o for o in r["overrides"].split() if o.startswith("model.num_heads=")) for r in rows]
+    assert list(zip(heads, [r["status"] for r in rows], strict=True)) == [
+        ("model.num_heads=3", "failed"),
+        ("model.num_heads=4", "completed"),
+    ]
+    assert rows[0]["error"] == "model.num_heads (3) must divide model.dim (64)"
+    assert "job 0 (model.num_heads=3) failed: model.num_heads (3) must divide model.dim (64)" in proc.stdout

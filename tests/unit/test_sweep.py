@@ -1,0 +1,84 @@
+"""Sweep summaries from run directories: what each point is doing or how it ended."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from shardlab import run_record, sweep
+from shardlab.preemption import StopSignals
+
+
+def make_point(sweep_dir: Path, num: int, overrides: list[str], **status) -> Path:
+    run_dir = sweep_dir / f"{num}_point"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("\n".join(f"- {o}" for o in overrides))
+    if status:
+        run_record.start(run_dir, overrides, max_steps=10)
+        run_record.update(run_dir, **status)
+    return run_dir
+
+
+def test_summary_lists_every_point_with_status_metrics_and_error(tmp_path, capsys):
+    make_point(tmp_path, 0, ["lr=1", "model=a"], status="completed", step=10, final={"loss": 2.5, "ppl": 12.2})
+    make_point(tmp_path, 1, ["lr=2", "model=a"], status="failed", step=0, error="model.num_heads (3) must divide")
+    make_point(tmp_path, 2, ["lr=3", "model=a"], status="running", step=4)
+    rows = sweep.summarize(tmp_path)
+    assert [(r["status"], r["step"], r["final"].get("loss")) for r in rows] == [
+        ("completed", 10, 2.5),
+        ("failed", 0, None),
+        ("running", 4, None),
+    ]
+    table = capsys.readouterr().out
+    assert "common overrides: model=a" in table
+    assert "job 1 (lr=2) failed: model.num_heads (3) must divide" in table
+    assert json.loads((tmp_path / "summary.json").read_text()) == rows
+    csv_lines = (tmp_path / "summary.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("job,overrides,status,step,wall_s,max_steps,loss,ppl,error") and len(csv_lines) == 4
+
+
+def test_manifest_points_that_never_started_are_pending(tmp_path):
+    run_dir = make_point(tmp_path, 0, ["lr=1"], status="completed", step=10)
+    sweep.write_manifest(
+        tmp_path,
+        [
+            {"num": 0, "job_id": "7_0", "overrides": ["lr=1"], "run_dir": str(run_dir)},
+            {"num": 1, "job_id": "7_1", "overrides": ["lr=2"], "run_dir": str(tmp_path / "1_never")},
+        ],
+    )
+    rows = sweep.collect(tmp_path)
+    assert [(r["job"], r["overrides"], r["status"]) for r in rows] == [
+        ("7_0", "lr=1", "completed"),
+        ("7_1", "lr=2", "pending"),
+    ]
+
+
+def test_summary_callback_exits_nonzero_only_when_a_point_did_not_finish(tmp_path):
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    make_point(tmp_path, 0, ["lr=1"], status="completed", step=10)
+    sweep.SweepSummary().on_multirun_end(config)  # no exit
+    make_point(tmp_path, 1, ["lr=2"], status="stopped", step=4)
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.SweepSummary().on_multirun_end(config)
+    assert exit_info.value.code == 1
+
+
+def test_stop_signal_is_recorded_then_forwarded_to_the_previous_handler():
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        stop = StopSignals()
+        stop.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.received == signal.SIGUSR1 and stop.name == "SIGUSR1" and seen == []
+        stop.restore()
+        stop.forward()
+        assert seen == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
