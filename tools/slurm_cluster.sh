@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A real one-node Slurm on this machine, for the `slurm` tests and for trying shardlab's Slurm path without a cluster.
 #
-#   sudo tools/slurm_cluster.sh up      # install (Debian/Ubuntu packages) if needed, start munge, slurmctld, slurmd
+#   sudo tools/slurm_cluster.sh install # Debian/Ubuntu packages slurmctld slurmd slurm-client munge (CI does this)
+#   sudo tools/slurm_cluster.sh up      # install if needed, start munge, slurmctld, slurmd
 #   source "${SHARDLAB_SLURM_DIR:-/tmp/shardlab-slurm}/env.sh"   # SLURM_CONF, and the sacct stand-in on PATH
 #   sudo tools/slurm_cluster.sh down    # cancel what is left and stop the daemons
 #
@@ -139,7 +140,8 @@ down_daemons() {
 }
 
 case "${1:-}" in
+  install) [ "$(id -u)" = 0 ] || die "needs root to install packages"; install_packages ;;
   up) up ;;
   down) down_daemons; stop_pid /run/munge/munged.pid; echo "slurm down" ;;
-  *) die "usage: $0 up|down" ;;
+  *) die "usage: $0 install|up|down" ;;
 esac

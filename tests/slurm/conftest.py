@@ -1,0 +1,41 @@
+"""A real one-node Slurm for the tests marked `slurm`, brought up and down by tools/slurm_cluster.sh.
+
+Without root (a laptop) these tests skip with the reason; under CI (CI=true) a cluster that does not start fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "slurm_cluster.sh"
+CLUSTER_DIR = Path(os.environ.get("SHARDLAB_SLURM_DIR", "/tmp/shardlab-slurm"))
+
+
+def _unavailable(reason: str):
+    if os.environ.get("CI"):
+        pytest.fail(f"Slurm cluster unavailable under CI: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def slurm_env() -> dict[str, str]:
+    """The environment in which sbatch/squeue/scancel reach the test cluster (and the sacct stand-in answers)."""
+    if os.geteuid() != 0:
+        _unavailable("needs root to start munge, slurmctld and slurmd (run the suite as root, or in CI)")
+    if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
+        _unavailable("Slurm is not installed and there is no apt-get to install it")
+    env = {**os.environ, "SHARDLAB_SLURM_DIR": str(CLUSTER_DIR)}
+    up = subprocess.run(["bash", str(SCRIPT), "up"], env=env, capture_output=True, text=True, timeout=600)
+    if up.returncode != 0:
+        _unavailable(f"tools/slurm_cluster.sh up failed: {(up.stderr or up.stdout).strip()[-2000:]}")
+    env["SLURM_CONF"] = str(CLUSTER_DIR / "etc" / "slurm.conf")
+    env["PATH"] = f"{CLUSTER_DIR / 'bin'}:{env['PATH']}"
+    env["OMP_NUM_THREADS"] = "1"
+    yield env
+    subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True, text=True, timeout=120)
