@@ -19,7 +19,7 @@ install_packages() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null &&
     command -v munged >/dev/null && return 0
   command -v apt-get >/dev/null || die "slurmctld/slurmd/munge are missing and there is no apt-get to install them"
-  [ -n "$(ls -A /var/lib/apt/lists 2>/dev/null | grep -v lock)" ] || apt-get update -qq
+  apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     slurmctld slurmd slurm-client munge >/dev/null
 }
