@@ -120,7 +120,9 @@ class Trainer:
             )
         )
         sums: dict[str, torch.Tensor] = {}
-        window_start, window_steps = time.perf_counter(), 0
+        # Throughput windows time training only: validation and saving inside a window are taken out (and timed
+        # on their own lines).
+        window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
         last_valid: dict[str, float] = {}
         while state.step < o.max_steps:
             self.model.train()
@@ -137,6 +139,7 @@ class Trainer:
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0) + v.detach().float()
                 sums["units"] = sums.get("units", 0) + self.task.num_units(batch)
+            lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (_step advances the schedule)
             grad_norm = self._step()
             state.step += 1
             state.samples_seen += self.global_batch * o.update_freq
@@ -147,10 +150,10 @@ class Trainer:
             if state.step % cfg.logging.interval_steps == 0 or state.step == o.max_steps:
                 totals = self._sum_over_ranks(sums)
                 metrics = self.task.summarize(totals)
-                elapsed = time.perf_counter() - window_start
+                elapsed = time.perf_counter() - window_start - window_paused
                 metrics.update(
                     {
-                        "lr": self.scheduler.get_last_lr()[0],
+                        "lr": lr,
                         "gnorm": float(grad_norm),
                         f"{self.task.unit}_per_s": totals["units"] / max(elapsed, 1e-9),
                         "ms_per_step": 1000 * elapsed / max(window_steps, 1),
@@ -161,7 +164,8 @@ class Trainer:
                     metrics["loss_scale"] = float(self.scaler.get_scale())
                 metrics["skipped_steps"] = self.skipped_steps
                 self._record("train", metrics, log)
-                sums, window_start, window_steps = {}, time.perf_counter(), 0
+                sums, window_start, window_steps, window_paused = {}, time.perf_counter(), 0, 0.0
+            paused_from = time.perf_counter()
             last = state.step == o.max_steps
             vi = cfg.validation.interval_steps
             if last or (vi and state.step % vi == 0 and not stop):  # stopping: the save comes first
@@ -169,6 +173,7 @@ class Trainer:
             ci = cfg.checkpoint.interval_steps
             if last or stop or (ci and state.step % ci == 0):
                 path = self.save()
+            window_paused += time.perf_counter() - paused_from
             if stop and not last:
                 self.stopped_by = self.stop_signals.name or "a stop signal on another rank"
                 log.info(f"stopped at step {state.step} on {self.stopped_by}; saved {path}")
@@ -215,13 +220,14 @@ class Trainer:
             num_workers=self.task.num_workers,
         )
         sums: dict[str, torch.Tensor] = {}
+        started = time.perf_counter()
         for batch in loader:
             with backend.forward_context():
                 _, stats = self.task.loss(self.model, batch, backend.device)
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0) + v.detach().float()
         metrics = self.task.summarize(self._sum_over_ranks(sums))
-        self._record("valid", metrics, log)
+        self._record("valid", {**metrics, "seconds": time.perf_counter() - started}, log)
         return metrics
 
     # ---- helpers -------------------------------------------------------------------------------------------------

@@ -146,3 +146,17 @@ def test_killed_run_rerun_with_resume_auto_ends_like_an_uninterrupted_one(tmp_pa
     assert code == 0, err
     assert "resumed from" in out
     assert final_line(out) == expected
+
+
+def test_train_log_holds_the_console_lines_and_the_logged_lr_is_the_steps_own(tmp_path, corpus_cache):
+    code, out, err = run_cli(
+        *KILL_RUN[:7], f"data.cache_dir={corpus_cache}", f"hydra.run.dir={tmp_path}", "optimization.max_steps=6",
+        "lr_scheduler=constant", "lr_scheduler.warmup_steps=4", "optimizer.lr=1e-3", "logging.interval_steps=1",
+        "validation.interval_steps=3", "logging.tensorboard=false",
+    )  # fmt: skip
+    assert code == 0, err
+    console = [line for line in out.splitlines() if line.startswith(("[train]", "[valid]"))]
+    logged = [line.split("] ", 1)[1] for line in (tmp_path / "train.log").read_text().splitlines()]
+    assert len(console) == 8 and [line for line in logged if line.startswith(("[train]", "[valid]"))] == console
+    lrs = [re.search(r"\| lr (\S+) \|", line).group(1) for line in console if line.startswith("[train]")]
+    assert lrs == ["2.00e-04", "4.00e-04", "6.00e-04", "8.00e-04", "1.00e-03", "1.00e-03"]  # warmup (s+1)/5, then peak
