@@ -26,4 +26,4 @@ def test_validation_time_is_not_counted_as_training_time(tiny_lm, tmp_path, monk
     assert len(train) == 3 and len(valid) == 6
     # Windows 2 and 3 each hold two validations (2 s): counted, ms_per_step would be >= 1000.
     assert all(r["ms_per_step"] < 1000 * PAUSE_S / 2 for r in train[1:]), [r["ms_per_step"] for r in train]
-    assert all(r["seconds"] >= PAUSE_S for r in valid)
+    assert all(0 < r["seconds"] < PAUSE_S for r in valid)  # its own time, measured inside validate
