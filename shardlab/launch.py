@@ -117,6 +117,11 @@ def _outcome(job, entry: dict[str, Any]) -> tuple[float | None, str]:
     try:
         ret = job.results()[0]  # task 0 (global rank 0) answers for the job
     except Exception as e:  # FailedJobError (the job raised) or UncompletedJobError (cancelled, killed, timed out)
+        if status.get("status") == "stopped":  # a stop signal, a checkpoint, no requeue (e.g. scancel)
+            return math.nan, (
+                f"stopped at step {status.get('step')} on {status.get('stopped_by')} (Slurm: {job.state}); "
+                f"the same sweep point resumes from its checkpoint in {entry['run_dir']}"
+            )
         reason = status.get("error") or f"{type(e).__name__}: {_last_line(str(e))} (state {job.state})"
         return math.nan, f"failed: {reason}; log {entry['log']}"
     value = ret.return_value if isinstance(ret, JobReturn) else ret

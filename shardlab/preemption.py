@@ -18,6 +18,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 """SIGUSR2 is submitit's (and `scancel --signal=USR2`'s); SIGUSR1 a common `sbatch --signal` choice; SIGTERM is what
 Slurm sends on preemption and at cancellation."""
 
+STOPPED_EXIT_CODE = 128 + signal.SIGTERM
+"""Exit code of a run that a stop signal ended early, after its checkpoint (what a process ended by SIGTERM returns).
+Under submitit this also means no result is written, so a job that Slurm requeues (preemption, `scontrol requeue`)
+is still followed by its submitter, and one that was cancelled is reported as stopped."""
+
 
 class StopSignals:
     def __init__(self) -> None:

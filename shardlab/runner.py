@@ -20,7 +20,7 @@ from shardlab import run_record
 from shardlab.config import validate
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, RankFailed, ShardlabError
-from shardlab.preemption import STOP_SIGNALS
+from shardlab.preemption import STOP_SIGNALS, STOPPED_EXIT_CODE
 from shardlab.registry import BACKENDS, TASKS, load_plugins
 
 
@@ -71,8 +71,10 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
         run_record.finish(run_dir, result)
         if result["final"]:
             print(f"final validation: {format_final(result['final'])}", flush=True)
-        if result["stopped_by"]:
+    if result["stopped_by"]:
+        if record:
             print(f"stopped early on {result['stopped_by']}; rerun the same command to resume", flush=True)
+        raise SystemExit(STOPPED_EXIT_CODE)
     return result["final"].get("loss") if result["final"] else None
 
 

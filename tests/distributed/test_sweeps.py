@@ -62,3 +62,22 @@ def test_a_failed_point_is_reported_and_the_others_finish(tmp_path, corpus_cache
     ]
     assert rows[0]["error"] == "model.num_heads (3) must divide model.dim (64)"
     assert "job 0 (model.num_heads=3) failed: model.num_heads (3) must divide model.dim (64)" in proc.stdout
+
+
+def test_a_run_resumed_on_another_world_size_continues_in_its_directory(tmp_path, corpus_cache):
+    """The run directory follows the experiment: world size, backend and max_steps do not move it."""
+    common = [*TINY_LM, f"data.cache_dir={corpus_cache}", "validation.interval_steps=0", "checkpoint.interval_steps=4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def train(*overrides: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "shardlab.train", *common, *overrides]
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    first = train("distributed.backend=fully_sharded", "distributed.world_size=2", "optimization.max_steps=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / "lm").iterdir()
+    second = train("optimization.max_steps=8")  # world size 1, single backend, a longer run
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "runs" / "lm").iterdir()] == [run_dir.name]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004'} (step 4," in second.stdout
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]

@@ -135,6 +135,30 @@ def test_usr2_requeues_and_resumes_at_the_signalled_step(slurm_env, corpus_cache
     assert status["final"]["loss"] == pytest.approx(local_two_ranks["final"]["loss"], rel=1e-5)
 
 
+def test_a_job_slurm_requeues_saves_first_and_is_followed_to_its_end(
+    slurm_env, corpus_cache, tmp_path, local_two_ranks
+):
+    """`scontrol requeue` (what preemption with requeue does): SIGTERM, an agreed stop with a checkpoint, an exit
+    without a result, so the submitter keeps following the job through its requeue to the end."""
+    proc = submit(slurm_env, tmp_path, corpus_cache, "hydra.launcher.tasks_per_node=2", "checkpoint.interval_steps=5")
+    job = wait_for(lambda: (manifest(tmp_path) or [None])[0], 60, "the submission")
+    run_dir, job_id = Path(job["run_dir"]), job["job_id"]
+    wait_for(lambda: (run_record.read(run_dir) or {}).get("step", 0) >= 7, 120, "step 7")
+    subprocess.run(["scontrol", "requeue", job_id], env=slurm_env, check=True)
+    wait_for(lambda: slurm_state(slurm_env, job_id) == "PENDING", 60, "the requeue")
+    time.sleep(3)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm_env, check=True)
+    out = finish(proc)
+    assert f"#0 job {job_id} completed at step 60" in out, out[-3000:]
+    log = (run_dir / "train.log").read_text()
+    stopped_at = int(log.split("stopped at step ")[1].split()[0])
+    assert f"step_{stopped_at:08d} (step {stopped_at}," in log and "on SIGTERM" in log
+    assert logged_steps(run_dir) == list(range(1, 61))
+    got = scalars(run_dir)
+    assert [s for s, _ in got] == list(range(1, 61))
+    assert_losses_equal([v for _, v in got], train_losses(local_two_ranks))
+
+
 def test_a_bad_config_reports_its_one_line_error_and_the_job_fails(slurm_env, corpus_cache, tmp_path):
     proc = submit(slurm_env, tmp_path, corpus_cache, "model.num_heads=3")
     out = finish(proc)
