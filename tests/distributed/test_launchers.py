@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -72,3 +74,28 @@ def test_two_torchrun_nodes_with_hybrid_sharding_match_one_process(tmp_path, cor
         torch.tensor([v for _, v in got], dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), rtol=1e-5,
         atol=0,
     )  # fmt: skip
+
+
+def test_sigterm_to_a_local_two_rank_run_stops_both_ranks_at_a_saved_step(tmp_path, corpus_cache):
+    from shardlab import run_record
+    from shardlab.preemption import STOPPED_EXIT_CODE
+
+    cmd = [
+        sys.executable, "-m", "shardlab.train", *TINY_LM, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={tmp_path}",
+        "distributed.backend=fully_sharded", "distributed.world_size=2", "optimization.max_steps=100000",
+        "lr_scheduler.warmup_steps=0", "validation.interval_steps=0",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while (run_record.read(tmp_path) or {}).get("step", 0) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == STOPPED_EXIT_CODE, err[-3000:]
+    status = run_record.read(tmp_path)
+    assert status["status"] == "stopped" and status["stopped_by"] == "SIGTERM"
+    assert f"stopped at step {status['step']} on SIGTERM" in out and "rerun the same command to resume" in out
+    saved = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert saved == [f"step_{status['step']:08d}"]
