@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from shardlab import run_record
+from shardlab import errors, run_record
 from shardlab.config import validate
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, RankFailed, ShardlabError
@@ -124,9 +124,8 @@ def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port
     env = dist_env.detect(spawned_rank=rank, spawned_world=world_size, spawned_port=port)
     try:
         result = run_rank(cfg, Path(run_dir), env)
-    except ShardlabError as e:
-        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        raise  # torch.multiprocessing hands the message to the parent
+    except ShardlabError:
+        raise  # torch.multiprocessing hands it to the parent, which reports it in one line
     except Exception:
         print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
@@ -161,11 +160,12 @@ def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> dict:
         try:
             while not context.join():
                 pass
-        except mp.ProcessRaisedException as e:
+        except mp.ProcessRaisedException as e:  # the rank's traceback as text; its last line is "module.Type: msg"
             last = str(e).strip().splitlines()[-1]
             name, _, message = last.partition(": ")
-            if name.rsplit(".", 1)[-1] in ("ConfigError", "DataError", "CheckpointError"):
-                raise ConfigError(message) from None  # already printed by the rank; one line and exit code 2 here
+            user_error = getattr(errors, name.rsplit(".", 1)[-1], None)
+            if isinstance(user_error, type) and issubclass(user_error, ShardlabError):
+                raise user_error(f"(rank {e.error_index}) {message}") from None
             raise RankFailed(f"rank {e.error_index} failed: {last}") from None
         except mp.ProcessExitedException as e:
             raise RankFailed(f"rank {e.error_index} exited with code {e.exit_code}; see its message above") from None
