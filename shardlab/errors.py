@@ -18,3 +18,7 @@ class DataError(ShardlabError):
 
 class CheckpointError(ShardlabError):
     """A checkpoint is corrupt, incomplete or does not match the model being trained."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """A readable checkpoint of another task or model shape: refused, never fallen back from."""
