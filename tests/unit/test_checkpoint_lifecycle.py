@@ -183,3 +183,29 @@ def test_consolidated_weights_start_a_run_at_the_same_validation_loss(tiny_lm, t
     assert step0 and step0[0]["loss"] == ref["final"]["loss"]
     with pytest.raises(CheckpointError, match=r"saved with model.dim=64 but this run has model.dim=32"):
         run_rank(tiny_lm(*CKPT, "model.dim=32", f"checkpoint.init_from={out}"), tmp_path / "bad", dist_env.detect())
+
+
+def test_vision_weights_consolidate_and_start_a_run_with_their_batchnorm_statistics(tmp_path):
+    from tests.unit.test_image_classification import TINY_MODEL, vision
+
+    small = [
+        *TINY_MODEL,
+        "data.num_train=64",
+        "data.num_valid=32",
+        "optimization.batch_size=16",
+        "validation.batch_size=16",
+        "lr_scheduler.warmup_steps=0",
+        "validation.interval_steps=0",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+    ]
+    trained = run_rank(vision(*small, "optimization.max_steps=4"), tmp_path / "run", dist_env.detect())
+    out = consolidate.main(
+        [str(tmp_path / "run" / "checkpoints" / "step_00000004"), "--out", str(tmp_path / "r.safetensors")]
+    )
+    assert any(k.endswith("running_mean") for k in weights.read_full(out))
+    started = run_rank(
+        vision(*small, "optimization.max_steps=1", f"checkpoint.init_from={out}"), tmp_path / "new", dist_env.detect()
+    )
+    step0 = next(r for r in started["history"] if r["split"] == "valid" and r["step"] == 0)
+    assert step0["loss"] == trained["final"]["loss"] and step0["top1"] == trained["final"]["top1"]
