@@ -16,7 +16,8 @@ import torch
 from omegaconf import OmegaConf
 
 from shardlab import weights
-from shardlab.checkpoint import Checkpointer, first_cause
+from shardlab.checkpoint import Checkpointer
+from shardlab.checkpoint_layout import first_cause
 from shardlab.data import GlobalOrder, rank_loader
 from shardlab.distributed.backend import Backend
 from shardlab.errors import CheckpointError
@@ -302,12 +303,10 @@ class Trainer:
         return due
 
     def _save_after_error(self, error: BaseException, log: RunLogger) -> None:
-        """checkpoint.save_on_error: best effort at world size 1, where no other rank can be left in a collective."""
-        if self.backend.env.world_size > 1 or not hasattr(self, "checkpointer"):
-            if hasattr(self, "checkpointer"):
-                self.checkpointer.abandon(self.cfg.distributed.timeout_s)
-            return
-        if not self.cfg.checkpoint.save_on_error or self.last_save[0] == self.state.step:
+        """checkpoint.save_on_error: best effort at world size 1, where no other rank can be left in a collective.
+        Otherwise only a save already in flight is completed, where that needs no collective."""
+        c = self.cfg.checkpoint
+        if not (c.save_on_error and self.backend.env.world_size == 1 and self.last_save[0] != self.state.step):
             self.checkpointer.abandon(self.cfg.distributed.timeout_s)
             return
         try:

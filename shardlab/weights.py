@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from shardlab.checkpoint import first_cause, read_meta
+from shardlab.checkpoint_layout import first_cause, read_meta
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError
 
 MODEL_PREFIX = "model."

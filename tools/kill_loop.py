@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from shardlab import weights  # noqa: E402
-from shardlab.checkpoint import REPLACED, complete_checkpoints  # noqa: E402
+from shardlab.checkpoint_layout import REPLACED, complete_checkpoints  # noqa: E402
 
 
 def start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
