@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -105,7 +106,7 @@ def read_full(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} holds no model.* tensors; is it a shardlab checkpoint?")
     try:
         dcp.load({"model": state}, storage_reader=reader, no_dist=True)
-    except (Exception, dcp.api.CheckpointException) as e:
+    except (Exception, CheckpointException) as e:
         raise CheckpointError(f"checkpoint {path} could not be read ({first_cause(e)})") from e
     return state
 

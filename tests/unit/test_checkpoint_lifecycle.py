@@ -185,6 +185,17 @@ def test_consolidated_weights_start_a_run_at_the_same_validation_loss(tiny_lm, t
         run_rank(tiny_lm(*CKPT, "model.dim=32", f"checkpoint.init_from={out}"), tmp_path / "bad", dist_env.detect())
 
 
+def test_init_from_a_step_directory_loads_its_weights_but_not_its_step(tiny_lm, tmp_path, reference):
+    ref_dir, ref = reference
+    step12 = ref_dir / "checkpoints" / "step_00000012"
+    started = run_rank(
+        tiny_lm(*CKPT, f"checkpoint.init_from={step12}", "optimization.max_steps=2"), tmp_path, dist_env.detect()
+    )
+    valid = [(r["step"], r["loss"]) for r in started["history"] if r["split"] == "valid"]
+    assert valid[0] == (0, ref["final"]["loss"])
+    assert [r["step"] for r in started["history"] if r["split"] == "train"] == [1, 2]
+
+
 def test_vision_weights_consolidate_and_start_a_run_with_their_batchnorm_statistics(tmp_path):
     from tests.unit.test_image_classification import TINY_MODEL, vision
 
@@ -209,3 +220,14 @@ def test_vision_weights_consolidate_and_start_a_run_with_their_batchnorm_statist
     )
     step0 = next(r for r in started["history"] if r["split"] == "valid" and r["step"] == 0)
     assert step0["loss"] == trained["final"]["loss"] and step0["top1"] == trained["final"]["top1"]
+
+
+def test_negative_checkpoint_intervals_are_refused_naming_the_keys():
+    from shardlab.errors import ConfigError
+    from shardlab.runner import build_task
+    from tests.conftest import compose_config
+
+    with pytest.raises(ConfigError) as e:
+        build_task(compose_config(["checkpoint.interval_minutes=-1", "checkpoint.keep_every_steps=-5"]), world_size=1)
+    assert "checkpoint.interval_minutes must be >= 0, got -1" in str(e.value)
+    assert "checkpoint.keep_every_steps must be >= 0, got -5" in str(e.value)
