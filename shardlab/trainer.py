@@ -84,6 +84,7 @@ class Trainer:
         """Train to optimization.max_steps, or until a stop signal (then save and set ``stopped_by``)."""
         cfg, is_main = self.cfg, self.backend.env.is_main
         log = RunLogger(cfg.logging, self.run_dir, is_main, cfg.optimization.max_steps, self.state.step)
+        self.checkpointer.log = log.info  # save lines above the progress bar, not through it
         self.stop_signals.install()
         try:
             final = self._fit(log)
