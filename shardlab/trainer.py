@@ -250,6 +250,8 @@ class Trainer:
         )
         self.resumed_from, self.initialized_from = self.checkpointer.resumed_from, None
         if meta is not None:
+            if cfg.checkpoint.init_from:  # a requeued run continues its own checkpoints, not the initial weights
+                self.checkpointer.log(f"[ckpt] checkpoint.init_from is not used: resuming {self.resumed_from}")
             self.state = TrainState(step=meta["step"], samples_seen=meta["samples_seen"])
             self.scheduler.load_state_dict(meta["scheduler"])
             if self.scaler is not None and meta.get("grad_scaler"):
