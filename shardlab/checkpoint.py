@@ -1,21 +1,29 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP): atomic, resumable on another world size.
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): never lost, resumable on another world size.
 
 Layout: <run dir>/<checkpoint.dir>/step_00000200/ holds DCP's shard files and .metadata (model + optimizer, by fully
-qualified name, so any backend and world size can load them) and shardlab.json (step, global data offset, scheduler
-and grad-scaler state, the model config). A checkpoint is written to step_N.tmp and renamed once every rank finished,
-so a killed run never leaves a half-written checkpoint that looks complete; only then are old ones pruned.
+qualified name, so any backend and world size can load them) and shardlab.json (step, save counter, global data
+offset, scheduler and grad-scaler state, task and model config). A checkpoint is written to step_N.tmp, its files and
+folder are fsynced, and only then renamed; shardlab.json is written last, so a folder named step_N that holds it is
+complete. Every rename that changes which checkpoints exist is atomic, and everything set aside keeps a name that says
+why (step_N.superseded-1, step_N.unreadable-1): nothing but pruned and stale temporary folders is ever deleted.
+
+Rank 0 alone looks at the folder and decides (which checkpoint to resume, what to prune); the others receive its choice,
+since on a network file system ranks can list different contents. The folder's names and durable renames live in
+shardlab.checkpoint_layout, the background write in shardlab.async_save, weights outside training in shardlab.weights.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import shutil
+import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -27,60 +35,145 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from shardlab.errors import CheckpointError, ConfigError
+from shardlab.checkpoint_layout import (
+    STEP_DIR,
+    TMP,
+    clean_stale,
+    complete_checkpoints,
+    first_cause,
+    fsync_dir,
+    publish,
+    remove,
+    save_index,
+    set_aside,
+    step_name,
+    to_prune,
+)
+from shardlab.errors import CheckpointError, ConfigError, IncompatibleCheckpointError, ShardlabError
 
 # DCP warns that it assumes a single process when no process group exists: that is exactly the single backend's case.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
-META_FILE = "shardlab.json"
+
+# ---- cross-rank agreement --------------------------------------------------------------------------------------------
+def broadcast_text(text: str, rank: int, device: torch.device) -> str:
+    """Rank 0's ``text`` on every rank, as bytes in two broadcasts (no pickling, unlike broadcast_object_list)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return text
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8) if rank == 0 else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, 0)
+    buf = data.to(device) if rank == 0 else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, 0)
+    return bytes(buf.cpu().tolist()).decode()
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Finished checkpoints under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / META_FILE).is_file()
-    ]
-    return [p for _, p in sorted(found)]
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    meta_file = path / META_FILE
-    if not meta_file.is_file():
-        raise CheckpointError(
-            f"{path} is not a complete shardlab checkpoint (no {META_FILE}); "
-            "point checkpoint.resume at a step_N directory that has one"
-        )
-    try:
-        return json.loads(meta_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{meta_file} is unreadable ({e}); delete that checkpoint or resume from another") from e
-
-
-def _first_cause(error: BaseException) -> str:
-    """A one-line reason; DCP wraps each rank's exception (a BaseException subclass) in CheckpointException."""
-    failures = getattr(error, "failures", None)
-    if failures:
-        inner = next(iter(failures.values()))
-        error = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback) per rank
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
+@dataclass
+class SaveRecord:
+    step: int
+    blocked_s: float
+    """Time training waited for this save (staging, plus any wait for the previous one in flight)."""
+    total_s: float
+    """From the save call until its checkpoint had its final name."""
 
 
 class Checkpointer:
-    def __init__(self, root: Path, keep_last: int, rank: int, barrier) -> None:
-        self.root = root
-        self.keep_last = keep_last
-        self.rank = rank
-        self.barrier = barrier
+    """Saves, prunes and restores checkpoints of one run directory. ``comm`` is the Backend (rank, barrier, any_rank,
+    device); every public method is called by all ranks at the same point."""
 
-    def resolve_resume(self, resume: str) -> Path | None:
-        """The checkpoint to start from, per checkpoint.resume (auto, none, or a path)."""
-        existing = complete_checkpoints(self.root)
+    def __init__(self, root: Path, cfg: Any, comm, log: Callable[[str], None] = print) -> None:
+        self.root = root
+        self.cfg = cfg
+        self.comm = comm
+        self.rank = comm.env.rank
+        self.log = log if self.rank == 0 else (lambda message: None)
+        self.records: list[SaveRecord] = []
+        """Timing of every save of this run (benchmarks and tests read it)."""
+        self.resumed_from: Path | None = None
+        self._next_index = 1
+        self._async = None
+        if cfg.async_save:
+            from shardlab.async_save import AsyncSaver
+
+            self._async = AsyncSaver()
+
+    # ---- start -----------------------------------------------------------------------------------------------------
+    def restore(self, resume: str, check: Callable[[Path], dict], load: Callable[[Path], None]) -> dict | None:
+        """Resume per checkpoint.resume (auto, none, or a path): the meta of the loaded checkpoint, or None.
+
+        ``check(path) -> meta`` reads and validates shardlab.json (local); ``load(path)`` reads the shards (a
+        collective). Each phase is agreed over ranks, so a failure on any rank is everyone's failure. With auto, a
+        checkpoint that fails is skipped for the previous one and set aside once that one loaded; if none loads,
+        nothing is renamed and the run stops. An explicit path that fails stops the run; so does another task's or
+        model shape's checkpoint.
+        """
+        if self.rank == 0:
+            for line in clean_stale(self.root):
+                self.log(f"[ckpt] {line} (left by a run that stopped mid-save)")
+        chosen = ""
+        if self.rank == 0:
+            try:
+                chosen = "\n".join(str(p) for p in self._candidates(resume))
+            except ShardlabError as e:  # sent to every rank, so none waits for a choice that never comes
+                chosen = f"!{type(e).__name__}:{e}"
+        chosen = broadcast_text(chosen, self.rank, self.device)
+        if chosen.startswith("!"):
+            kind, message = chosen[1:].split(":", 1)
+            raise (ConfigError if kind == "ConfigError" else CheckpointError)(message)
+        candidates = [Path(p) for p in chosen.splitlines()]
+        failures: list[tuple[Path, str]] = []
+        for path in candidates:
+            meta, error = None, None
+            try:
+                meta = check(path)
+            except IncompatibleCheckpointError as e:
+                error = e
+            except CheckpointError as e:  # an unreadable shardlab.json: torn, like an unreadable shard
+                meta, error = None, e
+            incompatible = isinstance(error, IncompatibleCheckpointError)
+            unreadable, refused = self.comm.any_rank(error is not None, incompatible)
+            if refused:
+                raise error if incompatible else CheckpointError(f"checkpoint {path} was refused on another rank")
+            if not unreadable:  # the load is a collective: all ranks enter it, or none
+                try:
+                    load(path)
+                except (Exception, CheckpointException) as e:  # torn or foreign files: all mean the same to the user
+                    error = e
+            (failed,) = self.comm.any_rank(error is not None)
+            if not failed:
+                self._set_aside_unreadable(failures)
+                self._start_line(path, meta)
+                return meta
+            failures.append((path, first_cause(error) if error is not None else "failed on another rank"))
+        if failures:  # nothing renamed: a transient read error must not cost the run its checkpoints
+            path, reason = failures[0]
+            fallback = "" if len(candidates) == 1 else f" nor could the {len(candidates) - 1} older one(s);"
+            raise CheckpointError(
+                f"checkpoint {path} could not be loaded ({reason});{fallback} pass checkpoint.resume=<path of "
+                "another step_N>, or move the broken one away to fall back to an older one"
+            )
+        self._start_line(None)
+        return None
+
+    def _candidates(self, resume: str) -> list[Path]:
+        """Rank 0: the checkpoints to try, in order (auto: newest first, falling back to older ones)."""
         if resume == "auto":
-            return existing[-1] if existing else None
+            return complete_checkpoints(self.root)[::-1]
+        chosen = self._choose(resume)
+        return [chosen] if chosen is not None else []
+
+    def _set_aside_unreadable(self, failures: list[tuple[Path, str]]) -> None:
+        """Rank 0, once an older checkpoint loaded: the newer ones that failed are renamed, one line each."""
+        if self.rank == 0:
+            for path, reason in failures:
+                aside = set_aside(path, "unreadable")
+                self.log(f"[ckpt] {path} is unreadable ({reason}); set aside as {aside.name}, resuming an older one")
+            if failures:
+                fsync_dir(self.root)
+
+    def _choose(self, resume: str) -> Path | None:
+        """Rank 0: checkpoint.resume=none (nothing, if the folder is empty) or a path."""
+        existing = complete_checkpoints(self.root)
         if resume == "none":
             if existing:
                 raise ConfigError(
@@ -88,63 +181,112 @@ class Checkpointer:
                     "checkpoint.resume=auto to continue it, or hydra.run.dir=<new dir> to start a separate run"
                 )
             return None
-        path = Path(resume).expanduser()
+        path = Path(resume).expanduser().absolute()
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume: {path} does not exist; give a step_N checkpoint directory")
         return path
 
+    def _start_line(self, resumed: Path | None, meta: dict | None = None) -> None:
+        """Rank 0: move checkpoints newer than the resumed step aside, so they neither shadow this run line on the
+        next resume=auto nor get pruned for it; continue the save counter."""
+        self.resumed_from = resumed
+        if self.rank == 0:
+            step = meta["step"] if meta else -1
+            newer = [
+                p
+                for p in complete_checkpoints(self.root)
+                if int(STEP_DIR.match(p.name).group(1)) >= step
+                and (resumed is None or p.resolve() != resumed.resolve())
+            ]
+            if resumed is not None and newer:
+                moved = [set_aside(p, "superseded") for p in newer]
+                fsync_dir(self.root)
+                self.log(
+                    f"[ckpt] resumed from step {step}, older than {len(moved)} checkpoint(s) of the previous run line; "
+                    f"kept aside as {', '.join(p.name for p in moved)}"
+                )
+            indices = [save_index(p) for p in complete_checkpoints(self.root)]
+            self._next_index = max([0, *indices, (meta or {}).get("save_index", 0)]) + 1
+        self.comm.barrier()
+
+    @property
+    def device(self) -> torch.device:
+        return self.comm.device
+
+    # ---- save ------------------------------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: Optimizer, meta: dict[str, Any]) -> Path:
-        final = self.root / f"step_{step:08d}"
-        tmp = self.root / f"step_{step:08d}.tmp"
+        """Write a checkpoint of this step (all ranks). Async: returns once the state is staged in CPU memory; the
+        checkpoint gets its final name when the write completes (checked at the next save and at ``finish``)."""
+        start = time.perf_counter()
+        self.finish()  # at most one save in flight
+        final, tmp = self.root / step_name(step), self.root / (step_name(step) + TMP)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-        self.barrier()
+        self.comm.barrier()
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-        dcp.save(state, checkpoint_id=str(tmp))
-        self.barrier()
-        if self.rank == 0:
-            (tmp / META_FILE).write_text(json.dumps({"step": step, **meta}, indent=1))
-            if final.exists():  # a re-save of the same step (e.g. after resuming at the end): replace it whole
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in complete_checkpoints(self.root)[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.barrier()
+        meta = {"step": step, "save_index": self._next_index, "resumed_from": str(self.resumed_from or ""), **meta}
+        self._next_index += 1
+        if self._async is not None:
+            self._async.start(state, tmp, final, meta, start)
+            return final
+        dcp.save(state, checkpoint_id=str(tmp))  # FileSystemWriter fsyncs every shard file and .metadata
+        self.comm.barrier()
+        self._complete(tmp, final, meta, start, blocked_s=time.perf_counter() - start)
         return final
 
-    def load(
-        self,
-        path: Path,
-        model: nn.Module,
-        optimizer: Optimizer | None,
-        model_config: dict,
-        ignore_keys: tuple[str, ...] = (),
-    ) -> dict[str, Any]:
-        """Load model (and optimizer) state from ``path``; ``model_config`` must match the saved one except for
-        ``ignore_keys`` (settings that do not change what the weights mean, such as dropout)."""
-        meta = read_meta(path)
-        saved = meta.get("model_config", {})
-        keys = sorted((set(saved) | set(model_config)) - set(ignore_keys))
-        diffs = [k for k in keys if saved.get(k) != model_config.get(k)]
-        if diffs:
-            k = diffs[0]
-            raise CheckpointError(
-                f"{path} was saved with model.{k}={saved.get(k)!r} but this run has model.{k}={model_config.get(k)!r}; "
-                "resume with the checkpoint's model config, or start a new run in another hydra.run.dir"
-            )
+    def finish(self) -> None:
+        """Wait for the save in flight, if any, and give it its final name (all ranks; a failure is everyone's)."""
+        if self._async is None or not self._async.pending:
+            return
+        waited_from = time.perf_counter()
+        pending, error = self._async.wait()
+        (failed,) = self.comm.any_rank(error is not None)
+        if failed:
+            reason = first_cause(error) if error is not None else "failed on another rank"
+            raise CheckpointError(f"asynchronous save of {pending.final} failed ({reason}); the previous one is kept")
+        self.comm.barrier()
+        blocked = pending.blocked_s + time.perf_counter() - waited_from
+        self._complete(pending.tmp, pending.final, pending.meta, pending.start, blocked_s=blocked)
+
+    def abandon(self, timeout_s: float) -> None:
+        """After an error: complete a save in flight if rank 0 can tell it finished everywhere (DCP's coordinator
+        writes .metadata only after every rank's shards), without any collective, since other ranks may be gone."""
+        if self._async is None or not self._async.pending:
+            return
+        pending, error = self._async.wait(timeout_s)
+        if self.rank == 0 and error is None and (pending.tmp / ".metadata").is_file():
+            publish(pending.tmp, pending.final, pending.meta)
+            self.log(f"[ckpt] step {pending.meta['step']} saved (completed after the error)")
+
+    def _complete(self, tmp: Path, final: Path, meta: dict, start: float, blocked_s: float) -> None:
+        if self.rank == 0:
+            publish(tmp, final, meta)
+            self._prune(final)
+        self.comm.barrier()
+        record = SaveRecord(meta["step"], blocked_s, time.perf_counter() - start)
+        self.records.append(record)
+        self.log(f"[ckpt] step {record.step} saved in {record.total_s:.2f} s (blocked {record.blocked_s:.2f} s)")
+
+    def _prune(self, newest: Path) -> None:
+        doomed = [
+            p
+            for p in to_prune(complete_checkpoints(self.root), self.cfg.keep_last, self.cfg.keep_every_steps)
+            if p != newest
+        ]
+        for p in doomed:
+            remove(p)
+        if doomed:
+            fsync_dir(self.root)
+
+    # ---- load ------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def load_train_state(path: Path, model: nn.Module, optimizer: Optimizer | None) -> None:
+        """Model (and optimizer) state from ``path``'s shards into the (sharded) model, on any world size."""
         state = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as e:  # torn or foreign files: all mean the same to the user
-            reason = _first_cause(e)
-            raise CheckpointError(
-                f"checkpoint {path} could not be loaded ({reason}); delete it to fall back to an "
-                "older one, or pass checkpoint.resume=<path of another step_N>"
-            ) from e
+        dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state["optim"])
-        return meta

@@ -121,11 +121,21 @@ class CheckpointConfig:
     """Where checkpoints go, relative to the run directory."""
     interval_steps: int = 200
     """Save every this many steps (and after the last); 0 = only at the end."""
+    interval_minutes: float = 0.0
+    """Also save when this many minutes passed since the last save (rank 0's clock, agreed by all); 0 = off."""
     keep_last: int = 2
-    """Number of newest checkpoints kept; older ones are deleted once a newer one is complete."""
+    """Number of most recently written checkpoints kept; older ones are deleted once a newer one is complete."""
+    keep_every_steps: int = 0
+    """Also save at every multiple of this step and keep those milestones forever; 0 = off."""
     resume: str = "auto"
-    """auto = continue the newest complete checkpoint in dir if any; none = start fresh (refuses if dir has some);
-    or a path to a checkpoint directory."""
+    """auto = continue the newest complete checkpoint in dir (a torn one is set aside for the previous); none = start
+    fresh (refuses if dir has some); or a path to a checkpoint directory."""
+    async_save: bool = False
+    """Stage the state in CPU memory and write it in the background (one save in flight), so training waits less."""
+    save_on_error: bool = False
+    """When a step raises, save (best effort) before re-raising; at world size 1 only (a lone rank cannot save)."""
+    init_from: str | None = None
+    """Start a new run (step 0, fresh optimizer) from these weights: a .safetensors file or a step_N directory."""
 
 
 @dataclass
@@ -208,6 +218,14 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     check(cfg.validation.batch_size > 0, f"validation.batch_size must be > 0, got {cfg.validation.batch_size}")
     check(cfg.checkpoint.interval_steps >= 0, "checkpoint.interval_steps must be >= 0")
     check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
+    check(
+        cfg.checkpoint.interval_minutes >= 0,
+        f"checkpoint.interval_minutes must be >= 0, got {cfg.checkpoint.interval_minutes}",
+    )
+    check(
+        cfg.checkpoint.keep_every_steps >= 0,
+        f"checkpoint.keep_every_steps must be >= 0, got {cfg.checkpoint.keep_every_steps}",
+    )
     check(cfg.logging.interval_steps > 0, f"logging.interval_steps must be > 0, got {cfg.logging.interval_steps}")
     check(d.world_size >= 1, f"distributed.world_size must be >= 1, got {d.world_size}")
     check(d.timeout_s > 0, f"distributed.timeout_s must be > 0, got {d.timeout_s}")

@@ -20,6 +20,10 @@ class CheckpointError(ShardlabError):
     """A checkpoint is corrupt, incomplete or does not match the model being trained."""
 
 
+class IncompatibleCheckpointError(CheckpointError):
+    """A readable checkpoint of another task or model shape: refused, never fallen back from."""
+
+
 class RankFailed(ShardlabError):
     """A training process crashed (its traceback is printed above); not a config mistake, so exit code 1."""
 

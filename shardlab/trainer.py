@@ -15,9 +15,12 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from shardlab import weights
 from shardlab.checkpoint import Checkpointer
+from shardlab.checkpoint_layout import first_cause
 from shardlab.data import GlobalOrder, rank_loader
 from shardlab.distributed.backend import Backend
+from shardlab.errors import CheckpointError
 from shardlab.init import materialize
 from shardlab.logging import RunLogger, memory_gib
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
@@ -70,23 +73,9 @@ class Trainer:
             cfg.lr_scheduler.name, self.optimizer, cfg.lr_scheduler, cfg.optimization.max_steps, key="lr_scheduler.name"
         )
         self.scaler = backend.make_grad_scaler()
-        self.checkpointer = Checkpointer(
-            self.run_dir / cfg.checkpoint.dir, cfg.checkpoint.keep_last, backend.env.rank, backend.barrier
-        )
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
-        self.resumed_from = resume_from = self.checkpointer.resolve_resume(cfg.checkpoint.resume)
-        if resume_from is not None:
-            meta = self.checkpointer.load(
-                resume_from,
-                self.model,
-                self.optimizer,
-                self.model_config,
-                ignore_keys=self.task.resumable_model_changes,
-            )
-            self.state = TrainState(step=meta["step"], samples_seen=meta["samples_seen"])
-            self.scheduler.load_state_dict(meta["scheduler"])
-            if self.scaler is not None and meta.get("grad_scaler"):
-                self.scaler.load_state_dict(meta["grad_scaler"])
+        self._restore()
+        self.last_save = (self.state.step, time.monotonic())
         self.global_batch = cfg.optimization.batch_size
         self.train_order = GlobalOrder(len(self.task.train_dataset), cfg.seed, shuffle=True)
 
@@ -95,9 +84,15 @@ class Trainer:
         """Train to optimization.max_steps, or until a stop signal (then save and set ``stopped_by``)."""
         cfg, is_main = self.cfg, self.backend.env.is_main
         log = RunLogger(cfg.logging, self.run_dir, is_main, cfg.optimization.max_steps, self.state.step)
+        self.checkpointer.log = log.info  # save lines above the progress bar, not through it
         self.stop_signals.install()
         try:
-            return self._fit(log)
+            final = self._fit(log)
+            self.checkpointer.finish()  # an asynchronous save still in flight gets its name before we return
+            return final
+        except BaseException as error:
+            self._save_after_error(error, log)
+            raise
         finally:
             self.stop_signals.restore()
             log.close()
@@ -107,6 +102,9 @@ class Trainer:
         o = cfg.optimization
         if self.resumed_from is not None:
             log.info(f"resumed from {self.resumed_from} (step {state.step}, {state.samples_seen} samples seen)")
+        elif self.initialized_from is not None:
+            log.info(f"initialized from {self.initialized_from} (step 0, fresh optimizer)")
+            self.validate(log)  # the loaded weights' quality, before training moves them
         loader = iter(
             rank_loader(
                 self.task.train_dataset,
@@ -170,8 +168,7 @@ class Trainer:
             vi = cfg.validation.interval_steps
             if last or (vi and state.step % vi == 0 and not stop):  # stopping: the save comes first
                 last_valid = self.validate(log)
-            ci = cfg.checkpoint.interval_steps
-            if last or stop or (ci and state.step % ci == 0):
+            if self._save_due() or last or stop:
                 path = self.save()
             window_paused += time.perf_counter() - paused_from
             if stop and not last:
@@ -242,8 +239,96 @@ class Trainer:
         self.history.append({"split": split, "step": self.state.step, **metrics})
         log.log(split, self.state.step, metrics)
 
+    def _restore(self) -> None:
+        """Resume per checkpoint.resume (rank 0 chooses; a torn newest one falls back under auto), else start from
+        checkpoint.init_from's weights, else from the seeded init."""
+        cfg, backend = self.cfg, self.backend
+        self.checkpointer = Checkpointer(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint, backend)
+        ignore = self.task.resumable_model_changes
+
+        def check(path: Path) -> dict:
+            meta = weights.describe(path)  # reads shardlab.json: an unreadable one is a torn checkpoint
+            weights.check_compatible(path, meta, cfg.task.name, self.model_config, ignore)
+            return meta
+
+        meta = self.checkpointer.restore(
+            cfg.checkpoint.resume, check, lambda p: self.checkpointer.load_train_state(p, self.model, self.optimizer)
+        )
+        self.resumed_from, self.initialized_from = self.checkpointer.resumed_from, None
+        if meta is not None:
+            if cfg.checkpoint.init_from:  # a requeued run continues its own checkpoints, not the initial weights
+                self.checkpointer.log(f"[ckpt] checkpoint.init_from is not used: resuming {self.resumed_from}")
+            self.state = TrainState(step=meta["step"], samples_seen=meta["samples_seen"])
+            self.scheduler.load_state_dict(meta["scheduler"])
+            if self.scaler is not None and meta.get("grad_scaler"):
+                self.scaler.load_state_dict(meta["grad_scaler"])
+        elif cfg.checkpoint.init_from:
+            self.initialized_from = self._init_from(Path(cfg.checkpoint.init_from).expanduser())
+        if cfg.checkpoint.save_on_error and backend.env.world_size > 1 and backend.env.is_main:
+            print(
+                "[ckpt] checkpoint.save_on_error applies at world size 1 only: an error on one rank cannot save "
+                "through collectives the others never join",
+                flush=True,
+            )
+
+    def _init_from(self, path: Path) -> Path:
+        """checkpoint.init_from: weights only, refused in one line if another task or model shape; agreed over ranks."""
+        error: BaseException | None = None
+        try:
+            info = weights.describe(path)
+            weights.check_compatible(
+                path, info, self.cfg.task.name, self.model_config, self.task.resumable_model_changes
+            )
+        except Exception as e:
+            error = e
+        if self.backend.any_rank(error is not None)[0]:
+            raise (
+                error
+                if isinstance(error, CheckpointError)
+                else CheckpointError(f"checkpoint.init_from: {path} was refused on another rank; see its message")
+            )
+        try:
+            weights.load_into(self.model, path)
+        except Exception as e:
+            error = e
+        if self.backend.any_rank(error is not None)[0]:
+            reason = first_cause(error) if error is not None else "failed on another rank"
+            raise CheckpointError(
+                f"checkpoint.init_from: {path} could not be loaded ({reason}); give a .safetensors file from "
+                "tools/consolidate.py or an intact step_N directory"
+            ) from error
+        return path
+
+    def _save_due(self) -> bool:
+        """interval_steps, keep_every_steps milestones, or interval_minutes on rank 0's clock (agreed by all ranks)."""
+        c, step = self.cfg.checkpoint, self.state.step
+        due = bool(
+            (c.interval_steps and step % c.interval_steps == 0)
+            or (c.keep_every_steps and step % c.keep_every_steps == 0)
+        )
+        if c.interval_minutes > 0:
+            late = self.backend.env.is_main and time.monotonic() - self.last_save[1] >= 60 * c.interval_minutes
+            due = self.backend.any_rank(due or late)[0]
+        return due
+
+    def _save_after_error(self, error: BaseException, log: RunLogger) -> None:
+        """checkpoint.save_on_error: best effort at world size 1, where no other rank can be left in a collective.
+        Otherwise only a save already in flight is completed, where that needs no collective."""
+        c = self.cfg.checkpoint
+        if not (c.save_on_error and self.backend.env.world_size == 1 and self.last_save[0] != self.state.step):
+            self.checkpointer.abandon(self.cfg.distributed.timeout_s)
+            return
+        try:
+            path = self.save()
+            self.checkpointer.finish()
+            log.info(f"[ckpt] saved {path} after {type(error).__name__} at step {self.state.step + 1}; re-raising it")
+        except BaseException as e:  # noqa: B036  (best effort: the original error is what the user must see)
+            log.info(f"[ckpt] save after {type(error).__name__} failed too ({first_cause(e)})")
+
     def save(self) -> Path:
+        self.last_save = (self.state.step, time.monotonic())
         meta = {
+            "task": self.cfg.task.name,
             "samples_seen": self.state.samples_seen,
             "scheduler": self.scheduler.state_dict(),
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,

@@ -2,6 +2,7 @@
 
     python tools/generate.py runs/lm/default/checkpoints/step_00000300 --prompt "def " --max-new-tokens 200
     python tools/generate.py runs/lm/default/checkpoints/step_00000300 --top-k 0     # greedy
+    python tools/generate.py model.safetensors                                        # from tools/consolidate.py
 
 Works with checkpoints from any backend and world size (DCP loads them into one process).
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from shardlab.checkpoint import Checkpointer, read_meta
+from shardlab import weights
 from shardlab.cli import run_tool
 from shardlab.errors import ShardlabError
 from shardlab.init import materialize
@@ -48,9 +49,12 @@ def sample(
 
 
 def load_model(checkpoint: Path):
-    """The checkpoint's model in one process on the CPU, with the config it was trained with."""
-    meta = read_meta(checkpoint)
-    cfg = OmegaConf.create(meta["config"])
+    """The model of a step_N checkpoint or a consolidated .safetensors file, in one process on the CPU, with the
+    config it was trained with."""
+    info = weights.describe(checkpoint)
+    if not info.get("config"):
+        raise ShardlabError(f"{checkpoint} carries no training config; it was not written by shardlab")
+    cfg = OmegaConf.create(info["config"])
     cfg.distributed.backend, cfg.distributed.world_size = "single", 1
     task = build_task(cfg, world_size=1)
     if task.unit != "tokens":
@@ -58,15 +62,14 @@ def load_model(checkpoint: Path):
     with torch.device("meta"):
         model = task.build_model()
     materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
-    Checkpointer(checkpoint.parent, 1, 0, lambda: None).load(
-        checkpoint, model, None, OmegaConf.to_container(cfg.model, resolve=True)
-    )
+    weights.check_compatible(checkpoint, info, cfg.task.name, OmegaConf.to_container(cfg.model, resolve=True))
+    weights.load_into(model, checkpoint)
     return model.eval(), task, cfg
 
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="a step_N checkpoint directory")
+    parser.add_argument("checkpoint", type=Path, help="a step_N checkpoint directory or a .safetensors file")
     parser.add_argument("--prompt", default="def ", help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--top-k", type=int, default=8, help="sample among the k likeliest tokens; 0 = greedy")

@@ -1,0 +1,144 @@
+"""A model's weights outside training: read them whole from a checkpoint, write and read one safetensors file, and
+start a run from either (checkpoint.init_from).
+
+Two sources, one description: a step_N checkpoint folder (DCP shards + shardlab.json) or a consolidated
+``model.safetensors`` with ``model.json`` beside it (task name, model config, the training config). Nothing here
+unpickles a tensor file: safetensors and DCP only, JSON for metadata. Reused by tools/consolidate.py,
+tools/generate.py and exporters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from shardlab.checkpoint_layout import first_cause, read_meta
+from shardlab.errors import CheckpointError, IncompatibleCheckpointError
+
+MODEL_PREFIX = "model."
+"""DCP flattens the saved {"model": ..., "optim": ...} into keys "model.<name>" and "optim.<...>"."""
+WEIGHTS_FORMAT = "shardlab-weights/1"
+
+
+def config_file(weights_file: Path) -> Path:
+    """The JSON description beside a weights file: model.safetensors -> model.json."""
+    return weights_file.with_suffix(".json")
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """What ``path`` holds: {"task", "model_config", "config", "step"} from shardlab.json or the JSON beside a file."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        meta = read_meta(path)
+        task = meta.get("task") or meta.get("config", {}).get("task", {}).get("name")
+        return {**meta, "task": task, "model_config": meta.get("model_config", {})}
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist; give a step_N checkpoint directory or a .safetensors file")
+    if path.suffix != ".safetensors":
+        raise CheckpointError(f"{path} is not a .safetensors file; give one written by tools/consolidate.py")
+    described = config_file(path)
+    try:
+        info = json.loads(described.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{described} (the model description beside {path.name}) is missing or unreadable ({e}); "
+            "tools/consolidate.py writes it next to the weights"
+        ) from e
+    return info
+
+
+def check_compatible(
+    source: Path, info: dict, task_name: str, model_config: dict, ignore_keys: tuple[str, ...] = ()
+) -> None:
+    """Refuse weights of another task or model shape, naming the first key that differs."""
+    saved_task = info.get("task")
+    if saved_task is not None and saved_task != task_name:
+        raise IncompatibleCheckpointError(
+            f"{source} was saved by task.name={saved_task!r} but this run has task.name={task_name!r}; "
+            "use a checkpoint of this task, or run task.name={saved_task}"
+        )
+    saved = info.get("model_config", {})
+    keys = sorted((set(saved) | set(model_config)) - set(ignore_keys))
+    diffs = [k for k in keys if saved.get(k) != model_config.get(k)]
+    if diffs:
+        k = diffs[0]
+        raise IncompatibleCheckpointError(
+            f"{source} was saved with model.{k}={saved.get(k)!r} but this run has model.{k}={model_config.get(k)!r}; "
+            "use the checkpoint's model config, or start a new run in another hydra.run.dir"
+        )
+
+
+def read_full(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model state, unsharded, on the CPU, from a step_N folder (only the model.* entries of the DCP
+    checkpoint are read: optimizer state never comes into memory) or a .safetensors file."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as e:
+            raise CheckpointError(f"{path} could not be read as safetensors ({first_cause(e)})") from e
+    reader = FileSystemReader(str(path))
+    try:
+        metadata = reader.read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"{path} has no readable DCP .metadata ({first_cause(e)}); is it a step_N folder?") from e
+    state: dict[str, torch.Tensor] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if not key.startswith(MODEL_PREFIX):
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise CheckpointError(
+                f"{path}: model entry {key!r} is not a tensor; shardlab checkpoints hold only tensors"
+            )
+        state[key.removeprefix(MODEL_PREFIX)] = torch.empty(item.size, dtype=item.properties.dtype)
+    if not state:
+        raise CheckpointError(f"{path} holds no model.* tensors; is it a shardlab checkpoint?")
+    try:
+        dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"checkpoint {path} could not be read ({first_cause(e)})") from e
+    return state
+
+
+def write_safetensors(state: dict[str, torch.Tensor], out: Path, info: dict[str, Any]) -> Path:
+    """``state`` as one safetensors file and ``info`` (task, model_config, ...) as JSON beside it."""
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # safetensors refuses tensors that share memory (tied embeddings); each key gets its own contiguous copy.
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(out), {"format": "pt"})
+    config_file(out).write_text(json.dumps({"format": WEIGHTS_FORMAT, **info}, indent=1))
+    return out
+
+
+def load_into(model: nn.Module, path: Path) -> None:
+    """Load ``path``'s weights into ``model`` (plain, DDP or FSDP2-sharded, any world size; call on every rank).
+
+    A step folder goes through DCP into the local shards; a safetensors file is read whole on every rank and each
+    rank keeps its slice (set_model_state_dict with a full state dict)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(model, state["model"])
+        return
+    full = read_full(path)
+    expected = set(get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)))
+    missing, unexpected = sorted(expected - set(full)), sorted(set(full) - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}; "
+            "consolidate a checkpoint of the same model"
+        )
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))

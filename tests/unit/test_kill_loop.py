@@ -1,0 +1,24 @@
+"""A run killed with SIGKILL at random moments and during saves, restarted each time, ends like an uninterrupted one.
+
+The fast variant of tools/kill_loop.py (two kills of a tiny LM); the README reports the script on the default run.
+"""
+
+from __future__ import annotations
+
+from tests.conftest import TINY_LM
+from tools import kill_loop
+
+
+def test_killed_and_restarted_run_ends_with_the_uninterrupted_weights_and_loss(corpus_cache, tmp_path):
+    overrides = [
+        *TINY_LM,
+        f"data.cache_dir={corpus_cache}",
+        "optimization.max_steps=30",
+        "checkpoint.interval_steps=3",
+        "validation.interval_steps=0",
+        "logging.interval_steps=10",
+    ]
+    result = kill_loop.main(["--kills", "2", "--save-every", "1", "--workdir", str(tmp_path), "--", *overrides])
+    assert result["num_killed"] == 2 and result["num_killed_during_save"] == 2
+    assert result["always_a_complete_checkpoint"]
+    assert result["final_weights_equal"] and result["final_killed"] == result["final_uninterrupted"]
