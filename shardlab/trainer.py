@@ -35,6 +35,8 @@ class TrainState:
     """Optimizer steps taken."""
     samples_seen: int = 0
     """Global training samples consumed: the data position, independent of the world size."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped for non-finite gradients (fp16 overflow, or a diverged run); survives resume."""
 
 
 class Trainer:
@@ -49,8 +51,6 @@ class Trainer:
         self.stop_signals = StopSignals()
         self.stopped_by: str | None = None
         """The stop signal that ended training before optimization.max_steps (after a checkpoint), if one did."""
-        self.skipped_steps = 0
-        """Optimizer steps skipped for non-finite gradients (fp16 overflow, or a diverged run)."""
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -160,7 +160,7 @@ class Trainer:
                 )
                 if self.scaler is not None:
                     metrics["loss_scale"] = float(self.scaler.get_scale())
-                metrics["skipped_steps"] = self.skipped_steps
+                metrics["skipped_steps"] = self.state.skipped_steps
                 self._record("train", metrics, log)
                 sums, window_start, window_steps, window_paused = {}, time.perf_counter(), 0, 0.0
             paused_from = time.perf_counter()
@@ -188,11 +188,11 @@ class Trainer:
             scale_before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            self.skipped_steps += int(self.scaler.get_scale() < scale_before)
+            self.state.skipped_steps += int(self.scaler.get_scale() < scale_before)
         elif math.isfinite(float(grad_norm)):
             self.optimizer.step()
         else:
-            self.skipped_steps += 1
+            self.state.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return grad_norm
@@ -258,7 +258,9 @@ class Trainer:
         if meta is not None:
             if cfg.checkpoint.init_from:  # a requeued run continues its own checkpoints, not the initial weights
                 self.checkpointer.log(f"[ckpt] checkpoint.init_from is not used: resuming {self.resumed_from}")
-            self.state = TrainState(step=meta["step"], samples_seen=meta["samples_seen"])
+            self.state = TrainState(
+                step=meta["step"], samples_seen=meta["samples_seen"], skipped_steps=meta.get("skipped_steps", 0)
+            )
             self.scheduler.load_state_dict(meta["scheduler"])
             if self.scaler is not None and meta.get("grad_scaler"):
                 self.scaler.load_state_dict(meta["grad_scaler"])
@@ -330,6 +332,7 @@ class Trainer:
         meta = {
             "task": self.cfg.task.name,
             "samples_seen": self.state.samples_seen,
+            "skipped_steps": self.state.skipped_steps,
             "scheduler": self.scheduler.state_dict(),
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "model_config": self.model_config,

@@ -92,3 +92,20 @@ def test_checkpoint_of_another_model_is_refused_naming_the_key(tiny_lm, tmp_path
     ckpt = run_dir / "checkpoints" / "step_00000012"
     with pytest.raises(CheckpointError, match=r"saved with model.dim=64 but this run has model.dim=32"):
         run_rank(tiny_lm(*CKPT, "model.dim=32", f"checkpoint.resume={ckpt}"), tmp_path, dist_env.detect())
+
+
+def test_skipped_step_count_survives_resume(tiny_lm, tmp_path, monkeypatch):
+    from shardlab.distributed.backend import Backend
+
+    clip, calls = Backend.clip_grad_norm, {"n": 0}
+
+    def non_finite_at_step_2(self, model, max_norm):
+        calls["n"] += 1
+        return torch.tensor(float("inf")) if calls["n"] == 2 else clip(self, model, max_norm)
+
+    monkeypatch.setattr(Backend, "clip_grad_norm", non_finite_at_step_2)
+    first = run_rank(tiny_lm("optimization.max_steps=4", "checkpoint.interval_steps=4"), tmp_path, dist_env.detect())
+    assert [r["skipped_steps"] for r in first["history"] if r["split"] == "train"] == [0, 1, 1, 1]
+    monkeypatch.setattr(Backend, "clip_grad_norm", clip)
+    resumed = run_rank(tiny_lm("optimization.max_steps=6"), tmp_path, dist_env.detect())
+    assert [r["skipped_steps"] for r in resumed["history"] if r["split"] == "train"] == [1, 1]
