@@ -12,15 +12,22 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from shardlab.config import validate
+from shardlab.config import path_errors, validate
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, ShardlabError
 from shardlab.registry import BACKENDS, TASKS, load_plugins
 
 
-def build_task(cfg: DictConfig, world_size: int | None = None):
-    """The task for ``cfg``, after every generic and task-specific config check (one ConfigError for all)."""
+def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | None = None):
+    """The task for ``cfg``, after every generic and task-specific config check (one ConfigError for all).
+
+    ``run_dir``: also check that it and the checkpoint directory in it can be written (default: Hydra's run
+    directory, when called under @hydra.main)."""
     import torch
+    from hydra.core.hydra_config import HydraConfig
+
+    if run_dir is None and HydraConfig.initialized():
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
 
     load_plugins()
     import shardlab.distributed.backends  # noqa: F401  (registers single, ddp, fully_sharded)
@@ -34,6 +41,7 @@ def build_task(cfg: DictConfig, world_size: int | None = None):
     BACKENDS.get(cfg.distributed.backend, key="distributed.backend")
     task = TASKS.build(cfg.task.name, cfg, key="task.name")
     problems += task.config_errors()
+    problems += path_errors(cfg, run_dir) if run_dir is not None else []
     if problems:
         raise ConfigError("; ".join(problems))
     return task
