@@ -26,6 +26,8 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
     import torch
     from hydra.core.hydra_config import HydraConfig
 
+    from shardlab.task import Task
+
     if run_dir is None and HydraConfig.initialized():
         run_dir = Path(HydraConfig.get().runtime.output_dir)
 
@@ -41,6 +43,11 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
     BACKENDS.get(cfg.distributed.backend, key="distributed.backend")
     task = TASKS.build(cfg.task.name, cfg, key="task.name")
     problems += task.config_errors()
+    if cfg.distributed.wrap_min_num_params > 0 and type(task).fsdp_units is not Task.fsdp_units:
+        problems.append(
+            f"distributed.wrap_min_num_params applies to models without a unit plan, but task {cfg.task.name} "
+            "declares its FSDP units; drop it"
+        )
     problems += path_errors(cfg, run_dir) if run_dir is not None else []
     if problems:
         raise ConfigError("; ".join(problems))

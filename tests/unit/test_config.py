@@ -102,6 +102,7 @@ def test_unknown_backend_names_known_ones_and_suggests():
         (["distributed.reduce_dtype=fp16"], 1, "distributed.reduce_dtype: one process reduces no gradients"),
         (["+distributed.prefetch=2"], 1, "distributed.prefetch is not a known key of distributed"),
         (["+model.foo=1"], 1, "model.foo is not a known key of model"),
+        (["distributed=fully_sharded", "distributed.wrap_min_num_params=1000"], 1, "task lm declares its FSDP units"),
     ],
 )
 def test_invalid_combinations_are_rejected_before_launch(overrides, world, expected):
