@@ -13,6 +13,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from shardlab.config import path_errors
 from shardlab.errors import ConfigError, ShardlabError
 from shardlab.registry import unknown_name_message
 
@@ -60,7 +61,7 @@ def preflight(argv: list[str]) -> DictConfig | None:
     check_group_choices(overrides)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return compose(config_name="config", overrides=overrides)
+            cfg = compose(config_name="config", overrides=overrides)
     except Exception as e:  # Hydra/OmegaConf errors: the first line of each cause names the key and the problem
         parts = []
         err: BaseException | None = e
@@ -70,6 +71,13 @@ def preflight(argv: list[str]) -> DictConfig | None:
                 parts.append(first[0].rstrip("."))
             err = err.__cause__
         raise ConfigError(": ".join(dict.fromkeys(parts)) + " (see `python -m shardlab.train --help`)") from None
+    # Hydra creates the run directory before shardlab's code runs, failing with a traceback where it cannot: check an
+    # explicit hydra.run.dir (or the default's parent, runs/ here) first. build_task checks the exact one again.
+    run_dir = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), "runs")
+    errors = path_errors(cfg, run_dir) if "${" not in run_dir else []
+    if errors:
+        raise ConfigError("; ".join(errors))
+    return cfg
 
 
 def report_and_exit(error: ShardlabError) -> None:

@@ -7,7 +7,9 @@ ConfigError listing every problem.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -61,7 +63,7 @@ class DistributedConfig:
     world_size: int = 1
     """Processes to start on this machine when not launched by torchrun or Slurm (which set the world themselves)."""
     sharding_degree: int = -1
-    """fully_sharded: ranks a parameter is sharded over (FSDP paper's F). -1 = all ranks; 1 < F < world = hybrid."""
+    """fully_sharded: ranks a parameter is sharded over (FSDP paper's F). -1 = all ranks; 1 <= F < world = hybrid."""
     reshard_after_forward: bool = True
     """fully_sharded: free gathered params after forward (ZeRO-3); false keeps them until backward (ZeRO-2-like)."""
     precision: str = "fp32"
@@ -76,15 +78,13 @@ class DistributedConfig:
     """Recompute activations per FSDP unit in backward: none or full."""
     offload_activations: bool = False
     """With activation_checkpointing=none: move saved activations to the CPU during forward."""
-    prefetch_units: int = 1
-    """fully_sharded: all-gather this many units ahead, asynchronously (forward: next, backward: previous); 0 leaves
-    FSDP2's implicit prefetching (measured here: +9% tokens/s with 1 on the 25M LM at 2 ranks)."""
-    reduce_scatter: str = "auto"
-    """fully_sharded: how gradients are reduce-scattered. native = the process group's reduce_scatter; all_reduce =
-    one all-reduce of the unit's gradient buffer, keeping the local shard (FSDP2's custom-comm hook), run under the
-    next unit's backward where nothing reads it sooner; auto = all_reduce on gloo (CPU), where gloo's reduce_scatter
-    measured slower and blocks backward (tools/bench_collectives.py), native elsewhere (NCCL's reduce-scatter moves
-    half an all-reduce's bytes, on a side stream)."""
+    prefetch_units: int = 0
+    """fully_sharded: all-gather this many units ahead (forward: next, backward: previous); 0 leaves FSDP2's implicit
+    prefetching. On CPU it also makes unshards asynchronous (a private FSDP2 flag, used on a tested torch only)."""
+    reduce_scatter: str = "native"
+    """fully_sharded: how gradients are reduce-scattered. native = the process group's reduce_scatter; all_reduce
+    (CPU/gloo only, opt-in) = one all-reduce of the unit's gradient buffer, keeping the local shard, through FSDP2's
+    custom-comm hook, run under the next unit's backward where nothing reads it sooner."""
     reduce_every_microbatch: bool = True
     """Gradient accumulation: reduce-scatter every micro-batch (least memory) or only the last (least traffic)."""
     wrap_min_num_params: int = 0
@@ -231,8 +231,8 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     check(d.timeout_s > 0, f"distributed.timeout_s must be > 0, got {d.timeout_s}")
     check(d.prefetch_units >= 0, f"distributed.prefetch_units must be >= 0, got {d.prefetch_units}")
     check(
-        d.reduce_scatter in ("auto", "native", "all_reduce"),
-        f"distributed.reduce_scatter must be auto, native or all_reduce, got '{d.reduce_scatter}'",
+        d.reduce_scatter in ("native", "all_reduce"),
+        f"distributed.reduce_scatter must be native or all_reduce, got '{d.reduce_scatter}'",
     )
     for key in ("precision", "param_dtype", "reduce_dtype"):
         value = getattr(d, key)
@@ -242,8 +242,54 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
         f"distributed.activation_checkpointing must be none or full, got '{d.activation_checkpointing}'",
     )
     errors += distributed_errors(cfg, world_size or d.world_size, num_cuda_devices)
+    errors += unknown_key_errors(cfg)
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def path_errors(cfg: Any, run_dir: str | os.PathLike) -> list[str]:
+    """The run directory and ``<run dir>/<checkpoint.dir>`` must be directories this process can create and write,
+    so a bad path stops the run before its first step, not at its first save. Creates nothing."""
+    errors = []
+    for key, path in (("hydra.run.dir", Path(run_dir)), ("checkpoint.dir", Path(run_dir) / cfg.checkpoint.dir)):
+        path = path.expanduser().absolute()
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        problem = None
+        if not existing.is_dir():
+            problem = f"{existing} is a file, not a directory"
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            problem = f"{existing} is not writable"
+        if problem:
+            errors.append(f"{key}: cannot create or write {path} ({problem}); choose a writable directory")
+            break  # the checkpoint directory lives inside the run directory: one message is enough
+    return errors
+
+
+def unknown_key_errors(cfg: Any) -> list[str]:
+    """Keys the schemas do not declare. Hydra rejects a mistyped ``key=value`` itself, but a ``+key=value`` is added
+    to the config unchecked, and nothing would ever read it."""
+    from omegaconf import DictConfig, OmegaConf
+
+    errors: list[str] = []
+
+    def visit(node: DictConfig, prefix: str) -> None:
+        schema = OmegaConf.get_type(node)
+        fields = getattr(schema, "__dataclass_fields__", None)
+        for key in node:
+            dotted = f"{prefix}{key}"
+            if fields is not None and key not in fields:
+                known = ", ".join(name for name in fields if not name.startswith("_"))
+                errors.append(
+                    f"{dotted} is not a known key of {prefix.rstrip('.') or 'the config'} (known: {known}); drop "
+                    f"+{dotted}"
+                )
+                continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+                visit(child, f"{dotted}.")
+
+    visit(cfg, "")
+    return errors
 
 
 def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
@@ -259,13 +305,27 @@ def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]
         errors.append(
             f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by the world size ({world})"
         )
-    if sharded and d.sharding_degree not in (-1, 0) and (d.sharding_degree < 1 or world % d.sharding_degree):
+    if sharded and d.sharding_degree != -1 and (d.sharding_degree < 1 or world % d.sharding_degree):
         errors.append(
             f"distributed.sharding_degree ({d.sharding_degree}) must divide the world size ({world}); "
             "use -1 for all ranks"
         )
-    if not sharded and d.sharding_degree not in (-1, 0):
-        errors.append(f"distributed.sharding_degree applies to fully_sharded only (backend is {d.backend}); drop it")
+    defaults = DistributedConfig()
+    for key in ("sharding_degree", "prefetch_units", "reduce_scatter", "reshard_after_forward", "wrap_min_num_params"):
+        if not sharded and getattr(d, key) != getattr(defaults, key):
+            errors.append(
+                f"distributed.{key} applies to fully_sharded only (backend is {d.backend}); drop it or set "
+                "distributed.backend=fully_sharded"
+            )
+    if d.backend == "single" and d.reduce_dtype is not None:
+        errors.append("distributed.reduce_dtype: one process reduces no gradients; drop it or use ddp / fully_sharded")
+    if d.backend == "single" and not d.reduce_every_microbatch:
+        errors.append("distributed.reduce_every_microbatch: one process reduces no gradients; drop it")
+    if d.reduce_scatter == "all_reduce" and num_cuda_devices:
+        errors.append(
+            "distributed.reduce_scatter=all_reduce is a gloo (CPU) workaround; NCCL's reduce-scatter moves half an "
+            "all-reduce's bytes: use native"
+        )
     if d.cpu_offload and not sharded:
         errors.append(f"distributed.cpu_offload needs distributed.backend=fully_sharded (backend is {d.backend})")
     if cfg.optimizer.name == "cpu_adam" and not d.cpu_offload and num_cuda_devices > 0:

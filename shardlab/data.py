@@ -3,6 +3,10 @@
 Step s of a run reads global samples [s * B, (s + 1) * B) of an endless, epoch-shuffled stream (B = the global
 micro-batch); data-parallel rank r of R reads its contiguous 1/R of each global micro-batch. Changing R changes who
 reads a sample, never which samples form a step.
+
+Randomness follows the same address: each sample is read with torch's RNG seeded from (seed, its global offset), in
+whichever process reads it (the rank, or a DataLoader worker), so augmentation depends on neither the world size, the
+number of workers, nor where a run was resumed.
 """
 
 from __future__ import annotations
@@ -60,10 +64,15 @@ class RankBatchSampler:
         self.num_batches = num_batches
 
     def __iter__(self) -> Iterator[list[int]]:
+        for _, indices in self.batches():
+            yield indices
+
+    def batches(self) -> Iterator[tuple[int, list[int]]]:
+        """(global offset of this rank's first sample, dataset indices) of each of this rank's batches."""
         offset, produced = self.start, 0
         while self.num_batches is None or produced < self.num_batches:
             first = offset + self.dp_rank * self.local
-            yield self.order.indices(first, self.local)
+            yield first, self.order.indices(first, self.local)
             offset += self.global_batch
             produced += 1
 
@@ -71,6 +80,36 @@ class RankBatchSampler:
         if self.num_batches is None:
             raise TypeError("endless sampler")
         return self.num_batches
+
+
+def sample_seed(seed: int, offset: int) -> int:
+    """The RNG seed for global sample ``offset`` of a run seeded ``seed`` (distinct runs, distinct streams)."""
+    return (seed * 0x9E3779B97F4A7C15 + offset) % 2**63
+
+
+class SeededSamples(Dataset):
+    """Reads ``dataset[index]`` with torch's RNG seeded from the sample's global offset (torchvision's transforms and
+    shardlab's augmentations draw from it), then restores the reader's RNG state."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]):
+        offset, index = item
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, offset))
+            return self.dataset[index]
+
+
+class OffsetBatchSampler(RankBatchSampler):
+    """RankBatchSampler yielding (global offset, index) pairs, for SeededSamples."""
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for first, indices in self.batches():
+            yield list(enumerate(indices, start=first))
 
 
 def rank_loader(
@@ -84,11 +123,16 @@ def rank_loader(
     num_workers: int = 0,
     collate_fn=None,
 ) -> DataLoader:
-    sampler = RankBatchSampler(order, start, global_batch, dp_rank, dp_world, num_batches)
+    """This rank's batches from global sample ``start`` on, each sample read with its own seeded RNG (SeededSamples).
+    Worker processes get base seeds from ``order.seed`` too; batches are pinned on CUDA machines, so the tasks'
+    non-blocking copies to the GPU are asynchronous."""
+    sampler = OffsetBatchSampler(order, start, global_batch, dp_rank, dp_world, num_batches)
     return DataLoader(
-        dataset,
+        SeededSamples(dataset, order.seed),
         batch_sampler=sampler,
         num_workers=num_workers,
         collate_fn=collate_fn,
         persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(order.seed),
+        pin_memory=torch.cuda.is_available(),
     )

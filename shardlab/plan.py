@@ -37,10 +37,16 @@ def _plan_lines(model: nn.Module, units: list[nn.Module], cfg, world_size: int) 
             in_units += n
             yield f"  {names.get(id(u), type(u).__name__):<24} {type(u).__name__:<20} {n:>14,}"
         yield f"  {'(root)':<24} {type(model).__name__:<20} {total - in_units:>14,}"
-    shards = world_size if backend == "fully_sharded" else 1
+    shards = 1
+    if backend == "fully_sharded":  # hybrid: a parameter is sharded over its group of sharding_degree ranks only
+        shards = world_size if cfg.sharding_degree == -1 else min(cfg.sharding_degree, world_size)
+    hybrid = f", sharded over groups of {shards}" if backend == "fully_sharded" and shards < world_size else ""
     # fp32 param + fp32 grad + two fp32 Adam moments = 16 bytes per parameter, divided among the shard group.
     per_rank = total * 16 / shards
-    yield f"state per rank ({backend}, {world_size} rank(s)): ~{per_rank / 2**30:.2f} GiB (params+grads+Adam, fp32)"
+    yield (
+        f"state per rank ({backend}, {world_size} rank(s){hybrid}): ~{per_rank / 2**30:.2f} GiB "
+        "(params+grads+Adam, fp32)"
+    )
 
 
 def meta_model(build) -> nn.Module:

@@ -17,16 +17,20 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from shardlab import errors, run_record
-from shardlab.config import validate
+from shardlab.config import path_errors, validate
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, RankFailed, ShardlabError
 from shardlab.preemption import STOP_SIGNALS, STOPPED_EXIT_CODE
 from shardlab.registry import BACKENDS, TASKS, load_plugins
 
 
-def build_task(cfg: DictConfig, world_size: int | None = None):
-    """The task for ``cfg``, after every generic and task-specific config check (one ConfigError for all)."""
+def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | None = None):
+    """The task for ``cfg``, after every generic and task-specific config check (one ConfigError for all).
+
+    ``run_dir``: also check that it and the checkpoint directory in it can be written."""
     import torch
+
+    from shardlab.task import Task
 
     load_plugins()
     import shardlab.distributed.backends  # noqa: F401  (registers single, ddp, fully_sharded)
@@ -40,6 +44,12 @@ def build_task(cfg: DictConfig, world_size: int | None = None):
     BACKENDS.get(cfg.distributed.backend, key="distributed.backend")
     task = TASKS.build(cfg.task.name, cfg, key="task.name")
     problems += task.config_errors()
+    if cfg.distributed.wrap_min_num_params > 0 and type(task).fsdp_units is not Task.fsdp_units:
+        problems.append(
+            f"distributed.wrap_min_num_params applies to models without a unit plan, but task {cfg.task.name} "
+            "declares its FSDP units; drop it"
+        )
+    problems += path_errors(cfg, run_dir) if run_dir is not None else []
     if problems:
         raise ConfigError("; ".join(problems))
     return task
@@ -54,7 +64,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
     if record:
         run_record.start(run_dir, overrides, cfg.optimization.max_steps)
     try:
-        task = build_task(cfg, env.world_size)
+        task = build_task(cfg, env.world_size, run_dir)
         if cfg.dry_run:
             print_plan(cfg, task)
             return None
@@ -131,6 +141,7 @@ def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port
         raise
     if rank == 0:
         Path(result_file).write_text(json.dumps({"final": result["final"], "stopped_by": result["stopped_by"]}))
+    dist_env.end_finished_rank()
 
 
 def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> dict:

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from shardlab import weights
 from shardlab.checkpoint import Checkpointer
 from shardlab.checkpoint_layout import first_cause
-from shardlab.data import GlobalOrder, rank_loader
+from shardlab.data import GlobalOrder, rank_loader, sample_seed
 from shardlab.distributed.backend import Backend
 from shardlab.errors import CheckpointError
 from shardlab.init import materialize
@@ -124,9 +124,11 @@ class Trainer:
         last_valid: dict[str, float] = {}
         while state.step < o.max_steps:
             self.model.train()
-            # Per-step seeding (as fairseq): dropout and augmentation depend on (seed, step, rank) only, so a resumed
-            # run draws the same random numbers as an uninterrupted one without storing RNG state.
-            torch.manual_seed(cfg.seed * 100_003 + state.step * 1_009 + backend.env.rank)
+            # Per-step seeding: dropout draws from (seed, global offset of this rank's first sample of the step), so a
+            # resumed run draws the same masks as an uninterrupted one without storing RNG state. Augmentation is
+            # seeded per sample by the data loader (shardlab.data), independently of the world size.
+            first_sample = state.samples_seen + backend.dp_rank * (self.global_batch // backend.dp_world_size)
+            torch.manual_seed(sample_seed(cfg.seed + 1, first_sample))
             for micro in range(o.update_freq):
                 batch = next(loader)
                 with backend.grad_sync(self.model, micro == o.update_freq - 1):

@@ -274,7 +274,7 @@ class StepProbe:
 def expected_collectives(trainer) -> dict[str, Any]:
     """Per step, from the model's plan: FSDP2 gathers each unit's params (in param dtype) for forward and again for
     backward where the unit reshards after forward, and reduce-scatters its grads (reduce dtype; an all-reduce of the
-    same buffer under distributed.reduce_scatter=all_reduce, the gloo default); DDP all-reduces
+    same buffer under distributed.reduce_scatter=all_reduce, opt-in on gloo); DDP all-reduces
     every grad once. Micro-batches multiply both (reduce-scatter only when reduce_every_microbatch)."""
     backend, model, cfg = trainer.backend, trainer.model, trainer.cfg
     micro = cfg.optimization.update_freq
@@ -418,6 +418,7 @@ def _spawned(rank: int, cfg_yaml: str, run_dir: str, world: int, port: int, opts
     except Exception:
         print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(1)
+    dist_env.end_finished_rank()
 
 
 def write(out: dict, path: str) -> None:

@@ -8,7 +8,7 @@ For each world size and payload (elements of the full, unsharded buffer, fp32 un
   reduce_scatter_via_all_reduce  shardlab.distributed.gloo_comms.AllReduceReduceScatter (distributed.reduce_scatter=
                                  all_reduce): an all-reduce of the whole buffer, keeping this rank's chunk
   all_gather_native              dist.all_gather_single into the full buffer
-This is the measurement behind distributed.reduce_scatter=auto choosing the all-reduce form on gloo.
+This is the collective-level measurement behind the opt-in distributed.reduce_scatter=all_reduce on gloo.
 max_abs_diff_vs_native compares the two reduce-scatters' results (ReduceOp.AVG, as FSDP2 asks for in fp32).
 """
 

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from shardlab import weights
 from shardlab.cli import run_tool
+from shardlab.config import DistributedConfig
 from shardlab.errors import ShardlabError
 from shardlab.init import materialize
 from shardlab.runner import build_task
@@ -55,7 +56,9 @@ def load_model(checkpoint: Path):
     if not info.get("config"):
         raise ShardlabError(f"{checkpoint} carries no training config; it was not written by shardlab")
     cfg = OmegaConf.create(info["config"])
-    cfg.distributed.backend, cfg.distributed.world_size = "single", 1
+    # One process on the CPU, whatever the run used: its distributed section (cpu_offload, hybrid sharding, ...)
+    # shaped how state was sharded, and DCP loads any sharding into one process, so the defaults replace it.
+    cfg.distributed = OmegaConf.structured(DistributedConfig())
     task = build_task(cfg, world_size=1)
     if task.unit != "tokens":
         raise ShardlabError(f"{checkpoint} is a {cfg.task.name} checkpoint; generate.py samples language models only")

@@ -30,6 +30,23 @@ def resolve_dtypes(cfg: DistributedConfig) -> tuple[torch.dtype, torch.dtype]:
     return DTYPE_BY_NAME[param], DTYPE_BY_NAME[reduce]
 
 
+def pick_device(local_rank: int) -> torch.device:
+    """This rank's device: its GPU among the visible ones (a cluster that binds one GPU per task shows each rank one
+    device, index 0, whatever its local rank), else the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def process_group_backend(device: torch.device) -> str:
+    """torch.distributed's backend string. On CUDA a device-mapped group (as torchtitan's): NCCL for CUDA tensors and
+    gloo for CPU ones, so collectives on CPU tensors - cpu_offload's sharded gradients in clipping and the fp16
+    scaler's found-inf vote - run instead of failing on NCCL. Groups made later (device mesh, synced BN) inherit it."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 class Backend:
     """Base class: one process, no wrapping. Subclasses override ``parallelize`` and the gradient hooks."""
 
@@ -43,10 +60,7 @@ class Backend:
 
     # ---- process group -------------------------------------------------------------------------------------------
     def _pick_device(self) -> torch.device:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(self.env.local_rank)
-            return torch.device("cuda", self.env.local_rank)
-        return torch.device("cpu")
+        return pick_device(self.env.local_rank)
 
     def setup(self) -> None:
         """Join the process group: every backend does when world_size > 1 (metrics and checkpoints sync through
@@ -57,7 +71,7 @@ class Backend:
             else:  # local spawn, Slurm, or one process without a launcher (then any free port)
                 init_method = f"tcp://{self.env.master_addr}:{self.env.master_port or free_port()}"
             dist.init_process_group(
-                backend="nccl" if self.device.type == "cuda" else "gloo",
+                backend=process_group_backend(self.device),
                 init_method=init_method,
                 rank=self.env.rank,
                 world_size=self.env.world_size,
@@ -83,6 +97,10 @@ class Backend:
     ) -> nn.Module:
         """Wrap ``model`` (built on meta) for this backend and materialize its weights with ``materialize``."""
         materialize(model)
+        if self.cfg.activation_checkpointing == "full":
+            from shardlab.distributed.activation_checkpointing import wrap_units
+
+            wrap_units(model, units)
         return model
 
     @property
@@ -122,7 +140,9 @@ class Backend:
         return norm.detach().cpu()
 
     def make_grad_scaler(self) -> torch.amp.GradScaler | None:
-        if self.param_dtype != torch.float16:
+        """A loss scaler whenever anything is computed or reduced in fp16 (an fp16 all-reduce of fp32 gradients
+        underflows small ones just as fp16 compute does)."""
+        if torch.float16 not in (self.param_dtype, self.reduce_dtype):
             return None
         return torch.amp.GradScaler(self.device.type)
 

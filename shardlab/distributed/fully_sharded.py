@@ -10,14 +10,14 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from shardlab.distributed import torch_internals
 from shardlab.distributed.activation_checkpointing import wrap_units
 from shardlab.distributed.backend import Backend
-from shardlab.distributed.gloo_comms import AllReduceReduceScatter
+from shardlab.distributed.gloo_comms import AllReduceReduceScatter, make_reduce_comm
 from shardlab.distributed.grad_scaler import ShardedGradScaler
 
 
@@ -50,7 +50,7 @@ class FullyShardedBackend(Backend):
     def setup(self) -> None:
         super().setup()
         world, degree = self.env.world_size, self.cfg.sharding_degree
-        degree = world if degree in (-1, 0) else degree
+        degree = world if degree == -1 else degree
         self.sharding_degree = degree
         if degree == world:
             self.mesh: DeviceMesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("shard",))
@@ -61,8 +61,8 @@ class FullyShardedBackend(Backend):
 
     @property
     def reduce_scatter_via_all_reduce(self) -> bool:
-        choice = self.cfg.reduce_scatter
-        return choice == "all_reduce" or (choice == "auto" and dist.get_backend(self.mesh.get_group("shard")) == "gloo")
+        """distributed.reduce_scatter=all_reduce, on CPU (validate refuses it where CUDA devices exist)."""
+        return self.cfg.reduce_scatter == "all_reduce" and self.device.type == "cpu"
 
     @property
     def param_device(self) -> torch.device:
@@ -90,17 +90,20 @@ class FullyShardedBackend(Backend):
         # The root's params (embeddings, head) are used again first thing in backward: resharding them only re-gathers.
         fully_shard(model, reshard_after_forward=False, **kwargs)
         k = self.cfg.prefetch_units
+        self.unshard_async = False
         if k > 0:  # issue the next units' all-gathers before this unit's compute, so they overlap it
             for i, unit in enumerate(units):
                 unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + k])
                 unit.set_modules_to_backward_prefetch(units[max(0, i - k) : i][::-1])
-            # Without this FSDP2 issues a prefetched all-gather as a blocking op on CPU, and nothing overlaps.
-            model._set_unshard_async_op(True)
+            if self.device.type == "cpu":
+                # On CPU FSDP2 issues a prefetched all-gather as a blocking op unless unshards are async; on CUDA
+                # they overlap on FSDP2's side streams, where the async flag would stop copy-in/casts overlapping.
+                self.unshard_async = torch_internals.set_unshard_async_op(model)
         self.reduce_comm: AllReduceReduceScatter | None = None
         self._forwarded: set[int] = set()
         if self.reduce_scatter_via_all_reduce:
-            self.reduce_comm = AllReduceReduceScatter()
-            for module in model.modules():
+            self.reduce_comm = make_reduce_comm()  # None on an untested torch: the native reduce-scatter runs
+            for module in model.modules() if self.reduce_comm is not None else ():
                 if isinstance(module, FSDPModule):
                     module.set_custom_reduce_scatter(self.reduce_comm)
                     module.register_forward_pre_hook(self._note_forward)
@@ -152,20 +155,22 @@ class FullyShardedBackend(Backend):
             self.device.type == "cpu"
             and self.mesh.ndim == 1
             and self.reduce_dtype == torch.float32
-            and all(p.grad is None and not getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
+            and torch_internals.in_backward() is not None  # _note_forward must tell recomputation apart
+            # `is False`: a torch that cannot tell whether hooks exist does not overlap
+            and all(p.grad is None and torch_internals.has_post_accumulate_grad_hooks(p) is False for p in params)
         )
 
     def _note_forward(self, module: nn.Module, args) -> None:
         """A unit run twice in one step is reduced twice in its backward, the second time accumulating into the
         first's (still unwritten) shard: no overlap then. Recomputation in backward does not count."""
-        if self.reduce_comm is None or torch._C._current_graph_task_id() != -1:
+        if self.reduce_comm is None or torch_internals.in_backward():
             return
         if id(module) in self._forwarded:
             self.reduce_comm.overlap = False
         self._forwarded.add(id(module))
 
     def make_grad_scaler(self):
-        if self.param_dtype != torch.float16:
+        if torch.float16 not in (self.param_dtype, self.reduce_dtype):
             return None
         return ShardedGradScaler(self.device.type)
 
@@ -176,5 +181,6 @@ class FullyShardedBackend(Backend):
             f"fully_sharded: mesh {mesh} {self.mesh.mesh_dim_names}, reshard_after_forward="
             f"{self.cfg.reshard_after_forward}, param/reduce dtype {self.param_dtype}/{self.reduce_dtype}, "
             f"cpu_offload={self.cfg.cpu_offload}, activation_checkpointing={self.cfg.activation_checkpointing}, "
-            f"reduce-scatter {'as overlapped all-reduce' if self.reduce_scatter_via_all_reduce else 'native'}"
+            f"reduce-scatter {'as overlapped all-reduce' if self.reduce_comm is not None else 'native'}, "
+            f"prefetch_units={self.cfg.prefetch_units}{' (async unshard)' if self.unshard_async else ''}"
         )

@@ -1,10 +1,13 @@
-"""FSDP2's reduce-scatter issued as one all-reduce, through FSDP2's public custom-comm hook; optionally overlapped.
+"""FSDP2's reduce-scatter issued as one all-reduce, through FSDP2's custom-comm hook; optionally overlapped. Opt-in.
 
 Why: gloo's ring all-reduce is its best-tuned collective; on CPU its reduce_scatter measured 1.3-2x slower for the
 same buffer (tools/bench_collectives.py). And on CPU FSDP2 blocks on every unit's reduce-scatter in backward (CUDA
 hides it on a side stream), so the slower rank's lag is paid at every unit. Only the collective changes: FSDP2 still
 owns the sharding, the buffers, the copy-in/out and the reduce op it asks for. On NCCL a reduce-scatter moves half an
-all-reduce's bytes, so this is for gloo only (distributed.reduce_scatter=auto).
+all-reduce's bytes, so this is for gloo only (distributed.reduce_scatter=all_reduce, refused with CUDA devices).
+
+Opt-in, not the default: the hook's interface class lives in a private torch module (see torch_internals), and side by
+side on the 2-core development machine it did not beat the native reduce-scatter beyond run-to-run noise (README).
 
 Overlap: with ``overlap`` set, an averaging reduce is started asynchronously and its shard is written into FSDP2's
 output tensor later: when the next unit's reduce is issued (one in flight at a time, so the extra memory is one
@@ -19,11 +22,23 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from shardlab.distributed import torch_internals
 
 
-class AllReduceReduceScatter(ReduceScatter):
-    """All-reduce the whole input in place (FSDP2 drops that buffer after), then keep this rank's chunk."""
+def make_reduce_comm() -> AllReduceReduceScatter | None:
+    """The comm for ``FSDPModule.set_custom_reduce_scatter``, or None where this torch's hook interface is untested
+    (then FSDP2's native reduce-scatter runs)."""
+    base = torch_internals.reduce_scatter_base()
+    if base is None:
+        return None
+    base.register(AllReduceReduceScatter)  # FSDP2's ReduceScatter interface, as a virtual base (an ABC)
+    return AllReduceReduceScatter()
+
+
+class AllReduceReduceScatter:
+    """All-reduce the whole input in place (FSDP2 drops that buffer after), then keep this rank's chunk. Implements
+    FSDP2's ReduceScatter interface (allocate, __call__); build it with make_reduce_comm."""
 
     def __init__(self) -> None:
         self.overlap = False

@@ -138,7 +138,8 @@ def convert_sync_batchnorm(module: nn.Module, group_size: int = 0) -> nn.Module:
     group = process_group_for(group_size)
     if group is None:
         return module
-    if torch.cuda.is_available() and dist.get_backend(group) == "nccl":
+    # The CUDA process group maps cuda to nccl (and cpu to gloo): torch's module then runs on the CUDA tensors.
+    if torch.cuda.is_available() and "cuda:nccl" in dist.get_backend_config(group):
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, group)
     return _convert(module, group)
 

@@ -22,6 +22,8 @@ class RegNetConfig:
     sync_bn: bool = True
     """On more than one rank, normalize with the statistics of the whole global batch (torch's SyncBatchNorm on
     CUDA, shardlab's on CPU/gloo), so the run does not depend on the world size."""
+    dropout: float = 0.0
+    """Dropout on the pooled features before the classifier, in [0, 1) (torchvision's RegNets have none: 0)."""
     sync_bn_group_size: int = 0
     """Ranks whose batches share BN statistics: 0 = all; k = groups of k consecutive ranks (must divide the world)."""
     depth: int = 6

@@ -208,6 +208,19 @@ def count_classes(cfg: ImageDataConfig) -> int:
     return len(classes)
 
 
+def count_valid_images(cfg: ImageDataConfig) -> tuple[Path, int] | None:
+    """(validation directory, images in it) of a folder source without decoding anything; None when the layout is
+    wrong (open_datasets then names the problem)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    try:
+        _, valid = folder_splits(Path(cfg.path).expanduser().resolve())
+    except DataError:
+        return None
+    count = sum(1 for p in valid.glob("*/**/*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file())
+    return (valid, count) if count else None  # no images in class folders: ImageFolder's error says more
+
+
 # ---- transforms and assembly ---------------------------------------------------------------------------------------
 def transforms(size: int, augment: bool, train: bool) -> v2.Compose:
     """For decoded files: train = random-resized crop and horizontal flip, evaluation = resize to size / 0.875 and

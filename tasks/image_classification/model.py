@@ -93,18 +93,29 @@ def build_regnet(cfg: RegNetConfig, num_classes: int) -> tv_regnet.RegNet:
     if cfg.flavor not in FLAVORS:
         raise ConfigError(unknown_name_message(str(cfg.flavor), "RegNet flavor", FLAVORS, "model.flavor"))
     with block_params_on_cpu():
-        return getattr(tv_regnet, cfg.flavor)(weights=None, num_classes=num_classes, norm_layer=NORM_LAYER)
+        model = getattr(tv_regnet, cfg.flavor)(weights=None, num_classes=num_classes, norm_layer=NORM_LAYER)
+    return add_dropout(model, cfg.dropout)
 
 
 @MODELS.register("regnet_cifar")
 def build_regnet_cifar(cfg: RegNetConfig, num_classes: int) -> tv_regnet.RegNet:
-    return tv_regnet.RegNet(
+    model = tv_regnet.RegNet(
         cifar_block_params(cfg),
         num_classes=num_classes,
         stem_width=cfg.stem_width,
         stem_type=CifarStem,
         norm_layer=NORM_LAYER,
     )
+    return add_dropout(model, cfg.dropout)
+
+
+def add_dropout(model: tv_regnet.RegNet, p: float) -> tv_regnet.RegNet:
+    """Dropout on the classifier's input, as a parameter-free module in front of ``fc`` (an ``nn.Sequential`` would
+    rename fc's parameters and break checkpoints; the forward pre-hook keeps them)."""
+    if p > 0:
+        model.dropout = nn.Dropout(p)
+        model.fc.register_forward_pre_hook(lambda fc, args: (model.dropout(args[0]),))
+    return model
 
 
 def fsdp_units(model: tv_regnet.RegNet) -> list[nn.Module]:
@@ -148,16 +159,30 @@ def keep_norm_input_dtype(model: nn.Module) -> None:
 TensorInit = Callable[[Tensor, torch.Generator], None]
 
 
+# Module-level functions bound with partial, not lambdas: the task holds the plan, and DataLoader workers started by
+# spawn (as they are inside spawned ranks) pickle the task along with its collate method.
+def _normal_init(std: float, t: Tensor, g: torch.Generator) -> None:
+    t.normal_(0.0, std, generator=g)
+
+
+def _uniform_init(bound: float, t: Tensor, g: torch.Generator) -> None:
+    t.uniform_(-bound, bound, generator=g)
+
+
+def _fill_init(value: float, t: Tensor, g: torch.Generator) -> None:
+    t.fill_(value)
+
+
 def _normal(std: float) -> TensorInit:
-    return lambda t, g: t.normal_(0.0, std, generator=g)
+    return partial(_normal_init, std)
 
 
 def _uniform(bound: float) -> TensorInit:
-    return lambda t, g: t.uniform_(-bound, bound, generator=g)
+    return partial(_uniform_init, bound)
 
 
 def _fill(value: float) -> TensorInit:
-    return lambda t, g: t.fill_(value)
+    return partial(_fill_init, value)
 
 
 def init_plan(model: nn.Module) -> dict[str, TensorInit]:

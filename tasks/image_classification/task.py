@@ -13,7 +13,7 @@ from shardlab.errors import ConfigError
 from shardlab.registry import MODELS, unknown_name_message
 from shardlab.task import Task
 from tasks.image_classification import model as regnet  # importing it registers regnet and regnet_cifar
-from tasks.image_classification.data import SOURCES, count_classes, open_datasets, source_of
+from tasks.image_classification.data import SOURCES, count_classes, count_valid_images, open_datasets, source_of
 
 
 class ImageClassificationTask(Task):
@@ -51,8 +51,16 @@ class ImageClassificationTask(Task):
             errors.append(f"data.label_smoothing must be in [0, 1), got {d.label_smoothing}")
         if d.num_workers < 0:
             errors.append(f"data.num_workers must be >= 0, got {d.num_workers}")
+        if not 0 <= m.dropout < 1:
+            errors.append(f"model.dropout must be in [0, 1), got {m.dropout}")
+        vb = self.cfg.validation.batch_size
+        counted = count_valid_images(d) if source_of(d) == "folder" and d.path else None
+        if counted is not None and counted[1] < vb:
+            errors.append(
+                f"data.path: {counted[0]} holds {counted[1]} images, fewer than one validation.batch_size ({vb}); "
+                "lower validation.batch_size or add images"
+            )
         if source_of(d) != "folder":
-            vb = self.cfg.validation.batch_size
             if d.num_train < 1:
                 errors.append(f"data.num_train must be >= 1, got {d.num_train}")
             if d.num_valid < vb:

@@ -30,8 +30,16 @@ class LanguageModelingTask(Task):
 
     def config_errors(self) -> list[str]:
         m, d = self.cfg.model, self.cfg.data
-        errors = []
-        if m.dim % m.num_heads:
+        errors = [
+            f"model.{key} must be >= 1, got {m[key]}"
+            for key in ("num_layers", "dim", "num_heads", "max_seq_len")
+            if m[key] < 1
+        ]
+        if int(m.mlp_ratio * m.dim) < 1:
+            errors.append(f"model.mlp_ratio ({m.mlp_ratio}) x model.dim ({m.dim}) must give an MLP at least 1 wide")
+        if not 0 <= m.dropout < 1:
+            errors.append(f"model.dropout must be in [0, 1), got {m.dropout}")
+        if m.num_heads >= 1 and m.dim % m.num_heads:
             errors.append(f"model.num_heads ({m.num_heads}) must divide model.dim ({m.dim})")
         if d.seq_len < 1 or d.seq_len > m.max_seq_len:
             errors.append(

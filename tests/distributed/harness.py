@@ -36,6 +36,7 @@ def _worker(
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump(results, f)
+    dist_env.end_finished_rank()
 
 
 def run_spawned(

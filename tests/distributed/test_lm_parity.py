@@ -17,9 +17,10 @@ OVERLAPPED_REDUCES: list[int] = []
 
 
 def record_reduce_dtypes() -> None:
-    """Patch the collectives FSDP2 reduces gradients with, to see which dtype really reaches them: reduce_scatter_single
-    (native) or all_reduce (distributed.reduce_scatter=all_reduce, the gloo default). All-reduces of fewer than 1024
-    elements are the trainer's scalars (clipping norm, found-inf, logged sums), not gradient buffers."""
+    """Patch the collectives FSDP2 reduces gradients with, to see which dtype really reaches them: a reduce-scatter
+    (native; whichever of torch's names for it this torch's FSDP2 calls) or all_reduce
+    (distributed.reduce_scatter=all_reduce). All-reduces of fewer than 1024 elements are the trainer's scalars
+    (clipping norm, found-inf, logged sums), not gradient buffers."""
     import torch.distributed as dist
 
     def recording(original, kind, name, position, min_numel):
@@ -33,7 +34,10 @@ def record_reduce_dtypes() -> None:
 
         return collective
 
-    dist.reduce_scatter_single = recording(dist.reduce_scatter_single, "reduce_scatter", "input", 1, 0)
+    # (output, input, ...) in every one of them: the input is argument 1, named "input".
+    for op in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
+        if hasattr(dist, op):
+            setattr(dist, op, recording(getattr(dist, op), "reduce_scatter", "input", 1, 0))
     dist.all_reduce = recording(dist.all_reduce, "all_reduce", "tensor", 0, 1024)
 
 
@@ -87,43 +91,31 @@ def run_single(cfg, tmp_path) -> dict:
     return run_rank(cfg, tmp_path, dist_env.detect(), after_fit=inspect)
 
 
+FSDP = "distributed.backend=fully_sharded"
+# The opt-in CPU path: gradients reduced as overlapped all-reduces, all-gathers prefetched asynchronously.
+OVERLAP = [FSDP, "distributed.reduce_scatter=all_reduce", "distributed.prefetch_units=1"]
 TWO_RANK_VARIANTS = {
     "ddp": ["distributed.backend=ddp"],
-    "fsdp_reshard": ["distributed.backend=fully_sharded"],
-    "fsdp_native_reduce_scatter": ["distributed.backend=fully_sharded", "distributed.reduce_scatter=native"],
-    "fsdp_no_reshard": ["distributed.backend=fully_sharded", "distributed.reshard_after_forward=false"],
-    "fsdp_untied": ["distributed.backend=fully_sharded", "model.tie_embeddings=false"],
-    "fsdp_offload": ["distributed.backend=fully_sharded", "distributed.cpu_offload=true"],
-    "fsdp_offload_cpu_adam": [
-        "distributed.backend=fully_sharded",
-        "distributed.cpu_offload=true",
-        "optimizer=cpu_adam",
-    ],
-    "fsdp_act_ckpt": ["distributed.backend=fully_sharded", "distributed.activation_checkpointing=full"],
-    "fsdp_offload_activations": ["distributed.backend=fully_sharded", "distributed.offload_activations=true"],
-    "fsdp_accum_every": ["distributed.backend=fully_sharded", "optimization.update_freq=2"],
-    "fsdp_accum_last": [
-        "distributed.backend=fully_sharded",
-        "optimization.update_freq=2",
-        "distributed.reduce_every_microbatch=false",
-    ],
+    "fsdp_native": [FSDP],
+    "fsdp_reshard": OVERLAP,
+    "fsdp_no_reshard": [*OVERLAP, "distributed.reshard_after_forward=false"],
+    "fsdp_untied": [*OVERLAP, "model.tie_embeddings=false"],
+    "fsdp_offload": [*OVERLAP, "distributed.cpu_offload=true"],
+    "fsdp_offload_cpu_adam": [*OVERLAP, "distributed.cpu_offload=true", "optimizer=cpu_adam"],
+    "fsdp_act_ckpt": [*OVERLAP, "distributed.activation_checkpointing=full"],
+    "fsdp_offload_activations": [*OVERLAP, "distributed.offload_activations=true"],
+    "fsdp_accum_every": [*OVERLAP, "optimization.update_freq=2"],
+    "fsdp_accum_last": [*OVERLAP, "optimization.update_freq=2", "distributed.reduce_every_microbatch=false"],
     "ddp_accum_last": [
         "distributed.backend=ddp",
         "optimization.update_freq=2",
         "distributed.reduce_every_microbatch=false",
     ],
-    "fsdp_bf16": ["distributed.backend=fully_sharded", "distributed.precision=bf16"],
-    "fsdp_fp16": ["distributed.backend=fully_sharded", "distributed.precision=fp16"],
-    "fsdp_bf16_reduce": [
-        "distributed.backend=fully_sharded",
-        "distributed.precision=bf16",
-        "distributed.reduce_dtype=bf16",
-    ],
-    "fsdp_fp16_native_reduce_scatter": [
-        "distributed.backend=fully_sharded",
-        "distributed.precision=fp16",
-        "distributed.reduce_scatter=native",
-    ],
+    "fsdp_bf16": [*OVERLAP, "distributed.precision=bf16"],
+    "fsdp_fp16": [*OVERLAP, "distributed.precision=fp16"],
+    "fsdp_bf16_reduce": [*OVERLAP, "distributed.precision=bf16", "distributed.reduce_dtype=bf16"],
+    "fsdp_fp16_native": [FSDP, "distributed.precision=fp16"],
+    "fsdp_fp16_reduce": [FSDP, "distributed.reduce_dtype=fp16"],  # fp32 params, fp16 reduce-scatter: scaled too
 }
 
 
@@ -161,7 +153,7 @@ def test_two_ranks_match_single_process_losses_and_params(name, two_rank_results
         torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("name", ["fsdp_bf16", "fsdp_bf16_reduce", "fsdp_fp16", "fsdp_fp16_native_reduce_scatter"])
+@pytest.mark.parametrize("name", ["fsdp_bf16", "fsdp_bf16_reduce", "fsdp_fp16", "fsdp_fp16_native", "fsdp_fp16_reduce"])
 def test_low_precision_stays_finite_and_tracks_fp32(name, two_rank_results, single_results):
     low, fp32 = losses(two_rank_results[name]), losses(single_results["plain"])
     assert torch.isfinite(low).all()
@@ -171,12 +163,13 @@ def test_low_precision_stays_finite_and_tracks_fp32(name, two_rank_results, sing
 
 def test_fp16_reduce_scatter_reaches_the_collective_in_fp16(two_rank_results):
     dtypes = {name: two_rank_results[name]["reduce_dtypes"] for name in two_rank_results}
-    assert dtypes["fsdp_fp16"] == ["all_reduce:torch.float16"]  # gloo default: the reduce-scatter as an all-reduce
-    assert dtypes["fsdp_fp16_native_reduce_scatter"] == ["reduce_scatter:torch.float16"]
+    assert dtypes["fsdp_fp16"] == ["all_reduce:torch.float16"]  # the opt-in reduce-scatter as an all-reduce
+    assert dtypes["fsdp_fp16_native"] == ["reduce_scatter:torch.float16"]
+    assert dtypes["fsdp_fp16_reduce"] == ["reduce_scatter:torch.float16"]
     assert dtypes["fsdp_bf16"] == ["all_reduce:torch.float32"]  # bf16 compute, fp32 reduce
     assert dtypes["fsdp_bf16_reduce"] == ["all_reduce:torch.bfloat16"]
     assert dtypes["fsdp_reshard"] == ["all_reduce:torch.float32"]
-    assert dtypes["fsdp_native_reduce_scatter"] == ["reduce_scatter:torch.float32"]
+    assert dtypes["fsdp_native"] == ["reduce_scatter:torch.float32"]
 
 
 OVERLAPPING = [  # every fp32-reduce 1-D variant: each unit's reduce runs under the next unit's backward
@@ -203,18 +196,21 @@ def test_gradient_reduces_overlap_backward_where_nothing_reads_them_early(name, 
     assert result["overlapped_reduces"] == result["reducing_units"] * 10
 
 
-@pytest.mark.parametrize(
-    "name", ["fsdp_fp16", "fsdp_bf16_reduce", "fsdp_native_reduce_scatter", "fsdp_fp16_native_reduce_scatter"]
-)
+@pytest.mark.parametrize("name", ["fsdp_fp16", "fsdp_bf16_reduce", "fsdp_native", "fsdp_fp16_native"])
 def test_gradient_reduces_block_where_fsdp2_reads_them_at_once(name, two_rank_results):
     # fp16 post-divides at once, a bf16 reduce is cast to fp32 at once; the native reduce-scatter always blocks.
     assert two_rank_results[name]["overlapped_reduces"] == 0
 
 
-def test_fp16_counts_skipped_steps_and_logs_loss_scale(two_rank_results):
-    train = [r for r in two_rank_results["fsdp_fp16"]["history"] if r["split"] == "train"]
-    assert all("loss_scale" in r for r in train)
-    assert all(r["skipped_steps"] >= 0 for r in train)
+@pytest.mark.parametrize("name", ["fsdp_fp16", "fsdp_fp16_reduce"])
+def test_fp16_scales_the_loss_and_halves_the_scale_once_per_skipped_step(name, two_rank_results):
+    """fp16 compute, or only an fp16 reduce of fp32 gradients, gets a loss scaler. It starts at 2**16 and, within
+    its 2000-step growth interval, only halves - once per step skipped for an overflow - so the logged scale and the
+    skipped-step count must agree at every step."""
+    train = [r for r in two_rank_results[name]["history"] if r["split"] == "train"]
+    assert len(train) == 10
+    for r in train:
+        assert r["loss_scale"] == 2.0**16 * 0.5 ** r["skipped_steps"], r
 
 
 def test_fully_sharded_holds_a_world_size_fraction_of_ddp_state(two_rank_results):

@@ -19,8 +19,8 @@ from tests.distributed.harness import run_spawned
 LOSS_RTOL = 1e-5
 STEPS, RESUME_AT = 6, 3
 
-# A 2-stage RegNetY (~3k params, with squeeze-excitation) on 16 px generated images; no augmentation, so every rank
-# layout sees the same pixels (augmentation draws from per-rank RNG streams).
+# A 2-stage RegNetY (~3k params, with squeeze-excitation) on 16 px generated images; augmentation off except in the
+# tests of seeding (AUGMENTED).
 TINY_VISION = [
     "task=image_classification",
     "model.depth=2",
@@ -44,6 +44,10 @@ TINY_VISION = [
     "logging.progress_bar=false",
     "logging.tensorboard=false",
 ]
+
+
+# Random crops and flips drawn in 2 DataLoader worker processes per rank (started by spawn inside spawned ranks).
+AUGMENTED = ["data.augment=true", "data.num_workers=2"]
 
 
 def tiny_vision(*overrides: str):
@@ -98,7 +102,9 @@ def runs(tmp_path_factory):
     1-rank resume of the 2-rank run's checkpoint."""
     single_dir = tmp_path_factory.mktemp("single")
     out = {"single": run_single(tiny_vision(), single_dir)}
+    out["augmented_single"] = run_single(tiny_vision(*AUGMENTED), tmp_path_factory.mktemp("augmented_single"))
     spawned = {
+        "augmented": ["distributed.backend=fully_sharded", *AUGMENTED],
         "sync": ["distributed.backend=fully_sharded"],
         "no_sync": ["distributed.backend=fully_sharded", "model.sync_bn=false"],
         "ddp_sync": ["distributed.backend=ddp"],
@@ -108,7 +114,7 @@ def runs(tmp_path_factory):
     dirs = [tmp_path_factory.mktemp(name) for name in spawned]
     results = run_spawned([tiny_vision(*o) for o in spawned.values()], world_size=2, run_dirs=dirs, inspect=inspect)
     out.update(zip(spawned, results, strict=True))
-    sync_dir = dirs[0]
+    sync_dir = dirs[list(spawned).index("sync")]
     resume = f"checkpoint.resume={checkpoint(sync_dir, RESUME_AT)}"
     out["resume_from_sync"] = run_single(tiny_vision(resume), tmp_path_factory.mktemp("resume_single"))
     return out
@@ -124,6 +130,33 @@ def test_synced_bn_two_ranks_match_single_process_losses_and_running_stats(runs,
         torch.testing.assert_close(
             two["bn_stats"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}"
         )
+
+
+def test_augmentation_and_its_workers_give_the_same_losses_on_one_and_two_ranks(runs):
+    """Each sample's crop and flip are drawn from (seed, its global sample offset), in whichever rank or worker reads
+    it, so two ranks with synced BN see the pixels one process sees."""
+    augmented, single = losses(runs["augmented"]), losses(runs["augmented_single"])
+    assert not torch.equal(single, losses(runs["single"]))  # augmentation did change the inputs
+    torch.testing.assert_close(augmented, single, rtol=LOSS_RTOL, atol=0)
+
+
+@pytest.fixture(scope="module")
+def dropout_runs(tmp_path_factory):
+    """Dropout, augmentation and 2 workers: an uninterrupted run, and one resumed from its step-3 checkpoint."""
+    overrides = [*AUGMENTED, "model.dropout=0.3"]
+    whole_dir = tmp_path_factory.mktemp("dropout_whole")
+    whole = run_rank(tiny_vision(*overrides), whole_dir, dist_env.detect())
+    resume = f"checkpoint.resume={checkpoint(whole_dir, RESUME_AT)}"
+    resumed = run_rank(tiny_vision(*overrides, resume), tmp_path_factory.mktemp("dropout_resumed"), dist_env.detect())
+    plain = run_rank(tiny_vision(*AUGMENTED), tmp_path_factory.mktemp("dropout_off"), dist_env.detect())
+    return whole, resumed, plain
+
+
+def test_resumed_run_with_dropout_augmentation_and_workers_repeats_the_uninterrupted_losses_exactly(dropout_runs):
+    whole, resumed, plain = dropout_runs
+    assert not torch.equal(losses(whole), losses(plain))  # dropout did act
+    assert [r["step"] for r in resumed["history"] if r["split"] == "train"] == list(range(RESUME_AT + 1, STEPS + 1))
+    assert torch.equal(losses(resumed), losses(whole)[RESUME_AT:])
 
 
 def test_unsynced_bn_normalizes_with_half_batch_statistics_and_drifts(runs):

@@ -47,6 +47,7 @@ def bad_paths(tmp_path_factory):
     ckpt = root / "run" / "checkpoints" / "step_00000004"
     ckpt.mkdir(parents=True)
     (ckpt / "shardlab.json").write_text("{not json")
+    (root / "afile").write_text("a file where a directory should go")
     return root
 
 
@@ -62,6 +63,16 @@ BAD_INPUTS = {
     "warmup > max_steps": (["optimization.max_steps=10"], r"lr_scheduler.warmup_steps \(30\) must not exceed"),
     "missing data path": (["data.path={root}/nope"], r"data.path: .*/nope does not exist"),
     "no text in data path": (["data.path={root}/binary"], r"data.path: .*/binary holds no text files"),
+    "checkpoint dir cannot be created": (
+        ["hydra.run.dir={root}/run2", "checkpoint.dir={root}/afile/ckpt", *TINY_LM],
+        r"^error: checkpoint.dir: cannot create or write .*/afile/ckpt \(.*/afile is a file, not a directory\)",
+    ),
+    "run dir cannot be created": (["hydra.run.dir={root}/afile/run"], r"^error: hydra.run.dir: cannot create or write"),
+    "unknown key added with +": (
+        ["+optimizer.foo=1"],
+        r"optimizer.foo is not a known key of optimizer .*drop \+optimizer.foo",
+    ),
+    "degenerate model shape": (["model.num_layers=0"], r"model.num_layers must be >= 1, got 0"),
     "corrupt checkpoint": (
         ["hydra.run.dir={root}/run", "checkpoint.resume={root}/run/checkpoints/step_00000004", *TINY_LM],
         r"shardlab.json is unreadable",
@@ -75,6 +86,7 @@ def test_bad_input_gets_one_line_error_and_nonzero_exit(case, bad_paths):
     code, out, err = run_cli(*[a.format(root=bad_paths) for a in args], f"data.cache_dir={bad_paths}/cache")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, (out, err)
+    assert "[train]" not in out  # refused before the first step
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err
     assert re.search(pattern, lines[0]), lines[0]
@@ -160,3 +172,21 @@ def test_train_log_holds_the_console_lines_and_the_logged_lr_is_the_steps_own(tm
     assert len(console) == 8 and [line for line in logged if line.startswith(("[train]", "[valid]"))] == console
     lrs = [re.search(r"\| lr (\S+) \|", line).group(1) for line in console if line.startswith("[train]")]
     assert lrs == ["2.00e-04", "4.00e-04", "6.00e-04", "8.00e-04", "1.00e-03", "1.00e-03"]  # warmup (s+1)/5, then peak
+
+
+@pytest.mark.parametrize("shadow", ["tasks.py", "tasks/__init__.py"])
+def test_cli_runs_from_a_directory_holding_its_own_tasks_module(tmp_path, shadow):
+    """Python puts the working directory first on sys.path; a user's tasks.py or tasks/ there must not replace the
+    built-in task plug-ins (the top-level package ``tasks``)."""
+    (tmp_path / shadow).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / shadow).write_text("raise RuntimeError('the user module was imported')\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardlab.train", "task=image_classification", "dry_run=true"],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "FSDP units" in proc.stdout or "model:" in proc.stdout

@@ -93,11 +93,44 @@ def test_unknown_backend_names_known_ones_and_suggests():
         (["distributed.world_size=2"], 1, "needs distributed.backend=ddp or fully_sharded"),
         (["data.seq_len=512"], 1, "data.seq_len (512) must be in [1, model.max_seq_len=256]"),
         (["model.num_heads=5"], 1, "model.num_heads (5) must divide model.dim"),
+        (["model.num_heads=0"], 1, "model.num_heads must be >= 1, got 0"),
+        (["model.mlp_ratio=0.001"], 1, "must give an MLP at least 1 wide"),
+        (["task=image_classification", "model.dropout=1.0"], 1, "model.dropout must be in [0, 1), got 1.0"),
+        (["distributed.backend=fully_sharded", "distributed.sharding_degree=0"], 2, "sharding_degree (0) must divide"),
+        (["distributed.backend=ddp", "distributed.prefetch_units=1"], 2, "prefetch_units applies to fully_sharded"),
+        (["distributed.backend=ddp", "distributed.reduce_scatter=all_reduce"], 2, "reduce_scatter applies to fully"),
+        (["distributed.reduce_dtype=fp16"], 1, "distributed.reduce_dtype: one process reduces no gradients"),
+        (["+distributed.prefetch=2"], 1, "distributed.prefetch is not a known key of distributed"),
+        (["+model.foo=1"], 1, "model.foo is not a known key of model"),
+        (["distributed=fully_sharded", "distributed.wrap_min_num_params=1000"], 1, "task lm declares its FSDP units"),
     ],
 )
 def test_invalid_combinations_are_rejected_before_launch(overrides, world, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         build_task(compose_config(overrides), world_size=world)
+
+
+def test_plan_per_rank_state_divides_by_the_shard_group_under_hybrid_sharding():
+    from shardlab.plan import describe_plan, meta_model
+
+    cfg = compose_config(["model=gpt_1_3b", "distributed=fully_sharded", "distributed.sharding_degree=2"])
+    task = build_task(cfg, world_size=8)
+    lines = describe_plan(meta_model(task.build_model), [], cfg.distributed, world_size=8)
+    # 16 bytes/param over the 2 ranks of a shard group, not the 8 of the job: 4x the fully sharded ~2.45 GiB
+    assert "state per rank (fully_sharded, 8 rank(s), sharded over groups of 2): ~9.80 GiB" in lines[-1]
+
+
+def test_activation_checkpointing_recomputes_units_on_one_process_too(tiny_lm, tmp_path):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from shardlab.distributed import env as dist_env
+    from shardlab.runner import run_rank
+
+    def wrapped(trainer) -> dict:
+        return {"wrapped": sum(isinstance(m, CheckpointWrapper) for m in trainer.model.modules())}
+
+    cfg = tiny_lm("distributed.activation_checkpointing=full", "optimization.max_steps=2")
+    assert run_rank(cfg, tmp_path, dist_env.detect(), after_fit=wrapped)["wrapped"] == cfg.model.num_layers
 
 
 def test_registry_raises_error_when_name_unknown():

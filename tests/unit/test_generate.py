@@ -34,3 +34,22 @@ def test_generate_loads_the_trained_weights_and_continues_the_prompt(tiny_lm, tm
     assert capsys.readouterr().out.strip() == text.strip()
     again = generate.main([str(checkpoint), "--prompt", "import ", "--max-new-tokens", "20", "--top-k", "0"])
     assert again == text  # greedy decoding is deterministic
+
+
+def test_generate_loads_a_checkpoint_trained_with_cpu_offload(tiny_lm, tmp_path):
+    """An offloaded (or hybrid-sharded) run writes an ordinary DCP checkpoint; its distributed settings describe how
+    state was sharded, not what it holds, so generate.py loads it into one process like any other."""
+    trained = run_rank(
+        tiny_lm(
+            "distributed.backend=fully_sharded",
+            "distributed.cpu_offload=true",
+            "optimization.max_steps=4",
+            "checkpoint.interval_steps=4",
+        ),
+        tmp_path,
+        dist_env.detect(),
+        after_fit=probe_logits,
+    )
+    model, _, cfg = generate.load_model(tmp_path / "checkpoints" / "step_00000004")
+    with torch.no_grad():
+        torch.testing.assert_close(model(PROBE), trained["logits"], rtol=1e-5, atol=1e-6)

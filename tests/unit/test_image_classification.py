@@ -184,7 +184,7 @@ def image_tree(tmp_path):
 
 
 def folder_task(path, *overrides: str):
-    task = build_task(vision(f"data.path={path}", "data.image_size=8", *overrides))
+    task = build_task(vision(f"data.path={path}", "data.image_size=8", "validation.batch_size=4", *overrides))
     task.prepare_data()
     return task
 
@@ -240,5 +240,5 @@ def test_skip_corrupt_passes_over_the_file_counts_it_and_training_finishes(image
     result = run_rank(vision(*overrides), tmp_path_factory.mktemp("skip_run"), dist_env.detect())
     train = [r for r in result["history"] if r["split"] == "train"]
     assert train[-1]["skipped"] == 1 and math.isfinite(train[-1]["loss"])
-    assert result["final"]["top1"] >= 0
+    assert result["final"]["top1"] in (0.0, 25.0, 50.0, 75.0, 100.0)  # one validation batch: val/'s 4 images
     assert "skipping undecodable image" in capsys.readouterr().err

@@ -15,7 +15,10 @@ def hydra_dirs(overrides: list[str]) -> tuple[str, str]:
         cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
     cfg.hydra.job.num = 3
     HydraConfig.instance().set_config(cfg)
-    return str(cfg.hydra.run.dir), str(cfg.hydra.sweep.subdir)
+    try:
+        return str(cfg.hydra.run.dir), str(cfg.hydra.sweep.subdir)
+    finally:
+        HydraConfig.instance().cfg = None  # later tests must not see a Hydra run
 
 
 def test_how_a_run_executes_does_not_move_its_directory():

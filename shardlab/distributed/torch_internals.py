@@ -1,0 +1,71 @@
+"""Every private torch API shardlab touches, in one place, each behind a version check with a public fallback.
+
+Private names change without notice between torch releases. Each one here is used only when the installed torch is
+in TESTED_TORCH (the minor versions tests/unit/test_torch_internals.py passed on) and the name still exists; else the
+caller takes the public path it would take without it. tests/unit/test_torch_internals.py checks each name's
+behaviour on the installed torch and fails loudly, naming what moved, when a torch upgrade changes one.
+
+Nothing on the default path needs them: they back opt-in CPU (gloo) speed-ups only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+TESTED_TORCH = ((2, 14), (2, 14))
+"""Inclusive (major, minor) range whose private APIs below were checked (pyproject's torch range is the public one)."""
+
+
+def torch_minor() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def tested() -> bool:
+    """Whether the installed torch is one whose private APIs below were checked."""
+    low, high = TESTED_TORCH
+    return low <= torch_minor() <= high
+
+
+@functools.cache
+def reduce_scatter_base() -> type | None:
+    """FSDP2's custom reduce-scatter interface (``set_custom_reduce_scatter`` takes an instance), or None: the class
+    lives in the private module ``torch.distributed.fsdp._fully_shard._fsdp_api``."""
+    if not tested():
+        return None
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:
+        return None
+    return ReduceScatter
+
+
+def set_unshard_async_op(model: torch.nn.Module) -> bool:
+    """Issue FSDP2's unshard all-gathers asynchronously (``FSDPModule._set_unshard_async_op``); whether it was set.
+
+    On CPU, FSDP2 otherwise runs an explicitly prefetched all-gather as a blocking op, so nothing overlaps. On CUDA
+    its own docstring says copy-in and casts then stop overlapping, so callers use it on CPU only."""
+    setter = getattr(model, "_set_unshard_async_op", None)
+    if not tested() or setter is None:
+        return False
+    setter(True)
+    return True
+
+
+def in_backward() -> bool | None:
+    """Whether autograd's engine is running a backward on this thread (``torch._C._current_graph_task_id``), or None
+    where that cannot be told."""
+    probe = getattr(torch._C, "_current_graph_task_id", None)
+    if not tested() or probe is None:
+        return None
+    return probe() != -1
+
+
+def has_post_accumulate_grad_hooks(param: torch.Tensor) -> bool | None:
+    """Whether ``param`` has hooks from ``register_post_accumulate_grad_hook`` (the tensor's private
+    ``_post_accumulate_grad_hooks``), or None where that cannot be told."""
+    if not tested() or not hasattr(param, "_post_accumulate_grad_hooks"):
+        return None
+    return bool(param._post_accumulate_grad_hooks)

@@ -1,0 +1,77 @@
+"""The private torch APIs shardlab uses (shardlab/distributed/torch_internals.py) still exist and behave as relied on.
+
+A torch upgrade that moves one fails here, naming it, rather than silently in a run: then re-check the private path
+(or drop it) and extend torch_internals.TESTED_TORCH and pyproject's torch range to the new release.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from shardlab.distributed import torch_internals
+
+
+def test_installed_torch_is_in_the_tested_range():
+    low, high = torch_internals.TESTED_TORCH
+    assert torch_internals.tested(), (
+        f"torch {torch.__version__} is outside shardlab's tested range {low}-{high}: the private paths fall back to "
+        "the public ones. Run tests/unit/test_torch_internals.py's checks, then widen TESTED_TORCH and pyproject.toml"
+    )
+
+
+def test_fsdp2_reduce_scatter_interface_is_where_and_what_we_subclass():
+    base = torch_internals.reduce_scatter_base()
+    assert base is not None, "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter moved"
+    params = list(inspect.signature(base.__call__).parameters)
+    assert params == ["self", "output_tensor", "input_tensor", "group", "op", "async_op"], params
+    assert hasattr(base, "allocate"), "ReduceScatter.allocate is gone (FSDP2 allocates the comm's buffers with it)"
+    from shardlab.distributed.gloo_comms import make_reduce_comm
+
+    assert isinstance(make_reduce_comm(), base)
+
+
+def test_fsdp2_unshard_async_flag_exists_on_fsdp_modules():
+    from torch.distributed.fsdp import FSDPModule
+
+    assert hasattr(FSDPModule, "_set_unshard_async_op"), "FSDPModule._set_unshard_async_op is gone"
+    assert list(inspect.signature(FSDPModule._set_unshard_async_op).parameters) == ["self", "async_op"]
+
+
+def test_graph_task_id_tells_backward_from_forward():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(("forward", torch_internals.in_backward()))
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(("backward", torch_internals.in_backward()))
+            return grad
+
+    Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen == [("forward", False), ("backward", True)]
+
+
+def test_post_accumulate_grad_hooks_are_visible_on_the_tensor():
+    param = nn.Parameter(torch.ones(2))
+    assert torch_internals.has_post_accumulate_grad_hooks(param) is False
+    param.register_post_accumulate_grad_hook(lambda p: None)
+    assert torch_internals.has_post_accumulate_grad_hooks(param) is True
+
+
+def test_outside_the_tested_range_every_private_path_falls_back(monkeypatch):
+    monkeypatch.setattr(torch_internals, "TESTED_TORCH", ((1, 0), (1, 0)))
+    torch_internals.reduce_scatter_base.cache_clear()
+    try:
+        assert torch_internals.reduce_scatter_base() is None
+        assert torch_internals.in_backward() is None
+        assert torch_internals.has_post_accumulate_grad_hooks(nn.Parameter(torch.ones(1))) is None
+        assert torch_internals.set_unshard_async_op(nn.Linear(1, 1)) is False
+    finally:
+        torch_internals.reduce_scatter_base.cache_clear()
