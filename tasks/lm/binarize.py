@@ -55,7 +55,7 @@ def encode_block(tokenizer: Tokenizer, block: Block, valid_percent: float, jsonl
     parts: dict[str, list[np.ndarray]] = {"train": [], "valid": []}
     src = block.source
     if not src.jsonl:
-        key = src.rel if block.index == 0 else f"{src.rel}#{block.index}"
+        key = src.split_key if block.index == 0 else f"{src.split_key}#{block.index}"
         split = "valid" if is_valid_document(key, valid_percent) else "train"
         parts[split] += _encode_text(tokenizer, block.data.decode("utf-8", errors="replace"))
         if block.last:
@@ -65,7 +65,7 @@ def encode_block(tokenizer: Tokenizer, block: Block, valid_percent: float, jsonl
             if not line.strip():
                 continue
             text = jsonl_text(line, src.path, n, jsonl_field)
-            split = "valid" if is_valid_document(f"{src.rel}:{n}", valid_percent) else "train"
+            split = "valid" if is_valid_document(f"{src.split_key}:{n}", valid_percent) else "train"
             parts[split] += [*_encode_text(tokenizer, text), eod]
     return tuple(np.concatenate(p).astype(dtype, copy=False) if p else np.zeros(0, dtype) for p in parts.values())
 

@@ -30,6 +30,11 @@ class Source:
     jsonl: bool
     gzipped: bool
 
+    @property
+    def split_key(self) -> str:
+        """What the train/valid split hashes: the relative path, less .gz, so compressing a file keeps its split."""
+        return self.rel[: -len(".gz")] if self.gzipped else self.rel
+
 
 @dataclass
 class Block:
