@@ -27,7 +27,8 @@ class LanguageModelingTask(Task):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         # Loaded here, before any data or model work, so a bad tokenizer file stops the run in its first second.
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.eod_token)
+        # .get: configs stored in checkpoints written before data.eod_token existed lack the key.
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
         self.vocab_size = cfg.model.vocab_size or padded_vocab(self.tokenizer.vocab_size)
 
     def config_errors(self) -> list[str]:
@@ -57,8 +58,8 @@ class LanguageModelingTask(Task):
             self.tokenizer,
             d.valid_percent,
             d.max_corpus_mb,
-            d.jsonl_field,
-            d.num_preprocess_workers,
+            d.get("jsonl_field", "text"),  # absent from configs of older checkpoints (generate.py reloads those)
+            d.get("num_preprocess_workers", -1),
         )
         self.meta = json.loads((corpus / "meta.json").read_text())
         self.train_dataset, self.valid_dataset = open_splits(corpus, d.seq_len)

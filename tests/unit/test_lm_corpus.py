@@ -160,3 +160,43 @@ def test_byte_tokenizer_array_encoding_matches_its_list_encoding():
     tok = ByteTokenizer()
     text = "déjà vu — 漢字 ✓"
     assert tok.encode_array(text).tolist() == tok.encode(text)
+
+
+def wide_tokenizer(path):
+    """A word-level tokenizer of 70,000 ids whose real words all sit above 65,535: only uint32 can hold them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = "the quick brown fox jumps over a lazy dog and runs far away".split()
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, **{f"filler{i}": i for i in range(2, 65_536)}}
+    vocab.update({w: 65_536 + i for i, w in enumerate(words)})
+    vocab.update({f"top{i}": i for i in range(65_536 + len(words), 70_000)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return words
+
+
+def test_a_vocabulary_above_65535_is_stored_as_uint32_and_trains(tmp_path, tiny_lm):
+    from shardlab.distributed import env as dist_env
+    from shardlab.runner import run_rank
+
+    words = wide_tokenizer(tmp_path / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for d in range(20):
+        (corpus / f"d{d}.txt").write_text(" ".join(rng.choice(words, 300)) + "\n")
+    cfg = tiny_lm(
+        f"data.path={corpus}",
+        f"data.tokenizer={tmp_path / 'tokenizer.json'}",
+        "data.valid_percent=20",
+        "model.dim=32",
+        "optimization.max_steps=4",
+        "validation.interval_steps=4",
+    )
+    result = run_rank(cfg, tmp_path / "run", dist_env.detect(), after_fit=lambda t: {"task": t.task})
+    task = result["task"]
+    assert task.meta["dtype"] == "uint32" and task.vocab_size == 70_016  # 70,000 padded to a multiple of 64
+    ids = set(task.train_dataset[0].tolist())
+    assert ids <= set(range(65_536, 65_536 + len(words))) | {1} and max(ids) > 65_535  # read back whole, not wrapped
+    assert np.isfinite(result["final"]["loss"])
