@@ -80,7 +80,7 @@ def prepare_corpus(
             valid_percent,
             max_bytes,
             jsonl_field,
-            getattr(tok, "eod_token", None),
+            tok.eod_token,
             workers,
             extra_files,
             str(path or "embedded"),

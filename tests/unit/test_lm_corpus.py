@@ -200,3 +200,38 @@ def test_a_vocabulary_above_65535_is_stored_as_uint32_and_trains(tmp_path, tiny_
     ids = set(task.train_dataset[0].tolist())
     assert ids <= set(range(65_536, 65_536 + len(words))) | {1} and max(ids) > 65_535  # read back whole, not wrapped
     assert np.isfinite(result["final"]["loss"])
+
+
+def test_a_cache_of_the_first_format_still_reads_and_a_newer_one_is_refused(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    ids = np.arange(300, dtype=np.uint16) % 257
+    for split in ("train", "valid"):
+        ids.tofile(old / f"{split}.bin")
+    meta = {"format": 1, "tokenizer": "byte", "vocab_size": 257, "dtype": "uint16", "documents": {}}
+    (old / "meta.json").write_text(json.dumps(meta))
+    train, _ = open_splits(old, seq_len=16)
+    assert train[1].tolist() == ids[16:33].tolist()
+    (old / "meta.json").write_text(json.dumps({**meta, "format": 99}))
+    with pytest.raises(DataError, match=r"written by a newer shardlab \(format 99 > 2\); upgrade shardlab or delete"):
+        open_splits(old, seq_len=16)
+
+
+def test_trained_tokenizer_lands_beside_its_data_and_training_with_it_reuses_the_cache(tmp_path, capsys):
+    from tools import preprocess_lm
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):
+        (corpus / f"d{i}.txt").write_text(f"def function_{i}(x):\n    return x * {i} + len('hello world')\n" * 40)
+    out = preprocess_lm.main(
+        [str(corpus), "--train-tokenizer", "bpe", "--vocab-size", "300", "--cache-dir", str(tmp_path / "c")]
+    )
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["tokenizer"] == str(out / "tokenizer.json") and meta["vocab_size"] == 300
+    assert f"data.tokenizer={out / 'tokenizer.json'}" in capsys.readouterr().out
+    tok = load_tokenizer(str(out / "tokenizer.json"))
+    text = (corpus / "d3.txt").read_text()
+    assert len(tok.encode(text)) < len(text) / 2  # it learned merges from this corpus
+    assert tok.decode(tok.encode(text)) == text
+    assert prepare_corpus(str(corpus), str(tmp_path / "c"), str(out / "tokenizer.json"), 5.0, 0) == out
