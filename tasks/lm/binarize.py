@@ -46,6 +46,8 @@ def _segments(text: str) -> Iterator[str]:
 
 
 def _encode_text(tokenizer: Tokenizer, text: str) -> list[np.ndarray]:
+    if not tokenizer.splits_cleanly:
+        return [tokenizer.encode_array(text)]
     return [tokenizer.encode_array(s) for s in _segments(text)]
 
 

@@ -24,6 +24,7 @@ class ByteTokenizer:
     name = "byte"
     fingerprint = "byte"
     eod_token = None
+    splits_cleanly = True
     eod = 256
     vocab_size = 257
 
@@ -65,6 +66,9 @@ class FileTokenizer:
         # Ids, not the count of entries, bound the embedding: some tokenizers leave holes in their id range.
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         self.eod = self._find_eod(vocab, eod_token)
+        # Whether text may be encoded in pieces: false for tokenizers that mark each encode's start (SentencePiece's
+        # prepended "▁" in Llama's), where every piece would gain a space.
+        self.splits_cleanly = self.decode(self.encode("a\n") + self.encode("b")) == "a\nb"
 
     def _find_eod(self, vocab: dict[str, int], eod_token: str | None) -> int:
         if eod_token is not None:

@@ -235,3 +235,26 @@ def test_trained_tokenizer_lands_beside_its_data_and_training_with_it_reuses_the
     assert len(tok.encode(text)) < len(text) / 2  # it learned merges from this corpus
     assert tok.decode(tok.encode(text)) == text
     assert prepare_corpus(str(corpus), str(tmp_path / "c"), str(out / "tokenizer.json"), 5.0, 0) == out
+
+
+def sentencepiece_like_tokenizer(path):
+    """Llama-2 style: a '▁' prepended to every encoded text, byte fallback, </s> as end of document."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"<0x{i:02X}>": i + 2 for i in range(256)}, "▁": 258, "a": 259, "▁a": 260}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a")], byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.save(str(path))
+
+
+def test_a_tokenizer_that_marks_each_text_start_encodes_each_document_whole(tmp_path):
+    sentencepiece_like_tokenizer(tmp_path / "sp.json")
+    tok = load_tokenizer(str(tmp_path / "sp.json"))
+    assert not tok.splits_cleanly and tok.eod == 1
+    doc = "a a\n" * 40_000  # 160 KB: more than one 64 KB piece, which would each gain a '▁'
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": doc}) + "\n")
+    out = prepare_corpus(str(tmp_path / "docs.jsonl"), str(tmp_path / "cache"), tok, 0.0, 0)
+    assert all_tokens(out).tolist() == tok.encode(doc) + [1]
