@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardlab.errors import DataError
 from tasks.lm.corpus import Block, Source, jsonl_text, read_blocks
 from tasks.lm.tokenizer import Tokenizer, load_tokenizer, token_dtype
 
@@ -85,23 +86,21 @@ def _work(block: Block) -> tuple:
     return encode_block(_worker["tok"], block, _worker["vp"], _worker["field"], _worker["dtype"])
 
 
-def _encoded(blocks: Iterable[Block], tokenizer: Tokenizer, spec: str, eod_token, vp, field, dtype, workers: int):
-    """Encoded blocks in input order, with at most a few per worker held in memory."""
+def _encoded(blocks: Iterable[Block], tokenizer: Tokenizer, vp: float, field: str, dtype, workers: int):
+    """(train, valid) tokens of each block in input order, with at most a few blocks per worker in memory."""
     if workers <= 0:
         for b in blocks:
-            yield b, encode_block(tokenizer, b, vp, field, dtype)
+            yield encode_block(tokenizer, b, vp, field, dtype)
         return
     ctx = mp.get_context("spawn")  # not fork: the parent may hold torch's and the tokenizers' threads
-    with ctx.Pool(workers, _init_worker, (spec, eod_token, vp, field, dtype.str)) as pool:
+    with ctx.Pool(workers, _init_worker, (tokenizer.name, tokenizer.eod_token, vp, field, dtype.str)) as pool:
         pending: deque = deque()
         for b in blocks:
-            pending.append((b, pool.apply_async(_work, (b,))))
+            pending.append(pool.apply_async(_work, (b,)))
             if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
-                blk, result = pending.popleft()
-                yield blk, result.get()
+                yield pending.popleft().get()
         while pending:
-            blk, result = pending.popleft()
-            yield blk, result.get()
+            yield pending.popleft().get()
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
@@ -120,7 +119,6 @@ def binarize(
     valid_percent: float,
     max_bytes: int = 0,
     jsonl_field: str = "text",
-    eod_token: str | None = None,
     workers: int = 0,
     extra_files: dict[str, Path] | None = None,
     source_name: str = "",
@@ -130,7 +128,7 @@ def binarize(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        meta = _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, jsonl_field, eod_token, workers, dtype)
+        meta = _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, jsonl_field, workers, dtype)
         meta.update(source=source_name, jsonl_field=jsonl_field)
         if extra_files and "tokenizer.json" in extra_files:  # trained for this corpus: it lives beside the tokens
             meta["tokenizer"] = str(out_dir.resolve() / "tokenizer.json")
@@ -144,6 +142,8 @@ def binarize(
             os.replace(tmp, out_dir)
         except OSError:  # another rank or run finished the same cache first: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
+            if not (out_dir / "meta.json").is_file():
+                raise DataError(f"{out_dir} exists but holds no meta.json (not shardlab's?); delete it") from None
         _fsync(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted run leaves nothing behind
@@ -151,7 +151,7 @@ def binarize(
     return json.loads((out_dir / "meta.json").read_text())
 
 
-def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, eod_token, workers, dtype) -> dict:
+def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, workers, dtype) -> dict:
     # Progress counts text bytes; a gzipped file's text size is unknown until read, so then the bar has no total.
     total = None if any(s.gzipped for s in sources) else sum(s.path.stat().st_size for s in sources)
     counts = {"train": 0, "valid": 0}
@@ -175,9 +175,7 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, eod_
 
     files = {split: open(tmp / f"{split}.bin", "wb") for split in counts}  # noqa: SIM115
     try:
-        for _, encoded in _encoded(
-            blocks(), tokenizer, tokenizer.name, eod_token, valid_percent, field, dtype, workers
-        ):
+        for encoded in _encoded(blocks(), tokenizer, valid_percent, field, dtype, workers):
             for split, tokens in zip(counts, encoded, strict=True):
                 if tokens.size:
                     tokens.tofile(files[split])

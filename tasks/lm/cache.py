@@ -80,7 +80,6 @@ def prepare_corpus(
             valid_percent,
             max_bytes,
             jsonl_field,
-            tok.eod_token,
             workers,
             extra_files,
             str(path or "embedded"),
