@@ -46,10 +46,8 @@ def _segments(text: str) -> Iterator[str]:
         start = end
 
 
-def _encode_text(tokenizer: Tokenizer, text: str) -> list[np.ndarray]:
-    if not tokenizer.splits_cleanly:
-        return [tokenizer.encode_array(text)]
-    return [tokenizer.encode_array(s) for s in _segments(text)]
+def _encode_text(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    return tokenizer.encode_array(list(_segments(text)) if tokenizer.splits_cleanly else [text])
 
 
 def encode_block(tokenizer: Tokenizer, block: Block, valid_percent: float, jsonl_field: str, dtype) -> tuple:
@@ -60,7 +58,7 @@ def encode_block(tokenizer: Tokenizer, block: Block, valid_percent: float, jsonl
     if not src.jsonl:
         key = src.split_key if block.index == 0 else f"{src.split_key}#{block.index}"
         split = "valid" if is_valid_document(key, valid_percent) else "train"
-        parts[split] += _encode_text(tokenizer, block.data.decode("utf-8", errors="replace"))
+        parts[split].append(_encode_text(tokenizer, block.data.decode("utf-8", errors="replace")))
         if block.last:
             parts[split].append(eod)
     else:
@@ -69,7 +67,7 @@ def encode_block(tokenizer: Tokenizer, block: Block, valid_percent: float, jsonl
                 continue
             text = jsonl_text(line, src.path, n, jsonl_field)
             split = "valid" if is_valid_document(f"{src.split_key}:{n}", valid_percent) else "train"
-            parts[split] += [*_encode_text(tokenizer, text), eod]
+            parts[split] += [_encode_text(tokenizer, text), eod]
     return tuple(np.concatenate(p).astype(dtype, copy=False) if p else np.zeros(0, dtype) for p in parts.values())
 
 
