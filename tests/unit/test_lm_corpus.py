@@ -258,3 +258,12 @@ def test_a_tokenizer_that_marks_each_text_start_encodes_each_document_whole(tmp_
     (tmp_path / "docs.jsonl").write_text(json.dumps({"text": doc}) + "\n")
     out = prepare_corpus(str(tmp_path / "docs.jsonl"), str(tmp_path / "cache"), tok, 0.0, 0)
     assert all_tokens(out).tolist() == tok.encode(doc) + [1]
+
+
+def test_a_bad_jsonl_line_found_by_a_worker_process_is_the_same_one_line_error(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "docs.jsonl").write_text('{"text": "a"}\n' * 5000 + '{"title": "x"}\n')
+    with pytest.raises(DataError, match=r"docs.jsonl:5001: no 'text' field \(found: title\)"):
+        prepare_corpus(str(root), str(tmp_path / "cache"), "byte", 10.0, 0, num_workers=2)
+    assert list((tmp_path / "cache").iterdir()) == []
