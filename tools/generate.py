@@ -24,19 +24,21 @@ from shardlab.runner import build_task
 
 
 @torch.no_grad()
-def sample(
+def generate_ids(
     model,
     tokenizer,
-    prompt: str,
+    ids: list[int],
     max_new_tokens: int,
     top_k: int,
     temperature: float,
     max_seq_len: int,
     generator: torch.Generator,
-) -> str:
-    ids = torch.tensor([tokenizer.encode(prompt) or [tokenizer.eod]])
+) -> list[int]:
+    """``ids`` continued by up to ``max_new_tokens`` tokens, stopping before an end-of-document token. Ids above the
+    tokenizer's vocabulary (the model's padding to a multiple of 64) are never drawn."""
+    seq = torch.tensor([ids or [tokenizer.eod]])
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -max_seq_len:])[0, -1, : tokenizer.vocab_size].float()
+        logits = model(seq[:, -max_seq_len:])[0, -1, : tokenizer.vocab_size].float()
         if top_k <= 0:
             next_id = logits.argmax()
         else:
@@ -45,8 +47,13 @@ def sample(
             next_id = indices[torch.multinomial(probs, 1, generator=generator)][0]
         if int(next_id) == tokenizer.eod:
             break
-        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return tokenizer.decode(ids[0].tolist())
+        seq = torch.cat([seq, next_id.view(1, 1)], dim=1)
+    return seq[0].tolist()
+
+
+def sample(model, tokenizer, prompt: str, *args, **kwargs) -> str:
+    """The prompt and its continuation as text, decoded by the tokenizer the model was trained with."""
+    return tokenizer.decode(generate_ids(model, tokenizer, tokenizer.encode(prompt), *args, **kwargs))
 
 
 def load_model(checkpoint: Path):

@@ -36,17 +36,23 @@ class GPTConfig:
 @dataclass
 class LMDataConfig:
     path: str | None = None
-    """A directory of text files or one text file; null = the embedded corpus (this Python's standard library)."""
+    """A text or JSONL file (.gz too), or a directory of them; null = the embedded corpus (this Python's stdlib)."""
     cache_dir: str = "~/.cache/shardlab"
     """Where preprocessed token files are kept (reused across runs)."""
     tokenizer: str = "byte"
-    """Tokenizer: byte (256 byte values + end-of-document)."""
+    """byte (256 byte values + end-of-document, no dependencies) or the path of a Hugging Face tokenizer.json."""
+    eod_token: str | None = None
+    """End-of-document token of a tokenizer.json; null = the first it has of <|endoftext|>, </s>, <|end_of_text|>..."""
+    jsonl_field: str = "text"
+    """The field of each JSONL record that holds its text."""
     seq_len: int = 256
     """Tokens per training sample."""
     valid_percent: float = 5.0
     """Percent of documents held out for validation (chosen by a hash of the file path)."""
     max_corpus_mb: float = 0.0
     """Cap on text read at preprocessing, in MB (0 = all)."""
+    num_preprocess_workers: int = -1
+    """Tokenizing processes at preprocessing; -1 = one per CPU core (none for corpora under 16 MB), 0 = in-process."""
 
 
 def register_schemas() -> None:

@@ -11,8 +11,9 @@ from torch import nn
 
 from shardlab.registry import MODELS
 from shardlab.task import Task
-from tasks.lm.data import TokenBlocks, get_tokenizer, prepare_corpus
+from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.model import init_gpt_tensor  # importing it registers the gpt architecture
+from tasks.lm.tokenizer import load_tokenizer
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -25,7 +26,9 @@ class LanguageModelingTask(Task):
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
-        self.tokenizer = get_tokenizer(cfg.data.tokenizer)
+        # Loaded here, before any data or model work, so a bad tokenizer file stops the run in its first second.
+        # .get: configs stored in checkpoints written before data.eod_token existed lack the key.
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
         self.vocab_size = cfg.model.vocab_size or padded_vocab(self.tokenizer.vocab_size)
 
     def config_errors(self) -> list[str]:
@@ -48,8 +51,8 @@ class LanguageModelingTask(Task):
             )
         if self.vocab_size < self.tokenizer.vocab_size:
             errors.append(
-                f"model.vocab_size ({self.vocab_size}) is smaller than the {self.tokenizer.name} "
-                f"tokenizer's {self.tokenizer.vocab_size}; use null to take the tokenizer's"
+                f"model.vocab_size ({self.vocab_size}) is smaller than the vocabulary of data.tokenizer "
+                f"({self.tokenizer.name}: {self.tokenizer.vocab_size} tokens); use model.vocab_size=null to follow it"
             )
         if not 0 <= d.valid_percent < 100:
             errors.append(f"data.valid_percent must be in [0, 100), got {d.valid_percent}")
@@ -57,10 +60,17 @@ class LanguageModelingTask(Task):
 
     def prepare_data(self) -> None:
         d = self.cfg.data
-        corpus = prepare_corpus(d.path, d.cache_dir, d.tokenizer, d.valid_percent, d.max_corpus_mb)
+        corpus = prepare_corpus(
+            d.path,
+            d.cache_dir,
+            self.tokenizer,
+            d.valid_percent,
+            d.max_corpus_mb,
+            d.get("jsonl_field", "text"),  # absent from configs of older checkpoints (generate.py reloads those)
+            d.get("num_preprocess_workers", -1),
+        )
         self.meta = json.loads((corpus / "meta.json").read_text())
-        self.train_dataset = TokenBlocks(corpus / "train.bin", d.seq_len)
-        self.valid_dataset = TokenBlocks(corpus / "valid.bin", d.seq_len)
+        self.train_dataset, self.valid_dataset = open_splits(corpus, d.seq_len)
 
     def build_model(self) -> nn.Module:
         return MODELS.build(self.cfg.model.arch, self.cfg.model, self.vocab_size, key="model.arch")

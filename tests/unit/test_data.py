@@ -9,7 +9,9 @@ import pytest
 
 from shardlab.data import GlobalOrder, RankBatchSampler
 from shardlab.errors import DataError
-from tasks.lm.data import ByteTokenizer, TokenBlocks, prepare_corpus, text_files
+from tasks.lm.corpus import find_sources
+from tasks.lm.data import TokenBlocks, prepare_corpus
+from tasks.lm.tokenizer import ByteTokenizer
 
 
 def global_batches(world: int, start: int, batch: int, steps: int) -> list[list[int]]:
@@ -76,13 +78,13 @@ def test_token_blocks_serve_shifted_input_and_target(corpus, tmp_path):
 
 def test_missing_data_path_names_the_path(tmp_path):
     with pytest.raises(DataError, match=rf"data.path: {tmp_path / 'nope'} does not exist"):
-        text_files(tmp_path / "nope")
+        find_sources(tmp_path / "nope")
 
 
 def test_directory_without_text_names_the_path(tmp_path):
     (tmp_path / "blob.bin").write_bytes(b"\0\1\2" * 100)
     with pytest.raises(DataError, match="holds no text files"):
-        text_files(tmp_path)
+        find_sources(tmp_path)
 
 
 def test_too_short_corpus_for_the_sequence_length_says_so(tmp_path):

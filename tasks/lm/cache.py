@@ -1,0 +1,100 @@
+"""The cache of preprocessed corpora: one directory per (corpus files, tokenizer, split settings), built once.
+
+A preprocessed corpus is a directory with train.bin / valid.bin (token ids, uint16 when the vocabulary fits, else
+uint32) and meta.json (see tasks/lm/binarize.py). Documents end with an end-of-document token; a document (a file, a
+JSONL line, or a ~1 MB block of a large file) goes to valid when a hash of its path says so, so the split is stable as
+files are added. The embedded default corpus is this Python's standard library source: real text that every machine
+already has. No torch here: tools/preprocess_lm.py and its workers stay small (importing torch alone is ~650 MB RSS).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+from shardlab.errors import DataError
+from tasks.lm.binarize import FORMAT_VERSION, binarize
+from tasks.lm.corpus import Source, find_sources
+from tasks.lm.tokenizer import Tokenizer, load_tokenizer
+
+
+def embedded_corpus_files() -> list[Path]:
+    """The standard library's own modules (tests and vendored packages excluded), in a stable order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__", "turtledemo"}
+    return sorted(p for p in stdlib.rglob("*.py") if not skip.intersection(p.relative_to(stdlib).parts))
+
+
+def corpus_sources(path: str | None) -> tuple[list[Source], str]:
+    """(the corpus files, a name for its cache directory) for data.path (None = the embedded corpus)."""
+    if path is None:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        files = [Source(p, str(p.relative_to(stdlib)), False, False) for p in embedded_corpus_files()]
+        return files, f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
+    root = Path(path).expanduser().resolve()
+    return find_sources(root), (root.name.split(".")[0] or "corpus")
+
+
+def cache_key(sources: list[Source], tokenizer: Tokenizer, valid_percent: float, max_bytes: int, field: str) -> str:
+    h = hashlib.sha1(f"{FORMAT_VERSION}|{tokenizer.fingerprint}|{valid_percent}|{max_bytes}|{field}".encode())
+    for s in sources:
+        st = s.path.stat()
+        h.update(f"{s.path}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def default_workers(sources: list[Source]) -> int:
+    """One worker per core for corpora worth it; in-process below 16 MB, where starting workers costs more."""
+    return 0 if sum(s.path.stat().st_size for s in sources) < 16 * 2**20 else (os.cpu_count() or 1)
+
+
+def prepare_corpus(
+    path: str | None,
+    cache_dir: str,
+    tokenizer: str | Tokenizer,
+    valid_percent: float,
+    max_mb: float,
+    jsonl_field: str = "text",
+    num_workers: int = -1,
+    extra_files: dict[str, Path] | None = None,
+) -> Path:
+    """The preprocessed directory for a corpus (built on first use, reused after).
+
+    ``tokenizer``: 'byte', a tokenizer.json path, or a loaded tokenizer; ``num_workers`` -1 = chosen by size.
+    """
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    sources, name = corpus_sources(path)
+    max_bytes = int(max_mb * 2**20)
+    out = Path(cache_dir).expanduser() / f"{name}-{cache_key(sources, tok, valid_percent, max_bytes, jsonl_field)}"
+    if not (out / "meta.json").is_file():
+        workers = default_workers(sources) if num_workers < 0 else num_workers
+        print(f"preprocessing {len(sources)} files from {path or 'the embedded corpus'} into {out} ...", flush=True)
+        meta = binarize(
+            sources,
+            out,
+            tok,
+            valid_percent,
+            max_bytes,
+            jsonl_field,
+            workers,
+            extra_files,
+            str(path or "embedded"),
+        )
+        print(f"  {meta['train_tokens']:,} train / {meta['valid_tokens']:,} valid tokens ({meta['dtype']})", flush=True)
+    return out
+
+
+def read_corpus_meta(corpus: Path) -> dict:
+    """meta.json of a preprocessed corpus; formats 1 (uint16 only) and 2 read, newer ones are refused."""
+    meta = json.loads((corpus / "meta.json").read_text())
+    if meta.get("format", 1) > FORMAT_VERSION:
+        raise DataError(
+            f"{corpus} was written by a newer shardlab (format {meta['format']} > {FORMAT_VERSION}); "
+            "upgrade shardlab or delete that directory to preprocess again"
+        )
+    meta.setdefault("dtype", "uint16")
+    return meta

@@ -1,0 +1,173 @@
+"""Preprocessing throughput and memory against the tokenizers library's own encode speed, as JSON.
+
+    python tools/bench_preprocess.py --generate-mb 2048 --out preprocess.json -- --train-tokenizer bpe --vocab-size 8192
+    python tools/bench_preprocess.py --corpus /data/shards --tokenizer ~/tok/tokenizer.json --out preprocess.json
+
+Runs tools/preprocess_lm.py on the corpus in a child process (arguments after ``--`` are passed on), sampling the
+whole process tree's memory (RSS and PSS, workers included) every 0.2 s and its CPU time, and times the reference:
+the same tokenizer's encode_batch_fast in this process with all its threads. On a shared machine MB per CPU-second
+compares the two more fairly than MB/s, which depends on the CPU share each got.
+--generate-mb writes a JSONL corpus of that size under a temporary directory (repeated records of this Python's
+standard library, one file per record) and deletes it after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tasks.lm.cache import embedded_corpus_files
+from tasks.lm.corpus import find_sources, iter_texts
+from tasks.lm.tokenizer import FileTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def generate_jsonl(out_dir: Path, megabytes: float, num_files: int = 8) -> Path:
+    """~``megabytes`` of JSONL in ``num_files`` files: the stdlib's modules as records, repeated with a counter."""
+    records = [
+        json.dumps({"text": p.read_text(errors="replace"), "id": i}) for i, p in enumerate(embedded_corpus_files())
+    ]
+    target, written, n = int(megabytes * 1e6), 0, 0
+    files = [open(out_dir / f"part{k:02d}.jsonl", "w") for k in range(num_files)]  # noqa: SIM115
+    try:
+        while written < target:
+            for r in records:
+                line = r + "\n"
+                files[n % num_files].write(line)
+                written += len(line.encode())
+                n += 1
+                if written >= target:
+                    break
+    finally:
+        for f in files:
+            f.close()
+    return out_dir
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
+def _memory_kib(pids: list[int]) -> tuple[int, int, int]:
+    """(sum of RSS, sum of PSS, largest single RSS) in KiB."""
+    rss = pss = biggest = 0
+    for p in pids:
+        try:
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
+        except OSError:
+            continue
+        values = {line.split(":")[0]: int(line.split()[1]) for line in rollup[1:] if line.endswith("kB")}
+        rss += values.get("Rss", 0)
+        pss += values.get("Pss", 0)
+        biggest = max(biggest, values.get("Rss", 0))
+    return rss, pss, biggest
+
+
+def run_preprocess(corpus: Path, cache_dir: Path, extra: list[str]) -> dict:
+    cmd = [sys.executable, str(ROOT / "tools" / "preprocess_lm.py"), str(corpus), "--cache-dir", str(cache_dir), *extra]
+    start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = (0, 0, 0)
+    while proc.poll() is None:
+        now = _memory_kib(_tree(proc.pid))
+        peak = tuple(max(a, b) for a, b in zip(peak, now, strict=True))
+        time.sleep(0.2)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the tool and its workers (each waited for by its parent)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    output = proc.stdout.read()
+    if proc.returncode:
+        raise SystemExit(f"preprocess_lm failed ({proc.returncode}):\n{output}")
+    out_dir = next(p for p in cache_dir.iterdir() if (p / "meta.json").is_file())
+    meta = json.loads((out_dir / "meta.json").read_text())
+    corpus_bytes = sum(s.path.stat().st_size for s in find_sources(corpus))
+    return {
+        "command": " ".join(cmd[1:]),
+        "corpus_mb": corpus_bytes / 1e6,
+        "wall_s": round(seconds, 1),
+        "mb_per_s_end_to_end": round(corpus_bytes / 1e6 / seconds, 2),
+        "mb_per_s_binarize": round(meta["bytes_read"] / 1e6 / meta["seconds"], 2),
+        "cpu_s": round(cpu_s, 1),
+        "mb_per_cpu_s": round(corpus_bytes / 1e6 / cpu_s, 2),
+        "peak_rss_tree_mib": round(peak[0] / 1024, 1),
+        "peak_pss_tree_mib": round(peak[1] / 1024, 1),
+        "peak_rss_one_process_mib": round(peak[2] / 1024, 1),
+        "tokens": meta["train_tokens"] + meta["valid_tokens"],
+        "dtype": meta["dtype"],
+        "tokenizer": meta["tokenizer"],
+        "log_tail": output.strip().splitlines()[-6:],
+    }
+
+
+def reference_speed(tokenizer_file: str, corpus: Path, sample_mb: float) -> dict:
+    """The tokenizers library alone on a sample of the corpus: no reading, parsing or writing."""
+    tok = FileTokenizer(tokenizer_file)
+    texts = list(iter_texts(find_sources(corpus), "text", int(sample_mb * 1e6)))
+    size = sum(len(t.encode()) for t in texts) / 1e6
+    start, cpu = time.perf_counter(), time.process_time()  # process_time counts all the library's threads
+    tok.tok.encode_batch_fast(texts, add_special_tokens=False)
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    return {
+        "sample_mb": round(size, 1),
+        "encode_batch_fast_all_threads_mb_per_s": round(size / wall_s, 2),
+        "encode_batch_fast_mb_per_cpu_s": round(size / cpu_s, 2),
+    }
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, help="corpus to preprocess (or --generate-mb)")
+    parser.add_argument("--generate-mb", type=float, default=0, help="generate a JSONL corpus of this size")
+    parser.add_argument("--tokenizer", help="tokenizer.json for preprocessing and the reference (else the trained one)")
+    parser.add_argument("--reference-mb", type=float, default=20.0, help="sample size of the reference encode")
+    parser.add_argument("--out", type=Path, default=Path("bench_preprocess.json"))
+    args = parser.parse_args(argv)
+    if not args.corpus and not args.generate_mb:
+        parser.error("give --corpus or --generate-mb")
+    if args.tokenizer:
+        extra += ["--tokenizer", args.tokenizer]
+
+    with tempfile.TemporaryDirectory(prefix="bench_preprocess-") as tmp:
+        if not args.corpus:
+            (Path(tmp) / "corpus").mkdir()
+        corpus = args.corpus or generate_jsonl(Path(tmp) / "corpus", args.generate_mb)
+        cache = Path(tmp) / "cache"
+        result = {
+            "cpus": os.cpu_count(),
+            "load_average_at_start": os.getloadavg(),
+            **run_preprocess(corpus, cache, extra),
+        }
+        tokenizer = args.tokenizer or next(cache.glob("*/tokenizer.json"), None)
+        if tokenizer:
+            result["reference"] = reference_speed(str(tokenizer), corpus, args.reference_mb)
+        result["load_average_at_end"] = os.getloadavg()
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Export an LM checkpoint as a Hugging Face GPT-2 directory (no custom code needed to load it).
+
+    python tools/export_hf.py runs/lm/default/checkpoints/step_00000300 --out gpt2-export
+    python tools/export_hf.py model.safetensors --out gpt2-export       # a file from tools/consolidate.py
+    python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; \
+AutoModelForCausalLM.from_pretrained('gpt2-export'); T.from_pretrained('gpt2-export')"
+
+Reads a sharded checkpoint of any world size (model weights only, never the optimizer) or a consolidated
+safetensors file (shardlab.weights) and writes config.json,
+generation_config.json, model.safetensors (fp32), tokenizer.json and tokenizer_config.json. The tokenizer is the one
+the run was trained with (its data.tokenizer), or --tokenizer for one that has moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from shardlab import weights
+from shardlab.cli import run_tool
+from shardlab.errors import ConfigError
+from tasks.lm.export_hf import export_gpt2, gpt2_refusal
+from tasks.lm.tokenizer import load_tokenizer
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a step_N checkpoint directory or a consolidated .safetensors")
+    parser.add_argument("--out", type=Path, required=True, help="directory to write (created)")
+    parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json; default: the run's data.tokenizer")
+    args = parser.parse_args(argv)
+
+    config = weights.describe(args.checkpoint)["config"]
+    if config["task"]["name"] != "lm":
+        raise ConfigError(f"{args.checkpoint} is a {config['task']['name']} checkpoint; only lm exports to GPT-2")
+    reason = gpt2_refusal(config["model"])  # before reading any weights
+    if reason:
+        raise ConfigError(f"cannot export {args.checkpoint} to GPT-2: {reason}")
+    spec = args.tokenizer or config["data"]["tokenizer"]
+    try:
+        tokenizer = load_tokenizer(spec, None if args.tokenizer else config["data"].get("eod_token"))
+    except ConfigError as e:
+        raise ConfigError(f"{e} (or pass the tokenizer the run used with --tokenizer)") from None
+    state = weights.read_full(args.checkpoint)
+    export_gpt2(state, config["model"], tokenizer, args.out)
+    print(f"wrote {args.out} (GPT2LMHeadModel, vocabulary {state['embed.tok.weight'].shape[0]}, tokenizer {spec})")
+    return args.out
+
+
+if __name__ == "__main__":
+    run_tool(main)
