@@ -21,9 +21,13 @@ HOW_IT_RUNS = (
     "optimization.max_steps",
     "data.cache_dir",
     "data.num_workers",
+    "data.num_preprocess_workers",
     "dry_run",
 )
 """Override keys (and every key below them) that do not name a run."""
+
+NAMES_A_RUN = ("checkpoint.init_from",)
+"""Keys below HOW_IT_RUNS that still name a run: a run started from other weights is another experiment."""
 
 ALWAYS_EXCLUDED = ("logging.progress_bar", "checkpoint.resume", "dry_run")
 """Not even a sweep point's directory depends on these."""
@@ -34,7 +38,7 @@ def _key(override: str) -> str:
 
 
 def _excluded(key: str, prefixes: Iterable[str]) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in prefixes)
+    return key not in NAMES_A_RUN and any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
 MAX_NAME = 120

@@ -40,6 +40,8 @@ def test_what_defines_the_experiment_names_the_directory():
         "runs/image_classification/data.augment=false,task=image_classification"
     )
     assert run_name(["data.path=/my/corpus"]) == "data.path=_my_corpus"
+    init = "checkpoint.init_from=w.safetensors"
+    assert run_name([init, "checkpoint.keep_last=3"]) == init  # other starting weights: another experiment
 
 
 def test_sweep_points_keep_every_override_and_their_number():
