@@ -41,7 +41,7 @@ from shardlab.checkpoint_layout import (
     clean_stale,
     complete_checkpoints,
     first_cause,
-    fsync_dir,
+    fsync_path,
     publish,
     remove,
     save_index,
@@ -169,7 +169,7 @@ class Checkpointer:
                 aside = set_aside(path, "unreadable")
                 self.log(f"[ckpt] {path} is unreadable ({reason}); set aside as {aside.name}, resuming an older one")
             if failures:
-                fsync_dir(self.root)
+                fsync_path(self.root)
 
     def _choose(self, resume: str) -> Path | None:
         """Rank 0: checkpoint.resume=none (nothing, if the folder is empty) or a path."""
@@ -200,7 +200,7 @@ class Checkpointer:
             ]
             if resumed is not None and newer:
                 moved = [set_aside(p, "superseded") for p in newer]
-                fsync_dir(self.root)
+                fsync_path(self.root)
                 self.log(
                     f"[ckpt] resumed from step {step}, older than {len(moved)} checkpoint(s) of the previous run line; "
                     f"kept aside as {', '.join(p.name for p in moved)}"
@@ -277,7 +277,7 @@ class Checkpointer:
         for p in doomed:
             remove(p)
         if doomed:
-            fsync_dir(self.root)
+            fsync_path(self.root)
 
     # ---- load ------------------------------------------------------------------------------------------------------
     @staticmethod

@@ -60,8 +60,9 @@ def first_cause(error: BaseException) -> str:
 
 
 # ---- durable file operations (rank 0) --------------------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    """Make a folder's entries (new files, renames) durable; a rename is only as safe as its parent's fsync."""
+def fsync_path(path: Path) -> None:
+    """Make a file's data, or a folder's entries (new files, renames), durable; a rename is only as safe as its
+    parent's fsync."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -109,24 +110,24 @@ def clean_stale(root: Path) -> list[str]:
                 os.replace(p, final)
                 done.append(f"restored {final.name}")
     if done:
-        fsync_dir(root)
+        fsync_path(root)
     return done
 
 
 def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
     """Rank 0, after every rank's shards are durable in ``tmp``: write shardlab.json, fsync, rename into place."""
     write_json_durably(tmp / META_FILE, meta)
-    fsync_dir(tmp)
+    fsync_path(tmp)
     if final.exists():  # a re-save of the same step: the old one stays until the new one has its name
         old = final.with_name(final.name + REPLACED)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
-        fsync_dir(final.parent)
+        fsync_path(final.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
 
 
 def save_index(path: Path) -> int:

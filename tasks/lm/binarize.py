@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardlab.checkpoint_layout import fsync_path
 from shardlab.errors import DataError
 from tasks.lm.corpus import Block, Source, jsonl_text, read_blocks
 from tasks.lm.tokenizer import Tokenizer, load_tokenizer, token_dtype
@@ -102,14 +103,6 @@ def _encoded(blocks: Iterable[Block], tokenizer: Tokenizer, vp: float, field: st
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def binarize(
     sources: list[Source],
     out_dir: Path,
@@ -134,15 +127,15 @@ def binarize(
             shutil.copyfile(path, tmp / name)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         try:
             os.replace(tmp, out_dir)
         except OSError:  # another rank or run finished the same cache first: keep theirs
             shutil.rmtree(tmp, ignore_errors=True)
             if not (out_dir / "meta.json").is_file():
                 raise DataError(f"{out_dir} exists but holds no meta.json (not shardlab's?); delete it") from None
-        _fsync(out_dir.parent)
+        fsync_path(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted run leaves nothing behind
         raise
