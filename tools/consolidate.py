@@ -1,6 +1,6 @@
 """Write a checkpoint's model as one safetensors file (unsharded, on the CPU) plus its description as JSON beside it.
 
-    python tools/consolidate.py runs/lm/checkpoints/step_00000300 --out model.safetensors   # + model.json
+    python tools/consolidate.py runs/lm/default/checkpoints/step_00000300 --out model.safetensors   # + model.json
     python -m shardlab.train checkpoint.init_from=model.safetensors                         # a new run from it
 
 Reads only the model.* entries of the DCP checkpoint (the optimizer state never comes into memory), from a checkpoint
