@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--max-delay",
         type=float,
         default=0.0,
-        help="random kills within this many seconds of a start (0 = the uninterrupted run's duration)",
+        help="random kills within this many seconds of a start (0 = a quarter of the uninterrupted run's duration, "
+        "so ten kills land before a restarted run can finish)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path("runs/kill_loop"))
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
         if d.exists():
             raise SystemExit(f"{d} exists; give a fresh --workdir")
     ref_out, ref_s = run_to_end(ref_dir, args.overrides)
-    max_delay = args.max_delay or ref_s
+    max_delay = args.max_delay or ref_s / 4
     kills, ever_saved, attempts = [], False, 0
     while sum(k["killed"] for k in kills) < args.kills and attempts < 3 * args.kills:
         attempts += 1
