@@ -145,8 +145,9 @@ class Trainer:
             state.samples_seen += self.global_batch * o.update_freq
             window_steps += 1
             log.advance()
-            # Agreed at every step end, so all ranks stop (and save) at the same step whichever rank got the signal.
-            (stop,) = backend.any_rank(self.stop_signals.received is not None)
+            # Agreed at every step end (one all-reduce), so all ranks stop or save at the same step whichever rank got
+            # the signal, and a save by the clock follows rank 0's.
+            stop, overdue = backend.any_rank(self.stop_signals.received is not None, self._save_overdue())
             if state.step % cfg.logging.interval_steps == 0 or state.step == o.max_steps:
                 totals = self._sum_over_ranks(sums)
                 metrics = self.task.summarize(totals)
@@ -170,7 +171,7 @@ class Trainer:
             vi = cfg.validation.interval_steps
             if last or (vi and state.step % vi == 0 and not stop):  # stopping: the save comes first
                 last_valid = self.validate(log)
-            if self._save_due() or last or stop:
+            if self._save_due(overdue) or last or stop:
                 path = self.save()
             window_paused += time.perf_counter() - paused_from
             if stop and not last:
@@ -303,17 +304,19 @@ class Trainer:
             ) from error
         return path
 
-    def _save_due(self) -> bool:
-        """interval_steps, keep_every_steps milestones, or interval_minutes on rank 0's clock (agreed by all ranks)."""
+    def _save_overdue(self) -> bool:
+        """checkpoint.interval_minutes passed since the last save, on rank 0's clock (the others say no)."""
+        minutes = self.cfg.checkpoint.interval_minutes
+        return minutes > 0 and self.backend.env.is_main and time.monotonic() - self.last_save[1] >= 60 * minutes
+
+    def _save_due(self, overdue: bool) -> bool:
+        """interval_steps, keep_every_steps milestones, or ``overdue`` (interval_minutes, agreed by all ranks)."""
         c, step = self.cfg.checkpoint, self.state.step
-        due = bool(
+        return bool(
             (c.interval_steps and step % c.interval_steps == 0)
             or (c.keep_every_steps and step % c.keep_every_steps == 0)
+            or overdue
         )
-        if c.interval_minutes > 0:
-            late = self.backend.env.is_main and time.monotonic() - self.last_save[1] >= 60 * c.interval_minutes
-            due = self.backend.any_rank(due or late)[0]
-        return due
 
     def _save_after_error(self, error: BaseException, log: RunLogger) -> None:
         """checkpoint.save_on_error: best effort at world size 1, where no other rank can be left in a collective.
