@@ -81,3 +81,17 @@ def test_a_run_resumed_on_another_world_size_continues_in_its_directory(tmp_path
     assert [p.name for p in (tmp_path / "runs" / "lm").iterdir()] == [run_dir.name]
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004'} (step 4," in second.stdout
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
+
+
+def test_submitit_local_launcher_runs_a_two_task_job_and_reports_it(tmp_path, corpus_cache):
+    """hydra/launcher=local: the Slurm preset's jobs as local submitit processes, one per rank."""
+    proc = sweep(
+        tmp_path, corpus_cache, "hydra/launcher=local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.poll_s=1",
+        "distributed.backend=fully_sharded",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (job,) = json.loads((tmp_path / "sweep.json").read_text())
+    assert f"#0 job {job['job_id']} completed at step 6" in proc.stdout + proc.stderr
+    assert "world size 2 (submitit_local)" in Path(job["log"]).read_text()
+    (row,) = json.loads((tmp_path / "summary.json").read_text())
+    assert row["status"] == "completed" and row["final"]["loss"] > 0
