@@ -55,3 +55,24 @@ def tiny_lm(corpus_cache):
         return compose_config([*TINY_LM, f"data.cache_dir={corpus_cache}", *overrides])
 
     return make
+
+
+@pytest.fixture
+def crash_lm_loss_at(monkeypatch):
+    """``crash_lm_loss_at(n)``: the LM's n-th loss call raises RuntimeError("simulated crash"); returns a function
+    that puts the real loss back."""
+    from tasks.lm.task import LanguageModelingTask
+
+    original, calls = LanguageModelingTask.loss, {"n": 0}
+
+    def arm(n: int):
+        def crashing(self, model, batch, device):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise RuntimeError("simulated crash")
+            return original(self, model, batch, device)
+
+        monkeypatch.setattr(LanguageModelingTask, "loss", crashing)
+        return lambda: monkeypatch.setattr(LanguageModelingTask, "loss", original)
+
+    return arm

@@ -12,7 +12,6 @@ from shardlab import weights
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError
 from shardlab.runner import run_rank
-from tasks.lm.task import LanguageModelingTask
 from tools import consolidate
 
 CKPT = [
@@ -131,21 +130,12 @@ def test_time_interval_saves_between_step_intervals(tiny_lm, tmp_path, capsys):
     assert len(saved) == 12  # every step is past a 60 ns interval
 
 
-def test_save_on_error_saves_the_last_step_and_reraises(tiny_lm, tmp_path, monkeypatch, reference):
+def test_save_on_error_saves_the_last_step_and_reraises(tiny_lm, tmp_path, crash_lm_loss_at, reference):
     _, ref = reference
-    original_loss = LanguageModelingTask.loss
-    calls = {"n": 0}
-
-    def crash_at_step_7(self, model, batch, device):
-        calls["n"] += 1
-        if calls["n"] == 7:
-            raise RuntimeError("simulated crash")
-        return original_loss(self, model, batch, device)
-
-    monkeypatch.setattr(LanguageModelingTask, "loss", crash_at_step_7)
+    restore_loss = crash_lm_loss_at(7)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_rank(tiny_lm(*CKPT, "checkpoint.save_on_error=true"), tmp_path, dist_env.detect())
-    monkeypatch.setattr(LanguageModelingTask, "loss", original_loss)
+    restore_loss()
     assert names(tmp_path / "checkpoints") == ["step_00000004", "step_00000006"]
     resumed = run_rank(tiny_lm(*CKPT), tmp_path, dist_env.detect())
     assert torch.equal(train_losses(resumed), train_losses(ref, 7))

@@ -11,7 +11,6 @@ import torch
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError, ConfigError
 from shardlab.runner import run_rank
-from tasks.lm.task import LanguageModelingTask
 
 CKPT = [
     "optimization.max_steps=12",
@@ -31,21 +30,12 @@ def uninterrupted(tiny_lm, tmp_path_factory):
     return run_dir, run_rank(tiny_lm(*CKPT), run_dir, dist_env.detect())
 
 
-def test_crashed_run_resumes_bit_exactly(tiny_lm, tmp_path, monkeypatch, uninterrupted):
+def test_crashed_run_resumes_bit_exactly(tiny_lm, tmp_path, crash_lm_loss_at, uninterrupted):
     _, reference = uninterrupted
-    original_loss = LanguageModelingTask.loss
-    calls = {"n": 0}
-
-    def crash_at_step_7(self, model, batch, device):
-        calls["n"] += 1
-        if calls["n"] == 7:
-            raise RuntimeError("simulated crash")
-        return original_loss(self, model, batch, device)
-
-    monkeypatch.setattr(LanguageModelingTask, "loss", crash_at_step_7)
+    restore_loss = crash_lm_loss_at(7)
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_rank(tiny_lm(*CKPT), tmp_path, dist_env.detect())
-    monkeypatch.setattr(LanguageModelingTask, "loss", original_loss)
+    restore_loss()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004"]
 
     resumed = run_rank(tiny_lm(*CKPT, "checkpoint.resume=auto"), tmp_path, dist_env.detect())
