@@ -97,9 +97,18 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _metric_names(rows: list[dict[str, Any]]) -> list[str]:
+    """Every final metric any point reported, the loss first."""
+    return sorted({k for r in rows for k in r["final"]}, key=lambda k: (k != "loss", k))
+
+
+def _step_cell(row: dict[str, Any]) -> str:
+    return f"{row['step']}/{row['max_steps']}" if row["max_steps"] else str(row["step"])
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as an aligned table; overrides shared by every point are listed once above it."""
-    metrics = sorted({k for r in rows for k in r["final"]}, key=lambda k: (k != "loss", k))
+    metrics = _metric_names(rows)
     split = [r["overrides"].split() for r in rows]
     common = [o for o in split[0] if all(o in s for s in split[1:])] if len(rows) > 1 else []
     rows = [
@@ -107,13 +116,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     ]
     header = [*COLUMNS, *metrics]
     body = [
-        [
-            *(
-                _cell(r[c] if c != "step" else f"{r['step']}/{r['max_steps']}" if r["max_steps"] else r["step"])
-                for c in COLUMNS
-            ),
-            *(_cell(r["final"].get(m)) for m in metrics),
-        ]
+        [_step_cell(r) if c == "step" else _cell(r[c]) for c in COLUMNS] + [_cell(r["final"].get(m)) for m in metrics]
         for r in rows
     ]
     widths = [max(len(h), *(len(line[i]) for line in body)) if body else len(h) for i, h in enumerate(header)]
@@ -122,14 +125,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in body]
     for r in rows:
         if r["error"]:
-            lines.append(f"job {r['job']} ({r['overrides'] or 'no overrides'}) failed: {r['error']}")
+            lines.append(f"job {r['job']} ({r['overrides']}) failed: {r['error']}")
     return "\n".join(lines)
 
 
 def write_summary(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
     sweep_dir = Path(sweep_dir)
     (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=1))
-    metrics = sorted({k for r in rows for k in r["final"]})
+    metrics = _metric_names(rows)
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow([*COLUMNS, "max_steps", *metrics, "error", "run_dir"])
