@@ -59,7 +59,8 @@ class LRSchedulerConfig:
 @dataclass
 class DistributedConfig:
     backend: str = "single"
-    """A name in BACKENDS: single, ddp, fully_sharded."""
+    """A name in BACKENDS: single, ddp, fully_sharded; or auto: the fastest layout the memory plan predicts to fit
+    memory_budget_gb (shardlab/memory_plan.py)."""
     world_size: int = 1
     """Processes to start on this machine when not launched by torchrun or Slurm (which set the world themselves)."""
     sharding_degree: int = -1
@@ -89,6 +90,12 @@ class DistributedConfig:
     """Gradient accumulation: reduce-scatter every micro-batch (least memory) or only the last (least traffic)."""
     wrap_min_num_params: int = 0
     """Generic wrap policy for models without a unit plan: wrap submodules holding at least this many params."""
+    memory_budget_gb: float = 0.0
+    """Memory one rank (or one machine, see memory_budget_per) may use, in GiB; 0 = no budget. backend=auto picks
+    a layout within it; an explicit backend predicted to exceed it is refused before launch."""
+    memory_budget_per: str = "rank"
+    """What memory_budget_gb covers: rank (one GPU's memory) or machine (shared by the ranks on one machine, as CPU
+    ranks share its RAM)."""
     timeout_s: int = 600
     """Collective timeout: a dead rank fails the others after this many seconds instead of hanging forever."""
 
@@ -119,6 +126,9 @@ class ValidationConfig:
 class CheckpointConfig:
     dir: str = "checkpoints"
     """Where checkpoints go, relative to the run directory."""
+    save: bool = True
+    """false: write no checkpoint at all, not even after the last step or on a stop signal (memory probes,
+    throwaway runs); resume still reads existing ones."""
     interval_steps: int = 200
     """Save every this many steps (and after the last); 0 = only at the end."""
     interval_minutes: float = 0.0
@@ -229,6 +239,15 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     check(cfg.logging.interval_steps > 0, f"logging.interval_steps must be > 0, got {cfg.logging.interval_steps}")
     check(d.world_size >= 1, f"distributed.world_size must be >= 1, got {d.world_size}")
     check(d.timeout_s > 0, f"distributed.timeout_s must be > 0, got {d.timeout_s}")
+    check(d.memory_budget_gb >= 0, f"distributed.memory_budget_gb must be >= 0 (0 = none), got {d.memory_budget_gb}")
+    check(
+        d.memory_budget_per in ("rank", "machine"),
+        f"distributed.memory_budget_per must be rank or machine, got '{d.memory_budget_per}'",
+    )
+    check(
+        d.backend != "auto" or d.memory_budget_gb > 0,
+        "distributed.backend=auto chooses a layout to fit distributed.memory_budget_gb; set it (GiB per rank)",
+    )
     check(d.prefetch_units >= 0, f"distributed.prefetch_units must be >= 0, got {d.prefetch_units}")
     check(
         d.reduce_scatter in ("native", "all_reduce"),
@@ -295,7 +314,7 @@ def unknown_key_errors(cfg: Any) -> list[str]:
 def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
     """Flag combinations that cannot work (or silently would not do what they say)."""
     d, errors = cfg.distributed, []
-    sharded = d.backend == "fully_sharded"
+    sharded = d.backend in ("fully_sharded", "auto")  # auto keeps fully_sharded knobs (and then shards)
     if world > 1 and cfg.optimization.batch_size % world:
         errors.append(
             f"optimization.batch_size ({cfg.optimization.batch_size}) must be divisible by the world size "
@@ -326,6 +345,12 @@ def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]
             "distributed.reduce_scatter=all_reduce is a gloo (CPU) workaround; NCCL's reduce-scatter moves half an "
             "all-reduce's bytes: use native"
         )
+    if d.backend == "auto":
+        for key in ("sharding_degree", "reshard_after_forward", "cpu_offload", "activation_checkpointing"):
+            if getattr(d, key) != getattr(defaults, key):
+                errors.append(
+                    f"distributed.{key} is what distributed.backend=auto chooses; drop it or pick the backend yourself"
+                )
     if d.cpu_offload and not sharded:
         errors.append(f"distributed.cpu_offload needs distributed.backend=fully_sharded (backend is {d.backend})")
     if cfg.optimizer.name == "cpu_adam" and not d.cpu_offload and num_cuda_devices > 0:

@@ -1,4 +1,5 @@
-"""What a run will hold, before anything is allocated: parameters per FSDP unit and bytes per rank."""
+"""The model's shape before anything is allocated: its size and its FSDP units (the bytes per rank are
+shardlab.memory_plan's)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ def count_params(module: nn.Module) -> int:
 
 
 def describe_plan(model: nn.Module, units: list[nn.Module], cfg, world_size: int | None = None) -> list[str]:
-    """Lines for the console: FSDP units (the task's, else the generic size policy's), their parameters, and fp32
-    bytes per rank for params + grads + Adam state. ``cfg`` is the distributed section."""
+    """Lines for the console: the model's size and its FSDP units (the task's, else the generic size policy's) with
+    their parameters. ``cfg`` is the distributed section."""
     return list(_plan_lines(model, units, cfg, world_size or cfg.world_size))
 
 
@@ -37,16 +38,6 @@ def _plan_lines(model: nn.Module, units: list[nn.Module], cfg, world_size: int) 
             in_units += n
             yield f"  {names.get(id(u), type(u).__name__):<24} {type(u).__name__:<20} {n:>14,}"
         yield f"  {'(root)':<24} {type(model).__name__:<20} {total - in_units:>14,}"
-    shards = 1
-    if backend == "fully_sharded":  # hybrid: a parameter is sharded over its group of sharding_degree ranks only
-        shards = world_size if cfg.sharding_degree == -1 else min(cfg.sharding_degree, world_size)
-    hybrid = f", sharded over groups of {shards}" if backend == "fully_sharded" and shards < world_size else ""
-    # fp32 param + fp32 grad + two fp32 Adam moments = 16 bytes per parameter, divided among the shard group.
-    per_rank = total * 16 / shards
-    yield (
-        f"state per rank ({backend}, {world_size} rank(s){hybrid}): ~{per_rank / 2**30:.2f} GiB "
-        "(params+grads+Adam, fp32)"
-    )
 
 
 def meta_model(build) -> nn.Module:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from shardlab import errors, run_record
+from shardlab import errors, memory_budget, run_record
 from shardlab.config import path_errors, validate
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, RankFailed, ShardlabError
@@ -41,7 +41,8 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
         validate(cfg, world_size if world_size > 1 else None, torch.cuda.device_count())
     except ConfigError as e:
         problems.append(str(e))
-    BACKENDS.get(cfg.distributed.backend, key="distributed.backend")
+    if cfg.distributed.backend != "auto":
+        BACKENDS.get(cfg.distributed.backend, key="distributed.backend")
     task = TASKS.build(cfg.task.name, cfg, key="task.name")
     problems += task.config_errors()
     if cfg.distributed.wrap_min_num_params > 0 and type(task).fsdp_units is not Task.fsdp_units:
@@ -52,7 +53,16 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
     problems += path_errors(cfg, run_dir) if run_dir is not None else []
     if problems:
         raise ConfigError("; ".join(problems))
+    # backend=auto becomes a layout; an explicit one predicted over distributed.memory_budget_gb is refused.
+    chosen = memory_budget.resolve(cfg, task, job_world_size(cfg, world_size))
+    if chosen and dist_env.detect().is_main:
+        print(chosen, flush=True)
     return task
+
+
+def job_world_size(cfg: DictConfig, launcher_world_size: int) -> int:
+    """Ranks the job will have: the launcher's, or distributed.world_size for ranks shardlab spawns itself."""
+    return launcher_world_size if launcher_world_size > 1 else cfg.distributed.world_size
 
 
 def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | None:
@@ -187,12 +197,16 @@ def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> dict:
 
 
 def print_plan(cfg: DictConfig, task) -> None:
-    """dry_run: build on meta, print the size and the unit plan, allocate nothing."""
+    """dry_run: build on meta, print the size, the unit plan and the memory plan with its alternatives; allocate
+    nothing."""
     from shardlab.plan import describe_plan, meta_model
 
     model = meta_model(task.build_model)
-    for line in describe_plan(model, task.fsdp_units(model), cfg.distributed):
-        print(line)
+    units = task.fsdp_units(model)
+    world = job_world_size(cfg, dist_env.detect().world_size)
+    lines = describe_plan(model, units, cfg.distributed, world)
+    lines += memory_budget.plan_lines(cfg, task, world, compare=True, model=model, units=units)
+    print("\n".join(lines), flush=True)
 
 
 def format_final(metrics: dict[str, float]) -> str:

@@ -52,6 +52,11 @@ class Task(ABC):
         gives each its own FSDP unit with an fp32 mixed-precision policy; autocast backends leave them to autocast."""
         return []
 
+    def example_batch(self, batch_size: int) -> Any | None:
+        """A batch of ``batch_size`` samples with the shapes and dtypes training sees, on the meta device, for the
+        memory plan's activation count (shardlab.memory_plan); None leaves activations out of the plan."""
+        return None
+
     def collate(self, samples: list) -> Any:
         return torch.utils.data.default_collate(samples)
 

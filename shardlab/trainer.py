@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from shardlab import weights
+from shardlab import memory_budget, weights
 from shardlab.checkpoint import Checkpointer
 from shardlab.checkpoint_layout import first_cause
 from shardlab.data import GlobalOrder, rank_loader, sample_seed
@@ -23,6 +23,8 @@ from shardlab.distributed.backend import Backend
 from shardlab.errors import CheckpointError
 from shardlab.init import materialize
 from shardlab.logging import RunLogger, memory_gib
+from shardlab.memory_meter import PeakMeter, resident_bytes
+from shardlab.memory_plan import GiB, describe, estimate, layout_of
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
 from shardlab.plan import describe_plan
 from shardlab.preemption import StopSignals
@@ -60,10 +62,17 @@ class Trainer:
         backend.barrier()
         if not backend.env.is_main:
             self.task.prepare_data()
+        self.meter = PeakMeter(backend.device)  # the baseline: this rank with its data, before any model memory
         with torch.device("meta"):
             model = self.task.build_model()
         units = self.task.fsdp_units(model)
-        self.plan = describe_plan(model, units, cfg.distributed, backend.env.world_size)
+        world = backend.env.world_size
+        profile, ctx = memory_budget.plan(cfg, self.task, world, model, units)
+        layout = layout_of(cfg.distributed, world)
+        self.memory_estimate = estimate(profile, layout, ctx)
+        self.plan = describe_plan(model, units, cfg.distributed, world) + describe(profile, layout, ctx, compare=False)
+        self.memory: dict[str, float] = {}
+        """Measured and predicted GiB per rank (the fullest rank's), set at the end of fit."""
         backend.full_precision_modules = self.task.full_precision_modules(model)
         self.model = backend.parallelize(
             model, units, lambda m: materialize(m, backend.param_device, self.task.init_tensor, cfg.seed)
@@ -89,6 +98,7 @@ class Trainer:
         try:
             final = self._fit(log)
             self.checkpointer.finish()  # an asynchronous save still in flight gets its name before we return
+            self._report_memory(log)
             return final
         except BaseException as error:
             self._save_after_error(error, log)
@@ -141,6 +151,8 @@ class Trainer:
                 sums["units"] = sums.get("units", 0) + self.task.num_units(batch)
             lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (_step advances the schedule)
             grad_norm = self._step()
+            self.meter.sample()
+            held = self._held_between_steps()
             state.step += 1
             state.samples_seen += self.global_batch * o.update_freq
             window_steps += 1
@@ -171,16 +183,43 @@ class Trainer:
             vi = cfg.validation.interval_steps
             if last or (vi and state.step % vi == 0 and not stop):  # stopping: the save comes first
                 last_valid = self.validate(log)
-            if self._save_due(overdue) or last or stop:
+            if cfg.checkpoint.save and (self._save_due(overdue) or last or stop):
                 path = self.save()
+            self.meter.reset()  # the next step's peak starts here: validation and saves do not count
+            self.held = held
             window_paused += time.perf_counter() - paused_from
             if stop and not last:
                 self.stopped_by = self.stop_signals.name or "a stop signal on another rank"
-                log.info(f"stopped at step {state.step} on {self.stopped_by}; saved {path}")
+                saved = f"saved {path}" if cfg.checkpoint.save else "nothing saved (checkpoint.save=false)"
+                log.info(f"stopped at step {state.step} on {self.stopped_by}; {saved}")
                 break
         if not last_valid and not self.stopped_by:  # resumed at the end: still report the final quality
             last_valid = self.validate(log)
         return last_valid
+
+    def _held_between_steps(self) -> int:
+        """Bytes this rank holds right after a step (parameters, optimizer state, persistent buffers)."""
+        if self.backend.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.backend.device) - self.meter.baseline
+        return resident_bytes() - self.meter.baseline
+
+    def _report_memory(self, log: RunLogger) -> None:
+        """The fullest rank's measured peak and between-step bytes beside the plan's prediction."""
+        if not hasattr(self, "held"):
+            return  # resumed at the end: no step ran
+        peak, held = self.backend.max_over_ranks([self.meter.peak_above_baseline, self.held])
+        est = self.memory_estimate
+        self.memory = {
+            "peak_gib": peak / GiB,
+            "predicted_peak_gib": est.peak / GiB,
+            "between_steps_gib": held / GiB,
+            "predicted_between_steps_gib": est.between_steps / GiB,
+        }
+        where = "allocator peak" if self.backend.device.type == "cuda" else "peak RSS above the rank's start"
+        log.info(
+            f"memory per rank (fullest rank): training-step peak {peak / GiB:.2f} GiB ({where}), plan "
+            f"{est.peak / GiB:.2f}; held between steps {held / GiB:.2f} GiB, plan {est.between_steps / GiB:.2f}"
+        )
 
     def _step(self) -> torch.Tensor:
         clip = self.cfg.optimization.clip_norm
@@ -322,7 +361,8 @@ class Trainer:
         """checkpoint.save_on_error: best effort at world size 1, where no other rank can be left in a collective.
         Otherwise only a save already in flight is completed, where that needs no collective."""
         c = self.cfg.checkpoint
-        if not (c.save_on_error and self.backend.env.world_size == 1 and self.last_save[0] != self.state.step):
+        unsaved = self.last_save[0] != self.state.step
+        if not (c.save and c.save_on_error and self.backend.env.world_size == 1 and unsaved):
             self.checkpointer.abandon(self.cfg.distributed.timeout_s)
             return
         try:

@@ -65,6 +65,10 @@ class Backend:
     def setup(self) -> None:
         """Join the process group: every backend does when world_size > 1 (metrics and checkpoints sync through
         it), and ddp / fully_sharded do at world size 1 too, since DDP and FSDP2 need one."""
+        if self.device.type == "cpu":
+            from shardlab.memory_meter import return_freed_buffers_to_os
+
+            return_freed_buffers_to_os()
         if (self.env.world_size > 1 or self.name != "single") and not dist.is_initialized():
             if self.env.launcher == "torchrun":
                 init_method = "env://"  # reuse torchrun's own store, which already listens on MASTER_PORT
@@ -161,6 +165,13 @@ class Backend:
         packed = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=self.device)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX)
         return [bool(v) for v in packed.tolist()]
+
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value's maximum over all ranks (e.g. the memory peak of the fullest rank)."""
+        packed = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+        return packed.tolist()
 
     def barrier(self) -> None:
         if dist.is_initialized():

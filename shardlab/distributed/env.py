@@ -85,14 +85,26 @@ def set_local_rank_defaults(world_size: int) -> None:
     """Environment for ranks this process is about to spawn (children inherit it), unless the user set it.
 
     CPU ranks only: glibc keeps FSDP's freed per-unit buffers in its arenas; a lower mmap threshold returns them to the
-    OS (measured on CPU: 7.45 -> 4.69 GiB total RSS at 4 ranks). GPU ranks keep parameters in CUDA memory, where it
-    would only add page faults to host-side allocations (pinned buffers, the data); it was never measured there.
+    OS (measured on CPU: 7.45 -> 4.69 GiB total RSS at 4 ranks). Ranks started by other launchers set the same
+    threshold themselves (shardlab.memory_meter.return_freed_buffers_to_os). GPU ranks keep parameters in CUDA memory,
+    where it would only add page faults to host-side allocations (pinned buffers, the data); never measured there.
     One OpenMP thread per core per rank: oversubscribed OpenMP threads spin and collapse throughput."""
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+
+
+def ranks_per_node(world_size: int) -> int:
+    """Ranks on each machine of the job: torchrun's LOCAL_WORLD_SIZE, the Slurm step's tasks over its nodes, else all
+    of them (one machine)."""
+    if os.environ.get("LOCAL_WORLD_SIZE"):
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    nodes = os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_NNODES")
+    if nodes and int(nodes) > 0 and "SLURM_PROCID" in os.environ:
+        return max(1, world_size // int(nodes))
+    return world_size
 
 
 def end_finished_rank() -> NoReturn:

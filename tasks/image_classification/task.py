@@ -13,7 +13,14 @@ from shardlab.errors import ConfigError
 from shardlab.registry import MODELS, unknown_name_message
 from shardlab.task import Task
 from tasks.image_classification import model as regnet  # importing it registers regnet and regnet_cifar
-from tasks.image_classification.data import SOURCES, count_classes, count_valid_images, open_datasets, source_of
+from tasks.image_classification.data import (
+    SOURCES,
+    count_classes,
+    count_valid_images,
+    native_size,
+    open_datasets,
+    source_of,
+)
 
 
 class ImageClassificationTask(Task):
@@ -105,6 +112,13 @@ class ImageClassificationTask(Task):
 
     def full_precision_modules(self, model: nn.Module) -> list[nn.Module]:
         return [module for module in model.modules() if isinstance(module, _BatchNorm)]
+
+    def example_batch(self, batch_size: int):
+        size = self.cfg.data.image_size or native_size(source_of(self.cfg.data))
+        meta = torch.device("meta")
+        images = torch.empty(batch_size, 3, size, size, device=meta)
+        labels = torch.zeros(batch_size, dtype=torch.long, device=meta)
+        return images, labels, torch.zeros(batch_size, dtype=torch.long, device=meta)
 
     # ---- loss and metrics ----------------------------------------------------------------------------------------
     def loss(self, model: nn.Module, batch, device: torch.device):

@@ -85,6 +85,9 @@ class LanguageModelingTask(Task):
             return list(model.blocks)
         return [model.embed, *model.blocks, model.head]
 
+    def example_batch(self, batch_size: int) -> torch.Tensor:
+        return torch.zeros(batch_size, self.cfg.data.seq_len + 1, dtype=torch.long, device="meta")
+
     def loss(self, model: nn.Module, batch: torch.Tensor, device: torch.device):
         batch = batch.to(device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]

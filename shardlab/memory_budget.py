@@ -1,0 +1,153 @@
+"""Memory as a config key: distributed.memory_budget_gb checked before launch, and distributed.backend=auto
+resolved to the fastest layout the memory plan (shardlab.memory_plan) predicts to fit it.
+
+Every rank of a job resolves the same config with the same inputs (world size, ranks per machine, device type) and a
+fixed runtime allowance, so all of them make the same choice without a collective; a local launch resolves it once,
+before spawning, and hands the ranks the resolved config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardlab.errors import ConfigError
+from shardlab.memory_plan import (
+    GiB,
+    Layout,
+    MemoryEstimate,
+    ModelProfile,
+    PlanContext,
+    alternatives,
+    describe,
+    estimate,
+    layout_of,
+    profile_model,
+)
+
+RUNTIME_ALLOWANCE = int(0.5 * GiB)
+"""What an idle rank already uses before the plan's bytes (torch, the process group, the CUDA context): added when a
+plan is held against distributed.memory_budget_gb. A constant, not a measurement of this process, so every rank of a
+job decides the same thing."""
+
+PLAN_MARGIN = 1.10
+"""A layout fits a budget when its predicted peak times this, plus RUNTIME_ALLOWANCE, is within it."""
+
+
+def auto_candidates(world_size: int, ranks_per_node: int, sharded_only: bool) -> list[Layout]:
+    """What distributed.backend=auto tries, fastest first: no sharding, then sharding without re-gathering in
+    backward (hybrid over a machine first when there are several), full sharding, then recomputation (about a third
+    more compute), then offload (state crosses the host link every step)."""
+    layouts = [
+        layout
+        for layout in alternatives(world_size, ranks_per_node)
+        if layout.sharding_degree in (1, world_size, ranks_per_node) or layout.backend != "fully_sharded"
+    ]
+    if sharded_only:
+        layouts = [layout for layout in layouts if layout.backend == "fully_sharded"]
+    return layouts
+
+
+def budget_per_rank(d, ranks_per_node: int) -> int:
+    """distributed.memory_budget_gb in bytes per rank."""
+    budget = d.memory_budget_gb * GiB
+    return int(budget / ranks_per_node if d.memory_budget_per == "machine" else budget)
+
+
+def needed(est: MemoryEstimate) -> int:
+    """Bytes per rank a layout needs from the budget: its peak with margin, plus an idle rank's runtime."""
+    return int(est.peak * PLAN_MARGIN) + RUNTIME_ALLOWANCE
+
+
+@dataclass
+class Choice:
+    layout: Layout
+    estimate: MemoryEstimate
+    reason: str
+
+
+def choose(profile: ModelProfile, cfg, ctx: PlanContext, sharded_only: bool = False) -> Choice:
+    """The first layout of auto_candidates predicted to fit distributed.memory_budget_gb; raises ConfigError naming the
+    smallest budget that would fit when none does."""
+    d = cfg.distributed
+    budget = budget_per_rank(d, ctx.ranks_per_node)
+    scale = ctx.ranks_per_node if d.memory_budget_per == "machine" else 1
+    tried = []
+    for layout in auto_candidates(ctx.world_size, ctx.ranks_per_node, sharded_only):
+        est = estimate(profile, layout, ctx)
+        if needed(est) <= budget:
+            skipped = ", ".join(f"{label} needs {need / GiB:.1f}" for label, need in tried)
+            reason = f"fits in {d.memory_budget_gb:g} GiB per {d.memory_budget_per}"
+            return Choice(layout, est, reason + (f" ({skipped} GiB per rank)" if skipped else ""))
+        tried.append((layout.label(ctx.world_size), needed(est)))
+    smallest = min(need for _, need in tried) * scale
+    raise ConfigError(
+        f"distributed.memory_budget_gb={d.memory_budget_gb:g} (per {d.memory_budget_per}) fits no layout at world size "
+        f"{ctx.world_size}: the smallest ({min(tried, key=lambda t: t[1])[0]}) needs {smallest / GiB:.1f} GiB per "
+        f"{d.memory_budget_per}; raise the budget, lower optimization.batch_size, or add ranks"
+    )
+
+
+def apply_choice(cfg, choice: Choice, world_size: int) -> None:
+    """Write the chosen layout into cfg.distributed (and cpu_adam for an offloaded adamw)."""
+    for key, value in choice.layout.overrides(world_size).items():
+        cfg.distributed[key] = value
+    if choice.layout.cpu_offload and cfg.optimizer.name == "adamw":
+        cfg.optimizer.name = "cpu_adam"  # the same update, fused over the offloaded shards on the CPU
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def plan(cfg, task, world_size: int, model=None, units=None) -> tuple[ModelProfile, PlanContext]:
+    """Profile the task's model (built on meta here unless given) for ``cfg`` at ``world_size`` ranks."""
+    from shardlab.distributed import env as dist_env
+    from shardlab.distributed.fully_sharded import generic_units
+
+    d = cfg.distributed
+    if model is None:
+        with torch.device("meta"):
+            model = task.build_model()
+        units = task.fsdp_units(model)
+    if not units and d.backend in ("fully_sharded", "auto"):
+        units = generic_units(model, d.wrap_min_num_params)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ctx = PlanContext.from_config(cfg, world_size, dist_env.ranks_per_node(world_size), device)
+    local_batch = cfg.optimization.batch_size // world_size
+    dtype = DTYPES[d.param_dtype or d.precision]
+    return profile_model(model, units or [], task, local_batch, dtype), ctx
+
+
+def plan_lines(cfg, task, world_size: int, compare: bool, model=None, units=None) -> list[str]:
+    """The memory plan of ``cfg`` as console lines (``compare``: with the alternatives' table)."""
+    profile, ctx = plan(cfg, task, world_size, model, units)
+    return describe(profile, layout_of(cfg.distributed, world_size), ctx, compare)
+
+
+def resolve(cfg, task, world_size: int) -> str | None:
+    """Apply distributed.memory_budget_gb to ``cfg``: backend=auto becomes the chosen layout (written into cfg), an
+    explicit backend predicted over the budget is refused (ConfigError). Returns a line saying what was chosen."""
+    d = cfg.distributed
+    if d.memory_budget_gb <= 0:
+        return None
+    profile, ctx = plan(cfg, task, world_size)
+    if d.backend == "auto":
+        from shardlab.config import DistributedConfig
+
+        defaults = DistributedConfig()
+        sharded_only = any(
+            d[key] != getattr(defaults, key) for key in ("prefetch_units", "reduce_scatter", "wrap_min_num_params")
+        )
+        choice = choose(profile, cfg, ctx, sharded_only)
+        apply_choice(cfg, choice, world_size)
+        return f"distributed.backend=auto chose {choice.layout.label(world_size)}: {choice.reason}"
+    est = estimate(profile, layout_of(d, world_size), ctx)
+    budget = budget_per_rank(d, ctx.ranks_per_node)
+    if needed(est) > budget:
+        raise ConfigError(
+            f"distributed.memory_budget_gb={d.memory_budget_gb:g} (per {d.memory_budget_per}): the memory plan "
+            f"predicts {needed(est) / GiB:.1f} GiB per rank for {layout_of(d, world_size).label(world_size)} "
+            "(peak with margin, plus an idle rank's runtime); use distributed.backend=auto to pick a layout that fits"
+        )
+    return None

@@ -1,0 +1,101 @@
+"""What a rank really used: the peak of its training steps above the rank's idle baseline, to set beside the plan.
+
+On CUDA the caching allocator's peak of allocated bytes. On a CPU rank the peak resident set size (VmHWM) minus the
+resident size when the trainer started (torch imported, process group joined, nothing of the model yet); Linux lets
+a process reset that peak (``/proc/self/clear_refs``), which the meter does after validation and saves so that only
+training steps count. Elsewhere the peak includes them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (0 where /proc is missing)."""
+    kib = _status_kib("VmRSS")
+    return (kib or 0) * 1024
+
+
+def _glibc():
+    if os.name != "posix":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018  (only glibc has it: musl's malloc behaves differently)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def return_freed_buffers_to_os(threshold_bytes: int = 1 << 20) -> bool:
+    """CPU ranks: serve allocations of ``threshold_bytes`` and more with their own mmap, so freeing one returns it.
+
+    glibc otherwise raises its mmap threshold to the size of the largest block freed (up to 32 MiB) and serves later
+    blocks from heaps it keeps: FSDP's per-unit all-gather and gradient buffers, freed every unit, then stay resident
+    and a rank's memory grows far past what it holds (figures in the README). Same effect as starting the process
+    with MALLOC_MMAP_THRESHOLD_; a no-op where the C library is not glibc or the user set that variable."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    libc = _glibc()
+    return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes))
+
+
+class PeakMeter:
+    """Peak memory of training steps on one rank, in bytes above the baseline taken at construction."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if not self.cuda:
+            libc = _glibc()
+            if libc is not None:
+                libc.malloc_trim(0)  # what a previous run in this process freed is not this run's baseline
+        self.baseline = torch.cuda.memory_allocated(device) if self.cuda else resident_bytes()
+        self.peak = 0
+        self.resettable = True
+        self.reset()
+
+    def current_peak(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device)
+        kib = _status_kib("VmHWM")
+        return (kib or 0) * 1024
+
+    def reset(self) -> None:
+        """Forget the peak so far (call after validation or a save, whose memory is not a training step's)."""
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        if self.resettable:
+            try:
+                _CLEAR_REFS.write_text("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+            except OSError:
+                self.resettable = False
+
+    def sample(self) -> None:
+        """After a training step: keep the highest peak seen."""
+        self.peak = max(self.peak, self.current_peak())
+
+    @property
+    def peak_above_baseline(self) -> int:
+        return max(self.peak - self.baseline, 0)

@@ -1,0 +1,442 @@
+"""The memory plan: what one rank will hold at its peak, predicted before anything is allocated, for the configured
+layout and for the alternatives (ddp, fully_sharded with or without resharding, hybrid degrees, activation
+checkpointing, CPU offload); and the choice distributed.backend=auto makes from it.
+
+Parameters, gradients and optimizer state follow from parameter counts. Gathered units follow from the FSDP unit
+sizes and the reshard/prefetch settings. Activations come from one forward of the model on the meta device under a
+saved-tensor hook: what autograd keeps for backward, per unit, with nothing computed or allocated. Everything is in
+bytes per rank above an idle rank (torch imported, process group joined).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+GiB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "cpu_adam": 8}
+"""fp32 bytes of optimizer state per parameter (two Adam moments); sgd: its momentum buffer, when momentum is on."""
+
+
+# ---- what the model is made of (one meta forward) --------------------------------------------------------------------
+@dataclass
+class ModelProfile:
+    params: int
+    """All parameters (tied ones once)."""
+    unit_params: list[int]
+    """Parameters of each FSDP unit, in forward order; the rest belong to the root unit."""
+    activations: int | None
+    """Bytes autograd saves for backward in one micro-batch on one rank; None when the task gives no example batch."""
+    unit_activations: list[int]
+    """Of those, the bytes first saved inside each unit (what checkpointing recomputes)."""
+    unit_inputs: list[int]
+    """Bytes of each unit's input (what checkpointing keeps instead)."""
+    largest_outside: int
+    """The largest tensor saved outside the units (the logits' softmax): backward starts with gradients its size."""
+    local_batch: int
+
+    @property
+    def root_params(self) -> int:
+        return self.params - sum(self.unit_params)
+
+
+def count_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+class _FusedAttentionShapes(torch.autograd.Function):
+    """Stands in for scaled_dot_product_attention on meta tensors with what a fused kernel (flash on CUDA, the flash
+    kernel torch uses on CPU) saves: q, k, v, the output and one float per query row. The meta device's own
+    attention decomposes into the math path, which would count a (length x length) matrix no real run keeps."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        row_stats = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, row_stats)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the plan only counts what forward saves
+        raise NotImplementedError
+
+
+class _MetaAttention(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and args[0].is_meta:
+            return _FusedAttentionShapes.apply(*args[:3])
+        return func(*args, **kwargs)
+
+
+def profile_model(model: nn.Module, units: list[nn.Module], task, local_batch: int, dtype: torch.dtype) -> ModelProfile:
+    """Count ``model``'s parameters and, when the task can make an example batch, the bytes one micro-batch of
+    ``local_batch`` samples saves for backward with parameters in ``dtype``. ``model`` is on meta and is cast."""
+    params = count_params(model)
+    unit_params = [count_params(u) for u in units]
+    batch = task.example_batch(local_batch) if local_batch > 0 else None
+    if batch is None:
+        return ModelProfile(params, unit_params, None, [0] * len(units), [0] * len(units), 0, local_batch)
+    restore = _cast_floating(model, dtype)
+    param_ids = {id(p) for p in model.parameters()}
+    saved: dict[int, torch.Tensor] = {}  # by id of the base tensor: views of one tensor are kept once
+    owner: dict[int, int] = {}  # base id -> unit index (-1: outside the units)
+    inputs = [0] * len(units)
+    current = [-1]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) not in param_ids and id(t) not in param_ids and id(base) not in saved:
+            saved[id(base)] = base
+            owner[id(base)] = current[0]
+        return t
+
+    def enter(i: int):
+        def hook(module, args):
+            current[0] = i
+            first = args[0] if args else None
+            inputs[i] = _nbytes(first) if isinstance(first, torch.Tensor) else 0
+
+        return hook
+
+    def leave(module, args, output):
+        current[0] = -1
+
+    handles = []
+    for i, unit in enumerate(units):
+        handles.append(unit.register_forward_pre_hook(enter(i)))
+        handles.append(unit.register_forward_hook(leave))
+    try:
+        with _MetaAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.train()
+            task.loss(model, batch, torch.device("meta"))
+    finally:
+        for h in handles:
+            h.remove()
+        restore()
+    per_unit = [0] * len(units)
+    outside: list[int] = [0]
+    for key, base in saved.items():
+        n = _nbytes(base)
+        if owner[key] >= 0:
+            per_unit[owner[key]] += n
+        else:
+            outside.append(n)
+    total = sum(_nbytes(b) for b in saved.values())
+    return ModelProfile(params, unit_params, total, per_unit, inputs, max(outside), local_batch)
+
+
+def _cast_floating(model: nn.Module, dtype: torch.dtype):
+    """Cast ``model``'s floating tensors to ``dtype`` in place (meta: free); returns a function undoing it, so the
+    trainer can go on to materialize the same model in its own dtypes."""
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    originals = [t.dtype for t in tensors]
+    for t in tensors:
+        t.data = t.data.to(dtype)
+
+    def restore() -> None:
+        for t, original in zip(tensors, originals, strict=True):
+            t.data = t.data.to(original)
+
+    return restore
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---- layouts and what each holds -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """One way to place the model: the distributed.* keys the plan compares."""
+
+    backend: str
+    sharding_degree: int = 1
+    """Ranks a parameter is sharded over (1 = not sharded)."""
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+
+    def label(self, world_size: int) -> str:
+        if self.backend != "fully_sharded":
+            text = self.backend
+        elif self.sharding_degree < world_size:
+            text = f"hybrid {self.sharding_degree}x{world_size // self.sharding_degree}"
+        else:
+            text = "fully_sharded" if self.reshard_after_forward else "fully_sharded, no reshard"
+        if self.backend == "fully_sharded" and self.sharding_degree < world_size and not self.reshard_after_forward:
+            text += ", no reshard"
+        if self.activation_checkpointing:
+            text += " + act. ckpt"
+        if self.cpu_offload:
+            text += " + cpu_offload"
+        return text
+
+    def overrides(self, world_size: int) -> dict:
+        """The distributed.* values that select this layout."""
+        checkpointing = "full" if self.activation_checkpointing else "none"
+        values: dict = {"backend": self.backend, "activation_checkpointing": checkpointing}
+        if self.backend == "fully_sharded":
+            values.update(
+                sharding_degree=-1 if self.sharding_degree == world_size else self.sharding_degree,
+                reshard_after_forward=self.reshard_after_forward,
+                cpu_offload=self.cpu_offload,
+            )
+        return values
+
+
+def layout_of(d, world_size: int) -> Layout:
+    """The layout a composed distributed section asks for."""
+    if d.backend != "fully_sharded":
+        return Layout(d.backend, 1, True, d.activation_checkpointing == "full", False)
+    degree = world_size if d.sharding_degree == -1 else min(d.sharding_degree, world_size)
+    return Layout("fully_sharded", degree, d.reshard_after_forward, d.activation_checkpointing == "full", d.cpu_offload)
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """Everything besides the layout that the bytes depend on."""
+
+    world_size: int
+    ranks_per_node: int
+    device: str
+    """cpu or cuda: on CPU, offloaded state shares the memory it was moved from."""
+    param_bytes: int
+    """Bytes per gathered parameter and activation element (distributed.param_dtype)."""
+    reduce_bytes: int
+    optimizer_state_bytes: int
+    update_freq: int = 1
+    reduce_every_microbatch: bool = True
+    prefetch_units: int = 0
+    offload_activations: bool = False
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int, ranks_per_node: int, device: str) -> PlanContext:
+        d, opt = cfg.distributed, cfg.optimizer
+        param = d.param_dtype or d.precision
+        reduce = d.reduce_dtype or ("fp32" if d.precision == "bf16" else d.precision)
+        if opt.name == "sgd":
+            state = 4 if opt.momentum > 0 else 0
+        else:
+            state = OPTIMIZER_STATE_BYTES.get(opt.name, 8)
+        return cls(
+            world_size=world_size,
+            ranks_per_node=max(1, min(ranks_per_node, world_size)),
+            device=device,
+            param_bytes=DTYPE_BYTES[param],
+            reduce_bytes=DTYPE_BYTES[reduce],
+            optimizer_state_bytes=state,
+            update_freq=cfg.optimization.update_freq,
+            reduce_every_microbatch=d.reduce_every_microbatch,
+            prefetch_units=d.prefetch_units,
+            offload_activations=d.offload_activations,
+        )
+
+
+@dataclass
+class MemoryEstimate:
+    layout: Layout
+    params: int
+    optimizer: int
+    grad_buffers: int
+    """Gradient memory kept between steps (DDP's buckets)."""
+    grads: int
+    """Gradients allocated during backward and freed by zero_grad (param.grad, or the local gradient shards)."""
+    gathered: int
+    """Unsharded parameters and unsharded gradients of the units in flight (fully_sharded)."""
+    activations: int | None
+    runtime: int
+    """What a rank keeps after its first step besides the model: kernels' workspaces, thread pools, library caches."""
+    host: int
+    """Bytes moved to host memory (cpu_offload, offload_activations) on CUDA; on CPU they stay counted above."""
+    comm_bytes: int
+    """Bytes each rank sends per optimizer step (ring collectives)."""
+    accumulating: bool = False
+    """update_freq > 1: an earlier micro-batch's gradients are held while the next one's activations build up."""
+
+    @property
+    def state(self) -> int:
+        return self.params + self.optimizer + self.grad_buffers + self.grads
+
+    @property
+    def between_steps(self) -> int:
+        """What stays allocated between steps: parameters, optimizer state, gradient buffers and the runtime."""
+        return self.params + self.optimizer + self.grad_buffers + self.runtime
+
+    @property
+    def peak(self) -> int:
+        """Gradients fill in as backward frees activations, so the step's peak holds the larger of the two (both
+        when gradients accumulate over micro-batches)."""
+        activations = self.activations or 0
+        work = activations + self.grads if self.accumulating else max(activations, self.grads)
+        return self.between_steps + self.gathered + work
+
+
+CPU_RUNTIME_BYTES = 128 * 2**20
+"""A CPU rank's resident growth over its first step that is neither model nor activations (oneDNN kernels, OpenMP
+thread stacks, gloo buffers): measured constant across model sizes and layouts (README, "Memory plan"). On CUDA those
+live outside the allocator, whose peak the plan predicts there."""
+
+
+def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryEstimate:
+    """Per-rank bytes of a training step of ``layout``: what is held between steps and what the step adds."""
+    P, units = profile.params, profile.unit_params
+    sharded = layout.backend == "fully_sharded"
+    local = -(-P // layout.sharding_degree) if sharded else P  # ceil: FSDP pads the last shard
+    params, optimizer, grads = 4 * local, ctx.optimizer_state_bytes * local, 4 * local
+    # DDP copies gradients into bucket buffers of the same size that survive zero_grad (gradient_as_bucket_view off).
+    grad_buffers = 4 * P if layout.backend == "ddp" else 0
+    gathered = 0
+    if sharded:
+        biggest = max(units, default=0)
+        root = profile.root_params
+        if layout.reshard_after_forward:
+            # Backward of the last unit: the root (never resharded) and that unit still gathered, the previous unit
+            # prefetched, plus the unit's unsharded gradient and its reduce-scatter buffer.
+            in_flight = 2 + max(ctx.prefetch_units - 1, 0)
+            gathered = ctx.param_bytes * (root + in_flight * biggest)
+        else:  # every unit stays gathered from its forward to its backward
+            gathered = ctx.param_bytes * (root + sum(units) + biggest)
+        gathered += (ctx.param_bytes + ctx.reduce_bytes) * biggest
+        if ctx.update_freq > 1 and not ctx.reduce_every_microbatch:
+            gathered += 4 * (P - local)  # unsharded gradients kept across micro-batches (a trap the plan warns of)
+    activations = _activations(profile, layout)
+    host = 0
+    if ctx.device == "cuda":
+        if layout.cpu_offload:
+            host += params + grads + optimizer
+            params = grads = optimizer = 0
+        if ctx.offload_activations and activations is not None:
+            host += activations
+            activations = _transient(profile)
+    runtime = CPU_RUNTIME_BYTES if ctx.device == "cpu" else 0
+    comm = _comm_bytes(profile, layout, ctx)
+    return MemoryEstimate(
+        layout, params, optimizer, grad_buffers, grads, gathered, activations, runtime, host, comm, ctx.update_freq > 1
+    )
+
+
+def _transient(profile: ModelProfile) -> int:
+    # Backward starts with the loss gradient of the largest saved output (the logits) and its input's gradient.
+    return 2 * profile.largest_outside
+
+
+def _activations(profile: ModelProfile, layout: Layout) -> int | None:
+    if profile.activations is None:
+        return None
+    total = profile.activations
+    if layout.activation_checkpointing and profile.unit_activations:
+        # Units keep only their inputs; backward recomputes one unit at a time.
+        total = total - sum(profile.unit_activations) + sum(profile.unit_inputs) + max(profile.unit_activations)
+    return total + _transient(profile)
+
+
+def _comm_bytes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> int:
+    P, n, micro = profile.params, ctx.world_size, ctx.update_freq
+    if n == 1 or layout.backend == "single":
+        return 0
+    reductions = micro if ctx.reduce_every_microbatch else 1
+    if layout.backend == "ddp":
+        return int(2 * (n - 1) / n * P * ctx.reduce_bytes * reductions)
+    f = layout.sharding_degree
+    r = n // f
+    share = (f - 1) / f
+    regathered = P - profile.root_params - (profile.unit_params[-1] if profile.unit_params else 0)
+    gathers = P + (regathered if layout.reshard_after_forward else 0)
+    sent = share * gathers * ctx.param_bytes * micro + share * P * ctx.reduce_bytes * reductions
+    sent += 2 * (r - 1) / r * (P / f) * ctx.reduce_bytes * reductions  # hybrid: all-reduce of shards across replicas
+    return int(sent)
+
+
+# ---- alternatives and the automatic choice ---------------------------------------------------------------------------
+def alternatives(world_size: int, ranks_per_node: int) -> list[Layout]:
+    """The layouts dry_run compares, roughly from fastest to smallest."""
+    if world_size == 1:
+        return [
+            Layout("single"),
+            Layout("single", activation_checkpointing=True),
+            Layout("fully_sharded", 1, cpu_offload=True),
+            Layout("fully_sharded", 1, activation_checkpointing=True, cpu_offload=True),
+        ]
+    layouts = [Layout("ddp")]
+    hybrid = [f for f in range(2, world_size) if world_size % f == 0]
+    # Across machines, sharding within one and replicating across them keeps the all-gathers on the fast links.
+    node = ranks_per_node if ranks_per_node in hybrid else None
+    if node:
+        layouts += [Layout("fully_sharded", node, reshard_after_forward=False), Layout("fully_sharded", node)]
+    layouts += [Layout("fully_sharded", world_size, reshard_after_forward=False), Layout("fully_sharded", world_size)]
+    layouts += [Layout("fully_sharded", f) for f in hybrid if f != node]
+    layouts += [
+        Layout("fully_sharded", world_size, activation_checkpointing=True),
+        Layout("fully_sharded", world_size, cpu_offload=True),
+        Layout("fully_sharded", world_size, activation_checkpointing=True, cpu_offload=True),
+    ]
+    return layouts
+
+
+# ---- text for the console --------------------------------------------------------------------------------------------
+def warnings(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> Iterator[str]:
+    sharded = layout.backend == "fully_sharded"
+    P = profile.params
+    if sharded and not profile.unit_params:
+        yield (
+            "warning: fully_sharded without units gathers the whole model at once: no saving while it computes "
+            "(set distributed.wrap_min_num_params or give the task fsdp_units)"
+        )
+    elif sharded and max(profile.unit_params) > P / 3:
+        yield (
+            f"warning: one FSDP unit holds {max(profile.unit_params) / P:.0%} of the parameters: its gathered copy "
+            "is what every rank must fit; split it into smaller units"
+        )
+    if sharded and profile.root_params > P / 3 and ctx.world_size > 1:
+        yield (
+            f"warning: the root unit holds {profile.root_params / P:.0%} of the parameters (e.g. tied embeddings) "
+            "and stays gathered for the whole step"
+        )
+    if sharded and ctx.update_freq > 1 and not ctx.reduce_every_microbatch:
+        yield (
+            "warning: distributed.reduce_every_microbatch=false keeps unsharded gradients of the whole model between "
+            f"micro-batches (+{4 * P * (1 - 1 / layout.sharding_degree) / GiB:.2f} GiB per rank)"
+        )
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GiB:.2f}"
+
+
+def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: bool) -> list[str]:
+    """Lines for the console: the chosen layout's breakdown, then (``compare``) a table of the alternatives."""
+    est = estimate(profile, chosen, ctx)
+    lines = [
+        f"memory plan per rank ({chosen.label(ctx.world_size)}, {profile.local_batch} samples per micro-batch): "
+        f"peak ~{_gib(est.peak)} GiB = params {_gib(est.params)} + optimizer {_gib(est.optimizer)}"
+        + (f" + grad buckets {_gib(est.grad_buffers)}" if est.grad_buffers else "")
+        + f" + runtime {_gib(est.runtime)} + gathered {_gib(est.gathered)} + "
+        + ("" if est.accumulating else "max of ")
+        + f"activations {_gib(est.activations)}, grads {_gib(est.grads)}"
+        + (f"; host {_gib(est.host)} GiB" if est.host else "")
+        + f"; sends {est.comm_bytes / GiB:.2f} GiB per step"
+    ]
+    lines += list(warnings(profile, chosen, ctx))
+    if not compare:
+        return lines
+    layouts = alternatives(ctx.world_size, ctx.ranks_per_node)
+    if chosen not in layouts:
+        layouts.insert(0, chosen)
+    lines.append(
+        f"  {'layout':<38} {'peak GiB':>9} {'state':>7} {'gathered':>9} {'activ.':>7} {'host':>6} {'sent/step':>10}"
+    )
+    for layout in layouts:
+        e = estimate(profile, layout, ctx)
+        mark = "*" if layout == chosen else " "
+        lines.append(
+            f"{mark} {layout.label(ctx.world_size):<38} {_gib(e.peak):>9} {_gib(e.state):>7} {_gib(e.gathered):>9} "
+            f"{_gib(e.activations):>7} {_gib(e.host):>6} {e.comm_bytes / GiB:>9.2f}G"
+        )
+    return lines
