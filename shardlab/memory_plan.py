@@ -167,7 +167,7 @@ class Layout:
         if self.backend != "fully_sharded":
             text = self.backend
         elif self.sharding_degree < world_size:
-            text = f"hybrid {self.sharding_degree}x{world_size // self.sharding_degree}"
+            text = f"hybrid, shards of {self.sharding_degree}"
         else:
             text = "fully_sharded" if self.reshard_after_forward else "fully_sharded, no reshard"
         if self.backend == "fully_sharded" and self.sharding_degree < world_size and not self.reshard_after_forward:

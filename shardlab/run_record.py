@@ -57,6 +57,7 @@ def finish(run_dir: Path, result: dict[str, Any]) -> None:
         status="stopped" if stopped_by else "completed",
         stopped_by=stopped_by,
         final=result.get("final") or {},
+        memory=result.get("memory") or {},  # measured and planned GiB per rank (shardlab.trainer)
     )
 
 

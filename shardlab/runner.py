@@ -125,7 +125,13 @@ def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, after_fit=No
             print("\n".join([*trainer.plan, *backend.describe()]), flush=True)
         final = trainer.fit()
         extra = after_fit(trainer) if after_fit is not None else {}
-        result = {"final": final, "history": trainer.history, "stopped_by": trainer.stopped_by, **extra}
+        result = {
+            "final": final,
+            "history": trainer.history,
+            "stopped_by": trainer.stopped_by,
+            "memory": trainer.memory,
+            **extra,
+        }
     finally:
         if teardown:
             backend.teardown()
@@ -150,7 +156,8 @@ def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port
         print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
     if rank == 0:
-        Path(result_file).write_text(json.dumps({"final": result["final"], "stopped_by": result["stopped_by"]}))
+        handed = {key: result[key] for key in ("final", "stopped_by", "memory")}
+        Path(result_file).write_text(json.dumps(handed))
     dist_env.end_finished_rank()
 
 

@@ -7,6 +7,7 @@ decides how gradients are reduced.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import time
 from pathlib import Path
@@ -62,6 +63,8 @@ class Trainer:
         backend.barrier()
         if not backend.env.is_main:
             self.task.prepare_data()
+        if backend.env.is_main and cfg.logging.tensorboard:
+            importlib.import_module("torch.utils.tensorboard")  # its modules are the logger's, not a step's memory
         self.meter = PeakMeter(backend.device)  # the baseline: this rank with its data, before any model memory
         with torch.device("meta"):
             model = self.task.build_model()

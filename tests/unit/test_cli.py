@@ -104,7 +104,14 @@ def test_dry_run_prints_size_of_large_model_without_allocating_it(capsys):
     out = capsys.readouterr().out
     assert "model: 1,315,819,520 parameters" in out
     assert re.search(r"blocks\.23 +Block +50,358,272", out)  # the unit plan, one line per FSDP unit
-    assert "state per rank (fully_sharded, 8 rank(s)): ~2.45 GiB" in out  # 16 bytes/param over 8 shards
+    # The memory plan: the chosen layout's breakdown, then every alternative with its per-rank peak.
+    assert re.search(r"memory plan per rank \(fully_sharded, 4 samples per micro-batch\): peak ~[\d.]+ GiB", out)
+    rows = {m[2]: float(m[3]) for m in re.finditer(r"^([* ]) (\S.*?) {2,}([\d.]+) ", out, re.MULTILINE)}
+    for layout in ("ddp", "fully_sharded", "hybrid, shards of 2", "fully_sharded + act. ckpt"):
+        assert layout in rows, f"{layout} missing from the alternatives: {sorted(rows)}"
+    assert rows["ddp"] > 4 * rows["fully_sharded"]  # 1.3B x 20 bytes on every rank vs an eighth of the state
+    assert rows["fully_sharded + act. ckpt"] < rows["fully_sharded"]
+    assert re.search(r"^\* fully_sharded ", out, re.MULTILINE)  # the configured layout is marked
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mib < 500, f"dry run allocated {grown_mib:.0f} MiB; the weights alone would be 5000"
 

@@ -111,13 +111,18 @@ def test_invalid_combinations_are_rejected_before_launch(overrides, world, expec
 
 
 def test_plan_per_rank_state_divides_by_the_shard_group_under_hybrid_sharding():
-    from shardlab.plan import describe_plan, meta_model
+    from shardlab import memory_budget
+    from shardlab.memory_plan import estimate, layout_of
 
     cfg = compose_config(["model=gpt_1_3b", "distributed=fully_sharded", "distributed.sharding_degree=2"])
     task = build_task(cfg, world_size=8)
-    lines = describe_plan(meta_model(task.build_model), [], cfg.distributed, world_size=8)
-    # 16 bytes/param over the 2 ranks of a shard group, not the 8 of the job: 4x the fully sharded ~2.45 GiB
-    assert "state per rank (fully_sharded, 8 rank(s), sharded over groups of 2): ~9.80 GiB" in lines[-1]
+    profile, ctx = memory_budget.plan(cfg, task, world_size=8)
+    hybrid = estimate(profile, layout_of(cfg.distributed, 8), ctx)
+    cfg.distributed.sharding_degree = -1
+    full = estimate(profile, layout_of(cfg.distributed, 8), ctx)
+    # 16 bytes/param over the 2 ranks of a shard group, not the 8 of the job: 4x the fully sharded state
+    assert hybrid.state == pytest.approx(4 * full.state, rel=1e-6)
+    assert full.state == pytest.approx(16 * profile.params / 8, rel=1e-6)
 
 
 def test_activation_checkpointing_recomputes_units_on_one_process_too(tiny_lm, tmp_path):

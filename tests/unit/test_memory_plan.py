@@ -1,0 +1,175 @@
+"""The memory plan's arithmetic and its use before launch: backend=auto, memory_budget_gb, the peak meter.
+
+What it predicts against what runs really use is tests/distributed/test_memory_plan.py and tools/max_model.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from shardlab import memory_budget
+from shardlab.errors import ConfigError
+from shardlab.memory_meter import PeakMeter
+from shardlab.memory_plan import GiB, Layout, estimate, layout_of
+from shardlab.runner import build_task
+from tests.conftest import compose_config
+
+GPT_125M = ["model=gpt_125m", "data.seq_len=512", "optimization.batch_size=32"]
+
+
+def planned(overrides: list[str], world: int):
+    cfg = compose_config(overrides)
+    return cfg, memory_budget.plan(cfg, build_task(cfg, world_size=world), world)
+
+
+def test_state_is_sixteen_bytes_per_parameter_divided_by_the_shard_group_and_ddp_adds_its_buckets():
+    _, (profile, ctx) = planned([*GPT_125M, "distributed=fully_sharded"], 4)
+    P = profile.params
+    ddp = estimate(profile, Layout("ddp"), ctx)
+    full = estimate(profile, Layout("fully_sharded", 4), ctx)
+    assert ddp.params + ddp.optimizer + ddp.grads == 16 * P  # fp32 param, grad and two Adam moments
+    assert ddp.grad_buffers == 4 * P  # the bucket copy of the gradients, kept between steps
+    assert full.params + full.optimizer + full.grads == pytest.approx(16 * P / 4, abs=64)
+    assert full.between_steps < ddp.between_steps / 4
+
+
+def test_gathered_units_follow_reshard_and_prefetch():
+    _, (profile, ctx) = planned([*GPT_125M, "distributed=fully_sharded"], 4)
+    reshard = estimate(profile, Layout("fully_sharded", 4), ctx)
+    keep = estimate(profile, Layout("fully_sharded", 4, reshard_after_forward=False), ctx)
+    unit = max(profile.unit_params)
+    # Resharding holds a few units in flight; not resharding holds every unit from forward to backward.
+    assert reshard.gathered == 4 * (profile.root_params + 4 * unit)
+    assert keep.gathered == 4 * (profile.root_params + sum(profile.unit_params) + 3 * unit)
+    cfg = compose_config([*GPT_125M, "distributed=fully_sharded", "distributed.prefetch_units=3"])
+    _, deeper = memory_budget.plan(cfg, build_task(cfg, world_size=4), 4)
+    assert estimate(profile, Layout("fully_sharded", 4), deeper).gathered == reshard.gathered + 2 * 4 * unit
+
+
+def test_activations_scale_with_the_batch_linearly_in_sequence_length_and_halve_in_bf16():
+    base = [*GPT_125M, "distributed=fully_sharded"]
+    _, (p32, _) = planned(base, 4)
+    _, (p32x2, _) = planned([*GPT_125M[:-1], "optimization.batch_size=64", "distributed=fully_sharded"], 4)
+    _, (long, _) = planned(["model=gpt_125m", "data.seq_len=1024", "optimization.batch_size=32"], 4)
+    _, (p16, _) = planned([*base, "distributed.precision=bf16"], 4)
+    assert p32x2.activations == pytest.approx(2 * p32.activations, rel=1e-3)
+    # A fused attention keeps no (length x length) matrix: twice the tokens per sample, twice the bytes.
+    assert sum(long.unit_activations) == pytest.approx(2 * sum(p32.unit_activations), rel=0.01)
+    assert sum(p16.unit_activations) == pytest.approx(sum(p32.unit_activations) / 2, rel=0.05)
+    assert p32.unit_activations[0] > 10 * p32.unit_inputs[0]  # a block keeps far more than its input
+
+
+def test_activation_checkpointing_keeps_unit_inputs_and_one_recomputed_unit():
+    _, (profile, ctx) = planned([*GPT_125M, "distributed=fully_sharded"], 4)
+    plain = estimate(profile, Layout("fully_sharded", 4), ctx)
+    ckpt = estimate(profile, Layout("fully_sharded", 4, activation_checkpointing=True), ctx)
+    outside = profile.activations - sum(profile.unit_activations)
+    kept = outside + sum(profile.unit_inputs) + max(profile.unit_activations)
+    assert ckpt.activations - plain.activations == kept - profile.activations
+    assert ckpt.peak < plain.peak
+
+
+def test_cpu_offload_moves_state_to_the_host_on_cuda_only():
+    _, (profile, ctx) = planned([*GPT_125M, "distributed=fully_sharded"], 4)
+    offload = Layout("fully_sharded", 4, cpu_offload=True)
+    on_cpu = estimate(profile, offload, ctx)
+    cuda_ctx = type(ctx)(**{**ctx.__dict__, "device": "cuda"})
+    on_cuda = estimate(profile, offload, cuda_ctx)
+    assert on_cpu.host == 0 and on_cpu.params > 0  # one memory: nothing leaves it
+    assert on_cuda.params == on_cuda.optimizer == on_cuda.grads == 0
+    assert on_cuda.host == on_cpu.params + on_cpu.optimizer + on_cpu.grads
+    assert on_cuda.runtime == 0  # CUDA: the allocator's peak, which the CUDA context and kernels stay out of
+
+
+def test_plan_warns_of_accumulation_without_sync_and_of_an_unsplit_model():
+    overrides = [*GPT_125M, "distributed=fully_sharded", "optimization.update_freq=4"]
+    _, (profile, ctx) = planned([*overrides, "distributed.reduce_every_microbatch=false"], 4)
+    lines = memory_budget.describe(profile, Layout("fully_sharded", 4), ctx, compare=False)
+    assert any("reduce_every_microbatch=false keeps unsharded gradients" in line for line in lines)
+    synced = estimate(profile, Layout("fully_sharded", 4), ctx)
+    _, (_, ctx_sync) = planned(overrides, 4)
+    assert synced.gathered - estimate(profile, Layout("fully_sharded", 4), ctx_sync).gathered == 4 * (
+        profile.params - -(-profile.params // 4)
+    )
+    _, (vision, vctx) = planned(["task=image_classification", "distributed=fully_sharded"], 2)
+    whole = type(vision)(**{**vision.__dict__, "unit_params": [vision.params - 10]})
+    lines = memory_budget.describe(whole, Layout("fully_sharded", 2), vctx, compare=False)
+    assert any("one FSDP unit holds 100% of the parameters" in line for line in lines)
+
+
+def test_auto_picks_ddp_when_it_fits_and_sharding_when_it_does_not(capsys):
+    overrides = [*GPT_125M, "distributed.backend=auto", "distributed.world_size=4"]
+    cfg = compose_config([*overrides, "distributed.memory_budget_gb=40"])
+    build_task(cfg, world_size=4)
+    assert cfg.distributed.backend == "ddp"
+    assert "distributed.backend=auto chose ddp: fits in 40 GiB per rank" in capsys.readouterr().out
+
+    _, (profile, ctx) = planned([*GPT_125M, "distributed=ddp"], 4)
+    ddp_needs = memory_budget.needed(estimate(profile, Layout("ddp"), ctx)) / GiB
+    cfg = compose_config([*overrides, f"distributed.memory_budget_gb={ddp_needs - 0.2:.2f}"])
+    build_task(cfg, world_size=4)
+    out = capsys.readouterr().out
+    assert cfg.distributed.backend == "fully_sharded", out
+    assert re.search(r"\(ddp needs [\d.]+ GiB per rank\)", out)
+    chosen = estimate(profile, layout_of(cfg.distributed, 4), ctx)
+    assert memory_budget.needed(chosen) <= cfg.distributed.memory_budget_gb * GiB
+
+
+def test_auto_offload_switches_adamw_to_cpu_adam_and_a_budget_per_machine_divides_by_its_ranks():
+    cfg, (profile, ctx) = planned([*GPT_125M, "distributed=fully_sharded"], 4)
+    layouts = memory_budget.auto_candidates(4, 4, sharded_only=False)
+    offload = next(layout for layout in layouts if layout.cpu_offload and not layout.activation_checkpointing)
+    memory_budget.apply_choice(cfg, memory_budget.Choice(offload, estimate(profile, offload, ctx), ""), 4)
+    assert cfg.distributed.cpu_offload is True and cfg.optimizer.name == "cpu_adam"
+    machine = compose_config(["distributed.memory_budget_gb=16", "distributed.memory_budget_per=machine"])
+    assert memory_budget.budget_per_rank(machine.distributed, ranks_per_node=4) == 4 * GiB
+
+
+def test_a_budget_nothing_fits_names_the_smallest_that_would():
+    overrides = [*GPT_125M, "distributed.backend=auto", "distributed.world_size=4"]
+    with pytest.raises(ConfigError) as error:
+        build_task(compose_config([*overrides, "distributed.memory_budget_gb=0.5"]), world_size=4)
+    message = str(error.value)
+    assert "\n" not in message
+    match = re.search(r"fits no layout at world size 4: the smallest \((.+)\) needs ([\d.]+) GiB per rank", message)
+    assert match, message
+    # That budget is enough: auto then picks that layout.
+    cfg = compose_config([*overrides, f"distributed.memory_budget_gb={float(match[2]) + 0.05}"])
+    build_task(cfg, world_size=4)
+    assert cfg.distributed.activation_checkpointing == "full"
+
+
+def test_an_explicit_backend_over_its_budget_is_refused_before_launch():
+    with pytest.raises(ConfigError, match=r"memory_budget_gb=2 \(per rank\): the memory plan predicts [\d.]+ GiB"):
+        build_task(compose_config([*GPT_125M, "distributed=ddp", "distributed.memory_budget_gb=2"]), world_size=4)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["distributed.backend=auto"], "distributed.backend=auto chooses a layout to fit distributed.memory_budget_gb"),
+        (
+            ["distributed.backend=auto", "distributed.memory_budget_gb=8", "distributed.cpu_offload=true"],
+            "distributed.cpu_offload is what distributed.backend=auto chooses",
+        ),
+        (["distributed.memory_budget_per=node"], "distributed.memory_budget_per must be rank or machine"),
+    ],
+)
+def test_budget_keys_are_checked(overrides, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        build_task(compose_config(overrides), world_size=1)
+
+
+@pytest.mark.skipif(not PeakMeter(torch.device("cpu")).resettable, reason="needs Linux's /proc/self/clear_refs")
+def test_peak_meter_sees_a_step_allocation_and_forgets_it_after_reset():
+    meter = PeakMeter(torch.device("cpu"))
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    meter.sample()
+    del block
+    assert meter.peak_above_baseline >= 60 * 2**20
+    first = meter.peak
+    meter.reset()
+    assert meter.current_peak() < first - 32 * 2**20  # freed (mmap-served) and the high-water mark was reset
