@@ -40,6 +40,8 @@ class ModelProfile:
     largest_outside: int
     """The largest tensor saved outside the units (the logits' softmax): backward starts with gradients its size."""
     local_batch: int
+    activation_error: str | None = None
+    """Why activations could not be counted (the model does not run on the meta device), if so."""
 
     @property
     def root_params(self) -> int:
@@ -115,7 +117,11 @@ def profile_model(model: nn.Module, units: list[nn.Module], task, local_batch: i
     try:
         with _MetaAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.train()
-            task.loss(model, batch, torch.device("meta"))
+            task.loss(model, _cast_inputs(batch, dtype), torch.device("meta"))
+    except Exception as e:  # a model that cannot run on meta still trains; only its activations go unplanned
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        empty = [0] * len(units)
+        return ModelProfile(params, unit_params, None, empty, empty, 0, local_batch, reason)
     finally:
         for h in handles:
             h.remove()
@@ -145,6 +151,15 @@ def _cast_floating(model: nn.Module, dtype: torch.dtype):
             t.data = t.data.to(original)
 
     return restore
+
+
+def _cast_inputs(batch, dtype: torch.dtype):
+    """Floating inputs in the compute dtype, as FSDP's mixed precision (and autocast) feed them to the model."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_cast_inputs(b, dtype) for b in batch)
+    return batch
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -278,7 +293,7 @@ class MemoryEstimate:
         return self.between_steps + self.gathered + work
 
 
-CPU_RUNTIME_BYTES = 128 * 2**20
+CPU_RUNTIME_BYTES = 28 * 2**20
 """A CPU rank's resident growth over its first step that is neither model nor activations (oneDNN kernels, OpenMP
 thread stacks, gloo buffers): measured constant across model sizes and layouts (README, "Memory plan"). On CUDA those
 live outside the allocator, whose peak the plan predicts there."""
@@ -423,6 +438,8 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
         + (f"; host {_gib(est.host)} GiB" if est.host else "")
         + f"; sends {est.comm_bytes / GiB:.2f} GiB per step"
     ]
+    if profile.activation_error:
+        lines.append(f"activations not planned: the model's forward fails on meta ({profile.activation_error})")
     lines += list(warnings(profile, chosen, ctx))
     if not compare:
         return lines
@@ -430,13 +447,13 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
     if chosen not in layouts:
         layouts.insert(0, chosen)
     lines.append(
-        f"  {'layout':<38} {'peak GiB':>9} {'state':>7} {'gathered':>9} {'activ.':>7} {'host':>6} {'sent/step':>10}"
+        f"  {'layout':<40} {'peak GiB':>9} {'state':>7} {'gathered':>9} {'activ.':>7} {'host':>6} {'sent/step':>10}"
     )
     for layout in layouts:
         e = estimate(profile, layout, ctx)
         mark = "*" if layout == chosen else " "
         lines.append(
-            f"{mark} {layout.label(ctx.world_size):<38} {_gib(e.peak):>9} {_gib(e.state):>7} {_gib(e.gathered):>9} "
+            f"{mark} {layout.label(ctx.world_size):<40} {_gib(e.peak):>9} {_gib(e.state):>7} {_gib(e.gathered):>9} "
             f"{_gib(e.activations):>7} {_gib(e.host):>6} {e.comm_bytes / GiB:>9.2f}G"
         )
     return lines

@@ -63,9 +63,6 @@ class Trainer:
         backend.barrier()
         if not backend.env.is_main:
             self.task.prepare_data()
-        if backend.env.is_main and cfg.logging.tensorboard:
-            importlib.import_module("torch.utils.tensorboard")  # its modules are the logger's, not a step's memory
-        self.meter = PeakMeter(backend.device)  # the baseline: this rank with its data, before any model memory
         with torch.device("meta"):
             model = self.task.build_model()
         units = self.task.fsdp_units(model)
@@ -74,6 +71,10 @@ class Trainer:
         layout = layout_of(cfg.distributed, world)
         self.memory_estimate = estimate(profile, layout, ctx)
         self.plan = describe_plan(model, units, cfg.distributed, world) + describe(profile, layout, ctx, compare=False)
+        if backend.env.is_main and cfg.logging.tensorboard:
+            importlib.import_module("torch.utils.tensorboard")  # its modules are the logger's, not a step's memory
+        # The baseline: this rank with its data and the plan's meta-device modules, before any model memory.
+        self.meter = PeakMeter(backend.device)
         self.memory: dict[str, float] = {}
         """Measured and predicted GiB per rank (the fullest rank's), set at the end of fit."""
         backend.full_precision_modules = self.task.full_precision_modules(model)
@@ -210,10 +211,11 @@ class Trainer:
         """The fullest rank's measured peak and between-step bytes beside the plan's prediction."""
         if not hasattr(self, "held"):
             return  # resumed at the end: no step ran
-        peak, held = self.backend.max_over_ranks([self.meter.peak_above_baseline, self.held])
+        peak, held, total = self.backend.max_over_ranks([self.meter.peak_above_baseline, self.held, self.meter.peak])
         est = self.memory_estimate
         self.memory = {
             "peak_gib": peak / GiB,
+            "peak_total_gib": total / GiB,  # with the rank's own baseline (what `top` shows on CPU)
             "predicted_peak_gib": est.peak / GiB,
             "between_steps_gib": held / GiB,
             "predicted_between_steps_gib": est.between_steps / GiB,

@@ -167,7 +167,7 @@ def point(opts, layout: str, k: int, batch: int, budget: int, workdir: Path) -> 
     return record
 
 
-def search(opts, layout: str, vary: str, fixed: int, budget: int, workdir: Path, runs: list) -> int | None:
+def search(opts, layout: str, vary: str, fixed: int, budget: int, workdir: Path, runs: list, save) -> int | None:
     """The largest value of ``vary`` (k or the batch per rank) whose run fits; starts at the plan's prediction."""
 
     def args(v: int) -> tuple[int, int]:
@@ -187,6 +187,7 @@ def search(opts, layout: str, vary: str, fixed: int, budget: int, workdir: Path,
         record = point(opts, layout, k, batch, budget, workdir)
         record["vary"] = vary
         runs.append(record)
+        save()  # after every run: an interrupted search keeps what it measured
         tried[v] = record["completed"]
         if record["completed"]:
             best = v if best is None else max(best, v)
@@ -295,17 +296,22 @@ def main() -> None:
         "largest_batch_per_rank": {},
         "host": {"cpu_count": os.cpu_count(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")},
     }
+
+    def save() -> None:
+        results["summary"] = summarize(results)
+        opts.out.write_text(json.dumps(results, indent=1))
+
     with tempfile.TemporaryDirectory(prefix="shardlab-max-model-") as tmp:
         workdir = Path(tmp)
         for layout in layouts if not opts.skip_model else []:
             print(f"largest model, {layout}:", flush=True)
-            results["largest_k"][layout] = search(opts, layout, "k", batch, budget, workdir, results["runs"])
+            results["largest_k"][layout] = None
+            results["largest_k"][layout] = search(opts, layout, "k", batch, budget, workdir, results["runs"], save)
         for layout in layouts if not opts.skip_batch else []:
             print(f"largest batch, {layout} (k={opts.batch_k}):", flush=True)
-            best = search(opts, layout, "batch", opts.batch_k, budget, workdir, results["runs"])
+            best = search(opts, layout, "batch", opts.batch_k, budget, workdir, results["runs"], save)
             results["largest_batch_per_rank"][layout] = best
-    results["summary"] = summarize(results)
-    opts.out.write_text(json.dumps(results, indent=1))
+    save()
     print(json.dumps(results["summary"], indent=1))
     if not opts.skip_model and plot(results, opts.plot):
         print(f"wrote {opts.out} and {opts.plot}")

@@ -8,8 +8,12 @@ fully_sharded with activation checkpointing. Larger models: tools/max_model.py (
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
+from tests.conftest import TINY_LM
 from tests.distributed.harness import run_spawned
 
 LAYOUTS = {
@@ -67,3 +71,47 @@ def test_predicted_peak_and_state_match_the_measured_ones(tiny_lm, tmp_path, wor
     planned = memory["ddp"]["predicted_between_steps_gib"] - memory["fully_sharded"]["predicted_between_steps_gib"]
     assert saved >= 0.8 * planned > 0
     assert memory["activation_checkpointing"]["peak_gib"] < memory["fully_sharded"]["peak_gib"]
+
+
+# State-heavy: ~28M parameters (ddp holds 20 bytes each on every rank) and few activations.
+STATE_HEAVY = [
+    "model.num_layers=4",
+    "model.dim=768",
+    "model.num_heads=12",
+    "optimization.batch_size=4",
+    "validation.batch_size=4",
+]
+
+
+@pytest.mark.slow
+def test_auto_shards_a_model_ddp_cannot_fit_and_the_run_stays_within_the_budget(tiny_lm, tmp_path):
+    from shardlab import memory_budget
+    from shardlab.memory_plan import GiB, Layout, estimate
+    from shardlab.runner import build_task
+    from tests.unit.test_cli import run_cli
+
+    replaced = {o.split("=")[0] for o in STATE_HEAVY}
+    overrides = [*(o for o in TINY_LM if o.split("=")[0] not in replaced), *STATE_HEAVY, "distributed.world_size=2"]
+    cfg = tiny_lm(*STATE_HEAVY, "distributed=ddp")
+    profile, ctx = memory_budget.plan(cfg, build_task(cfg, world_size=2), 2)
+    ddp_needs = memory_budget.needed(estimate(profile, Layout("ddp"), ctx)) / GiB
+    sharded_needs = memory_budget.needed(estimate(profile, Layout("fully_sharded", 2, False), ctx)) / GiB
+    budget = round((ddp_needs + sharded_needs) / 2, 2)  # between the two: ddp does not fit, sharding does
+    assert sharded_needs < budget < ddp_needs
+
+    cache = f"data.cache_dir={cfg.data.cache_dir}"
+    common = [*overrides, cache, "distributed.backend=auto", f"hydra.run.dir={tmp_path / 'auto'}"]
+    code, out, err = run_cli(*common, f"distributed.memory_budget_gb={budget}")
+    assert code == 0, err[-2000:]
+    assert re.search(rf"distributed.backend=auto chose fully_sharded.*: fits in {budget:g} GiB per rank", out), out
+    memory = json.loads((tmp_path / "auto" / "status.json").read_text())["memory"]
+    # The whole rank - its idle runtime included - stayed within the budget, as predicted.
+    assert memory["peak_total_gib"] <= budget, memory
+    assert abs(memory["predicted_peak_gib"] / memory["peak_gib"] - 1) <= 0.25, memory
+
+    code, out, err = run_cli(*common, "distributed.memory_budget_gb=0.3")
+    assert code != 0
+    lines = [line for line in err.strip().splitlines() if "memory_budget_gb" in line]
+    assert len(lines) == 1 and re.search(
+        r"fits no layout at world size 2: the smallest \(.+\) needs [\d.]+ GiB", lines[0]
+    )
