@@ -97,12 +97,10 @@ def apply_choice(cfg, choice: Choice, world_size: int) -> None:
         cfg.optimizer.name = "cpu_adam"  # the same update, fused over the offloaded shards on the CPU
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def plan(cfg, task, world_size: int, model=None, units=None) -> tuple[ModelProfile, PlanContext]:
     """Profile the task's model (built on meta here unless given) for ``cfg`` at ``world_size`` ranks."""
     from shardlab.distributed import env as dist_env
+    from shardlab.distributed.backend import DTYPE_BY_NAME
     from shardlab.distributed.fully_sharded import generic_units
 
     d = cfg.distributed
@@ -115,7 +113,7 @@ def plan(cfg, task, world_size: int, model=None, units=None) -> tuple[ModelProfi
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ctx = PlanContext.from_config(cfg, world_size, dist_env.ranks_per_node(world_size), device)
     local_batch = cfg.optimization.batch_size // world_size
-    dtype = DTYPES[d.param_dtype or d.precision]
+    dtype = DTYPE_BY_NAME[d.param_dtype or d.precision]
     return profile_model(model, units or [], task, local_batch, dtype), ctx
 
 

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from shardlab.plan import count_params
+
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "cpu_adam": 8}
@@ -46,10 +48,6 @@ class ModelProfile:
     @property
     def root_params(self) -> int:
         return self.params - sum(self.unit_params)
-
-
-def count_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 class _FusedAttentionShapes(torch.autograd.Function):

@@ -13,13 +13,13 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def describe_plan(model: nn.Module, units: list[nn.Module], cfg, world_size: int | None = None) -> list[str]:
+def describe_plan(model: nn.Module, units: list[nn.Module], cfg) -> list[str]:
     """Lines for the console: the model's size and its FSDP units (the task's, else the generic size policy's) with
     their parameters. ``cfg`` is the distributed section."""
-    return list(_plan_lines(model, units, cfg, world_size or cfg.world_size))
+    return list(_plan_lines(model, units, cfg))
 
 
-def _plan_lines(model: nn.Module, units: list[nn.Module], cfg, world_size: int) -> Iterator[str]:
+def _plan_lines(model: nn.Module, units: list[nn.Module], cfg) -> Iterator[str]:
     backend = cfg.backend
     if backend == "fully_sharded" and not units:
         from shardlab.distributed.fully_sharded import generic_units

@@ -216,7 +216,7 @@ def print_plan(cfg: DictConfig, task) -> None:
     model = meta_model(task.build_model)
     units = task.fsdp_units(model)
     world = job_world_size(cfg, dist_env.detect().world_size)
-    lines = describe_plan(model, units, cfg.distributed, world)
+    lines = describe_plan(model, units, cfg.distributed)
     lines += memory_budget.plan_lines(cfg, task, world, compare=True, model=model, units=units)
     if not torch.cuda.is_available():
         lines.append("  (planned for this CPU, where cpu_offload moves nothing; on GPUs it frees device memory)")

@@ -70,7 +70,7 @@ class Trainer:
         profile, ctx = memory_budget.plan(cfg, self.task, world, model, units)
         layout = layout_of(cfg.distributed, world)
         self.memory_estimate = estimate(profile, layout, ctx)
-        self.plan = describe_plan(model, units, cfg.distributed, world) + describe(profile, layout, ctx, compare=False)
+        self.plan = describe_plan(model, units, cfg.distributed) + describe(profile, layout, ctx, compare=False)
         if backend.env.is_main and cfg.logging.tensorboard:
             importlib.import_module("torch.utils.tensorboard")  # its modules are the logger's, not a step's memory
         # The baseline: this rank with its data and the plan's meta-device modules, before any model memory.

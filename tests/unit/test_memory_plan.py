@@ -173,3 +173,28 @@ def test_peak_meter_sees_a_step_allocation_and_forgets_it_after_reset():
     first = meter.peak
     meter.reset()
     assert meter.current_peak() < first - 32 * 2**20  # freed (mmap-served) and the high-water mark was reset
+
+
+def test_a_model_that_cannot_run_on_meta_is_planned_without_activations_and_keeps_its_dtypes():
+    from torch import nn
+
+    from shardlab.memory_plan import describe, profile_model
+
+    class NoMetaTask:
+        def example_batch(self, batch_size):
+            return torch.zeros(batch_size, 4, device="meta")
+
+        def loss(self, model, batch, device):
+            raise RuntimeError("this op has no meta kernel")
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    profile = profile_model(model, [model[0]], NoMetaTask(), 2, torch.bfloat16)
+    assert profile.activations is None and profile.params == 4 * 8 + 8 + 8 * 2 + 2
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # cast for the count, then put back
+    _, (_, ctx) = planned([*GPT_125M, "distributed=fully_sharded"], 4)
+    lines = describe(profile, Layout("fully_sharded", 4), ctx, compare=False)
+    assert (
+        "activations not planned: the model's forward fails on meta (RuntimeError: this op has no meta kernel)"
+        in (lines[1])
+    )
