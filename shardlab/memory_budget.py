@@ -8,6 +8,7 @@ before spawning, and hands the ranks the resolved config.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,15 +78,16 @@ def choose(profile: ModelProfile, cfg, ctx: PlanContext, sharded_only: bool = Fa
     for layout in auto_candidates(ctx.world_size, ctx.ranks_per_node, sharded_only):
         est = estimate(profile, layout, ctx)
         if needed(est) <= budget:
-            skipped = ", ".join(f"{label} needs {need / GiB:.1f}" for label, need in tried)
+            skipped = ", ".join(f"{label} needs {need / GiB:.2f}" for label, need in tried)
             reason = f"fits in {d.memory_budget_gb:g} GiB per {d.memory_budget_per}"
             return Choice(layout, est, reason + (f" ({skipped} GiB per rank)" if skipped else ""))
         tried.append((layout.label(ctx.world_size), needed(est)))
-    smallest = min(need for _, need in tried) * scale
+    label, need = min(tried, key=lambda t: t[1])
+    smallest = math.ceil(need * scale / GiB * 100) / 100  # rounded up: that budget does fit
     raise ConfigError(
         f"distributed.memory_budget_gb={d.memory_budget_gb:g} (per {d.memory_budget_per}) fits no layout at world size "
-        f"{ctx.world_size}: the smallest ({min(tried, key=lambda t: t[1])[0]}) needs {smallest / GiB:.1f} GiB per "
-        f"{d.memory_budget_per}; raise the budget, lower optimization.batch_size, or add ranks"
+        f"{ctx.world_size}: the smallest ({label}) needs {smallest:.2f} GiB per {d.memory_budget_per}; raise the "
+        "budget, lower optimization.batch_size, or add ranks"
     )
 
 
@@ -145,7 +147,7 @@ def resolve(cfg, task, world_size: int) -> str | None:
     if needed(est) > budget:
         raise ConfigError(
             f"distributed.memory_budget_gb={d.memory_budget_gb:g} (per {d.memory_budget_per}): the memory plan "
-            f"predicts {needed(est) / GiB:.1f} GiB per rank for {layout_of(d, world_size).label(world_size)} "
+            f"predicts {needed(est) / GiB:.2f} GiB per rank for {layout_of(d, world_size).label(world_size)} "
             "(peak with margin, plus an idle rank's runtime); use distributed.backend=auto to pick a layout that fits"
         )
     return None
