@@ -5,7 +5,9 @@
 #      bf16, fp16 with the scaler (also with offload: CPU found-inf on the device-mapped group), at world size 1, each
 #      held to a CPU fp32 reference run's per-step losses (fp32 rtol 1e-4, bf16/fp16 rtol 0.02); BN stays plain on
 #      one rank; on 2+ GPUs also 2 NCCL ranks (fully_sharded, offload, bf16) and torch's SyncBatchNorm on the vision
-#      task. Tests needing more GPUs than exist are skipped with that reason (listed in gpu_check.json).
+#      task. The memory plan against the CUDA allocator's peak (ddp, fully_sharded, activation checkpointing,
+#      pinned offload, bf16; within 25%). Tests needing more GPUs than exist are skipped with that reason (listed in
+#      gpu_check.json).
 #   2. torchrun with 2 ranks of fully_sharded (2+ GPUs; else recorded as skipped, with the reason).
 #   3. tools/bench.py: tokens/s and MFU of gpt_125m and gpt_350m, fully_sharded, bf16, 1 GPU.
 # Usage: bash tools/gpu_check.sh    (from the repository root, with the project installed; PYTHON=... to pick one)

@@ -159,3 +159,40 @@ def test_two_gpus_fully_sharded_and_offload_track_the_cpu_losses(tiny_lm, cpu_re
     for result, rtol in zip(results, (FP32_RTOL, FP32_RTOL, LOW_PRECISION_RTOL), strict=True):
         assert result["group"] == "cpu:gloo,cuda:nccl"
         torch.testing.assert_close(train_losses(result), train_losses(cpu_reference), rtol=rtol, atol=0)
+
+
+MEMORY_MODEL = [
+    "model.num_layers=4",
+    "model.dim=1024",
+    "model.num_heads=16",
+    "model.max_seq_len=256",
+    "data.seq_len=256",
+    "optimization.batch_size=16",
+    "optimization.max_steps=3",
+    "lr_scheduler.warmup_steps=0",
+    "validation.num_batches=1",
+    "validation.batch_size=16",
+    "checkpoint.save=false",
+]
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("ddp", ["distributed.backend=ddp"]),
+        ("fully_sharded", [FS]),
+        ("activation_checkpointing", [FS, "distributed.activation_checkpointing=full"]),
+        ("pinned_offload_cpu_adam", [FS, "distributed.cpu_offload=true", "optimizer=cpu_adam"]),
+        ("bf16", [FS, "distributed.precision=bf16"]),
+    ],
+)
+def test_memory_plan_predicts_the_cuda_allocator_peak(name, overrides, tiny_lm, tmp_path):
+    """The plan against the caching allocator's peak of a training step (max_memory_allocated), within 25%."""
+    result = run_rank(tiny_lm(*MEMORY_MODEL, *overrides), tmp_path, dist_env.detect())
+    m = result["memory"]
+    print(f"{name}: {m}")
+    assert abs(m["predicted_peak_gib"] / m["peak_gib"] - 1) <= 0.25, m
+    if name.startswith("pinned"):  # the state lives in host memory: next to nothing stays on the device
+        assert m["between_steps_gib"] < 0.05 and m["predicted_between_steps_gib"] == 0, m
+    else:
+        assert abs(m["predicted_between_steps_gib"] / m["between_steps_gib"] - 1) <= 0.10, m
