@@ -248,11 +248,12 @@ def plot(results: dict, path: Path) -> bool:
     top = max([r["rank_peak_gib"] for r in done] + [r["predicted_peak_gib"] for r in done] + [1.0]) * 1.1
     axes[1].plot([0, top], [0, top], color="#444", lw=1, label="plan = measured")
     axes[1].fill_between([0, top], [0, 0.75 * top], [0, 1.25 * top], color="#ddd", label="within 25%")
-    for layout in LAYOUTS:
+    for layout, marker in zip(LAYOUTS, "osD^", strict=True):
         pts = [r for r in done if r["layout"] == layout]
         if pts:
-            axes[1].scatter([r["rank_peak_gib"] for r in pts], [r["predicted_peak_gib"] for r in pts], label=layout)
-    axes[1].set_xlabel("measured peak per rank (GiB above an idle rank)")
+            x, y = [r["rank_peak_gib"] for r in pts], [r["predicted_peak_gib"] for r in pts]
+            axes[1].scatter(x, y, label=layout, marker=marker, s=60 if marker == "o" else 30, alpha=0.8)
+    axes[1].set_xlabel("measured training-step peak per rank (GiB above the rank's start)")
     axes[1].set_ylabel("memory plan's prediction (GiB)")
     axes[1].set_title("predicted vs measured, every completed run")
     axes[1].legend(fontsize=8)
