@@ -182,6 +182,7 @@ def search(opts, layout: str, vary: str, fixed: int, budget: int, workdir: Path,
     while predicted_fit(v + 1) and v < 512:
         v += 1
     best, tried = None, {}
+    step = 1 if vary == "k" else max(1, v // 16)  # a batch grows in ~6% steps: the plan's margin is 10%
     for _ in range(opts.max_runs):
         k, batch = args(v)
         record = point(opts, layout, k, batch, budget, workdir)
@@ -191,15 +192,13 @@ def search(opts, layout: str, vary: str, fixed: int, budget: int, workdir: Path,
         tried[v] = record["completed"]
         if record["completed"]:
             best = v if best is None else max(best, v)
-            if tried.get(v + 1) is False:
-                break
-            v += 1
+            if any(not ok for u, ok in tried.items() if u > v):
+                break  # the next size up was already killed
+            v += step
+        elif not record["killed"] or best is not None or v - step < 1:
+            break  # a failure that is not memory (reported), or the edge is found
         else:
-            if not record["killed"]:
-                break  # a failure that is not memory: report it, do not search past it
-            if v - 1 in tried or v == 1:
-                break
-            v -= 1
+            v -= step
     return best
 
 
