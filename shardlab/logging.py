@@ -6,7 +6,6 @@ the step reached to its status.json (for sweep summaries).
 
 from __future__ import annotations
 
-import resource
 import sys
 import time
 from pathlib import Path
@@ -20,10 +19,11 @@ LOG_FILE = "train.log"
 
 
 def memory_gib(device: torch.device) -> float:
-    """Peak memory of this rank: the CUDA allocator's peak on GPU; on CPU the process's peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    """Peak memory of this rank since it started: the CUDA allocator's peak on GPU; on CPU the process's peak resident
+    set size."""
+    from shardlab.memory_meter import process_peak
+
+    return process_peak(device) / 2**30
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

@@ -60,6 +60,24 @@ def return_freed_buffers_to_os(threshold_bytes: int = 1 << 20) -> bool:
     return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes))
 
 
+_FOLDED: dict[str, int] = {}
+"""Per device, the highest kernel/allocator peak seen before a PeakMeter reset it (see process_peak)."""
+
+
+def _kernel_peak(device: torch.device) -> int:
+    """The peak the OS (VmHWM) or the CUDA allocator reports since it was last reset."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return (_status_kib("VmHWM") or 0) * 1024
+
+
+def process_peak(device: torch.device) -> int:
+    """This process's peak memory since it started (the CUDA allocator's on GPU, the resident set on CPU), as if no
+    PeakMeter had reset the counters: every reading of a process-wide peak (the logged mem_gib, the benchmarks) goes
+    through here, because the meter's resets would otherwise make it a peak of the last step only."""
+    return max(_FOLDED.get(str(device), 0), _kernel_peak(device))
+
+
 class PeakMeter:
     """Peak memory of training steps on one rank, in bytes above the baseline taken at construction."""
 
@@ -76,13 +94,13 @@ class PeakMeter:
         self.reset()
 
     def current_peak(self) -> int:
-        if self.cuda:
-            return torch.cuda.max_memory_allocated(self.device)
-        kib = _status_kib("VmHWM")
-        return (kib or 0) * 1024
+        return _kernel_peak(self.device)
 
     def reset(self) -> None:
-        """Forget the peak so far (call after validation or a save, whose memory is not a training step's)."""
+        """Forget the peak so far (after validation or a save, whose memory is not a training step's); the process
+        peak keeps it (process_peak)."""
+        key = str(self.device)
+        _FOLDED[key] = max(_FOLDED.get(key, 0), self.current_peak())
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             return

@@ -62,6 +62,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from shardlab import runner  # noqa: E402
 from shardlab.distributed import env as dist_env  # noqa: E402
 from shardlab.flops import FlopCounterMode, flop_counter, peak_flops_per_s  # noqa: E402
+from shardlab.memory_meter import process_peak, resident_bytes  # noqa: E402
 
 BENCH_DEFAULTS = {  # applied unless the command line sets the key: no checkpoints, logs or validation mid-run
     "checkpoint.resume": "none",
@@ -123,21 +124,10 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
-    return _proc_status_kib("VmHWM") * 1024, "peak RSS (VmHWM, /proc/self/status)"
-
-
-def _proc_status_kib(key: str) -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    """The process's peak since it started (shardlab.memory_meter.process_peak: the trainer's meter resets the
+    counters every step)."""
+    method = "cuda max_memory_allocated" if device.type == "cuda" else "peak RSS (VmHWM, /proc/self/status)"
+    return process_peak(device), method
 
 
 def local_bytes(t: torch.Tensor | None) -> int:
@@ -164,7 +154,7 @@ class StepProbe:
         self.optimizer: torch.optim.Optimizer | None = None
         self.starts: list[float] = []
         self.optimizer_ms: list[float] = []
-        self.mem: dict[str, Any] = {"rss_at_start_bytes": _proc_status_kib("VmRSS") * 1024}
+        self.mem: dict[str, Any] = {"rss_at_start_bytes": resident_bytes()}
         self.counter: CollectiveCounter | None = None
         self.counts: dict[str, dict[str, int]] = {}
         self.flops: FlopCounterMode | None = None

@@ -23,10 +23,12 @@ sys.path.insert(0, str(REPO))
 
 
 def peak_rss_gib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
+    """The process's peak resident set size (VmHWM), as if the trainer's meter had not reset it every step."""
+    import torch
+
+    from shardlab.memory_meter import process_peak
+
+    return process_peak(torch.device("cpu")) / 2**30
 
 
 def one(model: str, mode: str, saves: int, interval: int, batch: int, seq_len: int, run_dir: Path) -> dict:
