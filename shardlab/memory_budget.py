@@ -102,21 +102,18 @@ def apply_choice(cfg, choice: Choice, world_size: int) -> None:
 def plan(cfg, task, world_size: int, model=None, units=None) -> tuple[ModelProfile, PlanContext]:
     """Profile the task's model (built on meta here unless given) for ``cfg`` at ``world_size`` ranks."""
     from shardlab.distributed import env as dist_env
-    from shardlab.distributed.backend import DTYPE_BY_NAME
-    from shardlab.distributed.fully_sharded import generic_units
+    from shardlab.distributed.backend import resolve_dtypes
+    from shardlab.plan import wrapped_units
 
-    d = cfg.distributed
     if model is None:
         with torch.device("meta"):
             model = task.build_model()
         units = task.fsdp_units(model)
-    if not units and d.backend in ("fully_sharded", "auto"):
-        units = generic_units(model, d.wrap_min_num_params)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ctx = PlanContext.from_config(cfg, world_size, dist_env.ranks_per_node(world_size), device)
     local_batch = cfg.optimization.batch_size // world_size
-    dtype = DTYPE_BY_NAME[d.param_dtype or d.precision]
-    return profile_model(model, units or [], task, local_batch, dtype), ctx
+    units = wrapped_units(model, units, cfg.distributed)
+    return profile_model(model, units, task, local_batch, resolve_dtypes(cfg.distributed)[0]), ctx
 
 
 def plan_lines(cfg, task, world_size: int, compare: bool, model=None, units=None) -> list[str]:

@@ -21,7 +21,6 @@ from torch.overrides import TorchFunctionMode
 from shardlab.plan import count_params
 
 GiB = 2**30
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "cpu_adam": 8}
 """fp32 bytes of optimizer state per parameter (two Adam moments); sgd: its momentum buffer, when momentum is on."""
 
@@ -177,14 +176,12 @@ class Layout:
     cpu_offload: bool = False
 
     def label(self, world_size: int) -> str:
-        if self.backend != "fully_sharded":
-            text = self.backend
-        elif self.sharding_degree < world_size:
-            text = f"hybrid, shards of {self.sharding_degree}"
-        else:
-            text = "fully_sharded" if self.reshard_after_forward else "fully_sharded, no reshard"
-        if self.backend == "fully_sharded" and self.sharding_degree < world_size and not self.reshard_after_forward:
-            text += ", no reshard"
+        text = self.backend
+        if self.backend == "fully_sharded":
+            if self.sharding_degree < world_size:
+                text = f"hybrid, shards of {self.sharding_degree}"
+            if not self.reshard_after_forward:
+                text += ", no reshard"
         if self.activation_checkpointing:
             text += " + act. ckpt"
         if self.cpu_offload:
@@ -231,9 +228,10 @@ class PlanContext:
 
     @classmethod
     def from_config(cls, cfg, world_size: int, ranks_per_node: int, device: str) -> PlanContext:
+        from shardlab.distributed.backend import resolve_dtypes
+
         d, opt = cfg.distributed, cfg.optimizer
-        param = d.param_dtype or d.precision
-        reduce = d.reduce_dtype or ("fp32" if d.precision == "bf16" else d.precision)
+        param, reduce = resolve_dtypes(d)
         if opt.name == "sgd":
             state = 4 if opt.momentum > 0 else 0
         else:
@@ -242,8 +240,8 @@ class PlanContext:
             world_size=world_size,
             ranks_per_node=max(1, min(ranks_per_node, world_size)),
             device=device,
-            param_bytes=DTYPE_BYTES[param],
-            reduce_bytes=DTYPE_BYTES[reduce],
+            param_bytes=param.itemsize,
+            reduce_bytes=reduce.itemsize,
             optimizer_state_bytes=state,
             update_freq=cfg.optimization.update_freq,
             reduce_every_microbatch=d.reduce_every_microbatch,

@@ -19,14 +19,17 @@ def describe_plan(model: nn.Module, units: list[nn.Module], cfg) -> list[str]:
     return list(_plan_lines(model, units, cfg))
 
 
-def _plan_lines(model: nn.Module, units: list[nn.Module], cfg) -> Iterator[str]:
-    backend = cfg.backend
-    if backend == "fully_sharded" and not units:
-        from shardlab.distributed.fully_sharded import generic_units
+def wrapped_units(model: nn.Module, units: list[nn.Module], cfg) -> list[nn.Module]:
+    """The units a sharded run wraps: the task's, else (fully_sharded or auto) the generic size policy's."""
+    if units or cfg.backend not in ("fully_sharded", "auto"):
+        return list(units)
+    from shardlab.distributed.fully_sharded import generic_units
 
-        units = generic_units(model, cfg.wrap_min_num_params)
-    if backend != "fully_sharded":
-        units = []
+    return generic_units(model, cfg.wrap_min_num_params)
+
+
+def _plan_lines(model: nn.Module, units: list[nn.Module], cfg) -> Iterator[str]:
+    units = wrapped_units(model, units, cfg) if cfg.backend == "fully_sharded" else []
     total = count_params(model)
     names = {id(m): n for n, m in model.named_modules()}
     yield f"model: {total:,} parameters ({total * 4 / 2**30:.2f} GiB in fp32)"
