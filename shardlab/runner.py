@@ -24,10 +24,12 @@ from shardlab.preemption import STOP_SIGNALS, STOPPED_EXIT_CODE
 from shardlab.registry import BACKENDS, TASKS, load_plugins
 
 
-def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | None = None):
+def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | None = None, check_budget: bool = True):
     """The task for ``cfg``, after every generic and task-specific config check (one ConfigError for all).
 
-    ``run_dir``: also check that it and the checkpoint directory in it can be written."""
+    ``run_dir``: also check that it and the checkpoint directory in it can be written. ``check_budget=False`` skips
+    holding an explicit backend to distributed.memory_budget_gb (run_rank: run_job did, before any rank started);
+    backend=auto is resolved either way."""
     import torch
 
     from shardlab.task import Task
@@ -54,9 +56,10 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
     if problems:
         raise ConfigError("; ".join(problems))
     # backend=auto becomes a layout; an explicit one predicted over distributed.memory_budget_gb is refused.
-    chosen = memory_budget.resolve(cfg, task, job_world_size(cfg, world_size))
-    if chosen and dist_env.detect().is_main:
-        print(chosen, flush=True)
+    if check_budget or cfg.distributed.backend == "auto":
+        chosen = memory_budget.resolve(cfg, task, job_world_size(cfg, world_size))
+        if chosen and dist_env.detect().is_main:
+            print(chosen, flush=True)
     return task
 
 
@@ -115,7 +118,7 @@ def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, after_fit=No
     """
     from shardlab.trainer import Trainer
 
-    task = build_task(cfg, env.world_size)
+    task = build_task(cfg, env.world_size, check_budget=False)
     backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, env, key="distributed.backend")
     backend.setup()
     try:

@@ -75,6 +75,8 @@ class Trainer:
             importlib.import_module("torch.utils.tensorboard")  # its modules are the logger's, not a step's memory
         # The baseline: this rank with its data and the plan's meta-device modules, before any model memory.
         self.meter = PeakMeter(backend.device)
+        self.held: int | None = None
+        """Bytes above the baseline after the last step of fit (measured once, when the loop ends)."""
         self.memory: dict[str, float] = {}
         """Measured and predicted GiB per rank (the fullest rank's), set at the end of fit."""
         backend.full_precision_modules = self.task.full_precision_modules(model)
@@ -156,7 +158,6 @@ class Trainer:
             lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (_step advances the schedule)
             grad_norm = self._step()
             self.meter.sample()
-            held = self._held_between_steps()
             state.step += 1
             state.samples_seen += self.global_batch * o.update_freq
             window_steps += 1
@@ -164,6 +165,8 @@ class Trainer:
             # Agreed at every step end (one all-reduce), so all ranks stop or save at the same step whichever rank got
             # the signal, and a save by the clock follows rank 0's.
             stop, overdue = backend.any_rank(self.stop_signals.received is not None, self._save_overdue())
+            if stop or state.step == o.max_steps:  # the loop's last step: what it holds is what the run holds
+                self.held = self._held_between_steps()
             if state.step % cfg.logging.interval_steps == 0 or state.step == o.max_steps:
                 totals = self._sum_over_ranks(sums)
                 metrics = self.task.summarize(totals)
@@ -190,7 +193,6 @@ class Trainer:
             if cfg.checkpoint.save and (self._save_due(overdue) or last or stop):
                 path = self.save()
             self.meter.reset()  # the next step's peak starts here: validation and saves do not count
-            self.held = held
             window_paused += time.perf_counter() - paused_from
             if stop and not last:
                 self.stopped_by = self.stop_signals.name or "a stop signal on another rank"
@@ -209,7 +211,7 @@ class Trainer:
 
     def _report_memory(self, log: RunLogger) -> None:
         """The fullest rank's measured peak and between-step bytes beside the plan's prediction."""
-        if not hasattr(self, "held"):
+        if self.held is None:
             return  # resumed at the end: no step ran
         peak, held, total = self.backend.max_over_ranks([self.meter.peak_above_baseline, self.held, self.meter.peak])
         est = self.memory_estimate
