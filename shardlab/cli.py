@@ -13,9 +13,9 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from shardlab.config import path_errors
+from shardlab.config import path_errors, register_schemas
 from shardlab.errors import ConfigError, ShardlabError
-from shardlab.registry import unknown_name_message
+from shardlab.registry import load_plugins, unknown_name_message
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("task", "model", "data", "optimizer", "lr_scheduler", "distributed")
@@ -53,6 +53,15 @@ def check_group_choices(overrides: list[str]) -> None:
             raise ConfigError(unknown_name_message(value, f"{key} option (conf/{key}/*.yaml)", group_options(key), key))
 
 
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config ``overrides`` compose to, outside Hydra's app (pre-flight, tools, tests): schemas and task plug-ins
+    registered first."""
+    register_schemas()
+    load_plugins()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
 def preflight(argv: list[str]) -> DictConfig | None:
     """Compose the job's config as Hydra will; returns None where Hydra should handle things itself (sweeps, help)."""
     if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
@@ -60,8 +69,7 @@ def preflight(argv: list[str]) -> DictConfig | None:
     overrides = [a for a in argv if not a.startswith("hydra.") and not a.startswith("hydra/")]
     check_group_choices(overrides)
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose(config_name="config", overrides=overrides)
+        cfg = compose_config(overrides)
     except Exception as e:  # Hydra/OmegaConf errors: the first line of each cause names the key and the problem
         parts = []
         err: BaseException | None = e

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from shardlab.cli import CONF_DIR
+from shardlab.cli import compose_config  # noqa: F401  (the tests compose through the CLI's own helper)
 from shardlab.config import register_schemas
 from shardlab.registry import load_plugins
 
-register_schemas()
+register_schemas()  # at import as well: some tests compose through Hydra directly (test_run_dir) or read registries
 load_plugins()
 
 # Tiny models gain nothing from a second thread, and OpenMP threads that spin-wait on an oversubscribed 2-core machine
@@ -36,11 +35,6 @@ TINY_LM = [
     "logging.progress_bar=false",
     "logging.tensorboard=false",
 ]
-
-
-def compose_config(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=overrides)
 
 
 @pytest.fixture(scope="session")

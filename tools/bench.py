@@ -423,21 +423,13 @@ def write(out: dict, path: str) -> None:
 
 
 def compose(overrides: list[str], total_steps: int):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from shardlab.cli import check_group_choices, compose_config
 
-    from shardlab.cli import CONF_DIR, check_group_choices
-    from shardlab.config import register_schemas
-    from shardlab.registry import load_plugins
-
-    register_schemas()
-    load_plugins()
     check_group_choices(overrides)
     given = {o.partition("=")[0].lstrip("+~") for o in overrides}
     full = [f"{k}={v}" for k, v in BENCH_DEFAULTS.items() if k not in given] + overrides
     full.append(f"optimization.max_steps={total_steps}")
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = hydra_compose(config_name="config", overrides=full)
+    cfg = compose_config(full)
     if cfg.lr_scheduler.warmup_steps > total_steps:  # a schedule detail; not worth an error in a benchmark
         cfg.lr_scheduler.warmup_steps = total_steps
     return cfg

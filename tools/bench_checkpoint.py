@@ -32,16 +32,10 @@ def peak_rss_gib() -> float:
 
 
 def one(model: str, mode: str, saves: int, interval: int, batch: int, seq_len: int, run_dir: Path) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    from shardlab.cli import CONF_DIR
-    from shardlab.config import register_schemas
+    from shardlab.cli import compose_config
     from shardlab.distributed import env as dist_env
-    from shardlab.registry import load_plugins
     from shardlab.runner import run_rank
 
-    register_schemas()
-    load_plugins()
     overrides = [
         f"model={model}",
         f"data.seq_len={seq_len}",
@@ -58,8 +52,7 @@ def one(model: str, mode: str, saves: int, interval: int, batch: int, seq_len: i
         "logging.tensorboard=false",
         f"logging.interval_steps={interval}",
     ]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose_config(overrides)
     result = run_rank(cfg, run_dir, dist_env.detect(), after_fit=lambda t: {"records": t.checkpointer.records})
     records = [r.__dict__ for r in result["records"]]
     during = records[:-1]

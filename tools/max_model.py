@@ -74,19 +74,12 @@ def run_overrides(opts, layout: str, k: int, batch: int) -> list[str]:
 # ---- prediction ------------------------------------------------------------------------------------------------------
 def predict(overrides: list[str], world_size: int) -> dict:
     """The memory plan of a run, as the run itself will print it (per rank), and the auto rule's need per machine."""
-    from hydra import compose, initialize_config_dir
-
     from shardlab import memory_budget
-    from shardlab.cli import CONF_DIR
-    from shardlab.config import register_schemas
+    from shardlab.cli import compose_config
     from shardlab.memory_plan import estimate, layout_of
-    from shardlab.registry import load_plugins
     from shardlab.runner import build_task
 
-    register_schemas()
-    load_plugins()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose_config(overrides)
     task = build_task(cfg, world_size)
     profile, ctx = memory_budget.plan(cfg, task, world_size)
     est = estimate(profile, layout_of(cfg.distributed, world_size), ctx)

@@ -14,11 +14,15 @@ from tests.conftest import TINY_LM
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def train(*args: str, cwd: Path = ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m shardlab.train *args` in ``cwd``, one OpenMP thread per process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "shardlab.train", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def sweep(sweep_dir: Path, corpus_cache: str, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "shardlab.train",
+    return train(
         "-m",
         *TINY_LM,
         "optimization.max_steps=6",
@@ -26,9 +30,7 @@ def sweep(sweep_dir: Path, corpus_cache: str, *overrides: str) -> subprocess.Com
         f"data.cache_dir={corpus_cache}",
         f"hydra.sweep.dir={sweep_dir}",
         *overrides,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    )
 
 
 def test_four_point_sweep_on_two_ranks_each_gets_its_own_directory_and_summary(tmp_path, corpus_cache):
@@ -67,16 +69,13 @@ def test_a_failed_point_is_reported_and_the_others_finish(tmp_path, corpus_cache
 def test_a_run_resumed_on_another_world_size_continues_in_its_directory(tmp_path, corpus_cache):
     """The run directory follows the experiment: world size, backend and max_steps do not move it."""
     common = [*TINY_LM, f"data.cache_dir={corpus_cache}", "validation.interval_steps=0", "checkpoint.interval_steps=4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def train(*overrides: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "shardlab.train", *common, *overrides]
-        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-
-    first = train("distributed.backend=fully_sharded", "distributed.world_size=2", "optimization.max_steps=4")
+    first = train(
+        *common, "distributed.backend=fully_sharded", "distributed.world_size=2", "optimization.max_steps=4",
+        cwd=tmp_path, timeout=300,
+    )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs" / "lm").iterdir()
-    second = train("optimization.max_steps=8")  # world size 1, single backend, a longer run
+    second = train(*common, "optimization.max_steps=8", cwd=tmp_path, timeout=300)  # world size 1, single, longer
     assert second.returncode == 0, second.stderr[-3000:]
     assert [p.name for p in (tmp_path / "runs" / "lm").iterdir()] == [run_dir.name]
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004'} (step 4," in second.stdout
