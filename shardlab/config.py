@@ -60,7 +60,7 @@ class LRSchedulerConfig:
 class DistributedConfig:
     backend: str = "single"
     """A name in BACKENDS: single, ddp, fully_sharded; or auto: the fastest layout the memory plan predicts to fit
-    memory_budget_gb (shardlab/memory_plan.py)."""
+    memory_budget_gb (shardlab/memory/budget.py)."""
     world_size: int = 1
     """Processes to start on this machine when not launched by torchrun or Slurm (which set the world themselves)."""
     sharding_degree: int = -1
@@ -177,7 +177,7 @@ class TrainConfig:
 
 
 def register_schemas() -> None:
-    from shardlab.run_dir import register_resolvers
+    from shardlab.jobs.run_dir import register_resolvers
 
     register_resolvers()
     cs = ConfigStore.instance()

@@ -28,3 +28,13 @@ class RankFailed(ShardlabError):
     """A training process crashed (its traceback is printed above); not a config mistake, so exit code 1."""
 
     exit_code = 1
+
+
+def first_cause(error: BaseException) -> str:
+    """A one-line reason; DCP wraps each rank's exception (a BaseException subclass) in CheckpointException."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+        error = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback) per rank
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__

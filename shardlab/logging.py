@@ -10,20 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from shardlab import run_record
 from shardlab.config import LoggingConfig
+from shardlab.jobs import run_record
 
 LOG_FILE = "train.log"
-
-
-def memory_gib(device: torch.device) -> float:
-    """Peak memory of this rank since it started: the CUDA allocator's peak on GPU; on CPU the process's peak resident
-    set size."""
-    from shardlab.memory_meter import process_peak
-
-    return process_peak(device) / 2**30
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

@@ -16,11 +16,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from shardlab import errors, memory_budget, run_record
+from shardlab import errors
 from shardlab.config import path_errors, validate
 from shardlab.distributed import env as dist_env
+from shardlab.distributed import load_backends
 from shardlab.errors import ConfigError, RankFailed, ShardlabError
-from shardlab.preemption import STOP_SIGNALS, STOPPED_EXIT_CODE
+from shardlab.jobs import run_record
+from shardlab.jobs.preemption import STOP_SIGNALS, STOPPED_EXIT_CODE
+from shardlab.memory import budget as memory_budget
 from shardlab.registry import BACKENDS, TASKS, load_plugins
 
 
@@ -35,7 +38,7 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
     from shardlab.task import Task
 
     load_plugins()
-    import shardlab.distributed.backends  # noqa: F401  (registers single, ddp, fully_sharded)
+    load_backends()  # registers single, ddp, fully_sharded
 
     problems: list[str] = []
     world_size = world_size or dist_env.detect().world_size
@@ -71,7 +74,7 @@ def job_world_size(cfg: DictConfig, launcher_world_size: int) -> int:
 def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | None:
     """One run as the CLI starts it (also one sweep point, or one task of a Slurm job): plan only (dry_run), spawn
     distributed.world_size local ranks, or train as this launcher's rank. Global rank 0 keeps the run's status.json
-    (shardlab.run_record) and prints the final validation. Returns the final validation loss."""
+    (shardlab.jobs.run_record) and prints the final validation. Returns the final validation loss."""
     env = dist_env.detect()
     record = env.is_main and not cfg.dry_run
     if record:
@@ -85,7 +88,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             task.prepare_data()  # once, here, so the ranks find it cached and data errors come back as one line
             result = launch_local(cfg, run_dir, cfg.distributed.world_size)
         else:
-            result = run_rank(cfg, run_dir, env)
+            result = run_rank(cfg, run_dir, env, task=task)
     except BaseException as e:
         if record and (run_record.read(run_dir) or {}).get("status") == "running":  # not a stop that saved
             run_record.fail(run_dir, one_line(e))
@@ -110,22 +113,35 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[-1] if text else ''}".rstrip(": ")
 
 
-def run_rank(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, after_fit=None, teardown: bool = True) -> dict:
+def run_rank(
+    cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, after_fit=None, teardown: bool = True, task=None
+) -> dict:
     """Train on this rank; returns {'final': last validation metrics, 'history': logged records (rank 0)}.
 
+    The steps, in order: the task (built and checked, unless run_job passes the one it built), the process group, the
+    data, the plan (model on meta, FSDP units, memory), then the trainer (shard, materialize, restore, fit).
     ``after_fit(trainer) -> dict`` runs before the process group is torn down (tests and benchmarks inspect the
     trained model there); ``teardown=False`` keeps the group for another run in the same processes.
     """
+    from shardlab.memory.plan import plan_run
     from shardlab.trainer import Trainer
 
-    task = build_task(cfg, env.world_size, check_budget=False)
+    task = task or build_task(cfg, env.world_size, check_budget=False)
     backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, env, key="distributed.backend")
     backend.setup()
     try:
-        trainer = Trainer(cfg, task, backend, run_dir)
-        trainer.setup()
         if env.is_main:
-            print("\n".join([*trainer.plan, *backend.describe()]), flush=True)
+            task.prepare_data()  # rank 0 preprocesses first; the others then hit its cache
+        backend.barrier()
+        if not env.is_main:
+            task.prepare_data()
+        plan = plan_run(cfg, task, env.world_size)
+        if env.is_main:
+            print("\n".join(plan.lines), flush=True)  # before anything is allocated
+        trainer = Trainer(cfg, task, backend, run_dir)
+        trainer.setup(plan)
+        if env.is_main:
+            print("\n".join(backend.describe()), flush=True)
         final = trainer.fit()
         extra = after_fit(trainer) if after_fit is not None else {}
         result = {
@@ -213,14 +229,11 @@ def print_plan(cfg: DictConfig, task) -> None:
 
     import torch
 
-    from shardlab.plan import describe_plan, meta_model
+    from shardlab.memory.plan import plan_run
 
     started = time.perf_counter()
-    model = meta_model(task.build_model)
-    units = task.fsdp_units(model)
     world = job_world_size(cfg, dist_env.detect().world_size)
-    lines = describe_plan(model, units, cfg.distributed)
-    lines += memory_budget.plan_lines(cfg, task, world, compare=True, model=model, units=units)
+    lines = plan_run(cfg, task, world, compare=True).lines
     if not torch.cuda.is_available():
         lines.append("  (planned for this CPU, where cpu_offload moves nothing; on GPUs it frees device memory)")
     lines.append(f"planned in {time.perf_counter() - started:.2f} s on the meta device (nothing allocated)")

@@ -40,7 +40,7 @@ class Task(ABC):
 
     @abstractmethod
     def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """Fill the full value of the parameter or buffer ``name`` in place (see shardlab.init)."""
+        """Fill the full value of the parameter or buffer ``name`` in place (see shardlab.distributed.materialize)."""
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         """Submodules to shard as separate FSDP units, in forward order; the root is wrapped last by the backend.
@@ -54,7 +54,7 @@ class Task(ABC):
 
     def example_batch(self, batch_size: int) -> Any | None:
         """A batch of ``batch_size`` samples with the shapes and dtypes training sees, on the meta device, for the
-        memory plan's activation count (shardlab.memory_plan); None leaves activations out of the plan."""
+        memory plan's activation count (shardlab.memory.plan); None leaves activations out of the plan."""
         return None
 
     def collate(self, samples: list) -> Any:
@@ -71,3 +71,8 @@ class Task(ABC):
     def num_units(self, batch: Any) -> int:
         """Throughput units in a local batch."""
         return len(batch)
+
+    def features(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """The trunk's pooled features of ``images`` (N, D), in eval mode without gradients: what a frozen-trunk
+        evaluation (linear probe, kNN) trains on. Tasks whose models have no image trunk do not implement it."""
+        raise NotImplementedError(f"task {self.cfg.task.name} has no image trunk to evaluate")

@@ -6,7 +6,6 @@ decides how gradients are reduced.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import math
 import time
@@ -16,30 +15,19 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from shardlab import memory_budget, weights
-from shardlab.checkpoint import Checkpointer
-from shardlab.checkpoint_layout import first_cause
+from shardlab.checkpoint import weights
+from shardlab.checkpoint.manager import Checkpointer
 from shardlab.data import GlobalOrder, rank_loader, sample_seed
-from shardlab.distributed.backend import Backend
-from shardlab.errors import CheckpointError
-from shardlab.init import materialize
-from shardlab.logging import RunLogger, memory_gib
-from shardlab.memory_meter import PeakMeter, resident_bytes
-from shardlab.memory_plan import GiB, describe, estimate, layout_of
+from shardlab.distributed.base import Backend
+from shardlab.distributed.materialize import materialize
+from shardlab.errors import CheckpointError, first_cause
+from shardlab.jobs.preemption import StopSignals
+from shardlab.logging import RunLogger
+from shardlab.memory.meter import PeakMeter, memory_gib, resident_bytes
+from shardlab.memory.plan import GiB, RunPlan
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
-from shardlab.plan import describe_plan
-from shardlab.preemption import StopSignals
 from shardlab.task import Task
-
-
-@dataclasses.dataclass
-class TrainState:
-    step: int = 0
-    """Optimizer steps taken."""
-    samples_seen: int = 0
-    """Global training samples consumed: the data position, independent of the world size."""
-    skipped_steps: int = 0
-    """Optimizer steps skipped for non-finite gradients (fp16 overflow, or a diverged run); survives resume."""
+from shardlab.train_state import TrainState
 
 
 class Trainer:
@@ -56,21 +44,11 @@ class Trainer:
         """The stop signal that ended training before optimization.max_steps (after a checkpoint), if one did."""
 
     # ---- setup ---------------------------------------------------------------------------------------------------
-    def setup(self) -> None:
+    def setup(self, plan: RunPlan) -> None:
+        """Shard and materialize the planned model (built on meta), build the optimizer and schedule, and restore the
+        training state (checkpoint.resume, else checkpoint.init_from, else the seeded init)."""
         cfg, backend = self.cfg, self.backend
-        if backend.env.is_main:
-            self.task.prepare_data()  # rank 0 preprocesses first; the others then hit its cache
-        backend.barrier()
-        if not backend.env.is_main:
-            self.task.prepare_data()
-        with torch.device("meta"):
-            model = self.task.build_model()
-        units = self.task.fsdp_units(model)
-        world = backend.env.world_size
-        profile, ctx = memory_budget.plan(cfg, self.task, world, model, units)
-        layout = layout_of(cfg.distributed, world)
-        self.memory_estimate = estimate(profile, layout, ctx)
-        self.plan = describe_plan(model, units, cfg.distributed) + describe(profile, layout, ctx, compare=False)
+        self.memory_estimate = plan.estimate
         if backend.env.is_main and cfg.logging.tensorboard:
             importlib.import_module("torch.utils.tensorboard")  # its modules are the logger's, not a step's memory
         # The baseline: this rank with its data and the plan's meta-device modules, before any model memory.
@@ -79,15 +57,18 @@ class Trainer:
         """Bytes above the baseline after the last step of fit (measured once, when the loop ends)."""
         self.memory: dict[str, float] = {}
         """Measured and predicted GiB per rank (the fullest rank's), set at the end of fit."""
-        backend.full_precision_modules = self.task.full_precision_modules(model)
         self.model = backend.parallelize(
-            model, units, lambda m: materialize(m, backend.param_device, self.task.init_tensor, cfg.seed)
+            plan.model,
+            plan.units,
+            lambda m: materialize(m, backend.param_device, self.task.init_tensor, cfg.seed),
+            full_precision_modules=self.task.full_precision_modules(plan.model),
         )
         self.optimizer = OPTIMIZERS.build(cfg.optimizer.name, self.model, cfg.optimizer, key="optimizer.name")
         self.scheduler = LR_SCHEDULERS.build(
             cfg.lr_scheduler.name, self.optimizer, cfg.lr_scheduler, cfg.optimization.max_steps, key="lr_scheduler.name"
         )
         self.scaler = backend.make_grad_scaler()
+        self.state.components = {"scheduler": self.scheduler, "grad_scaler": self.scaler}
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
         self._restore()
         self.last_save = (self.state.step, time.monotonic())
@@ -156,10 +137,9 @@ class Trainer:
                     sums[k] = sums.get(k, 0) + v.detach().float()
                 sums["units"] = sums.get("units", 0) + self.task.num_units(batch)
             lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (_step advances the schedule)
-            grad_norm = self._step()
+            grad_norm, skipped = self._step()
+            state.end_step(self.global_batch * o.update_freq, skipped)
             self.meter.sample()
-            state.step += 1
-            state.samples_seen += self.global_batch * o.update_freq
             window_steps += 1
             log.advance()
             # Agreed at every step end (one all-reduce), so all ranks stop or save at the same step whichever rank got
@@ -228,7 +208,9 @@ class Trainer:
             f"{est.peak / GiB:.2f}; held between steps {held / GiB:.2f} GiB, plan {est.between_steps / GiB:.2f}"
         )
 
-    def _step(self) -> torch.Tensor:
+    def _step(self) -> tuple[torch.Tensor, bool]:
+        """Unscale, clip and apply the accumulated gradients; (the global gradient norm, whether the update was
+        skipped for non-finite gradients)."""
         clip = self.cfg.optimization.clip_norm
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -237,14 +219,14 @@ class Trainer:
             scale_before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            self.state.skipped_steps += int(self.scaler.get_scale() < scale_before)
-        elif math.isfinite(float(grad_norm)):
-            self.optimizer.step()
+            skipped = self.scaler.get_scale() < scale_before
         else:
-            self.state.skipped_steps += 1
+            skipped = not math.isfinite(float(grad_norm))
+            if not skipped:
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return grad_norm
+        return grad_norm, skipped
 
     @torch.no_grad()
     def validate(self, log: RunLogger) -> dict[str, float]:
@@ -300,19 +282,13 @@ class Trainer:
             weights.check_compatible(path, meta, cfg.task.name, self.model_config, ignore)
             return meta
 
-        meta = self.checkpointer.restore(
-            cfg.checkpoint.resume, check, lambda p: self.checkpointer.load_train_state(p, self.model, self.optimizer)
+        self.resumed_from = self.checkpointer.restore(
+            cfg.checkpoint.resume, check, self.model, self.optimizer, self.state
         )
-        self.resumed_from, self.initialized_from = self.checkpointer.resumed_from, None
-        if meta is not None:
+        self.initialized_from = None
+        if self.resumed_from is not None:
             if cfg.checkpoint.init_from:  # a requeued run continues its own checkpoints, not the initial weights
                 self.checkpointer.log(f"[ckpt] checkpoint.init_from is not used: resuming {self.resumed_from}")
-            self.state = TrainState(
-                step=meta["step"], samples_seen=meta["samples_seen"], skipped_steps=meta.get("skipped_steps", 0)
-            )
-            self.scheduler.load_state_dict(meta["scheduler"])
-            if self.scaler is not None and meta.get("grad_scaler"):
-                self.scaler.load_state_dict(meta["grad_scaler"])
         elif cfg.checkpoint.init_from:
             self.initialized_from = self._init_from(Path(cfg.checkpoint.init_from).expanduser())
         if cfg.checkpoint.save_on_error and backend.env.world_size > 1 and backend.env.is_main:
@@ -381,15 +357,11 @@ class Trainer:
 
     def save(self) -> Path:
         self.last_save = (self.state.step, time.monotonic())
-        meta = {
+        described = {  # what the checkpoint is of, for checks and tools; the resumable state is self.state
             "task": self.cfg.task.name,
-            "samples_seen": self.state.samples_seen,
-            "skipped_steps": self.state.skipped_steps,
-            "scheduler": self.scheduler.state_dict(),
-            "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "model_config": self.model_config,
             "world_size": self.backend.env.world_size,
             "backend": self.backend.name,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
-        return self.checkpointer.save(self.state.step, self.model, self.optimizer, meta)
+        return self.checkpointer.save(self.model, self.optimizer, self.state, described)

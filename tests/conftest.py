@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardlab.cli import compose_config  # noqa: F401  (the tests compose through the CLI's own helper)
 from shardlab.config import register_schemas
 from shardlab.registry import load_plugins
+from shardlab.train import compose_config  # noqa: F401  (the tests compose through the CLI's own helper)
 
 register_schemas()  # at import as well: some tests compose through Hydra directly (test_run_dir) or read registries
 load_plugins()

@@ -25,7 +25,7 @@ The JSON (rank 0 writes it):
   model_flops_per_step   3 x the forward FLOPs of one micro-batch (torch's FlopCounterMode on rank 0's first forward of
                          the counted step) x micro-batches x ranks: model FLOPs, so recomputation does not count
   achieved_tflops, mfu   model FLOPs per median step, and that over peak_tflops (the whole run's: ranks x one device's)
-  peak_tflops            --peak-tflops if given; else a known GPU's bf16 dense peak (shardlab.flops); on CPU the fp32
+  peak_tflops            --peak-tflops if given; else a known GPU's bf16 dense peak (tools/flops.py); on CPU the fp32
                          GEMM rate of one thread, measured before the ranks start, x the threads the ranks use
 
 Peak memory: on CUDA the caching allocator's peak (max_memory_allocated); on CPU the rank's peak resident set size
@@ -57,12 +57,12 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from flops import FlopCounterMode, flop_counter, peak_flops_per_s  # noqa: E402  (tools/flops.py)
 from omegaconf import OmegaConf  # noqa: E402
 
 from shardlab import runner  # noqa: E402
 from shardlab.distributed import env as dist_env  # noqa: E402
-from shardlab.flops import FlopCounterMode, flop_counter, peak_flops_per_s  # noqa: E402
-from shardlab.memory_meter import process_peak, resident_bytes  # noqa: E402
+from shardlab.memory.meter import process_peak, resident_bytes  # noqa: E402
 
 BENCH_DEFAULTS = {  # applied unless the command line sets the key: no checkpoints, logs or validation mid-run
     "checkpoint.resume": "none",
@@ -124,7 +124,7 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
-    """The process's peak since it started (shardlab.memory_meter.process_peak: the trainer's meter resets the
+    """The process's peak since it started (shardlab.memory.meter.process_peak: the trainer's meter resets the
     counters every step)."""
     method = "cuda max_memory_allocated" if device.type == "cuda" else "peak RSS (VmHWM, /proc/self/status)"
     return process_peak(device), method
@@ -423,7 +423,7 @@ def write(out: dict, path: str) -> None:
 
 
 def compose(overrides: list[str], total_steps: int):
-    from shardlab.cli import check_group_choices, compose_config
+    from shardlab.train import check_group_choices, compose_config
 
     check_group_choices(overrides)
     given = {o.partition("=")[0].lstrip("+~") for o in overrides}
@@ -485,6 +485,6 @@ def main(argv: list[str] | None = None) -> dict | None:
 
 
 if __name__ == "__main__":
-    from shardlab.cli import run_tool
+    from shardlab.train import run_tool
 
     run_tool(main)  # a config mistake is one line and exit code 2, as for shardlab.train

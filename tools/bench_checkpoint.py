@@ -26,15 +26,15 @@ def peak_rss_gib() -> float:
     """The process's peak resident set size (VmHWM), as if the trainer's meter had not reset it every step."""
     import torch
 
-    from shardlab.memory_meter import process_peak
+    from shardlab.memory.meter import process_peak
 
     return process_peak(torch.device("cpu")) / 2**30
 
 
 def one(model: str, mode: str, saves: int, interval: int, batch: int, seq_len: int, run_dir: Path) -> dict:
-    from shardlab.cli import compose_config
     from shardlab.distributed import env as dist_env
     from shardlab.runner import run_rank
+    from shardlab.train import compose_config
 
     overrides = [
         f"model={model}",

@@ -34,7 +34,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shardlab.cpu_adam import CPUAdam, local  # noqa: E402
+from shardlab.optim.cpu_adam import CPUAdam, local  # noqa: E402
 from tasks.lm.config import GPTConfig  # noqa: E402
 from tasks.lm.model import GPT  # noqa: E402
 
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
                 )
     results["wins"] = wins
     results["chosen"] = "cpu_adam"
-    results["chosen_is"] = "torch._fused_adamw_ on the local shards (shardlab/cpu_adam.py)"
+    results["chosen_is"] = "torch._fused_adamw_ on the local shards (shardlab/optim/cpu_adam.py)"
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}; fastest usable per setting: {wins}")
     if dist.is_initialized():

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shardlab import weights
-from shardlab.cli import run_tool
+from shardlab.checkpoint import weights
+from shardlab.train import run_tool
 
 
 def consolidate(checkpoint: Path, out: Path) -> Path:

@@ -6,7 +6,7 @@
 AutoModelForCausalLM.from_pretrained('gpt2-export'); T.from_pretrained('gpt2-export')"
 
 Reads a sharded checkpoint of any world size (model weights only, never the optimizer) or a consolidated
-safetensors file (shardlab.weights) and writes config.json,
+safetensors file (shardlab.checkpoint.weights) and writes config.json,
 generation_config.json, model.safetensors (fp32), tokenizer.json and tokenizer_config.json. The tokenizer is the one
 the run was trained with (its data.tokenizer), or --tokenizer for one that has moved.
 """
@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from shardlab import weights
-from shardlab.cli import run_tool
+from shardlab.checkpoint import weights
 from shardlab.errors import ConfigError
+from shardlab.train import run_tool
 from tasks.lm.export_hf import export_gpt2, gpt2_refusal
 from tasks.lm.tokenizer import load_tokenizer
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from shardlab import weights
-from shardlab.cli import run_tool
+from shardlab.checkpoint import weights
 from shardlab.config import DistributedConfig
+from shardlab.distributed.materialize import materialize
 from shardlab.errors import ShardlabError
-from shardlab.init import materialize
 from shardlab.runner import build_task
+from shardlab.train import run_tool
 
 
 @torch.no_grad()

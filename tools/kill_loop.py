@@ -24,8 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shardlab import weights  # noqa: E402
-from shardlab.checkpoint_layout import REPLACED, complete_checkpoints  # noqa: E402
+from shardlab.checkpoint import weights  # noqa: E402
+from shardlab.checkpoint.layout import REPLACED, complete_checkpoints  # noqa: E402
 
 
 def start(run_dir: Path, overrides: list[str]) -> subprocess.Popen:

@@ -17,8 +17,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from shardlab.cli import run_tool
 from shardlab.errors import ConfigError
+from shardlab.train import run_tool
 from tasks.lm.cache import corpus_sources, prepare_corpus
 from tasks.lm.config import LMDataConfig
 from tasks.lm.corpus import iter_texts

@@ -15,9 +15,9 @@ import argparse
 import json
 from pathlib import Path
 
-from shardlab.cli import run_tool
 from shardlab.errors import ConfigError
-from shardlab.sweep import collect, summarize
+from shardlab.jobs.sweep import collect, summarize
+from shardlab.train import run_tool
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """shardlab's submitit launchers for Hydra (`hydra/launcher=slurm` or `local`, presets in conf/hydra/launcher/).
 
 Hydra only loads launcher classes from the ``hydra_plugins`` namespace, so they are declared here; the logic is in
-shardlab/launch.py. The configs extend hydra-submitit-launcher's with the keys shardlab consumes itself.
+shardlab/jobs/submitit_launcher.py. The configs extend hydra-submitit-launcher's with the keys shardlab consumes itself.
 (No `from __future__ import annotations`: Hydra executes plugin modules outside sys.modules, where dataclasses
 cannot resolve string annotations.)
 """
@@ -34,19 +34,19 @@ ConfigStore.instance().store(group="hydra/launcher", name="shardlab_local_schema
 
 class _Shardlab:
     def __init__(self, **params: Any) -> None:
-        from shardlab.launch import SHARDLAB_KEYS
+        from shardlab.jobs.submitit_launcher import SHARDLAB_KEYS
 
         self.wait = bool(params.get("wait", True))
         self.poll_s = float(params.get("poll_s", 5.0))
         super().__init__(**{k: v for k, v in params.items() if k not in SHARDLAB_KEYS})
 
     def launch(self, job_overrides, initial_job_idx):
-        from shardlab.launch import launch
+        from shardlab.jobs.submitit_launcher import launch
 
         return launch(self, job_overrides, initial_job_idx)
 
     def __call__(self, *args: Any, **kwargs: Any):
-        from shardlab.launch import raise_if_failed
+        from shardlab.jobs.submitit_launcher import raise_if_failed
 
         return raise_if_failed(super().__call__(*args, **kwargs))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -11,14 +11,20 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlab.distributed.activation_checkpointing import wrap_units
-from shardlab.distributed.backend import Backend
+from shardlab.distributed.base import Backend
+from shardlab.registry import BACKENDS
 
 
+@BACKENDS.register("ddp")
 class DDPBackend(Backend):
     name = "ddp"
 
     def parallelize(
-        self, model: nn.Module, units: list[nn.Module], materialize: Callable[[nn.Module], None]
+        self,
+        model: nn.Module,
+        units: list[nn.Module],
+        materialize: Callable[[nn.Module], None],
+        full_precision_modules: Sequence[nn.Module] = (),
     ) -> nn.Module:
         materialize(model)
         if self.cfg.activation_checkpointing == "full":

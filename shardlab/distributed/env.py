@@ -86,7 +86,7 @@ def set_local_rank_defaults(world_size: int) -> None:
 
     CPU ranks only: glibc keeps FSDP's freed per-unit buffers in its arenas; a lower mmap threshold returns them to the
     OS (measured on CPU: 7.45 -> 4.69 GiB total RSS at 4 ranks). Ranks started by other launchers set the same
-    threshold themselves (shardlab.memory_meter.return_freed_buffers_to_os). GPU ranks keep parameters in CUDA memory,
+    threshold themselves (shardlab.memory.meter.return_freed_buffers_to_os). GPU ranks keep parameters in CUDA memory,
     where it would only add page faults to host-side allocations (pinned buffers, the data); never measured there.
     One OpenMP thread per core per rank: oversubscribed OpenMP threads spin and collapse throughput."""
     import torch

@@ -1,13 +1,14 @@
 """fully_sharded: PyTorch's FSDP2 (`fully_shard`) over the task's unit plan, with every knob as a config field.
 
 Order (nanochat/torchtitan): the model is built on meta, each unit is sharded (after activation-checkpoint wrapping),
-the root last, then weights are materialized shard by shard (shardlab.init) - no rank ever holds the full model.
+the root last, then weights are materialized shard by shard (shardlab.distributed.materialize): no rank ever holds
+the full model.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -16,33 +17,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from shardlab.distributed import torch_internals
 from shardlab.distributed.activation_checkpointing import wrap_units
-from shardlab.distributed.backend import Backend
+from shardlab.distributed.base import Backend
 from shardlab.distributed.gloo_comms import AllReduceReduceScatter, make_reduce_comm
 from shardlab.distributed.grad_scaler import ShardedGradScaler
+from shardlab.distributed.units import generic_units
+from shardlab.registry import BACKENDS
 
 
-def generic_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
-    """For models without a unit plan: the largest submodules holding >= min_num_params params that do not contain
-    another such submodule (a size-based auto-wrap policy, as FSDP1's size_based_auto_wrap_policy)."""
-    if min_num_params <= 0:
-        return []
-    units: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> int:
-        own = sum(p.numel() for p in module.parameters(recurse=False))
-        rest = 0
-        for child in module.children():
-            rest += visit(child)
-        remaining = own + rest
-        if module is not model and remaining >= min_num_params:
-            units.append(module)
-            return 0  # its params now live in its own unit
-        return remaining
-
-    visit(model)
-    return units
-
-
+@BACKENDS.register("fully_sharded")
 class FullyShardedBackend(Backend):
     name = "fully_sharded"
     casts_in_forward = False
@@ -68,11 +50,12 @@ class FullyShardedBackend(Backend):
     def param_device(self) -> torch.device:
         return torch.device("cpu") if self.cfg.cpu_offload else self.device
 
-    full_precision_modules: list[nn.Module] = []
-    """Set by the trainer from Task.full_precision_modules: each becomes an fp32 unit under mixed precision."""
-
     def parallelize(
-        self, model: nn.Module, units: list[nn.Module], materialize: Callable[[nn.Module], None]
+        self,
+        model: nn.Module,
+        units: list[nn.Module],
+        materialize: Callable[[nn.Module], None],
+        full_precision_modules: Sequence[nn.Module] = (),
     ) -> nn.Module:
         units = units or generic_units(model, self.cfg.wrap_min_num_params)
         if self.cfg.activation_checkpointing == "full":
@@ -81,7 +64,7 @@ class FullyShardedBackend(Backend):
         kwargs = self.shard_kwargs()
         if self.param_dtype != torch.float32 or self.reduce_dtype != torch.float32:
             fp32 = {**kwargs, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}
-            for module in self.full_precision_modules:
+            for module in full_precision_modules:  # each its own fp32 unit (Task.full_precision_modules)
                 fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward, **fp32)
         for i, unit in enumerate(units):
             # The last unit's params are needed again at once by backward: resharding them would only re-gather.

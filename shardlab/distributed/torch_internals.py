@@ -1,11 +1,22 @@
-"""Every private torch API shardlab touches, in one place, each behind a version check with a public fallback.
+"""The private torch APIs that have a public fallback, each behind a version check.
 
 Private names change without notice between torch releases. Each one here is used only when the installed torch is
 in TESTED_TORCH (the minor versions tests/unit/test_torch_internals.py passed on) and the name still exists; else the
 caller takes the public path it would take without it. tests/unit/test_torch_internals.py checks each name's
-behaviour on the installed torch and fails loudly, naming what moved, when a torch upgrade changes one.
+behaviour on the installed torch and fails loudly, naming what moved, when a torch upgrade changes one. Nothing on
+the default path needs them: they back opt-in CPU (gloo) speed-ups only.
 
-Nothing on the default path needs them: they back opt-in CPU (gloo) speed-ups only.
+Other private names are used where they are, because there is no public path to fall back to and each is what torch's
+own public code calls (an upgrade that moved one fails at import or in that module's tests, not silently):
+- checkpoint/async_save.py: ``torch.distributed._state_dict_utils`` (the staging copy BlockingAsyncStager makes);
+- distributed/activation_checkpointing.py: ``checkpoint_wrapper`` from ``torch.distributed.algorithms._checkpoint``
+  (torchtitan's wrapper too; DCP's state-dict helpers strip its prefix);
+- distributed/sync_bn.py: ``torch.distributed._functional_collectives`` (the differentiable all-reduce) and
+  ``torch.nn.modules.batchnorm._BatchNorm`` (the base class every BatchNorm shares; the vision task uses it too);
+- distributed/grad_scaler.py: ``torch._amp_foreach_non_finite_check_and_unscale_`` (the kernel torch's GradScaler
+  runs);
+- optim/cpu_adam.py: ``torch._fused_adamw_`` and ``torch._foreach_add_`` (the kernels torch.optim.AdamW runs) and
+  ``DTensor._local_tensor`` (``to_local()`` without autograd's bookkeeping).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """RegNets (Radosavovic et al., 2020) from torchvision: its ImageNet flavors by name, and a small one for 32 px images.
 
 Both are torchvision.models.regnet.RegNet, so their parameter names are torchvision's; the initialisation that
-torchvision's constructor performs in place is re-expressed per tensor (``init_plan``) for shardlab.init, which
-fills each full tensor from a seeded generator after the model was built on meta and sharded.
+torchvision's constructor performs in place is re-expressed per tensor (``init_plan``) for
+shardlab.distributed.materialize, which fills each full tensor from a seeded generator after the model was built on
+meta and sharded.
 """
 
 from __future__ import annotations

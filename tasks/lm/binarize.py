@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardlab.checkpoint_layout import fsync_path
+from shardlab.checkpoint.layout import fsync_path
 from shardlab.errors import DataError
 from tasks.lm.corpus import Block, Source, jsonl_text, read_blocks
 from tasks.lm.tokenizer import Tokenizer, load_tokenizer, token_dtype

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from shardlab import weights
+from shardlab.checkpoint import weights
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
 from tests.distributed.harness import run_spawned

@@ -77,8 +77,8 @@ def test_two_torchrun_nodes_with_hybrid_sharding_match_one_process(tmp_path, cor
 
 
 def test_sigterm_to_a_local_two_rank_run_stops_both_ranks_at_a_saved_step(tmp_path, corpus_cache):
-    from shardlab import run_record
-    from shardlab.preemption import STOPPED_EXIT_CODE
+    from shardlab.jobs import run_record
+    from shardlab.jobs.preemption import STOPPED_EXIT_CODE
 
     cmd = [
         sys.executable, "-m", "shardlab.train", *TINY_LM, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={tmp_path}",

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from shardlab.weights import read_full
+from shardlab.checkpoint.weights import read_full
 from tests.distributed.harness import run_spawned
 from tools import export_hf, generate
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlab import run_record
+from shardlab.jobs import run_record
 from tests.conftest import TINY_LM
 from tests.distributed.harness import run_spawned
 from tests.events import logged_steps, scalars

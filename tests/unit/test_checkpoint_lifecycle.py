@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from shardlab import weights
+from shardlab.checkpoint import weights
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError
 from shardlab.runner import run_rank

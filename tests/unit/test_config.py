@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shardlab.cli import preflight
 from shardlab.errors import ConfigError
 from shardlab.registry import Registry
 from shardlab.runner import build_task
+from shardlab.train import preflight
 from tests.conftest import compose_config
 
 
@@ -111,12 +111,11 @@ def test_invalid_combinations_are_rejected_before_launch(overrides, world, expec
 
 
 def test_plan_per_rank_state_divides_by_the_shard_group_under_hybrid_sharding():
-    from shardlab import memory_budget
-    from shardlab.memory_plan import estimate, layout_of
+    from shardlab.memory.plan import estimate, layout_of, profile_config
 
     cfg = compose_config(["model=gpt_1_3b", "distributed=fully_sharded", "distributed.sharding_degree=2"])
     task = build_task(cfg, world_size=8)
-    profile, ctx = memory_budget.plan(cfg, task, world_size=8)
+    profile, ctx = profile_config(cfg, task, world_size=8)
     hybrid = estimate(profile, layout_of(cfg.distributed, 8), ctx)
     cfg.distributed.sharding_degree = -1
     full = estimate(profile, layout_of(cfg.distributed, 8), ctx)

@@ -12,8 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from shardlab.config import OptimizerConfig
-from shardlab.cpu_adam import CPUAdam
 from shardlab.errors import ConfigError
+from shardlab.optim.cpu_adam import CPUAdam
 from shardlab.registry import OPTIMIZERS
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
@@ -135,7 +135,7 @@ def test_cpu_adam_rejects_parameters_off_the_cpu():
 
 
 def test_cpu_adam_is_registered_with_adamw_groups():
-    import shardlab.cpu_adam  # noqa: F401  (registers cpu_adam, as shardlab.optim does)
+    import shardlab.optim.cpu_adam  # noqa: F401  (registers cpu_adam, as shardlab.optim does)
 
     model = small_model()
     opt = OPTIMIZERS.build("cpu_adam", model, OptimizerConfig(name="cpu_adam", lr=3e-3, weight_decay=0.1))

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlab.config import DistributedConfig, validate
 from shardlab.distributed import env as dist_env
-from shardlab.distributed.backend import Backend, process_group_backend
+from shardlab.distributed.base import Backend, process_group_backend
 from shardlab.runner import run_rank
 from tests.conftest import compose_config
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from shardlab.distributed import env as dist_env
+from shardlab.distributed.materialize import materialize
 from shardlab.errors import ConfigError, DataError
-from shardlab.init import materialize
 from shardlab.runner import build_task, run_rank
 from tests.conftest import compose_config
 

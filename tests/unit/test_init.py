@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardlab.init import materialize
+from shardlab.distributed.materialize import materialize
 from shardlab.runner import build_task
 from tests.conftest import compose_config
 

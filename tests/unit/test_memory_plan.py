@@ -10,11 +10,10 @@ import re
 import pytest
 import torch
 
-from shardlab import memory_budget
 from shardlab.errors import ConfigError
-from shardlab.logging import memory_gib
-from shardlab.memory_meter import PeakMeter, process_peak
-from shardlab.memory_plan import GiB, Layout, estimate, layout_of
+from shardlab.memory import budget as memory_budget
+from shardlab.memory.meter import PeakMeter, memory_gib, process_peak
+from shardlab.memory.plan import GiB, Layout, describe, estimate, layout_of, profile_config
 from shardlab.runner import build_task
 from tests.conftest import compose_config
 
@@ -23,7 +22,7 @@ GPT_125M = ["model=gpt_125m", "data.seq_len=512", "optimization.batch_size=32"]
 
 def planned(overrides: list[str], world: int):
     cfg = compose_config(overrides)
-    return cfg, memory_budget.plan(cfg, build_task(cfg, world_size=world), world)
+    return cfg, profile_config(cfg, build_task(cfg, world_size=world), world)
 
 
 def test_state_is_sixteen_bytes_per_parameter_divided_by_the_shard_group_and_ddp_adds_its_buckets():
@@ -46,7 +45,7 @@ def test_gathered_units_follow_reshard_and_prefetch():
     assert reshard.gathered == 4 * (profile.root_params + 4 * unit)
     assert keep.gathered == 4 * (profile.root_params + sum(profile.unit_params) + 3 * unit)
     cfg = compose_config([*GPT_125M, "distributed=fully_sharded", "distributed.prefetch_units=3"])
-    _, deeper = memory_budget.plan(cfg, build_task(cfg, world_size=4), 4)
+    _, deeper = profile_config(cfg, build_task(cfg, world_size=4), 4)
     assert estimate(profile, Layout("fully_sharded", 4), deeper).gathered == reshard.gathered + 2 * 4 * unit
 
 
@@ -88,7 +87,7 @@ def test_cpu_offload_moves_state_to_the_host_on_cuda_only():
 def test_plan_warns_of_accumulation_without_sync_and_of_an_unsplit_model():
     overrides = [*GPT_125M, "distributed=fully_sharded", "optimization.update_freq=4"]
     _, (profile, ctx) = planned([*overrides, "distributed.reduce_every_microbatch=false"], 4)
-    lines = memory_budget.describe(profile, Layout("fully_sharded", 4), ctx, compare=False)
+    lines = describe(profile, Layout("fully_sharded", 4), ctx, compare=False)
     assert any("reduce_every_microbatch=false keeps unsharded gradients" in line for line in lines)
     synced = estimate(profile, Layout("fully_sharded", 4), ctx)
     _, (_, ctx_sync) = planned(overrides, 4)
@@ -97,7 +96,7 @@ def test_plan_warns_of_accumulation_without_sync_and_of_an_unsplit_model():
     )
     _, (vision, vctx) = planned(["task=image_classification", "distributed=fully_sharded"], 2)
     whole = type(vision)(**{**vision.__dict__, "unit_params": [vision.params - 10]})
-    lines = memory_budget.describe(whole, Layout("fully_sharded", 2), vctx, compare=False)
+    lines = describe(whole, Layout("fully_sharded", 2), vctx, compare=False)
     assert any("one FSDP unit holds 100% of the parameters" in line for line in lines)
 
 
@@ -183,7 +182,7 @@ def test_peak_meter_sees_a_step_allocation_and_forgets_it_after_reset():
 def test_a_model_that_cannot_run_on_meta_is_planned_without_activations_and_keeps_its_dtypes():
     from torch import nn
 
-    from shardlab.memory_plan import describe, profile_model
+    from shardlab.memory.plan import describe, profile_model
 
     class NoMetaTask:
         def example_batch(self, batch_size):

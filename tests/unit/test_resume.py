@@ -85,7 +85,7 @@ def test_checkpoint_of_another_model_is_refused_naming_the_key(tiny_lm, tmp_path
 
 
 def test_skipped_step_count_survives_resume(tiny_lm, tmp_path, monkeypatch):
-    from shardlab.distributed.backend import Backend
+    from shardlab.distributed.base import Backend
 
     clip, calls = Backend.clip_grad_norm, {"n": 0}
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardlab import run_record, sweep
-from shardlab.preemption import StopSignals
+from shardlab.jobs import run_record, sweep
+from shardlab.jobs.preemption import StopSignals
 
 
 def make_point(sweep_dir: Path, num: int, overrides: list[str], **status) -> Path:

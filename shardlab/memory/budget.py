@@ -1,5 +1,5 @@
 """Memory as a config key: distributed.memory_budget_gb checked before launch, and distributed.backend=auto
-resolved to the fastest layout the memory plan (shardlab.memory_plan) predicts to fit it.
+resolved to the fastest layout the memory plan (shardlab.memory.plan) predicts to fit it.
 
 Every rank of a job resolves the same config with the same inputs (world size, ranks per machine, device type) and a
 fixed runtime allowance, so all of them make the same choice without a collective; a local launch resolves it once,
@@ -11,20 +11,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from shardlab.errors import ConfigError
-from shardlab.memory_plan import (
+from shardlab.memory.plan import (
     GiB,
     Layout,
     MemoryEstimate,
     ModelProfile,
     PlanContext,
     alternatives,
-    describe,
     estimate,
     layout_of,
-    profile_model,
+    profile_config,
 )
 
 RUNTIME_ALLOWANCE = int(0.5 * GiB)
@@ -99,36 +96,13 @@ def apply_choice(cfg, choice: Choice, world_size: int) -> None:
         cfg.optimizer.name = "cpu_adam"  # the same update, fused over the offloaded shards on the CPU
 
 
-def plan(cfg, task, world_size: int, model=None, units=None) -> tuple[ModelProfile, PlanContext]:
-    """Profile the task's model (built on meta here unless given) for ``cfg`` at ``world_size`` ranks."""
-    from shardlab.distributed import env as dist_env
-    from shardlab.distributed.backend import resolve_dtypes
-    from shardlab.plan import wrapped_units
-
-    if model is None:
-        with torch.device("meta"):
-            model = task.build_model()
-        units = task.fsdp_units(model)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    ctx = PlanContext.from_config(cfg, world_size, dist_env.ranks_per_node(world_size), device)
-    local_batch = cfg.optimization.batch_size // world_size
-    units = wrapped_units(model, units, cfg.distributed)
-    return profile_model(model, units, task, local_batch, resolve_dtypes(cfg.distributed)[0]), ctx
-
-
-def plan_lines(cfg, task, world_size: int, compare: bool, model=None, units=None) -> list[str]:
-    """The memory plan of ``cfg`` as console lines (``compare``: with the alternatives' table)."""
-    profile, ctx = plan(cfg, task, world_size, model, units)
-    return describe(profile, layout_of(cfg.distributed, world_size), ctx, compare)
-
-
 def resolve(cfg, task, world_size: int) -> str | None:
     """Apply distributed.memory_budget_gb to ``cfg``: backend=auto becomes the chosen layout (written into cfg), an
     explicit backend predicted over the budget is refused (ConfigError). Returns a line saying what was chosen."""
     d = cfg.distributed
     if d.memory_budget_gb <= 0:
         return None
-    profile, ctx = plan(cfg, task, world_size)
+    profile, ctx = profile_config(cfg, task, world_size)
     if d.backend == "auto":
         from shardlab.config import DistributedConfig
 

@@ -1,6 +1,6 @@
 """The summary of a sweep: one row per point (overrides, status, steps, final metrics, wall time, error).
 
-Rows come from each point's ``status.json`` (shardlab.run_record) and, for sweeps submitted through shardlab's
+Rows come from each point's ``status.json`` (shardlab.jobs.run_record) and, for sweeps submitted through shardlab's
 submitit launchers, from the ``sweep.json`` manifest they write at submission (so points that have not started yet,
 or died without a word, are listed too). Printed and written as ``summary.json`` and ``summary.csv`` at the end of a
 multirun, and rebuilt at any time by ``tools/sweep_summary.py <sweep dir>``.
@@ -20,7 +20,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from shardlab import run_record
+from shardlab.jobs import run_record
 
 MANIFEST = "sweep.json"
 COLUMNS = ("job", "overrides", "status", "step", "wall_s")

@@ -1,7 +1,7 @@
 """Where checkpoints live on disk and how they change there: names, listing, durable writes and renames, pruning.
 
-Rank 0 alone calls what changes the folder (shardlab.checkpoint decides when); every change is a rename or a write that
-is fsynced with its folder, so a kill at any instant leaves each step_N either complete or absent.
+Rank 0 alone calls what changes the folder (the manager decides when); every change is a rename or a write that is
+fsynced with its folder, so a kill at any instant leaves each step_N either complete or absent.
 """
 
 from __future__ import annotations
@@ -47,16 +47,6 @@ def read_meta(path: Path) -> dict[str, Any]:
         return json.loads(meta_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_file} is unreadable ({e}); delete that checkpoint or resume from another") from e
-
-
-def first_cause(error: BaseException) -> str:
-    """A one-line reason; DCP wraps each rank's exception (a BaseException subclass) in CheckpointException."""
-    failures = getattr(error, "failures", None)
-    if failures:
-        inner = next(iter(failures.values()))
-        error = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback) per rank
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
 
 
 # ---- durable file operations (rank 0) --------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from shardlab.checkpoint_layout import first_cause, read_meta
-from shardlab.errors import CheckpointError, IncompatibleCheckpointError
+from shardlab.checkpoint.layout import read_meta
+from shardlab.errors import CheckpointError, IncompatibleCheckpointError, first_cause
 
 MODEL_PREFIX = "model."
 """DCP flattens the saved {"model": ..., "optim": ...} into keys "model.<name>" and "optim.<...>"."""

@@ -1,15 +1,15 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP): never lost, resumable on another world size.
 
 Layout: <run dir>/<checkpoint.dir>/step_00000200/ holds DCP's shard files and .metadata (model + optimizer, by fully
-qualified name, so any backend and world size can load them) and shardlab.json (step, save counter, global data
-offset, scheduler and grad-scaler state, task and model config). A checkpoint is written to step_N.tmp, its files and
+qualified name, so any backend and world size can load them) and shardlab.json (the training state of
+shardlab.train_state, the save counter, task and model config). A checkpoint is written to step_N.tmp, its files and
 folder are fsynced, and only then renamed; shardlab.json is written last, so a folder named step_N that holds it is
 complete. Every rename that changes which checkpoints exist is atomic, and everything set aside keeps a name that says
 why (step_N.superseded-1, step_N.unreadable-1): nothing but pruned and stale temporary folders is ever deleted.
 
 Rank 0 alone looks at the folder and decides (which checkpoint to resume, what to prune); the others receive its choice,
 since on a network file system ranks can list different contents. The folder's names and durable renames live in
-shardlab.checkpoint_layout, the background write in shardlab.async_save, weights outside training in shardlab.weights.
+layout.py, the background write in async_save.py, weights outside training in weights.py (all in this package).
 """
 
 from __future__ import annotations
@@ -35,12 +35,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from shardlab.checkpoint_layout import (
+from shardlab.checkpoint.layout import (
     STEP_DIR,
     TMP,
     clean_stale,
     complete_checkpoints,
-    first_cause,
     fsync_path,
     publish,
     remove,
@@ -49,7 +48,8 @@ from shardlab.checkpoint_layout import (
     step_name,
     to_prune,
 )
-from shardlab.errors import CheckpointError, ConfigError, IncompatibleCheckpointError, ShardlabError
+from shardlab.errors import CheckpointError, ConfigError, IncompatibleCheckpointError, ShardlabError, first_cause
+from shardlab.train_state import TrainState
 
 # DCP warns that it assumes a single process when no process group exists: that is exactly the single backend's case.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -93,18 +93,26 @@ class Checkpointer:
         self._next_index = 1
         self._async = None
         if cfg.async_save:
-            from shardlab.async_save import AsyncSaver
+            from shardlab.checkpoint.async_save import AsyncSaver
 
             self._async = AsyncSaver()
 
     # ---- start -----------------------------------------------------------------------------------------------------
-    def restore(self, resume: str, check: Callable[[Path], dict], load: Callable[[Path], None]) -> dict | None:
-        """Resume per checkpoint.resume (auto, none, or a path): the meta of the loaded checkpoint, or None.
+    def restore(
+        self,
+        resume: str,
+        check: Callable[[Path], dict],
+        model: nn.Module,
+        optimizer: Optimizer,
+        train_state: TrainState,
+    ) -> Path | None:
+        """Resume per checkpoint.resume (auto, none, or a path) into ``model``, ``optimizer`` and ``train_state``;
+        returns the checkpoint it resumed, or None.
 
-        ``check(path) -> meta`` reads and validates shardlab.json (local); ``load(path)`` reads the shards (a
-        collective). Each phase is agreed over ranks, so a failure on any rank is everyone's failure. With auto, a
-        checkpoint that fails is skipped for the previous one and set aside once that one loaded; if none loads,
-        nothing is renamed and the run stops. An explicit path that fails stops the run; so does another task's or
+        ``check(path) -> meta`` reads and validates shardlab.json (local); the shards are then read into the model
+        and optimizer (a collective). Each phase is agreed over ranks, so a failure on any rank is everyone's failure.
+        With auto, a checkpoint that fails is skipped for the previous one and set aside once that one loaded; if none
+        loads, nothing is renamed and the run stops. An explicit path that fails stops the run; so does another task's or
         model shape's checkpoint.
         """
         if self.rank == 0:
@@ -136,14 +144,15 @@ class Checkpointer:
                 raise error if incompatible else CheckpointError(f"checkpoint {path} was refused on another rank")
             if not unreadable:  # the load is a collective: all ranks enter it, or none
                 try:
-                    load(path)
+                    self._load_shards(path, model, optimizer)
                 except (Exception, CheckpointException) as e:  # torn or foreign files: all mean the same to the user
                     error = e
             (failed,) = self.comm.any_rank(error is not None)
             if not failed:
                 self._set_aside_unreadable(failures)
                 self._start_line(path, meta)
-                return meta
+                train_state.load_state_dict(meta)
+                return path
             failures.append((path, first_cause(error) if error is not None else "failed on another rank"))
         if failures:  # nothing renamed: a transient read error must not cost the run its checkpoints
             path, reason = failures[0]
@@ -214,10 +223,12 @@ class Checkpointer:
         return self.comm.device
 
     # ---- save ------------------------------------------------------------------------------------------------------
-    def save(self, step: int, model: nn.Module, optimizer: Optimizer, meta: dict[str, Any]) -> Path:
-        """Write a checkpoint of this step (all ranks). Async: returns once the state is staged in CPU memory; the
-        checkpoint gets its final name when the write completes (checked at the next save and at ``finish``)."""
-        start = time.perf_counter()
+    def save(self, model: nn.Module, optimizer: Optimizer, train_state: TrainState, described: dict[str, Any]) -> Path:
+        """Write a checkpoint of ``train_state.step`` (all ranks): the model and optimizer shards through DCP, the
+        training state and ``described`` (what the checkpoint is of: task, model config, ...) into shardlab.json.
+        Async: returns once the state is staged in CPU memory; the checkpoint gets its final name when the write
+        completes (checked at the next save and at ``finish``)."""
+        start, step = time.perf_counter(), train_state.step
         self.finish()  # at most one save in flight
         final, tmp = self.root / step_name(step), self.root / (step_name(step) + TMP)
         if self.rank == 0:
@@ -225,7 +236,12 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         self.comm.barrier()
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-        meta = {"step": step, "save_index": self._next_index, "resumed_from": str(self.resumed_from or ""), **meta}
+        meta = {
+            **train_state.state_dict(),
+            "save_index": self._next_index,
+            "resumed_from": str(self.resumed_from or ""),
+            **described,
+        }
         self._next_index += 1
         if self._async is not None:
             self._async.start(state, tmp, final, meta, start)
@@ -281,7 +297,7 @@ class Checkpointer:
 
     # ---- load ------------------------------------------------------------------------------------------------------
     @staticmethod
-    def load_train_state(path: Path, model: nn.Module, optimizer: Optimizer | None) -> None:
+    def _load_shards(path: Path, model: nn.Module, optimizer: Optimizer | None) -> None:
         """Model (and optimizer) state from ``path``'s shards into the (sharded) model, on any world size."""
         state = {"model": get_model_state_dict(model)}
         if optimizer is not None:

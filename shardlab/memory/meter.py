@@ -117,3 +117,9 @@ class PeakMeter:
     @property
     def peak_above_baseline(self) -> int:
         return max(self.peak - self.baseline, 0)
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory of this rank since it started: the CUDA allocator's peak on GPU; on CPU the process's peak resident
+    set size."""
+    return process_peak(device) / 2**30

@@ -1,14 +1,12 @@
-"""Optimizers and learning-rate schedules, registered by name (optimizer.name, lr_scheduler.name)."""
+"""Optimizers from torch, registered by name (optimizer.name), and the parameter groups every optimizer shares."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
-from shardlab.config import LRSchedulerConfig, OptimizerConfig
-from shardlab.registry import LR_SCHEDULERS, OPTIMIZERS
+from shardlab.config import OptimizerConfig
+from shardlab.registry import OPTIMIZERS
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
@@ -40,36 +38,3 @@ def build_sgd(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(
         param_groups(model, cfg), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
     )
-
-
-def lr_lambda(cfg: LRSchedulerConfig, max_steps: int):
-    """Multiplier of the peak lr at a step: linear warmup, then the named decay."""
-    warmup = cfg.warmup_steps
-
-    def warm(step: int) -> float | None:
-        return (step + 1) / (warmup + 1) if step < warmup else None
-
-    if cfg.name == "constant":
-        return lambda step: warm(step) or 1.0
-    if cfg.name == "inverse_sqrt":
-        return lambda step: warm(step) or math.sqrt(max(warmup, 1) / max(step, 1))
-
-    def cosine(step: int) -> float:
-        w = warm(step)
-        if w is not None:
-            return w
-        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return cosine
-
-
-def build_schedule(optimizer, cfg: LRSchedulerConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, max_steps))
-
-
-for _name in ("cosine", "inverse_sqrt", "constant"):
-    LR_SCHEDULERS.register(_name)(build_schedule)
-
-
-import shardlab.cpu_adam  # noqa: E402,F401  (registers cpu_adam, the Adam for CPU-offloaded shards)

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlab.config import OptimizerConfig
 from shardlab.errors import ConfigError
+from shardlab.optim.optimizers import param_groups
 from shardlab.registry import OPTIMIZERS
 
 
@@ -122,8 +123,6 @@ class CPUAdam(torch.optim.Optimizer):
 @OPTIMIZERS.register("cpu_adam")
 def build_cpu_adam(model: nn.Module, cfg: OptimizerConfig) -> CPUAdam:
     """optimizer=cpu_adam: the groups and hyper-parameters of optimizer=adamw; ``implementation`` does not apply."""
-    from shardlab.optim import param_groups  # here, not at the top: shardlab.optim imports this module
-
     names = {p: n for n, p in model.named_parameters()}
     return CPUAdam(
         param_groups(model, cfg),

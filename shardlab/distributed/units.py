@@ -1,5 +1,5 @@
 """The model's shape before anything is allocated: its size and its FSDP units (the bytes per rank are
-shardlab.memory_plan's)."""
+shardlab.memory.plan's)."""
 
 from __future__ import annotations
 
@@ -13,22 +13,42 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def describe_plan(model: nn.Module, units: list[nn.Module], cfg) -> list[str]:
+def describe_units(model: nn.Module, units: list[nn.Module], cfg) -> list[str]:
     """Lines for the console: the model's size and its FSDP units (the task's, else the generic size policy's) with
     their parameters. ``cfg`` is the distributed section."""
-    return list(_plan_lines(model, units, cfg))
+    return list(_unit_lines(model, units, cfg))
 
 
 def wrapped_units(model: nn.Module, units: list[nn.Module], cfg) -> list[nn.Module]:
     """The units a sharded run wraps: the task's, else (fully_sharded or auto) the generic size policy's."""
     if units or cfg.backend not in ("fully_sharded", "auto"):
         return list(units)
-    from shardlab.distributed.fully_sharded import generic_units
-
     return generic_units(model, cfg.wrap_min_num_params)
 
 
-def _plan_lines(model: nn.Module, units: list[nn.Module], cfg) -> Iterator[str]:
+def generic_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
+    """For models without a unit plan: the largest submodules holding >= min_num_params params that do not contain
+    another such submodule (a size-based auto-wrap policy, as FSDP1's size_based_auto_wrap_policy)."""
+    if min_num_params <= 0:
+        return []
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> int:
+        own = sum(p.numel() for p in module.parameters(recurse=False))
+        rest = 0
+        for child in module.children():
+            rest += visit(child)
+        remaining = own + rest
+        if module is not model and remaining >= min_num_params:
+            units.append(module)
+            return 0  # its params now live in its own unit
+        return remaining
+
+    visit(model)
+    return units
+
+
+def _unit_lines(model: nn.Module, units: list[nn.Module], cfg) -> Iterator[str]:
     units = wrapped_units(model, units, cfg) if cfg.backend == "fully_sharded" else []
     total = count_params(model)
     names = {id(m): n for n, m in model.named_modules()}

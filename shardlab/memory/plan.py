@@ -1,6 +1,7 @@
 """The memory plan: what one rank will hold at its peak, predicted before anything is allocated, for the configured
 layout and for the alternatives (ddp, fully_sharded with or without resharding, hybrid degrees, activation
-checkpointing, CPU offload); and the choice distributed.backend=auto makes from it.
+checkpointing, CPU offload). ``plan_run`` is a run's planning step (model on meta, units, bytes per rank, the lines
+printed before it allocates); what distributed.backend=auto chooses from the plan is shardlab.memory.budget's.
 
 Parameters, gradients and optimizer state follow from parameter counts. Gathered units follow from the FSDP unit
 sizes and the reshard/prefetch settings. Activations come from one forward of the model on the meta device under a
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from shardlab.plan import count_params
+from shardlab.distributed.units import count_params, describe_units, meta_model, wrapped_units
 
 GiB = 2**30
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "cpu_adam": 8}
@@ -228,7 +229,7 @@ class PlanContext:
 
     @classmethod
     def from_config(cls, cfg, world_size: int, ranks_per_node: int, device: str) -> PlanContext:
-        from shardlab.distributed.backend import resolve_dtypes
+        from shardlab.distributed.base import resolve_dtypes
 
         d, opt = cfg.distributed, cfg.optimizer
         param, reduce = resolve_dtypes(d)
@@ -453,3 +454,43 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
             f"{_gib(e.activations):>7} {_gib(e.host):>6} {e.comm_bytes / GiB:>9.2f}G"
         )
     return lines
+
+
+# ---- the plan of one run ---------------------------------------------------------------------------------------------
+def profile_config(cfg, task, world_size: int, model=None, units=None) -> tuple[ModelProfile, PlanContext]:
+    """Profile the task's model (built on meta here unless given) for ``cfg`` at ``world_size`` ranks."""
+    from shardlab.distributed import env as dist_env
+    from shardlab.distributed.base import resolve_dtypes
+
+    if model is None:
+        model = meta_model(task.build_model)
+        units = task.fsdp_units(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ctx = PlanContext.from_config(cfg, world_size, dist_env.ranks_per_node(world_size), device)
+    local_batch = cfg.optimization.batch_size // world_size
+    units = wrapped_units(model, units, cfg.distributed)
+    return profile_model(model, units, task, local_batch, resolve_dtypes(cfg.distributed)[0]), ctx
+
+
+@dataclass
+class RunPlan:
+    """What a rank knows before it allocates: the model on meta, its FSDP units, and what the rank will hold."""
+
+    model: nn.Module
+    """The task's model, built on the meta device (parallelized and materialized by the trainer)."""
+    units: list[nn.Module]
+    """The task's FSDP units, in forward order (empty: the backend's generic policy decides)."""
+    estimate: MemoryEstimate
+    """The configured layout's predicted bytes per rank."""
+    lines: list[str]
+    """The unit plan and the memory plan, for the console (``compare``: with the alternatives' table)."""
+
+
+def plan_run(cfg, task, world_size: int, compare: bool = False) -> RunPlan:
+    """Build the task's model on meta, list its units and predict what each of ``world_size`` ranks will hold."""
+    model = meta_model(task.build_model)
+    units = task.fsdp_units(model)
+    profile, ctx = profile_config(cfg, task, world_size, model, units)
+    layout = layout_of(cfg.distributed, world_size)
+    lines = describe_units(model, units, cfg.distributed) + describe(profile, layout, ctx, compare)
+    return RunPlan(model, units, estimate(profile, layout, ctx), lines)

@@ -6,7 +6,7 @@ The trainer talks only to this interface, so a new backend is a new registered c
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from shardlab.config import DistributedConfig
 from shardlab.distributed.env import DistEnv, free_port
+from shardlab.errors import ConfigError
+from shardlab.registry import BACKENDS
 
 DTYPE_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -66,7 +68,7 @@ class Backend:
         """Join the process group: every backend does when world_size > 1 (metrics and checkpoints sync through
         it), and ddp / fully_sharded do at world size 1 too, since DDP and FSDP2 need one."""
         if self.device.type == "cpu":
-            from shardlab.memory_meter import return_freed_buffers_to_os
+            from shardlab.memory.meter import return_freed_buffers_to_os
 
             return_freed_buffers_to_os()
         if (self.env.world_size > 1 or self.name != "single") and not dist.is_initialized():
@@ -97,9 +99,15 @@ class Backend:
 
     # ---- model ---------------------------------------------------------------------------------------------------
     def parallelize(
-        self, model: nn.Module, units: list[nn.Module], materialize: Callable[[nn.Module], None]
+        self,
+        model: nn.Module,
+        units: list[nn.Module],
+        materialize: Callable[[nn.Module], None],
+        full_precision_modules: Sequence[nn.Module] = (),
     ) -> nn.Module:
-        """Wrap ``model`` (built on meta) for this backend and materialize its weights with ``materialize``."""
+        """Wrap ``model`` (built on meta) for this backend and materialize its weights with ``materialize``.
+        ``full_precision_modules`` (Task.full_precision_modules) compute in fp32 whatever the param dtype: their own
+        fp32 units under fully_sharded; autocast leaves them alone elsewhere."""
         materialize(model)
         if self.cfg.activation_checkpointing == "full":
             from shardlab.distributed.activation_checkpointing import wrap_units
@@ -179,3 +187,13 @@ class Backend:
 
     def describe(self) -> Iterator[str]:
         yield f"backend {self.name}: world size {self.env.world_size} ({self.env.launcher}), device {self.device}"
+
+
+@BACKENDS.register("single")
+def build_single(cfg: DistributedConfig, env: DistEnv) -> Backend:
+    if env.world_size > 1:
+        raise ConfigError(
+            f"distributed.backend=single runs one process but this job has {env.world_size} ranks; "
+            "use distributed.backend=ddp or fully_sharded"
+        )
+    return Backend(cfg, env)

@@ -25,9 +25,9 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from omegaconf import OmegaConf, open_dict
 
-from shardlab import run_record, sweep
+from shardlab.jobs import run_record, sweep
 
-log = logging.getLogger("shardlab.launch")
+log = logging.getLogger("shardlab.jobs.submitit_launcher")
 
 SHARDLAB_KEYS = ("wait", "poll_s")
 """Launcher keys that shardlab consumes itself; every other key goes to submitit as hydra-submitit-launcher's do."""

@@ -1,3 +1,0 @@
-from shardlab.train import cli
-
-cli()

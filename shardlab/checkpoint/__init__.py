@@ -1,0 +1,18 @@
+"""Checkpoints that are never lost and resume on any world size.
+
+- ``manager``: ``Checkpointer``, the one object the trainer talks to: save (sync or async), prune, and restore
+  (rank 0 decides which step; every rank agrees).
+- ``layout``: the folder on disk (``step_N/``, ``shardlab.json``), durable writes and renames, pruning rules.
+- ``async_save``: ``checkpoint.async_save``: staging buffers and the background write.
+- ``weights``: a model's weights outside training: read a step folder whole, write and read one safetensors file,
+  ``checkpoint.init_from``; used by tools/consolidate.py, generate.py and export_hf.py.
+
+What a checkpoint restores besides the weights and optimizer state is the training state, shardlab.train_state.
+"""
+
+from __future__ import annotations
+
+from shardlab.checkpoint import layout, weights
+from shardlab.checkpoint.manager import Checkpointer
+
+__all__ = ["Checkpointer", "layout", "weights"]

@@ -1,0 +1,16 @@
+"""A run as a job: where it runs, what it reports, how it is launched, stopped and requeued.
+
+- ``run_dir``: which overrides name a run directory (``runs/<task>/<name>``).
+- ``run_record``: ``status.json`` in a run directory: running, completed, stopped or failed, and the final metrics.
+- ``preemption``: stop signals (Slurm's time limit, preemption, ``scancel``), agreed across ranks, then handed to
+  submitit's requeue.
+- ``submitit_launcher``: Hydra multirun through submitit (``hydra/launcher=slurm`` or ``local``); its Hydra plugin
+  classes are declared in hydra_plugins/shardlab_launcher.
+- ``sweep``: the summary table of a sweep (``summary.json``, ``summary.csv``, tools/sweep_summary.py).
+
+Light on purpose (no torch): Hydra's launcher plugin and the sweep callback import these before any training.
+"""
+
+from __future__ import annotations
+
+__all__ = ["preemption", "run_dir", "run_record", "submitit_launcher", "sweep"]

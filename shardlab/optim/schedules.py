@@ -1,0 +1,41 @@
+"""Learning-rate schedules, registered by name (lr_scheduler.name): linear warmup, then a cosine, inverse-sqrt or
+constant decay. The scheduler's state is saved with the training state (shardlab.train_state)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardlab.config import LRSchedulerConfig
+from shardlab.registry import LR_SCHEDULERS
+
+
+def lr_lambda(cfg: LRSchedulerConfig, max_steps: int):
+    """Multiplier of the peak lr at a step: linear warmup, then the named decay."""
+    warmup = cfg.warmup_steps
+
+    def warm(step: int) -> float | None:
+        return (step + 1) / (warmup + 1) if step < warmup else None
+
+    if cfg.name == "constant":
+        return lambda step: warm(step) or 1.0
+    if cfg.name == "inverse_sqrt":
+        return lambda step: warm(step) or math.sqrt(max(warmup, 1) / max(step, 1))
+
+    def cosine(step: int) -> float:
+        w = warm(step)
+        if w is not None:
+            return w
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return cosine
+
+
+def build_schedule(optimizer, cfg: LRSchedulerConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, max_steps))
+
+
+for _name in ("cosine", "inverse_sqrt", "constant"):
+    LR_SCHEDULERS.register(_name)(build_schedule)

@@ -1,0 +1,56 @@
+"""Everything a resume restores besides the weights and the optimizer state, in one object.
+
+Like torchtitan's Stateful trainer: ``state_dict()`` returns the counters and the state of the objects attached in
+``components`` (the LR schedule, the loss scaler); ``load_state_dict()`` reads the same keys back. The checkpoint
+manager writes that dict into ``shardlab.json`` (JSON, never a pickle) and hands it back on resume without knowing its
+fields. A counter missing from an older checkpoint gets its default, so adding one never breaks a resume.
+
+Randomness needs no state here: dropout and augmentation are seeded from (seed, global sample offset), so
+``samples_seen`` is all a resumed run needs to draw the same numbers (shardlab.data).
+
+A new resumable counter is one field below and, if it advances per step, one line in ``end_step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    """Optimizer steps taken."""
+    samples_seen: int = 0
+    """Global training samples consumed: the data position, independent of the world size."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped for non-finite gradients (fp16 overflow, or a diverged run)."""
+    components: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """Objects with state_dict()/load_state_dict() saved beside the counters, by key: ``scheduler`` (the LR
+    schedule) and ``grad_scaler`` (fp16's loss scaler, None without one)."""
+
+    def end_step(self, samples: int, skipped: bool) -> None:
+        """One optimizer step is done: ``samples`` global samples were consumed, ``skipped`` if its update was not
+        applied (non-finite gradients)."""
+        self.step += 1
+        self.samples_seen += samples
+        self.skipped_steps += int(skipped)
+
+    def counters(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "components"}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters and every component's state, JSON-serializable (None for an absent component)."""
+        return {
+            **self.counters(),
+            **{key: obj.state_dict() if obj is not None else None for key, obj in self.components.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from ``state_dict()``'s keys; a counter an older checkpoint lacks takes its default."""
+        for f in fields(self):
+            if f.name != "components":
+                setattr(self, f.name, int(state.get(f.name, f.default)))
+        for key, obj in self.components.items():
+            if obj is not None and state.get(key) is not None:
+                obj.load_state_dict(state[key])
