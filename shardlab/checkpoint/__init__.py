@@ -8,11 +8,23 @@
   ``checkpoint.init_from``; used by tools/consolidate.py, generate.py and export_hf.py.
 
 What a checkpoint restores besides the weights and optimizer state is the training state, shardlab.train_state.
+Importing the package is light (no torch): ``layout`` serves torch-free code such as the LM's preprocessing workers,
+and the rest loads on first use.
 """
 
 from __future__ import annotations
 
-from shardlab.checkpoint import layout, weights
-from shardlab.checkpoint.manager import Checkpointer
+import importlib
+from typing import Any
 
 __all__ = ["Checkpointer", "layout", "weights"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Checkpointer":
+        from shardlab.checkpoint.manager import Checkpointer
+
+        return Checkpointer
+    if name in ("layout", "weights", "manager", "async_save"):
+        return importlib.import_module(f"shardlab.checkpoint.{name}")
+    raise AttributeError(f"module 'shardlab.checkpoint' has no attribute {name!r}")

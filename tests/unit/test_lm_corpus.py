@@ -156,6 +156,18 @@ def test_byte_level_training_imports_neither_tokenizers_nor_transformers(tiny_lm
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_preprocessing_modules_do_not_import_torch():
+    """tools/preprocess_lm.py and its worker processes read and tokenize text only: torch would cost each worker
+    ~1 GiB of resident memory and seconds of start-up for nothing."""
+    script = (
+        "import sys; import tasks.lm.cache, tasks.lm.binarize, tasks.lm.corpus, tasks.lm.tokenizer; "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
 def test_byte_tokenizer_array_encoding_matches_its_list_encoding():
     tok = ByteTokenizer()
     text = "déjà vu — 漢字 ✓"
