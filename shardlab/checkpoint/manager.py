@@ -112,8 +112,8 @@ class Checkpointer:
         ``check(path) -> meta`` reads and validates shardlab.json (local); the shards are then read into the model
         and optimizer (a collective). Each phase is agreed over ranks, so a failure on any rank is everyone's failure.
         With auto, a checkpoint that fails is skipped for the previous one and set aside once that one loaded; if none
-        loads, nothing is renamed and the run stops. An explicit path that fails stops the run; so does another task's or
-        model shape's checkpoint.
+        loads, nothing is renamed and the run stops. An explicit path that fails stops the run; so does another task's
+        or model shape's checkpoint.
         """
         if self.rank == 0:
             for line in clean_stale(self.root):
