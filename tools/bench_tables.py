@@ -163,7 +163,8 @@ def throughput(sources: list[Source]) -> list[str]:
             state = max(r.get("state_bytes", 0) for r in d["per_rank"])
             mfu = f"{100 * d['mfu']:.1f}%" if d.get("mfu") is not None else "-"
         else:  # bench_reference
-            label = f"bare {d['parallel'].upper()} loop (`bench_reference.py {' '.join(tool_args(d['meta']))}`)"
+            kind = {"fsdp": "FSDP2", "ddp": "DDP"}.get(d["parallel"], d["parallel"])
+            label = f"bare {kind} loop (`bench_reference.py {' '.join(tool_args(d['meta']))}`)"
             peak = state = None
             mfu = "-"
         lines.append(
