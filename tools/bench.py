@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
 from flops import FlopCounterMode, flop_counter, peak_flops_per_s  # noqa: E402  (tools/flops.py)
 from omegaconf import OmegaConf  # noqa: E402
 
@@ -383,6 +384,7 @@ def assemble(cfg, opts: dict, probe: StepProbe, result: dict) -> dict:
             "loadavg_1min_at_end": os.getloadavg()[0],
         },
         "profiled": bool(opts.get("profile")),
+        "meta": finish(opts["meta"]),
     }
     return out
 
@@ -452,10 +454,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1 (the first step has no start time)")
+    meta = collect(__file__, argv, settings={"overrides": overrides, "steps": args.steps, "warmup": args.warmup})
     cfg = compose(overrides, args.warmup + args.steps + 1)
     task = runner.build_task(cfg)  # every config error before anything starts, as one ConfigError
     opts = {"warmup": args.warmup, "steps": args.steps, "out": args.out, "profile": args.profile}
     opts["overrides"] = overrides
+    opts["meta"] = meta
     run_dir = tempfile.mkdtemp(prefix="shardlab-bench-")
     try:
         env = dist_env.detect()

@@ -21,6 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
+
 
 def peak_rss_gib() -> float:
     """The process's peak resident set size (VmHWM), as if the trainer's meter had not reset it every step."""
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         r = one(*args.one, args.saves, args.interval, args.batch_size, args.seq_len, args.run_dir)
         print(json.dumps(r))
         return r
+    meta = collect(__file__, argv, settings=vars(args) | {"out": str(args.out)})
     runs = []
     for model in args.models.split(","):
         for mode in args.modes.split(","):
@@ -102,11 +105,12 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{model} {mode}: blocked {r['blocked_s_median']:.3f} s, peak RSS {r['peak_rss_gib']} GiB",
                     flush=True,
                 )
-    result = {"settings": vars(args) | {"out": str(args.out)}, "runs": runs}
+    result = {"tool": "bench_checkpoint", "settings": vars(args) | {"out": str(args.out)}, "runs": runs}
     for model in args.models.split(","):
         by_mode = {r["mode"]: r for r in runs if r["model"] == model}
         if {"sync", "async"} <= set(by_mode):
             result.setdefault("same_losses", {})[model] = by_mode["sync"]["losses"] == by_mode["async"]["losses"]
+    result["meta"] = finish(meta)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1, default=str))
     return result

@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
+
 from shardlab.distributed.env import free_port  # noqa: E402
 from shardlab.distributed.gloo_comms import AllReduceReduceScatter  # noqa: E402
 
@@ -84,7 +86,7 @@ def rank_main(rank: int, world: int, port: int, sizes: list[int], dtype: str, it
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", default="2", help="comma-separated, e.g. 2,4")
     parser.add_argument("--sizes", default="1M,4M,12M", help="elements of the full buffer, e.g. 1M,4M,12M")
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--out", default="collectives.json")
     args = parser.parse_args(argv)
+    meta = collect(__file__, argv, settings=vars(args))
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     rows: list[dict] = []
     for world in (int(w) for w in args.world_sizes.split(",")):
@@ -101,9 +104,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         rows += json.loads(Path(part).read_text())
         Path(part).unlink()
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+    result = {"tool": "bench_collectives", "rows": rows, "meta": finish(meta)}
+    Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"bench_collectives: wrote {args.out}")
-    return rows
+    return result
 
 
 if __name__ == "__main__":

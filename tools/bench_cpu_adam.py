@@ -34,6 +34,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
+
 from shardlab.optim.cpu_adam import CPUAdam, local  # noqa: E402
 from tasks.lm.config import GPTConfig  # noqa: E402
 from tasks.lm.model import GPT  # noqa: E402
@@ -221,6 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="bench_cpu_adam.json")
     args = parser.parse_args(argv)
+    meta = collect(__file__, argv, settings=vars(args))
     candidates = args.candidates.split(",")
     layouts = args.layouts.split(",")
     mesh = None
@@ -267,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["wins"] = wins
     results["chosen"] = "cpu_adam"
     results["chosen_is"] = "torch._fused_adamw_ on the local shards (shardlab/optim/cpu_adam.py)"
+    results["meta"] = finish(meta)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}; fastest usable per setting: {wins}")
     if dist.is_initialized():

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_meta import collect, finish  # tools/bench_meta.py
+
 from tasks.lm.cache import embedded_corpus_files
 from tasks.lm.corpus import find_sources, iter_texts
 from tasks.lm.tokenizer import FileTokenizer
@@ -146,6 +148,8 @@ def main() -> None:
     parser.add_argument("--reference-mb", type=float, default=20.0, help="sample size of the reference encode")
     parser.add_argument("--out", type=Path, default=Path("bench_preprocess.json"))
     args = parser.parse_args(argv)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    meta = collect(__file__, sys.argv[1:], settings=settings | {"preprocess_args": extra})
     if not args.corpus and not args.generate_mb:
         parser.error("give --corpus or --generate-mb")
     if args.tokenizer:
@@ -157,6 +161,7 @@ def main() -> None:
         corpus = args.corpus or generate_jsonl(Path(tmp) / "corpus", args.generate_mb)
         cache = Path(tmp) / "cache"
         result = {
+            "tool": "bench_preprocess",
             "cpus": os.cpu_count(),
             "load_average_at_start": os.getloadavg(),
             **run_preprocess(corpus, cache, extra),
@@ -165,6 +170,7 @@ def main() -> None:
         if tokenizer:
             result["reference"] = reference_speed(str(tokenizer), corpus, args.reference_mb)
         result["load_average_at_end"] = os.getloadavg()
+    result["meta"] = finish(meta)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 

@@ -11,7 +11,7 @@ spawned with MALLOC_MMAP_THRESHOLD_=1048576 (unless set) and OMP_NUM_THREADS = c
 launcher does. ``--prefetch`` issues each block's all-gather asynchronously one block ahead (FSDP2 overlaps
 all-gathers through CUDA streams; on CPU/gloo every unshard otherwise blocks); ``--reduce-scatter all_reduce`` issues
 FSDP2's reduce-scatter as an all-reduce through FSDP2's custom-comm hook, overlapped with the next block's backward
-(shardlab's gloo default); ``--parallel ddp`` wraps in DDP instead.
+(shardlab's opt-in distributed.reduce_scatter=all_reduce); ``--parallel ddp`` wraps in DDP instead.
 
 Writes the same keys as tools/bench.py: tokens_per_s (global tokens per step / median step time), tokens_per_s_mean,
 median_step_ms, mean_step_ms, step_ms, optimizer_step_ms (rank 0; the ranks run in lockstep).
@@ -33,12 +33,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
+
 from shardlab.distributed.env import free_port, set_local_rank_defaults  # noqa: E402
 from tasks.lm.config import GPTConfig  # noqa: E402
 from tasks.lm.model import GPT  # noqa: E402
 
 
-def train(rank: int, args: argparse.Namespace, port: int) -> None:
+def train(rank: int, args: argparse.Namespace, port: int, meta: dict) -> None:
     world = args.world_size
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cfg = GPTConfig(num_layers=args.layers, dim=args.dim, num_heads=args.heads, max_seq_len=args.max_seq_len)
@@ -141,6 +143,7 @@ def train(rank: int, args: argparse.Namespace, port: int) -> None:
                 "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
                 "loadavg_1min_at_end": os.getloadavg()[0],
             },
+            "meta": finish(meta),
         }
         Path(args.out).write_text(json.dumps(out, indent=1))
         print(
@@ -173,10 +176,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.batch_size % args.world_size:
         parser.error("--batch-size must be divisible by --world-size")
+    meta = collect(__file__, argv, settings=vars(args))
     set_local_rank_defaults(args.world_size)  # as shardlab's local launcher
     import torch.multiprocessing as mp
 
-    mp.start_processes(train, args=(args, free_port()), nprocs=args.world_size, join=True, start_method="spawn")
+    mp.start_processes(train, args=(args, free_port(), meta), nprocs=args.world_size, join=True, start_method="spawn")
     return json.loads(Path(args.out).read_text())
 
 

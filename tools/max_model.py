@@ -28,8 +28,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "tools"):  # run as a script from a checkout, or imported as tools.max_model
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
 
 GiB = 2**30
 LAYOUTS = {
@@ -270,6 +273,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("max_model.json"))
     parser.add_argument("--plot", type=Path, default=Path("max_model.png"))
     opts = parser.parse_args()
+    meta = collect(__file__, settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()})
     layouts = opts.layouts.split(",")
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
@@ -277,6 +281,7 @@ def main() -> None:
     budget = int(opts.budget_gib * GiB)
     batch = opts.batch_size or opts.world_size
     results: dict = {
+        "tool": "max_model",
         "budget_gib": opts.budget_gib,
         "world_size": opts.world_size,
         "steps": opts.steps,
@@ -292,6 +297,7 @@ def main() -> None:
 
     def save() -> None:
         results["summary"] = summarize(results)
+        results["meta"] = finish(meta)
         opts.out.write_text(json.dumps(results, indent=1))
 
     with tempfile.TemporaryDirectory(prefix="shardlab-max-model-") as tmp:

@@ -1,13 +1,15 @@
 """FSDP2's reduce-scatter issued as one all-reduce, through FSDP2's custom-comm hook; optionally overlapped. Opt-in.
 
-Why: gloo's ring all-reduce is its best-tuned collective; on CPU its reduce_scatter measured 1.3-2x slower for the
-same buffer (tools/bench_collectives.py). And on CPU FSDP2 blocks on every unit's reduce-scatter in backward (CUDA
-hides it on a side stream), so the slower rank's lag is paid at every unit. Only the collective changes: FSDP2 still
-owns the sharding, the buffers, the copy-in/out and the reduce op it asks for. On NCCL a reduce-scatter moves half an
-all-reduce's bytes, so this is for gloo only (distributed.reduce_scatter=all_reduce, refused with CUDA devices).
+Why: gloo's ring all-reduce is its best-tuned collective; on CPU its reduce_scatter measured slower for the same buffer
+(tools/bench_collectives.py; the table is in docs/benchmarks.md). And on CPU FSDP2 blocks on every unit's reduce-scatter
+in backward (CUDA hides it on a side stream), so the slower rank's lag is paid at every unit. Only the collective
+changes: FSDP2 still owns the sharding, the buffers, the copy-in/out and the reduce op it asks for. On NCCL a
+reduce-scatter moves half an all-reduce's bytes, so this is for gloo only (distributed.reduce_scatter=all_reduce,
+refused with CUDA devices).
 
 Opt-in, not the default: the hook's interface class lives in a private torch module (see torch_internals), and side by
-side on the 2-core development machine it did not beat the native reduce-scatter beyond run-to-run noise (README).
+side on the 2-core development machine it did not beat the native reduce-scatter beyond run-to-run noise
+(docs/benchmarks.md).
 
 Overlap: with ``overlap`` set, an averaging reduce is started asynchronously and its shard is written into FSDP2's
 output tensor later: when the next unit's reduce is issued (one in flight at a time, so the extra memory is one

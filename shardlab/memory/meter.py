@@ -52,8 +52,9 @@ def return_freed_buffers_to_os(threshold_bytes: int = 1 << 20) -> bool:
 
     glibc otherwise raises its mmap threshold to the size of the largest block freed (up to 32 MiB) and serves later
     blocks from heaps it keeps: FSDP's per-unit all-gather and gradient buffers, freed every unit, then stay resident
-    and a rank's memory grows far past what it holds (figures in the README). Same effect as starting the process
-    with MALLOC_MMAP_THRESHOLD_; a no-op where the C library is not glibc or the user set that variable."""
+    and a rank's memory grows far past what it holds (docs/benchmarks.md, "Memory versus speed on CPU"). Same effect as
+    starting the process with MALLOC_MMAP_THRESHOLD_; a no-op where the C library is not glibc or the user set that
+    variable."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     libc = _glibc()

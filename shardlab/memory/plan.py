@@ -292,8 +292,9 @@ class MemoryEstimate:
 
 CPU_RUNTIME_BYTES = 28 * 2**20
 """A CPU rank's resident growth over its first step that is neither model nor activations (kernel and thread-pool
-set-up; not traced further): measured on 13M-28M-parameter LMs at world sizes 2 and 4, every layout (README, "Memory
-plan"). On CUDA such memory lives outside the allocator, whose peak the plan predicts there."""
+set-up; not traced further): measured on 13M-28M-parameter LMs at world sizes 2 and 4, every layout
+(tests/distributed/test_memory_plan.py; docs/memory-plan.md). On CUDA such memory lives outside the allocator,
+whose peak the plan predicts there."""
 
 
 def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryEstimate:

@@ -3,7 +3,7 @@ memory above the rank's start, and what it holds between steps, beside the plan'
 
 Peak within 25% and what is held between steps (parameters, optimizer state, gradient buckets: the state) within
 10%, for the LM at world size 2 and 4 under ddp, fully_sharded, fully_sharded with cpu_offload and cpu_adam, and
-fully_sharded with activation checkpointing. Larger models: tools/max_model.py (README, "Memory plan").
+fully_sharded with activation checkpointing. Larger models: tools/max_model.py (docs/memory-plan.md).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ def test_bench_writes_json_with_positive_figures(tmp_path):
         assert written[key] > 0, key
     assert written["unit"] == "tokens" and written["tokens_per_step"] == 4 * 16
     assert len(written["step_ms"]) == 2
+    assert written["meta"]["argv"][0] == "tools/bench.py" and written["meta"]["settings"]["steps"] == 2
     (rank,) = written["per_rank"]
     num_params = written["num_params"]
     assert rank["param_bytes"] == rank["grad_bytes"] == 4 * num_params  # fp32, one rank holds everything
@@ -122,8 +123,10 @@ def test_bench_collectives_times_each_op_and_the_all_reduce_form_matches_native(
     import bench_collectives
 
     out = tmp_path / "collectives.json"
-    rows = bench_collectives.main(["--world-sizes", "2", "--sizes", "10K,64K", "--iters", "2", "--out", str(out)])
-    assert json.loads(out.read_text()) == rows
+    result = bench_collectives.main(["--world-sizes", "2", "--sizes", "10K,64K", "--iters", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["meta"]["settings"]["sizes"] == "10K,64K"  # what it was measured with (tools/bench_meta.py)
+    rows = result["rows"]
     assert [(r["world_size"], r["numel"]) for r in rows] == [(2, 10_000), (2, 64_000)]
     for row in rows:
         for op in ("all_reduce", "reduce_scatter_native", "reduce_scatter_via_all_reduce", "all_gather_native"):

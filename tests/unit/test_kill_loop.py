@@ -1,6 +1,7 @@
 """A run killed with SIGKILL at random moments and during saves, restarted each time, ends like an uninterrupted one.
 
-The fast variant of tools/kill_loop.py (two kills of a tiny LM); the README reports the script on the default run.
+The fast variant of tools/kill_loop.py (two kills of a tiny LM); docs/checkpoints.md reports the script on the default
+run.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """tools/max_model.py's parts that need no long run: the budget watcher's memory reading, the line it parses from a
-run, and the ratios it reports. The measured figures are in the README ("Memory plan")."""
+run, and the ratios it reports. The measured figures are in docs/memory-plan.md."""
 
 from __future__ import annotations
 

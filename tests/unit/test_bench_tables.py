@@ -1,0 +1,114 @@
+"""tools/bench_tables.py and tools/bench_meta.py: the measured tables in docs/ are what their JSON renders, and each
+says which commit, date, machine and command its figures come from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+import bench_meta  # noqa: E402
+import bench_tables  # noqa: E402
+
+
+def test_the_committed_docs_hold_exactly_what_their_json_renders():
+    stale = bench_tables.render(REPO, check=True)
+    assert stale == [], f"tables out of date in {[str(p) for p in stale]}: run python tools/bench_tables.py"
+    used = set(bench_tables.tables(REPO))
+    assert used == set(bench_tables.RENDERERS), f"no table in docs/ uses {set(bench_tables.RENDERERS) - used}"
+
+
+def test_meta_records_the_commit_machine_and_command():
+    argv = ["model=gpt_small", "--out", "x.json"]
+    meta = bench_meta.finish(bench_meta.collect(str(REPO / "tools" / "bench.py"), argv))
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert meta["commit"] == head
+    assert all(not (p.startswith("docs/") or p.endswith(".md")) for p in meta["dirty"])
+    assert meta["argv"] == ["tools/bench.py", "model=gpt_small", "--out", "x.json"]
+    assert meta["command"] == "python tools/bench.py model=gpt_small --out x.json"
+    assert meta["machine"]["cores"] >= 1 and meta["machine"]["cpu"]
+    assert meta["load_average_at_end"] >= 0 and "_started" not in meta
+
+
+def bench_json(tokens_per_s: float, backend: str, meta: dict) -> dict:
+    """The keys of tools/bench.py's JSON that the throughput table reads."""
+    return {
+        "tool": "bench",
+        "overrides": ["model=gpt_small", f"distributed.backend={backend}", "distributed.world_size=2"],
+        "backend": backend,
+        "world_size": 2,
+        "num_params": 25_300_000,
+        "batch_size": 32,
+        "unit": "tokens",
+        "tokens_per_step": 4096,
+        "steps": 6,
+        "warmup": 2,
+        "tokens_per_s": tokens_per_s,
+        "median_step_ms": 4096 / tokens_per_s * 1000,
+        "optimizer_step_ms": 49.04,
+        "mfu": 0.057,
+        "per_rank": [{"peak_memory_bytes": 1.59 * 2**30, "state_bytes": 0.4 * 2**30}] * 2,
+        "meta": meta,
+    }
+
+
+def test_a_table_is_rendered_from_its_json_between_its_markers(tmp_path):
+    meta = bench_meta.finish(bench_meta.collect(str(REPO / "tools" / "bench.py"), ["model=gpt_small", "--out", "a"]))
+    meta["load_average_at_start"] = 8.0 * meta["machine"]["cores"]
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    for name, figure, backend in (("a_ddp", 909.4, "ddp"), ("b_fs", 450.0, "fully_sharded")):
+        (tmp_path / "docs" / "bench" / f"{name}.json").write_text(json.dumps(bench_json(figure, backend, meta)))
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.write_text(
+        "# Benchmarks\n\nbefore\n<!-- bench-table throughput: docs/bench/*.json -->\n| old | 512 |\n"
+        "<!-- /bench-table -->\nafter\n"
+    )
+    assert bench_tables.render(tmp_path, check=True) == [doc]  # stale: it holds a typed figure
+    bench_tables.render(tmp_path)
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nbefore\n<!-- bench-table throughput: docs/bench/*.json -->\n")
+    assert text.endswith("<!-- /bench-table -->\nafter\n")
+    assert "512" not in text
+    assert "| ddp | 909 | 4.50 s | 49.0 ms | 1.59 GiB | 0.40 GiB | 5.7% |" in text
+    assert "| fully_sharded | 450 | 9.10 s |" in text
+    assert f"commit `{meta['commit'][:10]}`" in text
+    assert meta["date"].replace("T", " ").replace("+00:00", " UTC") in text
+    assert f"{meta['machine']['cpu']} ({meta['machine']['cores']} cores" in text
+    assert "`python tools/bench.py model=gpt_small --out a`" in text
+    assert "a loaded machine" in text
+    assert "python tools/bench_tables.py --rerun throughput" in text
+    assert bench_tables.render(tmp_path, check=True) == []  # rendering again changes nothing
+
+
+FAKE_TOOL = """
+import json, sys
+sys.path.insert(0, {tools!r})
+from bench_meta import collect, finish
+
+out = sys.argv[sys.argv.index("--out") + 1]
+try:
+    previous = json.load(open(out))["rows"][0]["all_reduce_ms"]
+except FileNotFoundError:
+    previous = 0.0
+row = {{"world_size": 2, "numel": 10**6, "dtype": "float32", "all_reduce_ms": previous + 1.0,
+        "reduce_scatter_native_ms": 3.0, "reduce_scatter_via_all_reduce_ms": 2.0, "all_gather_native_ms": 1.5,
+        "reduce_scatter_speedup_via_all_reduce": 1.5}}
+json.dump({{"rows": [row], "meta": finish(collect(__file__))}}, open(out, "w"))
+"""
+
+
+def test_rerun_runs_the_recorded_command_again_and_renders_its_new_figures(tmp_path):
+    tool = tmp_path / "fake_collectives.py"
+    tool.write_text(FAKE_TOOL.format(tools=str(REPO / "tools")))
+    (tmp_path / "docs").mkdir()
+    subprocess.run([sys.executable, str(tool), "--out", "docs/c.json"], cwd=tmp_path, check=True)
+    doc = tmp_path / "docs" / "c.md"
+    doc.write_text("<!-- bench-table collectives: docs/c.json -->\n<!-- /bench-table -->\n")
+    bench_tables.render(tmp_path)
+    assert "| 2 | 1M (float32) | 1.0 ms |" in doc.read_text()
+
+    assert bench_tables.main(["--rerun", "collectives"], root=tmp_path) == 0
+    assert "| 2 | 1M (float32) | 2.0 ms |" in doc.read_text()
