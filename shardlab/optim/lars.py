@@ -89,6 +89,13 @@ class LARS(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            if group["momentum"]:
+                # Every parameter gets its buffer at the first step, also one without a gradient (frozen, e.g. SwAV's
+                # prototypes early on): a checkpoint then holds the same keys whatever was frozen when it was saved,
+                # which the resume's freshly built optimizer (DCP initialises all of its state) expects.
+                for p in group["params"]:
+                    if p.requires_grad and "momentum_buffer" not in self.state[p]:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params = [p for p in group["params"] if p.grad is not None]
             if params:
                 self._step_group(group, params)
@@ -110,10 +117,7 @@ class LARS(torch.optim.Optimizer):
             else:
                 update = g.clone()
             if momentum:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                buf = local(state["momentum_buffer"])
+                buf = local(self.state[p]["momentum_buffer"])
                 buf.mul_(momentum).add_(update)
                 update = update.add(buf, alpha=momentum) if group["nesterov"] else buf
             w.add_(update, alpha=-lr)
