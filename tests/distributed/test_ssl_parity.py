@@ -66,9 +66,7 @@ def runs(tmp_path_factory):
         "swav": swav(*SHARDED, *SAVE),
         "simclr": simclr(*SHARDED),
         "swav_offload": swav(*SHARDED, "distributed.cpu_offload=true"),
-        "swav_resumed_from_single": swav(
-            *SHARDED, f"checkpoint.resume={checkpoint(dirs['swav_single'], RESUME_AT)}"
-        ),
+        "swav_resumed_from_single": swav(*SHARDED, f"checkpoint.resume={checkpoint(dirs['swav_single'], RESUME_AT)}"),
         "swav_local": swav(*SHARDED),
         "simclr_local": simclr(*SHARDED),
     }
