@@ -39,15 +39,18 @@ def count_fit(trainer) -> dict:
 
 
 def local_collectives_from_config_k() -> None:
-    """In each rank: from config FIRST_LOCAL on, Sinkhorn's all-reduces and SimCLR's all-gather see only this rank."""
+    """In each rank: from config FIRST_LOCAL on, Sinkhorn's all-reduces and SimCLR's all-gather see only this rank
+    (which then holds the whole batch, from position 0)."""
     from tasks.self_supervised import comm
 
-    all_reduce, gather = comm.all_reduce, comm.all_gather_with_grad
+    all_reduce, gather, rank = comm.all_reduce, comm.all_gather_with_grad, comm.data_parallel_rank
 
-    def local_or(fn):
-        return lambda x, *args: x if _fits_done[0] >= FIRST_LOCAL else fn(x, *args)
+    def local_or(fn, local):
+        return lambda *args: local(*args) if _fits_done[0] >= FIRST_LOCAL else fn(*args)
 
-    comm.all_reduce, comm.all_gather_with_grad = local_or(all_reduce), local_or(gather)
+    comm.all_reduce = local_or(all_reduce, lambda x, op="sum": x)
+    comm.all_gather_with_grad = local_or(gather, lambda x: x)
+    comm.data_parallel_rank = local_or(rank, lambda: 0)
 
 
 @pytest.fixture(scope="module")
