@@ -16,6 +16,7 @@ TINY_SSL = [
     "data.local_crop_size=8",
     "data.num_train=128",
     "data.num_valid=32",
+    "data.num_workers=0",
     "task.projection_dims=[32,16]",
     "optimization.batch_size=16",
     f"optimization.max_steps={STEPS}",

@@ -23,6 +23,7 @@ def test_predicted_peak_of_swav_multi_crop_matches_the_measured_one(tmp_path):
             "lr_scheduler.warmup_steps=0",
             "data.num_train=1024",
             "data.num_valid=128",
+            "data.num_workers=0",
             "validation.num_batches=1",
             "validation.batch_size=64",
             "checkpoint.save=false",
