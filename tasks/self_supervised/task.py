@@ -28,7 +28,7 @@ def unwrapped(model: nn.Module) -> ssl_model.SelfSupervisedModel:
 
 
 class SelfSupervisedTask(ImageClassificationTask):
-    resumable_model_changes = ("dropout", "sync_bn", "sync_bn_group_size", "num_classes")
+    resumable_model_changes = ("sync_bn", "sync_bn_group_size")  # how BN syncs, not what it holds
 
     def config_errors(self) -> list[str]:
         errors = super().config_errors()  # the trunk's model keys, the image source, validation sizes
