@@ -7,6 +7,8 @@ from tests.conftest import compose_config
 
 STEPS = 6
 TINY_SSL = [
+    "distributed=single",  # the tasks' default is two fully_sharded ranks
+    "distributed.world_size=1",
     "model.depth=2",
     "model.w_0=8",
     "model.w_a=8",
