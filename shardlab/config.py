@@ -21,13 +21,13 @@ from shardlab.errors import ConfigError
 @dataclass
 class TaskConfig:
     name: str = MISSING
-    """A name in TASKS: lm, image_classification."""
+    """A name in TASKS: lm, image_classification, swav, simclr."""
 
 
 @dataclass
 class OptimizerConfig:
     name: str = "adamw"
-    """A name in OPTIMIZERS: adamw, sgd, cpu_adam."""
+    """A name in OPTIMIZERS: adamw, sgd, cpu_adam, lars."""
     lr: float = 1e-3
     """Peak learning rate (reached after warmup)."""
     weight_decay: float = 0.0
@@ -37,13 +37,15 @@ class OptimizerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """Adam betas (adamw, cpu_adam)."""
     eps: float = 1e-8
-    """Adam epsilon (adamw, cpu_adam)."""
+    """Adam epsilon (adamw, cpu_adam); lars: added to the trust ratio's denominator."""
     implementation: str = "auto"
     """Adam kernel: auto (fused where supported: ~7x faster on CPU than the per-tensor loop), fused, foreach, loop."""
     momentum: float = 0.9
-    """SGD momentum."""
+    """SGD and LARS momentum."""
     nesterov: bool = True
-    """SGD Nesterov momentum."""
+    """SGD and LARS Nesterov momentum."""
+    trust_coefficient: float = 1e-3
+    """lars: eta of the trust ratio eta * |w| / (|g| + weight_decay * |w| + eps) that scales each weight's step."""
 
 
 @dataclass
@@ -209,6 +211,7 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     check(o.clip_norm >= 0, f"optimization.clip_norm must be >= 0 (0 disables), got {o.clip_norm}")
     check(opt.lr > 0, f"optimizer.lr must be > 0, got {opt.lr}")
     check(opt.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {opt.weight_decay}")
+    check(opt.trust_coefficient > 0, f"optimizer.trust_coefficient must be > 0, got {opt.trust_coefficient}")
     check(
         len(opt.betas) == 2 and all(0 <= b < 1 for b in opt.betas),
         f"optimizer.betas must be two numbers in [0, 1), got {list(opt.betas)}",

@@ -72,6 +72,19 @@ class Task(ABC):
         """Throughput units in a local batch."""
         return len(batch)
 
+    def training_state(self, train_state: Any, device: torch.device) -> Any | None:
+        """State the task keeps from one training step to the next besides the weights (SwAV's feature queue), or
+        None: an object with state_dict()/load_state_dict() whose tensors the checkpoint manager saves through DCP
+        beside the model, so tensors that are DTensors sharded over the ranks reshard to another world size. Called
+        once by Trainer.setup, before a resume loads it; ``train_state`` (shardlab.train_state.TrainState) tells the
+        step."""
+        return None
+
+    def frozen_parameters(self, model: nn.Module, step: int) -> list[nn.Parameter]:
+        """Parameters the optimizer step ``step`` (0-based) must leave alone: their gradients are dropped before
+        clipping, so the optimizer skips them (no update, weight decay or momentum), e.g. SwAV's prototypes early on."""
+        return []
+
     def features(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
         """The trunk's pooled features of ``images`` (N, D), in eval mode without gradients: what a frozen-trunk
         evaluation (linear probe, kNN) trains on. Tasks whose models have no image trunk do not implement it."""

@@ -28,6 +28,10 @@ class TrainState:
     components: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """Objects with state_dict()/load_state_dict() saved beside the counters, by key: ``scheduler`` (the LR
     schedule) and ``grad_scaler`` (fp16's loss scaler, None without one)."""
+    tensors: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """Objects with state_dict()/load_state_dict() whose state is tensors, by key: ``task`` (Task.training_state's,
+    e.g. SwAV's feature queue). The checkpoint manager saves them through DCP beside the model, not in shardlab.json,
+    so a DTensor sharded over the ranks reshards to another world size."""
 
     def end_step(self, samples: int, skipped: bool) -> None:
         """One optimizer step is done: ``samples`` global samples were consumed, ``skipped`` if its update was not
@@ -37,7 +41,7 @@ class TrainState:
         self.skipped_steps += int(skipped)
 
     def counters(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "components"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("components", "tensors")}
 
     def state_dict(self) -> dict[str, Any]:
         """The counters and every component's state, JSON-serializable (None for an absent component)."""
@@ -49,7 +53,7 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from ``state_dict()``'s keys; a counter an older checkpoint lacks takes its default."""
         for f in fields(self):
-            if f.name != "components":
+            if f.name not in ("components", "tensors"):
                 setattr(self, f.name, int(state.get(f.name, f.default)))
         for key, obj in self.components.items():
             if obj is not None and state.get(key) is not None:

@@ -69,6 +69,8 @@ class Trainer:
         )
         self.scaler = backend.make_grad_scaler()
         self.state.components = {"scheduler": self.scheduler, "grad_scaler": self.scaler}
+        task_state = self.task.training_state(self.state, backend.device)  # e.g. SwAV's queue; most tasks: None
+        self.state.tensors = {"task": task_state} if task_state is not None else {}
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
         self._restore()
         self.last_save = (self.state.step, time.monotonic())
@@ -212,6 +214,8 @@ class Trainer:
         """Unscale, clip and apply the accumulated gradients; (the global gradient norm, whether the update was
         skipped for non-finite gradients)."""
         clip = self.cfg.optimization.clip_norm
+        for param in self.task.frozen_parameters(self.model, self.state.step):
+            param.grad = None  # skipped by clipping and the optimizer alike
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self.backend.clip_grad_norm(self.model, clip)

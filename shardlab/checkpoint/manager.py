@@ -144,7 +144,7 @@ class Checkpointer:
                 raise error if incompatible else CheckpointError(f"checkpoint {path} was refused on another rank")
             if not unreadable:  # the load is a collective: all ranks enter it, or none
                 try:
-                    self._load_shards(path, model, optimizer)
+                    self._load_shards(path, model, optimizer, train_state.tensors)
                 except (Exception, CheckpointException) as e:  # torn or foreign files: all mean the same to the user
                     error = e
             (failed,) = self.comm.any_rank(error is not None)
@@ -236,6 +236,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         self.comm.barrier()
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        state.update({key: obj.state_dict() for key, obj in train_state.tensors.items()})  # e.g. "task": a queue
         meta = {
             **train_state.state_dict(),
             "save_index": self._next_index,
@@ -297,12 +298,17 @@ class Checkpointer:
 
     # ---- load ------------------------------------------------------------------------------------------------------
     @staticmethod
-    def _load_shards(path: Path, model: nn.Module, optimizer: Optimizer | None) -> None:
-        """Model (and optimizer) state from ``path``'s shards into the (sharded) model, on any world size."""
+    def _load_shards(path: Path, model: nn.Module, optimizer: Optimizer | None, tensors: dict | None = None) -> None:
+        """Model (and optimizer, and TrainState.tensors) state from ``path``'s shards into the (sharded) model, on any
+        world size."""
         state = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
+        tensors = tensors or {}
+        state.update({key: obj.state_dict() for key, obj in tensors.items()})
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state["optim"])
+        for key, obj in tensors.items():
+            obj.load_state_dict(state[key])

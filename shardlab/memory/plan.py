@@ -23,7 +23,7 @@ from shardlab.distributed.units import count_params, describe_units, meta_model,
 
 GiB = 2**30
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "cpu_adam": 8}
-"""fp32 bytes of optimizer state per parameter (two Adam moments); sgd: its momentum buffer, when momentum is on."""
+"""fp32 bytes of optimizer state per parameter (two Adam moments); sgd and lars: their momentum buffer, when on."""
 
 
 # ---- what the model is made of (one meta forward) --------------------------------------------------------------------
@@ -233,7 +233,7 @@ class PlanContext:
 
         d, opt = cfg.distributed, cfg.optimizer
         param, reduce = resolve_dtypes(d)
-        if opt.name == "sgd":
+        if opt.name in ("sgd", "lars"):  # one momentum buffer
             state = 4 if opt.momentum > 0 else 0
         else:
             state = OPTIMIZER_STATE_BYTES.get(opt.name, 8)

@@ -2,6 +2,7 @@
 
 - ``optimizers``: adamw and sgd from torch, and the parameter groups (no weight decay on norms and biases).
 - ``cpu_adam``: AdamW stepped on the local shards of CPU-offloaded parameters.
+- ``lars``: SGD with momentum and a layer-wise trust ratio over plain or sharded parameters (SimCLR, SwAV).
 - ``schedules``: linear warmup, then cosine, inverse_sqrt or constant.
 
 Importing the package registers all of them in OPTIMIZERS and LR_SCHEDULERS.
@@ -9,10 +10,22 @@ Importing the package registers all of them in OPTIMIZERS and LR_SCHEDULERS.
 
 from __future__ import annotations
 
-from shardlab.optim import cpu_adam, optimizers, schedules
+from shardlab.optim import cpu_adam, lars, optimizers, schedules
 from shardlab.optim.cpu_adam import CPUAdam
+from shardlab.optim.lars import LARS
 from shardlab.optim.optimizers import param_groups
 from shardlab.optim.schedules import lr_lambda
 from shardlab.registry import LR_SCHEDULERS, OPTIMIZERS
 
-__all__ = ["CPUAdam", "LR_SCHEDULERS", "OPTIMIZERS", "cpu_adam", "lr_lambda", "optimizers", "param_groups", "schedules"]
+__all__ = [
+    "CPUAdam",
+    "LARS",
+    "LR_SCHEDULERS",
+    "OPTIMIZERS",
+    "cpu_adam",
+    "lars",
+    "lr_lambda",
+    "optimizers",
+    "param_groups",
+    "schedules",
+]

@@ -1,0 +1,106 @@
+"""Config schemas of the self-supervised vision methods (task=swav, task=simclr) and their multi-crop data (the
+``multicrop`` data option). Light on purpose, like tasks/image_classification/config.py: imported at start-up for every
+run, so torchvision is imported only by the task, model and data modules.
+
+The method's own keys live in the task section (``task.temperature=0.2``), the trunk is any RegNet of the vision
+task's model options (``model=regnet_cifar``, ``model=regnet_y_400mf``), the crops in the data section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from shardlab.config import TaskConfig
+from shardlab.registry import TASKS
+from tasks.image_classification.config import ImageDataConfig
+
+
+@dataclass
+class SelfSupervisedConfig(TaskConfig):
+    projection_dims: list[int] = field(default_factory=lambda: [512, 128])
+    """Widths of the projection head's linear layers after the trunk's pooled features; the last is the embedding
+    (SwAV and SimCLR on ImageNet: [2048, 128])."""
+    projection_bn: bool = True
+    """BatchNorm (synced like the trunk's) and ReLU between the head's linear layers (SwAV, SimCLR v2); false = ReLU
+    only (SimCLR v1)."""
+    temperature: float = 0.1
+    """Softmax temperature of the loss (SwAV: on the prototype scores; SimCLR: on the cosine similarities)."""
+
+
+@dataclass
+class SwAVConfig(SelfSupervisedConfig):
+    num_prototypes: int = 3000
+    """Prototypes (cluster centres) the codes assign each crop to."""
+    sinkhorn_iterations: int = 3
+    """Sinkhorn-Knopp iterations of the equal-partition assignment."""
+    epsilon: float = 0.05
+    """Entropy regularisation of the assignment (smaller = sharper codes)."""
+    crops_for_assign: list[int] = field(default_factory=lambda: [0, 1])
+    """Indices of the crops (global crops first) whose codes the other crops predict."""
+    freeze_prototypes_steps: int = 0
+    """Optimizer steps at the start whose prototype gradients are dropped (no update, weight decay or momentum)."""
+    queue_length: int = 0
+    """Projections of this many past global samples (a multiple of optimization.batch_size) join every Sinkhorn
+    assignment once the queue is full; 0 = no queue (useful when the global batch is small against num_prototypes)."""
+    queue_start_step: int = 0
+    """The optimizer step from which the queue fills (SwAV starts it after some epochs, once features settle)."""
+
+
+@dataclass
+class SimCLRConfig(SelfSupervisedConfig):
+    temperature: float = 0.5
+    """Softmax temperature of NT-Xent over cosine similarities (0.5 for CIFAR-sized images, 0.1 for ImageNet)."""
+
+
+@dataclass
+class MultiCropDataConfig(ImageDataConfig):
+    """Images as for image classification (source, path, num_train, ...), each read as several augmented crops.
+    data.image_size is the global crops' size; label_smoothing does not apply (no labels are used)."""
+
+    num_global_crops: int = 2
+    """Crops of data.image_size pixels per image (SimCLR's two views; SwAV assigns codes to these)."""
+    global_crop_scale: list[float] = field(default_factory=lambda: [0.14, 1.0])
+    """Area range of a global crop as a fraction of the image (random-resized crop)."""
+    num_local_crops: int = 0
+    """Extra small crops per image (SwAV's multi-crop: 6 at 96 px for 224 px global crops)."""
+    local_crop_size: int | None = None
+    """Local crop size in pixels; null = 3/7 of the global size rounded up to a multiple of 8 (224 -> 96, 32 -> 16)."""
+    local_crop_scale: list[float] = field(default_factory=lambda: [0.05, 0.14])
+    """Area range of a local crop as a fraction of the image."""
+    color_jitter: float = 0.5
+    """Colour distortion strength s: brightness, contrast and saturation jitter 0.8 s, hue 0.2 s (SimCLR's)."""
+    color_jitter_prob: float = 0.8
+    """Probability a crop is colour-jittered."""
+    grayscale_prob: float = 0.2
+    """Probability a crop is turned to grey."""
+    blur_prob: float = 0.0
+    """Probability of a Gaussian blur (kernel ~1/10 of the crop, sigma in [0.1, 2.0]); SimCLR and SwAV use 0.5 on
+    ImageNet, none on 32 px images."""
+    solarize_prob: float = 0.0
+    """Probability of solarizing a crop (pixels above half brightness inverted; BYOL and DINO use 0.2)."""
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(group="schema", name="swav_task", node=SwAVConfig)
+    cs.store(group="schema", name="simclr_task", node=SimCLRConfig)
+    cs.store(group="schema", name="multicrop_data", node=MultiCropDataConfig)
+
+
+register_schemas()
+
+
+@TASKS.register("swav")
+def build_swav_task(cfg):
+    from tasks.self_supervised.task import SwAVTask
+
+    return SwAVTask(cfg)
+
+
+@TASKS.register("simclr")
+def build_simclr_task(cfg):
+    from tasks.self_supervised.task import SimCLRTask
+
+    return SimCLRTask(cfg)

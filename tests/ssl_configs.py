@@ -1,0 +1,54 @@
+"""Tiny self-supervised configs shared by the unit and distributed tests: a 2-stage RegNetY (~3k parameters) on 16 px
+generated images, 2 global crops of 16 px and 2 local ones of 8 px, a global batch of 16."""
+
+from __future__ import annotations
+
+from tests.conftest import compose_config
+
+STEPS = 6
+TINY_SSL = [
+    "distributed=single",  # the tasks' default is two fully_sharded ranks
+    "distributed.world_size=1",
+    "model.depth=2",
+    "model.w_0=8",
+    "model.w_a=8",
+    "model.group_width=8",
+    "model.stem_width=8",
+    "data.image_size=16",
+    "data.local_crop_size=8",
+    "data.num_train=128",
+    "data.num_valid=32",
+    "data.num_workers=0",
+    "task.projection_dims=[32,16]",
+    "optimization.batch_size=16",
+    f"optimization.max_steps={STEPS}",
+    "optimizer.lr=2.0",
+    "lr_scheduler.warmup_steps=1",
+    "validation.interval_steps=0",
+    "validation.num_batches=1",
+    "validation.batch_size=16",
+    "checkpoint.interval_steps=0",
+    "logging.interval_steps=1",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
+# SwAV with everything that has state: 2 + 2 crops, prototypes frozen for the first 3 steps, a queue of two batches
+# that starts filling at step 1 (full from step 3 on, used from step 4).
+SWAV = [
+    "task=swav",
+    *TINY_SSL,
+    "data.num_local_crops=2",
+    "task.num_prototypes=24",
+    "task.freeze_prototypes_steps=3",
+    "task.queue_length=32",
+    "task.queue_start_step=1",
+]
+SIMCLR = ["task=simclr", *TINY_SSL]
+
+
+def swav(*overrides: str):
+    return compose_config([*SWAV, *overrides])
+
+
+def simclr(*overrides: str):
+    return compose_config([*SIMCLR, *overrides])

@@ -1,0 +1,134 @@
+"""task=swav and task=simclr in one process: config checks, multi-crop views seeded per sample, the Sinkhorn and NT-Xent
+maths, the trunk a checkpoint holds, the feature queue and frozen prototypes at work, and an exact resume with
+workers. Distributed behaviour: tests/distributed/test_ssl_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardlab.data import SeededSamples
+from shardlab.distributed import env as dist_env
+from shardlab.errors import ConfigError
+from shardlab.runner import build_task, run_rank
+from tests.ssl_configs import STEPS, simclr, swav
+
+
+def losses(result: dict) -> torch.Tensor:
+    return torch.tensor([r["loss"] for r in result["history"] if r["split"] == "train"], dtype=torch.float64)
+
+
+def test_config_mistakes_are_named_together():
+    cfg = swav(
+        "task.queue_length=20",
+        "task.crops_for_assign=[0,7]",
+        "data.local_crop_scale=[0.5,0.2]",
+        "data.blur_prob=1.5",
+        "model.num_classes=10",
+    )
+    with pytest.raises(ConfigError) as error:
+        build_task(cfg)
+    message = str(error.value)
+    for key in ("task.queue_length (20)", "task.crops_for_assign", "data.local_crop_scale", "data.blur_prob"):
+        assert key in message, message
+    assert "model.num_classes (10): task swav has no classifier" in message
+    with pytest.raises(ConfigError, match=r"task=simclr contrasts two views: .*got 2 and 2"):
+        build_task(simclr("data.num_local_crops=2"))
+
+
+def test_views_have_the_configured_sizes_and_are_drawn_from_the_sample_offset():
+    task = build_task(swav())
+    task.prepare_data()
+    samples = SeededSamples(task.train_dataset, seed=5)
+    crops, label, skipped = samples[(40, 3)]
+    assert [tuple(c.shape) for c in crops] == [(3, 16, 16)] * 2 + [(3, 8, 8)] * 2
+    again, _, _ = samples[(40, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(crops, again, strict=True))  # same offset, same draws
+    other, _, _ = samples[(41, 3)]  # the same image at another offset: other crops
+    assert not torch.equal(crops[0], other[0])
+    assert not torch.equal(crops[0], crops[1])  # two views of one image differ
+
+
+def test_sinkhorn_codes_split_the_rows_equally_over_the_prototypes():
+    from tasks.self_supervised.swav import sinkhorn
+
+    scores = F.normalize(torch.randn(12, 8), dim=1) @ F.normalize(torch.randn(4, 8), dim=1).t()
+    codes = sinkhorn(scores, epsilon=0.05, iterations=50)
+    torch.testing.assert_close(codes.sum(1), torch.ones(12))  # each row a distribution over prototypes
+    torch.testing.assert_close(codes.sum(0), torch.full((4,), 3.0), rtol=1e-3, atol=1e-3)  # 12 rows / 4 prototypes
+
+
+def test_nt_xent_is_the_cross_entropy_of_each_view_against_all_other_views():
+    from tasks.self_supervised.simclr import nt_xent
+
+    n, temperature = 5, 0.3
+    z = F.normalize(torch.randn(2 * n, 7), dim=1)
+    expected = []
+    for i in range(2 * n):
+        positive = (i + n) % (2 * n)
+        similarities = z @ z[i] / temperature
+        others = [j for j in range(2 * n) if j != i]
+        expected.append(-(similarities[positive] - torch.logsumexp(similarities[others], 0)))
+    torch.testing.assert_close(nt_xent(z, n, temperature), torch.stack(expected).mean())
+
+
+def test_checkpoint_trunk_is_the_supervised_regnet_without_its_classifier():
+    """``trunk.<name>`` of a self-supervised model is ``<name>`` of the image-classification RegNet: loaded there (all
+    but fc), the supervised model's pooled features are Task.features'."""
+    from shardlab.registry import MODELS
+    from tasks.self_supervised.model import TRUNK_PREFIX
+
+    task = build_task(swav())
+    model = task.build_model()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        task.init_tensor(name, tensor.data, torch.Generator().manual_seed(len(name)))
+    trunk = {k.removeprefix(TRUNK_PREFIX): v for k, v in model.state_dict().items() if k.startswith(TRUNK_PREFIX)}
+    supervised = MODELS.build("regnet_cifar", task.cfg.model, 10)
+    result = supervised.load_state_dict(trunk, strict=False)
+    assert sorted(result.missing_keys) == ["fc.bias", "fc.weight"] and not result.unexpected_keys
+    supervised.fc = torch.nn.Identity()
+    images = torch.randn(4, 3, 16, 16)
+    features = task.features(model, images)
+    assert features.shape == (4, model.projection[0].in_features)
+    torch.testing.assert_close(features, supervised.eval()(images))
+
+
+def prototype_norms(trainer) -> dict:
+    return {"norms": trainer.model.prototypes.weight.detach().norm(dim=1)}
+
+
+@pytest.fixture(scope="module")
+def swav_runs(tmp_path_factory):
+    def run(name, *overrides):
+        return run_rank(swav(*overrides), tmp_path_factory.mktemp(name), dist_env.detect(), after_fit=prototype_norms)
+
+    return {
+        "queue": run("queue"),
+        "no_queue": run("no_queue", "task.queue_length=0"),
+        "frozen_throughout": run("frozen", "optimization.max_steps=3"),
+    }
+
+
+def test_queue_joins_the_assignment_once_full(swav_runs):
+    """Filled from step 1 (0-based), full after two batches: the first three losses are those of a run without one."""
+    queue, none = losses(swav_runs["queue"]), losses(swav_runs["no_queue"])
+    assert torch.equal(queue[:3], none[:3])
+    assert not torch.isclose(queue[3], none[3], rtol=1e-4)
+
+
+def test_frozen_prototypes_are_left_at_their_normalized_values(swav_runs):
+    """Prototypes are normalized before every training forward; frozen, nothing moves them afterwards."""
+    torch.testing.assert_close(swav_runs["frozen_throughout"]["norms"], torch.ones(24))
+    assert not torch.allclose(swav_runs["queue"]["norms"], torch.ones(24), atol=1e-4)  # updated from step 4 on
+
+
+def test_resume_while_prototypes_are_frozen_and_the_queue_fills_repeats_the_losses_exactly(tmp_path):
+    """Multi-crop augmentation drawn in 2 DataLoader workers; saved after step 2 (prototypes frozen for one more
+    step, the queue half full)."""
+    overrides = ["data.num_workers=2", "checkpoint.interval_steps=2", "checkpoint.keep_last=3"]
+    whole = run_rank(swav(*overrides), tmp_path / "whole", dist_env.detect())
+    resume = f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step_00000002'}"
+    resumed = run_rank(swav(*overrides, resume), tmp_path / "resumed", dist_env.detect())
+    assert [r["step"] for r in resumed["history"] if r["split"] == "train"] == list(range(3, STEPS + 1))
+    assert torch.equal(losses(resumed), losses(whole)[2:])
