@@ -41,7 +41,10 @@ class TrainState:
         self.skipped_steps += int(skipped)
 
     def counters(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("components", "tensors")}
+        return {f.name: getattr(self, f.name) for f in self._counter_fields()}
+
+    def _counter_fields(self):
+        return [f for f in fields(self) if f.name not in ("components", "tensors")]
 
     def state_dict(self) -> dict[str, Any]:
         """The counters and every component's state, JSON-serializable (None for an absent component)."""
@@ -52,9 +55,8 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from ``state_dict()``'s keys; a counter an older checkpoint lacks takes its default."""
-        for f in fields(self):
-            if f.name not in ("components", "tensors"):
-                setattr(self, f.name, int(state.get(f.name, f.default)))
+        for f in self._counter_fields():
+            setattr(self, f.name, int(state.get(f.name, f.default)))
         for key, obj in self.components.items():
             if obj is not None and state.get(key) is not None:
                 obj.load_state_dict(state[key])
