@@ -1,9 +1,10 @@
-"""Export an LM checkpoint as a Hugging Face GPT-2 directory (no custom code needed to load it).
+"""Export an LM checkpoint as a Hugging Face directory (no custom code needed to load it): model.arch=gpt as a
+GPT2LMHeadModel, model.arch=llama as a LlamaForCausalLM.
 
-    python tools/export_hf.py runs/lm/default/checkpoints/step_00000300 --out gpt2-export
-    python tools/export_hf.py model.safetensors --out gpt2-export       # a file from tools/consolidate.py
+    python tools/export_hf.py runs/lm/default/checkpoints/step_00000300 --out hf-export
+    python tools/export_hf.py model.safetensors --out hf-export       # a file from tools/consolidate.py
     python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; \
-AutoModelForCausalLM.from_pretrained('gpt2-export'); T.from_pretrained('gpt2-export')"
+AutoModelForCausalLM.from_pretrained('hf-export'); T.from_pretrained('hf-export')"
 
 Reads a sharded checkpoint of any world size (model weights only, never the optimizer) or a consolidated
 safetensors file (shardlab.checkpoint.weights) and writes config.json,
@@ -19,7 +20,7 @@ from pathlib import Path
 from shardlab.checkpoint import weights
 from shardlab.errors import ConfigError
 from shardlab.train import run_tool
-from tasks.lm.export_hf import export_gpt2, gpt2_refusal
+from tasks.lm.export_hf import export_hf, export_refusal
 from tasks.lm.tokenizer import load_tokenizer
 
 
@@ -32,18 +33,20 @@ def main(argv: list[str] | None = None) -> Path:
 
     config = weights.describe(args.checkpoint)["config"]
     if config["task"]["name"] != "lm":
-        raise ConfigError(f"{args.checkpoint} is a {config['task']['name']} checkpoint; only lm exports to GPT-2")
-    reason = gpt2_refusal(config["model"])  # before reading any weights
+        raise ConfigError(
+            f"{args.checkpoint} is a {config['task']['name']} checkpoint; only lm exports to Hugging Face"
+        )
+    reason = export_refusal(config["model"])  # before reading any weights
     if reason:
-        raise ConfigError(f"cannot export {args.checkpoint} to GPT-2: {reason}")
+        raise ConfigError(f"cannot export {args.checkpoint} to Hugging Face: {reason}")
     spec = args.tokenizer or config["data"]["tokenizer"]
     try:
         tokenizer = load_tokenizer(spec, None if args.tokenizer else config["data"].get("eod_token"))
     except ConfigError as e:
         raise ConfigError(f"{e} (or pass the tokenizer the run used with --tokenizer)") from None
     state = weights.read_full(args.checkpoint)
-    export_gpt2(state, config["model"], tokenizer, args.out)
-    print(f"wrote {args.out} (GPT2LMHeadModel, vocabulary {state['embed.tok.weight'].shape[0]}, tokenizer {spec})")
+    hf = export_hf(state, config["model"], tokenizer, args.out)
+    print(f"wrote {args.out} ({hf['architectures'][0]}, vocabulary {hf['vocab_size']}, tokenizer {spec})")
     return args.out
 
 

@@ -52,12 +52,16 @@ class ModelProfile:
 
 class _FusedAttentionShapes(torch.autograd.Function):
     """Stands in for scaled_dot_product_attention on meta tensors with what a fused kernel (flash on CUDA, the flash
-    kernel torch uses on CPU) saves: q, k, v, the output and one float per query row. The meta device's own
-    attention decomposes into the math path, which would count a (length x length) matrix no real run keeps."""
+    kernel torch uses on CPU) saves: q, k, v as given (with fewer key/value heads under enable_gqa), the output and
+    one float per query row. The meta device's own attention decomposes into the math path, which would count a
+    (length x length) matrix no real run keeps. The output is laid out as the kernels write it, (..., length, heads,
+    width) seen through a transpose, so the usual ``transpose(1, 2).reshape`` after attention is a view, not a copy
+    the plan would count again."""
 
     @staticmethod
     def forward(ctx, q, k, v):
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        *batch, heads, length, _ = q.shape
+        out = q.new_empty((*batch, length, heads, v.shape[-1])).transpose(-3, -2)
         row_stats = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, row_stats)
         return out

@@ -34,6 +34,32 @@ class GPTConfig:
 
 
 @dataclass
+class LlamaConfig:
+    arch: str = "llama"
+    """A name in MODELS."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    dim: int = 256
+    """Residual stream width."""
+    num_heads: int = 4
+    """Query heads; must divide dim (head width = dim / num_heads, even: RoPE rotates pairs)."""
+    num_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); must divide num_heads. num_heads = classic multi-head attention."""
+    ffn_dim: int | None = None
+    """SwiGLU hidden width; null = 8/3 x dim rounded up to a multiple of 64 (the width a 4 x dim GELU MLP costs)."""
+    max_seq_len: int = 256
+    """Longest sequence the model is trained for (RoPE has no table to outgrow); data.seq_len must not exceed it."""
+    vocab_size: int | None = None
+    """Token vocabulary; null = the tokenizer's size (rounded up to a multiple of 64 for fast matmuls)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position frequencies (Llama 2: 1e4, Llama 3: 5e5)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the RMSNorms."""
+    init_std: float = 0.02
+    """Std of the normal init of weights; residual projections are scaled by 1/sqrt(2 * num_layers)."""
+
+
+@dataclass
 class LMDataConfig:
     path: str | None = None
     """A text or JSONL file (.gz too), or a directory of them; null = the embedded corpus (this Python's stdlib)."""
@@ -58,6 +84,7 @@ class LMDataConfig:
 def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(group="schema", name="gpt_model", node=GPTConfig)
+    cs.store(group="schema", name="llama_model", node=LlamaConfig)
     cs.store(group="schema", name="lm_data", node=LMDataConfig)
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlab.registry import MODELS
+from tasks.lm.architecture import LMArchitecture, below_one
 from tasks.lm.config import GPTConfig
 
 
@@ -76,7 +77,10 @@ class Head(nn.Module):
         return self.out(self.ln_f(x))
 
 
-class GPT(nn.Module):
+@MODELS.register("gpt")
+class GPT(LMArchitecture):
+    config_class = GPTConfig
+
     def __init__(self, cfg: GPTConfig, vocab_size: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -92,20 +96,33 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(x)
 
+    def fsdp_units(self) -> list[nn.Module]:
+        # Tied embeddings share one parameter between the first and last module, which FSDP2 cannot place in two
+        # units: then both stay in the root unit and only the blocks are sharded separately.
+        if self.cfg.tie_embeddings:
+            return list(self.blocks)
+        return [self.embed, *self.blocks, self.head]
 
-def init_gpt_tensor(cfg: GPTConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-    """GPT-2 init of the full tensor ``name``: N(0, init_std) weights, residual projections scaled by
-    1/sqrt(2 * layers), zero biases, unit norms."""
-    if ".ln_" in name or name.startswith("head.ln_f"):
-        tensor.fill_(1.0 if name.endswith("weight") else 0.0)
-    elif name.endswith("bias"):
-        tensor.zero_()
-    elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-        tensor.normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.num_layers), generator=generator)
-    else:
-        tensor.normal_(0.0, cfg.init_std, generator=generator)
+    @classmethod
+    def config_errors(cls, m: GPTConfig) -> list[str]:
+        errors = below_one(m, ("num_layers", "dim", "num_heads", "max_seq_len"))
+        if int(m.mlp_ratio * m.dim) < 1:
+            errors.append(f"model.mlp_ratio ({m.mlp_ratio}) x model.dim ({m.dim}) must give an MLP at least 1 wide")
+        if not 0 <= m.dropout < 1:
+            errors.append(f"model.dropout must be in [0, 1), got {m.dropout}")
+        if m.num_heads >= 1 and m.dim % m.num_heads:
+            errors.append(f"model.num_heads ({m.num_heads}) must divide model.dim ({m.dim})")
+        return errors
 
-
-@MODELS.register("gpt")
-def build_gpt(cfg: GPTConfig, vocab_size: int) -> GPT:
-    return GPT(cfg, vocab_size)
+    @classmethod
+    def init_tensor(cls, cfg: GPTConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """GPT-2 init: N(0, init_std) weights, residual projections scaled by 1/sqrt(2 * layers), zero biases, unit
+        norms."""
+        if ".ln_" in name or name.startswith("head.ln_f"):
+            tensor.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif name.endswith("bias"):
+            tensor.zero_()
+        elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            tensor.normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.num_layers), generator=generator)
+        else:
+            tensor.normal_(0.0, cfg.init_std, generator=generator)

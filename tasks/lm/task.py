@@ -9,10 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import tasks.lm.llama  # noqa: F401  (importing registers the llama architecture)
+import tasks.lm.model  # noqa: F401  (importing registers the gpt architecture)
+from shardlab.errors import ConfigError
 from shardlab.registry import MODELS
 from shardlab.task import Task
+from tasks.lm.architecture import LMArchitecture
 from tasks.lm.data import open_splits, prepare_corpus
-from tasks.lm.model import init_gpt_tensor  # importing it registers the gpt architecture
 from tasks.lm.tokenizer import load_tokenizer
 
 
@@ -31,19 +34,34 @@ class LanguageModelingTask(Task):
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
         self.vocab_size = cfg.model.vocab_size or padded_vocab(self.tokenizer.vocab_size)
 
+    @property
+    def architecture(self) -> type[LMArchitecture]:
+        """The model.arch class: builds the model and says how to check, initialise and shard it."""
+        arch = MODELS.get(self.cfg.model.arch, key="model.arch")
+        if not (isinstance(arch, type) and issubclass(arch, LMArchitecture)):
+            raise ConfigError(
+                f"model.arch: '{self.cfg.model.arch}' is not a language-model architecture (a subclass of "
+                f"tasks.lm.architecture.LMArchitecture); pick a model=gpt_* or model=llama_* flavor"
+            )
+        return arch
+
     def config_errors(self) -> list[str]:
         m, d = self.cfg.model, self.cfg.data
-        errors = [
-            f"model.{key} must be >= 1, got {m[key]}"
-            for key in ("num_layers", "dim", "num_heads", "max_seq_len")
-            if m[key] < 1
-        ]
-        if int(m.mlp_ratio * m.dim) < 1:
-            errors.append(f"model.mlp_ratio ({m.mlp_ratio}) x model.dim ({m.dim}) must give an MLP at least 1 wide")
-        if not 0 <= m.dropout < 1:
-            errors.append(f"model.dropout must be in [0, 1), got {m.dropout}")
-        if m.num_heads >= 1 and m.dim % m.num_heads:
-            errors.append(f"model.num_heads ({m.num_heads}) must divide model.dim ({m.dim})")
+        try:
+            arch = self.architecture
+        except ConfigError as e:
+            return [str(e)]
+        ignored = sorted(set(m) - arch.config_keys())
+        missing = sorted(arch.config_keys() - set(m))
+        if ignored or missing:  # e.g. model=gpt_tiny model.arch=llama: the section is another architecture's
+            return [
+                f"model.arch={m.arch} reads the keys of {arch.config_class.__name__}, but the model section "
+                + (f"has keys it ignores ({', '.join(ignored)})" if ignored else "")
+                + (" and " if ignored and missing else "")
+                + (f"lacks {', '.join(missing)}" if missing else "")
+                + f"; choose a model={m.arch}_* flavor instead of overriding model.arch"
+            ]
+        errors = arch.config_errors(m)
         if d.seq_len < 1 or d.seq_len > m.max_seq_len:
             errors.append(
                 f"data.seq_len ({d.seq_len}) must be in [1, model.max_seq_len={m.max_seq_len}]; "
@@ -73,17 +91,13 @@ class LanguageModelingTask(Task):
         self.train_dataset, self.valid_dataset = open_splits(corpus, d.seq_len)
 
     def build_model(self) -> nn.Module:
-        return MODELS.build(self.cfg.model.arch, self.cfg.model, self.vocab_size, key="model.arch")
+        return self.architecture(self.cfg.model, self.vocab_size)
 
     def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        init_gpt_tensor(self.cfg.model, name, tensor, generator)
+        self.architecture.init_tensor(self.cfg.model, name, tensor, generator)
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
-        # Tied embeddings share one parameter between the first and last module, which FSDP2 cannot place in two
-        # units: then both stay in the root unit and only the blocks are sharded separately.
-        if self.cfg.model.tie_embeddings:
-            return list(model.blocks)
-        return [model.embed, *model.blocks, model.head]
+        return model.fsdp_units()
 
     def example_batch(self, batch_size: int) -> torch.Tensor:
         return torch.zeros(batch_size, self.cfg.data.seq_len + 1, dtype=torch.long, device="meta")

@@ -92,6 +92,8 @@ def run_single(cfg, tmp_path) -> dict:
 
 
 FSDP = "distributed.backend=fully_sharded"
+# Grouped-query attention (2 key/value heads for 4 query heads), RoPE, untied embedding and head as their own units.
+LLAMA = ["model=llama_tiny", "model.num_kv_heads=2", "model.ffn_dim=null"]
 # The opt-in CPU path: gradients reduced as overlapped all-reduces, all-gathers prefetched asynchronously.
 OVERLAP = [FSDP, "distributed.reduce_scatter=all_reduce", "distributed.prefetch_units=1"]
 TWO_RANK_VARIANTS = {
@@ -116,6 +118,8 @@ TWO_RANK_VARIANTS = {
     "fsdp_bf16_reduce": [*OVERLAP, "distributed.precision=bf16", "distributed.reduce_dtype=bf16"],
     "fsdp_fp16_native": [FSDP, "distributed.precision=fp16"],
     "fsdp_fp16_reduce": [FSDP, "distributed.reduce_dtype=fp16"],  # fp32 params, fp16 reduce-scatter: scaled too
+    "llama_fsdp_native": [FSDP, *LLAMA],
+    "llama_fsdp_act_ckpt": [*OVERLAP, *LLAMA, "distributed.activation_checkpointing=full"],
 }
 
 
@@ -132,10 +136,13 @@ def single_results(tiny_lm, tmp_path_factory):
         "plain": run_single(tiny_lm(), tmp_path_factory.mktemp("single")),
         "untied": run_single(tiny_lm("model.tie_embeddings=false"), tmp_path_factory.mktemp("single_untied")),
         "accum": run_single(tiny_lm("optimization.update_freq=2"), tmp_path_factory.mktemp("single_accum")),
+        "llama": run_single(tiny_lm(*LLAMA), tmp_path_factory.mktemp("single_llama")),
     }
 
 
 def reference_for(name: str, single_results: dict) -> dict:
+    if name.startswith("llama"):
+        return single_results["llama"]
     if "untied" in name:
         return single_results["untied"]
     return single_results["accum"] if "accum" in name else single_results["plain"]
@@ -179,6 +186,7 @@ OVERLAPPING = [  # every fp32-reduce 1-D variant: each unit's reduce runs under 
     "fsdp_offload",
     "fsdp_offload_cpu_adam",
     "fsdp_act_ckpt",
+    "llama_fsdp_act_ckpt",  # its embedding and head are units too
     "fsdp_offload_activations",
     "fsdp_bf16",  # bf16 compute, fp32 reduce
     "fsdp_accum_last",  # one reduce per step, into empty gradients

@@ -1,4 +1,5 @@
-"""tools/export_hf.py: a trained checkpoint loads in transformers as GPT-2 and computes what shardlab computes."""
+"""tools/export_hf.py: a trained checkpoint loads in transformers as GPT-2 or Llama and computes what shardlab
+computes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.runner import run_rank
-from tasks.lm.export_hf import gpt2_refusal
+from tasks.lm.export_hf import export_refusal
 from tools import export_hf, generate, preprocess_lm
 
 transformers = pytest.importorskip("transformers")
@@ -25,15 +26,26 @@ def bpe_tokenizer(tmp_path_factory) -> str:
     return str(out / "tokenizer.json")
 
 
-@pytest.mark.parametrize("tokenizer, tied", [("bpe", True), ("byte", False)])
-def test_exported_model_matches_shardlab_logits_and_greedy_tokens(tokenizer, tied, tiny_lm, bpe_tokenizer, tmp_path):
+# Grouped-query attention, a rope_theta and rms_norm_eps other than transformers' defaults, a SwiGLU width of its own.
+LLAMA = [
+    "model=llama_tiny",
+    "model.num_kv_heads=2",
+    "model.ffn_dim=96",
+    "model.rope_theta=500000",
+    "model.norm_eps=1e-6",
+]
+EXPORTS = {
+    "gpt2_bpe_tied": ("bpe", "GPT2LMHeadModel", ["model.tie_embeddings=true"]),
+    "gpt2_byte_untied": ("byte", "GPT2LMHeadModel", ["model.tie_embeddings=false"]),
+    "llama_bpe": ("bpe", "LlamaForCausalLM", LLAMA),
+}
+
+
+@pytest.mark.parametrize("name", EXPORTS)
+def test_exported_model_matches_shardlab_logits_and_greedy_tokens(name, tiny_lm, bpe_tokenizer, tmp_path):
+    tokenizer, hf_class, model_overrides = EXPORTS[name]
     spec = bpe_tokenizer if tokenizer == "bpe" else "byte"
-    cfg = tiny_lm(
-        f"data.tokenizer={spec}",
-        f"model.tie_embeddings={str(tied).lower()}",
-        "optimization.max_steps=6",
-        "checkpoint.interval_steps=6",
-    )
+    cfg = tiny_lm(f"data.tokenizer={spec}", *model_overrides, "optimization.max_steps=6", "checkpoint.interval_steps=6")
     run_rank(cfg, tmp_path, dist_env.detect())
     checkpoint = tmp_path / "checkpoints" / "step_00000006"
     out = export_hf.main([str(checkpoint), "--out", str(tmp_path / "hf")])
@@ -42,10 +54,12 @@ def test_exported_model_matches_shardlab_logits_and_greedy_tokens(tokenizer, tie
     task.prepare_data()
     batch = torch.stack([task.valid_dataset[i] for i in range(4)])[:, :-1]
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(hf).__name__ == "GPT2LMHeadModel"
-    assert hf.config.tie_word_embeddings == tied
+    assert type(hf).__name__ == hf_class
+    assert hf.config.tie_word_embeddings == cfg.model.get("tie_embeddings", False)
     with torch.no_grad():
-        torch.testing.assert_close(hf(batch).logits, ours(batch), rtol=1e-4, atol=1e-5)
+        theirs, mine = hf(batch).logits, ours(batch)
+    torch.testing.assert_close(theirs, mine, rtol=1e-4, atol=1e-5)
+    assert (theirs - mine).abs().max() <= 1e-4
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "def main(argv):\n    return  'déjà vu ✓'\n"
@@ -62,11 +76,11 @@ def test_exported_model_matches_shardlab_logits_and_greedy_tokens(tokenizer, tie
     assert got == expected and len(expected) > len(prompt)
 
 
-def test_configs_gpt2_cannot_express_are_refused_with_a_reason():
+def test_configs_no_hugging_face_architecture_expresses_are_refused_with_a_reason():
     base = {"arch": "gpt", "dim": 64, "mlp_ratio": 4.0}
-    assert gpt2_refusal(base) is None
-    assert "fractional" in gpt2_refusal({**base, "mlp_ratio": 1.01})
-    assert "only arch=gpt" in gpt2_refusal({**base, "arch": "llama"})
+    assert export_refusal(base) is None and export_refusal({"arch": "llama"}) is None
+    assert "fractional" in export_refusal({**base, "mlp_ratio": 1.01})
+    assert "model.arch='mine' has no Hugging Face counterpart" in export_refusal({**base, "arch": "mine"})
 
 
 def test_export_of_a_non_checkpoint_directory_is_a_one_line_error(tmp_path):

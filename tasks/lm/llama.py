@@ -1,0 +1,169 @@
+"""A Llama-style decoder: pre-RMSNorm blocks, rotary positions, grouped-query causal attention, SwiGLU MLP, untied
+output projection, no biases.
+
+Every convention is Hugging Face's LlamaForCausalLM, so an export is a renaming (tasks/lm/export_hf.py): RMSNorm in
+fp32 cast back before the weight; RoPE in the rotate-half layout (the first half of each head pairs with the second,
+not neighbouring channels), frequencies theta^(-2i/head_dim) in fp32; query head h reads key/value head
+h // (num_heads / num_kv_heads); softmax scale 1/sqrt(head_dim).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlab.registry import MODELS
+from tasks.lm.architecture import LMArchitecture, below_one
+from tasks.lm.config import LlamaConfig
+
+
+def ffn_width(dim: int, ffn_dim: int | None) -> int:
+    """The SwiGLU hidden width: model.ffn_dim, or 8/3 x model.dim rounded up to a multiple of 64."""
+    return ffn_dim or math.ceil(8 * dim / 3 / 64) * 64
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rotary_tables(length: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype):
+    """cos and sin of each (position, channel) angle, (length, head_dim), computed in fp32 (elementwise, so autocast
+    leaves them alone) and cast to the activations' dtype. Computed once per forward and shared by every block: a
+    table kept as a buffer would need initialising and sharding for no saving."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each channel pair (i, i + head_dim/2) of ``x`` (batch, heads, length, head_dim) by its angle."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.dim // cfg.num_heads
+        self.q = nn.Linear(cfg.dim, cfg.num_heads * self.head_dim, bias=False)
+        self.k = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(cfg.num_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if self.num_kv_heads < self.num_heads:
+            # Expanded here rather than by SDPA's enable_gqa: CUDA's memory-efficient kernel (the fp32 one) has no
+            # GQA and would fall back to the math kernel's (length x length) matrices; expanded, every device keeps
+            # what a fused kernel keeps, which is what the memory plan counts.
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        hidden = ffn_width(cfg.dim, cfg.ffn_dim)
+        self.gate = nn.Linear(cfg.dim, hidden, bias=False)
+        self.up = nn.Linear(cfg.dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Head(nn.Module):
+    """Final norm and output projection: one FSDP unit (the output projection is never tied)."""
+
+    def __init__(self, cfg: LlamaConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.out = nn.Linear(cfg.dim, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+@MODELS.register("llama")
+class Llama(LMArchitecture):
+    config_class = LlamaConfig
+
+    def __init__(self, cfg: LlamaConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.head = Head(cfg, vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        head_dim = self.cfg.dim // self.cfg.num_heads
+        cos, sin = rotary_tables(idx.shape[1], head_dim, self.cfg.rope_theta, x.device, x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(x)
+
+    def fsdp_units(self) -> list[nn.Module]:
+        # Untied, the embedding and the head are the two largest matrices of a small model: each its own unit.
+        return [self.embed, *self.blocks, self.head]
+
+    @classmethod
+    def config_errors(cls, m: LlamaConfig) -> list[str]:
+        errors = below_one(m, ("num_layers", "dim", "num_heads", "num_kv_heads", "max_seq_len"))
+        if m.num_heads >= 1 and m.dim % m.num_heads:
+            errors.append(f"model.num_heads ({m.num_heads}) must divide model.dim ({m.dim})")
+        elif m.num_heads >= 1 and (m.dim // m.num_heads) % 2:
+            errors.append(
+                f"model.dim / model.num_heads = {m.dim // m.num_heads} must be even: RoPE rotates channel pairs"
+            )
+        if m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads:
+            errors.append(f"model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads ({m.num_heads})")
+        if m.ffn_dim is not None and m.ffn_dim < 1:
+            errors.append(f"model.ffn_dim must be >= 1 (or null for 8/3 x dim), got {m.ffn_dim}")
+        if m.rope_theta <= 0 or m.norm_eps <= 0:
+            errors.append(f"model.rope_theta ({m.rope_theta}) and model.norm_eps ({m.norm_eps}) must be > 0")
+        return errors
+
+    @classmethod
+    def init_tensor(cls, cfg: LlamaConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """N(0, init_std) weights (embedding and head too), the residual projections (attn.o, mlp.down) scaled by
+        1/sqrt(2 * layers) as in GPT-2, unit norms."""
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif name.endswith(("attn.o.weight", "mlp.down.weight")):
+            tensor.normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.num_layers), generator=generator)
+        else:
+            tensor.normal_(0.0, cfg.init_std, generator=generator)
