@@ -128,13 +128,11 @@ def run_rank(
 
     task = task or build_task(cfg, env.world_size, check_budget=False)
     backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, env, key="distributed.backend")
-    backend.setup()
+    # Each rank opens its data before the process group exists (the corpus cache makes one writer per cache and
+    # lets the others wait for it), so preprocessing never runs under distributed.timeout_s; the ranks then agree
+    # that they opened the same data.
+    backend.setup(prepare_data=lambda: prepare_data(task))
     try:
-        if env.is_main:
-            task.prepare_data()  # rank 0 preprocesses first; the others then hit its cache
-        backend.barrier()
-        if not env.is_main:
-            task.prepare_data()
         plan = plan_run(cfg, task, env.world_size)
         if env.is_main:
             print("\n".join(plan.lines), flush=True)  # before anything is allocated
@@ -159,6 +157,12 @@ def run_rank(
             run_record.finish(run_dir, result)  # before the handler below, which may end the process
         trainer.stop_signals.forward()  # under submitit: its requeue, now that the checkpoint is written
     return result
+
+
+def prepare_data(task) -> str:
+    """This rank's data step: preprocess or open the task's data; returns what it opened (Task.data_identity)."""
+    task.prepare_data()
+    return task.data_identity()
 
 
 def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int, result_file: str) -> None:

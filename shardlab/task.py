@@ -32,7 +32,13 @@ class Task(ABC):
 
     @abstractmethod
     def prepare_data(self) -> None:
-        """Preprocess (rank 0 first, cached) and open train_dataset / valid_dataset."""
+        """Preprocess (cached) and open train_dataset / valid_dataset. Every rank calls it before the process group
+        exists, all at once: work shared between processes (a corpus cache) must be safe to start concurrently."""
+
+    def data_identity(self) -> str:
+        """What this rank opened, in a line that every rank must produce alike (shardlab.distributed.join compares
+        them before training): by default the sizes of the splits."""
+        return f"{len(self.train_dataset)} train / {len(self.valid_dataset)} valid samples"
 
     @abstractmethod
     def build_model(self) -> nn.Module:

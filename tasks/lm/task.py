@@ -69,8 +69,15 @@ class LanguageModelingTask(Task):
             d.get("jsonl_field", "text"),  # absent from configs of older checkpoints (generate.py reloads those)
             d.get("num_preprocess_workers", -1),
         )
+        self.corpus = corpus
         self.meta = json.loads((corpus / "meta.json").read_text())
         self.train_dataset, self.valid_dataset = open_splits(corpus, d.seq_len)
+
+    def data_identity(self) -> str:
+        # The tokens' own hash where the cache has one, so node-local copies of one corpus (other paths or mtimes,
+        # hence another cache name) agree; caches written before it existed compare by their name.
+        content = self.meta.get("content_digest") or f"cache {self.corpus.name}"
+        return f"{self.meta['train_tokens']:,} train / {self.meta['valid_tokens']:,} valid tokens ({content})"
 
     def build_model(self) -> nn.Module:
         return MODELS.build(self.cfg.model.arch, self.cfg.model, self.vocab_size, key="model.arch")
