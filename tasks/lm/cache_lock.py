@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from shardlab.errors import DataError
+
 HEARTBEAT_S = 5.0
 """How often a writer touches its lock."""
 STALE_S = 60.0
@@ -65,12 +67,17 @@ def _acquire(out: Path) -> Iterator[bool]:
     """Yields True holding the lock (heartbeat running, lock removed on exit), or False when another process holds
     it."""
     lock = lock_path(out)
-    lock.parent.mkdir(parents=True, exist_ok=True)
     try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         yield False
         return
+    except OSError as e:
+        raise DataError(
+            f"data.cache_dir: cannot write {lock} to preprocess the corpus there ({e.strerror or e}); choose a "
+            "writable data.cache_dir (tools/preprocess_lm.py: --cache-dir)"
+        ) from None
     token = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(token))
