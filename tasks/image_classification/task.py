@@ -93,6 +93,8 @@ class ImageClassificationTask(Task):
                 f"data.path: {counted[0]} holds {counted[1]} images, fewer than one validation.batch_size ({vb}); "
                 "lower validation.batch_size or add images"
             )
+        if source_of(d) == "fake" and d.num_fake_classes < 1:
+            errors.append(f"data.num_fake_classes must be >= 1, got {d.num_fake_classes}")
         if source_of(d) != "folder":
             if d.num_train < 1:
                 errors.append(f"data.num_train must be >= 1, got {d.num_train}")
@@ -154,7 +156,8 @@ class ImageClassificationTask(Task):
     def loss(self, model: nn.Module, batch, device: torch.device):
         images, labels, skipped = batch
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        logits = model(images).float()
+        logits = model(images)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the loss in fp32, or float64
         loss = F.cross_entropy(logits, labels, label_smoothing=self.cfg.data.label_smoothing)
         top5 = logits.topk(min(5, logits.size(1)), dim=1).indices
         hits = top5 == labels[:, None]
