@@ -23,7 +23,6 @@ from tasks.image_classification.data import (
     source_of,
 )
 
-
 CIFAR_SHAPE_KEYS = ("depth", "w_0", "w_a", "w_m", "group_width", "bottleneck_multiplier", "se_ratio", "stem_width")
 """The RegNetConfig fields only arch=regnet_cifar reads (a torchvision flavor has its shape built in)."""
 
@@ -35,15 +34,15 @@ def ignored_model_keys(m) -> list[str]:
     if m.arch == "regnet":
         changed = [f"model.{key}" for key in CIFAR_SHAPE_KEYS if m[key] != getattr(defaults, key)]
         if changed:
+            one = len(changed) == 1
             return [
-                f"{', '.join(changed)} shape{'s' if len(changed) == 1 else ''} arch=regnet_cifar only; "
-                f"arch=regnet takes its shape from model.flavor ({m.flavor}): drop {'it' if len(changed) == 1 else 'them'}"
-                " or use model=regnet_cifar"
+                f"{', '.join(changed)} shape{'s' if one else ''} arch=regnet_cifar only; arch=regnet takes its shape "
+                f"from model.flavor ({m.flavor}): drop {'it' if one else 'them'} or use model=regnet_cifar"
             ]
     if m.arch == "regnet_cifar" and m.flavor is not None:
         return [
-            f"model.flavor ({m.flavor}) names a torchvision RegNet, which arch=regnet_cifar does not read (its shape is "
-            "model.depth, w_0, w_a, ...); drop model.flavor, or use model.arch=regnet"
+            f"model.flavor ({m.flavor}) names a torchvision RegNet, which arch=regnet_cifar does not read (its shape "
+            "is model.depth, w_0, w_a, ...); drop model.flavor, or use model.arch=regnet"
         ]
     return []
 
