@@ -270,21 +270,40 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
 
 
 def path_errors(cfg: Any, run_dir: str | os.PathLike) -> list[str]:
-    """The run directory and ``<run dir>/<checkpoint.dir>`` must be directories this process can create and write,
-    so a bad path stops the run before its first step, not at its first save. Creates nothing."""
-    errors = []
+    """The run directory and ``<run dir>/<checkpoint.dir>`` must be directories this process can create and write
+    in, so a bad path stops the run before its first step, not at its first save. Checked by doing it: each is
+    created (with its missing parents), a file is written and removed in it, and what the check created is removed
+    again - permission bits say nothing of read-only mounts, /proc, or a root user (who passes every access check)."""
     for key, path in (("hydra.run.dir", Path(run_dir)), ("checkpoint.dir", Path(run_dir) / cfg.checkpoint.dir)):
-        path = path.expanduser().absolute()
-        existing = next(p for p in (path, *path.parents) if p.exists())
-        problem = None
-        if not existing.is_dir():
-            problem = f"{existing} is a file, not a directory"
-        elif not os.access(existing, os.W_OK | os.X_OK):
-            problem = f"{existing} is not writable"
+        problem = writable_dir_problem(path.expanduser().absolute())
         if problem:
-            errors.append(f"{key}: cannot create or write {path} ({problem}); choose a writable directory")
-            break  # the checkpoint directory lives inside the run directory: one message is enough
-    return errors
+            # The checkpoint directory usually lives inside the run directory: one message is enough.
+            return [f"{key}: cannot create or write {path} ({problem}); choose a writable directory"]
+    return []
+
+
+def writable_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be created as a directory and written in, or None; leaves the filesystem as it was."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    existing = path.parents[len(missing) - 1] if missing else path
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    probe = path / f".shardlab-write-test-{os.getpid()}"
+    step = "creating it"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        step = "writing a file in it"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        return f"{step} failed: {e.strerror or e}"
+    finally:
+        for created in missing:  # deepest first; one another process filled meanwhile stays
+            try:
+                created.rmdir()
+            except OSError:
+                break
+    return None
 
 
 def unknown_key_errors(cfg: Any) -> list[str]:

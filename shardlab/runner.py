@@ -20,7 +20,7 @@ from shardlab import errors
 from shardlab.config import path_errors, validate
 from shardlab.distributed import env as dist_env
 from shardlab.distributed import load_backends
-from shardlab.errors import ConfigError, RankFailed, ShardlabError
+from shardlab.errors import ConfigError, DataError, RankFailed, ShardlabError
 from shardlab.jobs import run_record
 from shardlab.jobs.preemption import STOP_SIGNALS, STOPPED_EXIT_CODE
 from shardlab.memory import budget as memory_budget
@@ -48,7 +48,11 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
         problems.append(str(e))
     if cfg.distributed.backend != "auto":
         BACKENDS.get(cfg.distributed.backend, key="distributed.backend")
+    foreign = foreign_section_errors(cfg)
+    if foreign:  # the task's own checks would only fail on the other task's keys
+        raise ConfigError("; ".join(problems + foreign))
     task = TASKS.build(cfg.task.name, cfg, key="task.name")
+    problems += architecture_errors(cfg)
     problems += task.config_errors()
     if cfg.distributed.wrap_min_num_params > 0 and type(task).fsdp_units is not Task.fsdp_units:
         problems.append(
@@ -64,6 +68,39 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
         if chosen and dist_env.detect().is_main:
             print(chosen, flush=True)
     return task
+
+
+def plugin_package(factory) -> str:
+    """The task plug-in package a registered factory or schema class comes from (e.g. tasks.lm)."""
+    return factory.__module__.rpartition(".")[0]
+
+
+def foreign_section_errors(cfg: DictConfig) -> list[str]:
+    """The model and data sections must be the chosen task's own: a GPTConfig cannot configure image classification,
+    nor image data the LM."""
+    from shardlab.train import options_of
+
+    package = plugin_package(TASKS.get(cfg.task.name, key="task.name"))
+    errors = []
+    for section in ("model", "data"):
+        schema = OmegaConf.get_type(cfg[section])
+        if schema is not None and schema is not dict and plugin_package(schema) != package:
+            errors.append(
+                f"{section}: task {cfg.task.name} cannot read a {schema.__name__} (a {section} config of "
+                f"{plugin_package(schema)}); use one of its own: {section}={' | '.join(options_of(section, package))}"
+            )
+    return errors
+
+
+def architecture_errors(cfg: DictConfig) -> list[str]:
+    """model.arch must name an architecture of the chosen task (registered once the task is built)."""
+    from shardlab.registry import MODELS, unknown_name_message
+
+    package = plugin_package(TASKS.get(cfg.task.name))
+    own = [name for name in MODELS.names() if plugin_package(MODELS.get(name)) == package]
+    if cfg.model.arch not in own:
+        return [unknown_name_message(cfg.model.arch, f"model architecture of task {cfg.task.name}", own, "model.arch")]
+    return []
 
 
 def job_world_size(cfg: DictConfig, launcher_world_size: int) -> int:
@@ -85,7 +122,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             print_plan(cfg, task)
             return None
         if env.launcher == "none" and cfg.distributed.world_size > 1:
-            task.prepare_data()  # once, here, so the ranks find it cached and data errors come back as one line
+            prepare_data(task)  # once, here, so the ranks find it cached and data errors come back as one line
             result = launch_local(cfg, run_dir, cfg.distributed.world_size)
         else:
             result = run_rank(cfg, run_dir, env, task=task)
@@ -128,13 +165,11 @@ def run_rank(
 
     task = task or build_task(cfg, env.world_size, check_budget=False)
     backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, env, key="distributed.backend")
-    backend.setup()
+    # Each rank opens its data before the process group exists (the corpus cache makes one writer per cache and
+    # lets the others wait for it), so preprocessing never runs under distributed.timeout_s; the ranks then agree
+    # that they opened the same data.
+    backend.setup(prepare_data=lambda: prepare_data(task))
     try:
-        if env.is_main:
-            task.prepare_data()  # rank 0 preprocesses first; the others then hit its cache
-        backend.barrier()
-        if not env.is_main:
-            task.prepare_data()
         plan = plan_run(cfg, task, env.world_size)
         if env.is_main:
             print("\n".join(plan.lines), flush=True)  # before anything is allocated
@@ -159,6 +194,17 @@ def run_rank(
             run_record.finish(run_dir, result)  # before the handler below, which may end the process
         trainer.stop_signals.forward()  # under submitit: its requeue, now that the checkpoint is written
     return result
+
+
+def prepare_data(task) -> str:
+    """This rank's data step: preprocess or open the task's data and check it against the config (before the first
+    step, so a validation split too small for its batch is not found at the first validation); returns what the rank
+    opened (Task.data_identity)."""
+    task.prepare_data()
+    problems = task.data_errors()
+    if problems:
+        raise DataError("; ".join(problems))
+    return task.data_identity()
 
 
 def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int, result_file: str) -> None:

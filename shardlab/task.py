@@ -32,7 +32,37 @@ class Task(ABC):
 
     @abstractmethod
     def prepare_data(self) -> None:
-        """Preprocess (rank 0 first, cached) and open train_dataset / valid_dataset."""
+        """Preprocess (cached) and open train_dataset / valid_dataset. Every rank calls it before the process group
+        exists, all at once: work shared between processes (a corpus cache) must be safe to start concurrently."""
+
+    def data_errors(self) -> list[str]:
+        """Problems the opened data shows against the config, found before the first step on every rank: each split
+        must fill one global batch (a validation split smaller than validation.batch_size would end the run at its
+        first validation, and again after every resume)."""
+        o, v = self.cfg.optimization, self.cfg.validation
+        errors = []
+        for split, dataset, key, batch in (
+            ("training", self.train_dataset, "optimization.batch_size", o.batch_size),
+            ("validation", self.valid_dataset, "validation.batch_size", v.batch_size),
+        ):
+            if dataset is not None and len(dataset) < batch:
+                errors.append(
+                    f"{key} ({batch}) is more than the {len(dataset)} {self.sample_name} of the {split} split; lower "
+                    f"{key} or {self.more_samples_hint(split)}"
+                )
+        return errors
+
+    sample_name = "samples"
+    """What one sample is, in error messages (the LM: blocks of data.seq_len tokens)."""
+
+    def more_samples_hint(self, split: str) -> str:
+        """How to give ``split`` (training or validation) more samples, for error messages."""
+        return f"give the {split} split more data"
+
+    def data_identity(self) -> str:
+        """What this rank opened, in a line that every rank must produce alike (shardlab.distributed.join compares
+        them before training): by default the sizes of the splits."""
+        return f"{len(self.train_dataset)} train / {len(self.valid_dataset)} valid samples"
 
     @abstractmethod
     def build_model(self) -> nn.Module:

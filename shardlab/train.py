@@ -16,9 +16,10 @@ from pathlib import Path
 
 import hydra
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from shardlab.config import path_errors, register_schemas, validate
 from shardlab.errors import ConfigError, ShardlabError
@@ -48,6 +49,48 @@ def check_group_choices(overrides: list[str]) -> None:
             raise ConfigError(unknown_name_message(value, f"{key} option (conf/{key}/*.yaml)", group_options(key), key))
 
 
+def option_package(group: str, option: str) -> str | None:
+    """The task plug-in package (e.g. ``tasks.lm``) whose schema conf/<group>/<option>.yaml builds on, if any."""
+    path = CONF_DIR / group / f"{option}.yaml"
+    if not path.is_file():
+        return None
+    for entry in OmegaConf.load(path).get("defaults", []):
+        if isinstance(entry, str) and entry.startswith("/schema/"):
+            node = ConfigStore.instance().load(f"schema/{entry.removeprefix('/schema/').split('@')[0]}.yaml").node
+            return OmegaConf.get_type(node).__module__.rpartition(".")[0]
+    return None
+
+
+def options_of(group: str, package: str) -> list[str]:
+    """The conf/<group> options of one task plug-in package."""
+    return [option for option in group_options(group) if option_package(group, option) == package]
+
+
+def task_section_errors(overrides: list[str]) -> list[str]:
+    """model=/data= options of another task than the chosen one (conf/task/<task>.yaml picks its own defaults):
+    found before composing, where the mismatch would fail on the task's own keys with a message naming neither."""
+    chosen = {k.lstrip("+~"): v for k, _, v in (o.partition("=") for o in overrides) if k.lstrip("+~") in GROUPS}
+    task = chosen.get("task", "lm")
+    if "," in task or not (CONF_DIR / "task" / f"{task}.yaml").is_file():
+        return []
+    defaults = {}
+    for entry in OmegaConf.load(CONF_DIR / "task" / f"{task}.yaml").get("defaults", []):
+        if isinstance(entry, DictConfig):
+            defaults.update({k.removeprefix("override /"): v for k, v in entry.items()})
+    errors = []
+    for group in ("model", "data"):
+        option = chosen.get(group)
+        if option is None or "," in option or group not in defaults:
+            continue
+        own, theirs = option_package(group, defaults[group]), option_package(group, option)
+        if own and theirs and own != theirs:
+            errors.append(
+                f"{group}={option} is a {group} config of another task ({theirs}); task={task} reads its own: "
+                f"{group}={' | '.join(options_of(group, own))}"
+            )
+    return errors
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
     """The config ``overrides`` compose to, outside Hydra's app (pre-flight, tools, tests): schemas and task plug-ins
     registered first."""
@@ -63,6 +106,9 @@ def preflight(argv: list[str]) -> DictConfig | None:
         return None
     overrides = [a for a in argv if not a.startswith("hydra.") and not a.startswith("hydra/")]
     check_group_choices(overrides)
+    mismatched = task_section_errors(overrides)
+    if mismatched:
+        raise ConfigError("; ".join(mismatched))
     try:
         cfg = compose_config(overrides)
     except Exception as e:  # Hydra/OmegaConf errors: the first line of each cause names the key and the problem

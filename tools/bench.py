@@ -31,7 +31,7 @@ The JSON (rank 0 writes it):
 Peak memory: on CUDA the caching allocator's peak (max_memory_allocated); on CPU the rank's peak resident set size
 (VmHWM of /proc/self/status, which includes the ~0.3-0.5 GiB of Python, torch and the memory-mapped corpus;
 ``rss_at_start_bytes`` is that baseline), read at the last timed step. Spawned ranks get
-MALLOC_MMAP_THRESHOLD_=1048576 (as shardlab.runner.launch_local sets) so glibc returns FSDP's freed buffers to the OS
+MALLOC_MMAP_THRESHOLD_=65536 (as shardlab.runner.launch_local sets) so glibc returns FSDP's freed buffers to the OS
 and RSS tracks what is live; a world-size-1 run in this process has whatever this process started with.
 """
 

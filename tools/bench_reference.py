@@ -7,7 +7,7 @@ No shardlab code runs in the timed loop except tasks/lm/model.py, for the identi
 with the LM task's defaults (seq_len 128, global batch 32, AdamW lr 3e-3 / betas 0.9, 0.95 / weight decay 0.1 on
 matrices, clip_norm 1.0); tokens are random. fully_shard goes on every block (all but the last reshard after forward,
 as torchtitan does) and on the root with FSDP2's default (the root does not reshard). AdamW is fused. The ranks are
-spawned with MALLOC_MMAP_THRESHOLD_=1048576 (unless set) and OMP_NUM_THREADS = cores // ranks, as shardlab's local
+spawned with MALLOC_MMAP_THRESHOLD_=65536 (unless set) and OMP_NUM_THREADS = cores // ranks, as shardlab's local
 launcher does. ``--prefetch`` issues each block's all-gather asynchronously one block ahead (FSDP2 overlaps
 all-gathers through CUDA streams; on CPU/gloo every unshard otherwise blocks); ``--reduce-scatter all_reduce`` issues
 FSDP2's reduce-scatter as an all-reduce through FSDP2's custom-comm hook, overlapped with the next block's backward

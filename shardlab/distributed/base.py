@@ -6,16 +6,19 @@ The trainer talks only to this interface, so a new backend is a new registered c
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import DistributedConfig
 from shardlab.distributed.env import DistEnv, free_port
+from shardlab.distributed.join import prepare_and_agree, store_timeout
 from shardlab.errors import ConfigError
 from shardlab.registry import BACKENDS
 
@@ -64,25 +67,52 @@ class Backend:
     def _pick_device(self) -> torch.device:
         return pick_device(self.env.local_rank)
 
-    def setup(self) -> None:
-        """Join the process group: every backend does when world_size > 1 (metrics and checkpoints sync through
-        it), and ddp / fully_sharded do at world size 1 too, since DDP and FSDP2 need one."""
+    def setup(self, prepare_data: Callable[[], str] | None = None) -> None:
+        """Prepare this rank's data with ``prepare_data()`` (it returns what the rank opened), then join the process
+        group: every backend does when world_size > 1 (metrics and checkpoints sync through it), and ddp /
+        fully_sharded do at world size 1 too, since DDP and FSDP2 need one.
+
+        The ranks first meet in the launcher's rendezvous store, where data preparation may take as long as it needs
+        and all ranks agree they opened the same data (shardlab.distributed.join); only then is the process group
+        made, with distributed.timeout_s for its collectives."""
         if self.device.type == "cpu":
             from shardlab.memory.meter import return_freed_buffers_to_os
 
             return_freed_buffers_to_os()
-        if (self.env.world_size > 1 or self.name != "single") and not dist.is_initialized():
-            if self.env.launcher == "torchrun":
-                init_method = "env://"  # reuse torchrun's own store, which already listens on MASTER_PORT
-            else:  # local spawn, Slurm, or one process without a launcher (then any free port)
-                init_method = f"tcp://{self.env.master_addr}:{self.env.master_port or free_port()}"
-            dist.init_process_group(
-                backend=process_group_backend(self.device),
-                init_method=init_method,
-                rank=self.env.rank,
-                world_size=self.env.world_size,
-                timeout=timedelta(seconds=self.cfg.timeout_s),
-            )
+        if not (self.env.world_size > 1 or self.name != "single") or dist.is_initialized():
+            if prepare_data is not None:
+                prepare_data()
+            return
+        store = self._rendezvous_store()
+        if prepare_data is not None:
+            if self.env.world_size > 1:
+                prepare_and_agree(store, self.env.rank, self.env.world_size, prepare_data)
+            else:
+                prepare_data()
+        timeout = timedelta(seconds=self.cfg.timeout_s)
+        store.set_timeout(timeout)
+        dist.init_process_group(
+            backend=process_group_backend(self.device),
+            store=PrefixStore("default_pg", store),  # the keys torch's own init_method path uses
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            timeout=timeout,
+        )
+
+    def _rendezvous_store(self) -> TCPStore:
+        """The job's key-value store: torchrun's agent hosts it where torchrun says so (TORCHELASTIC_USE_AGENT_STORE),
+        else rank 0 does, at the master address and port (local spawn, Slurm, or one process on any free port)."""
+        env = self.env
+        agent_hosts = env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        return TCPStore(
+            env.master_addr,
+            env.master_port or free_port(),
+            world_size=env.world_size,
+            is_master=env.rank == 0 and not agent_hosts,
+            timeout=store_timeout(self.cfg.timeout_s),
+            wait_for_workers=False,  # the ranks meet in prepare_and_agree, which tells a slow rank from a dead one
+            multi_tenant=True,  # several jobs in one process (tests) share one server per port, as torch's init does
+        )
 
     def teardown(self) -> None:
         if dist.is_initialized():

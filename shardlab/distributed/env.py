@@ -91,8 +91,10 @@ def set_local_rank_defaults(world_size: int) -> None:
     One OpenMP thread per core per rank: oversubscribed OpenMP threads spin and collapse throughput."""
     import torch
 
+    from shardlab.memory.meter import MMAP_THRESHOLD_BYTES
+
     if not torch.cuda.is_available():
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
 
 

@@ -29,8 +29,8 @@ class FullyShardedBackend(Backend):
     name = "fully_sharded"
     casts_in_forward = False
 
-    def setup(self) -> None:
-        super().setup()
+    def setup(self, prepare_data: Callable[[], str] | None = None) -> None:
+        super().setup(prepare_data)
         world, degree = self.env.world_size, self.cfg.sharding_degree
         degree = world if degree == -1 else degree
         self.sharding_degree = degree

@@ -41,7 +41,9 @@ def sync_batch_norm(
     """Training-mode batch norm of ``x`` (N, C, ...) over the union of the batches of ``group``'s ranks."""
     channels = x.size(1)
     dims = [0, *range(2, x.dim())]
-    x32 = x.float()  # statistics in fp32 whatever the input dtype, as torch's kernels accumulate
+    # Statistics in fp32 for low-precision inputs, as torch's kernels accumulate; float64 stays float64 (the
+    # world-size parity test runs in it, docs/vision.md).
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     count = x.numel() // channels
     if count > 0:
         var, mean = torch.var_mean(x32, dim=dims, correction=0)
@@ -66,9 +68,9 @@ def sync_batch_norm(
     shape = [1, channels] + [1] * (x.dim() - 2)
     y = (x32 - global_mean.view(shape)) * torch.rsqrt(global_var + eps).view(shape)
     if weight is not None:
-        y = y * weight.float().view(shape)
+        y = y * weight.to(x32.dtype).view(shape)
     if bias is not None:
-        y = y + bias.float().view(shape)
+        y = y + bias.to(x32.dtype).view(shape)
     return y.to(x.dtype)
 
 

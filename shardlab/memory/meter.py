@@ -47,14 +47,21 @@ def _glibc():
         return None
 
 
-def return_freed_buffers_to_os(threshold_bytes: int = 1 << 20) -> bool:
+MMAP_THRESHOLD_BYTES = 64 << 10
+"""CPU ranks serve allocations of this size and more with their own mmap (docs/memory-plan.md, "CPU ranks and
+glibc"): 1 MiB kept a small model's sub-MiB activations resident after they were freed - RegNet with synced BN at 32
+images per rank then used 15% more than it held (0.0956 GiB peak against a plan of 0.0813); at 64 KiB it used
+0.0786."""
+
+
+def return_freed_buffers_to_os(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """CPU ranks: serve allocations of ``threshold_bytes`` and more with their own mmap, so freeing one returns it.
 
     glibc otherwise raises its mmap threshold to the size of the largest block freed (up to 32 MiB) and serves later
-    blocks from heaps it keeps: FSDP's per-unit all-gather and gradient buffers, freed every unit, then stay resident
-    and a rank's memory grows far past what it holds (docs/benchmarks.md, "Memory versus speed on CPU"). Same effect as
-    starting the process with MALLOC_MMAP_THRESHOLD_; a no-op where the C library is not glibc or the user set that
-    variable."""
+    blocks from heaps it keeps: FSDP's per-unit all-gather and gradient buffers, freed every unit, and activations
+    below the threshold then stay resident, and a rank's memory grows far past what it holds (docs/memory-plan.md,
+    docs/benchmarks.md "Memory versus speed on CPU"). Same effect as starting the process with MALLOC_MMAP_THRESHOLD_;
+    a no-op where the C library is not glibc or the user set that variable."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     libc = _glibc()

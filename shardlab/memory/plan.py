@@ -11,6 +11,7 @@ bytes per rank above an idle rank (torch imported, process group joined).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -44,6 +45,12 @@ class ModelProfile:
     local_batch: int
     activation_error: str | None = None
     """Why activations could not be counted (the model does not run on the meta device), if so."""
+    autocast_copies: int = 0
+    """Of the activations, the low-precision copies of weights autocast makes (it caches one per weight for the
+    forward, and backward keeps those the matmuls saved): counted only in an autocast profile."""
+    autocast: ModelProfile | None = None
+    """The same model profiled under autocast (fp32 weights, ops casting as autocast does), for the layouts that
+    compute in low precision through autocast (single, ddp); None when parameters are fp32."""
 
     @property
     def root_params(self) -> int:
@@ -79,15 +86,70 @@ class _MetaAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def profile_model(model: nn.Module, units: list[nn.Module], task, local_batch: int, dtype: torch.dtype) -> ModelProfile:
+# What torch.autocast does to the inputs of an op, per device type (the ops these models call from Python; autocast
+# itself works in the dispatcher, below anything a meta forward can see, and ignores meta tensors).
+AUTOCAST_LOW_PRECISION = (
+    F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
+    torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+    F.scaled_dot_product_attention,
+)  # fmt: skip
+"""Ops autocast runs in the low-precision dtype, on CPU and CUDA alike: their floating inputs are cast."""
+AUTOCAST_FP32 = {
+    "cpu": (F.cross_entropy, F.nll_loss, F.mse_loss, F.binary_cross_entropy_with_logits),
+    "cuda": (
+        F.cross_entropy, F.nll_loss, F.mse_loss, F.binary_cross_entropy_with_logits, F.layer_norm, F.group_norm,
+        F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax,
+    ),
+}  # fmt: skip
+"""Ops autocast runs in fp32 (CUDA's list also holds the norms and softmax; CPU's does not)."""
+
+
+class _MetaAutocast(TorchFunctionMode):
+    """torch.autocast's casts, done on meta tensors: inputs of low-precision ops cast to ``dtype`` (a weight once per
+    forward, as autocast's cache does), inputs of fp32 ops to fp32; every other op follows type promotion."""
+
+    def __init__(self, dtype: torch.dtype, device: str) -> None:
+        super().__init__()
+        self.dtype, self.fp32_ops = dtype, AUTOCAST_FP32[device]
+        self.weight_copies: dict[int, torch.Tensor] = {}
+
+    def _cast(self, t, dtype: torch.dtype):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or t.dtype == dtype:
+            return t
+        if isinstance(t, nn.Parameter) and t.requires_grad and dtype == self.dtype:
+            if id(t) not in self.weight_copies:
+                self.weight_copies[id(t)] = t.to(dtype)
+            return self.weight_copies[id(t)]
+        return t.to(dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtype = self.dtype if func in AUTOCAST_LOW_PRECISION else torch.float32 if func in self.fp32_ops else None
+        if dtype is not None:
+            args = tuple(self._cast(a, dtype) for a in args)
+            kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def profile_model(
+    model: nn.Module,
+    units: list[nn.Module],
+    task,
+    local_batch: int,
+    dtype: torch.dtype,
+    autocast_device: str | None = None,
+) -> ModelProfile:
     """Count ``model``'s parameters and, when the task can make an example batch, the bytes one micro-batch of
-    ``local_batch`` samples saves for backward with parameters in ``dtype``. ``model`` is on meta and is cast."""
+    ``local_batch`` samples saves for backward with parameters in ``dtype``. ``model`` is on meta and is cast.
+    ``autocast_device`` (cpu or cuda): instead keep the parameters in fp32 and cast as torch.autocast to ``dtype``
+    does on that device, counting its weight copies."""
     params = count_params(model)
     unit_params = [count_params(u) for u in units]
     batch = task.example_batch(local_batch) if local_batch > 0 else None
     if batch is None:
         return ModelProfile(params, unit_params, None, [0] * len(units), [0] * len(units), 0, local_batch)
-    restore = _cast_floating(model, dtype)
+    restore = _cast_floating(model, dtype) if autocast_device is None else (lambda: None)
+    autocast = _MetaAutocast(dtype, autocast_device) if autocast_device is not None else contextlib.nullcontext()
     param_ids = {id(p) for p in model.parameters()}
     saved: dict[int, torch.Tensor] = {}  # by id of the base tensor: views of one tensor are kept once
     owner: dict[int, int] = {}  # base id -> unit index (-1: outside the units)
@@ -117,9 +179,9 @@ def profile_model(model: nn.Module, units: list[nn.Module], task, local_batch: i
         handles.append(unit.register_forward_pre_hook(enter(i)))
         handles.append(unit.register_forward_hook(leave))
     try:
-        with _MetaAttention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _MetaAttention(), autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model.train()
-            task.loss(model, _cast_inputs(batch, dtype), torch.device("meta"))
+            task.loss(model, batch if autocast_device else _cast_inputs(batch, dtype), torch.device("meta"))
     except Exception as e:  # a model that cannot run on meta still trains; only its activations go unplanned
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         empty = [0] * len(units)
@@ -128,16 +190,24 @@ def profile_model(model: nn.Module, units: list[nn.Module], task, local_batch: i
         for h in handles:
             h.remove()
         restore()
+    copy_ids = {id(c) for c in autocast.weight_copies.values()} if autocast_device is not None else set()
     per_unit = [0] * len(units)
     outside: list[int] = [0]
     for key, base in saved.items():
         n = _nbytes(base)
+        if key in copy_ids:
+            continue  # autocast's cache holds every copy to the end of forward: no unit's recomputation drops one
         if owner[key] >= 0:
             per_unit[owner[key]] += n
         else:
             outside.append(n)
     total = sum(_nbytes(b) for b in saved.values())
-    return ModelProfile(params, unit_params, total, per_unit, inputs, max(outside), local_batch)
+    copies = 0
+    if autocast_device is not None:
+        # Every copy lives until the forward ends (autocast's cache), those the matmuls saved until backward.
+        copies = sum(_nbytes(c) for c in autocast.weight_copies.values())
+        total += sum(_nbytes(c) for c in autocast.weight_copies.values() if id(c) not in saved)
+    return ModelProfile(params, unit_params, total, per_unit, inputs, max(outside), local_batch, None, copies)
 
 
 def _cast_floating(model: nn.Module, dtype: torch.dtype):
@@ -303,6 +373,8 @@ whose peak the plan predicts there."""
 
 def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryEstimate:
     """Per-rank bytes of a training step of ``layout``: what is held between steps and what the step adds."""
+    if layout.backend != "fully_sharded" and profile.autocast is not None:
+        profile = profile.autocast  # low precision through autocast, with its weight copies
     P, units = profile.params, profile.unit_params
     sharded = layout.backend == "fully_sharded"
     local = -(-P // layout.sharding_degree) if sharded else P  # ceil: FSDP pads the last shard
@@ -430,13 +502,17 @@ def _gib(n: int | None) -> str:
 def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: bool) -> list[str]:
     """Lines for the console: the chosen layout's breakdown, then (``compare``) a table of the alternatives."""
     est = estimate(profile, chosen, ctx)
+    autocast = chosen.backend != "fully_sharded" and profile.autocast is not None
+    copies = profile.autocast.autocast_copies if autocast else 0
     lines = [
         f"memory plan per rank ({chosen.label(ctx.world_size)}, {profile.local_batch} samples per micro-batch): "
         f"peak ~{_gib(est.peak)} GiB = params {_gib(est.params)} + optimizer {_gib(est.optimizer)}"
         + (f" + grad buckets {_gib(est.grad_buffers)}" if est.grad_buffers else "")
         + f" + runtime {_gib(est.runtime)} + gathered {_gib(est.gathered)} + "
         + ("" if est.accumulating else "max of ")
-        + f"activations {_gib(est.activations)}, grads {_gib(est.grads)}"
+        + f"activations {_gib(est.activations)}"
+        + (f" (autocast's weight copies {_gib(copies)})" if copies else "")
+        + f", grads {_gib(est.grads)}"
         + (f"; host {_gib(est.host)} GiB" if est.host else "")
         + f"; sends {est.comm_bytes / GiB:.2f} GiB per step"
     ]
@@ -474,7 +550,11 @@ def profile_config(cfg, task, world_size: int, model=None, units=None) -> tuple[
     ctx = PlanContext.from_config(cfg, world_size, dist_env.ranks_per_node(world_size), device)
     local_batch = cfg.optimization.batch_size // world_size
     units = wrapped_units(model, units, cfg.distributed)
-    return profile_model(model, units, task, local_batch, resolve_dtypes(cfg.distributed)[0]), ctx
+    param_dtype = resolve_dtypes(cfg.distributed)[0]
+    profile = profile_model(model, units, task, local_batch, param_dtype)
+    if param_dtype != torch.float32:  # single and ddp reach it through autocast: profiled as they run
+        profile.autocast = profile_model(model, units, task, local_batch, param_dtype, autocast_device=device)
+    return profile, ctx
 
 
 @dataclass

@@ -182,7 +182,8 @@ class ImageFiles(Dataset):
 def folder_splits(root: Path) -> tuple[Path, Path]:
     """<root>/train and <root>/val (or valid), or a DataError saying what is missing."""
     if not root.is_dir():
-        raise DataError(f"data.path: {root} does not exist; give a directory with train/<class>/ and val/<class>/")
+        what = "is a file, not a directory" if root.exists() else "does not exist"
+        raise DataError(f"data.path: {root} {what}; give a directory with train/<class>/ and val/<class>/")
     train = root / "train"
     valid = next((root / name for name in ("val", "valid", "validation") if (root / name).is_dir()), None)
     if not train.is_dir() or valid is None:

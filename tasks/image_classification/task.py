@@ -13,6 +13,7 @@ from shardlab.errors import ConfigError
 from shardlab.registry import MODELS, unknown_name_message
 from shardlab.task import Task
 from tasks.image_classification import model as regnet  # importing it registers regnet and regnet_cifar
+from tasks.image_classification.config import RegNetConfig
 from tasks.image_classification.data import (
     SOURCES,
     count_classes,
@@ -21,6 +22,29 @@ from tasks.image_classification.data import (
     open_datasets,
     source_of,
 )
+
+CIFAR_SHAPE_KEYS = ("depth", "w_0", "w_a", "w_m", "group_width", "bottleneck_multiplier", "se_ratio", "stem_width")
+"""The RegNetConfig fields only arch=regnet_cifar reads (a torchvision flavor has its shape built in)."""
+
+
+def ignored_model_keys(m) -> list[str]:
+    """Keys the chosen architecture would silently ignore: regnet_cifar's shape under arch=regnet (a flavor has its
+    own), model.flavor under arch=regnet_cifar."""
+    defaults = RegNetConfig()
+    if m.arch == "regnet":
+        changed = [f"model.{key}" for key in CIFAR_SHAPE_KEYS if m[key] != getattr(defaults, key)]
+        if changed:
+            one = len(changed) == 1
+            return [
+                f"{', '.join(changed)} shape{'s' if one else ''} arch=regnet_cifar only; arch=regnet takes its shape "
+                f"from model.flavor ({m.flavor}): drop {'it' if one else 'them'} or use model=regnet_cifar"
+            ]
+    if m.arch == "regnet_cifar" and m.flavor is not None:
+        return [
+            f"model.flavor ({m.flavor}) names a torchvision RegNet, which arch=regnet_cifar does not read (its shape "
+            "is model.depth, w_0, w_a, ...); drop model.flavor, or use model.arch=regnet"
+        ]
+    return []
 
 
 class ImageClassificationTask(Task):
@@ -44,6 +68,7 @@ class ImageClassificationTask(Task):
             errors.append(unknown_name_message(str(m.flavor), "RegNet flavor", regnet.FLAVORS, "model.flavor"))
         if m.arch == "regnet_cifar":
             errors += regnet.design_errors(m)
+        errors += ignored_model_keys(m)
         if m.num_classes is not None and m.num_classes < 1:
             errors.append(f"model.num_classes must be >= 1 or null (from the data), got {m.num_classes}")
         if m.sync_bn_group_size < 0:
@@ -67,6 +92,8 @@ class ImageClassificationTask(Task):
                 f"data.path: {counted[0]} holds {counted[1]} images, fewer than one validation.batch_size ({vb}); "
                 "lower validation.batch_size or add images"
             )
+        if source_of(d) == "fake" and d.num_fake_classes < 1:
+            errors.append(f"data.num_fake_classes must be >= 1, got {d.num_fake_classes}")
         if source_of(d) != "folder":
             if d.num_train < 1:
                 errors.append(f"data.num_train must be >= 1, got {d.num_train}")
@@ -85,6 +112,10 @@ class ImageClassificationTask(Task):
                 f"model.num_classes ({wanted}) is smaller than the {self.data_classes} classes in the data; "
                 "use null to take the data's"
             )
+
+    def more_samples_hint(self, split: str) -> str:
+        key = "data.num_train" if split == "training" else "data.num_valid"
+        return f"raise {key} (embedded, fake) or add images (folder)"
 
     def num_classes(self) -> int:
         if self.cfg.model.num_classes is not None:
@@ -124,7 +155,8 @@ class ImageClassificationTask(Task):
     def loss(self, model: nn.Module, batch, device: torch.device):
         images, labels, skipped = batch
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        logits = model(images).float()
+        logits = model(images)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the loss in fp32, or float64
         loss = F.cross_entropy(logits, labels, label_smoothing=self.cfg.data.label_smoothing)
         top5 = logits.topk(min(5, logits.size(1)), dim=1).indices
         hits = top5 == labels[:, None]

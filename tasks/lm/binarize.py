@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shardlab.checkpoint.layout import fsync_path
 from shardlab.errors import DataError
+from tasks.lm.cache_lock import temp_prefix
 from tasks.lm.corpus import Block, Source, jsonl_text, read_blocks
 from tasks.lm.tokenizer import Tokenizer, load_tokenizer, token_dtype
 
@@ -117,10 +117,10 @@ def binarize(
     """Tokenize ``sources`` into out_dir/{train,valid}.bin + meta.json (+ ``extra_files`` copied in) atomically."""
     dtype = token_dtype(tokenizer.vocab_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
     try:
         meta = _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, jsonl_field, workers, dtype)
-        meta.update(source=source_name, jsonl_field=jsonl_field)
+        meta.update(source=source_name, jsonl_field=jsonl_field, content_digest=content_digest(tmp))
         if extra_files and "tokenizer.json" in extra_files:  # trained for this corpus: it lives beside the tokens
             meta["tokenizer"] = str(out_dir.resolve() / "tokenizer.json")
         for name, path in (extra_files or {}).items():
@@ -140,6 +140,28 @@ def binarize(
         shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted run leaves nothing behind
         raise
     return json.loads((out_dir / "meta.json").read_text())
+
+
+def fsync_path(path: Path) -> None:
+    """Make a file's data, or a directory's entries, durable. Defined here rather than taken from
+    shardlab.checkpoint, whose package imports torch: preprocessing workers import this module and must stay light."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def content_digest(corpus: Path) -> str:
+    """A hash of the token files' bytes: ranks compare it to know they train on the same tokens, whatever the paths
+    and timestamps that named their cache (node-local copies of one corpus agree)."""
+    h = hashlib.blake2b(digest_size=12)
+    for split in ("train", "valid"):
+        with open(corpus / f"{split}.bin", "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        h.update(b"|")
+    return h.hexdigest()
 
 
 def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, workers, dtype) -> dict:

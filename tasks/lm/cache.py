@@ -18,6 +18,7 @@ from pathlib import Path
 
 from shardlab.errors import DataError
 from tasks.lm.binarize import FORMAT_VERSION, binarize
+from tasks.lm.cache_lock import build_once
 from tasks.lm.corpus import Source, find_sources
 from tasks.lm.tokenizer import Tokenizer, load_tokenizer
 
@@ -70,21 +71,17 @@ def prepare_corpus(
     sources, name = corpus_sources(path)
     max_bytes = int(max_mb * 2**20)
     out = Path(cache_dir).expanduser() / f"{name}-{cache_key(sources, tok, valid_percent, max_bytes, jsonl_field)}"
-    if not (out / "meta.json").is_file():
+
+    def build() -> None:
         workers = default_workers(sources) if num_workers < 0 else num_workers
         print(f"preprocessing {len(sources)} files from {path or 'the embedded corpus'} into {out} ...", flush=True)
-        meta = binarize(
-            sources,
-            out,
-            tok,
-            valid_percent,
-            max_bytes,
-            jsonl_field,
-            workers,
-            extra_files,
-            str(path or "embedded"),
-        )
+        source = str(path or "embedded")
+        meta = binarize(sources, out, tok, valid_percent, max_bytes, jsonl_field, workers, extra_files, source)
         print(f"  {meta['train_tokens']:,} train / {meta['valid_tokens']:,} valid tokens ({meta['dtype']})", flush=True)
+
+    # Every process that asks (ranks, jobs, nodes) gets the same directory; one of them builds it, the others wait
+    # for its meta.json - never in a collective, so preprocessing takes as long as it needs.
+    build_once(out, build, lambda line: print(line, flush=True))
     return out
 
 

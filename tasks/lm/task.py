@@ -74,6 +74,12 @@ class LanguageModelingTask(Task):
             )
         if not 0 <= d.valid_percent < 100:
             errors.append(f"data.valid_percent must be in [0, 100), got {d.valid_percent}")
+        if d.max_corpus_mb < 0:
+            errors.append(f"data.max_corpus_mb must be >= 0 (0 = all), got {d.max_corpus_mb}")
+        if d.num_preprocess_workers < -1:
+            errors.append(
+                f"data.num_preprocess_workers must be >= -1 (-1 = one per core), got {d.num_preprocess_workers}"
+            )
         return errors
 
     def prepare_data(self) -> None:
@@ -87,8 +93,23 @@ class LanguageModelingTask(Task):
             d.get("jsonl_field", "text"),  # absent from configs of older checkpoints (generate.py reloads those)
             d.get("num_preprocess_workers", -1),
         )
+        self.corpus = corpus
         self.meta = json.loads((corpus / "meta.json").read_text())
         self.train_dataset, self.valid_dataset = open_splits(corpus, d.seq_len)
+
+    @property
+    def sample_name(self) -> str:
+        return f"blocks of data.seq_len={self.cfg.data.seq_len} tokens"
+
+    def more_samples_hint(self, split: str) -> str:
+        more = "raise data.valid_percent, " if split == "validation" else ""
+        return f"{more}lower data.seq_len, or add text to data.path"
+
+    def data_identity(self) -> str:
+        # The tokens' own hash where the cache has one, so node-local copies of one corpus (other paths or mtimes,
+        # hence another cache name) agree; caches written before it existed compare by their name.
+        content = self.meta.get("content_digest") or f"cache {self.corpus.name}"
+        return f"{self.meta['train_tokens']:,} train / {self.meta['valid_tokens']:,} valid tokens ({content})"
 
     def build_model(self) -> nn.Module:
         return self.architecture(self.cfg.model, self.vocab_size)

@@ -74,6 +74,15 @@ BAD_INPUTS = {
         r"^error: checkpoint.dir: cannot create or write .*/afile/ckpt \(.*/afile is a file, not a directory\)",
     ),
     "run dir cannot be created": (["hydra.run.dir={root}/afile/run"], r"^error: hydra.run.dir: cannot create or write"),
+    "checkpoint dir under /proc": (
+        ["hydra.run.dir={root}/run3", "checkpoint.dir=/proc/shardlab-ckpt", *TINY_LM],
+        r"^error: checkpoint.dir: cannot create or write /proc/shardlab-ckpt \(creating it failed: .+\); choose a",
+    ),
+    "validation split smaller than one batch": (
+        ["hydra.run.dir={root}/run4", *TINY_LM, "validation.batch_size=100000"],
+        r"^error: validation.batch_size \(100000\) is more than the \d+ blocks of data.seq_len=32 tokens of the "
+        r"validation split; lower validation.batch_size or raise data.valid_percent",
+    ),
     "unknown key added with +": (
         ["+optimizer.foo=1"],
         r"optimizer.foo is not a known key of optimizer .*drop \+optimizer.foo",

@@ -109,4 +109,4 @@ def test_cpu_only_workarounds_stay_off_on_cuda(fake_cuda, monkeypatch):
 def test_cpu_ranks_get_the_malloc_threshold(monkeypatch):
     unset(monkeypatch, "MALLOC_MMAP_THRESHOLD_", "OMP_NUM_THREADS")
     dist_env.set_local_rank_defaults(2)
-    assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "1048576"
+    assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "65536"

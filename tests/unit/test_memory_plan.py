@@ -202,3 +202,64 @@ def test_a_model_that_cannot_run_on_meta_is_planned_without_activations_and_keep
         "activations not planned: the model's forward fails on meta (RuntimeError: this op has no meta kernel)"
         in (lines[1])
     )
+
+
+# ---- autocast (single, ddp in bf16/fp16): what a real forward under torch.autocast keeps, measured ----------------
+def measured_autocast_forward(task, cfg, local_batch: int) -> tuple[int, int]:
+    """(bytes a real bf16 CPU autocast forward keeps at its end: what autograd saved plus autocast's cached weight
+    copies, each storage once; of those, the weight copies). Copies are seen as they are made: the casts of
+    parameters that reach the dispatcher under autocast."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardlab.distributed.materialize import materialize
+    from shardlab.distributed.units import meta_model
+
+    model = meta_model(task.build_model)
+    materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
+    params = {p.data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}  # storage pointer -> bytes
+    copies: dict[int, int] = {}
+
+    class Casts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in params:
+                copies[out.untyped_storage().data_ptr()] = out.untyped_storage().nbytes()
+            return out
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    batch = task.collate([task.train_dataset[i] for i in range(local_batch)])
+    model.train()
+    with Casts(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            task.loss(model, batch, torch.device("cpu"))
+    return sum({**kept, **copies}.values()), sum(copies.values())
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.num_layers=2", "model.dim=128", "model.num_heads=4", "data.seq_len=32", "data.max_corpus_mb=1"],
+        ["task=image_classification", "model.depth=3", "data.image_size=16", "data.num_train=64", "data.num_valid=64"],
+    ],
+    ids=["lm", "vision"],
+)
+def test_autocast_plan_counts_the_weight_copies_and_activations_a_real_autocast_forward_keeps(overrides, corpus_cache):
+    lm = [f"data.cache_dir={corpus_cache}"] if "task=image_classification" not in overrides else []
+    cfg = compose_config([*overrides, *lm, "distributed.precision=bf16", "optimization.batch_size=8",
+                          "validation.batch_size=8"])  # fmt: skip
+    task = build_task(cfg, world_size=1)
+    task.prepare_data()
+    profile, ctx = profile_config(cfg, task, 1)
+    kept, copies = measured_autocast_forward(task, cfg, 8)
+    planned_autocast = profile.autocast
+    assert copies > 0 and planned_autocast.autocast_copies == copies  # one low-precision copy per cast weight
+    assert planned_autocast.activations == pytest.approx(kept, rel=0.05)
+    # The plan of a single (autocast) run holds them; the same model sharded (FSDP's own casts) has no copies.
+    assert estimate(profile, Layout("single"), ctx).activations >= kept
+    assert profile.activations < planned_autocast.activations

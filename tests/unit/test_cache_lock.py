@@ -1,0 +1,147 @@
+"""One writer per corpus cache: concurrent processes wait for it and reuse its files, a dead writer's lock is taken
+over (same host: at once; another host: after its heartbeat stops), and a failed build leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardlab.errors import DataError
+from tasks.lm import cache_lock
+from tasks.lm.cache import prepare_corpus
+from tasks.lm.cache_lock import build_once, lock_path, temp_prefix
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _build_slowly(out: str, log: str, seconds: float, heartbeat_s: float = cache_lock.HEARTBEAT_S) -> None:
+    """A process that wants the cache: its builder writes a marker naming itself, slowly."""
+    cache_lock.HEARTBEAT_S = heartbeat_s
+
+    def build():
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(seconds)
+        tmp = Path(out + ".tmp")
+        tmp.mkdir()
+        (tmp / "meta.json").write_text(json.dumps({"by": os.getpid()}))
+        os.replace(tmp, out)
+
+    build_once(Path(out), build, lambda line: None)
+
+
+def finish(out: Path) -> None:
+    """A build in one step: the cache directory with its completion marker."""
+    out.mkdir()
+    (out / "meta.json").write_text("{}")
+
+
+def test_concurrent_processes_build_a_cache_once_and_all_find_it(tmp_path):
+    out, log = tmp_path / "corpus-abc", tmp_path / "builds.log"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_build_slowly, args=(str(out), str(log), 1.5)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    builders = log.read_text().split()
+    assert len(builders) == 1  # the other two waited for the first one's meta.json
+    assert json.loads((out / "meta.json").read_text())["by"] == int(builders[0])
+    assert not lock_path(out).exists()
+
+
+def test_lock_of_a_dead_process_on_this_host_is_taken_over_and_its_temp_dir_removed(tmp_path):
+    out = tmp_path / "corpus-abc"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has ended: its pid runs nothing now (or something unrelated)
+    host = socket.gethostname()
+    lock_path(out).write_text(json.dumps({"host": host, "pid": pid, "started": 0}))
+    orphan = tmp_path / (temp_prefix(out, host, pid) + "xyz")
+    orphan.mkdir()
+    built = []
+    started = time.monotonic()
+    build_once(out, lambda: built.append(finish(out)), lambda line: None)
+    if built:  # the pid was not reused meanwhile: taken over at once, not after the stale timeout
+        assert time.monotonic() - started < cache_lock.STALE_S / 2
+    assert built and (out / "meta.json").is_file()
+    assert not orphan.exists() and not lock_path(out).exists()
+
+
+def test_lock_from_another_host_is_taken_over_once_its_heartbeat_stops(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_lock, "STALE_S", 1.0)
+    monkeypatch.setattr(cache_lock, "POLL_S", 0.05)
+    out = tmp_path / "corpus-abc"
+    lock_path(out).write_text(json.dumps({"host": "another-node", "pid": 1, "started": 0}))
+    said = []
+    build_once(out, lambda: finish(out), said.append)
+    assert (out / "meta.json").is_file()
+    assert said and "another-node" in said[0]  # it waited first, naming the writer
+
+
+def test_a_live_writers_lock_is_waited_for_not_broken(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_lock, "STALE_S", 0.5)
+    monkeypatch.setattr(cache_lock, "POLL_S", 0.05)
+    out = tmp_path / "corpus-abc"
+    ctx = mp.get_context("spawn")
+    writer = ctx.Process(target=_build_slowly, args=(str(out), str(tmp_path / "log"), 2.0, 0.1))
+    writer.start()
+    while not lock_path(out).exists():
+        time.sleep(0.01)
+    build_once(out, lambda: pytest.fail("built although a live writer held the lock"), lambda line: None)
+    writer.join(30)
+    assert json.loads((out / "meta.json").read_text())["by"] == writer.pid
+
+
+def test_failed_build_leaves_no_lock_and_the_next_process_builds(tmp_path):
+    out = tmp_path / "corpus-abc"
+
+    def fail():
+        raise DataError("bad corpus")
+
+    with pytest.raises(DataError, match="bad corpus"):
+        build_once(out, fail)
+    assert not lock_path(out).exists()
+    build_once(out, lambda: finish(out))
+    assert (out / "meta.json").is_file()
+
+
+def _prepare(path: str, cache: str, queue) -> None:
+    out = prepare_corpus(path, cache, "byte", 10.0, 0, num_workers=0)
+    queue.put(str(out))
+
+
+def test_two_processes_preprocessing_one_corpus_get_identical_token_files(tmp_path):
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("".join(f"line {i} of a corpus two processes preprocess at once\n" for i in range(60_000)))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_prepare, args=(str(corpus), str(tmp_path / "cache"), queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    outs = {queue.get(timeout=120) for _ in procs}
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    (out,) = outs
+    out = Path(out)
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no temp dir, no lock left
+    meta = json.loads((out / "meta.json").read_text())
+    tokens = np.fromfile(out / "train.bin", dtype=meta["dtype"])
+    assert tokens.size == meta["train_tokens"] > 0
+
+
+def test_preprocessing_modules_do_not_import_torch():
+    """Preprocessing workers import them (spawned, one per core): torch alone would cost each ~650 MB and seconds."""
+    code = "import sys, tasks.lm.cache, tools.preprocess_lm; print(sorted(m for m in sys.modules if m == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.strip() == "[]"

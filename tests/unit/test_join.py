@@ -1,0 +1,83 @@
+"""Ranks meet before the process group exists (shardlab.distributed.join), through a real TCPStore, one thread per
+rank: they go on together when they opened the same data, and all stop with rank 0's one message when one rank
+failed, opened other data, or died while preparing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from shardlab.distributed import join
+from shardlab.distributed.env import free_port
+from shardlab.errors import DataError, RankFailed
+
+
+def run_ranks(prepares: list, prefix: str) -> list[BaseException | None]:
+    """prepare_and_agree on one thread per rank (rank 0 hosts the store); each rank's exception, or None."""
+    port = free_port()
+    stores = [TCPStore("127.0.0.1", port, len(prepares), r == 0, timedelta(seconds=30), wait_for_workers=False)
+              for r in range(len(prepares))]  # fmt: skip
+    outcome: list[BaseException | None] = [None] * len(prepares)
+
+    def rank(r: int) -> None:
+        try:
+            join.prepare_and_agree(stores[r], r, len(prepares), prepares[r], prefix)
+        except BaseException as e:  # noqa: B036  (recorded for the test)
+            outcome[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(prepares))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a rank hung"
+    return outcome
+
+
+def test_ranks_that_opened_the_same_data_go_on_together_however_long_one_prepares():
+    def slow():
+        time.sleep(2 * join.HEARTBEAT_S)  # longer than any poll; not a collective, so no timeout applies
+        return "100 train / 10 valid tokens (abc)"
+
+    assert run_ranks([lambda: "100 train / 10 valid tokens (abc)", slow], "same/") == [None, None]
+
+
+def test_ranks_that_opened_different_data_all_refuse_with_rank_zeros_message():
+    outcome = run_ranks([lambda: "100 tokens (abc)", lambda: "100 tokens (abc)", lambda: "90 tokens (def)"], "diff/")
+    assert all(isinstance(e, DataError) for e in outcome)
+    assert len({str(e) for e in outcome}) == 1
+    assert str(outcome[0]).startswith("the ranks opened different data: rank 0 (")
+    assert "100 tokens (abc), rank 2" in str(outcome[0]) and "90 tokens (def)" in str(outcome[0])
+
+
+def test_a_rank_whose_data_fails_stops_every_rank():
+    def bad():
+        raise DataError("data.path: /nodelocal/corpus does not exist")
+
+    outcome = run_ranks([lambda: "x", bad], "fail/")
+    assert isinstance(outcome[1], DataError)  # its own error, as raised
+    assert isinstance(outcome[0], RankFailed)
+    assert str(outcome[0]) == "rank 1 could not prepare its data: data.path: /nodelocal/corpus does not exist"
+
+
+def test_rank_zero_failing_stops_the_others():
+    def bad():
+        raise DataError("broken corpus")
+
+    outcome = run_ranks([bad, lambda: "x"], "fail0/")
+    assert isinstance(outcome[0], DataError)
+    assert str(outcome[1]) == "rank 0 could not prepare its data: broken corpus"
+
+
+def test_a_rank_that_died_while_preparing_is_given_up_on(monkeypatch):
+    monkeypatch.setattr(join, "STALL_S", 1.5)
+    port = free_port()
+    master = TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    dead = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
+    dead.add("dead/alive/1", 1)  # rank 1 started preparing, then its process (and heartbeat) ended
+    with pytest.raises(RankFailed, match=r"rank 1 stopped while preparing its data \(no heartbeat for 2 s\)"):
+        join.prepare_and_agree(master, 0, 2, lambda: "x", "dead/")

@@ -1,0 +1,165 @@
+"""Everything the config and the data allow to be checked, checked before the first step, each in one line naming
+the keys and the fix: directories by creating them, the splits against their batch sizes, another task's model or
+data config, keys the chosen architecture ignores. (Through the CLI: tests/unit/test_cli.py's BAD_INPUTS.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+import pytest
+
+from shardlab.config import path_errors, writable_dir_problem
+from shardlab.errors import ConfigError, DataError
+from shardlab.runner import build_task, prepare_data
+from shardlab.train import preflight
+from tests.conftest import compose_config
+
+
+# ---- directories: created, written in, and removed again ---------------------------------------------------------
+def test_a_directory_under_proc_is_refused_although_root_passes_every_access_check():
+    problem = writable_dir_problem(Path("/proc/shardlab-checkpoints/run"))
+    assert problem is not None and problem.startswith("creating it failed: ")
+    if os.geteuid() == 0:
+        assert os.access("/proc", os.W_OK)  # what the old check asked, and why it let /proc through
+
+
+def test_a_directory_below_a_regular_file_is_refused(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    assert (
+        writable_dir_problem(tmp_path / "afile" / "ckpt" / "deeper")
+        == f"{tmp_path / 'afile'} is a file, not a directory"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits")
+def test_a_directory_without_write_permission_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        assert writable_dir_problem(locked / "ckpt").startswith("creating it failed: Permission denied")
+        assert writable_dir_problem(locked).startswith("writing a file in it failed: Permission denied")
+    finally:
+        locked.chmod(stat.S_IRWXU)
+
+
+def test_the_check_leaves_the_filesystem_as_it_found_it(tmp_path):
+    cfg = compose_config(["checkpoint.dir=ckpt/deep"])
+    assert path_errors(cfg, tmp_path / "new" / "run") == []
+    assert list(tmp_path.iterdir()) == []  # created, probed, removed
+    (tmp_path / "run").mkdir()
+    assert path_errors(cfg, tmp_path / "run") == [] and list((tmp_path / "run").iterdir()) == []
+
+
+def test_checkpoint_dir_errors_name_the_key_and_the_fix(tmp_path):
+    cfg = compose_config(["checkpoint.dir=/proc/ckpt"])
+    (error,) = path_errors(cfg, tmp_path)
+    assert re.fullmatch(
+        r"checkpoint.dir: cannot create or write .*/proc/ckpt \(creating it failed: .+\); choose a writable directory",
+        error,
+    )
+
+
+# ---- the data against the batch sizes (after it is opened, before the process group and the first step) ---------
+def test_an_lm_validation_split_smaller_than_one_validation_batch_is_refused_before_the_first_step(tiny_lm):
+    cfg = tiny_lm("validation.batch_size=100000")
+    task = build_task(cfg, 1)
+    with pytest.raises(DataError) as caught:
+        prepare_data(task)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert re.fullmatch(
+        r"validation.batch_size \(100000\) is more than the [\d]+ blocks of data.seq_len=32 tokens of the validation "
+        r"split; lower validation.batch_size or raise data.valid_percent, lower data.seq_len, or add text to "
+        r"data.path",
+        message,
+    ), message
+
+
+def test_a_training_split_smaller_than_one_global_batch_is_refused():
+    cfg = compose_config(["task=image_classification", "data.num_train=20", "data.image_size=8"])
+    with pytest.raises(DataError, match=r"^optimization.batch_size \(64\) is more than the 20 samples of the training "
+                       r"split; lower optimization.batch_size or raise data.num_train"):  # fmt: skip
+        prepare_data(build_task(cfg, 1))
+
+
+def test_splits_that_hold_a_batch_pass_and_report_what_was_opened(tiny_lm):
+    task = build_task(tiny_lm(), 1)
+    opened = prepare_data(task)
+    assert re.fullmatch(r"[\d,]+ train / [\d,]+ valid tokens \([0-9a-f]{24}\)", opened), opened
+
+
+# ---- model and data configs of the other task; keys the architecture ignores -----------------------------------
+OTHER_TASK = {
+    "vision task, LM model": (
+        ["task=image_classification", "model=gpt_tiny"],
+        r"^model=gpt_tiny is a model config of another task \(tasks.lm\); task=image_classification reads its own: "
+        r"model=regnet_cifar",
+    ),
+    "LM task, vision model": (
+        ["model=regnet_y_400mf"],
+        r"^model=regnet_y_400mf is a model config of another task \(tasks.image_classification\); task=lm reads its "
+        r"own: model=gpt_125m \| gpt_1_3b",
+    ),
+    "vision task, LM data": (
+        ["task=image_classification", "data=lm"],
+        r"^data=lm is a data config of another task \(tasks.lm\); task=image_classification reads its own: data=image$",
+    ),
+    "LM task, vision data": (["data=image"], r"^data=image is a data config of another task"),
+}
+
+
+@pytest.mark.parametrize("case", OTHER_TASK)
+def test_a_model_or_data_config_of_the_other_task_is_refused_in_one_line(case):
+    overrides, pattern = OTHER_TASK[case]
+    with pytest.raises(ConfigError) as caught:
+        preflight(overrides)
+    assert re.search(pattern, str(caught.value)) and "\n" not in str(caught.value), str(caught.value)
+
+
+def test_the_other_tasks_model_is_refused_when_composed_without_the_cli_too():
+    """Tools and tests compose and build tasks directly: build_task checks the sections' schemas itself."""
+    cfg = compose_config(["task=image_classification", "model=gpt_tiny"])
+    with pytest.raises(ConfigError, match=r"^model: task image_classification cannot read a GPTConfig \(a model "
+                       r"config of tasks.lm\); use one of its own: model=regnet_cifar \| "):  # fmt: skip
+        build_task(cfg, 1)
+
+
+IGNORED = {
+    "cifar shape on a torchvision flavor": (
+        ["task=image_classification", "model=regnet_y_400mf", "model.depth=10", "model.w_0=32"],
+        r"model.depth, model.w_0 shape arch=regnet_cifar only; arch=regnet takes its shape from model.flavor "
+        r"\(regnet_y_400mf\): drop them or use model=regnet_cifar",
+    ),
+    "flavor on regnet_cifar": (
+        ["task=image_classification", "model.flavor=regnet_y_16gf"],
+        r"model.flavor \(regnet_y_16gf\) names a torchvision RegNet, which arch=regnet_cifar does not read",
+    ),
+    "architecture of the other task": (
+        ["task=image_classification", "model.arch=gpt"],
+        r"model.arch: 'gpt' is not a known model architecture of task image_classification; known: regnet, "
+        r"regnet_cifar",
+    ),
+    "negative corpus cap": (["data.max_corpus_mb=-1"], r"data.max_corpus_mb must be >= 0 \(0 = all\), got -1.0"),
+    "no fake classes": (
+        ["task=image_classification", "data.source=fake", "data.num_fake_classes=0"],
+        r"data.num_fake_classes must be >= 1, got 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", IGNORED)
+def test_keys_the_model_ignores_and_values_no_run_can_use_are_refused_before_anything_starts(case):
+    overrides, pattern = IGNORED[case]
+    with pytest.raises(ConfigError) as caught:
+        build_task(compose_config(overrides), 1)
+    assert re.search(pattern, str(caught.value)), str(caught.value)
+
+
+def test_an_unwritable_cache_dir_is_one_line_naming_the_key(tmp_path):
+    cfg = compose_config(["data.cache_dir=/proc/shardlab-cache", "data.max_corpus_mb=1"])
+    with pytest.raises(DataError, match=r"^data.cache_dir: cannot write /proc/shardlab-cache/.*\.lock to preprocess"):
+        prepare_data(build_task(cfg, 1))
