@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from shardlab.errors import ConfigError
 
@@ -176,6 +176,31 @@ class TrainConfig:
     """Seeds parameter init, data order and dropout; the same seed gives the same run on any world size."""
     dry_run: bool = False
     """Build the model on the meta device, print its size and the sharding plan, and exit without allocating."""
+
+
+# ---- the options of each config group (conf/<group>/<option>.yaml) --------------------------------------------------
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def option_package(group: str, option: str) -> str | None:
+    """The task plug-in package (e.g. ``tasks.lm``) whose schema conf/<group>/<option>.yaml builds on, if any."""
+    path = CONF_DIR / group / f"{option}.yaml"
+    if not path.is_file():
+        return None
+    for entry in OmegaConf.load(path).get("defaults", []):
+        if isinstance(entry, str) and entry.startswith("/schema/"):
+            node = ConfigStore.instance().load(f"schema/{entry.removeprefix('/schema/').split('@')[0]}.yaml").node
+            return OmegaConf.get_type(node).__module__.rpartition(".")[0]
+    return None
+
+
+def options_of(group: str, package: str) -> list[str]:
+    """The conf/<group> options of one task plug-in package."""
+    return [option for option in group_options(group) if option_package(group, option) == package]
 
 
 def register_schemas() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from shardlab import errors
-from shardlab.config import path_errors, validate
+from shardlab.config import options_of, path_errors, validate
 from shardlab.distributed import env as dist_env
 from shardlab.distributed import load_backends
 from shardlab.errors import ConfigError, DataError, RankFailed, ShardlabError
@@ -78,8 +78,6 @@ def plugin_package(factory) -> str:
 def foreign_section_errors(cfg: DictConfig) -> list[str]:
     """The model and data sections must be the chosen task's own: a GPTConfig cannot configure image classification,
     nor image data the LM."""
-    from shardlab.train import options_of
-
     package = plugin_package(TASKS.get(cfg.task.name, key="task.name"))
     errors = []
     for section in ("model", "data"):

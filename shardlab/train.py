@@ -16,16 +16,14 @@ from pathlib import Path
 
 import hydra
 from hydra import compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from shardlab.config import path_errors, register_schemas, validate
+from shardlab.config import CONF_DIR, group_options, option_package, options_of, path_errors, register_schemas, validate
 from shardlab.errors import ConfigError, ShardlabError
 from shardlab.registry import load_plugins, unknown_name_message
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("task", "model", "data", "optimizer", "lr_scheduler", "distributed")
 HYDRA_FLAGS = (
     *("-m", "--multirun", "--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--version"),
@@ -37,33 +35,12 @@ load_plugins()
 
 
 # ---- before Hydra: compose the overrides and answer mistakes in one line ---------------------------------------------
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
 def check_group_choices(overrides: list[str]) -> None:
     for item in overrides:
         key, sep, value = item.partition("=")
         key = key.lstrip("+~")
         if sep and key in GROUPS and "," not in value and value not in group_options(key):
             raise ConfigError(unknown_name_message(value, f"{key} option (conf/{key}/*.yaml)", group_options(key), key))
-
-
-def option_package(group: str, option: str) -> str | None:
-    """The task plug-in package (e.g. ``tasks.lm``) whose schema conf/<group>/<option>.yaml builds on, if any."""
-    path = CONF_DIR / group / f"{option}.yaml"
-    if not path.is_file():
-        return None
-    for entry in OmegaConf.load(path).get("defaults", []):
-        if isinstance(entry, str) and entry.startswith("/schema/"):
-            node = ConfigStore.instance().load(f"schema/{entry.removeprefix('/schema/').split('@')[0]}.yaml").node
-            return OmegaConf.get_type(node).__module__.rpartition(".")[0]
-    return None
-
-
-def options_of(group: str, package: str) -> list[str]:
-    """The conf/<group> options of one task plug-in package."""
-    return [option for option in group_options(group) if option_package(group, option) == package]
 
 
 def task_section_errors(overrides: list[str]) -> list[str]:
