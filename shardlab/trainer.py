@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from shardlab.checkpoint import agreement, weights
+from shardlab.checkpoint import agreement, dcp_reader, weights
 from shardlab.checkpoint.manager import Checkpointer
 from shardlab.checkpoint.run_line import start_of
 from shardlab.data import GlobalOrder, rank_loader, sample_seed
@@ -329,6 +329,8 @@ class Trainer:
             weights.check_compatible(
                 path, info, self.cfg.task.name, self.model_config, self.task.resumable_model_changes
             )
+            if path.is_dir():
+                dcp_reader.read_metadata(path)  # refused or unreadable here, not inside the collective load
         except Exception as e:
             error = e
         agreement.agree(error, f"checkpoint.init_from: reading {path}", self.backend.device)

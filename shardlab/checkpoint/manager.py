@@ -228,7 +228,7 @@ class Checkpointer:
         state = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
-        dcp_reader.load(state, path)
+        dcp.load(state, storage_reader=dcp_reader.SafeReader(str(path)))  # its metadata was checked (resume.py)
         set_model_state_dict(model, state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, state["optim"])

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from shardlab.checkpoint import agreement, run_line
-from shardlab.checkpoint.dcp_reader import integrity_defect
+from shardlab.checkpoint.dcp_reader import integrity_defect, read_metadata
 from shardlab.checkpoint.layout import (
     STEP_DIR,
     clean_stale,
@@ -132,6 +132,7 @@ def _load(
     meta, error, refusal = None, None, None
     try:
         meta = check(path, continuing)
+        read_metadata(path)  # refused or unreadable here, not inside the collective load
     except REFUSED as e:
         refusal = e
     except CheckpointError as e:  # an unreadable shardlab.json: torn, like an unreadable shard
