@@ -128,6 +128,7 @@ class Cell:
     corpus_cache: str
     setting: list[str]
     slurm_env: dict | None
+    attempts: list[Attempt] = field(default_factory=list)
 
     @property
     def fault_dir(self) -> Path:
@@ -157,6 +158,15 @@ class Cell:
             "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
         }
 
+    def end_leftovers(self) -> None:
+        """A failed cell must not leave its launches (or their Slurm jobs) running."""
+        for attempt in self.attempts:
+            if attempt.proc.poll() is None:
+                os.killpg(attempt.proc.pid, signal.SIGKILL)
+                attempt.proc.wait()
+        if self.layout.startswith("slurm") and (self.tmp / "sweep" / "sweep.json").is_file():
+            subprocess.run(["scancel", self.job()["job_id"]], env=self.slurm_env, capture_output=True)
+
     def launch(self) -> Attempt:
         overrides = [*RUN, f"data.cache_dir={self.corpus_cache}", *TWO_RANKS, *self.setting]
         if self.layout == "local":
@@ -173,7 +183,8 @@ class Cell:
             cmd, cwd=ROOT, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,
         )  # fmt: skip
-        return Attempt(proc)
+        self.attempts.append(Attempt(proc))
+        return self.attempts[-1]
 
     def pids(self) -> dict[int, int]:
         return {r: int((self.fault_dir / f"pid.rank{r}").read_text()) for r in (0, 1)}
@@ -312,3 +323,4 @@ def test_fault_matrix_cell(layout, event, resume, references, corpus_cache, tmp_
         outcome.update(passed=True, seconds=round(time.monotonic() - started, 1), first_seconds=round(seconds, 1))
     finally:
         record_cell(outcome)
+        cell.end_leftovers()
