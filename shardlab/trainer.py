@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from shardlab.checkpoint import agreement, dcp_reader, weights
 from shardlab.checkpoint.manager import Checkpointer
+from shardlab.checkpoint.resume import restore
 from shardlab.checkpoint.run_line import start_of
 from shardlab.data import GlobalOrder, rank_loader, sample_seed
 from shardlab.distributed.base import Backend
@@ -303,8 +304,8 @@ class Trainer:
             return meta
 
         start = start_of(cfg.checkpoint.resume, cfg.checkpoint.init_from)
-        self.resumed_from = self.checkpointer.restore(
-            cfg.checkpoint.resume, start, check, self.model, self.optimizer, self.state
+        self.resumed_from = restore(
+            self.checkpointer, cfg.checkpoint.resume, start, check, self.model, self.optimizer, self.state
         )
         if self.checkpointer.rollback is not None and backend.env.is_main:
             run_record.update(self.run_dir, rollback=self.checkpointer.rollback)

@@ -38,7 +38,6 @@ from torch.optim import Optimizer
 
 from shardlab.checkpoint import agreement, dcp_reader
 from shardlab.checkpoint.layout import TMP, complete_checkpoints, fsync_path, publish, remove, step_name, to_prune
-from shardlab.checkpoint.run_line import Start
 from shardlab.errors import CheckpointError, first_cause
 from shardlab.train_state import TrainState
 
@@ -56,9 +55,9 @@ class SaveRecord:
 
 
 class Checkpointer:
-    """Saves, prunes and restores checkpoints of one run directory. ``comm`` is the Backend (rank, barrier, any_rank,
-    device); every public method is called by all ranks at the same point, and a failure in any of them is raised on
-    every rank with the same one-line message (agreement.py)."""
+    """Saves and prunes the checkpoints of one run directory, and holds what resume.restore found there. ``comm`` is the
+    Backend (rank, any_rank, device); every public method is called by all ranks at the same point, and a failure in
+    any of them is raised on every rank with the same one-line message (agreement.py)."""
 
     def __init__(self, root: Path, cfg: Any, comm, log: Callable[[str], None] = print) -> None:
         self.root = root
@@ -72,33 +71,16 @@ class Checkpointer:
         self.newest: Path | None = None
         """The newest checkpoint this run can go back to (resumed or saved), for the message of a failed save."""
         self.line: dict[str, Any] = {}
-        """Where this run began (run_line.py), written into every checkpoint it saves; set by restore."""
+        """Where this run began (run_line.py), written into every checkpoint it saves; set by resume.restore."""
         self.rollback: dict[str, Any] | None = None
-        """Set when restore resumed an older step than the folder's newest (the trainer puts it in status.json)."""
+        """Set when resume.restore resumed an older step than the folder's newest (the trainer puts it in
+        status.json)."""
         self.next_index = 1
         self._async = None
         if cfg.async_save:
             from shardlab.checkpoint.async_save import AsyncSaver
 
             self._async = AsyncSaver()
-
-    # ---- start -----------------------------------------------------------------------------------------------------
-    def restore(
-        self,
-        resume: str,
-        start: Start,
-        check: Callable[[Path, bool], dict],
-        model: nn.Module,
-        optimizer: Optimizer,
-        train_state: TrainState,
-    ) -> Path | None:
-        """Continue the folder's run or begin a new one, per checkpoint.resume and where this command begins
-        (resume.py); returns the checkpoint it resumed, or None."""
-        from shardlab.checkpoint.resume import restore
-
-        self.resumed_from = restore(self, resume, start, check, model, optimizer, train_state)
-        self.newest = self.resumed_from
-        return self.resumed_from
 
     @property
     def device(self) -> torch.device:

@@ -76,6 +76,7 @@ def restore(
         if meta is not None:
             _after_load(ckpt, path, meta, decision, failures, start)
             train_state.load_state_dict(meta)
+            ckpt.resumed_from = ckpt.newest = path
             return path
         failures.append((path, reason))
         if not decision.continues:
@@ -191,7 +192,6 @@ def _after_load(
         return json.dumps(moved)
 
     moved = json.loads(agreement.on_rank0(rename, f"setting checkpoints aside in {ckpt.root}", ckpt.device))
-    ckpt.resumed_from = path
     ckpt.line = (
         meta.get("line") or {"start": "unknown", "from": "", "began": None, "job": None}
         if decision.continues

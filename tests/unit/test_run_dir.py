@@ -80,3 +80,16 @@ def test_long_names_are_cut_with_a_hash_of_the_whole_name():
     name, other = run_name(many), run_name([*many[:-1], "model.key39=x"])
     assert len(name) == MAX_NAME and len(other) == MAX_NAME and name != other
     assert name[:100] == other[:100]
+
+
+def test_a_run_whose_name_changed_is_pointed_at_its_former_folder(tmp_path, capsys):
+    from shardlab.runner import point_at_former_folder
+
+    overrides = ["data.path=/my/corpus"]
+    former = tmp_path / "data.path=_my_corpus"
+    (former / "checkpoints" / "step_00000010").mkdir(parents=True)
+    point_at_former_folder(tmp_path / run_name(overrides), overrides, "checkpoints")
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"[run] note: {former} holds checkpoints of these overrides")
+    point_at_former_folder(tmp_path / run_name(["seed=2"]), ["seed=2"], "checkpoints")  # a name that never changed
+    assert capsys.readouterr().out == ""
