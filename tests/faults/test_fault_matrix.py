@@ -11,9 +11,9 @@ same command, as a supervisor or the user would), and the cell checks what a use
   the folder's newest checkpoint (never at the resume path or the init_from weights it began from);
 - the final losses equal the uninterrupted run's, step by step (TensorBoard's float32 scalars, rtol 1e-5).
 
-The cells that run by default are DEFAULT_CELLS (one per layout, every event and resume setting at least once, within
-about two minutes on 2 cores); the rest run with ``-m slow``. Each cell's outcome goes to the session's results, which
-``SHARDLAB_FAULT_MATRIX_OUT=<json>`` writes out for tools/fault_matrix.py to render as docs/fault-matrix.md.
+The cells that run by default are DEFAULT_CELLS (about two minutes on 2 cores); the rest run with ``-m slow``.
+``SHARDLAB_FAULT_MATRIX_OUT=<json>`` collects each cell's outcome (tests/faults/conftest.py) for
+tools/fault_matrix.py to render as docs/fault-matrix.md.
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ EVENTS = ("kill_one", "kill_all", "usr2", "sigterm", "scontrol_requeue", "error_
 RESUMES = ("auto", "path", "none", "init_from")
 DEFAULT_CELLS = {
     ("local", "usr2", "path"),
-    ("local", "kill_one", "auto"),
     ("local", "error_one_rank", "none"),
-    ("local", "save_fails_rank0", "init_from"),
     ("torchrun", "sigterm", "init_from"),
     ("slurm_local", "usr2", "auto"),
     ("slurm_local", "usr2", "path"),
-    ("slurm_tasks", "kill_all", "none"),
 }
+"""Every layout but Slurm's one task per rank (tests/slurm/test_slurm.py runs that layout's USR2, scontrol requeue,
+cancellation and SIGKILL by default) and every resume setting; SIGKILL (test_kill_loop.py), a failing save and a
+failing set-aside (tests/distributed/test_checkpoint_agreement.py) run by default elsewhere."""
 SLURM_REQUEUES = ("usr2", "scontrol_requeue")
 """Events after which Slurm requeues the job itself (through submitit, or as scontrol asks); after the others the job
 ends and the test resubmits the same command."""

@@ -48,9 +48,8 @@ def uninterrupted(tiny_lm, tmp_path_factory) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in result["history"] if r["split"] == "train"}
 
 
-@pytest.mark.parametrize(
-    "layout", ["torchrun", pytest.param("srun_tasks", marks=pytest.mark.slow)], ids=["torchrun", "srun-tasks"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["torchrun", "srun_tasks"], ids=["torchrun", "srun-tasks"])
 def test_a_batch_job_without_submitit_is_requeued_at_the_time_limit_warning(
     layout, slurm_env, corpus_cache, tmp_path, uninterrupted
 ):
