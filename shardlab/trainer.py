@@ -371,6 +371,7 @@ class Trainer:
             if must_succeed:
                 raise
             log.info(f"[ckpt] WARNING: {e}; training goes on and tries again at the next save")
+            self.last_save = (self.last_save[0], time.monotonic())  # interval_minutes: not again at every step
             if self.backend.env.is_main:
                 run_record.update(self.run_dir, save_error=str(e))
             return None
