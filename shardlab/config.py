@@ -140,14 +140,17 @@ class CheckpointConfig:
     keep_every_steps: int = 0
     """Also save at every multiple of this step and keep those milestones forever; 0 = off."""
     resume: str = "auto"
-    """auto = continue the newest complete checkpoint in dir (a torn one is set aside for the previous); none = start
-    fresh (refuses if dir has some); or a path to a checkpoint directory."""
+    """Where a run begins; a run that finds its own checkpoints in dir (a requeue, a rerun) always continues them.
+    auto = continue whatever run dir holds; none = begin from scratch (refuses a dir holding a run that began
+    elsewhere); or a step_N path to begin from (docs/checkpoints.md)."""
     async_save: bool = False
     """Stage the state in CPU memory and write it in the background (one save in flight), so training waits less."""
     save_on_error: bool = False
-    """When a step raises, save (best effort) before re-raising; at world size 1 only (a lone rank cannot save)."""
+    """Save the last completed step when a step raises (world size 1, and only if the step had not changed the
+    state yet), and make Ctrl-C an agreed stop with a save at any world size."""
     init_from: str | None = None
-    """Start a new run (step 0, fresh optimizer) from these weights: a .safetensors file or a step_N directory."""
+    """Begin a new run (step 0, fresh optimizer) from these weights: a .safetensors file or a step_N directory; a
+    run that has its own checkpoints continues them instead."""
 
 
 @dataclass

@@ -24,6 +24,15 @@ class IncompatibleCheckpointError(CheckpointError):
     """A readable checkpoint of another task or model shape: refused, never fallen back from."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file that would run code when read (a pickle naming more than DCP's metadata classes): refused,
+    never fallen back from, never set aside."""
+
+
+class RunFolderInUse(ShardlabError):
+    """Another job holds the run directory's lock (shardlab.jobs.run_lock)."""
+
+
 class RankFailed(ShardlabError):
     """A training process crashed (its traceback is printed above); not a config mistake, so exit code 1."""
 

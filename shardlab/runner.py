@@ -22,7 +22,9 @@ from shardlab.distributed import env as dist_env
 from shardlab.distributed import load_backends
 from shardlab.errors import ConfigError, DataError, RankFailed, ShardlabError
 from shardlab.jobs import run_record
-from shardlab.jobs.preemption import STOP_SIGNALS, STOPPED_EXIT_CODE
+from shardlab.jobs.preemption import STOPPED_EXIT_CODE, StopSignals
+from shardlab.jobs.run_dir import former_run_name, run_name
+from shardlab.jobs.run_lock import RunLock
 from shardlab.memory import budget as memory_budget
 from shardlab.registry import BACKENDS, TASKS, load_plugins
 
@@ -112,8 +114,12 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
     (shardlab.jobs.run_record) and prints the final validation. Returns the final validation loss."""
     env = dist_env.detect()
     record = env.is_main and not cfg.dry_run
-    if record:
+    lock = RunLock(run_dir) if record else None
+    if lock is not None:
+        lock.acquire()  # before status.json: a job refused here must not rewrite the running job's status
         run_record.start(run_dir, overrides, cfg.optimization.max_steps)
+        point_at_former_folder(run_dir, overrides, cfg.checkpoint.dir)
+    signals = None
     try:
         task = build_task(cfg, env.world_size, run_dir)
         if cfg.dry_run:
@@ -121,17 +127,22 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             return None
         if env.launcher == "none" and cfg.distributed.world_size > 1:
             prepare_data(task)  # once, here, so the ranks find it cached and data errors come back as one line
-            result = launch_local(cfg, run_dir, cfg.distributed.world_size)
+            result, signals = launch_local(cfg, run_dir, cfg.distributed.world_size)
         else:
             result = run_rank(cfg, run_dir, env, task=task)
+        if record:
+            run_record.finish(run_dir, result)
+            if result["final"]:
+                print(f"final validation: {format_final(result['final'])}", flush=True)
+        if signals is not None and result["stopped_by"]:
+            signals.forward(speaks_for_job=True)  # the launcher of local ranks: submitit's requeue, or Slurm's
     except BaseException as e:
         if record and (run_record.read(run_dir) or {}).get("status") == "running":  # not a stop that saved
             run_record.fail(run_dir, one_line(e))
         raise
-    if record:
-        run_record.finish(run_dir, result)
-        if result["final"]:
-            print(f"final validation: {format_final(result['final'])}", flush=True)
+    finally:
+        if lock is not None:
+            lock.release()
     if result["stopped_by"]:
         if record:
             print(f"stopped early on {result['stopped_by']}; rerun the same command to resume", flush=True)
@@ -190,7 +201,8 @@ def run_rank(
     if trainer.stopped_by:
         if env.is_main:
             run_record.finish(run_dir, result)  # before the handler below, which may end the process
-        trainer.stop_signals.forward()  # under submitit: its requeue, now that the checkpoint is written
+        # Under submitit: its requeue, now that the checkpoint is written; local ranks leave that to their launcher.
+        trainer.stop_signals.forward(speaks_for_job=env.is_main and env.launcher != "local")
     return result
 
 
@@ -224,9 +236,11 @@ def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port
     dist_env.end_finished_rank()
 
 
-def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> dict:
+def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> tuple[dict, StopSignals]:
     """Start ``world_size`` processes on this machine (gloo on CPU, nccl on CUDA), wait for all of them, and return
-    rank 0's result. A stop signal sent to this process reaches every rank, which then stop at an agreed step."""
+    rank 0's result with the stop signals this process received. A stop signal sent to this process reaches every
+    rank, which then stop at an agreed step; the signal is then this process's to forward (run_job), so a one-task
+    Slurm job that spawns its ranks is requeued like any other (submitit's handler is the one it reaches)."""
     import torch.multiprocessing as mp
 
     port = dist_env.free_port()
@@ -242,12 +256,16 @@ def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> dict:
             start_method="spawn",
         )
 
-        def forward(signum, frame):
+        def to_ranks(signum: int) -> None:
+            # A terminal's Ctrl-C reaches the ranks itself; the ranks' second SIGINT would interrupt them, so a
+            # SIGINT is passed on as SIGTERM (also a stop signal).
+            forwarded = signal.SIGTERM if signum == signal.SIGINT else signum
             for process in context.processes:
                 if process.is_alive():
-                    os.kill(process.pid, signum)
+                    os.kill(process.pid, forwarded)
 
-        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+        signals = StopSignals(interrupt=cfg.checkpoint.save_on_error, on_signal=to_ranks)
+        signals.install()
         try:
             while not context.join():
                 pass
@@ -261,9 +279,23 @@ def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> dict:
         except mp.ProcessExitedException as e:
             raise RankFailed(f"rank {e.error_index} exited with code {e.exit_code}; see its message above") from None
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        return json.loads(Path(result_file).read_text())
+            signals.restore()
+        return json.loads(Path(result_file).read_text()), signals
+
+
+def point_at_former_folder(run_dir: Path, overrides: list[str], checkpoint_dir: str) -> None:
+    """A run whose name changed when names began to be escaped (paths in overrides) finds nothing in its new folder:
+    say where its checkpoints are, rather than letting it begin again unnoticed."""
+    former = run_dir.with_name(former_run_name(overrides))
+    if former == run_dir or run_dir.name != run_name(overrides):
+        return
+    if any((run_dir / checkpoint_dir).glob("step_*")) or not any((former / checkpoint_dir).glob("step_*")):
+        return
+    print(
+        f"[run] note: {former} holds checkpoints of these overrides under the name shardlab gave them before run "
+        f"names were escaped; this run now lives in {run_dir}: move them here to continue that run",
+        flush=True,
+    )
 
 
 def print_plan(cfg: DictConfig, task) -> None:

@@ -15,13 +15,17 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from shardlab.checkpoint import weights
+from shardlab.checkpoint import agreement, dcp_reader, weights
 from shardlab.checkpoint.manager import Checkpointer
+from shardlab.checkpoint.resume import restore
+from shardlab.checkpoint.run_line import start_of
 from shardlab.data import GlobalOrder, rank_loader, sample_seed
 from shardlab.distributed.base import Backend
 from shardlab.distributed.materialize import materialize
-from shardlab.errors import CheckpointError, first_cause
+from shardlab.errors import CheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError, first_cause
+from shardlab.jobs import run_record
 from shardlab.jobs.preemption import StopSignals
+from shardlab.jobs.run_dir import run_key_differences
 from shardlab.logging import RunLogger
 from shardlab.memory.meter import PeakMeter, memory_gib, resident_bytes
 from shardlab.memory.plan import GiB, RunPlan
@@ -39,7 +43,11 @@ class Trainer:
         self.state = TrainState()
         self.history: list[dict[str, float]] = []
         """Every logged train/valid record (rank 0 has the global values); tests compare these across backends."""
-        self.stop_signals = StopSignals()
+        self.stop_signals = StopSignals(interrupt=cfg.checkpoint.save_on_error)
+        self.phase = "between"
+        """Where the loop is, for checkpoint.save_on_error: between steps (the state is the last completed step's),
+        forward (this step's micro-batches: only gradients, and train-mode buffers such as BatchNorm statistics,
+        change) or update (the optimizer, scaler and schedule are being stepped: neither the last step nor this)."""
         self.stopped_by: str | None = None
         """The stop signal that ended training before optimization.max_steps (after a checkpoint), if one did."""
 
@@ -128,6 +136,7 @@ class Trainer:
             # seeded per sample by the data loader (shardlab.data), independently of the world size.
             first_sample = state.samples_seen + backend.dp_rank * (self.global_batch // backend.dp_world_size)
             torch.manual_seed(sample_seed(cfg.seed + 1, first_sample))
+            self.phase = "forward"
             for micro in range(o.update_freq):
                 batch = next(loader)
                 with backend.grad_sync(self.model, micro == o.update_freq - 1):
@@ -139,8 +148,10 @@ class Trainer:
                     sums[k] = sums.get(k, 0) + v.detach().float()
                 sums["units"] = sums.get("units", 0) + self.task.num_units(batch)
             lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (_step advances the schedule)
+            self.phase = "update"
             grad_norm, skipped = self._step()
             state.end_step(self.global_batch * o.update_freq, skipped)
+            self.phase = "between"
             self.meter.sample()
             window_steps += 1
             log.advance()
@@ -173,7 +184,7 @@ class Trainer:
             if last or (vi and state.step % vi == 0 and not stop):  # stopping: the save comes first
                 last_valid = self.validate(log)
             if cfg.checkpoint.save and (self._save_due(overdue) or last or stop):
-                path = self.save()
+                path = self._save_in_loop(must_succeed=last or stop, log=log)
             self.meter.reset()  # the next step's peak starts here: validation and saves do not count
             window_paused += time.perf_counter() - paused_from
             if stop and not last:
@@ -275,30 +286,43 @@ class Trainer:
         log.log(split, self.state.step, metrics)
 
     def _restore(self) -> None:
-        """Resume per checkpoint.resume (rank 0 chooses; a torn newest one falls back under auto), else start from
-        checkpoint.init_from's weights, else from the seeded init."""
+        """Continue the folder's run, or begin one per checkpoint.resume (a checkpoint path), checkpoint.init_from
+        (weights) or the seeded init (shardlab.checkpoint.run_line: what each setting means on a requeue)."""
         cfg, backend = self.cfg, self.backend
         self.checkpointer = Checkpointer(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint, backend)
         ignore = self.task.resumable_model_changes
+        full_config = OmegaConf.to_container(cfg, resolve=True)
 
-        def check(path: Path) -> dict:
+        def check(path: Path, continuing: bool) -> dict:
             meta = weights.describe(path)  # reads shardlab.json: an unreadable one is a torn checkpoint
             weights.check_compatible(path, meta, cfg.task.name, self.model_config, ignore)
+            if continuing:  # the same run: every key that names it must match, not only the model's shape
+                differences = run_key_differences(meta.get("config") or {}, full_config)
+                if differences:
+                    key, saved, current = differences[0]
+                    raise IncompatibleCheckpointError(
+                        f"{path} belongs to a run with {key}={saved!r}, but this run has {key}={current!r}: the folder "
+                        "holds another experiment; use another hydra.run.dir, or pass checkpoint.resume=<that step_N> "
+                        "to begin a new run from it"
+                    )
             return meta
 
-        self.resumed_from = self.checkpointer.restore(
-            cfg.checkpoint.resume, check, self.model, self.optimizer, self.state
+        start = start_of(cfg.checkpoint.resume, cfg.checkpoint.init_from)
+        self.resumed_from = restore(
+            self.checkpointer, cfg.checkpoint.resume, start, check, self.model, self.optimizer, self.state
         )
+        if self.checkpointer.rollback is not None and backend.env.is_main:
+            run_record.update(self.run_dir, rollback=self.checkpointer.rollback)
         self.initialized_from = None
         if self.resumed_from is not None:
-            if cfg.checkpoint.init_from:  # a requeued run continues its own checkpoints, not the initial weights
+            if cfg.checkpoint.init_from and start.kind == "weights":  # the run's own checkpoints, not its weights
                 self.checkpointer.log(f"[ckpt] checkpoint.init_from is not used: resuming {self.resumed_from}")
         elif cfg.checkpoint.init_from:
             self.initialized_from = self._init_from(Path(cfg.checkpoint.init_from).expanduser())
         if cfg.checkpoint.save_on_error and backend.env.world_size > 1 and backend.env.is_main:
             print(
-                "[ckpt] checkpoint.save_on_error applies at world size 1 only: an error on one rank cannot save "
-                "through collectives the others never join",
+                "[ckpt] checkpoint.save_on_error at world size > 1: Ctrl-C (SIGINT) stops every rank after the step "
+                "and saves; an error on one rank saves nothing (the others cannot join the save's collectives)",
                 flush=True,
             )
 
@@ -310,24 +334,21 @@ class Trainer:
             weights.check_compatible(
                 path, info, self.cfg.task.name, self.model_config, self.task.resumable_model_changes
             )
+            if path.is_dir():
+                dcp_reader.read_metadata(path)  # refused or unreadable here, not inside the collective load
         except Exception as e:
             error = e
-        if self.backend.any_rank(error is not None)[0]:
-            raise (
-                error
-                if isinstance(error, CheckpointError)
-                else CheckpointError(f"checkpoint.init_from: {path} was refused on another rank; see its message")
-            )
+        agreement.agree(error, f"checkpoint.init_from: reading {path}", self.backend.device)
         try:
             weights.load_into(self.model, path)
-        except Exception as e:
+        except UnsafeCheckpointError as e:
             error = e
-        if self.backend.any_rank(error is not None)[0]:
-            reason = first_cause(error) if error is not None else "failed on another rank"
-            raise CheckpointError(
-                f"checkpoint.init_from: {path} could not be loaded ({reason}); give a .safetensors file from "
-                "tools/consolidate.py or an intact step_N directory"
-            ) from error
+        except Exception as e:
+            error = CheckpointError(
+                f"checkpoint.init_from: {path} could not be loaded ({first_cause(e)}); give a .safetensors file "
+                "from tools/consolidate.py or an intact step_N directory"
+            )
+        agreement.agree(error, f"checkpoint.init_from: loading {path}", self.backend.device)
         return path
 
     def _save_overdue(self) -> bool:
@@ -344,23 +365,65 @@ class Trainer:
             or overdue
         )
 
+    def _save_in_loop(self, must_succeed: bool, log: RunLogger) -> Path | None:
+        """A save of the loop. One that fails (a full disk, a quota: raised on every rank alike) keeps the previous
+        checkpoint; a periodic one then reports in one line and training goes on to try again at the next save, so
+        what was trained is not lost to a passing problem. The last save, and the save of a stop, must succeed."""
+        try:
+            return self.save()
+        except CheckpointError as e:
+            if must_succeed:
+                raise
+            log.info(f"[ckpt] WARNING: {e}; training goes on and tries again at the next save")
+            self.last_save = (self.last_save[0], time.monotonic())  # interval_minutes: not again at every step
+            if self.backend.env.is_main:
+                run_record.update(self.run_dir, save_error=str(e))
+            return None
+
     def _save_after_error(self, error: BaseException, log: RunLogger) -> None:
-        """checkpoint.save_on_error: best effort at world size 1, where no other rank can be left in a collective.
-        Otherwise only a save already in flight is completed, where that needs no collective."""
+        """checkpoint.save_on_error: save the last completed step, and only a consistent one: at world size 1 (a
+        rank that failed alone cannot save through collectives the others never join), and only if the error came
+        before this step changed anything a checkpoint holds. Otherwise nothing is saved and the log says why; a
+        save already in flight is completed where that needs no collective. (Ctrl-C never gets here with
+        save_on_error: it is an agreed stop at the end of the step, at any world size.)"""
         c = self.cfg.checkpoint
         unsaved = self.last_save[0] != self.state.step
-        if not (c.save and c.save_on_error and self.backend.env.world_size == 1 and unsaved):
+        reason = self._inconsistent_state(error) if c.save and c.save_on_error and unsaved else None
+        if not (c.save and c.save_on_error and unsaved) or reason:
+            if reason:
+                log.info(f"[ckpt] save_on_error: nothing saved after {type(error).__name__}: {reason}")
             self.checkpointer.abandon(self.cfg.distributed.timeout_s)
             return
         try:
             path = self.save()
             self.checkpointer.finish()
-            log.info(f"[ckpt] saved {path} after {type(error).__name__} at step {self.state.step + 1}; re-raising it")
+            log.info(
+                f"[ckpt] saved {path} (the last completed step) after {type(error).__name__} in step "
+                f"{self.state.step + 1}; re-raising it"
+            )
         except BaseException as e:  # noqa: B036  (best effort: the original error is what the user must see)
             log.info(f"[ckpt] save after {type(error).__name__} failed too ({first_cause(e)})")
 
+    def _inconsistent_state(self, error: BaseException) -> str | None:
+        """Why the state in memory is not the last completed step's, or None if it is."""
+        world = self.backend.env.world_size
+        step, kept = self.state.step, self.checkpointer.kept()
+        if world > 1:
+            return (
+                f"at world size {world} the other ranks cannot join a save after one rank's error; {kept}. Ctrl-C "
+                "(SIGINT) saves at any world size"
+            )
+        if self.phase == "update":
+            return (
+                f"it came while step {step + 1}'s update was being applied, so the model is neither step {step} nor "
+                f"step {step + 1}; {kept}"
+            )
+        buffers = {name for name, _ in self.model.named_buffers()}
+        if self.phase == "forward" and any(key in buffers for key in self.model.state_dict()):
+            return f"the model's buffers (e.g. BatchNorm statistics) already took step {step + 1}'s batches; {kept}"
+        return None
+
     def save(self) -> Path:
-        self.last_save = (self.state.step, time.monotonic())
         described = {  # what the checkpoint is of, for checks and tools; the resumable state is self.state
             "task": self.cfg.task.name,
             "model_config": self.model_config,
@@ -368,4 +431,6 @@ class Trainer:
             "backend": self.backend.name,
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
-        return self.checkpointer.save(self.model, self.optimizer, self.state, described)
+        path = self.checkpointer.save(self.model, self.optimizer, self.state, described)
+        self.last_save = (self.state.step, time.monotonic())
+        return path

@@ -70,3 +70,21 @@ def crash_lm_loss_at(monkeypatch):
         return lambda: monkeypatch.setattr(LanguageModelingTask, "loss", original)
 
     return arm
+
+
+OPT_IN_SLOW = ("tests/faults/", "tests/slurm/test_sbatch_requeue.py")
+"""Where tests marked slow run only when ``-m`` names slow (``-m slow``, ``-m "slow or not slow"``): the fault
+matrix's 99 other cells and the sbatch requeue tests take hours on 2 cores. Elsewhere slow tests run by default."""
+
+
+def pytest_collection_modifyitems(config, items):
+    if "slow" in (config.option.markexpr or ""):
+        return
+    opt_in = [i for i in items if i.get_closest_marker("slow") and opt_in_slow(i.path.relative_to(config.rootpath))]
+    if opt_in:
+        config.hook.pytest_deselected(items=opt_in)
+        items[:] = [i for i in items if i not in opt_in]
+
+
+def opt_in_slow(path) -> bool:
+    return str(path).startswith(OPT_IN_SLOW)

@@ -1,7 +1,11 @@
 """Checkpoints that are never lost and resume on any world size.
 
-- ``manager``: ``Checkpointer``, the one object the trainer talks to: save (sync or async), prune, and restore
-  (rank 0 decides which step; every rank agrees).
+- ``manager``: ``Checkpointer``, the object the trainer saves through: save (sync or async), prune.
+- ``resume``: ``restore``: continue the folder's run or begin one (rank 0 decides which step; every rank agrees);
+  what an unreadable checkpoint is, and rollbacks.
+- ``run_line``: where a run began, so a requeue continues its own run whatever checkpoint.resume says.
+- ``agreement``: rank 0's decisions and any rank's failure, the same on every rank.
+- ``dcp_reader``: DCP's reader with its .metadata pickle read through an allow-list (reading never runs code).
 - ``layout``: the folder on disk (``step_N/``, ``shardlab.json``), durable writes and renames, pruning rules.
 - ``async_save``: ``checkpoint.async_save``: staging buffers and the background write.
 - ``weights``: a model's weights outside training: read a step folder whole, write and read one safetensors file,

@@ -3,8 +3,8 @@ start a run from either (checkpoint.init_from).
 
 Two sources, one description: a step_N checkpoint folder (DCP shards + shardlab.json) or a consolidated
 ``model.safetensors`` with ``model.json`` beside it (task name, model config, the training config). Nothing here
-unpickles a tensor file: safetensors and DCP only, JSON for metadata. Reused by tools/consolidate.py,
-tools/generate.py and exporters.
+unpickles a tensor file: safetensors and DCP only (its .metadata index through dcp_reader's allow-list), JSON for
+metadata. Reused by tools/consolidate.py, tools/generate.py and exporters.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from shardlab.checkpoint import dcp_reader
 from shardlab.checkpoint.layout import read_meta
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, first_cause
 
@@ -88,11 +88,7 @@ def read_full(path: Path) -> dict[str, torch.Tensor]:
             return load_file(str(path))
         except Exception as e:
             raise CheckpointError(f"{path} could not be read as safetensors ({first_cause(e)})") from e
-    reader = FileSystemReader(str(path))
-    try:
-        metadata = reader.read_metadata()
-    except Exception as e:
-        raise CheckpointError(f"{path} has no readable DCP .metadata ({first_cause(e)}); is it a step_N folder?") from e
+    metadata = dcp_reader.read_metadata(path)
     state: dict[str, torch.Tensor] = {}
     for key, item in metadata.state_dict_metadata.items():
         if not key.startswith(MODEL_PREFIX):
@@ -105,7 +101,7 @@ def read_full(path: Path) -> dict[str, torch.Tensor]:
     if not state:
         raise CheckpointError(f"{path} holds no model.* tensors; is it a shardlab checkpoint?")
     try:
-        dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+        dcp.load({"model": state}, storage_reader=dcp_reader.SafeReader(str(path)), no_dist=True)
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"checkpoint {path} could not be read ({first_cause(e)})") from e
     return state
@@ -130,7 +126,7 @@ def load_into(model: nn.Module, path: Path) -> None:
     path = Path(path).expanduser()
     if path.is_dir():
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path))
+        dcp_reader.load(state, path)
         set_model_state_dict(model, state["model"])
         return
     full = read_full(path)

@@ -4,12 +4,19 @@
 (its launcher, world size, backend and sharding knobs, logging, validation cadence, checkpoint handling, its length,
 where data is cached). So a run resumed on another world size or backend, or extended with a larger
 optimization.max_steps, finds its own checkpoints instead of silently starting a fresh run elsewhere.
+
+Names cannot collide for different values: characters outside a safe set are percent-escaped (``data.path=/a/b_c``
+is ``data.path=%2Fa%2Fb_c``, ``/a/b/c`` is ``data.path=%2Fa%2Fb%2Fc``), so common overrides keep short readable
+names and distinct raw values keep distinct folders. The same rule says which keys of a checkpoint's saved config
+must equal the run's before it continues that run (``run_key_differences``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import quote
 
 from omegaconf import OmegaConf
 
@@ -45,15 +52,59 @@ MAX_NAME = 120
 """Longer names are cut and end in a hash of the whole name (file systems refuse names over 255 bytes)."""
 
 
+SAFE = "=,.+-_[]:@~"
+"""Kept as they are in a name (with letters and digits); every other character, ``%`` and ``/`` included, is
+percent-escaped, which keeps the mapping one-to-one. Hydra's grammar allows a bare comma only inside a list or a
+quoted string (whose quotes are escaped), so the commas that join overrides stay unambiguous."""
+
+
+def _cut(name: str) -> str:
+    return f"{name[: MAX_NAME - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}" if len(name) > MAX_NAME else name
+
+
 def run_name(overrides: Iterable[str], prefixes: Iterable[str] = HOW_IT_RUNS) -> str:
-    """A directory name from the overrides that name the run: sorted ``key=value`` joined by commas; ``default``
-    when none do. Slashes in values (paths) become underscores so one run is one directory."""
+    """A directory name from the overrides that name the run: sorted ``key=value`` joined by commas, escaped
+    (``SAFE``); ``default`` when none do."""
     prefixes = tuple(prefixes)
     kept = sorted(o.lstrip("+~") for o in overrides if not _excluded(_key(o), prefixes))
-    name = ",".join(kept).replace("/", "_") or "default"
-    if len(name) > MAX_NAME:
-        name = f"{name[: MAX_NAME - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
-    return name
+    return _cut(quote(",".join(kept), safe=SAFE)) or "default"
+
+
+def former_run_name(overrides: Iterable[str]) -> str:
+    """The name shardlab gave the same overrides before names were escaped (slashes became underscores, so paths
+    could collide): only to point a user at a run that now lives under run_name's name."""
+    kept = sorted(o.lstrip("+~") for o in overrides if not _excluded(_key(o), HOW_IT_RUNS))
+    return _cut(",".join(kept).replace("/", "_")) or "default"
+
+
+def names_the_run(key: str) -> bool:
+    """Whether config key ``key`` (dotted) is part of what the experiment is, by the same rule as the directory."""
+    return not _excluded(key, HOW_IT_RUNS)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def run_key_differences(
+    saved: Mapping[str, Any], current: Mapping[str, Any], ignore: Iterable[str] = ()
+) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, current value) for every key that names the run and differs between two full configs
+    (a checkpoint's and this run's); keys only one side has (added or dropped by a shardlab version) are not
+    compared, nor ``ignore`` (dotted keys that may change on resume, like a model's dropout)."""
+    old, new = _flatten(saved), _flatten(current)
+    skip = set(ignore)
+    return [
+        (k, old[k], new[k])
+        for k in sorted(old.keys() & new.keys())
+        if k not in skip and names_the_run(k) and old[k] != new[k]
+    ]
 
 
 def register_resolvers() -> None:

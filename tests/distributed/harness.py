@@ -65,3 +65,42 @@ def run_spawned(
     )
     with open(out, "rb") as f:
         return pickle.load(f)
+
+
+def _outcome_worker(rank: int, world: int, port: int, cfg_yaml: str, run_dir: str, prepare, out_dir: str) -> None:
+    import json
+    import time
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from shardlab.runner import run_rank
+
+    if prepare is not None:
+        prepare(rank)
+    env = dist_env.detect(spawned_rank=rank, spawned_world=world, spawned_port=port)
+    started, outcome = time.monotonic(), {}
+    try:
+        result = run_rank(OmegaConf.create(cfg_yaml), Path(run_dir), env)
+        outcome = {"error": None, "steps": [r["step"] for r in result["history"] if r["split"] == "train"]}
+    except BaseException as e:  # noqa: B036  (what each rank ended with is the point)
+        outcome = {"error": f"{type(e).__name__}: {e}"}
+    outcome["seconds"] = time.monotonic() - started
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+    dist_env.end_finished_rank()
+
+
+def run_spawned_outcomes(cfg, world_size: int, run_dir: Path, prepare: Callable | None = None) -> list[dict]:
+    """Train ``cfg`` on ``world_size`` local ranks and return how each rank ended: {"error": "Type: message" or
+    None, "steps": train steps logged (rank 0), "seconds": time in run_rank}; ``prepare(rank)`` runs first in each
+    rank (a module-level function). For checking that a failure one rank
+    sees reaches every rank, at once and in the same words."""
+    import json
+
+    out = tempfile.mkdtemp(prefix="shardlab-outcomes-")
+    mp.start_processes(
+        _outcome_worker,
+        args=(world_size, dist_env.free_port(), OmegaConf.to_yaml(cfg, resolve=True), str(run_dir), prepare, out),
+        nprocs=world_size,
+        join=True,
+        start_method="spawn",
+    )
+    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]

@@ -1,5 +1,6 @@
 """A stop signal on one rank stops every rank at the same step, with a checkpoint there; the run then resumes to the
-same losses as an uninterrupted one."""
+same losses as an uninterrupted one. With checkpoint.save_on_error, Ctrl-C is such a stop, at any world size, even
+when it arrives between a step's optimizer update and the end of that step."""
 
 from __future__ import annotations
 
@@ -33,22 +34,54 @@ def signal_rank1_during_step3() -> None:
     LanguageModelingTask.loss = loss
 
 
+def ctrl_c_on_rank0_after_the_update_of_step3() -> None:
+    """Rank 0 gets SIGINT right after step 3's optimizer and schedule stepped, before the step counter moves."""
+    import torch.distributed as dist
+
+    from shardlab.trainer import Trainer
+
+    original = Trainer._step
+
+    def step(self):
+        result = original(self)
+        if self.state.step + 1 == 3 and dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    Trainer._step = step
+
+
 def train_losses(result: dict) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in result["history"] if r["split"] == "train"}
 
 
-def test_signal_on_one_rank_stops_all_at_one_step_and_resume_matches(tiny_lm, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_lm, tmp_path_factory):
     cfg = tiny_lm("distributed.backend=fully_sharded", "validation.interval_steps=0")
-    run_dir = tmp_path / "interrupted"
-    (stopped,) = run_spawned([cfg], world_size=2, run_dirs=[run_dir], prepare=signal_rank1_during_step3)
+    return run_rank(cfg, tmp_path_factory.mktemp("uninterrupted"), dist_env.detect())
 
-    assert stopped["stopped_by"] == "a stop signal on another rank"  # rank 0 itself got no signal
+
+@pytest.mark.parametrize(
+    "prepare, extra, stopped_by",
+    [
+        (signal_rank1_during_step3, [], "a stop signal on another rank"),  # rank 0 itself got no signal
+        (ctrl_c_on_rank0_after_the_update_of_step3, ["checkpoint.save_on_error=true"], "SIGINT"),
+    ],
+    ids=["usr1-on-rank1", "ctrl-c-after-the-update"],
+)
+def test_signal_on_one_rank_stops_all_at_one_step_and_resume_matches(
+    tiny_lm, tmp_path, uninterrupted, prepare, extra, stopped_by
+):
+    cfg = tiny_lm("distributed.backend=fully_sharded", "validation.interval_steps=0", *extra)
+    run_dir = tmp_path / "interrupted"
+    (stopped,) = run_spawned([cfg], world_size=2, run_dirs=[run_dir], prepare=prepare)
+
+    assert stopped["stopped_by"] == stopped_by
     assert sorted(train_losses(stopped)) == [1, 2, 3]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000003"]
 
     (resumed,) = run_spawned([cfg], world_size=2, run_dirs=[run_dir])
-    reference = run_rank(cfg, tmp_path / "uninterrupted", dist_env.detect())
-    got, expected = train_losses(resumed), train_losses(reference)
+    got, expected = train_losses(resumed), train_losses(uninterrupted)
     assert sorted(got) == list(range(4, 11))
     torch.testing.assert_close(
         torch.tensor([got[s] for s in sorted(got)], dtype=torch.float64),
@@ -56,4 +89,4 @@ def test_signal_on_one_rank_stops_all_at_one_step_and_resume_matches(tiny_lm, tm
         rtol=1e-5,
         atol=0,
     )
-    assert resumed["final"]["loss"] == pytest.approx(reference["final"]["loss"], rel=1e-5)
+    assert resumed["final"]["loss"] == pytest.approx(uninterrupted["final"]["loss"], rel=1e-5)

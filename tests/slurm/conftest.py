@@ -1,4 +1,5 @@
-"""A real one-node Slurm for the tests marked `slurm`, brought up and down by tools/slurm_cluster.sh.
+"""A real one-node Slurm for the tests marked `slurm`, brought up and down by tools/slurm_cluster.sh (or shared, when
+one is already up).
 
 Without root (a laptop) these tests skip with the reason; under CI (CI=true) a cluster that does not start fails them.
 """
@@ -31,11 +32,25 @@ def slurm_env() -> dict[str, str]:
     if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
         _unavailable("Slurm is not installed and there is no apt-get to install it")
     env = {**os.environ, "SHARDLAB_SLURM_DIR": str(CLUSTER_DIR)}
-    up = subprocess.run(["bash", str(SCRIPT), "up"], env=env, capture_output=True, text=True, timeout=600)
-    if up.returncode != 0:
-        _unavailable(f"tools/slurm_cluster.sh up failed: {(up.stderr or up.stdout).strip()[-2000:]}")
     env["SLURM_CONF"] = str(CLUSTER_DIR / "etc" / "slurm.conf")
     env["PATH"] = f"{CLUSTER_DIR / 'bin'}:{env['PATH']}"
     env["OMP_NUM_THREADS"] = "1"
+    ours = not _answers(env)  # a cluster already up (another session's tests) is shared, never restarted or stopped
+    if ours:
+        up = subprocess.run(["bash", str(SCRIPT), "up"], env=env, capture_output=True, text=True, timeout=600)
+        if up.returncode != 0:
+            _unavailable(f"tools/slurm_cluster.sh up failed: {(up.stderr or up.stdout).strip()[-2000:]}")
     yield env
-    subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True, text=True, timeout=120)
+    if ours:
+        subprocess.run(["bash", str(SCRIPT), "down"], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _answers(env: dict[str, str]) -> bool:
+    """Whether the test cluster is up and its node can take jobs."""
+    if not (CLUSTER_DIR / "etc" / "slurm.conf").is_file() or shutil.which("sinfo") is None:
+        return False
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
+    return out.returncode == 0 and out.stdout.strip() in ("idle", "mixed", "allocated")

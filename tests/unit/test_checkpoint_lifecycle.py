@@ -11,6 +11,7 @@ import torch
 from shardlab.checkpoint import weights
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError
+from shardlab.jobs import run_record
 from shardlab.runner import run_rank
 from tools import consolidate
 
@@ -88,8 +89,14 @@ def test_torn_newest_checkpoint_is_set_aside_and_the_previous_one_resumed(tiny_l
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a write cut short
     capsys.readouterr()
     resumed = run_rank(tiny_lm(*CKPT), tmp_path, dist_env.detect())
-    warnings = [line for line in capsys.readouterr().out.splitlines() if "is unreadable" in line]
+    out = capsys.readouterr().out.splitlines()
+    warnings = [line for line in out if "is unreadable" in line]
     assert len(warnings) == 1 and "step_00000008" in warnings[0] and "unreadable-1" in warnings[0]
+    assert "a write cut short" in warnings[0]  # the defect found on re-reading it, not only the load's error
+    # A rollback is announced loudly: on the console and in status.json.
+    assert "[ckpt] ROLLBACK: resuming step 4, not the newest step 8 (unreadable; set aside, not deleted)" in out
+    rollback = run_record.read(tmp_path)["rollback"]
+    assert (rollback["from_step"], rollback["to_step"], rollback["reason"]) == (8, 4, "unreadable")
     assert torch.equal(train_losses(resumed), train_losses(ref, 5))
     assert resumed["final"] == ref["final"]
     assert "step_00000008.unreadable-1" in names(tmp_path / "checkpoints")

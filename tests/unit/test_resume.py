@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardlab.distributed import env as dist_env
-from shardlab.errors import CheckpointError, ConfigError
+from shardlab.errors import CheckpointError
 from shardlab.runner import run_rank
 
 CKPT = [
@@ -59,12 +59,6 @@ def test_a_half_written_checkpoint_is_ignored(tiny_lm, tmp_path, uninterrupted):
     (tmp_path / "checkpoints" / "step_00000012.tmp").mkdir()  # killed mid-save: never renamed, no shardlab.json
     resumed = run_rank(tiny_lm(*CKPT), tmp_path, dist_env.detect())
     assert [r["step"] for r in resumed["history"] if r["split"] == "train"][0] == 9
-
-
-def test_fresh_start_refuses_to_overwrite_existing_checkpoints(tiny_lm, uninterrupted):
-    run_dir, _ = uninterrupted
-    with pytest.raises(ConfigError, match="checkpoint.resume=none but .* already holds step_00000012"):
-        run_rank(tiny_lm(*CKPT, "checkpoint.resume=none"), run_dir, dist_env.detect())
 
 
 def test_corrupt_checkpoint_is_reported_with_its_path(tiny_lm, tmp_path, uninterrupted):

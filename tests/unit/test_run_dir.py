@@ -5,7 +5,7 @@ from __future__ import annotations
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
-from shardlab.jobs.run_dir import MAX_NAME, run_name
+from shardlab.jobs.run_dir import MAX_NAME, run_key_differences, run_name
 from shardlab.train import CONF_DIR
 
 
@@ -39,9 +39,35 @@ def test_what_defines_the_experiment_names_the_directory():
     assert hydra_dirs(["task=image_classification", "data.augment=false"])[0] == (
         "runs/image_classification/data.augment=false,task=image_classification"
     )
-    assert run_name(["data.path=/my/corpus"]) == "data.path=_my_corpus"
+    assert run_name(["data.path=/my/corpus"]) == "data.path=%2Fmy%2Fcorpus"
     init = "checkpoint.init_from=w.safetensors"
     assert run_name([init, "checkpoint.keep_last=3"]) == init  # other starting weights: another experiment
+
+
+def test_different_values_never_share_a_folder():
+    """Paths that differ only where a slash stood, and a value that spells an escape, each get their own name."""
+    names = [
+        run_name(["data.path=/a/b_c"]),
+        run_name(["data.path=/a/b/c"]),
+        run_name(["data.path=/a/b%2Fc"]),
+        run_name(["data.path=_a_b_c"]),
+        run_name(["data.tokenizer=/t/x.json", "data.path=/a"]),
+        run_name(["data.tokenizer=/t/x.json,data.path=/a"]),
+    ]
+    assert names[:2] == ["data.path=%2Fa%2Fb_c", "data.path=%2Fa%2Fb%2Fc"]
+    assert len(set(names)) == len(names)
+    assert run_name(["optimizer.betas=[0.9,0.95]", "model=gpt_small"]) == "model=gpt_small,optimizer.betas=[0.9,0.95]"
+    assert hydra_dirs(["data.path=/a/b_c"])[0] != hydra_dirs(["data.path=/a/b/c"])[0]
+
+
+def test_run_key_differences_name_what_makes_another_experiment():
+    saved = {"data": {"path": "/a/b_c", "cache_dir": "/c1"}, "optimizer": {"lr": 1e-3}, "seed": 1,
+             "distributed": {"world_size": 2}, "optimization": {"max_steps": 10, "batch_size": 8}}  # fmt: skip
+    same_run = {**saved, "distributed": {"world_size": 1}, "data": {"path": "/a/b_c", "cache_dir": "/c2"},
+                "optimization": {"max_steps": 20, "batch_size": 8}}  # fmt: skip
+    assert run_key_differences(saved, same_run) == []  # how it runs, where it caches, how long: the same run
+    other = {**same_run, "data": {"path": "/a/b/c", "cache_dir": "/c2"}, "seed": 2, "new_key": 1}
+    assert run_key_differences(saved, other) == [("data.path", "/a/b_c", "/a/b/c"), ("seed", 1, 2)]
 
 
 def test_sweep_points_keep_every_override_and_their_number():
@@ -54,3 +80,16 @@ def test_long_names_are_cut_with_a_hash_of_the_whole_name():
     name, other = run_name(many), run_name([*many[:-1], "model.key39=x"])
     assert len(name) == MAX_NAME and len(other) == MAX_NAME and name != other
     assert name[:100] == other[:100]
+
+
+def test_a_run_whose_name_changed_is_pointed_at_its_former_folder(tmp_path, capsys):
+    from shardlab.runner import point_at_former_folder
+
+    overrides = ["data.path=/my/corpus"]
+    former = tmp_path / "data.path=_my_corpus"
+    (former / "checkpoints" / "step_00000010").mkdir(parents=True)
+    point_at_former_folder(tmp_path / run_name(overrides), overrides, "checkpoints")
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"[run] note: {former} holds checkpoints of these overrides")
+    point_at_former_folder(tmp_path / run_name(["seed=2"]), ["seed=2"], "checkpoints")  # a name that never changed
+    assert capsys.readouterr().out == ""

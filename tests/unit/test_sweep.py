@@ -78,7 +78,40 @@ def test_stop_signal_is_recorded_then_forwarded_to_the_previous_handler():
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.received == signal.SIGUSR1 and stop.name == "SIGUSR1" and seen == []
         stop.restore()
-        stop.forward()
+        stop.forward(speaks_for_job=True)
         assert seen == [signal.SIGUSR1]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.parametrize(
+    "speaks_for_job, submitit, received, requeued",
+    [
+        (True, False, signal.SIGUSR2, True),  # rank 0 of a plain sbatch job, at the time-limit warning
+        (False, False, signal.SIGUSR2, False),  # any other rank
+        (True, True, signal.SIGUSR2, False),  # submitit requeues its own jobs (its handler gets the signal)
+        (True, False, signal.SIGTERM, False),  # Slurm requeues (or cancels) by itself
+    ],
+)
+def test_a_slurm_job_without_submitit_is_requeued_by_rank0_after_a_time_limit_warning(
+    tmp_path, monkeypatch, speaks_for_job, submitit, received, requeued
+):
+    calls = tmp_path / "calls"
+    fake = tmp_path / "scontrol"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    if submitit:
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        stop = StopSignals()
+        stop.install()
+        stop.received = received  # as if the signal had arrived
+        stop.forward(speaks_for_job=speaks_for_job)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert (calls.read_text() if calls.exists() else "") == ("requeue 77\n" if requeued else "")

@@ -1,0 +1,28 @@
+"""The fault matrix's results: with ``SHARDLAB_FAULT_MATRIX_OUT=<file.json>`` each cell's outcome is merged into that
+file as soon as the cell ends (so a partial run, or a run of some cells, updates what the file held), for
+tools/fault_matrix.py to render."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from tests.slurm.conftest import slurm_env  # noqa: F401  (the Slurm cells share the Slurm tests' cluster)
+
+
+def record_cell(outcome: dict) -> None:
+    out = os.environ.get("SHARDLAB_FAULT_MATRIX_OUT")
+    if not out:
+        return
+    path = Path(out)
+    cells = {}
+    if path.is_file():
+        cells = {(c["layout"], c["event"], c["resume"]): c for c in json.loads(path.read_text())["cells"]}
+    cells[(outcome["layout"], outcome["event"], outcome["resume"])] = outcome
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    ordered = sorted(cells.values(), key=lambda c: (c["layout"], c["event"], c["resume"]))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"commit": commit, "cells": ordered}, indent=1))
+    os.replace(tmp, path)

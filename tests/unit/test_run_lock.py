@@ -1,0 +1,118 @@
+"""One run directory, one writer: a second job is refused in one line naming the first; a lock whose holder is gone
+(its process ended, its node stopped beating, or it was this job before a requeue) is taken over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardlab.errors import RunFolderInUse
+from shardlab.jobs import run_lock, run_record
+from shardlab.jobs.run_lock import LOCK_FILE, RunLock
+from tests.conftest import TINY_LM
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_holder(run_dir: Path, **fields) -> None:
+    holder = {"job": None, "host": socket.gethostname(), "pid": 1, "pid_start": None, "token": "other",
+              "heartbeat": time.time(), **fields}  # fmt: skip
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / LOCK_FILE).write_text(json.dumps(holder))
+
+
+@pytest.fixture
+def other_process():
+    """A live process on this host that is not us (the holder of someone else's lock)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_live_holder_keeps_a_second_job_out_naming_it(tmp_path, other_process, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "222")
+    write_holder(tmp_path, job="111", pid=other_process.pid, pid_start=run_lock._process_start(other_process.pid))
+    with pytest.raises(RunFolderInUse) as e:
+        RunLock(tmp_path).acquire()
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"{tmp_path} is in use by job 111 (host {socket.gethostname()}, pid {other_process.pid}")
+
+
+def test_a_lock_whose_process_ended_is_taken_over(tmp_path, other_process):
+    pid, started = other_process.pid, run_lock._process_start(other_process.pid)
+    other_process.kill()
+    other_process.wait()
+    write_holder(tmp_path, pid=pid, pid_start=started)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    assert lock.held()
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_reused_pid_does_not_keep_a_dead_holders_lock(tmp_path, other_process):
+    write_holder(tmp_path, pid=other_process.pid, pid_start="1")  # that pid, but a process started at another time
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    lock.release()
+
+
+def test_another_nodes_lock_is_taken_over_only_after_its_heartbeat_stops(tmp_path, monkeypatch):
+    write_holder(tmp_path, host="node-that-died", pid=4242, heartbeat=time.time() - 10)
+    with pytest.raises(RunFolderInUse, match="host node-that-died, pid 4242, last heartbeat 10 s ago"):
+        RunLock(tmp_path).acquire()
+    write_holder(tmp_path, host="node-that-died", pid=4242, heartbeat=time.time() - run_lock.LEASE_S - 1)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    lock.release()
+
+
+def test_a_requeued_job_takes_over_its_own_lock_from_another_node(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    write_holder(tmp_path, job="4242", host="the-node-before-the-requeue", pid=77)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["host"] == socket.gethostname()
+    lock.release()
+
+
+def test_the_heartbeat_keeps_the_lock_fresh(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    first = json.loads((tmp_path / LOCK_FILE).read_text())["heartbeat"]
+    time.sleep(0.5)
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["heartbeat"] > first
+    lock.release()
+
+
+def test_a_second_training_job_on_a_folder_in_use_fails_in_one_line_naming_the_first(tmp_path, corpus_cache):
+    cmd = [sys.executable, "-m", "shardlab.train", *TINY_LM, f"data.cache_dir={corpus_cache}",
+           f"hydra.run.dir={tmp_path}", "optimization.max_steps=100000", "validation.interval_steps=0"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "5151"}
+    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while (run_record.read(tmp_path) or {}).get("step", 0) < 1:
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-2000:]
+            time.sleep(0.2)
+        second = subprocess.run(cmd, cwd=ROOT, env={**env, "SLURM_JOB_ID": "5152"}, capture_output=True, text=True,
+                                timeout=180)  # fmt: skip
+        assert second.returncode == 2
+        (line,) = second.stderr.strip().splitlines()
+        assert line.startswith(f"error: {tmp_path} is in use by job 5151 (host {socket.gethostname()}, pid {first.pid}")
+        assert run_record.read(tmp_path)["job_id"] == "5151", "the refused job left the running job's status alone"
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
