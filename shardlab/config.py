@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from shardlab.errors import ConfigError
 
@@ -204,6 +204,25 @@ def option_package(group: str, option: str) -> str | None:
 def options_of(group: str, package: str) -> list[str]:
     """The conf/<group> options of one task plug-in package."""
     return [option for option in group_options(group) if option_package(group, option) == package]
+
+
+def task_default_options(task: str) -> dict[str, str]:
+    """The options conf/task/<task>.yaml picks for the other groups (e.g. {"model": "regnet_cifar"}); {} without one."""
+    path = CONF_DIR / "task" / f"{task}.yaml"
+    if "," in task or not path.is_file():
+        return {}
+    defaults = {}
+    for entry in OmegaConf.load(path).get("defaults", []):
+        if isinstance(entry, DictConfig):
+            defaults.update({k.removeprefix("override /"): v for k, v in entry.items()})
+    return defaults
+
+
+def task_section_package(task: str, group: str) -> str | None:
+    """The plug-in package whose ``group`` schema a task reads: that of the option its conf/task file picks (SwAV
+    reads the vision task's model and its own data), or None where the task's conf does not say."""
+    option = task_default_options(task).get(group)
+    return option_package(group, option) if option else None
 
 
 def register_schemas() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from shardlab import errors
-from shardlab.config import options_of, path_errors, validate
+from shardlab.config import options_of, path_errors, task_section_package, validate
 from shardlab.distributed import env as dist_env
 from shardlab.distributed import load_backends
 from shardlab.errors import ConfigError, DataError, RankFailed, ShardlabError
@@ -80,9 +80,10 @@ def plugin_package(factory) -> str:
 def foreign_section_errors(cfg: DictConfig) -> list[str]:
     """The model and data sections must be the chosen task's own: a GPTConfig cannot configure image classification,
     nor image data the LM."""
-    package = plugin_package(TASKS.get(cfg.task.name, key="task.name"))
+    task_package = plugin_package(TASKS.get(cfg.task.name, key="task.name"))
     errors = []
     for section in ("model", "data"):
+        package = task_section_package(cfg.task.name, section) or task_package
         schema = OmegaConf.get_type(cfg[section])
         if schema is not None and schema is not dict and plugin_package(schema) != package:
             errors.append(
@@ -96,7 +97,7 @@ def architecture_errors(cfg: DictConfig) -> list[str]:
     """model.arch must name an architecture of the chosen task (registered once the task is built)."""
     from shardlab.registry import MODELS, unknown_name_message
 
-    package = plugin_package(TASKS.get(cfg.task.name))
+    package = task_section_package(cfg.task.name, "model") or plugin_package(TASKS.get(cfg.task.name))
     own = [name for name in MODELS.names() if plugin_package(MODELS.get(name)) == package]
     if cfg.model.arch not in own:
         return [unknown_name_message(cfg.model.arch, f"model architecture of task {cfg.task.name}", own, "model.arch")]

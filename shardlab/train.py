@@ -18,9 +18,18 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from shardlab.config import CONF_DIR, group_options, option_package, options_of, path_errors, register_schemas, validate
+from shardlab.config import (
+    CONF_DIR,
+    group_options,
+    option_package,
+    options_of,
+    path_errors,
+    register_schemas,
+    task_default_options,
+    validate,
+)
 from shardlab.errors import ConfigError, ShardlabError
 from shardlab.registry import load_plugins, unknown_name_message
 
@@ -48,12 +57,7 @@ def task_section_errors(overrides: list[str]) -> list[str]:
     found before composing, where the mismatch would fail on the task's own keys with a message naming neither."""
     chosen = {k.lstrip("+~"): v for k, _, v in (o.partition("=") for o in overrides) if k.lstrip("+~") in GROUPS}
     task = chosen.get("task", "lm")
-    if "," in task or not (CONF_DIR / "task" / f"{task}.yaml").is_file():
-        return []
-    defaults = {}
-    for entry in OmegaConf.load(CONF_DIR / "task" / f"{task}.yaml").get("defaults", []):
-        if isinstance(entry, DictConfig):
-            defaults.update({k.removeprefix("override /"): v for k, v in entry.items()})
+    defaults = task_default_options(task)
     errors = []
     for group in ("model", "data"):
         option = chosen.get(group)
