@@ -59,7 +59,7 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
     if problems:
         raise ConfigError("; ".join(problems))
     # backend=auto becomes a layout; an explicit one predicted over distributed.memory_budget_gb is refused.
-    if check_budget or cfg.distributed.backend == "auto":
+    if check_budget or (cfg.distributed.backend == "auto" and not cfg.distributed.auto_tune):
         chosen = memory_budget.resolve(cfg, task, job_world_size(cfg, world_size))
         if chosen and dist_env.detect().is_main:
             print(chosen, flush=True)
@@ -127,14 +127,12 @@ def run_rank(
     from shardlab.trainer import Trainer
 
     task = task or build_task(cfg, env.world_size, check_budget=False)
+    if cfg.distributed.backend == "auto":  # measured on these ranks, then written into cfg
+        tune_layout(cfg, task, env, run_dir)
     backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, env, key="distributed.backend")
     backend.setup()
     try:
-        if env.is_main:
-            task.prepare_data()  # rank 0 preprocesses first; the others then hit its cache
-        backend.barrier()
-        if not env.is_main:
-            task.prepare_data()
+        prepare_data(task, env)
         plan = plan_run(cfg, task, env.world_size)
         if env.is_main:
             print("\n".join(plan.lines), flush=True)  # before anything is allocated
@@ -159,6 +157,33 @@ def run_rank(
             run_record.finish(run_dir, result)  # before the handler below, which may end the process
         trainer.stop_signals.forward()  # under submitit: its requeue, now that the checkpoint is written
     return result
+
+
+def prepare_data(task, env: dist_env.DistEnv) -> None:
+    """Open the task's data (once per process): rank 0 preprocesses first, the others then hit its cache."""
+    import torch.distributed as dist
+
+    if task.train_dataset is not None:
+        return
+    if env.is_main:
+        task.prepare_data()
+    if dist.is_initialized():
+        dist.barrier()
+    if not env.is_main:
+        task.prepare_data()
+
+
+def tune_layout(cfg: DictConfig, task, env: dist_env.DistEnv, run_dir: Path) -> None:
+    """distributed.backend=auto with auto_tune: join the process group, open the data, and let the ranks measure the
+    layouts that fit (shardlab.memory.autotune); the choice is written into ``cfg``."""
+    from shardlab.distributed.base import join_process_group, pick_device
+    from shardlab.memory import autotune
+
+    join_process_group(env, pick_device(env.local_rank), cfg.distributed.timeout_s)
+    prepare_data(task, env)
+    report = autotune.tune(cfg, task, env, run_dir)
+    if env.is_main:
+        print(report, flush=True)
 
 
 def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int, result_file: str) -> None:

@@ -49,6 +49,23 @@ def process_group_backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+def join_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> None:
+    """Join the job's process group (once per process; later calls do nothing)."""
+    if dist.is_initialized():
+        return
+    if env.launcher == "torchrun":
+        init_method = "env://"  # reuse torchrun's own store, which already listens on MASTER_PORT
+    else:  # local spawn, Slurm, or one process without a launcher (then any free port)
+        init_method = f"tcp://{env.master_addr}:{env.master_port or free_port()}"
+    dist.init_process_group(
+        backend=process_group_backend(device),
+        init_method=init_method,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
 class Backend:
     """Base class: one process, no wrapping. Subclasses override ``parallelize`` and the gradient hooks."""
 
@@ -71,18 +88,8 @@ class Backend:
             from shardlab.memory.meter import return_freed_buffers_to_os
 
             return_freed_buffers_to_os()
-        if (self.env.world_size > 1 or self.name != "single") and not dist.is_initialized():
-            if self.env.launcher == "torchrun":
-                init_method = "env://"  # reuse torchrun's own store, which already listens on MASTER_PORT
-            else:  # local spawn, Slurm, or one process without a launcher (then any free port)
-                init_method = f"tcp://{self.env.master_addr}:{self.env.master_port or free_port()}"
-            dist.init_process_group(
-                backend=process_group_backend(self.device),
-                init_method=init_method,
-                rank=self.env.rank,
-                world_size=self.env.world_size,
-                timeout=timedelta(seconds=self.cfg.timeout_s),
-            )
+        if self.env.world_size > 1 or self.name != "single":
+            join_process_group(self.env, self.device, self.cfg.timeout_s)
 
     def teardown(self) -> None:
         if dist.is_initialized():
