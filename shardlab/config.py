@@ -95,6 +95,16 @@ class DistributedConfig:
     memory_budget_gb: float = 0.0
     """Memory one rank (or one machine, see memory_budget_per) may use, in GiB; 0 = no budget. backend=auto picks
     a layout within it; an explicit backend predicted to exceed it is refused before launch."""
+    auto_tune: bool = True
+    """backend=auto: measure a few real steps of each layout (and micro-batch split) predicted to fit, on the real
+    ranks, and keep the fastest (shardlab/memory/autotune.py); false: the first that fits in a fixed order."""
+    auto_tune_steps: int = 3
+    """backend=auto with auto_tune: steps timed per candidate; the first is a warm-up and not counted."""
+    auto_tune_max_trials: int = 6
+    """backend=auto with auto_tune: candidates measured at most (layouts first, then the fastest one's splits)."""
+    auto_tune_cache: str | None = "~/.cache/shardlab/autotune"
+    """backend=auto with auto_tune: where decisions are kept for the next run of the same model, world size, device
+    and torch (a requeue or resume reuses its own run's decision either way); null: no cache."""
     memory_budget_per: str = "rank"
     """What memory_budget_gb covers: rank (one GPU's memory) or machine (shared by the ranks on one machine, as CPU
     ranks share its RAM)."""
@@ -298,6 +308,8 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
         d.backend != "auto" or d.memory_budget_gb > 0,
         "distributed.backend=auto chooses a layout to fit distributed.memory_budget_gb; set it (GiB per rank)",
     )
+    check(d.auto_tune_steps >= 2, f"distributed.auto_tune_steps must be >= 2 (one warm-up), got {d.auto_tune_steps}")
+    check(d.auto_tune_max_trials >= 1, f"distributed.auto_tune_max_trials must be >= 1, got {d.auto_tune_max_trials}")
     check(d.prefetch_units >= 0, f"distributed.prefetch_units must be >= 0, got {d.prefetch_units}")
     check(
         d.reduce_scatter in ("native", "all_reduce"),

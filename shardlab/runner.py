@@ -65,7 +65,7 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
     if problems:
         raise ConfigError("; ".join(problems))
     # backend=auto becomes a layout; an explicit one predicted over distributed.memory_budget_gb is refused.
-    if check_budget or cfg.distributed.backend == "auto":
+    if check_budget or (cfg.distributed.backend == "auto" and not cfg.distributed.auto_tune):
         chosen = memory_budget.resolve(cfg, task, job_world_size(cfg, world_size))
         if chosen and dist_env.detect().is_main:
             print(chosen, flush=True)
@@ -174,6 +174,8 @@ def run_rank(
     from shardlab.trainer import Trainer
 
     task = task or build_task(cfg, env.world_size, check_budget=False)
+    if cfg.distributed.backend == "auto":  # measured on these ranks, then written into cfg
+        tune_layout(cfg, task, env, run_dir)
     backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, env, key="distributed.backend")
     # Each rank opens its data before the process group exists (the corpus cache makes one writer per cache and
     # lets the others wait for it), so preprocessing never runs under distributed.timeout_s; the ranks then agree
@@ -211,11 +213,24 @@ def prepare_data(task) -> str:
     """This rank's data step: preprocess or open the task's data and check it against the config (before the first
     step, so a validation split too small for its batch is not found at the first validation); returns what the rank
     opened (Task.data_identity)."""
-    task.prepare_data()
-    problems = task.data_errors()
-    if problems:
-        raise DataError("; ".join(problems))
+    if task.train_dataset is None:  # once per process (backend=auto's tuning opens it before the backend's setup)
+        task.prepare_data()
+        problems = task.data_errors()
+        if problems:
+            raise DataError("; ".join(problems))
     return task.data_identity()
+
+
+def tune_layout(cfg: DictConfig, task, env: dist_env.DistEnv, run_dir: Path) -> None:
+    """distributed.backend=auto with auto_tune: open the data and join the process group (as Backend.setup does), and
+    let the ranks measure the layouts that fit (shardlab.memory.autotune); the choice is written into ``cfg``."""
+    from shardlab.distributed.base import join_process_group, pick_device
+    from shardlab.memory import autotune
+
+    join_process_group(env, pick_device(env.local_rank), cfg.distributed.timeout_s, lambda: prepare_data(task))
+    report = autotune.tune(cfg, task, env, run_dir)
+    if env.is_main:
+        print(report, flush=True)
 
 
 def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int, result_file: str) -> None:

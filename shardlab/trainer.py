@@ -52,9 +52,10 @@ class Trainer:
         """The stop signal that ended training before optimization.max_steps (after a checkpoint), if one did."""
 
     # ---- setup ---------------------------------------------------------------------------------------------------
-    def setup(self, plan: RunPlan) -> None:
+    def setup(self, plan: RunPlan, restore: bool = True) -> None:
         """Shard and materialize the planned model (built on meta), build the optimizer and schedule, and restore the
-        training state (checkpoint.resume, else checkpoint.init_from, else the seeded init)."""
+        training state (checkpoint.resume, else checkpoint.init_from, else the seeded init). ``restore=False``: the
+        seeded init, and the run directory is not touched (a trial of backend=auto)."""
         cfg, backend = self.cfg, self.backend
         self.memory_estimate = plan.estimate
         if backend.env.is_main and cfg.logging.tensorboard:
@@ -80,7 +81,9 @@ class Trainer:
         task_state = self.task.training_state(self.state, backend.device)  # e.g. SwAV's queue; most tasks: None
         self.state.tensors = {"task": task_state} if task_state is not None else {}
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
-        self._restore()
+        self.resumed_from = self.initialized_from = None
+        if restore:
+            self._restore()
         self.last_save = (self.state.step, time.monotonic())
         self.global_batch = cfg.optimization.batch_size
         self.train_order = GlobalOrder(len(self.task.train_dataset), cfg.seed, shuffle=True)
@@ -112,46 +115,14 @@ class Trainer:
         elif self.initialized_from is not None:
             log.info(f"initialized from {self.initialized_from} (step 0, fresh optimizer)")
             self.validate(log)  # the loaded weights' quality, before training moves them
-        loader = iter(
-            rank_loader(
-                self.task.train_dataset,
-                self.train_order,
-                state.samples_seen,
-                self.global_batch,
-                backend.dp_rank,
-                backend.dp_world_size,
-                collate_fn=self.task.collate,
-                num_workers=self.task.num_workers,
-            )
-        )
+        loader = self._train_loader()
         sums: dict[str, torch.Tensor] = {}
         # Throughput windows time training only: validation and saving inside a window are taken out (and timed
         # on their own lines).
         window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
         last_valid: dict[str, float] = {}
         while state.step < o.max_steps:
-            self.model.train()
-            # Per-step seeding: dropout draws from (seed, global offset of this rank's first sample of the step), so a
-            # resumed run draws the same masks as an uninterrupted one without storing RNG state. Augmentation is
-            # seeded per sample by the data loader (shardlab.data), independently of the world size.
-            first_sample = state.samples_seen + backend.dp_rank * (self.global_batch // backend.dp_world_size)
-            torch.manual_seed(sample_seed(cfg.seed + 1, first_sample))
-            self.phase = "forward"
-            for micro in range(o.update_freq):
-                batch = next(loader)
-                with backend.grad_sync(self.model, micro == o.update_freq - 1):
-                    with backend.forward_context():
-                        loss, stats = self.task.loss(self.model, batch, backend.device)
-                    scaled = loss / o.update_freq
-                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0) + v.detach().float()
-                sums["units"] = sums.get("units", 0) + self.task.num_units(batch)
-            lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (_step advances the schedule)
-            self.phase = "update"
-            grad_norm, skipped = self._step()
-            state.end_step(self.global_batch * o.update_freq, skipped)
-            self.phase = "between"
+            lr, grad_norm = self.train_step(loader, sums)
             self.meter.sample()
             window_steps += 1
             log.advance()
@@ -195,6 +166,65 @@ class Trainer:
         if not last_valid and not self.stopped_by:  # resumed at the end: still report the final quality
             last_valid = self.validate(log)
         return last_valid
+
+    def train_step(self, loader, sums: dict[str, torch.Tensor]) -> tuple[float, torch.Tensor]:
+        """One optimizer step: the micro-batches' forward and backward, clipping, the update, and the training state
+        moved on. Adds each statistic of the task's loss (and the units processed) to ``sums``; returns the learning
+        rate the step used and the global gradient norm."""
+        cfg, backend, o = self.cfg, self.backend, self.cfg.optimization
+        self.model.train()
+        # Per-step seeding: dropout draws from (seed, global offset of this rank's first sample of the step), so a
+        # resumed run draws the same masks as an uninterrupted one without storing RNG state. Augmentation is
+        # seeded per sample by the data loader (shardlab.data), independently of the world size.
+        first_sample = self.state.samples_seen + backend.dp_rank * (self.global_batch // backend.dp_world_size)
+        torch.manual_seed(sample_seed(cfg.seed + 1, first_sample))
+        self.phase = "forward"  # what save_on_error may save depends on where an error came (_save_after_error)
+        for micro in range(o.update_freq):
+            batch = next(loader)
+            with backend.grad_sync(self.model, micro == o.update_freq - 1):
+                with backend.forward_context():
+                    loss, stats = self.task.loss(self.model, batch, backend.device)
+                scaled = loss / o.update_freq
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0) + v.detach().float()
+            sums["units"] = sums.get("units", 0) + self.task.num_units(batch)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (_step advances the schedule)
+        self.phase = "update"
+        grad_norm, skipped = self._step()
+        self.state.end_step(self.global_batch * o.update_freq, skipped)
+        self.phase = "between"
+        return lr, grad_norm
+
+    def time_steps(self, num_steps: int) -> tuple[list[float], float]:
+        """Train ``num_steps`` steps from the current state; (each step's seconds on this rank, the first including
+        warm-up; the throughput units this rank processed per step). The peak meter sees them. For measurements whose
+        model is thrown away afterwards (backend=auto's trials): nothing is logged, validated or saved."""
+        loader, sums, seconds = self._train_loader(), {}, []
+        self.meter.reset()
+        for _ in range(num_steps):
+            started = time.perf_counter()
+            self.train_step(loader, sums)
+            if self.backend.device.type == "cuda":
+                torch.cuda.synchronize(self.backend.device)
+            seconds.append(time.perf_counter() - started)
+            self.meter.sample()
+        return seconds, float(sums["units"]) / num_steps
+
+    def _train_loader(self):
+        """This rank's training batches from the run's data position on (shardlab.data)."""
+        return iter(
+            rank_loader(
+                self.task.train_dataset,
+                self.train_order,
+                self.state.samples_seen,
+                self.global_batch,
+                self.backend.dp_rank,
+                self.backend.dp_world_size,
+                collate_fn=self.task.collate,
+                num_workers=self.task.num_workers,
+            )
+        )
 
     def _held_between_steps(self) -> int:
         """Bytes this rank holds right after a step (parameters, optimizer state, persistent buffers)."""

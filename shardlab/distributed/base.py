@@ -52,6 +52,51 @@ def process_group_backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+def join_process_group(
+    env: DistEnv, device: torch.device, timeout_s: float, prepare_data: Callable[[], str] | None = None
+) -> None:
+    """Prepare this rank's data with ``prepare_data()`` (it returns what the rank opened), then join the job's process
+    group (once per process: when it exists, only ``prepare_data`` runs).
+
+    The ranks first meet in the launcher's rendezvous store, where data preparation may take as long as it needs and
+    all ranks agree they opened the same data (shardlab.distributed.join); only then is the process group made, with
+    ``timeout_s`` for its collectives."""
+    if dist.is_initialized():
+        if prepare_data is not None:
+            prepare_data()
+        return
+    store = _rendezvous_store(env, timeout_s)
+    if prepare_data is not None:
+        if env.world_size > 1:
+            prepare_and_agree(store, env.rank, env.world_size, prepare_data)
+        else:
+            prepare_data()
+    timeout = timedelta(seconds=timeout_s)
+    store.set_timeout(timeout)
+    dist.init_process_group(
+        backend=process_group_backend(device),
+        store=PrefixStore("default_pg", store),  # the keys torch's own init_method path uses
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
+
+
+def _rendezvous_store(env: DistEnv, timeout_s: float) -> TCPStore:
+    """The job's key-value store: torchrun's agent hosts it where torchrun says so (TORCHELASTIC_USE_AGENT_STORE), else
+    rank 0 does, at the master address and port (local spawn, Slurm, or one process on any free port)."""
+    agent_hosts = env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return TCPStore(
+        env.master_addr,
+        env.master_port or free_port(),
+        world_size=env.world_size,
+        is_master=env.rank == 0 and not agent_hosts,
+        timeout=store_timeout(timeout_s),
+        wait_for_workers=False,  # the ranks meet in prepare_and_agree, which tells a slow rank from a dead one
+        multi_tenant=True,  # several jobs in one process (tests) share one server per port, as torch's init does
+    )
+
+
 class Backend:
     """Base class: one process, no wrapping. Subclasses override ``parallelize`` and the gradient hooks."""
 
@@ -69,50 +114,16 @@ class Backend:
 
     def setup(self, prepare_data: Callable[[], str] | None = None) -> None:
         """Prepare this rank's data with ``prepare_data()`` (it returns what the rank opened), then join the process
-        group: every backend does when world_size > 1 (metrics and checkpoints sync through it), and ddp /
-        fully_sharded do at world size 1 too, since DDP and FSDP2 need one.
-
-        The ranks first meet in the launcher's rendezvous store, where data preparation may take as long as it needs
-        and all ranks agree they opened the same data (shardlab.distributed.join); only then is the process group
-        made, with distributed.timeout_s for its collectives."""
+        group (join_process_group): every backend does when world_size > 1 (metrics and checkpoints sync through it),
+        and ddp / fully_sharded do at world size 1 too, since DDP and FSDP2 need one."""
         if self.device.type == "cpu":
             from shardlab.memory.meter import return_freed_buffers_to_os
 
             return_freed_buffers_to_os()
-        if not (self.env.world_size > 1 or self.name != "single") or dist.is_initialized():
-            if prepare_data is not None:
-                prepare_data()
-            return
-        store = self._rendezvous_store()
-        if prepare_data is not None:
-            if self.env.world_size > 1:
-                prepare_and_agree(store, self.env.rank, self.env.world_size, prepare_data)
-            else:
-                prepare_data()
-        timeout = timedelta(seconds=self.cfg.timeout_s)
-        store.set_timeout(timeout)
-        dist.init_process_group(
-            backend=process_group_backend(self.device),
-            store=PrefixStore("default_pg", store),  # the keys torch's own init_method path uses
-            rank=self.env.rank,
-            world_size=self.env.world_size,
-            timeout=timeout,
-        )
-
-    def _rendezvous_store(self) -> TCPStore:
-        """The job's key-value store: torchrun's agent hosts it where torchrun says so (TORCHELASTIC_USE_AGENT_STORE),
-        else rank 0 does, at the master address and port (local spawn, Slurm, or one process on any free port)."""
-        env = self.env
-        agent_hosts = env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        return TCPStore(
-            env.master_addr,
-            env.master_port or free_port(),
-            world_size=env.world_size,
-            is_master=env.rank == 0 and not agent_hosts,
-            timeout=store_timeout(self.cfg.timeout_s),
-            wait_for_workers=False,  # the ranks meet in prepare_and_agree, which tells a slow rank from a dead one
-            multi_tenant=True,  # several jobs in one process (tests) share one server per port, as torch's init does
-        )
+        if self.env.world_size > 1 or self.name != "single":
+            join_process_group(self.env, self.device, self.cfg.timeout_s, prepare_data)
+        elif prepare_data is not None:
+            prepare_data()
 
     def teardown(self) -> None:
         if dist.is_initialized():

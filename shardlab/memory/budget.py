@@ -1,9 +1,11 @@
-"""Memory as a config key: distributed.memory_budget_gb checked before launch, and distributed.backend=auto
-resolved to the fastest layout the memory plan (shardlab.memory.plan) predicts to fit it.
+"""Memory as a config key: distributed.memory_budget_gb checked before launch, and the layouts the memory plan
+(shardlab.memory.plan) predicts to fit it, for distributed.backend=auto.
 
-Every rank of a job resolves the same config with the same inputs (world size, ranks per machine, device type) and a
-fixed runtime allowance, so all of them make the same choice without a collective; a local launch resolves it once,
-before spawning, and hands the ranks the resolved config.
+With distributed.auto_tune (the default) the ranks measure those layouts and keep the fastest
+(shardlab.memory.autotune); here it is only checked that one fits. With auto_tune=false auto takes the first that fits
+in a fixed order (cheap: nothing measured). Every rank resolves the same config with the same inputs (world size,
+ranks per machine, device type) and a fixed runtime allowance, so all of them make the same choice without a
+collective; a local launch resolves it once, before spawning, and hands the ranks the resolved config.
 """
 
 from __future__ import annotations
@@ -65,20 +67,22 @@ class Choice:
     reason: str
 
 
-def choose(profile: ModelProfile, cfg, ctx: PlanContext, sharded_only: bool = False) -> Choice:
-    """The first layout of auto_candidates predicted to fit distributed.memory_budget_gb; raises ConfigError naming the
-    smallest budget that would fit when none does."""
+def fitting(profile: ModelProfile, cfg, ctx: PlanContext, sharded_only: bool = False) -> list[Choice]:
+    """Every layout of auto_candidates predicted to fit distributed.memory_budget_gb, in their order; raises
+    ConfigError naming the smallest budget that would fit when none does."""
     d = cfg.distributed
     budget = budget_per_rank(d, ctx.ranks_per_node)
     scale = ctx.ranks_per_node if d.memory_budget_per == "machine" else 1
-    tried = []
+    fits, tried = [], []
     for layout in auto_candidates(ctx.world_size, ctx.ranks_per_node, sharded_only):
         est = estimate(profile, layout, ctx)
         if needed(est) <= budget:
             skipped = ", ".join(f"{label} needs {need / GiB:.2f}" for label, need in tried)
             reason = f"fits in {d.memory_budget_gb:g} GiB per {d.memory_budget_per}"
-            return Choice(layout, est, reason + (f" ({skipped} GiB per rank)" if skipped else ""))
+            fits.append(Choice(layout, est, reason + (f" ({skipped} GiB per rank)" if skipped else "")))
         tried.append((layout.label(ctx.world_size), needed(est)))
+    if fits:
+        return fits
     label, need = min(tried, key=lambda t: t[1])
     smallest = math.ceil(need * scale / GiB * 100) / 100  # rounded up: that budget does fit
     raise ConfigError(
@@ -86,6 +90,20 @@ def choose(profile: ModelProfile, cfg, ctx: PlanContext, sharded_only: bool = Fa
         f"{ctx.world_size}: the smallest ({label}) needs {smallest:.2f} GiB per {d.memory_budget_per}; raise the "
         "budget, lower optimization.batch_size, or add ranks"
     )
+
+
+def choose(profile: ModelProfile, cfg, ctx: PlanContext, sharded_only: bool = False) -> Choice:
+    """The first layout of auto_candidates predicted to fit distributed.memory_budget_gb (the fixed preference,
+    distributed.auto_tune=false)."""
+    return fitting(profile, cfg, ctx, sharded_only)[0]
+
+
+def sharded_only(d) -> bool:
+    """Keys only fully_sharded has (set away from their defaults) keep backend=auto on sharded layouts."""
+    from shardlab.config import DistributedConfig
+
+    defaults = DistributedConfig()
+    return any(d[key] != getattr(defaults, key) for key in ("prefetch_units", "reduce_scatter", "wrap_min_num_params"))
 
 
 def apply_choice(cfg, choice: Choice, world_size: int) -> None:
@@ -103,14 +121,14 @@ def resolve(cfg, task, world_size: int) -> str | None:
     if d.memory_budget_gb <= 0:
         return None
     profile, ctx = profile_config(cfg, task, world_size)
-    if d.backend == "auto":
-        from shardlab.config import DistributedConfig
-
-        defaults = DistributedConfig()
-        sharded_only = any(
-            d[key] != getattr(defaults, key) for key in ("prefetch_units", "reduce_scatter", "wrap_min_num_params")
+    if d.backend == "auto" and d.auto_tune:  # measured on the ranks (shardlab.memory.autotune); check a fit exists
+        fits = fitting(profile, cfg, ctx, sharded_only(d))
+        return (
+            f"distributed.backend=auto: {len(fits)} layout(s) fit {d.memory_budget_gb:g} GiB per "
+            f"{d.memory_budget_per}; the ranks measure them and their micro-batch splits, and keep the fastest"
         )
-        choice = choose(profile, cfg, ctx, sharded_only)
+    if d.backend == "auto":
+        choice = choose(profile, cfg, ctx, sharded_only(d))
         apply_choice(cfg, choice, world_size)
         return f"distributed.backend=auto chose {choice.layout.label(world_size)}: {choice.reason}"
     est = estimate(profile, layout_of(d, world_size), ctx)
