@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+import shardlab.optim  # noqa: F401  (the built-in optimizers, registered before a user_dir's plug-ins)
 from shardlab import errors
 from shardlab.config import path_errors, validate
 from shardlab.distributed import env as dist_env
@@ -37,7 +38,7 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
 
     from shardlab.task import Task
 
-    load_plugins()
+    load_plugins(cfg.get("user_dir"))  # .get: configs recorded before user_dir existed lack it
     load_backends()  # registers single, ddp, fully_sharded
 
     problems: list[str] = []

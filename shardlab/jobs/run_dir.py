@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from pathlib import PurePath
 
 from omegaconf import OmegaConf
 
@@ -32,9 +33,21 @@ NAMES_A_RUN = ("checkpoint.init_from",)
 ALWAYS_EXCLUDED = ("logging.progress_bar", "checkpoint.resume", "dry_run")
 """Not even a sweep point's directory depends on these."""
 
+QUOTES = "'\""
+NAMED_BY_FOLDER = ("user_dir",)
+"""Path keys that name a run by their last folder only (user_dir=my_research), not by where that folder lives."""
+
 
 def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
+
+
+def _shown(override: str) -> str:
+    override = override.lstrip("+~")
+    key, _, value = override.partition("=")
+    if key in NAMED_BY_FOLDER:
+        return f"{key}={PurePath(value.strip(QUOTES)).name}"
+    return override
 
 
 def _excluded(key: str, prefixes: Iterable[str]) -> bool:
@@ -49,7 +62,7 @@ def run_name(overrides: Iterable[str], prefixes: Iterable[str] = HOW_IT_RUNS) ->
     """A directory name from the overrides that name the run: sorted ``key=value`` joined by commas; ``default``
     when none do. Slashes in values (paths) become underscores so one run is one directory."""
     prefixes = tuple(prefixes)
-    kept = sorted(o.lstrip("+~") for o in overrides if not _excluded(_key(o), prefixes))
+    kept = sorted(_shown(o) for o in overrides if not _excluded(_key(o), prefixes))
     name = ",".join(kept).replace("/", "_") or "default"
     if len(name) > MAX_NAME:
         name = f"{name[: MAX_NAME - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlab.registry import MODELS
 from tasks.lm.config import GPTConfig
 
 
@@ -92,6 +91,16 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(x)
 
+    def fsdp_units(self) -> list[nn.Module]:
+        # Tied embeddings share one parameter between the first and last module, which FSDP2 cannot place in two
+        # units: then both stay in the root unit and only the blocks are sharded separately.
+        if self.cfg.tie_embeddings:
+            return list(self.blocks)
+        return [self.embed, *self.blocks, self.head]
+
+    def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        init_gpt_tensor(self.cfg, name, tensor, generator)
+
 
 def init_gpt_tensor(cfg: GPTConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
     """GPT-2 init of the full tensor ``name``: N(0, init_std) weights, residual projections scaled by
@@ -104,8 +113,3 @@ def init_gpt_tensor(cfg: GPTConfig, name: str, tensor: torch.Tensor, generator: 
         tensor.normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.num_layers), generator=generator)
     else:
         tensor.normal_(0.0, cfg.init_std, generator=generator)
-
-
-@MODELS.register("gpt")
-def build_gpt(cfg: GPTConfig, vocab_size: int) -> GPT:
-    return GPT(cfg, vocab_size)

@@ -9,11 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlab.errors import ConfigError
 from shardlab.registry import MODELS
 from shardlab.task import Task
 from tasks.lm.data import open_splits, prepare_corpus
-from tasks.lm.model import init_gpt_tensor  # importing it registers the gpt architecture
 from tasks.lm.tokenizer import load_tokenizer
+
+ARCHITECTURE_METHODS = ("fsdp_units", "init_tensor")
+"""What a model architecture for this task defines besides forward (tokens (B, T) -> logits (B, T, vocab)):
+``fsdp_units()``, its submodules to shard as separate units in forward order, and ``init_tensor(name, tensor,
+generator)``, which fills one full parameter or buffer (GPT in tasks/lm/model.py; a user_dir's in docs/tutorial.md)."""
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -29,24 +34,27 @@ class LanguageModelingTask(Task):
         # Loaded here, before any data or model work, so a bad tokenizer file stops the run in its first second.
         # .get: configs stored in checkpoints written before data.eod_token existed lack the key.
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
-        self.vocab_size = cfg.model.vocab_size or padded_vocab(self.tokenizer.vocab_size)
+        self.vocab_size = cfg.model.get("vocab_size") or padded_vocab(self.tokenizer.vocab_size)
+        self.model_init = None
+        """The built architecture's init_tensor (set by build_model, which every run calls before materializing)."""
 
     def config_errors(self) -> list[str]:
+        """Checks of the model keys GPT's config has, wherever the architecture's config has them too."""
         m, d = self.cfg.model, self.cfg.data
         errors = [
             f"model.{key} must be >= 1, got {m[key]}"
             for key in ("num_layers", "dim", "num_heads", "max_seq_len")
-            if m[key] < 1
+            if key in m and m[key] < 1
         ]
-        if int(m.mlp_ratio * m.dim) < 1:
+        if "mlp_ratio" in m and int(m.mlp_ratio * m.dim) < 1:
             errors.append(f"model.mlp_ratio ({m.mlp_ratio}) x model.dim ({m.dim}) must give an MLP at least 1 wide")
-        if not 0 <= m.dropout < 1:
+        if not 0 <= m.get("dropout", 0.0) < 1:
             errors.append(f"model.dropout must be in [0, 1), got {m.dropout}")
-        if m.num_heads >= 1 and m.dim % m.num_heads:
+        if m.get("num_heads", 0) >= 1 and m.dim % m.num_heads:
             errors.append(f"model.num_heads ({m.num_heads}) must divide model.dim ({m.dim})")
-        if d.seq_len < 1 or d.seq_len > m.max_seq_len:
+        if d.seq_len < 1 or d.seq_len > m.get("max_seq_len", d.seq_len):
             errors.append(
-                f"data.seq_len ({d.seq_len}) must be in [1, model.max_seq_len={m.max_seq_len}]; "
+                f"data.seq_len ({d.seq_len}) must be in [1, model.max_seq_len={m.get('max_seq_len')}]; "
                 "raise model.max_seq_len or lower data.seq_len"
             )
         if self.vocab_size < self.tokenizer.vocab_size:
@@ -73,17 +81,22 @@ class LanguageModelingTask(Task):
         self.train_dataset, self.valid_dataset = open_splits(corpus, d.seq_len)
 
     def build_model(self) -> nn.Module:
-        return MODELS.build(self.cfg.model.arch, self.cfg.model, self.vocab_size, key="model.arch")
+        model = MODELS.build(self.cfg.model.arch, self.cfg.model, self.vocab_size, key="model.arch")
+        missing = [name for name in ARCHITECTURE_METHODS if not callable(getattr(model, name, None))]
+        if missing:
+            raise ConfigError(
+                f"model.arch={self.cfg.model.arch}: {type(model).__name__} does not define {' and '.join(missing)}, "
+                "which the LM task asks every architecture for (tasks/lm/task.py: ARCHITECTURE_METHODS)"
+            )
+        self.model_init = model.init_tensor
+        return model
 
     def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        init_gpt_tensor(self.cfg.model, name, tensor, generator)
+        assert self.model_init is not None, "build_model runs before materialize"
+        self.model_init(name, tensor, generator)
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
-        # Tied embeddings share one parameter between the first and last module, which FSDP2 cannot place in two
-        # units: then both stay in the root unit and only the blocks are sharded separately.
-        if self.cfg.model.tie_embeddings:
-            return list(model.blocks)
-        return [model.embed, *model.blocks, model.head]
+        return model.fsdp_units()
 
     def example_batch(self, batch_size: int) -> torch.Tensor:
         return torch.zeros(batch_size, self.cfg.data.seq_len + 1, dtype=torch.long, device="meta")

@@ -148,5 +148,6 @@ def test_registry_raises_error_when_name_unknown():
 def test_registry_refuses_two_factories_under_one_name():
     registry: Registry = Registry("widget")
     registry.register("a")(lambda: 1)
-    with pytest.raises(ValueError, match="registered twice"):
+    twice = r"^widget 'a' is registered twice: by .*test_config.py:\d+ and by .*test_config.py:\d+; give yours"
+    with pytest.raises(ConfigError, match=twice):
         registry.register("a")(lambda: 2)

@@ -1,0 +1,92 @@
+"""A new architecture for the LM task: a gated causal-convolution language model (no attention, no positions).
+
+Each block mixes tokens with a depthwise causal convolution gated by a linear projection of its input, then applies
+an MLP; RMSNorm before each, a residual around each. One module holds all of it: the config dataclass (its schema),
+the model, and the registration that ties both to the name ``gated_conv`` (``model.arch``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardlab.registry import MODELS
+
+
+@dataclass
+class GatedConvConfig:
+    arch: str = "gated_conv"
+    """A name in MODELS (set by the registration: conf/model/*.yaml need not repeat it)."""
+    num_layers: int = 2
+    """Blocks, each one FSDP unit."""
+    dim: int = 64
+    """Residual stream width."""
+    kernel_size: int = 4
+    """Tokens each convolution sees: itself and the kernel_size - 1 before it."""
+    mlp_ratio: float = 2.0
+    """MLP hidden width as a multiple of dim."""
+    init_std: float = 0.02
+    """Std of the normal init of weights; the residual projections are scaled by 1/sqrt(2 * num_layers)."""
+
+
+class GatedConvBlock(nn.Module):
+    def __init__(self, cfg: GatedConvConfig) -> None:
+        super().__init__()
+        self.mix_norm = nn.RMSNorm(cfg.dim)
+        self.conv = nn.Conv1d(cfg.dim, cfg.dim, cfg.kernel_size, groups=cfg.dim, padding=cfg.kernel_size - 1)
+        self.gate = nn.Linear(cfg.dim, cfg.dim)
+        self.mix_out = nn.Linear(cfg.dim, cfg.dim)
+        self.mlp_norm = nn.RMSNorm(cfg.dim)
+        self.mlp_in = nn.Linear(cfg.dim, int(cfg.mlp_ratio * cfg.dim))
+        self.mlp_out = nn.Linear(int(cfg.mlp_ratio * cfg.dim), cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix_norm(x)
+        # Padding on both sides, then keeping the first T outputs: position t sees tokens t-k+1 .. t only.
+        mixed = self.conv(h.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+        x = x + self.mix_out(mixed * torch.sigmoid(self.gate(h)))
+        return x + self.mlp_out(F.gelu(self.mlp_in(self.mlp_norm(x))))
+
+
+class GatedConvLM(nn.Module):
+    def __init__(self, cfg: GatedConvConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(GatedConvBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """Shard each block on its own (gathered one at a time in forward and backward), and the embedding and head
+        too: they are the largest matrices. The final norm stays in the root unit, which shardlab wraps last."""
+        return [self.embed, *self.blocks, self.head]
+
+    def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill the full tensor ``name`` (after sharding, on every rank alike: shardlab seeds ``generator`` from the
+        run's seed and the name, so the weights are the same for any world size)."""
+        if "norm" in name:
+            tensor.fill_(1.0)
+        elif name.endswith("bias"):
+            tensor.zero_()
+        elif name.endswith("conv.weight"):
+            tensor.normal_(0.0, 1.0 / math.sqrt(self.cfg.kernel_size), generator=generator)
+        elif name.endswith(("mix_out.weight", "mlp_out.weight")):
+            tensor.normal_(0.0, self.cfg.init_std / math.sqrt(2 * self.cfg.num_layers), generator=generator)
+        else:
+            tensor.normal_(0.0, self.cfg.init_std, generator=generator)
+
+
+@MODELS.register("gated_conv", dataclass=GatedConvConfig)
+def build_gated_conv(cfg: GatedConvConfig, vocab_size: int) -> GatedConvLM:
+    return GatedConvLM(cfg, vocab_size)
