@@ -56,8 +56,8 @@ def with_user_dir(overrides: list[str]) -> list[str]:
     """The overrides with user_dir absolute, after importing its modules (beside the built-in plug-ins, registered
     first) and putting its conf/ on the search path of the Hydra that composes next; unchanged without a user_dir."""
     overrides = user_dir.absolute(overrides)
-    load_plugins(user_dir.find(overrides))
     user_dir.put_conf_on_search_path(user_dir.find(overrides), CONF_DIR)
+    load_plugins(user_dir.find(overrides))
     return overrides
 
 

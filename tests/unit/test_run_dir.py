@@ -44,6 +44,11 @@ def test_what_defines_the_experiment_names_the_directory():
     assert run_name([init, "checkpoint.keep_last=3"]) == init  # other starting weights: another experiment
 
 
+def test_a_user_dir_names_the_run_by_its_folder_not_by_where_it_lives():
+    assert run_name(["task=spirals", "user_dir=/home/me/code/my_research"]) == "task=spirals,user_dir=my_research"
+    assert run_name(["user_dir='/home/me/my code/my_research'"]) == "user_dir=my_research"
+
+
 def test_sweep_points_keep_every_override_and_their_number():
     _, subdir = hydra_dirs(["optimizer.lr=1e-3", "distributed.world_size=2", "logging.progress_bar=false"])
     assert subdir == "3_distributed.world_size=2,optimizer.lr=1e-3"
