@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from shardlab.config import LRSchedulerConfig, OptimizerConfig
 from shardlab.errors import ConfigError
+from shardlab.registry import user_dir
 from shardlab.registry.user_dir import import_user_dir
 
 T = TypeVar("T")
@@ -39,6 +40,7 @@ __all__ = [
     "Registry",
     "load_plugins",
     "unknown_name_message",
+    "user_dir",
 ]
 
 

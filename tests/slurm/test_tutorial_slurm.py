@@ -38,7 +38,7 @@ def test_the_tutorial_sweep_on_slurm_matches_one_process_runs(slurm_env, researc
         assert "world size 2 (slurm)" in Path(job["log"]).read_text()
         expected = one_process(research_root, corpus_cache, task, tmp_path / task)["history"]
         for split in ("train", "valid"):
-            got = scalars(Path(job["run_dir"]), f"{split}/loss")
+            got = scalars(research_root / job["run_dir"], f"{split}/loss")  # relative to the submitting directory
             want = [(r["step"], r["loss"]) for r in expected if r["split"] == split]
             assert [s for s, _ in got] == [s for s, _ in want] and got, (task, split)
             torch.testing.assert_close(

@@ -97,7 +97,7 @@ def test_a_plugin_registering_lm_fails_before_training_naming_both_files(tmp_pat
     assert proc.stderr.endswith("; give yours another name\n")
 
 
-LION = '''from dataclasses import dataclass
+LION = """from dataclasses import dataclass
 
 from shardlab.registry import OPTIMIZERS
 
@@ -110,7 +110,7 @@ class LionConfig:
 @OPTIMIZERS.register("lion", dataclass=LionConfig)
 def build_lion(model, cfg):
     raise AssertionError
-'''
+"""
 ARCH_WITHOUT_NAME = LION.replace("OPTIMIZERS", "MODELS").replace('"lion"', '"mixer"')
 
 
