@@ -31,6 +31,10 @@ class GatedConvConfig:
     """MLP hidden width as a multiple of dim."""
     init_std: float = 0.02
     """Std of the normal init of weights; the residual projections are scaled by 1/sqrt(2 * num_layers)."""
+    max_seq_len: int = 1024
+    """Longest sequence to train on (data.seq_len must not exceed it); the convolution itself has no limit."""
+    vocab_size: int | None = None
+    """Token vocabulary; null = the tokenizer's (rounded up to a multiple of 64)."""
 
 
 class GatedConvBlock(nn.Module):
@@ -52,10 +56,12 @@ class GatedConvBlock(nn.Module):
         return x + self.mlp_out(F.gelu(self.mlp_in(self.mlp_norm(x))))
 
 
+@MODELS.register("gated_conv", dataclass=GatedConvConfig)
 class GatedConvLM(nn.Module):
+    """Built by the LM task as GatedConvLM(cfg.model, vocab_size); token ids (B, T) -> logits (B, T, vocab)."""
+
     def __init__(self, cfg: GatedConvConfig, vocab_size: int) -> None:
         super().__init__()
-        self.cfg = cfg
         self.embed = nn.Embedding(vocab_size, cfg.dim)
         self.blocks = nn.ModuleList(GatedConvBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.dim)
@@ -72,21 +78,23 @@ class GatedConvLM(nn.Module):
         too: they are the largest matrices. The final norm stays in the root unit, which shardlab wraps last."""
         return [self.embed, *self.blocks, self.head]
 
-    def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """Fill the full tensor ``name`` (after sharding, on every rank alike: shardlab seeds ``generator`` from the
-        run's seed and the name, so the weights are the same for any world size)."""
+    @classmethod
+    def config_errors(cls, cfg: GatedConvConfig) -> list[str]:
+        """Checked with every other config problem before anything starts; each message names its key."""
+        keys = ("num_layers", "dim", "kernel_size", "max_seq_len")
+        return [f"model.{key} must be >= 1, got {cfg[key]}" for key in keys if cfg[key] < 1]
+
+    @classmethod
+    def init_tensor(cls, cfg: GatedConvConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill the full tensor ``name``, drawing only from ``generator`` (which shardlab seeds from the run's seed
+        and the name): every rank of every world size gets the same weights."""
         if "norm" in name:
             tensor.fill_(1.0)
         elif name.endswith("bias"):
             tensor.zero_()
         elif name.endswith("conv.weight"):
-            tensor.normal_(0.0, 1.0 / math.sqrt(self.cfg.kernel_size), generator=generator)
+            tensor.normal_(0.0, 1.0 / math.sqrt(cfg.kernel_size), generator=generator)
         elif name.endswith(("mix_out.weight", "mlp_out.weight")):
-            tensor.normal_(0.0, self.cfg.init_std / math.sqrt(2 * self.cfg.num_layers), generator=generator)
+            tensor.normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.num_layers), generator=generator)
         else:
-            tensor.normal_(0.0, self.cfg.init_std, generator=generator)
-
-
-@MODELS.register("gated_conv", dataclass=GatedConvConfig)
-def build_gated_conv(cfg: GatedConvConfig, vocab_size: int) -> GatedConvLM:
-    return GatedConvLM(cfg, vocab_size)
+            tensor.normal_(0.0, cfg.init_std, generator=generator)

@@ -2,7 +2,9 @@
 
 The data is generated from a seed (no download), so every rank and every machine sees the same points; the model is a
 residual MLP registered in MODELS like any architecture; the loss is cross-entropy, and validation reports accuracy
-beside the loss. The task's dataclass is its data section (``data.*``); the model's is its model section.
+beside the loss. The task's settings are its data section (``data=SpiralsDataConfig``: data.num_arms, ...); a task
+with settings of its own would add ``dataclass=`` (a TaskConfig subclass: task.*). The model's dataclass is its model
+section.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class ResidualBlock(nn.Module):
         return x + F.relu(self.fc(self.norm(x)))
 
 
+@MODELS.register("spiral_mlp", dataclass=SpiralMLPConfig)
 class SpiralMLP(nn.Module):
     def __init__(self, cfg: SpiralMLPConfig, num_classes: int) -> None:
         super().__init__()
@@ -87,11 +90,7 @@ class SpiralMLP(nn.Module):
         return self.head(x)
 
 
-@MODELS.register("spiral_mlp", dataclass=SpiralMLPConfig)
-def build_spiral_mlp(cfg: SpiralMLPConfig, num_classes: int) -> SpiralMLP:
-    return SpiralMLP(cfg, num_classes)
-
-
+@TASKS.register("spirals", data=SpiralsDataConfig)
 class SpiralsTask(Task):
     unit = "points"
 
@@ -141,8 +140,3 @@ class SpiralsTask(Task):
 
     def num_units(self, batch) -> int:
         return len(batch[1])
-
-
-@TASKS.register("spirals", dataclass=SpiralsDataConfig)
-def build_spirals_task(cfg) -> SpiralsTask:
-    return SpiralsTask(cfg)

@@ -6,8 +6,8 @@
 
 This module registers them in OPTIMIZERS and LR_SCHEDULERS with their schemas (``schema/optimizer/<name>``,
 ``schema/lr_scheduler/<name>``, named by conf/optimizer/*.yaml and conf/lr_scheduler/*.yaml). It is light on purpose:
-it is imported at start-up, before the config composes, and each factory imports its implementation (and torch) when
-first called.
+it is imported at start-up, before the config composes, and each factory's module (and torch) is imported when the
+factory is first used (``register_lazy``).
 """
 
 from __future__ import annotations
@@ -18,33 +18,8 @@ from shardlab.registry import LR_SCHEDULERS, OPTIMIZERS
 __all__ = ["LR_SCHEDULERS", "OPTIMIZERS"]
 
 
-@OPTIMIZERS.register("adamw", dataclass=OptimizerConfig)
-def adamw(model, cfg: OptimizerConfig):
-    from shardlab.optim.optimizers import build_adamw
-
-    return build_adamw(model, cfg)
-
-
-@OPTIMIZERS.register("sgd", dataclass=OptimizerConfig)
-def sgd(model, cfg: OptimizerConfig):
-    from shardlab.optim.optimizers import build_sgd
-
-    return build_sgd(model, cfg)
-
-
-@OPTIMIZERS.register("cpu_adam", dataclass=OptimizerConfig)
-def cpu_adam(model, cfg: OptimizerConfig):
-    from shardlab.optim.cpu_adam import build_cpu_adam
-
-    return build_cpu_adam(model, cfg)
-
-
-def warmup_then_decay(optimizer, cfg: LRSchedulerConfig, max_steps: int):
-    """Every built-in schedule: linear warmup, then the decay lr_scheduler.name names."""
-    from shardlab.optim.schedules import build_schedule
-
-    return build_schedule(optimizer, cfg, max_steps)
-
-
-for _name in ("cosine", "inverse_sqrt", "constant"):
-    LR_SCHEDULERS.register(_name, dataclass=LRSchedulerConfig)(warmup_then_decay)
+OPTIMIZERS.register_lazy("adamw", "shardlab.optim.optimizers:build_adamw", dataclass=OptimizerConfig)
+OPTIMIZERS.register_lazy("sgd", "shardlab.optim.optimizers:build_sgd", dataclass=OptimizerConfig)
+OPTIMIZERS.register_lazy("cpu_adam", "shardlab.optim.cpu_adam:build_cpu_adam", dataclass=OptimizerConfig)
+for _name in ("cosine", "inverse_sqrt", "constant"):  # one factory: linear warmup, then the decay the name says
+    LR_SCHEDULERS.register_lazy(_name, "shardlab.optim.schedules:build_schedule", dataclass=LRSchedulerConfig)

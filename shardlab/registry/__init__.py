@@ -6,8 +6,9 @@ dataclass=...)``): the schema is stored in Hydra's ConfigStore as ``schema/<sect
 modules (dataclasses and registrations only; heavy imports happen inside the factories, so the LM path never imports
 torchvision):
 
-- tasks: ``tasks/<name>/config.py``, found through the ``shardlab.tasks`` entry-point group (pyproject.toml);
-- optimizers and schedules: ``shardlab/optim/__init__.py``;
+- tasks and their models: ``tasks/<name>/config.py``, found through the ``shardlab.tasks`` entry-point group
+  (pyproject.toml), registered with ``register_lazy`` (the factory is imported when first built);
+- optimizers and schedules: ``shardlab/optim/__init__.py``, the same way;
 - a user directory's modules (``user_dir=``, shardlab/registry/user_dir.py), imported after the built-ins.
 """
 
@@ -24,7 +25,7 @@ from typing import Generic, TypeVar
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from shardlab.config import LRSchedulerConfig, OptimizerConfig
+from shardlab.config import LRSchedulerConfig, OptimizerConfig, TaskConfig
 from shardlab.errors import ConfigError
 from shardlab.registry import user_dir
 from shardlab.registry.user_dir import import_user_dir
@@ -47,7 +48,7 @@ __all__ = [
 class Registry(Generic[T]):
     """Maps names to factories returning ``T``; unknown names raise a ConfigError with a did-you-mean.
 
-    ``section``: the config section whose schema a registration's ``dataclass`` is (model, data, optimizer, ...).
+    ``section``: the config section whose schema a registration's ``dataclass`` is (model, task, optimizer, ...).
     ``name_key``: the field of that section holding the registered name (model.arch, optimizer.name); its default in
     the stored schema becomes the name, so a YAML option need not repeat it. ``base``: the class every dataclass must
     extend, where the section's type is fixed (optimizer: OptimizerConfig)."""
@@ -59,78 +60,121 @@ class Registry(Generic[T]):
         self.section = section
         self.name_key = name_key
         self.base = base
-        self._factories: dict[str, Callable[..., T]] = {}
+        self._factories: dict[str, Callable[..., T] | str] = {}
+        """A factory, or the ``module:attribute`` it is imported from on first use (register_lazy)."""
+        self._origins: dict[str, str] = {}
+        """Where each name was registered (file:line), for the message of a clash."""
 
-    def register(self, name: str, dataclass: type | None = None) -> Callable[[Callable[..., T]], Callable[..., T]]:
-        """Decorator: ``factory`` builds ``name``; ``dataclass`` (optional) is the schema of its config section,
-        stored as ``schema/<section>/<name>``."""
+    def register(
+        self, name: str, dataclass: type | None = None, data: type | None = None
+    ) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """Decorator: ``factory`` (a function or a class) builds ``name``. ``dataclass``: the schema of its config
+        section, stored as ``schema/<section>/<name>``; ``data`` (tasks): the schema of the data section, stored as
+        ``schema/data/<name>``."""
 
         def decorator(factory: Callable[..., T]) -> Callable[..., T]:
-            previous = self._factories.get(name)
-            if previous is not None and _identity(previous) != _identity(factory):
-                raise ConfigError(
-                    f"{self.kind} '{name}' is registered twice: by {origin(factory)} and by {origin(previous)}; "
-                    "give yours another name"
-                )
-            if dataclass is not None:
-                self._store_schema(name, dataclass, factory)
-            self._factories[name] = factory
+            self._add(name, factory, origin(factory), dataclass, data)
             return factory
 
         return decorator
 
-    def _store_schema(self, name: str, dataclass: type, factory: Callable) -> None:
-        where = f"{self.kind} '{name}' ({origin(factory)})"
-        if self.section is None:
+    def register_lazy(self, name: str, target: str, dataclass: type | None = None, data: type | None = None) -> None:
+        """Register ``name`` (and its schemas, as ``register``) from a light module, the factory being imported from
+        ``target`` ("package.module:attribute") when first used: the built-ins keep torch and torchvision out of
+        start-up this way."""
+        caller = inspect.currentframe().f_back
+        self._add(name, target, f"{caller.f_code.co_filename}:{caller.f_lineno}", dataclass, data)
+
+    def _add(self, name: str, entry: Callable[..., T] | str, where: str, dataclass: type | None, data: type | None):
+        previous = self._factories.get(name)
+        if previous is not None and not _same(previous, entry):
+            raise ConfigError(
+                f"{self.kind} '{name}' is registered twice: by {where} and by {self._origins[name]}; "
+                "give yours another name"
+            )
+        if data is not None and self.section != "task":
+            raise ConfigError(f"{self.kind} '{name}' ({where}): data= is a task's data section; drop it")
+        for section, schema, name_key, base in (
+            (self.section, dataclass, self.name_key, self.base),
+            ("data", data, None, None),
+        ):
+            if schema is not None:
+                self._store_schema(section, name, schema, f"{self.kind} '{name}' ({where})", name_key, base)
+        if previous is None or isinstance(previous, str):  # a lazy entry gives way to the object it names
+            self._factories[name] = entry
+            self._origins[name] = where
+
+    def _store_schema(
+        self, section: str | None, name: str, dataclass: type, where: str, name_key: str | None, base: type | None
+    ) -> None:
+        if section is None:
             raise ConfigError(f"{where}: a {self.kind} has no config schema of its own; drop dataclass=")
         fields = getattr(dataclass, "__dataclass_fields__", None)
         if fields is None:
-            raise ConfigError(f"{where}: dataclass={getattr(dataclass, '__name__', dataclass)!r} is not a dataclass")
-        if self.base is not None and not issubclass(dataclass, self.base):
+            raise ConfigError(f"{where}: {getattr(dataclass, '__name__', dataclass)!r} is not a dataclass")
+        if base is not None and not issubclass(dataclass, base):
             raise ConfigError(
-                f"{where}: {dataclass.__name__} must extend {self.base.__name__} (every {self.section}.* key the "
-                f"framework reads), e.g. class {dataclass.__name__}({self.base.__name__})"
+                f"{where}: {dataclass.__name__} must extend {base.__name__} (every {section}.* key the framework "
+                f"reads), e.g. class {dataclass.__name__}({base.__name__})"
             )
         node = OmegaConf.structured(dataclass)
-        if self.name_key is not None:
-            if self.name_key not in fields:
+        if name_key is not None:
+            if name_key not in fields:
                 raise ConfigError(
-                    f"{where}: {dataclass.__name__} needs a field {self.name_key}: str ({self.section}.{self.name_key} "
-                    f"names the {self.kind} to build)"
+                    f"{where}: {dataclass.__name__} needs a field {name_key}: str ({section}.{name_key} names the "
+                    f"{self.kind} to build)"
                 )
-            node[self.name_key] = name
-        ConfigStore.instance().store(
-            group=f"schema/{self.section}", name=name, node=node, provider=getattr(factory, "__module__", None)
-        )
+            node[name_key] = name
+        ConfigStore.instance().store(group=f"schema/{section}", name=name, node=node, provider=where)
 
     def names(self) -> list[str]:
         return sorted(self._factories)
 
     def get(self, name: str, key: str | None = None) -> Callable[..., T]:
-        """The factory for ``name``; ``key`` is the dotted config key quoted in the error message."""
+        """The factory for ``name`` (imported now if registered lazily); ``key`` is the dotted config key quoted in
+        the error message."""
         if name not in self._factories:
             raise ConfigError(unknown_name_message(name, self.kind, self.names(), key))
-        return self._factories[name]
+        entry = self._factories[name]
+        if isinstance(entry, str):
+            module, _, attribute = entry.partition(":")
+            entry = getattr(importlib.import_module(module), attribute)
+            self._factories[name] = entry
+        return entry
 
     def build(self, name: str, *args, key: str | None = None, **kwargs) -> T:
         return self.get(name, key)(*args, **kwargs)
 
 
-def _identity(factory: Callable) -> tuple[str, str, int]:
-    """The same definition executed again (its module imported twice) is no clash; any other factory is."""
-    code = getattr(factory, "__code__", None)
-    line = code.co_firstlineno if code is not None else 0
-    return getattr(factory, "__module__", ""), getattr(factory, "__qualname__", repr(factory)), line
+def _target(entry: Callable | str) -> str:
+    return entry if isinstance(entry, str) else f"{getattr(entry, '__module__', '')}:{entry.__qualname__}"
+
+
+def _same(a: Callable | str, b: Callable | str) -> bool:
+    """The same definition executed again (its module imported twice), or a lazy entry and the object it names, is
+    no clash; any other factory is (two lambdas of one module differ by their line)."""
+    if _target(a) != _target(b):
+        return False
+    if isinstance(a, str) or isinstance(b, str):
+        return True
+    return getattr(getattr(a, "__code__", None), "co_firstlineno", 0) == getattr(
+        getattr(b, "__code__", None), "co_firstlineno", 0
+    )
 
 
 def origin(factory: Callable) -> str:
-    """Where ``factory`` is defined, as ``file:line`` (the file alone for a class or a builtin)."""
+    """Where ``factory`` is defined, as ``file:line``."""
     try:
         file = inspect.getsourcefile(factory) or inspect.getfile(factory)
     except TypeError:
         return getattr(factory, "__module__", repr(factory))
     code = getattr(factory, "__code__", None)
-    return f"{Path(file)}:{code.co_firstlineno}" if code is not None else str(Path(file))
+    if code is not None:
+        return f"{Path(file)}:{code.co_firstlineno}"
+    try:
+        return f"{Path(file)}:{inspect.getsourcelines(factory)[1]}"  # a class: the line of its first decorator
+    except (OSError, TypeError):
+        return str(Path(file))
 
 
 def unknown_name_message(name: str, kind: str, known: list[str], key: str | None = None) -> str:
@@ -149,8 +193,8 @@ def load_plugins(user_dir: str | None = None) -> None:
         import_user_dir(user_dir)
 
 
-TASKS: Registry = Registry("task", section="data")
-"""A task's dataclass is the schema of its data section (data.*): the task's own settings."""
+TASKS: Registry = Registry("task", section="task", name_key="name", base=TaskConfig)
+"""A task's ``dataclass`` is the schema of its own task.* keys (extending TaskConfig), ``data`` its data section's."""
 MODELS: Registry = Registry("model architecture", section="model", name_key="arch")
 OPTIMIZERS: Registry = Registry("optimizer", section="optimizer", name_key="name", base=OptimizerConfig)
 LR_SCHEDULERS: Registry = Registry("lr scheduler", section="lr_scheduler", name_key="name", base=LRSchedulerConfig)

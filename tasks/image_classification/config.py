@@ -70,22 +70,8 @@ class ImageDataConfig:
     """embedded and fake: seed of the generated images (the same seed gives the same dataset on every machine)."""
 
 
-@TASKS.register("image_classification", dataclass=ImageDataConfig)
-def build_image_classification_task(cfg):
-    from tasks.image_classification.task import ImageClassificationTask
-
-    return ImageClassificationTask(cfg)
-
-
-@MODELS.register("regnet", dataclass=RegNetConfig)
-def build_regnet(cfg: RegNetConfig, num_classes: int):
-    from tasks.image_classification.model import regnet
-
-    return regnet(cfg, num_classes)
-
-
-@MODELS.register("regnet_cifar", dataclass=RegNetConfig)
-def build_regnet_cifar(cfg: RegNetConfig, num_classes: int):
-    from tasks.image_classification.model import regnet_cifar
-
-    return regnet_cifar(cfg, num_classes)
+TASKS.register_lazy(
+    "image_classification", "tasks.image_classification.task:ImageClassificationTask", data=ImageDataConfig
+)
+MODELS.register_lazy("regnet", "tasks.image_classification.model:regnet", dataclass=RegNetConfig)
+MODELS.register_lazy("regnet_cifar", "tasks.image_classification.model:regnet_cifar", dataclass=RegNetConfig)

@@ -54,15 +54,5 @@ class LMDataConfig:
     """Tokenizing processes at preprocessing; -1 = one per CPU core (none for corpora under 16 MB), 0 = in-process."""
 
 
-@TASKS.register("lm", dataclass=LMDataConfig)
-def build_lm_task(cfg):
-    from tasks.lm.task import LanguageModelingTask
-
-    return LanguageModelingTask(cfg)
-
-
-@MODELS.register("gpt", dataclass=GPTConfig)
-def build_gpt(cfg: GPTConfig, vocab_size: int):
-    from tasks.lm.model import GPT
-
-    return GPT(cfg, vocab_size)
+TASKS.register_lazy("lm", "tasks.lm.task:LanguageModelingTask", data=LMDataConfig)
+MODELS.register_lazy("gpt", "tasks.lm.model:GPT", dataclass=GPTConfig)

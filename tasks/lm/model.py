@@ -98,18 +98,30 @@ class GPT(nn.Module):
             return list(self.blocks)
         return [self.embed, *self.blocks, self.head]
 
-    def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        init_gpt_tensor(self.cfg, name, tensor, generator)
+    @classmethod
+    def config_errors(cls, m: GPTConfig) -> list[str]:
+        errors = [
+            f"model.{key} must be >= 1, got {m[key]}"
+            for key in ("num_layers", "dim", "num_heads", "max_seq_len")
+            if m[key] < 1
+        ]
+        if int(m.mlp_ratio * m.dim) < 1:
+            errors.append(f"model.mlp_ratio ({m.mlp_ratio}) x model.dim ({m.dim}) must give an MLP at least 1 wide")
+        if not 0 <= m.dropout < 1:
+            errors.append(f"model.dropout must be in [0, 1), got {m.dropout}")
+        if m.num_heads >= 1 and m.dim % m.num_heads:
+            errors.append(f"model.num_heads ({m.num_heads}) must divide model.dim ({m.dim})")
+        return errors
 
-
-def init_gpt_tensor(cfg: GPTConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-    """GPT-2 init of the full tensor ``name``: N(0, init_std) weights, residual projections scaled by
-    1/sqrt(2 * layers), zero biases, unit norms."""
-    if ".ln_" in name or name.startswith("head.ln_f"):
-        tensor.fill_(1.0 if name.endswith("weight") else 0.0)
-    elif name.endswith("bias"):
-        tensor.zero_()
-    elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-        tensor.normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.num_layers), generator=generator)
-    else:
-        tensor.normal_(0.0, cfg.init_std, generator=generator)
+    @classmethod
+    def init_tensor(cls, cfg: GPTConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """GPT-2 init of the full tensor ``name``: N(0, init_std) weights, residual projections scaled by
+        1/sqrt(2 * layers), zero biases, unit norms."""
+        if ".ln_" in name or name.startswith("head.ln_f"):
+            tensor.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif name.endswith("bias"):
+            tensor.zero_()
+        elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+            tensor.normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.num_layers), generator=generator)
+        else:
+            tensor.normal_(0.0, cfg.init_std, generator=generator)

@@ -16,9 +16,11 @@ from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.tokenizer import load_tokenizer
 
 ARCHITECTURE_METHODS = ("fsdp_units", "init_tensor")
-"""What a model architecture for this task defines besides forward (tokens (B, T) -> logits (B, T, vocab)):
-``fsdp_units()``, its submodules to shard as separate units in forward order, and ``init_tensor(name, tensor,
-generator)``, which fills one full parameter or buffer (GPT in tasks/lm/model.py; a user_dir's in docs/tutorial.md)."""
+"""What the LM task asks of a model architecture: a module class registered in MODELS under model.arch, built as
+``cls(model_cfg, vocab_size)``, mapping token ids (B, T) to logits (B, T, vocab), with ``fsdp_units(self)`` (its
+submodules to shard as separate units, in forward order) and the classmethod ``init_tensor(cfg, name, tensor,
+generator)`` (fills one full parameter or buffer from the generator alone); optionally the classmethod
+``config_errors(cfg)``. GPT in tasks/lm/model.py; a user_dir's in docs/tutorial.md."""
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -35,26 +37,31 @@ class LanguageModelingTask(Task):
         # .get: configs stored in checkpoints written before data.eod_token existed lack the key.
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
         self.vocab_size = cfg.model.get("vocab_size") or padded_vocab(self.tokenizer.vocab_size)
-        self.model_init = None
-        """The built architecture's init_tensor (set by build_model, which every run calls before materializing)."""
+
+    @property
+    def architecture(self) -> type[nn.Module]:
+        """The model.arch class: builds the model and says how to check, initialise and shard it."""
+        arch = MODELS.get(self.cfg.model.arch, key="model.arch")
+        missing = [name for name in ARCHITECTURE_METHODS if not callable(getattr(arch, name, None))]
+        if not isinstance(arch, type) or missing:
+            raise ConfigError(
+                f"model.arch={self.cfg.model.arch}: {getattr(arch, '__name__', arch)} is not a language-model "
+                f"architecture: the LM task builds a module class defining {' and '.join(ARCHITECTURE_METHODS)} "
+                "(tasks/lm/task.py: ARCHITECTURE_METHODS)"
+            )
+        return arch
 
     def config_errors(self) -> list[str]:
-        """Checks of the model keys GPT's config has, wherever the architecture's config has them too."""
         m, d = self.cfg.model, self.cfg.data
-        errors = [
-            f"model.{key} must be >= 1, got {m[key]}"
-            for key in ("num_layers", "dim", "num_heads", "max_seq_len")
-            if key in m and m[key] < 1
-        ]
-        if "mlp_ratio" in m and int(m.mlp_ratio * m.dim) < 1:
-            errors.append(f"model.mlp_ratio ({m.mlp_ratio}) x model.dim ({m.dim}) must give an MLP at least 1 wide")
-        if not 0 <= m.get("dropout", 0.0) < 1:
-            errors.append(f"model.dropout must be in [0, 1), got {m.dropout}")
-        if m.get("num_heads", 0) >= 1 and m.dim % m.num_heads:
-            errors.append(f"model.num_heads ({m.num_heads}) must divide model.dim ({m.dim})")
-        if d.seq_len < 1 or d.seq_len > m.get("max_seq_len", d.seq_len):
+        try:
+            arch = self.architecture
+        except ConfigError as e:
+            return [str(e)]
+        errors = list(getattr(arch, "config_errors", lambda m: [])(m))
+        max_seq_len = m.get("max_seq_len", d.seq_len)  # an architecture without a position limit may omit it
+        if d.seq_len < 1 or d.seq_len > max_seq_len:
             errors.append(
-                f"data.seq_len ({d.seq_len}) must be in [1, model.max_seq_len={m.get('max_seq_len')}]; "
+                f"data.seq_len ({d.seq_len}) must be in [1, model.max_seq_len={max_seq_len}]; "
                 "raise model.max_seq_len or lower data.seq_len"
             )
         if self.vocab_size < self.tokenizer.vocab_size:
@@ -81,19 +88,10 @@ class LanguageModelingTask(Task):
         self.train_dataset, self.valid_dataset = open_splits(corpus, d.seq_len)
 
     def build_model(self) -> nn.Module:
-        model = MODELS.build(self.cfg.model.arch, self.cfg.model, self.vocab_size, key="model.arch")
-        missing = [name for name in ARCHITECTURE_METHODS if not callable(getattr(model, name, None))]
-        if missing:
-            raise ConfigError(
-                f"model.arch={self.cfg.model.arch}: {type(model).__name__} does not define {' and '.join(missing)}, "
-                "which the LM task asks every architecture for (tasks/lm/task.py: ARCHITECTURE_METHODS)"
-            )
-        self.model_init = model.init_tensor
-        return model
+        return self.architecture(self.cfg.model, self.vocab_size)
 
     def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        assert self.model_init is not None, "build_model runs before materialize"
-        self.model_init(name, tensor, generator)
+        self.architecture.init_tensor(self.cfg.model, name, tensor, generator)
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         return model.fsdp_units()

@@ -147,9 +147,9 @@ def test_a_user_dir_cannot_be_swept(my_research):
 
 
 def test_a_folder_without_init_or_conf_is_a_package_of_its_modules(tmp_path):
-    module = "from shardlab.registry import LR_SCHEDULERS\nfrom shardlab.optim import warmup_then_decay\n\n"
-    module += "LR_SCHEDULERS.register('my_constant')(warmup_then_decay)\n"
-    helper = "from .schedule import warmup_then_decay as imported_from_a_sibling  # noqa: F401\n"
+    module = "from shardlab.optim.schedules import build_schedule\nfrom shardlab.registry import LR_SCHEDULERS\n\n"
+    module += "LR_SCHEDULERS.register('my_constant')(build_schedule)\n"
+    helper = "from .schedule import build_schedule as imported_from_a_sibling  # noqa: F401\n"
     write(tmp_path / "schedules_research", {"schedule.py": module, "uses_sibling.py": helper})
     compose_config([f"user_dir={tmp_path / 'schedules_research'}"])
     assert sys.modules["schedules_research.uses_sibling"].imported_from_a_sibling is not None
