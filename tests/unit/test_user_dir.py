@@ -154,3 +154,29 @@ def test_a_folder_without_init_or_conf_is_a_package_of_its_modules(tmp_path):
     compose_config([f"user_dir={tmp_path / 'schedules_research'}"])
     assert sys.modules["schedules_research.uses_sibling"].imported_from_a_sibling is not None
     assert "my_constant" in LR_SCHEDULERS.names()
+
+
+def test_a_slurm_job_imports_the_user_dir_before_unpickling_what_refers_to_it(my_research, tmp_path):
+    """What submitit runs in a job (and again after a requeue): its pickle refers to the user's classes (the
+    launcher's config and Hydra's ConfigStore hold their schemas), which a fresh process finds only once the folder
+    is imported. Here the "launcher" is a user class and its argument a user object."""
+    import cloudpickle
+    import submitit
+
+    from shardlab.jobs.submitit_launcher import AfterUserDir
+
+    compose_config([f"user_dir={my_research}"])
+    spirals = sys.modules["my_research.spirals"]
+    job = AfterUserDir(str(my_research), spirals.SpiralsDataConfig)
+    submission = submitit.helpers.DelayedSubmission(job, cloudpickle.dumps((4, 10, 5, 0.1, 7)))
+    requeued = job.checkpoint(*submission.args)
+    assert requeued.function is job and requeued.args == submission.args
+    path = tmp_path / "submission.pkl"
+    requeued.dump(path)
+    code = (
+        "import sys; from submitit.helpers import DelayedSubmission; "
+        f"r = DelayedSubmission.load({str(path)!r}).result(); print(type(r).__module__, r.num_arms, r.seed)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["my_research.spirals", "4", "7"]
