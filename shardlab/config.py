@@ -1,8 +1,8 @@
 """Typed config sections (Hydra structured configs). The choices live in conf/*.yaml.
 
-Every section is a dataclass registered in Hydra's ConfigStore as a schema, so Hydra itself rejects an override with a
-typo in its key or a value of the wrong type. ``validate`` then checks ranges and cross-field rules and raises one
-ConfigError listing every problem.
+Every section is a dataclass registered in Hydra's ConfigStore as a schema (here, or with its factory through
+shardlab.registry), so Hydra itself rejects an override with a typo in its key or a value of the wrong type.
+``validate`` then checks ranges and cross-field rules and raises one ConfigError listing every problem.
 """
 
 from __future__ import annotations
@@ -189,14 +189,18 @@ class TrainConfig:
     """Seeds parameter init, data order and dropout; the same seed gives the same run on any world size."""
     dry_run: bool = False
     """Build the model on the meta device, print its size and the sharding plan, and exit without allocating."""
+    user_dir: str | None = None
+    """A folder of your own plug-ins (tasks, models, optimizers, schedules) and their conf/, imported before the config
+    composes (shardlab/registry/user_dir.py; docs/tutorial.md). Command line only; recorded as an absolute path."""
 
 
 # ---- the options of each config group (conf/<group>/<option>.yaml) --------------------------------------------------
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+def group_options(group: str, user_conf: Path | None = None) -> list[str]:
+    """The options of conf/<group> (and of a user_dir's conf/<group>)."""
+    return sorted(p.stem for conf in (CONF_DIR, user_conf) if conf for p in (conf / group).glob("*.yaml"))
 
 
 def option_package(group: str, option: str) -> str | None:
@@ -236,13 +240,13 @@ def task_section_package(task: str, group: str) -> str | None:
 
 
 def register_schemas() -> None:
+    """The run's schema and the distributed section's; the schemas of tasks, models, optimizers and schedules come
+    with their registration (shardlab.registry)."""
     from shardlab.jobs.run_dir import register_resolvers
 
     register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=TrainConfig)
-    cs.store(group="schema", name="optimizer", node=OptimizerConfig)
-    cs.store(group="schema", name="lr_scheduler", node=LRSchedulerConfig)
     cs.store(group="schema", name="distributed", node=DistributedConfig)
 
 

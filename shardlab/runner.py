@@ -16,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+import shardlab.optim  # noqa: F401  (the built-in optimizers, registered before a user_dir's plug-ins)
 from shardlab import errors
 from shardlab.config import options_of, path_errors, task_section_package, validate
 from shardlab.distributed import env as dist_env
@@ -26,7 +27,7 @@ from shardlab.jobs.preemption import STOPPED_EXIT_CODE, StopSignals
 from shardlab.jobs.run_dir import former_run_name, run_name
 from shardlab.jobs.run_lock import RunLock
 from shardlab.memory import budget as memory_budget
-from shardlab.registry import BACKENDS, TASKS, load_plugins
+from shardlab.registry import BACKENDS, TASKS, load_plugins, plugin_packages
 
 
 def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | None = None, check_budget: bool = True):
@@ -39,7 +40,7 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
 
     from shardlab.task import Task
 
-    load_plugins()
+    load_plugins(cfg.get("user_dir"))  # .get: configs recorded before user_dir existed lack it
     load_backends()  # registers single, ddp, fully_sharded
 
     problems: list[str] = []
@@ -78,14 +79,18 @@ def plugin_package(factory) -> str:
 
 
 def foreign_section_errors(cfg: DictConfig) -> list[str]:
-    """The model and data sections must be the chosen task's own: a GPTConfig cannot configure image classification,
-    nor image data the LM."""
+    """The model and data sections must not be another task plug-in's: a GPTConfig cannot configure image
+    classification, nor image data the LM. Schemas from elsewhere (a user_dir) pass; the task checks them itself."""
     task_package = plugin_package(TASKS.get(cfg.task.name, key="task.name"))
+    task_packages = plugin_packages()
     errors = []
     for section in ("model", "data"):
         package = task_section_package(cfg.task.name, section) or task_package
         schema = OmegaConf.get_type(cfg[section])
-        if schema is not None and schema is not dict and plugin_package(schema) != package:
+        if schema is None or schema is dict:
+            continue
+        home = plugin_package(schema)
+        if home != package and home in task_packages:  # another task's; a user_dir's own schemas pass
             errors.append(
                 f"{section}: task {cfg.task.name} cannot read a {schema.__name__} (a {section} config of "
                 f"{plugin_package(schema)}); use one of its own: {section}={' | '.join(options_of(section, package))}"
@@ -94,11 +99,17 @@ def foreign_section_errors(cfg: DictConfig) -> list[str]:
 
 
 def architecture_errors(cfg: DictConfig) -> list[str]:
-    """model.arch must name an architecture of the chosen task (registered once the task is built)."""
+    """model.arch must name an architecture of the chosen task: not one of another task's plug-in package (a RegNet
+    for the LM). Architectures from elsewhere (a user_dir) pass here; the task checks their shape itself."""
     from shardlab.registry import MODELS, unknown_name_message
 
     package = task_section_package(cfg.task.name, "model") or plugin_package(TASKS.get(cfg.task.name))
-    own = [name for name in MODELS.names() if plugin_package(MODELS.get(name)) == package]
+    task_packages = plugin_packages()
+    own = [
+        name
+        for name in MODELS.names()
+        if (home := MODELS.module_of(name).rpartition(".")[0]) == package or home not in task_packages
+    ]
     if cfg.model.arch not in own:
         return [unknown_name_message(cfg.model.arch, f"model architecture of task {cfg.task.name}", own, "model.arch")]
     return []

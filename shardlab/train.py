@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+import shardlab.optim  # noqa: F401  (registers the built-in optimizers and schedules with their schemas)
 from shardlab.config import (
     CONF_DIR,
     group_options,
@@ -31,7 +32,7 @@ from shardlab.config import (
     validate,
 )
 from shardlab.errors import ConfigError, ShardlabError
-from shardlab.registry import load_plugins, unknown_name_message
+from shardlab.registry import load_plugins, unknown_name_message, user_dir
 
 GROUPS = ("task", "model", "data", "optimizer", "lr_scheduler", "distributed")
 HYDRA_FLAGS = (
@@ -45,11 +46,23 @@ load_plugins()
 
 # ---- before Hydra: compose the overrides and answer mistakes in one line ---------------------------------------------
 def check_group_choices(overrides: list[str]) -> None:
+    user_conf = user_dir.conf_dir(user_dir.find(overrides))
+    where = " and user_dir's conf/" if user_conf else ""
     for item in overrides:
         key, sep, value = item.partition("=")
         key = key.lstrip("+~")
-        if sep and key in GROUPS and "," not in value and value not in group_options(key):
-            raise ConfigError(unknown_name_message(value, f"{key} option (conf/{key}/*.yaml)", group_options(key), key))
+        options = group_options(key, user_conf) if sep and key in GROUPS else []
+        if options and "," not in value and value not in options:
+            raise ConfigError(unknown_name_message(value, f"{key} option (conf/{key}/*.yaml{where})", options, key))
+
+
+def with_user_dir(overrides: list[str]) -> list[str]:
+    """The overrides with user_dir absolute, after importing its modules (beside the built-in plug-ins, registered
+    first) and putting its conf/ on the search path of the Hydra that composes next; unchanged without a user_dir."""
+    overrides = user_dir.absolute(overrides)
+    user_dir.put_conf_on_search_path(user_dir.find(overrides), CONF_DIR)
+    load_plugins(user_dir.find(overrides))
+    return overrides
 
 
 def task_section_errors(overrides: list[str]) -> list[str]:
@@ -73,10 +86,10 @@ def task_section_errors(overrides: list[str]) -> list[str]:
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
-    """The config ``overrides`` compose to, outside Hydra's app (pre-flight, tools, tests): schemas and task plug-ins
-    registered first."""
+    """The config ``overrides`` compose to, outside Hydra's app (pre-flight, tools, tests): schemas, task plug-ins and
+    a user_dir's registered first."""
     register_schemas()
-    load_plugins()
+    overrides = with_user_dir(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose(config_name="config", overrides=overrides)
 
@@ -148,6 +161,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def cli() -> None:
     try:
+        sys.argv[1:] = with_user_dir(sys.argv[1:])  # before Hydra reads the command line: it composes with it
         cfg = preflight(sys.argv[1:])
         if cfg is not None:  # generic checks now, before torch is even imported; task checks follow in main
             validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -41,6 +44,21 @@ TINY_LM = [
 def corpus_cache(tmp_path_factory) -> str:
     """One preprocessing of the test corpus slice per session, shared by every test and spawned rank."""
     return str(tmp_path_factory.mktemp("corpus_cache"))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def research_root(tmp_path_factory) -> Path:
+    """A directory outside the repository holding a copy of examples/ (the user_dir examples/my_research) and a link
+    to tools/: where the tutorial's commands run. Its my_research is the one user_dir this pytest process imports
+    (a package name maps to one folder per process)."""
+    root = tmp_path_factory.mktemp("research")
+    shutil.copytree(ROOT / "examples", root / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "tools").symlink_to(ROOT / "tools")
+    (root / "home").mkdir()  # HOME of the commands: the LM's default cache (~/.cache/shardlab) goes here
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> str:
         args.max_new_tokens,
         args.top_k,
         args.temperature,
-        cfg.model.max_seq_len,
+        cfg.model.get("max_seq_len") or cfg.data.seq_len,  # no position limit in the architecture: the trained length
         torch.Generator().manual_seed(args.seed),
     )
     print(text)

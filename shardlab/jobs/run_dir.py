@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from pathlib import PurePath
 from typing import Any
 from urllib.parse import quote
 
@@ -39,9 +40,21 @@ NAMES_A_RUN = ("checkpoint.init_from",)
 ALWAYS_EXCLUDED = ("logging.progress_bar", "checkpoint.resume", "dry_run")
 """Not even a sweep point's directory depends on these."""
 
+QUOTES = "'\""
+NAMED_BY_FOLDER = ("user_dir",)
+"""Path keys that name a run by their last folder only (user_dir=my_research), not by where that folder lives."""
+
 
 def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
+
+
+def _shown(override: str) -> str:
+    override = override.lstrip("+~")
+    key, _, value = override.partition("=")
+    if key in NAMED_BY_FOLDER:
+        return f"{key}={PurePath(value.strip(QUOTES)).name}"
+    return override
 
 
 def _excluded(key: str, prefixes: Iterable[str]) -> bool:
@@ -66,7 +79,7 @@ def run_name(overrides: Iterable[str], prefixes: Iterable[str] = HOW_IT_RUNS) ->
     """A directory name from the overrides that name the run: sorted ``key=value`` joined by commas, escaped
     (``SAFE``); ``default`` when none do."""
     prefixes = tuple(prefixes)
-    kept = sorted(o.lstrip("+~") for o in overrides if not _excluded(_key(o), prefixes))
+    kept = sorted(_shown(o) for o in overrides if not _excluded(_key(o), prefixes))
     return _cut(quote(",".join(kept), safe=SAFE)) or "default"
 
 
@@ -103,8 +116,13 @@ def run_key_differences(
     return [
         (k, old[k], new[k])
         for k in sorted(old.keys() & new.keys())
-        if k not in skip and names_the_run(k) and old[k] != new[k]
+        if k not in skip and names_the_run(k) and _compared(k, old[k]) != _compared(k, new[k])
     ]
+
+
+def _compared(key: str, value: Any) -> Any:
+    """A value as the run's name shows it: a user_dir moved elsewhere is still the same run's code."""
+    return PurePath(str(value).strip(QUOTES)).name if key in NAMED_BY_FOLDER and value else value
 
 
 def register_resolvers() -> None:

@@ -7,6 +7,7 @@ researcher on a cluster needs from it.
   after submission: submit and walk away, and come back with ``tools/sweep_summary.py <sweep dir>``.
 - The sweep's ``sweep.json`` manifest lists every job, so a summary also shows jobs that have not started.
 - In the job, a failed run raises, so Slurm records the job as FAILED (Hydra's run_job would report success).
+- A run's ``user_dir`` is imported in the job before anything that refers to its classes is unpickled.
 
 The Hydra plugin classes are in hydra_plugins/shardlab_launcher (Hydra loads launchers only from that namespace);
 the logic is here.
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -72,7 +74,8 @@ def launch(launcher: Any, job_overrides, initial_job_idx: int) -> list[JobReturn
     nums = [initial_job_idx + i for i in range(len(job_overrides))]
     state = Singleton.get_state()
     args = [(list(o), "hydra.sweep.dir", n, f"job_id_for_{n}", state) for o, n in zip(job_overrides, nums, strict=True)]
-    jobs = executor.map_array(launcher, *zip(*args, strict=True))
+    job = AfterUserDir(OmegaConf.select(launcher.config, "user_dir"), launcher)
+    jobs = executor.map_array(job, [cloudpickle.dumps(a) for a in args])
     entries = []
     for job, overrides, num in zip(jobs, job_overrides, nums, strict=True):
         run_dir = _run_dir(launcher, overrides, num)
@@ -140,6 +143,28 @@ def _job_return(entry: dict[str, Any], value: Any) -> JobReturn:
     ret.status = JobStatus.COMPLETED  # failures are reported above and in the summary; Hydra must not stop on them
     ret._return_value = value
     return ret
+
+
+class AfterUserDir:
+    """What a job runs: the launcher called with one point's arguments, both unpickled only after the run's user_dir
+    is imported. The launcher's config and Hydra's ConfigStore (in the arguments) hold the user's schema classes,
+    which pickle by module name: unpickled first, the job would not find their module."""
+
+    def __init__(self, user_dir: str | None, launcher: Any) -> None:
+        self.user_dir = user_dir
+        self.launcher = cloudpickle.dumps(launcher)
+
+    def __call__(self, args: bytes) -> JobReturn:
+        from shardlab.registry import load_plugins
+
+        load_plugins(self.user_dir)
+        return cloudpickle.loads(self.launcher)(*cloudpickle.loads(args))
+
+    def checkpoint(self, args: bytes) -> Any:
+        """submitit's requeue (time limit, preemption): the same call again, as hydra-submitit-launcher's."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, args)
 
 
 def raise_if_failed(ret: JobReturn) -> JobReturn:

@@ -5,27 +5,23 @@
 - ``lars``: SGD with momentum and a layer-wise trust ratio over plain or sharded parameters (SimCLR, SwAV).
 - ``schedules``: linear warmup, then cosine, inverse_sqrt or constant.
 
-Importing the package registers all of them in OPTIMIZERS and LR_SCHEDULERS.
+This module registers them in OPTIMIZERS and LR_SCHEDULERS with their schemas (``schema/optimizer/<name>``,
+``schema/lr_scheduler/<name>``, named by conf/optimizer/*.yaml and conf/lr_scheduler/*.yaml). It is light on purpose:
+it is imported at start-up, before the config composes, and each factory's module (and torch) is imported when the
+factory is first used (``register_lazy``).
 """
 
 from __future__ import annotations
 
-from shardlab.optim import cpu_adam, lars, optimizers, schedules
-from shardlab.optim.cpu_adam import CPUAdam
-from shardlab.optim.lars import LARS
-from shardlab.optim.optimizers import param_groups
-from shardlab.optim.schedules import lr_lambda
+from shardlab.config import LRSchedulerConfig, OptimizerConfig
 from shardlab.registry import LR_SCHEDULERS, OPTIMIZERS
 
-__all__ = [
-    "CPUAdam",
-    "LARS",
-    "LR_SCHEDULERS",
-    "OPTIMIZERS",
-    "cpu_adam",
-    "lars",
-    "lr_lambda",
-    "optimizers",
-    "param_groups",
-    "schedules",
-]
+__all__ = ["LR_SCHEDULERS", "OPTIMIZERS"]
+
+
+OPTIMIZERS.register_lazy("adamw", "shardlab.optim.optimizers:build_adamw", dataclass=OptimizerConfig)
+OPTIMIZERS.register_lazy("sgd", "shardlab.optim.optimizers:build_sgd", dataclass=OptimizerConfig)
+OPTIMIZERS.register_lazy("cpu_adam", "shardlab.optim.cpu_adam:build_cpu_adam", dataclass=OptimizerConfig)
+OPTIMIZERS.register_lazy("lars", "shardlab.optim.lars:build_lars", dataclass=OptimizerConfig)
+for _name in ("cosine", "inverse_sqrt", "constant"):  # one factory: linear warmup, then the decay the name says
+    LR_SCHEDULERS.register_lazy(_name, "shardlab.optim.schedules:build_schedule", dataclass=LRSchedulerConfig)

@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 from shardlab.config import OptimizerConfig
 from shardlab.errors import ConfigError
 from shardlab.optim.optimizers import param_groups
-from shardlab.registry import OPTIMIZERS
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -120,7 +119,6 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
 
-@OPTIMIZERS.register("cpu_adam")
 def build_cpu_adam(model: nn.Module, cfg: OptimizerConfig) -> CPUAdam:
     """optimizer=cpu_adam: the groups and hyper-parameters of optimizer=adamw; ``implementation`` does not apply."""
     names = {p: n for n, p in model.named_parameters()}

@@ -27,7 +27,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shardlab.config import OptimizerConfig
-from shardlab.registry import OPTIMIZERS
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +133,6 @@ def lars_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     ]
 
 
-@OPTIMIZERS.register("lars")
 def build_lars(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return LARS(
         lars_groups(model, cfg),

@@ -1,4 +1,5 @@
-"""Optimizers from torch, registered by name (optimizer.name), and the parameter groups every optimizer shares."""
+"""Optimizers from torch, and the parameter groups every optimizer shares. Registered by name (optimizer.name) in
+shardlab/optim/__init__.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import torch
 from torch import nn
 
 from shardlab.config import OptimizerConfig
-from shardlab.registry import OPTIMIZERS
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
@@ -26,14 +26,12 @@ def _adam_kernel(cfg: OptimizerConfig) -> dict:
     return {"fused": cfg.implementation == "fused", "foreach": cfg.implementation == "foreach"}
 
 
-@OPTIMIZERS.register("adamw")
 def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **_adam_kernel(cfg)
     )
 
 
-@OPTIMIZERS.register("sgd")
 def build_sgd(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(
         param_groups(model, cfg), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0

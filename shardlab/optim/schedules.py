@@ -1,5 +1,6 @@
-"""Learning-rate schedules, registered by name (lr_scheduler.name): linear warmup, then a cosine, inverse-sqrt or
-constant decay. The scheduler's state is saved with the training state (shardlab.train_state)."""
+"""Learning-rate schedules: linear warmup, then a cosine, inverse-sqrt or constant decay (registered by name,
+lr_scheduler.name, in shardlab/optim/__init__.py). The scheduler's state is saved with the training state
+(shardlab.train_state)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 import torch
 
 from shardlab.config import LRSchedulerConfig
-from shardlab.registry import LR_SCHEDULERS
 
 
 def lr_lambda(cfg: LRSchedulerConfig, max_steps: int):
@@ -35,7 +35,3 @@ def lr_lambda(cfg: LRSchedulerConfig, max_steps: int):
 
 def build_schedule(optimizer, cfg: LRSchedulerConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, max_steps))
-
-
-for _name in ("cosine", "inverse_sqrt", "constant"):
-    LR_SCHEDULERS.register(_name)(build_schedule)

@@ -1,13 +1,12 @@
-"""Config schemas of the image-classification task. Light on purpose: imported at start-up for every run, so
-torchvision is imported only by the task, model and data modules (the LM path never loads it)."""
+"""The image-classification task and its RegNet architectures: their config schemas and registrations. Light on
+purpose: imported at start-up for every run, so torchvision is imported only by the task, model and data modules
+(the LM path never loads it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hydra.core.config_store import ConfigStore
-
-from shardlab.registry import TASKS
+from shardlab.registry import MODELS, TASKS
 
 
 @dataclass
@@ -71,17 +70,8 @@ class ImageDataConfig:
     """embedded and fake: seed of the generated images (the same seed gives the same dataset on every machine)."""
 
 
-def register_schemas() -> None:
-    cs = ConfigStore.instance()
-    cs.store(group="schema", name="regnet_model", node=RegNetConfig)
-    cs.store(group="schema", name="image_data", node=ImageDataConfig)
-
-
-register_schemas()
-
-
-@TASKS.register("image_classification")
-def build_image_classification_task(cfg):
-    from tasks.image_classification.task import ImageClassificationTask
-
-    return ImageClassificationTask(cfg)
+TASKS.register_lazy(
+    "image_classification", "tasks.image_classification.task:ImageClassificationTask", data=ImageDataConfig
+)
+MODELS.register_lazy("regnet", "tasks.image_classification.model:regnet", dataclass=RegNetConfig)
+MODELS.register_lazy("regnet_cifar", "tasks.image_classification.model:regnet_cifar", dataclass=RegNetConfig)

@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torchvision.ops.misc import Conv2dNormActivation
 
 from shardlab.errors import ConfigError
-from shardlab.registry import MODELS, unknown_name_message
+from shardlab.registry import unknown_name_message
 from tasks.image_classification.config import RegNetConfig
 
 FLAVORS = sorted(name for name in tv_regnet.__all__ if name.startswith("regnet_"))
@@ -89,8 +89,7 @@ def design_errors(cfg: RegNetConfig) -> list[str]:
     return errors
 
 
-@MODELS.register("regnet")
-def build_regnet(cfg: RegNetConfig, num_classes: int) -> tv_regnet.RegNet:
+def regnet(cfg: RegNetConfig, num_classes: int) -> tv_regnet.RegNet:
     if cfg.flavor not in FLAVORS:
         raise ConfigError(unknown_name_message(str(cfg.flavor), "RegNet flavor", FLAVORS, "model.flavor"))
     with block_params_on_cpu():
@@ -98,8 +97,7 @@ def build_regnet(cfg: RegNetConfig, num_classes: int) -> tv_regnet.RegNet:
     return add_dropout(model, cfg.dropout)
 
 
-@MODELS.register("regnet_cifar")
-def build_regnet_cifar(cfg: RegNetConfig, num_classes: int) -> tv_regnet.RegNet:
+def regnet_cifar(cfg: RegNetConfig, num_classes: int) -> tv_regnet.RegNet:
     model = tv_regnet.RegNet(
         cifar_block_params(cfg),
         num_classes=num_classes,

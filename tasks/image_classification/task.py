@@ -12,7 +12,7 @@ from shardlab.distributed.sync_bn import convert_sync_batchnorm
 from shardlab.errors import ConfigError
 from shardlab.registry import MODELS, unknown_name_message
 from shardlab.task import Task
-from tasks.image_classification import model as regnet  # importing it registers regnet and regnet_cifar
+from tasks.image_classification import model as regnet
 from tasks.image_classification.config import RegNetConfig
 from tasks.image_classification.data import (
     SOURCES,

@@ -1,10 +1,12 @@
 """What the LM task asks of a model architecture, so that it serves GPT, Llama and a user's own without knowing them.
 
 An architecture is an ``nn.Module`` subclass of ``LMArchitecture`` registered in MODELS under the name that
-``model.arch`` selects (``@MODELS.register("llama")`` on the class). It is built as ``cls(model_cfg, vocab_size)``
-and maps ``(batch, length)`` token ids to ``(batch, length, vocab_size)`` logits. Its model section has at least
-``max_seq_len`` and ``vocab_size`` (the task reads both); every other key is the architecture's own, and the task
-refuses keys of the section that ``config_class`` does not declare (a GPT key set on a Llama, say).
+``model.arch`` selects, with its config dataclass: ``MODELS.register_lazy("llama", "tasks.lm.llama:Llama",
+dataclass=LlamaConfig)`` in tasks/lm/config.py, or ``@MODELS.register(name, dataclass=...)`` on a user_dir's class.
+It is built as ``cls(model_cfg, vocab_size)`` and maps ``(batch, length)`` token ids to ``(batch, length,
+vocab_size)`` logits. Its model section has at least ``max_seq_len`` and ``vocab_size`` (the task reads both); every
+other key is the architecture's own, and the task refuses keys of the section that ``config_class`` does not declare
+(a GPT key set on a Llama, say).
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
-"""Config schemas of the causal language-model task. Light on purpose: imported at start-up for every run."""
+"""The causal language-model task and its GPT architecture: their config schemas and registrations. Light on purpose:
+imported at start-up for every run (the task and model modules load when first built). Architectures: GPT-2
+(tasks/lm/model.py) and Llama-style (tasks/lm/llama.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hydra.core.config_store import ConfigStore
-
-from shardlab.registry import TASKS
+from shardlab.registry import MODELS, TASKS
 
 
 @dataclass
 class GPTConfig:
     arch: str = "gpt"
-    """A name in MODELS."""
+    """A name in MODELS: a model architecture for the LM task (gpt, or one of a user_dir)."""
     num_layers: int = 4
     """Transformer blocks."""
     dim: int = 256
@@ -36,7 +36,7 @@ class GPTConfig:
 @dataclass
 class LlamaConfig:
     arch: str = "llama"
-    """A name in MODELS."""
+    """A name in MODELS: a model architecture for the LM task (set by the registration)."""
     num_layers: int = 4
     """Transformer blocks."""
     dim: int = 256
@@ -81,18 +81,6 @@ class LMDataConfig:
     """Tokenizing processes at preprocessing; -1 = one per CPU core (none for corpora under 16 MB), 0 = in-process."""
 
 
-def register_schemas() -> None:
-    cs = ConfigStore.instance()
-    cs.store(group="schema", name="gpt_model", node=GPTConfig)
-    cs.store(group="schema", name="llama_model", node=LlamaConfig)
-    cs.store(group="schema", name="lm_data", node=LMDataConfig)
-
-
-register_schemas()
-
-
-@TASKS.register("lm")
-def build_lm_task(cfg):
-    from tasks.lm.task import LanguageModelingTask
-
-    return LanguageModelingTask(cfg)
+TASKS.register_lazy("lm", "tasks.lm.task:LanguageModelingTask", data=LMDataConfig)
+MODELS.register_lazy("gpt", "tasks.lm.model:GPT", dataclass=GPTConfig)
+MODELS.register_lazy("llama", "tasks.lm.llama:Llama", dataclass=LlamaConfig)

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlab.registry import MODELS
 from tasks.lm.architecture import LMArchitecture, below_one
 from tasks.lm.config import LlamaConfig
 
@@ -117,7 +116,6 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-@MODELS.register("llama")
 class Llama(LMArchitecture):
     config_class = LlamaConfig
 

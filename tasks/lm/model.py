@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlab.registry import MODELS
 from tasks.lm.architecture import LMArchitecture, below_one
 from tasks.lm.config import GPTConfig
 
@@ -77,7 +76,6 @@ class Head(nn.Module):
         return self.out(self.ln_f(x))
 
 
-@MODELS.register("gpt")
 class GPT(LMArchitecture):
     config_class = GPTConfig
 
@@ -116,8 +114,8 @@ class GPT(LMArchitecture):
 
     @classmethod
     def init_tensor(cls, cfg: GPTConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """GPT-2 init: N(0, init_std) weights, residual projections scaled by 1/sqrt(2 * layers), zero biases, unit
-        norms."""
+        """GPT-2 init of the full tensor ``name``: N(0, init_std) weights, residual projections scaled by
+        1/sqrt(2 * layers), zero biases, unit norms."""
         if ".ln_" in name or name.startswith("head.ln_f"):
             tensor.fill_(1.0 if name.endswith("weight") else 0.0)
         elif name.endswith("bias"):

@@ -9,8 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import tasks.lm.llama  # noqa: F401  (importing registers the llama architecture)
-import tasks.lm.model  # noqa: F401  (importing registers the gpt architecture)
 from shardlab.errors import ConfigError
 from shardlab.registry import MODELS
 from shardlab.task import Task
@@ -32,7 +30,7 @@ class LanguageModelingTask(Task):
         # Loaded here, before any data or model work, so a bad tokenizer file stops the run in its first second.
         # .get: configs stored in checkpoints written before data.eod_token existed lack the key.
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
-        self.vocab_size = cfg.model.vocab_size or padded_vocab(self.tokenizer.vocab_size)
+        self.vocab_size = cfg.model.get("vocab_size") or padded_vocab(self.tokenizer.vocab_size)
 
     @property
     def architecture(self) -> type[LMArchitecture]:
@@ -41,7 +39,7 @@ class LanguageModelingTask(Task):
         if not (isinstance(arch, type) and issubclass(arch, LMArchitecture)):
             raise ConfigError(
                 f"model.arch: '{self.cfg.model.arch}' is not a language-model architecture (a subclass of "
-                f"tasks.lm.architecture.LMArchitecture); pick a model=gpt_* or model=llama_* flavor"
+                f"tasks.lm.architecture.LMArchitecture, docs/tutorial.md); pick a model=gpt_* or model=llama_* flavor"
             )
         return arch
 
@@ -62,9 +60,10 @@ class LanguageModelingTask(Task):
                 + f"; choose a model={m.arch}_* flavor instead of overriding model.arch"
             ]
         errors = arch.config_errors(m)
-        if d.seq_len < 1 or d.seq_len > m.max_seq_len:
+        max_seq_len = m.max_seq_len
+        if d.seq_len < 1 or d.seq_len > max_seq_len:
             errors.append(
-                f"data.seq_len ({d.seq_len}) must be in [1, model.max_seq_len={m.max_seq_len}]; "
+                f"data.seq_len ({d.seq_len}) must be in [1, model.max_seq_len={max_seq_len}]; "
                 "raise model.max_seq_len or lower data.seq_len"
             )
         if self.vocab_size < self.tokenizer.vocab_size:

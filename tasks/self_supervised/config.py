@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hydra.core.config_store import ConfigStore
-
 from shardlab.config import TaskConfig
 from shardlab.registry import TASKS
 from tasks.image_classification.config import ImageDataConfig
@@ -82,25 +80,6 @@ class MultiCropDataConfig(ImageDataConfig):
     """Probability of solarizing a crop (pixels above half brightness inverted; BYOL and DINO use 0.2)."""
 
 
-def register_schemas() -> None:
-    cs = ConfigStore.instance()
-    cs.store(group="schema", name="swav_task", node=SwAVConfig)
-    cs.store(group="schema", name="simclr_task", node=SimCLRConfig)
-    cs.store(group="schema", name="multicrop_data", node=MultiCropDataConfig)
-
-
-register_schemas()
-
-
-@TASKS.register("swav")
-def build_swav_task(cfg):
-    from tasks.self_supervised.task import SwAVTask
-
-    return SwAVTask(cfg)
-
-
-@TASKS.register("simclr")
-def build_simclr_task(cfg):
-    from tasks.self_supervised.task import SimCLRTask
-
-    return SimCLRTask(cfg)
+# One data section for both methods: conf/data/multicrop.yaml names schema/data/swav (the same dataclass).
+TASKS.register_lazy("swav", "tasks.self_supervised.task:SwAVTask", dataclass=SwAVConfig, data=MultiCropDataConfig)
+TASKS.register_lazy("simclr", "tasks.self_supervised.task:SimCLRTask", dataclass=SimCLRConfig, data=MultiCropDataConfig)

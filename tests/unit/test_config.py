@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+
 import pytest
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from shardlab.errors import ConfigError
 from shardlab.registry import Registry
@@ -148,5 +153,43 @@ def test_registry_raises_error_when_name_unknown():
 def test_registry_refuses_two_factories_under_one_name():
     registry: Registry = Registry("widget")
     registry.register("a")(lambda: 1)
-    with pytest.raises(ValueError, match="registered twice"):
+    twice = r"^widget 'a' is registered twice: by .*test_config.py:\d+ and by .*test_config.py:\d+; give yours"
+    with pytest.raises(ConfigError, match=twice):
         registry.register("a")(lambda: 2)
+
+
+@dataclass
+class SprocketConfig:
+    kind: str = "?"
+    """Which sprocket."""
+    teeth: int = 12
+    """Teeth on the wheel."""
+
+
+def test_a_registration_carries_its_schema_with_the_name_as_default():
+    registry: Registry = Registry("widget", section="widget", name_key="kind")
+    registry.register("sprocket", dataclass=SprocketConfig)(lambda cfg: cfg.teeth)
+    node = ConfigStore.instance().load("schema/widget/sprocket.yaml").node
+    assert OmegaConf.get_type(node) is SprocketConfig and (node.kind, node.teeth) == ("sprocket", 12)
+    with pytest.raises(ConfigError, match=r"^widget 'gear' \(.*test_config.py:\d+\): data= is a task's data section"):
+        registry.register("gear", data=SprocketConfig)(lambda cfg: 1)
+
+
+def test_a_lazy_registration_imports_its_factory_when_first_used_and_admits_it_again():
+    registry: Registry = Registry("widget")
+    registry.register_lazy("dumps", "json:dumps")
+    assert registry.build("dumps", [1]) == "[1]"
+    registry.register("dumps")(json.dumps)  # the object a lazy entry names registering itself is no clash
+    with pytest.raises(ConfigError, match=r"^widget 'dumps' is registered twice: by .*test_config.py:\d+ and by"):
+        registry.register_lazy("dumps", "json:loads")
+
+
+def test_every_builtin_option_names_its_registered_schema():
+    """conf/<section>/*.yaml name schema/<section>/<name>: composing each one proves the registration stored it."""
+    for option in ("adamw", "sgd", "cpu_adam"):
+        assert compose_config([f"optimizer={option}"]).optimizer.name == option
+    for option in ("cosine", "inverse_sqrt", "constant"):
+        assert compose_config([f"lr_scheduler={option}"]).lr_scheduler.name == option
+    vision = compose_config(["task=image_classification", "model=regnet_y_400mf"])
+    assert (vision.model.arch, vision.data.num_train) == ("regnet", 5000)
+    assert compose_config([]).model.arch == "gpt"

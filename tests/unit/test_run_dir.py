@@ -70,6 +70,15 @@ def test_run_key_differences_name_what_makes_another_experiment():
     assert run_key_differences(saved, other) == [("data.path", "/a/b_c", "/a/b/c"), ("seed", 1, 2)]
 
 
+def test_a_user_dir_names_the_run_by_its_folder_not_by_where_it_lives():
+    assert run_name(["task=spirals", "user_dir=/home/me/code/my_research"]) == "task=spirals,user_dir=my_research"
+    assert run_name(["user_dir='/home/me/my code/my_research'"]) == "user_dir=my_research"
+    moved = {"user_dir": "/home/me/code/my_research"}, {"user_dir": "/scratch/me/my_research"}
+    assert run_key_differences(*moved) == []  # the same code, moved: the same run
+    other = {"user_dir": "/home/me/code/my_research"}, {"user_dir": "/home/me/code/other_research"}
+    assert run_key_differences(*other) == [("user_dir", *(d["user_dir"] for d in other))]
+
+
 def test_sweep_points_keep_every_override_and_their_number():
     _, subdir = hydra_dirs(["optimizer.lr=1e-3", "distributed.world_size=2", "logging.progress_bar=false"])
     assert subdir == "3_distributed.world_size=2,optimizer.lr=1e-3"
