@@ -19,6 +19,7 @@ from shardlab.checkpoint import weights
 from shardlab.checkpoint.manager import Checkpointer
 from shardlab.data import GlobalOrder, rank_loader, sample_seed
 from shardlab.distributed.base import Backend
+from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.materialize import materialize
 from shardlab.errors import CheckpointError, first_cause
 from shardlab.jobs.preemption import StopSignals
@@ -119,7 +120,10 @@ class Trainer:
         # on their own lines).
         window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
         last_valid: dict[str, float] = {}
+        compiling = cfg.distributed.compile and state.step < o.max_steps
+        first_steps = FirstSteps(cfg.distributed, backend.process_groups()) if compiling else None
         while state.step < o.max_steps:
+            step_started = time.perf_counter()
             self.model.train()
             # Per-step seeding: dropout draws from (seed, global offset of this rank's first sample of the step), so a
             # resumed run draws the same masks as an uninterrupted one without storing RNG state. Augmentation is
@@ -138,6 +142,8 @@ class Trainer:
                 sums["units"] = sums.get("units", 0) + self.task.num_units(batch)
             lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (_step advances the schedule)
             grad_norm, skipped = self._step()
+            if first_steps is not None and (line := first_steps.ended(time.perf_counter() - step_started)):
+                log.info(line)  # the compilation's cost, once
             state.end_step(self.global_batch * o.update_freq, skipped)
             self.meter.sample()
             window_steps += 1
