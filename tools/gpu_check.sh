@@ -11,10 +11,12 @@
 #      gpu_check.json).
 #   2. torchrun with 2 ranks of fully_sharded (2+ GPUs; else recorded as skipped, with the reason).
 #   3. tools/bench.py: tokens/s and MFU of gpt_125m and gpt_350m, fully_sharded, bf16, 1 GPU.
-#   bash tools/gpu_check.sh compile   (~9 minutes at most)
-#   4. distributed.compile: tools/bench.py on gpt_125m and gpt_350m (fully_sharded, bf16, 1 GPU), eager then compiled
-#      for each model, in a fresh inductor cache: tokens/s and MFU of both, the speed-up, and the compile time
-#      (gpu_check.json's "compile" block). MFU counts the model's FLOPs, not the kernels inductor fused them into.
+#   bash tools/gpu_check.sh compile   (~10.5 minutes at most)
+#   4. distributed.compile on CUDA: tests/gpu -k compiled (fully_sharded fp32, ddp, bf16 + activation checkpointing,
+#      each held to the CPU fp32 run's losses).
+#   5. tools/bench.py on gpt_125m and gpt_350m (fully_sharded, bf16, 1 GPU), eager then compiled for each model, in a
+#      fresh inductor cache: tokens/s and MFU of both, the speed-up, and the cold compile time (gpu_check.json's
+#      "compile" block). MFU counts the model's FLOPs, not the kernels inductor fused them into.
 # Usage: bash tools/gpu_check.sh [compile]   (from the repository root, with the project installed; PYTHON=... to pick)
 set -uo pipefail
 out="${OUT:-.}"
@@ -48,13 +50,16 @@ bench() {  # bench NAME LIMIT_S MODEL [OVERRIDES...]: tools/bench.py, fully_shar
 }
 
 if [ "${1:-}" = compile ]; then
+    step gpu_tests 150 "$py" -m pytest -m gpu tests/gpu -k compiled -q -rs -p no:cacheprovider \
+        --junitxml="$out/gpu_tests.xml"
     cache=$(mktemp -d)  # a fresh inductor cache: the compile time reported is a cold one
     for model in gpt_125m gpt_350m; do
-        bench "bench_${model}_bf16_eager" 100 "$model"
-        bench "bench_${model}_bf16_compiled" 170 "$model" distributed.compile=true "distributed.compile_cache_dir=$cache"
+        bench "bench_${model}_bf16_eager" 90 "$model"
+        bench "bench_${model}_bf16_compiled" 150 "$model" distributed.compile=true "distributed.compile_cache_dir=$cache"
     done
 else
-    step gpu_tests 270 "$py" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider --junitxml="$out/gpu_tests.xml"
+    step gpu_tests 270 "$py" -m pytest -m gpu tests/gpu -k "not compiled" -q -rs -p no:cacheprovider \
+        --junitxml="$out/gpu_tests.xml"
     if [ "$ngpu" -ge 2 ]; then
         step torchrun_2_ranks 90 "$py" -m torch.distributed.run --standalone --nproc_per_node=2 -m shardlab.train \
             distributed.backend=fully_sharded "${TINY_LM[@]}" "hydra.run.dir=$out/torchrun_run"

@@ -6,6 +6,7 @@ The trainer talks only to this interface, so a new backend is a new registered c
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
@@ -205,6 +206,9 @@ class Backend:
 
     def describe(self) -> Iterator[str]:
         yield f"backend {self.name}: world size {self.env.world_size} ({self.env.launcher}), device {self.device}"
+        if self.cfg.compile:
+            cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            yield f"compile: every unit builds its graphs in the first training step (inductor cache {cache})"
 
 
 @BACKENDS.register("single")

@@ -124,13 +124,16 @@ def test_must_show_compiled_equals_eager_and_resumes_exactly(model, tmp_path_fac
 
 
 @pytest.mark.slow
-def test_compiled_matches_eager_on_ddp_and_with_activation_checkpointing_and_offload(tiny_lm, tmp_path_factory):
+def test_compiled_matches_eager_on_ddp_and_with_every_fully_sharded_toggle(tiny_lm, tmp_path_factory):
     cache = f"distributed.compile_cache_dir={tmp_path_factory.mktemp('inductor')}"
+    sharded = "distributed.backend=fully_sharded"
     variants = {
         "ddp": ["distributed.backend=ddp"],
-        "checkpointing": ["distributed.backend=fully_sharded", "distributed.activation_checkpointing=full"],
-        "offload": ["distributed.backend=fully_sharded", "distributed.offload_activations=true"],
+        "checkpointing": [sharded, "distributed.activation_checkpointing=full"],
+        "offload": [sharded, "distributed.offload_activations=true"],
         "ddp_checkpointing": ["distributed.backend=ddp", "distributed.activation_checkpointing=full"],
+        "accumulate": [sharded, "optimization.update_freq=2", "distributed.reduce_every_microbatch=false"],
+        "overlapped": [sharded, "distributed.reduce_scatter=all_reduce", "distributed.prefetch_units=1"],
     }
     cfgs = [
         tiny_lm(*v, "distributed.world_size=2", cache, f"distributed.compile={c}")
@@ -159,3 +162,60 @@ def test_compiled_vision_matches_eager_with_synced_and_fp32_batchnorm_units(tmp_
     for i, (name, rtol) in enumerate((("fp32", COMPILED_RTOL), ("bf16", 0.02))):
         eager, compiled = losses(results[2 * i]), losses(results[2 * i + 1])
         torch.testing.assert_close(compiled, eager, rtol=rtol, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def stall_rank_one(step: int, seconds: float) -> None:
+    """run_spawned's prepare: rank 1's training loss of ``step`` sleeps ``seconds`` (a rank that compiles longer than
+    the others), while rank 0 waits for it in the step's reduce-scatter."""
+    import time
+
+    import torch.distributed as dist
+
+    from tasks.lm.task import LanguageModelingTask
+
+    original, calls = LanguageModelingTask.loss, {"n": 0}
+
+    def stalling(self, model, batch, device):
+        if device.type != "meta" and torch.is_grad_enabled():  # training calls only: not the plan's, not validation
+            calls["n"] += 1
+            if calls["n"] == step and dist.get_rank() == 1:
+                time.sleep(seconds)
+        return original(self, model, batch, device)
+
+    LanguageModelingTask.loss = stalling
+
+
+@pytest.mark.slow
+def test_a_rank_compiling_longer_than_timeout_s_does_not_time_out_the_others(tiny_lm, tmp_path_factory):
+    from functools import partial
+
+    common = [
+        "distributed.backend=fully_sharded",
+        "distributed.world_size=2",
+        "distributed.timeout_s=15",
+        "optimization.max_steps=4",
+        "validation.interval_steps=0",
+        f"distributed.compile_cache_dir={tmp_path_factory.mktemp('inductor')}",
+    ]
+    (compiled,) = run_spawned([tiny_lm(*common, "distributed.compile=true")], 2, prepare=partial(stall_rank_one, 1, 40))
+    assert len(losses(compiled)) == 4  # the first step ran under distributed.compile_timeout_s
+    with pytest.raises(Exception, match=r"(?i)timed out|timeout"):  # eager: timeout_s applies from the start
+        run_spawned([tiny_lm(*common)], 2, prepare=partial(stall_rank_one, 1, 40))
+    with pytest.raises(Exception, match=r"(?i)timed out|timeout"):  # compiled: timeout_s is back from step 2
+        run_spawned([tiny_lm(*common, "distributed.compile=true")], 2, prepare=partial(stall_rank_one, 3, 40))
+
+
+@pytest.mark.slow
+def test_compiled_dropout_is_seeded_so_a_resumed_run_repeats_its_masks(tiny_lm, tmp_path_factory):
+    cfg = ["model.dropout=0.2", "optimization.max_steps=4", "checkpoint.interval_steps=2", "distributed.compile=true"]
+    cfg.append(f"distributed.compile_cache_dir={tmp_path_factory.mktemp('inductor')}")
+    whole_dir = tmp_path_factory.mktemp("whole")
+    whole = run_rank(tiny_lm(*cfg), whole_dir, dist_env.detect())
+    resumed = run_rank(
+        tiny_lm(*cfg, f"checkpoint.resume={checkpoint(whole_dir, 2)}"),
+        tmp_path_factory.mktemp("resumed"),
+        dist_env.detect(),
+    )
+    no_dropout = run_rank(tiny_lm(*cfg, "model.dropout=0.0"), tmp_path_factory.mktemp("plain"), dist_env.detect())
+    assert not torch.equal(losses(whole), losses(no_dropout))  # dropout did act in the compiled graphs
+    assert torch.equal(losses(resumed), losses(whole)[2:])
