@@ -99,8 +99,8 @@ class LanguageModelingTask(Task):
         inputs, targets = batch[:, :-1], batch[:, 1:]
         logits = model(inputs)
         # distributed.compile: one fused kernel casts and reduces the logits, without an fp32 copy of them in memory
-        # (the memory plan's shape-only pass on meta stays eager)
-        fuse = self.cfg.distributed.compile and device.type != "meta"
+        # (the memory plan's shape-only pass on meta stays eager; configs stored by older checkpoints lack the key)
+        fuse = self.cfg.distributed.get("compile", False) and device.type != "meta"
         loss = (compiled(next_token_loss) if fuse else next_token_loss)(logits, targets)
         n = targets.numel()
         return loss, {"loss_sum": loss.detach() * n, "count": torch.tensor(float(n))}

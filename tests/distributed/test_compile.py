@@ -35,7 +35,8 @@ def graphs_built(trainer) -> dict:
     from torch._dynamo.utils import counters
 
     inductor = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"]
-    return {"graphs": counters["stats"]["unique_graphs"], "inductor_graphs": inductor}
+    compiled_units = sum("forward" in vars(m) for m in trainer.model.modules())  # compile_units replaces forward
+    return {"graphs": counters["stats"]["unique_graphs"], "inductor_graphs": inductor, "compiled_units": compiled_units}
 
 
 def checkpoint(run_dir: Path, step: int) -> str:
@@ -64,7 +65,8 @@ def lm_runs(tiny_lm, tmp_path_factory):
 
 def test_compiled_fully_sharded_trains_like_eager(lm_runs):
     eager, compiled, _ = lm_runs
-    assert eager["graphs"] == 0 and compiled["graphs"] >= 2  # the blocks' graph and the loss's
+    assert eager["graphs"] == 0 and eager["compiled_units"] == 0
+    assert compiled["compiled_units"] == 2 and compiled["graphs"] >= 2  # both blocks; the blocks' graph and the loss's
     assert compiled["inductor_graphs"] >= 4  # forward and backward of each, through inductor
     assert len(losses(compiled)) == 4
     torch.testing.assert_close(losses(compiled), losses(eager), rtol=COMPILED_RTOL, atol=0)
@@ -127,24 +129,27 @@ def test_must_show_compiled_equals_eager_and_resumes_exactly(model, tmp_path_fac
 def test_compiled_matches_eager_on_ddp_and_with_every_fully_sharded_toggle(tiny_lm, tmp_path_factory):
     cache = f"distributed.compile_cache_dir={tmp_path_factory.mktemp('inductor')}"
     sharded = "distributed.backend=fully_sharded"
-    variants = {
-        "ddp": ["distributed.backend=ddp"],
-        "checkpointing": [sharded, "distributed.activation_checkpointing=full"],
-        "offload": [sharded, "distributed.offload_activations=true"],
-        "ddp_checkpointing": ["distributed.backend=ddp", "distributed.activation_checkpointing=full"],
-        "accumulate": [sharded, "optimization.update_freq=2", "distributed.reduce_every_microbatch=false"],
-        "overlapped": [sharded, "distributed.reduce_scatter=all_reduce", "distributed.prefetch_units=1"],
+    variants = {  # name: (overrides, rtol of compiled against eager)
+        "ddp": (["distributed.backend=ddp"], COMPILED_RTOL),
+        "checkpointing": ([sharded, "distributed.activation_checkpointing=full"], COMPILED_RTOL),
+        "offload_activations": ([sharded, "distributed.offload_activations=true"], COMPILED_RTOL),
+        "offload_params": ([sharded, "distributed.cpu_offload=true"], COMPILED_RTOL),
+        "ddp_checkpointing": (["distributed.backend=ddp", "distributed.activation_checkpointing=full"], COMPILED_RTOL),
+        "accumulate": ([sharded, "optimization.update_freq=2", "distributed.reduce_every_microbatch=false"], 1e-4),
+        "overlapped": ([sharded, "distributed.reduce_scatter=all_reduce", "distributed.prefetch_units=1"], 1e-4),
+        "fp16_scaler": ([sharded, "distributed.precision=fp16"], 0.02),  # fp16 rounds fused and unfused sums apart
     }
     cfgs = [
-        tiny_lm(*v, "distributed.world_size=2", cache, f"distributed.compile={c}")
-        for v in variants.values()
+        tiny_lm(*overrides, "distributed.world_size=2", cache, f"distributed.compile={c}")
+        for overrides, _ in variants.values()
         for c in ("false", "true")
     ]
     results = run_spawned(cfgs, world_size=2, inspect=graphs_built)
-    for i, name in enumerate(variants):
+    for i, (name, (_, rtol)) in enumerate(variants.items()):
         eager, compiled = results[2 * i], results[2 * i + 1]
-        assert compiled["graphs"] > eager["graphs"], name  # this config built graphs of its own or reused them
-        torch.testing.assert_close(losses(compiled), losses(eager), rtol=COMPILED_RTOL, atol=0, msg=name)
+        assert compiled["compiled_units"] == 2 and eager["compiled_units"] == 0, name
+        assert compiled["graphs"] >= 2, name  # graphs were built (by this config or an earlier one with its shapes)
+        torch.testing.assert_close(losses(compiled), losses(eager), rtol=rtol, atol=0, msg=name)
 
 
 @pytest.mark.slow
