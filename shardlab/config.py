@@ -110,6 +110,16 @@ class DistributedConfig:
     ranks share its RAM)."""
     timeout_s: int = 600
     """Collective timeout: a dead rank fails the others after this many seconds instead of hanging forever."""
+    compile: bool = False
+    """torch.compile (inductor) each FSDP unit of the task before it is sharded or wrapped, and the LM's loss; compiled
+    in the first training step, reused from compile_cache_dir by the next run; validation runs eager
+    (shardlab/distributed/compile.py, docs/compile.md)."""
+    compile_cache_dir: str | None = None
+    """compile: inductor's on-disk cache, shared by the ranks and later runs; null = $TORCHINDUCTOR_CACHE_DIR if set,
+    else ~/.cache/shardlab/inductor."""
+    compile_timeout_s: int = 1800
+    """compile: the collective timeout during the first training step, while ranks compile (one may wait for a slower
+    one); timeout_s applies from the second step on."""
 
 
 @dataclass
@@ -303,6 +313,7 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     check(cfg.logging.interval_steps > 0, f"logging.interval_steps must be > 0, got {cfg.logging.interval_steps}")
     check(d.world_size >= 1, f"distributed.world_size must be >= 1, got {d.world_size}")
     check(d.timeout_s > 0, f"distributed.timeout_s must be > 0, got {d.timeout_s}")
+    check(d.compile_timeout_s > 0, f"distributed.compile_timeout_s must be > 0, got {d.compile_timeout_s}")
     check(d.memory_budget_gb >= 0, f"distributed.memory_budget_gb must be >= 0 (0 = none), got {d.memory_budget_gb}")
     check(
         d.memory_budget_per in ("rank", "machine"),

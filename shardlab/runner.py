@@ -38,6 +38,7 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
     backend=auto is resolved either way."""
     import torch
 
+    from shardlab.distributed.compile import compile_errors
     from shardlab.task import Task
 
     load_plugins(cfg.get("user_dir"))  # .get: configs recorded before user_dir existed lack it
@@ -57,6 +58,7 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
     task = TASKS.build(cfg.task.name, cfg, key="task.name")
     problems += architecture_errors(cfg)
     problems += task.config_errors()
+    problems += compile_errors(cfg.distributed, torch.cuda.device_count())
     if cfg.distributed.wrap_min_num_params > 0 and type(task).fsdp_units is not Task.fsdp_units:
         problems.append(
             f"distributed.wrap_min_num_params applies to models without a unit plan, but task {cfg.task.name} "

@@ -21,6 +21,7 @@ from shardlab.checkpoint.resume import restore
 from shardlab.checkpoint.run_line import start_of
 from shardlab.data import GlobalOrder, rank_loader, sample_seed
 from shardlab.distributed.base import Backend
+from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.materialize import materialize
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError, first_cause
 from shardlab.jobs import run_record
@@ -121,8 +122,13 @@ class Trainer:
         # on their own lines).
         window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
         last_valid: dict[str, float] = {}
+        compiling = cfg.distributed.compile and state.step < o.max_steps
+        first_steps = FirstSteps(cfg.distributed, backend.process_groups()) if compiling else None
         while state.step < o.max_steps:
+            step_started = time.perf_counter()
             lr, grad_norm = self.train_step(loader, sums)
+            if first_steps is not None and (line := first_steps.ended(time.perf_counter() - step_started)):
+                log.info(line)  # the compilation's cost, once
             self.meter.sample()
             window_steps += 1
             log.advance()

@@ -27,6 +27,11 @@ The JSON (rank 0 writes it):
   achieved_tflops, mfu   model FLOPs per median step, and that over peak_tflops (the whole run's: ranks x one device's)
   peak_tflops            --peak-tflops if given; else a known GPU's bf16 dense peak (tools/flops.py); on CPU the fp32
                          GEMM rate of one thread, measured before the ranks start, x the threads the ranks use
+  first_step_s           rank 0's first step (untimed warmup), which under distributed.compile=true builds every graph
+  compile_s              distributed.compile=true: first_step_s - median step, what compiling cost this run (it includes
+                         the first step's own eager overhead: an eager run's first_step_s shows that); null when eager
+  compile_cache_dir      distributed.compile=true: the inductor cache the run read and wrote (a second run in the same
+                         cache reloads its kernels: a lower compile_s); tools/bench_compile.py runs the pairs
 
 Peak memory: on CUDA the caching allocator's peak (max_memory_allocated); on CPU the rank's peak resident set size
 (VmHWM of /proc/self/status, which includes the ~0.3-0.5 GiB of Python, torch and the memory-mapped corpus;
@@ -157,6 +162,8 @@ class StepProbe:
         self.optimizer_ms: list[float] = []
         self.mem: dict[str, Any] = {"rss_at_start_bytes": resident_bytes()}
         self.counter: CollectiveCounter | None = None
+        self.eager: Any = None
+        """torch.compiler.set_stance("force_eager") while the counted step runs (set on creation; __exit__ restores)."""
         self.counts: dict[str, dict[str, int]] = {}
         self.flops: FlopCounterMode | None = None
         self.forward_flops = 0
@@ -178,6 +185,8 @@ class StepProbe:
         ]
 
     def forward_pre(self, module, inputs) -> None:
+        if any(t.is_meta for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)):
+            return  # the memory plan's shape-only forward (shardlab.memory.plan), before training: not a step
         if self.root is None:
             self.root = module  # the trainer's model: the first module to run forward
         if module is not self.root:
@@ -202,6 +211,9 @@ class StepProbe:
                 self._write_profile()
                 self.profiler = None
             self._read_memory(now)
+            # distributed.compile: the counted step runs eagerly, so FLOPs and collectives are counted from torch's own
+            # ops (inductor's fused kernels are invisible to both counters), and nothing recompiles under them.
+            self.eager = torch.compiler.set_stance("force_eager")
             self.counter = CollectiveCounter()
             self.counter.__enter__()
             self.flops = flop_counter()
@@ -242,6 +254,9 @@ class StepProbe:
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
             self.counts, self.counter = self.counter.counts, None
+        if self.eager is not None:
+            self.eager.__exit__(None, None, None)
+            self.eager = None
 
     def close(self) -> None:
         """Remove the hooks, and whatever is still active if the run ended early."""
@@ -341,6 +356,7 @@ def assemble(cfg, opts: dict, probe: StepProbe, result: dict) -> dict:
     model_flops = 3 * probe.forward_flops * o.update_freq * len(result["bench_ranks"])
     achieved = model_flops / (median / 1000)
     peak, peak_method = opts["peak"]
+    first_step_s = probe.starts[1] - probe.starts[0]
     out = {
         "tool": "bench",
         "overrides": opts["overrides"],
@@ -367,6 +383,10 @@ def assemble(cfg, opts: dict, probe: StepProbe, result: dict) -> dict:
         "peak_method": peak_method,
         "mfu": achieved / peak if peak else None,
         "optimizer_steps_taken": len(probe.optimizer_ms),
+        "compile": d.compile,
+        "first_step_s": first_step_s,
+        "compile_s": first_step_s - median / 1000 if d.compile else None,
+        "compile_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR") if d.compile else None,
         "per_rank": [
             {**r, "state_bytes": r.get("param_bytes", 0) + r.get("grad_bytes", 0) + r.get("optimizer_state_bytes", 0)}
             for r in result["bench_ranks"]
@@ -420,6 +440,8 @@ def write(out: dict, path: str) -> None:
     cols["optimizer_step_ms"] = out["optimizer_step_ms"]
     if out["mfu"] is not None:
         cols["mfu_percent"] = 100 * out["mfu"]
+    if out["compile_s"] is not None:
+        cols["compile_s"] = out["compile_s"]
     print("bench: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in cols.items()))
     print(f"bench: wrote {path}", flush=True)
 

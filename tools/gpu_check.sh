@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks, as one script for a lent GPU machine: at most ~9.5 minutes on one GPU (each step has a time limit),
-# results as JSON in $OUT (or ./): gpu_check.json, plus each step's log and the benchmarks' own JSON.
+# The GPU checks, as one script for a lent GPU machine; results as JSON in $OUT (or ./): gpu_check.json, plus each
+# step's log and the benchmarks' own JSON. Two parts, each sized to fit one device session (each step has a limit):
+#   bash tools/gpu_check.sh           (~9.5 minutes at most)
 #   1. tests/gpu (pytest -m gpu): NCCL fully_sharded, ddp, pinned cpu_offload + cpu_adam, activation checkpointing,
 #      bf16, fp16 with the scaler (also with offload: CPU found-inf on the device-mapped group), at world size 1, each
 #      held to a CPU fp32 reference run's per-step losses (fp32 rtol 1e-4, bf16/fp16 rtol 0.02); BN stays plain on
@@ -10,7 +11,13 @@
 #      gpu_check.json).
 #   2. torchrun with 2 ranks of fully_sharded (2+ GPUs; else recorded as skipped, with the reason).
 #   3. tools/bench.py: tokens/s and MFU of gpt_125m and gpt_350m, fully_sharded, bf16, 1 GPU.
-# Usage: bash tools/gpu_check.sh    (from the repository root, with the project installed; PYTHON=... to pick one)
+#   bash tools/gpu_check.sh compile   (~10.5 minutes at most)
+#   4. distributed.compile on CUDA: tests/gpu -k compiled (fully_sharded fp32, ddp, bf16 + activation checkpointing,
+#      each held to the CPU fp32 run's losses).
+#   5. tools/bench.py on gpt_125m and gpt_350m (fully_sharded, bf16, 1 GPU), eager then compiled for each model, in a
+#      fresh inductor cache: tokens/s and MFU of both, the speed-up, and the cold compile time (gpu_check.json's
+#      "compile" block). MFU counts the model's FLOPs, not the kernels inductor fused them into.
+# Usage: bash tools/gpu_check.sh [compile]   (from the repository root, with the project installed; PYTHON=... to pick)
 set -uo pipefail
 out="${OUT:-.}"
 py="${PYTHON:-python}"
@@ -33,19 +40,36 @@ TINY_LM=(model.num_layers=2 model.dim=64 model.num_heads=4 model.max_seq_len=32 
     validation.batch_size=8 checkpoint.interval_steps=0 logging.interval_steps=1 logging.progress_bar=false
     logging.tensorboard=false)
 
-step gpu_tests 270 "$py" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider --junitxml="$out/gpu_tests.xml"
-if [ "$ngpu" -ge 2 ]; then
-    step torchrun_2_ranks 90 "$py" -m torch.distributed.run --standalone --nproc_per_node=2 -m shardlab.train \
-        distributed.backend=fully_sharded "${TINY_LM[@]}" "hydra.run.dir=$out/torchrun_run"
-else
-    printf 'torchrun_2_ranks\tskipped\t0\tneeds 2 GPUs, this machine has %s\n' "$ngpu" >> "$out/steps.tsv"
-fi
-for model in gpt_125m gpt_350m; do
+bench() {  # bench NAME LIMIT_S MODEL [OVERRIDES...]: tools/bench.py, fully_sharded bf16 on 1 GPU, to $out/NAME.json
+    local name=$1 limit=$2 model=$3
+    shift 3
     # 20 MB of the corpus: enough for the steps, and its one-off preprocessing stays well inside the limit.
-    step "bench_${model}_bf16" 100 "$py" tools/bench.py "model=$model" data.seq_len=1024 data.max_corpus_mb=20 \
-        optimization.batch_size=8 distributed.backend=fully_sharded distributed.precision=bf16 --steps 10 --warmup 3 \
-        --out "$out/bench_${model}_bf16.json"
-done
+    step "$name" "$limit" "$py" tools/bench.py "model=$model" data.seq_len=1024 data.max_corpus_mb=20 \
+        optimization.batch_size=8 distributed.backend=fully_sharded distributed.precision=bf16 "$@" --steps 10 \
+        --warmup 3 --out "$out/$name.json"
+}
+
+if [ "${1:-}" = compile ]; then
+    step gpu_tests 150 "$py" -m pytest -m gpu tests/gpu -k compiled -q -rs -p no:cacheprovider \
+        --junitxml="$out/gpu_tests.xml"
+    cache=$(mktemp -d)  # a fresh inductor cache: the compile time reported is a cold one
+    for model in gpt_125m gpt_350m; do
+        bench "bench_${model}_bf16_eager" 90 "$model"
+        bench "bench_${model}_bf16_compiled" 150 "$model" distributed.compile=true "distributed.compile_cache_dir=$cache"
+    done
+else
+    step gpu_tests 270 "$py" -m pytest -m gpu tests/gpu -k "not compiled" -q -rs -p no:cacheprovider \
+        --junitxml="$out/gpu_tests.xml"
+    if [ "$ngpu" -ge 2 ]; then
+        step torchrun_2_ranks 90 "$py" -m torch.distributed.run --standalone --nproc_per_node=2 -m shardlab.train \
+            distributed.backend=fully_sharded "${TINY_LM[@]}" "hydra.run.dir=$out/torchrun_run"
+    else
+        printf 'torchrun_2_ranks\tskipped\t0\tneeds 2 GPUs, this machine has %s\n' "$ngpu" >> "$out/steps.tsv"
+    fi
+    for model in gpt_125m gpt_350m; do
+        bench "bench_${model}_bf16" 100 "$model"
+    done
+fi
 
 "$py" - "$out" "$ngpu" <<'EOF'
 import json, sys, xml.etree.ElementTree as ET
@@ -70,7 +94,23 @@ summary["tests"] = tests
 summary["bench"] = {}
 for path in sorted(out.glob("bench_*.json")):
     b = json.loads(path.read_text())
-    summary["bench"][path.stem] = {k: b.get(k) for k in ("tokens_per_s", "median_step_ms", "mfu", "peak_tflops")}
+    keys = ("tokens_per_s", "median_step_ms", "mfu", "peak_tflops", "first_step_s", "compile_s")
+    summary["bench"][path.stem] = {k: b.get(k) for k in keys}
+compiled = {}
+for name, b in summary["bench"].items():
+    if name.endswith("_compiled") and name.replace("_compiled", "_eager") in summary["bench"]:
+        eager = summary["bench"][name.replace("_compiled", "_eager")]
+        speedup = b["tokens_per_s"] / eager["tokens_per_s"] if b["tokens_per_s"] and eager["tokens_per_s"] else None
+        compiled[name.removesuffix("_compiled")] = {
+            "eager_tokens_per_s": eager["tokens_per_s"],
+            "compiled_tokens_per_s": b["tokens_per_s"],
+            "speedup": speedup,
+            "eager_mfu": eager["mfu"],
+            "compiled_mfu": b["mfu"],
+            "compile_s": b["compile_s"],
+        }
+if compiled:
+    summary["compile"] = compiled
 failed = [n for n, s in summary["steps"].items() if s["exit_code"] not in (0, "skipped")] + [
     n for n, t in tests.items() if t["outcome"] in ("failure", "error")
 ]

@@ -153,8 +153,22 @@ class Backend:
         if self.cfg.activation_checkpointing == "full":
             from shardlab.distributed.activation_checkpointing import wrap_units
 
-            wrap_units(model, units)
+            units = wrap_units(model, units)
+        self.compile_units(units or [model])
         return model
+
+    def compile_units(self, units: Sequence[nn.Module]) -> None:
+        """distributed.compile: compile each unit in place (after activation-checkpoint wrapping, before any
+        sharding or DDP wrapping, so their hooks stay outside the graphs)."""
+        if self.cfg.compile:
+            from shardlab.distributed.compile import compile_units, use_cache_dir
+
+            use_cache_dir(self.cfg)
+            compile_units(units)
+
+    def process_groups(self) -> list[dist.ProcessGroup | None]:
+        """The groups this backend's collectives use (None: the default group), e.g. to change their timeout."""
+        return [None]
 
     @property
     def param_device(self) -> torch.device:
@@ -169,6 +183,10 @@ class Backend:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.param_dtype))
         if self.cfg.offload_activations:
             stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda"))
+        if self.cfg.compile and not torch.is_grad_enabled():  # validation: not worth a second compilation
+            from shardlab.distributed.compile import eager_for_inference
+
+            stack.enter_context(eager_for_inference())
         return stack
 
     casts_in_forward = True
@@ -228,6 +246,9 @@ class Backend:
 
     def describe(self) -> Iterator[str]:
         yield f"backend {self.name}: world size {self.env.world_size} ({self.env.launcher}), device {self.device}"
+        if self.cfg.compile:
+            cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            yield f"compile: every unit builds its graphs in the first training step (inductor cache {cache})"
 
 
 @BACKENDS.register("single")

@@ -28,7 +28,8 @@ class DDPBackend(Backend):
     ) -> nn.Module:
         materialize(model)
         if self.cfg.activation_checkpointing == "full":
-            wrap_units(model, units)
+            units = wrap_units(model, units)
+        self.compile_units(units or [model])
         ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         # Reduce in the configured dtype: DDP's compression hooks cast each bucket before the all-reduce.
         if self.reduce_dtype == torch.float16:

@@ -41,6 +41,9 @@ class FullyShardedBackend(Backend):
                 self.device.type, (world // degree, degree), mesh_dim_names=("replicate", "shard")
             )
 
+    def process_groups(self) -> list:
+        return [None, *(self.mesh.get_group(dim) for dim in range(self.mesh.ndim))]
+
     @property
     def reduce_scatter_via_all_reduce(self) -> bool:
         """distributed.reduce_scatter=all_reduce, on CPU (validate refuses it where CUDA devices exist)."""
@@ -61,6 +64,7 @@ class FullyShardedBackend(Backend):
         if self.cfg.activation_checkpointing == "full":
             units = wrap_units(model, units)
         self.units = units
+        self.compile_units(units or [model])
         kwargs = self.shard_kwargs()
         if self.param_dtype != torch.float32 or self.reduce_dtype != torch.float32:
             fp32 = {**kwargs, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlab.distributed.compile import compiled
 from shardlab.errors import ConfigError
 from shardlab.registry import MODELS
 from shardlab.task import Task
@@ -20,6 +21,11 @@ from tasks.lm.tokenizer import load_tokenizer
 def padded_vocab(vocab_size: int) -> int:
     """Round the embedding up to a multiple of 64: faster matmuls, and shardable over many ranks."""
     return (vocab_size + 63) // 64 * 64
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the logits (batch, seq, vocab) against the next tokens, computed in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 class LanguageModelingTask(Task):
@@ -126,7 +132,10 @@ class LanguageModelingTask(Task):
         batch = batch.to(device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         logits = model(inputs)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+        # distributed.compile: one fused kernel casts and reduces the logits, without an fp32 copy of them in memory
+        # (the memory plan's shape-only pass on meta stays eager; configs stored by older checkpoints lack the key)
+        fuse = self.cfg.distributed.get("compile", False) and device.type != "meta"
+        loss = (compiled(next_token_loss) if fuse else next_token_loss)(logits, targets)
         n = targets.numel()
         return loss, {"loss_sum": loss.detach() * n, "count": torch.tensor(float(n))}
 

@@ -94,6 +94,33 @@ def test_nccl_world_size_one_tracks_the_cpu_fp32_losses(name, cpu_reference, tin
         assert all(r["loss_scale"] == 2.0**16 * 0.5 ** r["skipped_steps"] for r in train)
 
 
+COMPILED = {
+    "compiled": ([FS, "distributed.compile=true"], FP32_RTOL),
+    "compiled_ddp": (["distributed.backend=ddp", "distributed.compile=true"], FP32_RTOL),
+    "compiled_bf16_checkpointing": (
+        [FS, "distributed.precision=bf16", "distributed.activation_checkpointing=full", "distributed.compile=true"],
+        LOW_PRECISION_RTOL,
+    ),
+}
+
+
+def graphs_built(trainer) -> dict:
+    """Graphs dynamo built (private counters, read by tests only): a compiled run did run compiled code."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"]}
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_on_cuda_tracks_the_cpu_fp32_losses(name, cpu_reference, tiny_lm, tmp_path):
+    """distributed.compile on CUDA (Triton kernels): run by ``bash tools/gpu_check.sh compile``."""
+    overrides, rtol = COMPILED[name]
+    cache = f"distributed.compile_cache_dir={tmp_path / 'inductor'}"
+    result = run_rank(tiny_lm(*overrides, cache), tmp_path, dist_env.detect(), after_fit=graphs_built)
+    assert result["graphs"] >= 2  # the blocks' graph and the loss's
+    torch.testing.assert_close(train_losses(result), train_losses(cpu_reference), rtol=rtol, atol=0)
+
+
 def vision_cfg(*overrides: str):
     return compose_config(
         [
