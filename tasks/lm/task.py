@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +60,14 @@ class LanguageModelingTask(Task):
         return errors
 
     def prepare_data(self) -> None:
+        corpus = self.corpus()
+        self.meta = json.loads((corpus / "meta.json").read_text())
+        self.train_dataset, self.valid_dataset = open_splits(corpus, self.cfg.data.seq_len)
+
+    def corpus(self) -> Path:
+        """The preprocessed corpus of data.* (built on first use, then read from data.cache_dir)."""
         d = self.cfg.data
-        corpus = prepare_corpus(
+        return prepare_corpus(
             d.path,
             d.cache_dir,
             self.tokenizer,
@@ -69,8 +76,6 @@ class LanguageModelingTask(Task):
             d.get("jsonl_field", "text"),  # absent from configs of older checkpoints (generate.py reloads those)
             d.get("num_preprocess_workers", -1),
         )
-        self.meta = json.loads((corpus / "meta.json").read_text())
-        self.train_dataset, self.valid_dataset = open_splits(corpus, d.seq_len)
 
     def build_model(self) -> nn.Module:
         return MODELS.build(self.cfg.model.arch, self.cfg.model, self.vocab_size, key="model.arch")
