@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from shardlab.checkpoint import weights
 from shardlab.config import DistributedConfig
 from shardlab.distributed.materialize import materialize
-from shardlab.errors import CheckpointError, ConfigError, first_cause
+from shardlab.errors import CheckpointError, ConfigError, DataError, first_cause
 from shardlab.runner import build_task
 from shardlab.task import Task
 from shardlab.train import GROUPS, check_group_choices, compose_config, run_tool
@@ -85,15 +85,22 @@ def composed_config(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"{' '.join(overrides)}: {first_cause(e)}") from None
 
 
-def build_model(cfg: DictConfig, checkpoint: Path | None, info: dict | None) -> tuple[Task, torch.nn.Module]:
-    """The task and its model in this process: seeded init (cfg.seed), then the checkpoint's weights if given."""
-    task = build_task(cfg, world_size=1, check_budget=False)
-    with torch.device("meta"):
-        model = task.build_model()
+def build_model(cfg: DictConfig, checkpoint: Path | None) -> tuple[Task, torch.nn.Module]:
+    """The task and its model in this process: seeded init (cfg.seed), then the checkpoint's weights if given (their
+    keys and shapes must fit the model the config describes)."""
+    try:
+        task = build_task(cfg, world_size=1, check_budget=False)
+        with torch.device("meta"):
+            model = task.build_model()
+    except DataError as e:
+        if checkpoint is None:
+            raise
+        raise DataError(
+            f"{e} (building {checkpoint}'s model reads the data it was trained on, e.g. to count classes; "
+            "if that is gone, give the model key it derived, e.g. model.num_classes=N)"
+        ) from None
     materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
     if checkpoint is not None:
-        model_config = OmegaConf.to_container(cfg.model, resolve=True)
-        weights.check_compatible(checkpoint, info, cfg.task.name, model_config, task.resumable_model_changes)
         try:
             weights.load_into(model, checkpoint)
         except CheckpointError:
@@ -288,18 +295,23 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     where = str(args.checkpoint) if args.checkpoint else "the randomly initialised model"
     if args.checkpoint is not None:
+        # data.* choose what to evaluate on; the model is built as it was trained (e.g. its classes from its data)
         cfg, info = checkpoint_config(args.checkpoint, args.overrides)
+        model_overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("data.")]
+        model_cfg, _ = checkpoint_config(args.checkpoint, model_overrides)
     else:
         cfg, info = composed_config(args.overrides), None
+        model_cfg = cfg
     args.batch_size = args.batch_size or cfg.validation.batch_size
     torch.manual_seed(args.seed)
-    task, model = build_model(cfg, None if args.random_init else args.checkpoint, info)
+    task, model = build_model(model_cfg, None if args.random_init else args.checkpoint)
     modes = chosen_modes(args, task, where)
     described = f"{where} (task {cfg.task.name}" + (f", step {info.get('step')}" if info else "")
     print(f"evaluating {described}{', random init seed ' + str(cfg.seed) if args.random_init else ''})", flush=True)
     device = torch.device(args.device)
     if modes == ["perplexity"]:
-        results = evaluate_perplexity(task, model, cfg, args, device)
+        data_task = task if cfg is model_cfg else build_task(cfg, world_size=1, check_budget=False)
+        results = evaluate_perplexity(data_task, model, cfg, args, device)
     else:
         results = evaluate_trunk(task, model, cfg, args, modes, device, cache_key(args, cfg, info))
     if args.out is not None:

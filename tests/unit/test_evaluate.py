@@ -131,6 +131,21 @@ def test_random_trunk_of_a_checkpoints_architecture_is_the_composed_one(vision_c
     assert trained != composed and reseeded != composed
 
 
+def test_a_supervised_checkpoint_is_probed_on_an_image_folder_with_other_classes(vision_checkpoint, tmp_path):
+    from PIL import Image
+
+    # Two classes (dark, bright) in train/ and val/: the checkpoint's classifier has 10 outputs, which the probe
+    # does not use; its model is built as trained and only the probe's data changes.
+    for split, count in (("train", 6), ("val", 4)):
+        for label, shade in (("dark", 30), ("bright", 220)):
+            (tmp_path / split / label).mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (20, 20), (shade, shade - 10 * i, 128)).save(tmp_path / split / label / f"{i}.png")
+    folder = [f"data.path={tmp_path}", "data.source=folder", "data.image_size=16", "data.num_workers=2"]
+    results = evaluate.main([str(vision_checkpoint), "--knn", "--k", "3", "--batch-size", "5", *folder])
+    assert results["knn_top1"] == 100.0  # brightness alone separates the classes
+
+
 def test_features_cache_is_reused_and_keyed_by_the_weights(vision_checkpoint, tmp_path, capsys):
     first = evaluate.main([str(vision_checkpoint), *PROBE, "--cache-dir", str(tmp_path)])
     assert len(list(tmp_path.glob("features-*.safetensors"))) == 1
