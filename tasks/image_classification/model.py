@@ -117,6 +117,11 @@ def add_dropout(model: tv_regnet.RegNet, p: float) -> tv_regnet.RegNet:
     return model
 
 
+def trunk_features(model: tv_regnet.RegNet, images: Tensor) -> Tensor:
+    """The globally average-pooled output of the last stage (N, D): RegNet's forward up to, not including, fc."""
+    return model.avgpool(model.trunk_output(model.stem(images))).flatten(1)
+
+
 def fsdp_units(model: tv_regnet.RegNet) -> list[nn.Module]:
     """Stem, every block of every stage, classifier: torchtitan-style per-block units, in forward order."""
     return [model.stem, *(block for stage in model.trunk_output for block in stage), model.fc]

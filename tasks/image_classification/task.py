@@ -182,3 +182,7 @@ class ImageClassificationTask(Task):
 
     def num_units(self, batch) -> int:
         return len(batch[1])
+
+    def features(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """What the classifier sees: the trunk's pooled features (the input of model.fc)."""
+        return regnet.trunk_features(model, images)

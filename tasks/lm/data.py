@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 from shardlab.errors import DataError
 from tasks.lm.cache import prepare_corpus, read_corpus_meta
 
-__all__ = ["TokenBlocks", "open_splits", "prepare_corpus"]
+__all__ = ["TokenBlocks", "open_split", "open_splits", "prepare_corpus"]
 
 
 class TokenBlocks(Dataset):
@@ -39,7 +39,11 @@ class TokenBlocks(Dataset):
         return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
 
 
+def open_split(corpus: Path, split: str, seq_len: int) -> TokenBlocks:
+    """The blocks of one split (train or valid) of a preprocessed corpus, in the token dtype its meta.json records."""
+    return TokenBlocks(corpus / f"{split}.bin", seq_len, read_corpus_meta(corpus)["dtype"])
+
+
 def open_splits(corpus: Path, seq_len: int) -> tuple[TokenBlocks, TokenBlocks]:
-    """(train, valid) blocks of a preprocessed corpus, in the token dtype its meta.json records."""
-    dtype = read_corpus_meta(corpus)["dtype"]
-    return TokenBlocks(corpus / "train.bin", seq_len, dtype), TokenBlocks(corpus / "valid.bin", seq_len, dtype)
+    """(train, valid) blocks of a preprocessed corpus."""
+    return open_split(corpus, "train", seq_len), open_split(corpus, "valid", seq_len)

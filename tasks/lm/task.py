@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -88,8 +89,14 @@ class LanguageModelingTask(Task):
         return errors
 
     def prepare_data(self) -> None:
+        self.corpus_dir = corpus = self.corpus()
+        self.meta = json.loads((corpus / "meta.json").read_text())
+        self.train_dataset, self.valid_dataset = open_splits(corpus, self.cfg.data.seq_len)
+
+    def corpus(self) -> Path:
+        """The preprocessed corpus of data.* (built on first use, then read from data.cache_dir)."""
         d = self.cfg.data
-        corpus = prepare_corpus(
+        return prepare_corpus(
             d.path,
             d.cache_dir,
             self.tokenizer,
@@ -98,9 +105,6 @@ class LanguageModelingTask(Task):
             d.get("jsonl_field", "text"),  # absent from configs of older checkpoints (generate.py reloads those)
             d.get("num_preprocess_workers", -1),
         )
-        self.corpus = corpus
-        self.meta = json.loads((corpus / "meta.json").read_text())
-        self.train_dataset, self.valid_dataset = open_splits(corpus, d.seq_len)
 
     @property
     def sample_name(self) -> str:
@@ -113,7 +117,7 @@ class LanguageModelingTask(Task):
     def data_identity(self) -> str:
         # The tokens' own hash where the cache has one, so node-local copies of one corpus (other paths or mtimes,
         # hence another cache name) agree; caches written before it existed compare by their name.
-        content = self.meta.get("content_digest") or f"cache {self.corpus.name}"
+        content = self.meta.get("content_digest") or f"cache {self.corpus_dir.name}"
         return f"{self.meta['train_tokens']:,} train / {self.meta['valid_tokens']:,} valid tokens ({content})"
 
     def build_model(self) -> nn.Module:

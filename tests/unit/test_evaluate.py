@@ -1,0 +1,217 @@
+"""tools/evaluate.py: a linear probe and kNN on frozen features of a vision checkpoint (or of a random trunk), an LM
+checkpoint's perplexity, and one-line answers to mistakes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from shardlab.distributed import env as dist_env
+from shardlab.errors import ConfigError
+from shardlab.runner import build_task, run_rank
+from shardlab.train import run_tool
+from tasks.image_classification.probe import knn_scores, standardize, top_k_accuracy, train_linear
+from tests.conftest import compose_config
+from tools import consolidate, evaluate
+
+TINY_VISION = [
+    "task=image_classification",
+    "model.depth=2",
+    "model.w_0=8",
+    "model.w_a=8",
+    "model.group_width=8",
+    "model.stem_width=8",
+    "data.image_size=16",
+    "data.num_train=120",
+    "data.num_valid=60",
+    "optimization.batch_size=20",
+    "optimization.max_steps=3",
+    "lr_scheduler.warmup_steps=0",
+    "validation.interval_steps=0",
+    "validation.batch_size=30",
+    "checkpoint.interval_steps=3",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
+PROBE = ["--epochs", "3", "--k", "5"]
+
+
+@pytest.fixture(scope="module")
+def vision_checkpoint(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("vision_run")
+    run_rank(compose_config(TINY_VISION), run_dir, dist_env.detect())
+    return run_dir / "checkpoints" / "step_00000003"
+
+
+@pytest.fixture(scope="module")
+def lm_checkpoint(tmp_path_factory, corpus_cache):
+    from tests.conftest import TINY_LM
+
+    run_dir = tmp_path_factory.mktemp("lm_run")
+    overrides = ["data.max_corpus_mb=0.05", "optimization.max_steps=4", "validation.interval_steps=4"]
+    # batch 1: the trainer's validation then covers every block of the split, as the tool does
+    overrides += ["validation.num_batches=0", "validation.batch_size=1", "checkpoint.interval_steps=4"]
+    overrides += [f"data.cache_dir={corpus_cache}"]
+    result = run_rank(compose_config([*TINY_LM, *overrides]), run_dir, dist_env.detect())
+    return run_dir / "checkpoints" / "step_00000004", result["final"]
+
+
+# ---- the probes on features ------------------------------------------------------------------------------------------
+def separable(num: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Five classes around distinct centres in 16-d, unit noise: linearly separable up to a few overlaps."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(5, 16, generator=torch.Generator().manual_seed(0)) * 4
+    labels = torch.arange(num) % 5
+    return centres[labels] + torch.randn(num, 16, generator=g) + 10, labels  # + 10: standardize must cope
+
+
+def test_linear_probe_reaches_high_accuracy_on_separable_features_and_is_seeded():
+    (train_x, train_y), (test_x, test_y) = separable(500, seed=1), separable(200, seed=2)
+    train_n, test_n = standardize(train_x, test_x)
+    linear = train_linear(train_n, train_y, 5, epochs=20, batch_size=64, lr=0.1, weight_decay=5e-4, seed=0)
+    assert top_k_accuracy(linear(test_n), test_y) > 95
+    again = train_linear(train_n, train_y, 5, epochs=20, batch_size=64, lr=0.1, weight_decay=5e-4, seed=0)
+    assert torch.equal(linear.weight, again.weight)
+    other = train_linear(train_n, train_y, 5, epochs=20, batch_size=64, lr=0.1, weight_decay=5e-4, seed=1)
+    assert not torch.equal(linear.weight, other.weight)
+
+
+def test_linear_probe_trains_under_no_grad():
+    x, y = separable(100, seed=1)
+    with torch.no_grad():
+        linear = train_linear(x, y, 5, epochs=2, batch_size=50, lr=0.1, weight_decay=0.0, seed=0)
+    assert linear.weight.abs().max() > 0.05  # moved from its N(0, 0.01) start
+
+
+def test_knn_on_identical_train_and_test_features_is_exact():
+    x = torch.randn(300, 32, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 7, (300,), generator=torch.Generator().manual_seed(1))
+    assert top_k_accuracy(knn_scores(x, y, x, num_classes=7, k=20, temperature=0.07, chunk=64), y) == 100.0
+
+
+def test_knn_weighs_neighbours_by_similarity_over_temperature():
+    # Two near neighbours of class 0 and three farther ones of class 1: a sharp vote follows the near ones, a flat
+    # vote (high temperature) the majority.
+    train = torch.tensor([[1.0, 0.1], [1.0, -0.1], [1.0, 1.0], [1.0, 1.1], [1.0, 0.9]])
+    labels = torch.tensor([0, 0, 1, 1, 1])
+    query = torch.tensor([[1.0, 0.0]])
+    assert knn_scores(train, labels, query, 2, k=5, temperature=0.01).argmax() == 0
+    assert knn_scores(train, labels, query, 2, k=5, temperature=100.0).argmax() == 1
+
+
+def test_image_classification_features_are_what_its_classifier_sees():
+    task = build_task(compose_config(TINY_VISION))
+    model = task.build_model().eval()
+    images = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model.fc(task.features(model, images)), model(images))
+
+
+# ---- the command on vision checkpoints -------------------------------------------------------------------------------
+def test_vision_checkpoint_folder_and_safetensors_give_the_same_figures(vision_checkpoint, tmp_path, capsys):
+    from_folder = evaluate.main([str(vision_checkpoint), *PROBE])
+    out = capsys.readouterr().out
+    assert "linear probe: top-1" in out and "kNN: top-1" in out
+    assert set(from_folder) == {"linear_top1", "linear_top5", "knn_top1"}
+    assert all(0 <= v <= 100 for v in from_folder.values())
+
+    weights_file = consolidate.consolidate(vision_checkpoint, tmp_path / "model.safetensors")
+    assert evaluate.main([str(weights_file), *PROBE, "--out", str(tmp_path / "r.json")]) == from_folder
+    report = OmegaConf.load(tmp_path / "r.json")
+    assert report.results.linear_top1 == from_folder["linear_top1"] and report.task == "image_classification"
+
+
+def test_random_trunk_of_a_checkpoints_architecture_is_the_composed_one(vision_checkpoint):
+    random_of_checkpoint = evaluate.main([str(vision_checkpoint), "--random-init", "--knn", *PROBE])
+    composed = evaluate.main(["--random-init", "--knn", *PROBE, *TINY_VISION])
+    assert random_of_checkpoint == composed  # same architecture, same seed: the same trunk
+    trained = evaluate.main([str(vision_checkpoint), "--knn", *PROBE])
+    reseeded = evaluate.main(["--random-init", "--knn", *PROBE, *TINY_VISION, "seed=7"])
+    assert trained != composed and reseeded != composed
+
+
+def test_a_supervised_checkpoint_is_probed_on_an_image_folder_with_other_classes(vision_checkpoint, tmp_path):
+    from PIL import Image
+
+    # Two classes (dark, bright) in train/ and val/: the checkpoint's classifier has 10 outputs, which the probe
+    # does not use; its model is built as trained and only the probe's data changes.
+    for split, count in (("train", 6), ("val", 4)):
+        for label, shade in (("dark", 30), ("bright", 220)):
+            (tmp_path / split / label).mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (20, 20), (shade, shade - 10 * i, 128)).save(tmp_path / split / label / f"{i}.png")
+    folder = [f"data.path={tmp_path}", "data.source=folder", "data.image_size=16", "data.num_workers=2"]
+    results = evaluate.main([str(vision_checkpoint), "--knn", "--k", "3", "--batch-size", "5", *folder])
+    assert results["knn_top1"] == 100.0  # brightness alone separates the classes
+
+
+def test_features_cache_is_reused_and_keyed_by_the_weights(vision_checkpoint, tmp_path, capsys):
+    first = evaluate.main([str(vision_checkpoint), *PROBE, "--cache-dir", str(tmp_path)])
+    assert len(list(tmp_path.glob("features-*.safetensors"))) == 1
+    capsys.readouterr()
+    assert evaluate.main([str(vision_checkpoint), *PROBE, "--cache-dir", str(tmp_path)]) == first
+    assert "features: read from" in capsys.readouterr().out
+    evaluate.main([str(vision_checkpoint), "--random-init", *PROBE, "--cache-dir", str(tmp_path)])
+    assert len(list(tmp_path.glob("features-*.safetensors"))) == 2
+
+
+# ---- the command on LM checkpoints -----------------------------------------------------------------------------------
+def test_lm_perplexity_equals_the_trainers_validation_perplexity(lm_checkpoint, capsys):
+    checkpoint, final = lm_checkpoint
+    results = evaluate.main([str(checkpoint), "--batch-size", "16"])
+    torch.testing.assert_close(results["ppl"], final["ppl"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(results["loss"], final["loss"], rtol=1e-5, atol=0)
+    assert "perplexity:" in capsys.readouterr().out
+
+
+def test_lm_perplexity_of_the_whole_corpus_covers_both_splits(lm_checkpoint):
+    checkpoint, _ = lm_checkpoint
+    valid = evaluate.main([str(checkpoint), "--perplexity", "--batch-size", "64"])
+    train = evaluate.main([str(checkpoint), "--split", "train", "--batch-size", "64"])
+    whole = evaluate.main([str(checkpoint), "--split", "all", "--batch-size", "64"])
+    assert whole["tokens"] == train["tokens"] + valid["tokens"]
+    assert min(train["ppl"], valid["ppl"]) <= whole["ppl"] <= max(train["ppl"], valid["ppl"])
+
+
+def test_lm_perplexity_of_another_corpus_counts_every_token_of_it(lm_checkpoint, tmp_path):
+    checkpoint, _ = lm_checkpoint
+    text = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(60))
+    (tmp_path / "held_out.txt").write_text(text)
+    results = evaluate.main([str(checkpoint), f"data.path={tmp_path / 'held_out.txt'}", "--split", "all"])
+    # byte tokens: the text and one end-of-document token, scored in whole blocks of data.seq_len (32)
+    assert results["tokens"] == len(text.encode()) // 32 * 32
+    assert 1 < results["ppl"] < 320
+
+
+# ---- mistakes: one line, exit code 2 ---------------------------------------------------------------------------------
+def answer(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_tool(lambda: evaluate.main(argv))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_mistakes_are_answered_in_one_line(vision_checkpoint, lm_checkpoint, tmp_path, capsys):
+    lm, _ = lm_checkpoint
+    (tmp_path / "not_a_checkpoint").mkdir()
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "images" / "train").mkdir(parents=True)
+    (tmp_path / "images" / "val").mkdir()
+    assert "is not a shardlab checkpoint" in answer([str(tmp_path / "not_a_checkpoint")], capsys)
+    assert "is not a .safetensors file" in answer([str(tmp_path / "notes.txt")], capsys)
+    assert "give a checkpoint" in answer([], capsys)
+    assert "--linear needs a vision model; use --perplexity" in answer([str(lm), "--linear"], capsys)
+    assert "--perplexity needs a language model" in answer([str(vision_checkpoint), "--perplexity"], capsys)
+    assert "a checkpoint brings its own model" in answer([str(vision_checkpoint), "model=regnet_y_400mf"], capsys)
+    assert "data.colour" in answer([str(vision_checkpoint), "data.colour=1"], capsys)
+    no_classes = answer([str(vision_checkpoint), f"data.path={tmp_path / 'images'}", "data.source=folder"], capsys)
+    assert "has no class folders" in no_classes
+
+
+def test_a_source_without_labels_is_refused():
+    with pytest.raises(ConfigError, match="has no labels"):
+        evaluate.labelled_data(OmegaConf.create({"data": {"source": "unlabelled_folder", "path": "/x"}}))

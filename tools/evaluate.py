@@ -1,0 +1,357 @@
+"""Evaluate a checkpoint: a vision trunk by a linear probe and kNN on its frozen features (VISSL's benchmark), a
+language model by its perplexity on a corpus (fairseq's eval-lm).
+
+    python tools/evaluate.py runs/ssl/swav/checkpoints/step_00001000             # linear probe and kNN top-1
+    python tools/evaluate.py CHECKPOINT --linear data.path=/imagenet data.num_workers=16 --batch-size 512
+    python tools/evaluate.py CHECKPOINT --random-init                             # same architecture, random weights
+    python tools/evaluate.py --random-init task=image_classification model=regnet_cifar model.depth=8
+    python tools/evaluate.py runs/lm/default/checkpoints/step_00000300                     # validation perplexity
+    python tools/evaluate.py model.safetensors data.path=held_out.txt --split all          # a whole other corpus
+
+CHECKPOINT is a step_N folder (any backend and world size) or a .safetensors file from tools/consolidate.py. The
+model is rebuilt from the checkpoint's own description (task and training config) through the task registry and
+loaded in one process, in eval mode. Arguments without a leading ``--`` are overrides: of the checkpoint's config
+(``data.*`` picks the evaluation data: data.path, data.source, data.num_workers, data.image_size, ...), or, with
+--random-init and no checkpoint, the Hydra overrides that name the architecture as for ``python -m shardlab.train``.
+
+Vision (--linear, --knn; both by default): the trunk's pooled features (``Task.features``) of the train and
+validation split of a labelled image source (embedded, folder = an ImageFolder tree, fake) are extracted once,
+unaugmented, and cached in memory (and in --cache-dir, keyed by model and data, if given); the linear probe trains
+on the train split's standardized features and reports top-1/top-5 on the validation split; kNN votes among the k
+most cosine-similar train features. Language models (--perplexity, the default): the task's loss over every block
+of data.seq_len tokens of the chosen split, as the trainer's validation computes it. Everything is seeded; the same
+command gives the same figures. ``--out FILE`` writes them as JSON with the settings beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from shardlab.checkpoint import weights
+from shardlab.config import DistributedConfig
+from shardlab.distributed.materialize import materialize
+from shardlab.errors import CheckpointError, ConfigError, DataError, first_cause
+from shardlab.runner import build_task
+from shardlab.task import Task
+from shardlab.train import GROUPS, check_group_choices, compose_config, run_tool
+
+VISION_MODES = ("linear", "knn")
+
+
+# ---- the model -------------------------------------------------------------------------------------------------------
+def checkpoint_config(checkpoint: Path, overrides: list[str]) -> tuple[DictConfig, dict]:
+    """The training config a checkpoint describes, with ``overrides`` (key=value) applied, and its description."""
+    if checkpoint.is_dir() and not (checkpoint / "shardlab.json").is_file():
+        raise CheckpointError(
+            f"{checkpoint} is not a shardlab checkpoint (no shardlab.json); give a step_N folder or a .safetensors file"
+        )
+    info = weights.describe(checkpoint)
+    if not info.get("config"):
+        raise CheckpointError(f"{checkpoint} carries no training config; it was not written by shardlab")
+    cfg = OmegaConf.create(info["config"])
+    # One process, whatever the run used: DCP loads any sharding into it, so the distributed section is the default.
+    cfg.distributed = OmegaConf.structured(DistributedConfig())
+    groups = [o for o in overrides if o.partition("=")[0].lstrip("+~") in GROUPS]
+    if groups:
+        raise ConfigError(
+            f"{groups[0]}: a checkpoint brings its own {groups[0].partition('=')[0]}; give key=value overrides of "
+            "its config (e.g. data.path=...), or --random-init without a checkpoint to choose an architecture"
+        )
+    OmegaConf.set_struct(cfg, True)  # a mistyped key is an error, not a new key nothing reads
+    try:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    except Exception as e:
+        raise ConfigError(f"{' '.join(overrides)}: {first_cause(e)} (keys of the checkpoint's config)") from None
+    return cfg, info
+
+
+def composed_config(overrides: list[str]) -> DictConfig:
+    """The config Hydra overrides compose to, as for a training run (for --random-init without a checkpoint)."""
+    check_group_choices(overrides)
+    try:
+        return compose_config(overrides)
+    except Exception as e:
+        raise ConfigError(f"{' '.join(overrides)}: {first_cause(e)}") from None
+
+
+def build_model(cfg: DictConfig, checkpoint: Path | None) -> tuple[Task, torch.nn.Module]:
+    """The task and its model in this process: seeded init (cfg.seed), then the checkpoint's weights if given (their
+    keys and shapes must fit the model the config describes)."""
+    try:
+        task = build_task(cfg, world_size=1, check_budget=False)
+        with torch.device("meta"):
+            model = task.build_model()
+    except DataError as e:
+        if checkpoint is None:
+            raise
+        raise DataError(
+            f"{e} (building {checkpoint}'s model reads the data it was trained on, e.g. to count classes; "
+            "if that is gone, give the model key it derived, e.g. model.num_classes=N)"
+        ) from None
+    materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
+    if checkpoint is not None:
+        try:
+            weights.load_into(model, checkpoint)
+        except CheckpointError:
+            raise
+        except Exception as e:  # DCP's and load_state_dict's shape and key mismatches
+            raise CheckpointError(f"{checkpoint} does not fit the model its config describes ({first_cause(e)})") from e
+    return task, model.eval()
+
+
+# ---- vision: features, linear probe, kNN -----------------------------------------------------------------------------
+def labelled_data(cfg: DictConfig):
+    """The image-source settings of cfg.data (any vision task's: the keys the image-classification data reads),
+    unaugmented, or a ConfigError for a source without labels."""
+    from tasks.image_classification.config import ImageDataConfig
+    from tasks.image_classification.data import SOURCES, source_of
+
+    given = OmegaConf.to_container(cfg.data, resolve=True)
+    names = {f.name for f in dataclasses.fields(ImageDataConfig)}
+    data = ImageDataConfig(**{k: v for k, v in given.items() if k in names})
+    if source_of(data) not in SOURCES:
+        raise ConfigError(
+            f"data.source={data.source} has no labels to probe with; use a labelled source: embedded, "
+            "folder (data.path with train/<class>/ and val/<class>/) or fake"
+        )
+    return dataclasses.replace(data, augment=False)
+
+
+def features_and_labels(task, model, data, args, device, cache_key: str) -> dict[str, torch.Tensor]:
+    """{train,valid}_{features,labels}: extracted once, or read back from --cache-dir."""
+    from safetensors.torch import load_file, save_file
+
+    from tasks.image_classification.data import open_datasets
+    from tasks.image_classification.probe import extract_features
+
+    cache = args.cache_dir / f"features-{cache_key}.safetensors" if args.cache_dir else None
+    if cache is not None and cache.is_file():
+        print(f"features: read from {cache}", flush=True)
+        return load_file(str(cache))
+    train_set, valid_set, _ = open_datasets(data)
+    started = time.perf_counter()
+    model.to(device)
+    out = {}
+    for split, dataset in (("train", train_set), ("valid", valid_set)):
+        feats, labels = extract_features(
+            lambda images: task.features(model, images),
+            dataset,
+            args.batch_size,
+            data.num_workers,
+            device,
+            name=f"features ({split})",
+        )
+        out[f"{split}_features"], out[f"{split}_labels"] = feats, labels
+    seconds = time.perf_counter() - started
+    print(
+        f"features: {out['train_features'].shape[1]}-d, {len(train_set)} train and {len(valid_set)} validation images "
+        f"in {seconds:.1f} s",
+        flush=True,
+    )
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        save_file(out, str(cache.with_suffix(".tmp")))
+        cache.with_suffix(".tmp").replace(cache)  # published whole: a killed run leaves no half-written cache
+    return out
+
+
+def evaluate_trunk(task, model, cfg, args, modes: list[str], device, cache_key: str) -> dict[str, float]:
+    from tasks.image_classification.data import count_classes
+    from tasks.image_classification.probe import knn_scores, standardize, top_k_accuracy, train_linear
+
+    data = labelled_data(cfg)
+    f = features_and_labels(task, model, data, args, device, cache_key)
+    train_x, train_y = f["train_features"].to(device), f["train_labels"].to(device)
+    valid_x, valid_y = f["valid_features"].to(device), f["valid_labels"].to(device)
+    num_classes = count_classes(data)
+    results: dict[str, float] = {}
+    if "linear" in modes:
+        started = time.perf_counter()
+        train_n, valid_n = standardize(train_x, valid_x)
+        linear = train_linear(
+            train_n, train_y, num_classes, args.epochs, args.probe_batch_size, args.lr, args.weight_decay, args.seed
+        )
+        with torch.no_grad():
+            scores = linear(valid_n)
+        results["linear_top1"] = top_k_accuracy(scores, valid_y, 1)
+        results["linear_top5"] = top_k_accuracy(scores, valid_y, 5)
+        print(
+            f"linear probe: top-1 {results['linear_top1']:.2f}%  top-5 {results['linear_top5']:.2f}%  "
+            f"({args.epochs} epochs, lr {args.lr}, {time.perf_counter() - started:.1f} s)",
+            flush=True,
+        )
+    if "knn" in modes:
+        scores = knn_scores(train_x, train_y, valid_x, num_classes, args.k, args.temperature)
+        results["knn_top1"] = top_k_accuracy(scores, valid_y, 1)
+        print(f"kNN: top-1 {results['knn_top1']:.2f}%  (k={args.k}, temperature {args.temperature})", flush=True)
+    return results
+
+
+# ---- language models: perplexity -------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_perplexity(task, model, cfg, args, device) -> dict[str, float]:
+    """The task's loss summed over every block of the split, then its metrics (loss, ppl) from the totals."""
+    from torch.utils.data import ConcatDataset, DataLoader
+
+    from tasks.lm.cache import read_corpus_meta
+    from tasks.lm.data import open_split
+
+    corpus = task.corpus()
+    splits = [args.split]
+    if args.split == "all":  # every document: both splits, less one too short for a block (a one-file corpus)
+        tokens = read_corpus_meta(corpus)
+        splits = [s for s in ("train", "valid") if tokens.get(f"{s}_tokens", 1 << 62) > cfg.data.seq_len] or ["train"]
+    dataset = ConcatDataset([open_split(corpus, s, cfg.data.seq_len) for s in splits])
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False, collate_fn=task.collate)
+    model.to(device)
+    sums: dict[str, float] = {}
+    for batch in loader:
+        _, stats = task.loss(model, batch, device)
+        for key, value in stats.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    metrics = task.summarize(sums)
+    metrics["tokens"] = int(sums["count"])
+    print(
+        f"perplexity: {metrics['ppl']:.4f}  loss {metrics['loss']:.4f}  ({metrics['tokens']} tokens of the "
+        f"{args.split} split of {cfg.data.path or 'the embedded corpus'}, blocks of {cfg.data.seq_len})",
+        flush=True,
+    )
+    return metrics
+
+
+# ---- the command -----------------------------------------------------------------------------------------------------
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("items", nargs="*", metavar="CHECKPOINT | key=value", help="a checkpoint, then overrides")
+    parser.add_argument("--linear", action="store_true", help="linear probe on frozen features (vision)")
+    parser.add_argument("--knn", action="store_true", help="kNN classifier on frozen features (vision)")
+    parser.add_argument("--perplexity", action="store_true", help="perplexity on data.path's split (language models)")
+    parser.add_argument("--random-init", action="store_true", help="skip the checkpoint's weights: a seeded init")
+    parser.add_argument("--batch-size", type=int, default=None, help="per forward; default validation.batch_size")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0, help="the linear probe's init and batch order")
+    parser.add_argument("--out", type=Path, default=None, help="write the figures and settings as JSON")
+    vision = parser.add_argument_group("linear probe and kNN")
+    vision.add_argument("--epochs", type=int, default=100, help="linear probe: passes over the cached features")
+    vision.add_argument("--lr", type=float, default=0.1, help="linear probe: peak learning rate (cosine decay)")
+    vision.add_argument("--weight-decay", type=float, default=5e-4, help="linear probe: weight decay")
+    vision.add_argument("--probe-batch-size", type=int, default=256, help="linear probe: features per SGD step")
+    vision.add_argument("--k", type=int, default=20, help="kNN: neighbours that vote")
+    vision.add_argument("--temperature", type=float, default=0.07, help="kNN: vote weight exp(similarity / T)")
+    vision.add_argument("--cache-dir", type=Path, default=None, help="keep extracted features here for reruns")
+    lm = parser.add_argument_group("perplexity")
+    lm.add_argument("--split", choices=("valid", "train", "all"), default="valid", help="all: every document")
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
+    paths = [item for item in args.items if "=" not in item]
+    args.overrides = [item for item in args.items if "=" in item]
+    if len(paths) > 1:
+        raise ConfigError(f"one checkpoint at a time, got {len(paths)}: {' '.join(paths)}")
+    args.checkpoint = Path(paths[0]).expanduser() if paths else None
+    if args.checkpoint is None and not args.random_init:
+        raise ConfigError(
+            "give a checkpoint (a step_N folder or a .safetensors file), or --random-init with the overrides of an "
+            "architecture (e.g. task=image_classification model=regnet_cifar)"
+        )
+    for name in ("batch_size", "epochs", "probe_batch_size", "k"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def chosen_modes(args, task: Task, where: str) -> list[str]:
+    """The evaluations asked for, or the task's default ones; a ConfigError for one the model cannot do."""
+    has_trunk = type(task).features is not Task.features
+    is_lm = task.unit == "tokens"
+    asked = [m for m in (*VISION_MODES, "perplexity") if getattr(args, m)]
+    for mode in asked:
+        if mode in VISION_MODES and not has_trunk:
+            raise ConfigError(
+                f"{where} is a {task.cfg.task.name} checkpoint without an image trunk; --{mode} needs a vision model"
+                + ("; use --perplexity" if is_lm else "")
+            )
+        if mode == "perplexity" and not is_lm:
+            raise ConfigError(f"{where} is a {task.cfg.task.name} checkpoint; --perplexity needs a language model")
+    if asked:
+        return asked
+    if has_trunk:
+        return list(VISION_MODES)
+    if is_lm:
+        return ["perplexity"]
+    raise ConfigError(f"{where}: task {task.cfg.task.name} has neither an image trunk nor a token loss to evaluate")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    where = str(args.checkpoint) if args.checkpoint else "the randomly initialised model"
+    if args.checkpoint is not None:
+        # data.* choose what to evaluate on; the model is built as it was trained (e.g. its classes from its data)
+        cfg, info = checkpoint_config(args.checkpoint, args.overrides)
+        model_overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("data.")]
+        model_cfg, _ = checkpoint_config(args.checkpoint, model_overrides)
+    else:
+        cfg, info = composed_config(args.overrides), None
+        model_cfg = cfg
+    args.batch_size = args.batch_size or cfg.validation.batch_size
+    torch.manual_seed(args.seed)
+    task, model = build_model(model_cfg, None if args.random_init else args.checkpoint)
+    modes = chosen_modes(args, task, where)
+    described = f"{where} (task {cfg.task.name}" + (f", step {info.get('step')}" if info else "")
+    print(f"evaluating {described}{', random init seed ' + str(cfg.seed) if args.random_init else ''})", flush=True)
+    device = torch.device(args.device)
+    if modes == ["perplexity"]:
+        data_task = task if cfg is model_cfg else build_task(cfg, world_size=1, check_budget=False)
+        results = evaluate_perplexity(data_task, model, cfg, args, device)
+    else:
+        results = evaluate_trunk(task, model, cfg, args, modes, device, cache_key(args, cfg, info))
+    if args.out is not None:
+        write_report(args, cfg, results)
+    return results
+
+
+def cache_key(args, cfg: DictConfig, info: dict | None) -> str:
+    """What the features depend on: the weights (checkpoint path and step, or the random init's seed), the model and
+    the data settings."""
+    key = {
+        "checkpoint": None if args.random_init else str(args.checkpoint.resolve()),
+        "step": (info or {}).get("step"),
+        "seed": cfg.seed if args.random_init else None,
+        "task": cfg.task.name,
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "data": dataclasses.asdict(labelled_data(cfg)),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def write_report(args, cfg: DictConfig, results: dict) -> None:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "items"}
+    report = {
+        "results": results,
+        "settings": settings,
+        "task": cfg.task.name,
+        "model": OmegaConf.to_container(cfg.model, resolve=True),
+        "data": OmegaConf.to_container(cfg.data, resolve=True),
+        "commit": commit,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["python tools/evaluate.py", *sys.argv[1:]]),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    run_tool(main)
