@@ -90,19 +90,13 @@ def crash_lm_loss_at(monkeypatch):
     return arm
 
 
-OPT_IN_SLOW = ("tests/faults/", "tests/slurm/test_sbatch_requeue.py")
-"""Where tests marked slow run only when ``-m`` names slow (``-m slow``, ``-m "slow or not slow"``): the fault
-matrix's 99 other cells and the sbatch requeue tests take hours on 2 cores. Elsewhere slow tests run by default."""
-
-
 def pytest_collection_modifyitems(config, items):
+    """Tests marked slow run only when ``-m`` names slow (``-m slow``, or ``-m "slow or not slow"`` for everything):
+    the fault matrix's other cells, the sbatch requeue tests, compiled runs of real model sizes, world size 4 and the
+    like, which together take hours on 2 cores. The default suite keeps one test of each behaviour."""
     if "slow" in (config.option.markexpr or ""):
         return
-    opt_in = [i for i in items if i.get_closest_marker("slow") and opt_in_slow(i.path.relative_to(config.rootpath))]
-    if opt_in:
-        config.hook.pytest_deselected(items=opt_in)
-        items[:] = [i for i in items if i not in opt_in]
-
-
-def opt_in_slow(path) -> bool:
-    return str(path).startswith(OPT_IN_SLOW)
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]

@@ -37,8 +37,7 @@ MODEL = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_predicted_peak_and_state_match_the_measured_ones(tiny_lm, tmp_path, world):
     batch = 8 * world
     cfgs = [
@@ -83,7 +82,6 @@ STATE_HEAVY = [
 ]
 
 
-@pytest.mark.slow
 def test_auto_shards_a_model_ddp_cannot_fit_and_the_run_stays_within_the_budget(tiny_lm, tmp_path):
     from shardlab.memory import budget as memory_budget
     from shardlab.memory.plan import GiB, Layout, estimate, profile_config

@@ -66,7 +66,6 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, **kwargs)
 
 
-@pytest.mark.slow
 def test_torchrun_with_a_5s_timeout_trains_on_a_corpus_whose_preprocessing_takes_longer(slow_corpus, tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     proc = run([*torchrun, "-m", "shardlab.train", *overrides(*slow_corpus, tmp_path / "cache", tmp_path / "run")])

@@ -83,7 +83,6 @@ def test_collective_counter_counts_bytes_of_a_real_all_reduce():
             dist.destroy_process_group()
 
 
-@pytest.mark.slow
 def test_bench_counts_fully_sharded_collectives_as_the_plan_expects(tmp_path):
     """2 gloo ranks: FSDP2 gathers every unit for forward and the resharded ones again for backward, and
     reduce-scatters every gradient once; the counted bytes equal those from the unit plan. Also: MFU is reported."""
