@@ -98,7 +98,14 @@ def test_auto_shards_a_model_ddp_cannot_fit_and_the_run_stays_within_the_budget(
     assert sharded_needs < budget < ddp_needs
 
     cache = f"data.cache_dir={cfg.data.cache_dir}"
-    common = [*overrides, cache, "distributed.backend=auto", f"hydra.run.dir={tmp_path / 'auto'}"]
+    # The fixed preference (auto_tune=false): this test holds the plan's budget, test_autotune.py the measured choice.
+    common = [
+        *overrides,
+        cache,
+        "distributed.backend=auto",
+        "distributed.auto_tune=false",
+        f"hydra.run.dir={tmp_path / 'auto'}",
+    ]
     code, out, err = run_cli(*common, f"distributed.memory_budget_gb={budget}")
     assert code == 0, err[-2000:]
     assert re.search(rf"distributed.backend=auto chose fully_sharded.*: fits in {budget:g} GiB per rank", out), out
