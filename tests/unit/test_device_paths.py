@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import DistributedConfig, validate
+from shardlab.distributed import base
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.base import Backend, process_group_backend
 from shardlab.runner import run_rank
@@ -25,6 +26,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count[0])
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: joined.setdefault("set_device", device))
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: joined.update(kwargs))
+    # The ranks meet in a rendezvous store before the group exists; an in-process one stands in for rank 0's server.
+    monkeypatch.setattr(base, "_rendezvous_store", lambda env, timeout_s: dist.HashStore())
     return count, joined
 
 
