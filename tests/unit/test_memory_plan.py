@@ -100,8 +100,9 @@ def test_plan_warns_of_accumulation_without_sync_and_of_an_unsplit_model():
     assert any("one FSDP unit holds 100% of the parameters" in line for line in lines)
 
 
+# auto_tune=false: the fixed preference, decided when the task is built (tests/distributed/test_autotune.py measures).
 def test_auto_picks_ddp_when_it_fits_and_sharding_when_it_does_not(capsys):
-    overrides = [*GPT_125M, "distributed.backend=auto", "distributed.world_size=4"]
+    overrides = [*GPT_125M, "distributed.backend=auto", "distributed.auto_tune=false", "distributed.world_size=4"]
     cfg = compose_config([*overrides, "distributed.memory_budget_gb=40"])
     build_task(cfg, world_size=4)
     assert cfg.distributed.backend == "ddp"
@@ -129,7 +130,7 @@ def test_auto_offload_switches_adamw_to_cpu_adam_and_a_budget_per_machine_divide
 
 
 def test_a_budget_nothing_fits_names_the_smallest_that_would():
-    overrides = [*GPT_125M, "distributed.backend=auto", "distributed.world_size=4"]
+    overrides = [*GPT_125M, "distributed.backend=auto", "distributed.auto_tune=false", "distributed.world_size=4"]
     with pytest.raises(ConfigError) as error:
         build_task(compose_config([*overrides, "distributed.memory_budget_gb=0.5"]), world_size=4)
     message = str(error.value)
