@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,20 @@ def crash_lm_loss_at(monkeypatch):
         return lambda: monkeypatch.setattr(LanguageModelingTask, "loss", original)
 
     return arm
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def stop_signal_handlers_are_put_back():
+    """Each test starts with the stop-signal handlers the session had: a run in this process that a test cut short
+    can leave its StopSignals handler installed, which would swallow a later test's Ctrl-C."""
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 def pytest_collection_modifyitems(config, items):

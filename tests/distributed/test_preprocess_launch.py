@@ -2,7 +2,7 @@
 the process group exists, so under torchrun, local ranks and Slurm the run trains; two runs started at once on one
 fresh cache preprocess it once and train on the same tokens; ranks that opened different corpora refuse in one line.
 
-The corpus is ~12 MB of text with a byte-level BPE tokenizer (the tokenizers library encodes well under 4 MB/s on
+The corpus is ~32 MB of text with a byte-level BPE tokenizer (the tokenizers library encodes well under 4 MB/s on
 one core), so its first preprocessing takes longer than the 5 s timeout; each test asserts that it did."""
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from tests.conftest import TINY_LM
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5
-CORPUS_MB = 12
+CORPUS_MB = 32
 
 
 @pytest.fixture(scope="module")
 def slow_corpus(tmp_path_factory) -> tuple[Path, Path]:
-    """(a ~12 MB text file, a 1,024-token BPE tokenizer.json trained on a slice of it)."""
+    """(a ~32 MB text file, a 1,024-token BPE tokenizer.json trained on a slice of it)."""
     root = tmp_path_factory.mktemp("slow_corpus")
     text = "".join(p.read_text(errors="replace") for p in embedded_corpus_files()[:400])
     corpus = root / "corpus.txt"
