@@ -68,7 +68,10 @@ def kill_once(run_dir: Path, overrides: list[str], during_save: bool, delay: flo
     saw_tmp = False
     while proc.poll() is None:
         now = time.perf_counter() - began
-        saw_tmp = root.is_dir() and any(p.name.endswith(".tmp") for p in root.iterdir())
+        try:  # the pre-flight check creates and removes the folder once at start-up: it may vanish between two calls
+            saw_tmp = any(p.name.endswith(".tmp") for p in root.iterdir())
+        except FileNotFoundError:
+            saw_tmp = False
         if (during_save and saw_tmp) or (not during_save and now >= delay):
             break
         time.sleep(0.002 if during_save else 0.05)

@@ -83,6 +83,9 @@ def test_an_error_while_the_update_is_applied_saves_nothing_and_says_why(tiny_lm
 
 
 def test_without_save_on_error_ctrl_c_interrupts_as_usual(tiny_lm, tmp_path, monkeypatch):
+    # Python's own Ctrl-C handler, as in a terminal (a shell starts background jobs with SIGINT ignored).
+    # (tests/conftest.py puts the session's handler back after the test)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     monkeypatch.setattr(Trainer, "_step", after_the_update_of_step(3, lambda: os.kill(os.getpid(), signal.SIGINT)))
     with pytest.raises(KeyboardInterrupt):
         run_rank(tiny_lm(*CKPT), tmp_path, dist_env.detect())
