@@ -20,8 +20,7 @@ own public code calls (an upgrade that moved one fails at import or in that modu
   ``torch.nn.modules.batchnorm._BatchNorm`` (the base class every BatchNorm shares; the vision task uses it too);
 - distributed/grad_scaler.py: ``torch._amp_foreach_non_finite_check_and_unscale_`` (the kernel torch's GradScaler
   runs);
-- optim/cpu_adam.py: ``torch._fused_adamw_`` and ``torch._foreach_add_`` (the kernels torch.optim.AdamW runs) and
-  ``DTensor._local_tensor`` (``to_local()`` without autograd's bookkeeping).
+- optim/cpu_adam.py: ``torch._fused_adamw_`` and ``torch._foreach_add_`` (the kernels torch.optim.AdamW runs).
 """
 
 from __future__ import annotations
@@ -85,3 +84,15 @@ def has_post_accumulate_grad_hooks(param: torch.Tensor) -> bool | None:
     if not tested() or not hasattr(param, "_post_accumulate_grad_hooks"):
         return None
     return bool(param._post_accumulate_grad_hooks)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: a DTensor's local shard (its private ``_local_tensor``, ``to_local()``
+    without autograd's bookkeeping, for optimizers stepping every parameter), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tested() and hasattr(tensor, "_local_tensor"):
+        return tensor._local_tensor
+    return tensor.to_local()

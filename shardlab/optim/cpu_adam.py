@@ -23,16 +23,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from shardlab.config import OptimizerConfig
+from shardlab.distributed.torch_internals import local_shard
 from shardlab.errors import ConfigError
 from shardlab.optim.optimizers import param_groups
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds: a DTensor's local shard, any other tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -59,7 +54,7 @@ class CPUAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         for i, p in enumerate(self.param_groups[-1]["params"]):
-            device = local(p).device
+            device = local_shard(p).device
             if device.type != "cpu":
                 name = self._names.get(id(p), f"parameter {i} of group {len(self.param_groups) - 1}")
                 raise ConfigError(
@@ -89,15 +84,15 @@ class CPUAdam(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                param = local(p)
-                grad = local(p.grad)
+                param = local_shard(p)
+                grad = local_shard(p.grad)
                 if grad.dtype != param.dtype:
                     grad = grad.to(param.dtype)
                 lists = buckets.setdefault(param.dtype, ([], [], [], [], []))
                 lists[0].append(param)
                 lists[1].append(grad)
-                lists[2].append(local(state["exp_avg"]))
-                lists[3].append(local(state["exp_avg_sq"]))
+                lists[2].append(local_shard(state["exp_avg"]))
+                lists[3].append(local_shard(state["exp_avg_sq"]))
                 lists[4].append(state["step"])
             for params, grads, exp_avgs, exp_avg_sqs, steps in buckets.values():
                 torch._foreach_add_(steps, 1)

@@ -27,19 +27,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shardlab.config import OptimizerConfig
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from shardlab.distributed.torch_internals import local_shard
 
 
 def global_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of each (possibly sharded) tensor over all its shards: one all-reduce of the local sums of squares
     per mesh dimension a group of same-placed DTensors is sharded on."""
-    squares = torch.zeros(len(tensors), dtype=torch.float32, device=local(tensors[0]).device)
+    squares = torch.zeros(len(tensors), dtype=torch.float32, device=local_shard(tensors[0]).device)
     placed: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
-        squares[i] = local(t).float().pow(2).sum()
+        squares[i] = local_shard(t).float().pow(2).sum()
         if isinstance(t, DTensor):
             placed.setdefault((t.device_mesh, tuple(t.placements)), []).append(i)
     for (mesh, placements), indices in placed.items():
@@ -109,14 +106,14 @@ class LARS(torch.optim.Optimizer):
             ratio = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + group["eps"])
             trust = torch.where((w_norm > 0) & (g_norm > 0), ratio, torch.ones_like(ratio))
         for i, p in enumerate(params):
-            w, g = local(p), local(p.grad)
+            w, g = local_shard(p), local_shard(p.grad)
             if adapt:
                 update = g.add(w, alpha=wd) if wd else g.clone()
                 update.mul_(trust[i].to(update.dtype))
             else:
                 update = g.clone()
             if momentum:
-                buf = local(self.state[p]["momentum_buffer"])
+                buf = local_shard(self.state[p]["momentum_buffer"])
                 buf.mul_(momentum).add_(update)
                 update = update.add(buf, alpha=momentum) if group["nesterov"] else buf
             w.add_(update, alpha=-lr)

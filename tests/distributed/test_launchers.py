@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from shardlab.distributed import env as dist_env
@@ -45,28 +44,35 @@ def test_torchrun_two_ranks_trains_and_only_rank_zero_logs(tmp_path, corpus_cach
     assert (tmp_path / "checkpoints" / "step_00000010" / "shardlab.json").is_file()
 
 
-# Slow (opt-in) for now: it passes on its own, but after the checkpoint-agreement and autotune tests in one pytest
-# session node 0's agent hangs until the 400 s timeout; the cause is not found yet (noted in the stop's notes).
-@pytest.mark.slow
 def test_two_torchrun_nodes_with_hybrid_sharding_match_one_process(tmp_path, corpus_cache, tiny_lm):
     """Two torchrun agents rendezvous over loopback as two "nodes" of 2 ranks; sharding_degree=2 shards inside a node
     and replicates across them (HSDP). The losses equal one process's."""
     overrides = [*TINY_LM, f"data.cache_dir={corpus_cache}", "logging.tensorboard=true"]
     port = free_port()
-    agents = [
-        subprocess.Popen(
-            [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-                f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
-                "-m", "shardlab.train", "distributed.backend=fully_sharded", "distributed.sharding_degree=2",
-                *overrides, f"hydra.run.dir={tmp_path / 'hsdp'}",
-            ],
-            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node in (0, 1)
-    ]  # fmt: skip
-    outputs = [agent.communicate(timeout=400) for agent in agents]
+    # Each agent writes to files, not pipes: waiting on one agent's pipes while the other's fill up (warnings, a
+    # traceback) blocks that node's ranks in a write, and every rank of the other node in a collective.
+    logs = [(tmp_path / f"node{node}.out", tmp_path / f"node{node}.err") for node in (0, 1)]
+    agents = []
+    for node, (out, err) in enumerate(logs):
+        with out.open("w") as stdout, err.open("w") as stderr:
+            agents.append(
+                subprocess.Popen(
+                    [
+                        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+                        f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                        "-m", "shardlab.train", "distributed.backend=fully_sharded", "distributed.sharding_degree=2",
+                        *overrides, f"hydra.run.dir={tmp_path / 'hsdp'}",
+                    ],
+                    cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=stdout, stderr=stderr,
+                )
+            )  # fmt: skip
+    try:
+        for agent in agents:
+            agent.wait(timeout=400)
+    finally:
+        for agent in agents:
+            agent.kill()
+    outputs = [(out.read_text(), err.read_text()) for out, err in logs]
     for agent, (_, err) in zip(agents, outputs, strict=True):
         assert agent.returncode == 0, err[-3000:]
     assert "world size 4 (torchrun)" in outputs[0][0] and "mesh 2x2 ('replicate', 'shard')" in outputs[0][0]

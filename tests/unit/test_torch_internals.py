@@ -65,6 +65,31 @@ def test_post_accumulate_grad_hooks_are_visible_on_the_tensor():
     assert torch_internals.has_post_accumulate_grad_hooks(param) is True
 
 
+def one_rank_dtensor() -> torch.Tensor:
+    """A DTensor sharded over a one-rank gloo group (the caller destroys the group)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return distribute_tensor(torch.arange(6.0).reshape(3, 2), init_device_mesh("cpu", (1,)), [Shard(0)])
+
+
+def test_a_dtensors_private_local_tensor_is_its_public_local_shard():
+    import torch.distributed as dist
+
+    try:
+        tensor = one_rank_dtensor()
+        shard = torch_internals.local_shard(tensor)
+        assert type(shard) is torch.Tensor and shard.data_ptr() == tensor.to_local().data_ptr()
+        shard.add_(1)  # the optimizers update the parameter through it, in place
+        assert torch.equal(tensor.full_tensor(), torch.arange(1.0, 7.0).reshape(3, 2))
+        plain = torch.ones(2)
+        assert torch_internals.local_shard(plain) is plain
+    finally:
+        dist.destroy_process_group()
+
+
 def test_outside_the_tested_range_every_private_path_falls_back(monkeypatch):
     monkeypatch.setattr(torch_internals, "TESTED_TORCH", ((1, 0), (1, 0)))
     torch_internals.reduce_scatter_base.cache_clear()
@@ -73,5 +98,12 @@ def test_outside_the_tested_range_every_private_path_falls_back(monkeypatch):
         assert torch_internals.in_backward() is None
         assert torch_internals.has_post_accumulate_grad_hooks(nn.Parameter(torch.ones(1))) is None
         assert torch_internals.set_unshard_async_op(nn.Linear(1, 1)) is False
+        import torch.distributed as dist
+
+        try:
+            tensor = one_rank_dtensor()
+            assert torch.equal(torch_internals.local_shard(tensor), tensor.to_local())  # through the public to_local
+        finally:
+            dist.destroy_process_group()
     finally:
         torch_internals.reduce_scatter_base.cache_clear()
