@@ -80,19 +80,27 @@ def plugin_package(factory) -> str:
     return factory.__module__.rpartition(".")[0]
 
 
+def section_package(task_name: str, section: str) -> str:
+    """The package whose ``section`` configs (model, data) task ``task_name`` reads: the one its conf/task file picks
+    (SwAV reads the vision task's RegNet), else the task's own."""
+    return task_section_package(task_name, section) or plugin_package(TASKS.get(task_name, key="task.name"))
+
+
+def another_plugins(package: str, own: str) -> bool:
+    """Whether ``package`` is another installed task plug-in than ``own``; a user_dir's package is none of them."""
+    return package != own and package in plugin_packages()
+
+
 def foreign_section_errors(cfg: DictConfig) -> list[str]:
     """The model and data sections must not be another task plug-in's: a GPTConfig cannot configure image
     classification, nor image data the LM. Schemas from elsewhere (a user_dir) pass; the task checks them itself."""
-    task_package = plugin_package(TASKS.get(cfg.task.name, key="task.name"))
-    task_packages = plugin_packages()
     errors = []
     for section in ("model", "data"):
-        package = task_section_package(cfg.task.name, section) or task_package
+        package = section_package(cfg.task.name, section)
         schema = OmegaConf.get_type(cfg[section])
         if schema is None or schema is dict:
             continue
-        home = plugin_package(schema)
-        if home != package and home in task_packages:  # another task's; a user_dir's own schemas pass
+        if another_plugins(plugin_package(schema), package):
             errors.append(
                 f"{section}: task {cfg.task.name} cannot read a {schema.__name__} (a {section} config of "
                 f"{plugin_package(schema)}); use one of its own: {section}={' | '.join(options_of(section, package))}"
@@ -105,13 +113,8 @@ def architecture_errors(cfg: DictConfig) -> list[str]:
     for the LM). Architectures from elsewhere (a user_dir) pass here; the task checks their shape itself."""
     from shardlab.registry import MODELS, unknown_name_message
 
-    package = task_section_package(cfg.task.name, "model") or plugin_package(TASKS.get(cfg.task.name))
-    task_packages = plugin_packages()
-    own = [
-        name
-        for name in MODELS.names()
-        if (home := MODELS.module_of(name).rpartition(".")[0]) == package or home not in task_packages
-    ]
+    package = section_package(cfg.task.name, "model")
+    own = [name for name in MODELS.names() if not another_plugins(MODELS.module_of(name).rpartition(".")[0], package)]
     if cfg.model.arch not in own:
         return [unknown_name_message(cfg.model.arch, f"model architecture of task {cfg.task.name}", own, "model.arch")]
     return []
