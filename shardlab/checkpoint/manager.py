@@ -54,6 +54,23 @@ class SaveRecord:
     """From the save call until its checkpoint had its final name."""
 
 
+def state_dict_name(name: str) -> str:
+    """A parameter's name as DCP's state dicts give it: without the prefixes activation checkpointing and
+    torch.compile put into module paths."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def unsaved_optimizer_states(optim_state: dict, path: Path) -> list[str]:
+    """The parameters (names) whose optimizer state step folder ``path`` holds none of: ones the saving run had not
+    updated yet (SwAV's prototypes while frozen get no gradient; torch optimizers make state at a first update)."""
+    saved = dcp_reader.read_metadata(path).state_dict_metadata  # DCP's flattened keys: optim.state.<name>.<key>
+
+    def held(name: str, keys) -> bool:
+        return any(f"optim.state.{name}.{key}" in saved for key in keys)
+
+    return [name for name, entries in optim_state["state"].items() if not held(name, entries)]
+
+
 class Checkpointer:
     """Saves and prunes the checkpoints of one run directory, and holds what resume.restore found there. ``comm`` is the
     Backend (rank, any_rank, device); every public method is called by all ranks at the same point, and a failure in
@@ -210,13 +227,19 @@ class Checkpointer:
         """Model (and optimizer, and TrainState.tensors) state from ``path``'s shards into the (sharded) model, on any
         world size."""
         state = {"model": get_model_state_dict(model)}
+        never_stepped: list[str] = []
         if optimizer is not None:
-            state["optim"] = get_optimizer_state_dict(model, optimizer)
+            optim = get_optimizer_state_dict(model, optimizer)  # every parameter's state, made by a zero-lr step
+            never_stepped = unsaved_optimizer_states(optim, path)
+            state["optim"] = {**optim, "state": {k: v for k, v in optim["state"].items() if k not in never_stepped}}
         tensors = tensors or {}
         state.update({key: obj.state_dict() for key, obj in tensors.items()})
         dcp.load(state, storage_reader=dcp_reader.SafeReader(str(path)))  # its metadata was checked (resume.py)
         set_model_state_dict(model, state["model"])
         if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, state["optim"])
+            set_optimizer_state_dict(model, optimizer, optim)  # loaded in place into optim's tensors
+            parameters = {state_dict_name(name): p for name, p in model.named_parameters()}
+            for name in never_stepped:  # as in the run that saved: no state until its first update
+                optimizer.state.pop(parameters[name], None)
         for key, obj in tensors.items():
             obj.load_state_dict(state[key])
