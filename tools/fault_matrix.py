@@ -1,16 +1,19 @@
 """Render the fault matrix's results (written by tests/faults/test_fault_matrix.py) as docs/fault-matrix.md.
 
     SHARDLAB_FAULT_MATRIX_OUT=docs/fault_matrix.json python -m pytest -m "slow or not slow" tests/faults
-    python tools/fault_matrix.py docs/fault_matrix.json --out docs/fault-matrix.md
+    python tools/fault_matrix.py docs/fault_matrix.json --out docs/fault-matrix.md --readme README.md
 
 Every cell's text comes from the test's own record: how the attempt the fault hit ended, the step the requeue resumed
 at, and whether the final losses equalled the uninterrupted run's; cells the JSON does not hold say "not run".
+``--readme`` also rewrites the README's summary (between ``<!-- fault-matrix -->`` and ``<!-- /fault-matrix -->``):
+one mark per cell, the four resume settings side by side for each layout and event.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 LAYOUTS = {
@@ -68,13 +71,49 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+MARKS = {True: "pass", False: "FAIL", None: "-"}
+README_BLOCK = re.compile(r"(<!-- fault-matrix -->\n).*?(<!-- /fault-matrix -->)", re.S)
+
+
+def summary(results: dict) -> str:
+    """The README's table: per layout and event, each resume setting's outcome (pass, FAIL, - not run)."""
+    cells = {(c["layout"], c["event"], c["resume"]): c["passed"] for c in results["cells"]}
+    passed = sum(cells.values())
+    short = {"local": "local ranks", "torchrun": "torchrun", "slurm_tasks": "Slurm, task per rank",
+             "slurm_local": "Slurm, one task"}  # fmt: skip
+    lines = [
+        f"Each entry: `resume=` auto / path / none / init_from. {passed} of {len(cells)} cells run passed, at commit "
+        f"`{results.get('commit', '?')}`; every cell in words: [docs/fault-matrix.md](docs/fault-matrix.md).",
+        "",
+        "| event | " + " | ".join(short[layout] for layout in LAYOUTS) + " |",
+        "| --- " * (len(LAYOUTS) + 1) + "|",
+    ]
+    for event, name in EVENTS.items():
+        row = []
+        for layout in LAYOUTS:
+            if event == "scontrol_requeue" and not layout.startswith("slurm"):
+                row.append("n/a")
+            else:
+                row.append(" / ".join(MARKS[cells.get((layout, event, r))] for r in RESUMES))
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, help="the JSON the fault-matrix test wrote")
     parser.add_argument("--out", type=Path, default=Path("docs/fault-matrix.md"))
+    parser.add_argument("--readme", type=Path, help="also rewrite this file's fault-matrix summary block")
     args = parser.parse_args(argv)
-    args.out.write_text(render(json.loads(args.results.read_text())))
+    results = json.loads(args.results.read_text())
+    args.out.write_text(render(results))
     print(f"wrote {args.out}")
+    if args.readme:
+        text = args.readme.read_text()
+        if not README_BLOCK.search(text):
+            raise SystemExit(f"error: {args.readme} has no <!-- fault-matrix --> ... <!-- /fault-matrix --> block")
+        args.readme.write_text(README_BLOCK.sub(lambda m: m[1] + summary(results) + m[2], text))
+        print(f"wrote {args.readme}")
     return args.out
 
 

@@ -73,6 +73,17 @@ def _class_masks(labels, centre, radius, angle, freq, phase, size: int) -> Tenso
     """Foreground masks (n, size, size) in [0, 1]: each image's class drawn with its own geometry."""
     grid = (torch.arange(size, dtype=torch.float32) + 0.5) / size * 2 - 1  # pixel centres in [-1, 1]
     ys, xs = torch.meshgrid(grid, grid, indexing="ij")
+    mask = torch.zeros(len(labels), size, size)
+    for c, name in enumerate(EMBEDDED_CLASSES):
+        chosen = (labels == c).nonzero().squeeze(1)  # each class drawn on its own images only
+        if len(chosen):
+            geometry = (centre[chosen], radius[chosen], angle[chosen], freq[chosen], phase[chosen])
+            mask[chosen] = _shape_mask(name, xs, ys, *geometry).float()
+    return mask
+
+
+def _shape_mask(name: str, xs: Tensor, ys: Tensor, centre, radius, angle, freq, phase) -> Tensor:
+    """The boolean masks (n, size, size) of class ``name`` for n images' geometry."""
 
     def col(t: Tensor) -> Tensor:
         return t[:, None, None]
@@ -82,26 +93,25 @@ def _class_masks(labels, centre, radius, angle, freq, phase, size: int) -> Tenso
     rx, ry = dx * cos + dy * sin, -dx * sin + dy * cos  # offsets in the shape's rotated frame
     r, f, ph = col(radius), col(freq), col(phase)
     width = 0.18 * r + 0.04
-    dist = (rx**2 + ry**2).sqrt()
-    ax, ay = (rx + ry) / math.sqrt(2), (rx - ry) / math.sqrt(2)
-    wave_x, wave_y = torch.sin(math.pi * f * rx + ph), torch.sin(math.pi * f * ry)
-    masks = {
-        "disk": dist < r,
-        "ring": (dist - 0.75 * r).abs() < width,
-        "square": torch.maximum(rx.abs(), ry.abs()) < 0.75 * r,
-        "triangle": (ry.abs() < 0.75 * r) & (rx.abs() < (ry + 0.75 * r) * 0.6),
-        "plus": ((rx.abs() < width) & (ry.abs() < r)) | ((ry.abs() < width) & (rx.abs() < r)),
-        "cross": ((ax.abs() < width) & (ay.abs() < r)) | ((ay.abs() < width) & (ax.abs() < r)),
-        "h_stripes": torch.sin(math.pi * f * ry + ph) > 0,
-        "v_stripes": wave_x > 0,
-        "checker": wave_x * wave_y > 0,
-        "dots": wave_x * wave_y > 0.5,
-    }
-    mask = torch.zeros(len(labels), size, size)
-    for c, name in enumerate(EMBEDDED_CLASSES):
-        chosen = labels == c
-        mask[chosen] = masks[name][chosen].float()
-    return mask
+    if name in ("disk", "ring"):
+        dist = (rx**2 + ry**2).sqrt()
+        return dist < r if name == "disk" else (dist - 0.75 * r).abs() < width
+    if name == "square":
+        return torch.maximum(rx.abs(), ry.abs()) < 0.75 * r
+    if name == "triangle":
+        return (ry.abs() < 0.75 * r) & (rx.abs() < (ry + 0.75 * r) * 0.6)
+    if name == "plus":
+        return ((rx.abs() < width) & (ry.abs() < r)) | ((ry.abs() < width) & (rx.abs() < r))
+    if name == "cross":
+        ax, ay = (rx + ry) / math.sqrt(2), (rx - ry) / math.sqrt(2)
+        return ((ax.abs() < width) & (ay.abs() < r)) | ((ay.abs() < width) & (ax.abs() < r))
+    if name == "h_stripes":
+        return torch.sin(math.pi * f * ry + ph) > 0
+    wave_x = torch.sin(math.pi * f * rx + ph)
+    if name == "v_stripes":
+        return wave_x > 0
+    wave_xy = wave_x * torch.sin(math.pi * f * ry)
+    return wave_xy > 0 if name == "checker" else wave_xy > 0.5  # checker, dots
 
 
 class TensorImages(Dataset):
