@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from torch.profiler import record_function
 
 from shardlab.checkpoint import agreement, dcp_reader, weights
 from shardlab.checkpoint.manager import Checkpointer
@@ -129,16 +130,19 @@ class Trainer:
             lr, grad_norm = self.train_step(loader, sums)
             if first_steps is not None and (line := first_steps.ended(time.perf_counter() - step_started)):
                 log.info(line)  # the compilation's cost, once
-            self.meter.sample()
+            with record_function("shardlab.meter"):
+                self.meter.sample()
             window_steps += 1
             log.advance()
             # Agreed at every step end (one all-reduce), so all ranks stop or save at the same step whichever rank got
             # the signal, and a save by the clock follows rank 0's.
-            stop, overdue = backend.any_rank(self.stop_signals.received is not None, self._save_overdue())
+            with record_function("shardlab.agree"):
+                stop, overdue = backend.any_rank(self.stop_signals.received is not None, self._save_overdue())
             if stop or state.step == o.max_steps:  # the loop's last step: what it holds is what the run holds
                 self.held = self._held_between_steps()
             if state.step % cfg.logging.interval_steps == 0 or state.step == o.max_steps:
-                totals = self._sum_over_ranks(sums)
+                with record_function("shardlab.log"):  # the metrics' all-reduce and the line (also: _record)
+                    totals = self._sum_over_ranks(sums)
                 metrics = self.task.summarize(totals)
                 elapsed = time.perf_counter() - window_start - window_paused
                 metrics.update(
@@ -153,7 +157,8 @@ class Trainer:
                 if self.scaler is not None:
                     metrics["loss_scale"] = float(self.scaler.get_scale())
                 metrics["skipped_steps"] = self.state.skipped_steps
-                self._record("train", metrics, log)
+                with record_function("shardlab.log"):
+                    self._record("train", metrics, log)
                 sums, window_start, window_steps, window_paused = {}, time.perf_counter(), 0, 0.0
             paused_from = time.perf_counter()
             last = state.step == o.max_steps
@@ -162,7 +167,8 @@ class Trainer:
                 last_valid = self.validate(log)
             if cfg.checkpoint.save and (self._save_due(overdue) or last or stop):
                 path = self._save_in_loop(must_succeed=last or stop, log=log)
-            self.meter.reset()  # the next step's peak starts here: validation and saves do not count
+            with record_function("shardlab.meter"):
+                self.meter.reset()  # the next step's peak starts here: validation and saves do not count
             window_paused += time.perf_counter() - paused_from
             if stop and not last:
                 self.stopped_by = self.stop_signals.name or "a stop signal on another rank"
@@ -183,18 +189,21 @@ class Trainer:
         # resumed run draws the same masks as an uninterrupted one without storing RNG state. Augmentation is
         # seeded per sample by the data loader (shardlab.data), independently of the world size.
         first_sample = self.state.samples_seen + backend.dp_rank * (self.global_batch // backend.dp_world_size)
-        torch.manual_seed(sample_seed(cfg.seed + 1, first_sample))
+        with record_function("shardlab.seed"):
+            torch.manual_seed(sample_seed(cfg.seed + 1, first_sample))
         self.phase = "forward"  # what save_on_error may save depends on where an error came (_save_after_error)
         for micro in range(o.update_freq):
-            batch = next(loader)
+            with record_function("shardlab.data"):
+                batch = next(loader)
             with backend.grad_sync(self.model, micro == o.update_freq - 1):
                 with backend.forward_context():
                     loss, stats = self.task.loss(self.model, batch, backend.device)
                 scaled = loss / o.update_freq
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0) + v.detach().float()
-            sums["units"] = sums.get("units", 0) + self.task.num_units(batch)
+            with record_function("shardlab.metrics"):
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0) + v.detach().float()
+                sums["units"] = sums.get("units", 0) + self.task.num_units(batch)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (_step advances the schedule)
         self.phase = "update"
         grad_norm, skipped = self._step()

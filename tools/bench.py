@@ -30,6 +30,9 @@ The JSON (rank 0 writes it):
   first_step_s           rank 0's first step (untimed warmup), which under distributed.compile=true builds every graph
   compile_s              distributed.compile=true: first_step_s - median step, what compiling cost this run (it includes
                          the first step's own eager overhead: an eager run's first_step_s shows that); null when eager
+  framework_parts_ms_per_step  with --profile: each region the trainer labels (shardlab.data, .seed, .metrics,
+                         .meter, .agree, .log) in ms per timed step on rank 0, and its share of the median step
+                         (framework_parts_share_of_step): what shardlab does per step beside the model's work
   compile_cache_dir      distributed.compile=true: the inductor cache the run read and wrote (a second run in the same
                          cache reloads its kernels: a lower compile_s); tools/bench_compile.py runs the pairs
 
@@ -170,6 +173,8 @@ class StepProbe:
         """Counted in the first forward of the counted step (one micro-batch of this rank)."""
         self.profile_dir = profile_dir if rank == 0 else None
         self.profiler = None
+        self.parts_ms: dict[str, float] = {}
+        """--profile: the trainer's own regions (``shardlab.*`` record_function labels), ms per timed step."""
         self._t0 = 0.0
         self._cpu0 = (0.0, 0.0)
         self._handles: list = []
@@ -272,7 +277,11 @@ class StepProbe:
         path = Path(self.profile_dir)
         path.mkdir(parents=True, exist_ok=True)
         self.profiler.export_chrome_trace(str(path / "rank0_trace.json"))
-        table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        averages = self.profiler.key_averages()
+        self.parts_ms = {
+            e.key: e.cpu_time_total / 1000 / self.steps for e in averages if e.key.startswith("shardlab.")
+        }  # what the framework adds around the model's own work (shardlab/trainer.py labels it)
+        table = averages.table(sort_by="self_cpu_time_total", row_limit=40)
         (path / "rank0_ops.txt").write_text(table)
         print(f"profile of the timed steps (rank 0): {path}/rank0_trace.json, {path}/rank0_ops.txt", flush=True)
 
@@ -404,6 +413,8 @@ def assemble(cfg, opts: dict, probe: StepProbe, result: dict) -> dict:
             "loadavg_1min_at_end": os.getloadavg()[0],
         },
         "profiled": bool(opts.get("profile")),
+        "framework_parts_ms_per_step": probe.parts_ms or None,
+        "framework_parts_share_of_step": {k: v / median for k, v in probe.parts_ms.items()} or None,
         "meta": finish(opts["meta"]),
     }
     return out
