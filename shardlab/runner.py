@@ -23,7 +23,7 @@ from shardlab.distributed import env as dist_env
 from shardlab.distributed import load_backends
 from shardlab.errors import ConfigError, DataError, RankFailed, ShardlabError
 from shardlab.jobs import run_record
-from shardlab.jobs.preemption import STOPPED_EXIT_CODE, StopSignals
+from shardlab.jobs.preemption import STOPPED_EXIT_CODE, StopSignals, torchrun_agent_warning
 from shardlab.jobs.run_dir import former_run_name, run_name
 from shardlab.jobs.run_lock import RunLock
 from shardlab.memory import budget as memory_budget
@@ -201,6 +201,8 @@ def run_rank(
         plan = plan_run(cfg, task, env.world_size)
         if env.is_main:
             print("\n".join(plan.lines), flush=True)  # before anything is allocated
+            if env.launcher == "torchrun" and (warning := torchrun_agent_warning()):
+                print(warning, flush=True)
         trainer = Trainer(cfg, task, backend, run_dir)
         trainer.setup(plan)
         if env.is_main:

@@ -106,3 +106,21 @@ def requeue_slurm_job() -> str:
         reason = (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
         return f"[run] could not requeue Slurm job {job} ({reason[0]}); rerun the same command to resume"
     return f"[run] requeued Slurm job {job}: it resumes from this checkpoint"
+
+
+def torchrun_agent_warning() -> str | None:
+    """A warning for a torchrun worker in a Slurm job whose agent does not pass the time-limit warning on: Slurm
+    signals every process of the step, the agent dies of USR1/USR2 (their default action), and srun then ends the
+    workers with it before they can save. torchrun tells its workers what it handles (TORCHELASTIC_SIGNALS_TO_HANDLE,
+    set from its --signals-to-handle)."""
+    handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    if handled is None or not os.environ.get("SLURM_JOB_ID"):
+        return None
+    names = [name.strip() for name in handled.split(",") if name.strip()]
+    if any(signal.Signals(sig).name in names for sig in REQUEUE_SIGNALS):
+        return None  # the one the job's --signal names, presumably
+    wanted = ",".join([*names, "SIGUSR2"])
+    return (
+        f"warning: torchrun's agent handles only {handled}: a Slurm time-limit warning (USR1/USR2) ends it, and the "
+        f"ranks with it, before they save; start it with torchrun --signals-to-handle={wanted}"
+    )

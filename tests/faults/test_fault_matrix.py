@@ -51,6 +51,7 @@ RUN = [
     "validation.interval_steps=0",
     "logging.tensorboard=true",
 ]
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 TWO_RANKS = ["distributed.backend=fully_sharded", f"distributed.timeout_s={TIMEOUT_S}"]
 
 LAYOUTS = ("local", "torchrun", "slurm_tasks", "slurm_local")
@@ -154,8 +155,6 @@ class Cell:
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": f"{SITE}:{ROOT}",
             "SHARDLAB_FAULT": json.dumps(fault),
-            # torchrun's agent passes these on to its workers (it would die of USR2 otherwise): docs/checkpoints.md
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
         }
 
     def end_leftovers(self) -> None:
@@ -173,7 +172,9 @@ class Cell:
             cmd = [sys.executable, "-m", "shardlab.train", *overrides, "distributed.world_size=2",
                    f"hydra.run.dir={self.run_dir}"]  # fmt: skip
         elif self.layout == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+            # The agent passes these signals on to its workers (it would die of USR2 otherwise): docs/checkpoints.md
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--signals-to-handle={TORCHRUN_SIGNALS}",
+                   "--nproc_per_node=2", f"--master_port={free_port()}",
                    "-m", "shardlab.train", *overrides, f"hydra.run.dir={self.run_dir}"]  # fmt: skip
         else:
             ranks = "hydra.launcher.tasks_per_node=2" if self.layout == "slurm_tasks" else "distributed.world_size=2"

@@ -31,9 +31,8 @@ SCRIPTS = {
     "torchrun": """#!/bin/bash
 #SBATCH --ntasks=1 --cpus-per-task=2 --requeue --open-mode=append
 # torchrun's agent must pass USR2 on to its workers, not die of it.
-export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2
-srun {python} -m torch.distributed.run --nproc_per_node=2 --master_port=$((20000 + SLURM_JOB_ID % 20000)) \\
-    -m shardlab.train {overrides}
+srun {python} -m torch.distributed.run --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --nproc_per_node=2 \\
+    --master_port=$((20000 + SLURM_JOB_ID % 20000)) -m shardlab.train {overrides}
 """,
     "srun_tasks": """#!/bin/bash
 #SBATCH --ntasks=2 --cpus-per-task=1 --requeue --open-mode=append

@@ -111,3 +111,19 @@ def test_an_explicit_path_may_begin_a_new_experiment_from_another_runs_checkpoin
     step8 = ref_dir / "checkpoints" / "step_00000008"
     begun = run_rank(tiny_lm(*CKPT, "optimizer.lr=2e-3", f"checkpoint.resume={step8}"), tmp_path, dist_env.detect())
     assert sorted(train_losses(begun)) == [9, 10, 11, 12]
+
+
+def test_a_torchrun_worker_in_a_slurm_job_warns_when_its_agent_would_die_of_the_time_limit_warning(monkeypatch):
+    """torchrun tells its workers which signals its agent handles; without USR1/USR2 the agent dies of Slurm's
+    warning and srun ends the ranks with it, before they save."""
+    from shardlab.jobs.preemption import torchrun_agent_warning
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")  # torchrun's default
+    warning = torchrun_agent_warning()
+    assert warning is not None and "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2" in warning
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2")
+    assert torchrun_agent_warning() is None
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM")
+    assert torchrun_agent_warning() is None  # outside Slurm nobody sends the warning
