@@ -20,8 +20,8 @@ def record_cell(outcome: dict) -> None:
     cells = {}
     if path.is_file():
         cells = {(c["layout"], c["event"], c["resume"]): c for c in json.loads(path.read_text())["cells"]}
-    cells[(outcome["layout"], outcome["event"], outcome["resume"])] = outcome
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    cells[(outcome["layout"], outcome["event"], outcome["resume"])] = {**outcome, "commit": commit}
     ordered = sorted(cells.values(), key=lambda c: (c["layout"], c["event"], c["resume"]))
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"commit": commit, "cells": ordered}, indent=1))
