@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import hashlib
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +43,9 @@ from shardlab.errors import CheckpointError, ConfigError, DataError, first_cause
 from shardlab.runner import build_task
 from shardlab.task import Task
 from shardlab.train import GROUPS, check_group_choices, compose_config, run_tool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools import bench_meta  # noqa: E402
 
 VISION_MODES = ("linear", "knn")
 
@@ -293,6 +294,7 @@ def chosen_modes(args, task: Task, where: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    meta = bench_meta.collect(__file__, argv) if args.out is not None else None
     where = str(args.checkpoint) if args.checkpoint else "the randomly initialised model"
     if args.checkpoint is not None:
         # data.* choose what to evaluate on; the model is built as it was trained (e.g. its classes from its data)
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         results = evaluate_trunk(task, model, cfg, args, modes, device, cache_key(args, cfg, info))
     if args.out is not None:
-        write_report(args, cfg, results)
+        write_report(args, cfg, info, results, meta)
     return results
 
 
@@ -333,24 +335,21 @@ def cache_key(args, cfg: DictConfig, info: dict | None) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def write_report(args, cfg: DictConfig, results: dict) -> None:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+def write_report(args, cfg: DictConfig, info: dict | None, results: dict, meta: dict) -> None:
+    """The figures as JSON, with what they were measured on (bench_meta: command, commit, machine, load) and the
+    trunk's training step, for tools/bench_tables.py's ssl_probe table."""
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "items"}
     report = {
+        "meta": bench_meta.finish({**meta, "settings": settings}),
         "results": results,
-        "settings": settings,
         "task": cfg.task.name,
+        "step": None if args.random_init else (info or {}).get("step"),
+        "random_init": args.random_init,
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "data": OmegaConf.to_container(cfg.data, resolve=True),
-        "commit": commit,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join(["python tools/evaluate.py", *sys.argv[1:]]),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
