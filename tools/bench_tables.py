@@ -383,6 +383,21 @@ def max_batch(sources: list[Source]) -> list[str]:
     return lines
 
 
+def ssl_probe(sources: list[Source]) -> list[str]:
+    """tools/evaluate.py --out: a linear probe and kNN on each trunk's frozen features, the same command for each."""
+    methods = {"swav": "SwAV", "simclr": "SimCLR", "image_classification": "supervised (labels)"}
+    lines = header("trunk", "linear probe top-1", "linear probe top-5", "kNN top-1")
+    for _, d in sources:
+        r = d["results"]
+        if d.get("random_init"):
+            trunk = f"random init ({d['model'].get('arch', 'same architecture')}, no training)"
+        else:
+            trunk = f"{methods.get(d['task'], d['task'])}, {d['step']} steps"
+        pct = [f"{r[k]:.1f}%" if k in r else "-" for k in ("linear_top1", "linear_top5", "knn_top1")]
+        lines.append(row(trunk, *pct))
+    return lines
+
+
 RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "throughput": throughput,
     "collectives": collectives,
@@ -391,6 +406,7 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "preprocess": preprocess,
     "max_model": max_model,
     "max_batch": max_batch,
+    "ssl_probe": ssl_probe,
 }
 
 
