@@ -155,7 +155,9 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             signals.forward(speaks_for_job=True)  # the launcher of local ranks: submitit's requeue, or Slurm's
     except BaseException as e:
         if record and (run_record.read(run_dir) or {}).get("status") == "running":  # not a stop that saved
-            run_record.fail(run_dir, one_line(e))
+            run_record.fail_with_first_cause(run_dir, one_line(e), env.world_size)
+        elif not record and not cfg.dry_run and not isinstance(e, SystemExit):
+            run_record.note_rank_error(run_dir, env.rank, one_line(e))  # rank 0 reports the first one
         raise
     finally:
         if lock is not None:

@@ -63,3 +63,54 @@ def finish(run_dir: Path, result: dict[str, Any]) -> None:
 
 def fail(run_dir: Path, error: str) -> None:
     update(run_dir, status="failed", error=error)
+
+
+# ---- which rank failed first -----------------------------------------------------------------------------------------
+# When one rank of a multi-process job fails (its own error), the others fail after it in a collective (a timeout, a
+# closed connection). Rank 0 writes status.json, so each other rank leaves a note of its error and rank 0 reports the
+# first one, not its own consequence of it (launchers that surface a child's error, like shardlab's local ranks,
+# report it already).
+RANK_ERRORS = ".rank_errors"
+PROCESS_STARTED = time.time()
+"""About when this process started (this module is imported at start-up): notes older than this attempt are ignored."""
+SKEW_S = 10.0
+"""How much earlier than rank 0 another rank of the same attempt may have started."""
+
+
+def note_rank_error(run_dir: Path, rank: int, error: str) -> None:
+    """Leave this rank's failure for rank 0 to report (best effort: a rank that cannot write says nothing)."""
+    try:
+        folder = Path(run_dir) / RANK_ERRORS
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".rank{rank}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"rank": rank, "error": error, "time": time.time()}))
+        os.replace(tmp, folder / f"rank{rank}.json")
+    except OSError:
+        pass
+
+
+def first_rank_error(run_dir: Path, wait_s: float = 3.0) -> dict[str, Any] | None:
+    """The earliest note of this attempt's other ranks, waiting up to ``wait_s`` for one to arrive (a rank whose
+    error made this one fail may still be writing it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        notes = []
+        for path in (Path(run_dir) / RANK_ERRORS).glob("rank*.json"):
+            try:
+                note = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if note.get("time", 0) >= PROCESS_STARTED - SKEW_S:
+                notes.append(note)
+        if notes or time.monotonic() >= deadline:
+            return min(notes, key=lambda n: n["time"]) if notes else None
+        time.sleep(0.2)
+
+
+def fail_with_first_cause(run_dir: Path, error: str, world_size: int, wait_s: float = 3.0) -> str:
+    """``fail`` with another rank's earlier error first where one left a note; returns what was recorded."""
+    first = first_rank_error(run_dir, wait_s) if world_size > 1 else None
+    if first is not None:
+        error = f"rank {first['rank']} failed first: {first['error']} (rank 0: {error})"
+    fail(run_dir, error)
+    return error

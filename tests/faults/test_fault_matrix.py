@@ -272,7 +272,7 @@ def check_first_attempt(cell: Cell, attempt: Attempt) -> str:
         return "killed"
     assert rc != 0 and status["status"] == "failed", (rc, status, out[-3000:])
     if cell.event == "error_one_rank":
-        assert "injected fault on rank 1" in status["error"] or cell.layout == "torchrun", status
+        assert "injected fault on rank 1" in status["error"], status  # the cause, not rank 0's timeout after it
     return f"failed (exit {rc})"
 
 

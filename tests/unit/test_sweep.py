@@ -115,3 +115,17 @@ def test_a_slurm_job_without_submitit_is_requeued_by_rank0_after_a_time_limit_wa
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     assert (calls.read_text() if calls.exists() else "") == ("requeue 77\n" if requeued else "")
+
+
+def test_rank0_reports_the_rank_that_failed_first_not_its_own_timeout_after_it(tmp_path, monkeypatch):
+    """One task per rank (Slurm, torchrun): rank 1's error makes rank 0 fail in a collective; status.json, which the
+    submitter and the sweep summary read, must name rank 1's error."""
+    run_record.start(tmp_path, [], 10)
+    run_record.note_rank_error(tmp_path, 1, "RuntimeError: injected fault on rank 1")
+    recorded = run_record.fail_with_first_cause(tmp_path, "DistBackendError: timed out after 30 s", world_size=2)
+    assert recorded.startswith("rank 1 failed first: RuntimeError: injected fault on rank 1 (rank 0: DistBackendError")
+    assert run_record.read(tmp_path)["error"] == recorded
+    # A note left by an earlier attempt (before this process started) is not this attempt's cause.
+    monkeypatch.setattr(run_record, "PROCESS_STARTED", run_record.PROCESS_STARTED + 3600)
+    assert run_record.fail_with_first_cause(tmp_path, "ValueError: bad", world_size=2, wait_s=0) == "ValueError: bad"
+    assert run_record.fail_with_first_cause(tmp_path, "ValueError: alone", world_size=1) == "ValueError: alone"
