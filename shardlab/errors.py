@@ -47,3 +47,13 @@ def first_cause(error: BaseException) -> str:
         error = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback) per rank
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
+
+
+def one_line(error: BaseException) -> str:
+    """An error as status.json and the submitter report it: a shardlab error's own line, else its type and last line."""
+    if isinstance(error, ShardlabError):
+        return str(error)
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1] if text else ''}".rstrip(": ")

@@ -21,7 +21,7 @@ from shardlab import errors
 from shardlab.config import options_of, path_errors, task_section_package, validate
 from shardlab.distributed import env as dist_env
 from shardlab.distributed import load_backends
-from shardlab.errors import ConfigError, DataError, RankFailed, ShardlabError
+from shardlab.errors import ConfigError, DataError, RankFailed, ShardlabError, one_line
 from shardlab.jobs import run_record
 from shardlab.jobs.preemption import STOPPED_EXIT_CODE, StopSignals, torchrun_agent_warning
 from shardlab.jobs.run_dir import former_run_name, run_name
@@ -167,15 +167,6 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             print(f"stopped early on {result['stopped_by']}; rerun the same command to resume", flush=True)
         raise SystemExit(STOPPED_EXIT_CODE)
     return result["final"].get("loss") if result["final"] else None
-
-
-def one_line(error: BaseException) -> str:
-    if isinstance(error, ShardlabError):
-        return str(error)
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted (Ctrl-C)"
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[-1] if text else ''}".rstrip(": ")
 
 
 def run_rank(

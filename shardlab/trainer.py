@@ -24,7 +24,13 @@ from shardlab.data import GlobalOrder, rank_loader, sample_seed
 from shardlab.distributed.base import Backend
 from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.materialize import materialize
-from shardlab.errors import CheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError, first_cause
+from shardlab.errors import (
+    CheckpointError,
+    IncompatibleCheckpointError,
+    UnsafeCheckpointError,
+    first_cause,
+    one_line,
+)
 from shardlab.jobs import run_record
 from shardlab.jobs.preemption import StopSignals
 from shardlab.jobs.run_dir import run_key_differences
@@ -103,6 +109,8 @@ class Trainer:
             self._report_memory(log)
             return final
         except BaseException as error:
+            if not is_main and not isinstance(error, SystemExit):  # first: rank 0 reports the rank that failed first
+                run_record.note_rank_error(self.run_dir, self.backend.env.rank, one_line(error))
             self._save_after_error(error, log)
             raise
         finally:
