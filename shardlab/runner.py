@@ -311,16 +311,16 @@ def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> tuple[dict,
 
 
 def point_at_former_folder(run_dir: Path, overrides: list[str], checkpoint_dir: str) -> None:
-    """A run whose name changed when names began to be escaped (paths in overrides) finds nothing in its new folder:
-    say where its checkpoints are, rather than letting it begin again unnoticed."""
+    """A run whose name changed (names began to be escaped, and stopped repeating ``task=``) finds nothing in its new
+    folder: say where its checkpoints are, rather than letting it begin again unnoticed."""
     former = run_dir.with_name(former_run_name(overrides))
     if former == run_dir or run_dir.name != run_name(overrides):
         return
     if any((run_dir / checkpoint_dir).glob("step_*")) or not any((former / checkpoint_dir).glob("step_*")):
         return
     print(
-        f"[run] note: {former} holds checkpoints of these overrides under the name shardlab gave them before run "
-        f"names were escaped; this run now lives in {run_dir}: move them here to continue that run",
+        f"[run] note: {former} holds checkpoints of these overrides under the name an earlier shardlab gave them; "
+        f"this run now lives in {run_dir}: move them here to continue that run",
         flush=True,
     )
 

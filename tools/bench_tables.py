@@ -383,6 +383,43 @@ def max_batch(sources: list[Source]) -> list[str]:
     return lines
 
 
+def start(sources: list[Source]) -> list[str]:
+    """tools/bench_start.py: a one-step run's start against ``import torch`` and a bare torch optimizer (medians)."""
+    lines = header(
+        "run", "import torch", "torch + an optimizer", "first step begins", "first step ends", "process exits"
+    )
+    for _, d in sources:
+        run = " ".join(o for o in d["meta"]["settings"]["run"] if o.startswith("task=")) or "default LM (task=lm)"
+        base = d["median_import_torch_s"]
+        keys = ("median_torch_optimizer_s", "median_first_step_begins_s", "median_first_step_s", "median_total_s")
+        lines.append(row(run, f"{base:.2f} s", *(f"{d[k]:.2f} s ({d[k] / base:.2f}x)" for k in keys)))
+    return lines
+
+
+def overhead(sources: list[Source]) -> list[str]:
+    """tools/bench_overhead.py: shardlab's tokens/s against the bare loop's, pair by pair."""
+    lines = header("backend", "pairs: shardlab / bare loop tokens/s", "median ratio")
+    for _, d in sources:
+        for backend, b in d["backends"].items():
+            pairs = ", ".join(f"{p['shardlab_tokens_per_s']:.0f} / {p['loop_tokens_per_s']:.0f}" for p in b["pairs"])
+            lines.append(row(backend, pairs, f"{b['median_ratio']:.3f}x"))
+    return lines
+
+
+def parts(sources: list[Source]) -> list[str]:
+    """tools/bench.py --profile: each region the trainer labels, ms per step and share of the median step."""
+    lines = header("run", "region", "ms per step (rank 0)", "share of the step")
+    for _, d in sources:
+        label = f"{d['backend']}, median step {d['median_step_ms']:.0f} ms"
+        shares = d.get("framework_parts_share_of_step") or {}
+        total_ms, total_share = 0.0, 0.0
+        for region, ms_per_step in sorted((d.get("framework_parts_ms_per_step") or {}).items()):
+            lines.append(row(label, f"`{region}`", f"{ms_per_step:.2f}", f"{100 * shares[region]:.2f}%"))
+            total_ms, total_share = total_ms + ms_per_step, total_share + shares[region]
+        lines.append(row(label, "all of them", f"{total_ms:.2f}", f"{100 * total_share:.2f}%"))
+    return lines
+
+
 def ssl_probe(sources: list[Source]) -> list[str]:
     """tools/evaluate.py --out: a linear probe and kNN on each trunk's frozen features, the same command for each."""
     methods = {"swav": "SwAV", "simclr": "SimCLR", "image_classification": "supervised (labels)"}
@@ -407,6 +444,9 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "max_model": max_model,
     "max_batch": max_batch,
     "ssl_probe": ssl_probe,
+    "start": start,
+    "overhead": overhead,
+    "parts": parts,
 }
 
 

@@ -75,17 +75,25 @@ def _cut(name: str) -> str:
     return f"{name[: MAX_NAME - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}" if len(name) > MAX_NAME else name
 
 
-def run_name(overrides: Iterable[str], prefixes: Iterable[str] = HOW_IT_RUNS) -> str:
+NAMED_BY_PARENT = ("task",)
+"""Group choices the run's parent folder already names (runs/<task>/<run name>): not repeated in the run name."""
+
+
+def run_name(
+    overrides: Iterable[str], prefixes: Iterable[str] = HOW_IT_RUNS, parent: Iterable[str] = NAMED_BY_PARENT
+) -> str:
     """A directory name from the overrides that name the run: sorted ``key=value`` joined by commas, escaped
-    (``SAFE``); ``default`` when none do."""
-    prefixes = tuple(prefixes)
-    kept = sorted(_shown(o) for o in overrides if not _excluded(_key(o), prefixes))
+    (``SAFE``); ``default`` when none do. ``parent``: keys the folder above already names (a sweep's points share
+    one folder, so theirs name the task)."""
+    prefixes, parent = tuple(prefixes), tuple(parent)
+    kept = sorted(_shown(o) for o in overrides if not _excluded(_key(o), prefixes) and _key(o) not in parent)
     return _cut(quote(",".join(kept), safe=SAFE)) or "default"
 
 
 def former_run_name(overrides: Iterable[str]) -> str:
     """The name shardlab gave the same overrides before names were escaped (slashes became underscores, so paths
-    could collide): only to point a user at a run that now lives under run_name's name."""
+    could collide) and while they repeated the task: only to point a user at a run that now lives under run_name's
+    name."""
     kept = sorted(o.lstrip("+~") for o in overrides if not _excluded(_key(o), HOW_IT_RUNS))
     return _cut(",".join(kept).replace("/", "_")) or "default"
 
@@ -131,5 +139,5 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("shardlab_run_name"):
         OmegaConf.register_new_resolver("shardlab_run_name", lambda overrides: run_name(overrides))
         OmegaConf.register_new_resolver(
-            "shardlab_sweep_name", lambda num, overrides: f"{num}_{run_name(overrides, ALWAYS_EXCLUDED)}"
+            "shardlab_sweep_name", lambda num, overrides: f"{num}_{run_name(overrides, ALWAYS_EXCLUDED, parent=())}"
         )

@@ -47,7 +47,7 @@ def run_command(command: str, cwd: Path, env: dict[str, str], timeout: int = 600
 
 def run_dir(research_root: Path, task: str) -> Path:
     """The directory of the tutorial's one-process run of ``task`` (named by its overrides)."""
-    return research_root / "runs" / task / f"task={task},user_dir=my_research"
+    return research_root / "runs" / task / "user_dir=my_research"
 
 
 def assert_same_curve(got: Path, expected: Path) -> None:

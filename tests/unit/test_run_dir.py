@@ -36,9 +36,10 @@ def test_how_a_run_executes_does_not_move_its_directory():
 def test_what_defines_the_experiment_names_the_directory():
     assert hydra_dirs([])[0] == "runs/lm/default"
     assert hydra_dirs(["seed=2"])[0] == "runs/lm/seed=2"
-    assert hydra_dirs(["task=image_classification", "data.augment=false"])[0] == (
-        "runs/image_classification/data.augment=false,task=image_classification"
-    )
+    # The task names the folder above: task=swav trains in runs/swav/default; a sweep's points name it in theirs.
+    named = hydra_dirs(["task=image_classification", "data.augment=false"])
+    assert named == ("runs/image_classification/data.augment=false", "3_data.augment=false,task=image_classification")
+    assert hydra_dirs(["task=swav"])[0] == "runs/swav/default"
     assert run_name(["data.path=/my/corpus"]) == "data.path=%2Fmy%2Fcorpus"
     init = "checkpoint.init_from=w.safetensors"
     assert run_name([init, "checkpoint.keep_last=3"]) == init  # other starting weights: another experiment
@@ -71,7 +72,7 @@ def test_run_key_differences_name_what_makes_another_experiment():
 
 
 def test_a_user_dir_names_the_run_by_its_folder_not_by_where_it_lives():
-    assert run_name(["task=spirals", "user_dir=/home/me/code/my_research"]) == "task=spirals,user_dir=my_research"
+    assert run_name(["task=spirals", "user_dir=/home/me/code/my_research"]) == "user_dir=my_research"
     assert run_name(["user_dir='/home/me/my code/my_research'"]) == "user_dir=my_research"
     moved = {"user_dir": "/home/me/code/my_research"}, {"user_dir": "/scratch/me/my_research"}
     assert run_key_differences(*moved) == []  # the same code, moved: the same run
@@ -102,3 +103,6 @@ def test_a_run_whose_name_changed_is_pointed_at_its_former_folder(tmp_path, caps
     assert line.startswith(f"[run] note: {former} holds checkpoints of these overrides")
     point_at_former_folder(tmp_path / run_name(["seed=2"]), ["seed=2"], "checkpoints")  # a name that never changed
     assert capsys.readouterr().out == ""
+    (tmp_path / "task=swav" / "checkpoints" / "step_00000060").mkdir(parents=True)  # named with its task, before
+    point_at_former_folder(tmp_path / run_name(["task=swav"]), ["task=swav"], "checkpoints")
+    assert capsys.readouterr().out.startswith(f"[run] note: {tmp_path / 'task=swav'} holds checkpoints")
