@@ -158,7 +158,10 @@ class StepProbe:
         self.last_timed = warmup + steps
         self.step = 0
         """The step under way (1-based): the number of steps started."""
-        self.micro = 0
+        self.forwards = 0
+        """Root-module training forwards so far."""
+        self.per_step: int | None = None
+        """Root forwards per optimizer step (update_freq micro-batches x the task's forwards per micro-batch)."""
         self.root: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.starts: list[float] = []
@@ -199,8 +202,11 @@ class StepProbe:
         if not module.training:  # validation
             self._stop_counting()
             return
-        self.micro += 1
-        if (self.micro - 1) % self.update_freq:
+        # A step may run the root forward more than once (micro-batches; SwAV's global and local crops): how many
+        # times is learned from the first step (the forwards before its optimizer step), and each step after it
+        # starts at its first one.
+        self.forwards += 1
+        if self.forwards > 1 and (self.per_step is None or (self.forwards - 1) % self.per_step):
             return
         now = time.perf_counter()
         self.step += 1
@@ -225,7 +231,13 @@ class StepProbe:
             self.flops.__enter__()
 
     def forward_post(self, module, inputs, output) -> None:
-        if module is self.root and self.flops is not None:
+        # The counter spans every forward of the counted step's first micro-batch (SwAV: global and local crops).
+        per_micro = (self.per_step or self.update_freq) // self.update_freq
+        if (
+            module is self.root
+            and self.flops is not None
+            and (self.forwards - 1) % (self.per_step or 1) + 1 >= per_micro
+        ):
             self.flops.__exit__(None, None, None)
             self.forward_flops, self.flops = self.flops.get_total_flops(), None
 
@@ -239,6 +251,8 @@ class StepProbe:
     def post(self, optimizer, args, kwargs) -> None:
         now = time.perf_counter()
         self.optimizer = optimizer
+        if self.per_step is None:
+            self.per_step = self.forwards
         if self.warmup < self.step <= self.last_timed:
             self.optimizer_ms.append(1000 * (now - self._t0))
         elif self.step == self.last_timed + 1:
