@@ -396,16 +396,6 @@ def start(sources: list[Source]) -> list[str]:
     return lines
 
 
-def overhead(sources: list[Source]) -> list[str]:
-    """tools/bench_overhead.py: shardlab's tokens/s against the bare loop's, pair by pair."""
-    lines = header("backend", "pairs: shardlab / bare loop tokens/s", "median ratio")
-    for _, d in sources:
-        for backend, b in d["backends"].items():
-            pairs = ", ".join(f"{p['shardlab_tokens_per_s']:.0f} / {p['loop_tokens_per_s']:.0f}" for p in b["pairs"])
-            lines.append(row(backend, pairs, f"{b['median_ratio']:.3f}x"))
-    return lines
-
-
 def parts(sources: list[Source]) -> list[str]:
     """tools/bench.py --profile: each region the trainer labels, ms per step and share of the median step."""
     lines = header("run", "region", "ms per step (rank 0)", "share of the step")
@@ -445,7 +435,6 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "max_batch": max_batch,
     "ssl_probe": ssl_probe,
     "start": start,
-    "overhead": overhead,
     "parts": parts,
 }
 
