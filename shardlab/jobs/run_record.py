@@ -110,7 +110,7 @@ def first_rank_error(run_dir: Path, wait_s: float = 3.0) -> dict[str, Any] | Non
 def fail_with_first_cause(run_dir: Path, error: str, world_size: int, wait_s: float = 3.0) -> str:
     """``fail`` with another rank's earlier error first where one left a note; returns what was recorded."""
     first = first_rank_error(run_dir, wait_s) if world_size > 1 else None
-    if first is not None:
+    if first is not None and first["error"] != error:  # the same error everywhere (a bad input) is said once
         error = f"rank {first['rank']} failed first: {first['error']} (rank 0: {error})"
     fail(run_dir, error)
     return error

@@ -125,6 +125,10 @@ def test_rank0_reports_the_rank_that_failed_first_not_its_own_timeout_after_it(t
     recorded = run_record.fail_with_first_cause(tmp_path, "DistBackendError: timed out after 30 s", world_size=2)
     assert recorded.startswith("rank 1 failed first: RuntimeError: injected fault on rank 1 (rank 0: DistBackendError")
     assert run_record.read(tmp_path)["error"] == recorded
+    run_record.note_rank_error(tmp_path, 1, "DataError: data.path: no such file")  # every rank failed alike
+    assert run_record.fail_with_first_cause(tmp_path, "DataError: data.path: no such file", world_size=2) == (
+        "DataError: data.path: no such file"
+    )
     # A note left by an earlier attempt (before this process started) is not this attempt's cause.
     monkeypatch.setattr(run_record, "PROCESS_STARTED", run_record.PROCESS_STARTED + 3600)
     assert run_record.fail_with_first_cause(tmp_path, "ValueError: bad", world_size=2, wait_s=0) == "ValueError: bad"
