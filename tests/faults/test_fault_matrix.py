@@ -11,7 +11,7 @@ same command, as a supervisor or the user would), and the cell checks what a use
   the folder's newest checkpoint (never at the resume path or the init_from weights it began from);
 - the final losses equal the uninterrupted run's, step by step (TensorBoard's float32 scalars, rtol 1e-5).
 
-The cells that run by default are DEFAULT_CELLS (about two minutes on 2 cores); the rest run with ``-m slow``.
+The cells that run by default are DEFAULT_CELLS (about a minute and a half on 2 cores); the rest run with ``-m slow``.
 ``SHARDLAB_FAULT_MATRIX_OUT=<json>`` collects each cell's outcome (tests/faults/conftest.py) for
 tools/fault_matrix.py to render as docs/fault-matrix.md.
 """
@@ -58,15 +58,15 @@ LAYOUTS = ("local", "torchrun", "slurm_tasks", "slurm_local")
 EVENTS = ("kill_one", "kill_all", "usr2", "sigterm", "scontrol_requeue", "error_one_rank", "save_fails_rank0")
 RESUMES = ("auto", "path", "none", "init_from")
 DEFAULT_CELLS = {
-    ("local", "usr2", "path"),
-    ("local", "error_one_rank", "none"),
     ("torchrun", "sigterm", "init_from"),
     ("slurm_local", "usr2", "auto"),
     ("slurm_local", "usr2", "path"),
 }
-"""Every layout but Slurm's one task per rank (tests/slurm/test_slurm.py runs that layout's USR2, scontrol requeue,
-cancellation and SIGKILL by default) and every resume setting; SIGKILL (test_kill_loop.py), a failing save and a
-failing set-aside (tests/distributed/test_checkpoint_agreement.py) run by default elsewhere."""
+"""The layouts the other default tests do not fault: torchrun, and a one-task Slurm job that starts its ranks (USR2 with
+auto and a path). Elsewhere by default: Slurm's one task per rank (tests/slurm/test_slurm.py: USR2, scontrol requeue,
+cancellation, SIGKILL), local ranks (tests/distributed/test_preemption.py: a signal on one rank, Ctrl-C; errors and
+requeues with every resume setting in tests/unit/test_requeue.py), SIGKILL (test_kill_loop.py), a failing save and a
+failing set-aside (tests/distributed/test_checkpoint_agreement.py). All 104 cells: -m "slow or not slow"."""
 SLURM_REQUEUES = ("usr2", "scontrol_requeue")
 """Events after which Slurm requeues the job itself (through submitit, or as scontrol asks); after the others the job
 ends and the test resubmits the same command."""
