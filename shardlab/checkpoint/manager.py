@@ -54,12 +54,6 @@ class SaveRecord:
     """From the save call until its checkpoint had its final name."""
 
 
-def state_dict_name(name: str) -> str:
-    """A parameter's name as DCP's state dicts give it: without the prefixes activation checkpointing and
-    torch.compile put into module paths."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 def unsaved_optimizer_states(optim_state: dict, path: Path) -> list[str]:
     """The parameters (names) whose optimizer state step folder ``path`` holds none of: ones the saving run had not
     updated yet (SwAV's prototypes while frozen get no gradient; torch optimizers make state at a first update)."""
@@ -238,7 +232,13 @@ class Checkpointer:
         set_model_state_dict(model, state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, optim)  # loaded in place into optim's tensors
-            parameters = {state_dict_name(name): p for name, p in model.named_parameters()}
+            # DCP lists each group's parameter names in the optimizer's order (whatever wraps the model: DDP,
+            # activation checkpointing, compile), so the names map to the optimizer's parameters directly.
+            parameters = {
+                name: p
+                for saved, group in zip(optim["param_groups"], optimizer.param_groups, strict=True)
+                for name, p in zip(saved["params"], group["params"], strict=True)
+            }
             for name in never_stepped:  # as in the run that saved: no state until its first update
                 optimizer.state.pop(parameters[name], None)
         for key, obj in tensors.items():

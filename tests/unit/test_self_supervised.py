@@ -126,18 +126,18 @@ def test_frozen_prototypes_are_left_at_their_normalized_values(swav_runs):
     assert not torch.allclose(swav_runs["queue"]["norms"], torch.ones(24), atol=1e-4)  # updated from step 4 on
 
 
-@pytest.mark.parametrize("optimizer", ["lars", "adamw", "sgd"])
-def test_resume_while_prototypes_are_frozen_and_the_queue_fills_repeats_the_losses_exactly(tmp_path, optimizer):
+@pytest.mark.parametrize(
+    "optimizer, ac",
+    [("lars", False), ("adamw", False), ("sgd", False), ("adamw", True)],
+    ids=["lars", "adamw", "sgd", "adamw-activation-checkpointing"],
+)
+def test_resume_while_prototypes_are_frozen_and_the_queue_fills_repeats_the_losses_exactly(tmp_path, optimizer, ac):
     """Multi-crop augmentation drawn in 2 DataLoader workers; saved after step 2 (prototypes frozen for one more
-    step, the queue half full). torch's optimizers hold no state for the frozen prototypes then (LARS holds one)."""
+    step, the queue half full). torch's optimizers hold no state for the frozen prototypes then (LARS holds one);
+    activation checkpointing's wrappers change the module paths the optimizer state is found by."""
     lr = {"lars": 2.0, "adamw": 0.01, "sgd": 0.1}[optimizer]
-    overrides = [
-        f"optimizer={optimizer}",
-        f"optimizer.lr={lr}",
-        "checkpoint.interval_steps=2",
-        "checkpoint.keep_last=3",
-    ]
-    overrides.append("data.num_workers=2")
+    overrides = [f"optimizer={optimizer}", f"optimizer.lr={lr}", "data.num_workers=2", "checkpoint.interval_steps=2"]
+    overrides += ["checkpoint.keep_last=3", *(["distributed.activation_checkpointing=full"] if ac else [])]
     whole = run_rank(swav(*overrides), tmp_path / "whole", dist_env.detect())
     resume = f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step_00000002'}"
     resumed = run_rank(swav(*overrides, resume), tmp_path / "resumed", dist_env.detect())
