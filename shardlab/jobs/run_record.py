@@ -77,8 +77,17 @@ SKEW_S = 10.0
 """How much earlier than rank 0 another rank of the same attempt may have started."""
 
 
+_NOTED: set[tuple[str, int]] = set()
+"""(run dir, rank) this process has left a note for: its first note (the trainer's, at the error) keeps its time when
+the same error passes run_job on its way out, so a consequence on another rank cannot look earlier."""
+
+
 def note_rank_error(run_dir: Path, rank: int, error: str) -> None:
-    """Leave this rank's failure for rank 0 to report (best effort: a rank that cannot write says nothing)."""
+    """Leave this rank's failure for rank 0 to report, once per process (best effort: a rank that cannot write says
+    nothing)."""
+    if (str(run_dir), rank) in _NOTED:
+        return
+    _NOTED.add((str(run_dir), rank))
     try:
         folder = Path(run_dir) / RANK_ERRORS
         folder.mkdir(parents=True, exist_ok=True)

@@ -125,8 +125,12 @@ def test_rank0_reports_the_rank_that_failed_first_not_its_own_timeout_after_it(t
     recorded = run_record.fail_with_first_cause(tmp_path, "DistBackendError: timed out after 30 s", world_size=2)
     assert recorded.startswith("rank 1 failed first: RuntimeError: injected fault on rank 1 (rank 0: DistBackendError")
     assert run_record.read(tmp_path)["error"] == recorded
-    run_record.note_rank_error(tmp_path, 1, "DataError: data.path: no such file")  # every rank failed alike
-    assert run_record.fail_with_first_cause(tmp_path, "DataError: data.path: no such file", world_size=2) == (
+    run_record.note_rank_error(tmp_path, 2, "RuntimeError: Connection closed by peer")  # a consequence, later
+    run_record.note_rank_error(tmp_path, 1, "RuntimeError: injected fault on rank 1")  # passing run_job: no new time
+    assert run_record.first_rank_error(tmp_path, wait_s=0)["rank"] == 1
+    alike = tmp_path / "alike"
+    run_record.note_rank_error(alike, 1, "DataError: data.path: no such file")  # every rank failed alike
+    assert run_record.fail_with_first_cause(alike, "DataError: data.path: no such file", world_size=2) == (
         "DataError: data.path: no such file"
     )
     # A note left by an earlier attempt (before this process started) is not this attempt's cause.
