@@ -158,10 +158,7 @@ class StepProbe:
         self.last_timed = warmup + steps
         self.step = 0
         """The step under way (1-based): the number of steps started."""
-        self.forwards = 0
-        """Root-module training forwards so far."""
-        self.per_step: int | None = None
-        """Root forwards per optimizer step (update_freq micro-batches x the task's forwards per micro-batch)."""
+        self.micro = 0
         self.root: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.starts: list[float] = []
@@ -195,18 +192,17 @@ class StepProbe:
     def forward_pre(self, module, inputs) -> None:
         if any(t.is_meta for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)):
             return  # the memory plan's shape-only forward (shardlab.memory.plan), before training: not a step
-        if self.root is None:
-            self.root = module  # the trainer's model: the first module to run forward
+        if self.root is None and next(module.parameters(), None) is not None:
+            # The trainer's model: the first module with parameters to run forward (torchvision's v2 transforms,
+            # which SwAV's multi-crop data runs before it, are parameter-free modules too).
+            self.root = module
         if module is not self.root:
             return
         if not module.training:  # validation
             self._stop_counting()
             return
-        # A step may run the root forward more than once (micro-batches; SwAV's global and local crops): how many
-        # times is learned from the first step (the forwards before its optimizer step), and each step after it
-        # starts at its first one.
-        self.forwards += 1
-        if self.forwards > 1 and (self.per_step is None or (self.forwards - 1) % self.per_step):
+        self.micro += 1
+        if (self.micro - 1) % self.update_freq:
             return
         now = time.perf_counter()
         self.step += 1
@@ -231,13 +227,7 @@ class StepProbe:
             self.flops.__enter__()
 
     def forward_post(self, module, inputs, output) -> None:
-        # The counter spans every forward of the counted step's first micro-batch (SwAV: global and local crops).
-        per_micro = (self.per_step or self.update_freq) // self.update_freq
-        if (
-            module is self.root
-            and self.flops is not None
-            and (self.forwards - 1) % (self.per_step or 1) + 1 >= per_micro
-        ):
+        if module is self.root and self.flops is not None:
             self.flops.__exit__(None, None, None)
             self.forward_flops, self.flops = self.flops.get_total_flops(), None
 
@@ -251,8 +241,6 @@ class StepProbe:
     def post(self, optimizer, args, kwargs) -> None:
         now = time.perf_counter()
         self.optimizer = optimizer
-        if self.per_step is None:
-            self.per_step = self.forwards
         if self.warmup < self.step <= self.last_timed:
             self.optimizer_ms.append(1000 * (now - self._t0))
         elif self.step == self.last_timed + 1:
