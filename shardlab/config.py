@@ -8,6 +8,7 @@ shardlab.registry), so Hydra itself rejects an override with a typo in its key o
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -356,28 +357,46 @@ def path_errors(cfg: Any, run_dir: str | os.PathLike) -> list[str]:
     return []
 
 
-def writable_dir_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be created as a directory and written in, or None; leaves the filesystem as it was."""
-    missing = [p for p in (path, *path.parents) if not p.exists()]
-    existing = path.parents[len(missing) - 1] if missing else path
+def writable_dir_problem(path: Path, attempts: int = 20) -> str | None:
+    """Why ``path`` cannot be created as a directory and written in, or None; leaves the filesystem as it was.
+
+    Every rank of a job checks the same run directory at once, and one rank's clean-up may remove a directory
+    another has just made or found: "no such file or directory" (under /proc the answer) and "file exists" are tried
+    again."""
+    problem = None
+    for _ in range(attempts):
+        problem, vanished = _writable_dir_problem(path)
+        if not vanished:
+            break
+    return problem
+
+
+def _writable_dir_problem(path: Path) -> tuple[str | None, bool]:
+    """One try of writable_dir_problem: (the problem or None, whether a directory was missing that may come back)."""
+    missing = []
+    existing = path
+    while not existing.exists():
+        missing.append(existing)
+        existing = existing.parent
     if not existing.is_dir():
-        return f"{existing} is a file, not a directory"
-    probe = path / f".shardlab-write-test-{os.getpid()}"
+        return f"{existing} is a file, not a directory", not existing.exists()
     step = "creating it"
     try:
         path.mkdir(parents=True, exist_ok=True)
         step = "writing a file in it"
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".shardlab-write-test-", dir=path)  # a name no other rank uses
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
-        return f"{step} failed: {e.strerror or e}"
+        # Path.mkdir(exist_ok=True) says "exists" where the directory went between its mkdir and its is_dir
+        return f"{step} failed: {e.strerror or e}", isinstance(e, (FileNotFoundError, FileExistsError))
     finally:
         for created in missing:  # deepest first; one another process filled meanwhile stays
             try:
                 created.rmdir()
             except OSError:
                 break
-    return None
+    return None, False
 
 
 def unknown_key_errors(cfg: Any) -> list[str]:

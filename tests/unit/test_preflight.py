@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,15 @@ def test_the_check_leaves_the_filesystem_as_it_found_it(tmp_path):
     assert list(tmp_path.iterdir()) == []  # created, probed, removed
     (tmp_path / "run").mkdir()
     assert path_errors(cfg, tmp_path / "run") == [] and list((tmp_path / "run").iterdir()) == []
+
+
+def test_ranks_that_check_one_new_run_directory_at_once_all_pass(tmp_path):
+    """Every rank checks the job's run directory before Hydra makes it; one rank's clean-up removed the directory
+    under another's probe ("writing a file in it failed: No such file or directory", a CI failure of a 4-rank run)."""
+    target = tmp_path / "runs" / "new"
+    with ThreadPoolExecutor(8) as pool:
+        problems = list(pool.map(lambda _: writable_dir_problem(target), range(400)))
+    assert [p for p in problems if p is not None] == []
 
 
 def test_checkpoint_dir_errors_name_the_key_and_the_fix(tmp_path):
