@@ -31,7 +31,7 @@ from shardlab.config import (
     task_default_options,
     validate,
 )
-from shardlab.errors import ConfigError, ShardlabError
+from shardlab.errors import ConfigError, ShardlabError, one_line
 from shardlab.registry import load_plugins, unknown_name_message, user_dir
 
 GROUPS = ("task", "model", "data", "optimizer", "lr_scheduler", "distributed")
@@ -123,8 +123,21 @@ def preflight(argv: list[str]) -> DictConfig | None:
     return cfg
 
 
-def report_and_exit(error: ShardlabError) -> None:
+def tell_peers(error: BaseException) -> None:
+    """A rank of a multi-rank job failed before joining the others: tell them, or they wait minutes for it."""
+    from shardlab.distributed import env as dist_env
+
+    env = dist_env.detect()
+    if env.world_size > 1:
+        from shardlab.distributed.join import tell_peers_before_joining
+
+        tell_peers_before_joining(env, one_line(error))
+
+
+def report_and_exit(error: ShardlabError, tell: bool = False) -> None:
     print(f"error: {error}", file=sys.stderr, flush=True)
+    if tell:  # after the message: reaching the other ranks may take seconds
+        tell_peers(error)
     sys.exit(getattr(error, "exit_code", 2))
 
 
@@ -146,14 +159,16 @@ def main(cfg: DictConfig) -> float | None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         return runner.run_job(cfg, run_dir, list(hydra_cfg.overrides.task))
-    except Exception as e:
+    except Exception as e:  # tell_peers is a no-op for a rank that has joined: its failures reach the others anyway
         if hydra_cfg.mode != RunMode.MULTIRUN:
             if isinstance(e, ShardlabError):
-                report_and_exit(e)
+                report_and_exit(e, tell=True)
+            tell_peers(e)
             raise
         # A sweep point that fails must not stop the others: it is recorded as failed in its status.json (rank 0
         # did), reported here in its own words, and in the summary at the end.
         print(f"error: {e}" if isinstance(e, ShardlabError) else traceback.format_exc(), file=sys.stderr, flush=True)
+        tell_peers(e)
         if os.environ.get("SUBMITIT_EXECUTOR"):
             raise  # a submitit job: the job itself must fail (the launcher raises it past Hydra's run_job)
         return math.nan
@@ -166,7 +181,7 @@ def cli() -> None:
         if cfg is not None:  # generic checks now, before torch is even imported; task checks follow in main
             validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
     except ShardlabError as e:
-        report_and_exit(e)
+        report_and_exit(e, tell=True)
     main()
 
 

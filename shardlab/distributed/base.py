@@ -13,13 +13,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import PrefixStore, TCPStore
+from torch.distributed import DistError, PrefixStore, TCPStore
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import DistributedConfig
 from shardlab.distributed.env import DistEnv, free_port
 from shardlab.distributed.join import prepare_and_agree, store_timeout
-from shardlab.errors import ConfigError
+from shardlab.errors import ConfigError, RankFailed, one_line
 from shardlab.registry import BACKENDS
 
 DTYPE_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -82,19 +82,36 @@ def join_process_group(
     )
 
 
+AGENT_STORE_CONNECT_S = 20.0
+"""torchrun's agent starts its store before any worker: one that cannot be reached for this long has ended."""
+
+
 def _rendezvous_store(env: DistEnv, timeout_s: float) -> TCPStore:
     """The job's key-value store: torchrun's agent hosts it where torchrun says so (TORCHELASTIC_USE_AGENT_STORE), else
     rank 0 does, at the master address and port (local spawn, Slurm, or one process on any free port)."""
     agent_hosts = env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return TCPStore(
-        env.master_addr,
-        env.master_port or free_port(),
-        world_size=env.world_size,
-        is_master=env.rank == 0 and not agent_hosts,
-        timeout=store_timeout(timeout_s),
-        wait_for_workers=False,  # the ranks meet in prepare_and_agree, which tells a slow rank from a dead one
-        multi_tenant=True,  # several jobs in one process (tests) share one server per port, as torch's init does
-    )
+    # Rank 0 may start its store minutes after the others (a slow node, a long import); an agent's store is up before
+    # its workers start, so not reaching it soon means that agent ended (its own workers failed) and nobody ever will.
+    connect_s = AGENT_STORE_CONNECT_S if agent_hosts else store_timeout(timeout_s).total_seconds()
+    try:
+        store = TCPStore(
+            env.master_addr,
+            env.master_port or free_port(),
+            world_size=env.world_size,
+            is_master=env.rank == 0 and not agent_hosts,
+            timeout=timedelta(seconds=connect_s),
+            wait_for_workers=False,  # the ranks meet in prepare_and_agree, which tells a slow rank from a dead one
+            multi_tenant=True,  # several jobs in one process (tests) share one server per port, as torch's init does
+        )
+    except DistError as e:
+        if not agent_hosts:
+            raise
+        raise RankFailed(
+            f"rank {env.rank}: torchrun's store at {env.master_addr}:{env.master_port} is gone (the first node's "
+            f"torchrun ended; its log says why): {one_line(e)}"
+        ) from e
+    store.set_timeout(store_timeout(timeout_s))
+    return store
 
 
 class Backend:

@@ -5,7 +5,9 @@ group exists, so nothing slow ever runs under distributed.timeout_s.
 While a rank prepares, a thread bumps a heartbeat counter in the store; rank 0, once ready itself, waits for the
 others, and gives up on a rank whose heartbeat stopped (a killed process, a lost node) or that never appeared. Rank 0
 then decides - the same data everywhere, or the first failure or difference - and every rank reads that verdict, so
-all stop with one message or all go on together.
+all stop with one message or all go on together. A rank that fails before it reaches the join (a config or path
+error on its node) says so in the store too (``tell_peers_before_joining``), so the others stop at once instead of
+waiting ``APPEAR_S`` for it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from torch.distributed import Store
+from torch.distributed import Store, TCPStore
 
 from shardlab.errors import DataError, RankFailed
 
@@ -28,16 +30,21 @@ STALL_S = 120.0
 APPEAR_S = 600.0
 """How long rank 0 waits for a rank that never connected to the store (a slow start, a node not up yet)."""
 POLL_S = 0.2
+EARLY_CONNECT_S = 10.0
+"""How long a rank that failed before joining tries to reach the store to say so (rank 0, hosting it, may be gone)."""
+EARLY_LINGER_S = 30.0
+"""How long rank 0, failing before the join in a store it hosts, keeps it up for the others to read why."""
 
 _joins_in_process = 0
 """Joins so far in this process (tests run several jobs in one set of processes): each gets its own keys."""
+_spoke_in_store = False
+"""This process has taken part in a join (or told its peers it failed before one): its failures are known there."""
 
 
-def _prefix() -> str:
-    global _joins_in_process
-    _joins_in_process += 1
+def _prefix(number: int) -> str:
+    """The store keys of this process's ``number``-th join."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives a restarted worker
-    return f"shardlab/join/{restart}/{_joins_in_process}/"
+    return f"shardlab/join/{restart}/{number}/"
 
 
 def prepare_and_agree(
@@ -46,7 +53,12 @@ def prepare_and_agree(
     """Run ``prepare()`` (this rank's data; returns what it opened, e.g. token counts and a content hash) with a
     heartbeat, then wait until every rank has, and raise on every rank if one failed or opened other data.
     ``prefix``: the store keys of this join (default: one per join in this process and torchrun restart)."""
-    keys = _Keys(prefix or _prefix())
+    global _joins_in_process, _spoke_in_store
+    _joins_in_process += 1
+    _spoke_in_store = True
+    keys = _Keys(prefix or _prefix(_joins_in_process))
+    if rank > 0 and store.check([keys.verdict]):  # rank 0 failed before joining: no need to prepare anything
+        _raise_if_failed(_read_verdict(store, keys))
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(store, keys.alive(rank), stop), daemon=True)
     beat.start()
@@ -55,11 +67,7 @@ def prepare_and_agree(
             identity = prepare()
         except BaseException as e:
             message = str(e) if isinstance(e, (DataError, RankFailed)) else f"{type(e).__name__}: {e}"
-            if rank == 0:
-                store.set(keys.verdict, json.dumps({"error": f"rank 0 could not prepare its data: {message}"}))
-            else:
-                store.set(keys.failed(rank), message)
-                store.add(keys.count, 1)
+            _post_failure(store, keys, rank, f"rank {rank} could not prepare its data: {message}")
             raise
         store.set(keys.ready(rank), json.dumps({"data": identity, "host": socket.gethostname()}))
         store.add(keys.count, 1)
@@ -69,9 +77,51 @@ def prepare_and_agree(
     finally:
         stop.set()
         beat.join()
+    _raise_if_failed(verdict)
+
+
+def _raise_if_failed(verdict: dict) -> None:
     if "error" in verdict:
         error = DataError if verdict.get("data") else RankFailed
         raise error(verdict["error"])
+
+
+def tell_peers_before_joining(env, message: str) -> None:
+    """This rank failed before it reached the join (``env``: its DistEnv): post ``message`` where the join's rank 0
+    looks, so every rank stops with it now. Best effort, bounded by EARLY_CONNECT_S (and EARLY_LINGER_S for a rank 0
+    that hosts the store); nothing to do for one process, a rank that already took part in a join, or shardlab's own
+    local ranks (their launcher stops the others when one exits)."""
+    global _spoke_in_store
+    if env.world_size <= 1 or env.launcher in ("none", "local") or _spoke_in_store:
+        return
+    _spoke_in_store = True
+    keys = _Keys(_prefix(_joins_in_process + 1))
+    hosts = env.rank == 0 and not (
+        env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    )
+    try:
+        store = TCPStore(
+            env.master_addr, env.master_port, world_size=env.world_size, is_master=hosts,
+            timeout=timedelta(seconds=EARLY_CONNECT_S), wait_for_workers=False, multi_tenant=True,
+        )  # fmt: skip
+        _post_failure(store, keys, env.rank, f"rank {env.rank} failed before joining: {message}")
+        if hosts:  # the store ends with this process: keep it until the others have read the verdict (or failed)
+            deadline = time.monotonic() + EARLY_LINGER_S
+            while store.add(keys.done, 0) < env.world_size - 1:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(POLL_S)
+    except Exception:  # no store to reach: the others find out as before (APPEAR_S, or their launcher)
+        pass
+
+
+def _post_failure(store: Store, keys: _Keys, rank: int, message: str) -> None:
+    if rank == 0:
+        store.set(keys.verdict, json.dumps({"error": message}))
+    else:
+        store.set(keys.failed(rank), message)
+        store.add(keys.count, 1)
+        store.add(keys.done, 1)
 
 
 class _Keys:
@@ -79,6 +129,8 @@ class _Keys:
         self.prefix = prefix
         self.count = prefix + "count"
         self.verdict = prefix + "verdict"
+        self.done = prefix + "done"
+        """Ranks that are through with this join: read the verdict, or posted their own failure."""
 
     def alive(self, rank: int) -> str:
         return f"{self.prefix}alive/{rank}"
@@ -101,13 +153,21 @@ def _heartbeat(store: Store, key: str, stop: threading.Event) -> None:
 
 
 def _decide(store: Store, keys: _Keys, world_size: int) -> dict:
-    """Rank 0: wait for every rank's result (giving up on dead ones); the verdict every rank will read."""
+    """Rank 0: wait for every rank's result (giving up on dead ones, and on waiting at all once one rank failed: a
+    launcher may already have stopped that rank's neighbours); the verdict every rank will read."""
     started = time.monotonic()
     beats: dict[int, tuple[int, float]] = {}  # rank -> (last counter seen, when it last moved)
+
+    def first_failure() -> dict | None:
+        failed = next((r for r in range(1, world_size) if store.check([keys.failed(r)])), None)
+        return None if failed is None else {"error": store.get(keys.failed(failed)).decode()}
+
     while store.add(keys.count, 0) < world_size:
+        if failure := first_failure():
+            return failure
         now = time.monotonic()
         for r in range(1, world_size):
-            if store.check([keys.ready(r)]) or store.check([keys.failed(r)]):
+            if store.check([keys.ready(r)]):
                 continue
             if not store.check([keys.alive(r)]):
                 if now - started > APPEAR_S:
@@ -120,9 +180,8 @@ def _decide(store: Store, keys: _Keys, world_size: int) -> dict:
             elif now - moved > STALL_S:
                 return {"error": f"rank {r} stopped while preparing its data (no heartbeat for {STALL_S:.0f} s)"}
         time.sleep(1.0)
-    for r in range(1, world_size):
-        if store.check([keys.failed(r)]):
-            return {"error": f"rank {r} could not prepare its data: {store.get(keys.failed(r)).decode()}"}
+    if failure := first_failure():  # a failing rank counts itself in too
+        return failure
     opened = [json.loads(raw) for raw in store.multi_get([keys.ready(r) for r in range(world_size)])]
     for r, other in enumerate(opened):
         if other["data"] != opened[0]["data"]:
@@ -138,7 +197,13 @@ def _decide(store: Store, keys: _Keys, world_size: int) -> dict:
 def _wait_for_verdict(store: Store, keys: _Keys) -> dict:
     while not store.check([keys.verdict]):
         time.sleep(POLL_S)
-    return json.loads(store.get(keys.verdict))
+    return _read_verdict(store, keys)
+
+
+def _read_verdict(store: Store, keys: _Keys) -> dict:
+    verdict = json.loads(store.get(keys.verdict))
+    store.add(keys.done, 1)  # a rank 0 that failed before joining keeps its store up until the others have read it
+    return verdict
 
 
 def store_timeout(timeout_s: float) -> timedelta:

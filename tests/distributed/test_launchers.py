@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,10 +46,9 @@ def test_torchrun_two_ranks_trains_and_only_rank_zero_logs(tmp_path, corpus_cach
     assert (tmp_path / "checkpoints" / "step_00000010" / "shardlab.json").is_file()
 
 
-def test_two_torchrun_nodes_with_hybrid_sharding_match_one_process(tmp_path, corpus_cache, tiny_lm):
-    """Two torchrun agents rendezvous over loopback as two "nodes" of 2 ranks; sharding_degree=2 shards inside a node
-    and replicates across them (HSDP). The losses equal one process's."""
-    overrides = [*TINY_LM, f"data.cache_dir={corpus_cache}", "logging.tensorboard=true"]
+def two_torchrun_nodes(tmp_path: Path, args: list[str], node_env=lambda node: {}, timeout: float = 400) -> list:
+    """Two torchrun agents that rendezvous over loopback as two "nodes" of 2 ranks each; (exit code, stdout, stderr)
+    of each once both have ended, or a failure that shows both logs if either hangs."""
     port = free_port()
     # Each agent writes to files, not pipes: waiting on one agent's pipes while the other's fill up (warnings, a
     # traceback) blocks that node's ranks in a write, and every rank of the other node in a collective.
@@ -60,22 +61,34 @@ def test_two_torchrun_nodes_with_hybrid_sharding_match_one_process(tmp_path, cor
                     [
                         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
                         f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
-                        "-m", "shardlab.train", "distributed.backend=fully_sharded", "distributed.sharding_degree=2",
-                        *overrides, f"hydra.run.dir={tmp_path / 'hsdp'}",
+                        "-m", "shardlab.train", *args,
                     ],
-                    cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=stdout, stderr=stderr,
+                    cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **node_env(node)}, stdout=stdout,
+                    stderr=stderr,
                 )
             )  # fmt: skip
+    deadline = time.monotonic() + timeout
     try:
-        for agent in agents:
-            agent.wait(timeout=400)
+        while any(agent.poll() is None for agent in agents):
+            assert time.monotonic() < deadline, "a node hung:\n" + "\n".join(
+                f"node {node} stderr: {err.read_text()[-1500:]}" for node, (_, err) in enumerate(logs)
+            )
+            time.sleep(0.2)
     finally:
         for agent in agents:
             agent.kill()
-    outputs = [(out.read_text(), err.read_text()) for out, err in logs]
-    for agent, (_, err) in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, err[-3000:]
-    assert "world size 4 (torchrun)" in outputs[0][0] and "mesh 2x2 ('replicate', 'shard')" in outputs[0][0]
+    return [(a.returncode, out.read_text(), err.read_text()) for a, (out, err) in zip(agents, logs, strict=True)]
+
+
+def test_two_torchrun_nodes_with_hybrid_sharding_match_one_process(tmp_path, corpus_cache, tiny_lm):
+    """sharding_degree=2 shards inside a node and replicates across the two (HSDP). The losses equal one process's."""
+    overrides = [*TINY_LM, f"data.cache_dir={corpus_cache}", "logging.tensorboard=true"]
+    args = ["distributed.backend=fully_sharded", "distributed.sharding_degree=2", *overrides,
+            f"hydra.run.dir={tmp_path / 'hsdp'}"]  # fmt: skip
+    nodes = two_torchrun_nodes(tmp_path, args)
+    for code, _, err in nodes:
+        assert code == 0, err[-3000:]
+    assert "world size 4 (torchrun)" in nodes[0][1] and "mesh 2x2 ('replicate', 'shard')" in nodes[0][1]
     reference = run_rank(tiny_lm("logging.tensorboard=false"), tmp_path / "single", dist_env.detect())
     expected = [r["loss"] for r in reference["history"] if r["split"] == "train"]
     got = scalars(tmp_path / "hsdp")
@@ -84,6 +97,30 @@ def test_two_torchrun_nodes_with_hybrid_sharding_match_one_process(tmp_path, cor
         torch.tensor([v for _, v in got], dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), rtol=1e-5,
         atol=0,
     )  # fmt: skip
+
+
+def test_a_node_whose_checks_fail_stops_the_whole_job_at_once_with_its_reason(tmp_path, corpus_cache):
+    """The second node cannot write the checkpoint directory (a node-local path, here one under /proc). Its ranks
+    fail their start-up checks before they reach the others; the first node's ranks stop with that reason at once,
+    instead of waiting ten minutes for ranks its torchrun never knew had stopped."""
+    args = ["distributed.backend=fully_sharded", *TINY_LM, f"data.cache_dir={corpus_cache}",
+            "checkpoint.dir=${oc.env:CKPT_DIR}", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    started = time.monotonic()
+    nodes = two_torchrun_nodes(
+        tmp_path,
+        args,
+        node_env=lambda node: {"CKPT_DIR": "/proc/nodelocal/ckpt" if node else "checkpoints"},
+        timeout=120,
+    )
+    assert time.monotonic() - started < 90
+    assert [code for code, _, _ in nodes] == [1, 1]
+    reason = (
+        "checkpoint.dir: cannot create or write /proc/nodelocal/ckpt (creating it failed: No such file or directory)"
+    )
+    assert f"error: {reason}" in nodes[1][2]
+    assert re.search(rf"error: rank [23] failed before joining: {re.escape(reason)}", nodes[0][2]), nodes[0][2][-3000:]
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed" and "failed before joining: checkpoint.dir" in status["error"]
 
 
 def test_sigterm_to_a_local_two_rank_run_stops_both_ranks_at_a_saved_step(tmp_path, corpus_cache):

@@ -12,7 +12,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from shardlab.distributed import join
-from shardlab.distributed.env import free_port
+from shardlab.distributed.env import DistEnv, free_port
 from shardlab.errors import DataError, RankFailed
 
 
@@ -81,3 +81,64 @@ def test_a_rank_that_died_while_preparing_is_given_up_on(monkeypatch):
     dead.add("dead/alive/1", 1)  # rank 1 started preparing, then its process (and heartbeat) ended
     with pytest.raises(RankFailed, match=r"rank 1 stopped while preparing its data \(no heartbeat for 2 s\)"):
         join.prepare_and_agree(master, 0, 2, lambda: "x", "dead/")
+
+
+# ---- a rank that fails before it reaches the join (a config or path error on its node) -------------------------------
+def test_a_rank_failing_before_the_join_stops_rank_zero_without_waiting_for_its_stopped_neighbours(monkeypatch):
+    """Rank 1 fails its config check; rank 2, on the same node, was stopped by that node's launcher and never
+    appears. Rank 0 stops with rank 1's words at once, not after APPEAR_S."""
+    monkeypatch.setattr(join, "_spoke_in_store", False)
+    port = free_port()
+    master = TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=30), wait_for_workers=False)
+    join.tell_peers_before_joining(DistEnv(1, 3, 1, "127.0.0.1", port, "slurm"), "checkpoint.dir: cannot create it")
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match=r"^rank 1 failed before joining: checkpoint.dir: cannot create it$"):
+        join.prepare_and_agree(master, 0, 3, lambda: "x", join._prefix(join._joins_in_process + 1))
+    assert time.monotonic() - started < 5
+
+
+def test_rank_zero_failing_before_the_join_keeps_its_store_up_until_the_others_have_read_why(monkeypatch):
+    """Under Slurm rank 0 hosts the store: failing before the join, it starts the store only to say why, and ends as
+    soon as every other rank has read it."""
+    monkeypatch.setattr(join, "_spoke_in_store", False)
+    port = free_port()
+    prefix = join._prefix(join._joins_in_process + 1)
+    outcome: list[BaseException | None] = [None]
+
+    def rank_one() -> None:
+        store = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))  # waits for rank 0's store to start
+        try:
+            join.prepare_and_agree(store, 1, 2, lambda: "x", prefix)
+        except BaseException as e:  # noqa: B036  (recorded for the test)
+            outcome[0] = e
+
+    thread = threading.Thread(target=rank_one)
+    thread.start()
+    started = time.monotonic()
+    join.tell_peers_before_joining(DistEnv(0, 2, 0, "127.0.0.1", port, "slurm"), "model.dim: must be > 0")
+    thread.join(30)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], RankFailed)
+    assert str(outcome[0]) == "rank 0 failed before joining: model.dim: must be > 0"
+    assert time.monotonic() - started < join.EARLY_LINGER_S / 2  # it left once rank 1 had read it
+
+
+def test_one_process_or_a_rank_that_already_joined_tells_nobody(monkeypatch):
+    monkeypatch.setattr(join, "TCPStore", lambda *a, **k: pytest.fail("no store should be reached"))
+    monkeypatch.setattr(join, "_spoke_in_store", False)
+    join.tell_peers_before_joining(DistEnv(0, 1, 0, "127.0.0.1", 1, "none"), "x")
+    join.tell_peers_before_joining(DistEnv(1, 2, 1, "127.0.0.1", 1, "local"), "x")
+    monkeypatch.setattr(join, "_spoke_in_store", True)
+    join.tell_peers_before_joining(DistEnv(1, 2, 1, "127.0.0.1", 1, "torchrun"), "x")
+
+
+def test_a_torchrun_worker_whose_agent_store_is_gone_says_so_soon(monkeypatch):
+    """torchrun's agent starts its store before its workers: a worker that cannot reach it (the first node's torchrun
+    ended because its own ranks failed) stops with that reason, not after distributed.timeout_s."""
+    from shardlab.distributed import base
+
+    monkeypatch.setattr(base, "AGENT_STORE_CONNECT_S", 1.0)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    port = free_port()  # nothing listens there
+    with pytest.raises(RankFailed, match=rf"^rank 1: torchrun's store at 127.0.0.1:{port} is gone \(the first node's"):
+        base._rendezvous_store(DistEnv(1, 2, 1, "127.0.0.1", port, "torchrun"), timeout_s=1800)
