@@ -30,10 +30,12 @@ STALL_S = 120.0
 APPEAR_S = 600.0
 """How long rank 0 waits for a rank that never connected to the store (a slow start, a node not up yet)."""
 POLL_S = 0.2
-EARLY_CONNECT_S = 10.0
-"""How long a rank that failed before joining tries to reach the store to say so (rank 0, hosting it, may be gone)."""
-EARLY_LINGER_S = 30.0
-"""How long rank 0, failing before the join in a store it hosts, keeps it up for the others to read why."""
+EARLY_CONNECT_S = 60.0
+"""How long a rank that failed before joining tries to reach the store to say so: a rank 0 that hosts it starts it
+only once its own checks passed, often seconds after another rank's config check failed."""
+EARLY_LINGER_S = 60.0
+"""How long rank 0, failing before the join in a store it hosts, keeps it up for the others to read why (each one
+that has read it or failed too shortens the wait)."""
 
 _joins_in_process = 0
 """Joins so far in this process (tests run several jobs in one set of processes): each gets its own keys."""
