@@ -9,11 +9,12 @@ from tests.distributed.harness import run_spawned
 
 
 def test_predicted_peak_of_swav_multi_crop_matches_the_measured_one(tmp_path):
-    # The default SwAV run (regnet_cifar, 2 x 32 + 4 x 16 crops) with 128 images per rank: ~0.6 GiB of activations,
-    # well above a rank's runtime noise.
+    # SwAV multi-crop (regnet_cifar, 2 x 32 + 4 x 16 crops, as on ImageNet) with 128 images per rank: ~0.6 GiB of
+    # activations, well above a rank's runtime noise.
     cfg = compose_config(
         [
             "task=swav",
+            "data.num_local_crops=4",
             "distributed=fully_sharded",
             "optimization.batch_size=256",
             "optimization.max_steps=3",
