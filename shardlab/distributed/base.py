@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlab.config import DistributedConfig
 from shardlab.distributed.env import DistEnv, free_port
-from shardlab.distributed.join import prepare_and_agree, store_timeout
+from shardlab.distributed.join import agent_hosts_store, prepare_and_agree, store_timeout
 from shardlab.errors import ConfigError, RankFailed, one_line
 from shardlab.registry import BACKENDS
 
@@ -89,7 +89,7 @@ AGENT_STORE_CONNECT_S = 20.0
 def _rendezvous_store(env: DistEnv, timeout_s: float) -> TCPStore:
     """The job's key-value store: torchrun's agent hosts it where torchrun says so (TORCHELASTIC_USE_AGENT_STORE), else
     rank 0 does, at the master address and port (local spawn, Slurm, or one process on any free port)."""
-    agent_hosts = env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agent_hosts = agent_hosts_store(env)
     # Rank 0 may start its store minutes after the others (a slow node, a long import); an agent's store is up before
     # its workers start, so not reaching it soon means that agent ended (its own workers failed) and nobody ever will.
     connect_s = AGENT_STORE_CONNECT_S if agent_hosts else store_timeout(timeout_s).total_seconds()

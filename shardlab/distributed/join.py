@@ -38,9 +38,13 @@ EARLY_LINGER_S = 60.0
 that has read it or failed too shortens the wait)."""
 
 _joins_in_process = 0
-"""Joins so far in this process (tests run several jobs in one set of processes): each gets its own keys."""
-_spoke_in_store = False
-"""This process has taken part in a join (or told its peers it failed before one): its failures are known there."""
+"""Joins so far in this process (tests run several jobs in one set of processes), counting a failure told before one:
+each gets its own keys, and a process that took part in one has its failures known there."""
+
+
+def agent_hosts_store(env) -> bool:
+    """torchrun's agent hosts the job's store (TORCHELASTIC_USE_AGENT_STORE), not rank 0."""
+    return env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def _prefix(number: int) -> str:
@@ -55,9 +59,8 @@ def prepare_and_agree(
     """Run ``prepare()`` (this rank's data; returns what it opened, e.g. token counts and a content hash) with a
     heartbeat, then wait until every rank has, and raise on every rank if one failed or opened other data.
     ``prefix``: the store keys of this join (default: one per join in this process and torchrun restart)."""
-    global _joins_in_process, _spoke_in_store
+    global _joins_in_process
     _joins_in_process += 1
-    _spoke_in_store = True
     keys = _Keys(prefix or _prefix(_joins_in_process))
     if rank > 0 and store.check([keys.verdict]):  # rank 0 failed before joining: no need to prepare anything
         _raise_if_failed(_read_verdict(store, keys))
@@ -93,14 +96,12 @@ def tell_peers_before_joining(env, message: str) -> None:
     looks, so every rank stops with it now. Best effort, bounded by EARLY_CONNECT_S (and EARLY_LINGER_S for a rank 0
     that hosts the store); nothing to do for one process, a rank that already took part in a join, or shardlab's own
     local ranks (their launcher stops the others when one exits)."""
-    global _spoke_in_store
-    if env.world_size <= 1 or env.launcher in ("none", "local") or _spoke_in_store:
+    global _joins_in_process
+    if env.world_size <= 1 or env.launcher in ("none", "local") or _joins_in_process:
         return
-    _spoke_in_store = True
-    keys = _Keys(_prefix(_joins_in_process + 1))
-    hosts = env.rank == 0 and not (
-        env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    )
+    _joins_in_process += 1
+    keys = _Keys(_prefix(_joins_in_process))
+    hosts = env.rank == 0 and not agent_hosts_store(env)
     try:
         store = TCPStore(
             env.master_addr, env.master_port, world_size=env.world_size, is_master=hosts,

@@ -87,22 +87,22 @@ def test_a_rank_that_died_while_preparing_is_given_up_on(monkeypatch):
 def test_a_rank_failing_before_the_join_stops_rank_zero_without_waiting_for_its_stopped_neighbours(monkeypatch):
     """Rank 1 fails its config check; rank 2, on the same node, was stopped by that node's launcher and never
     appears. Rank 0 stops with rank 1's words at once, not after APPEAR_S."""
-    monkeypatch.setattr(join, "_spoke_in_store", False)
+    monkeypatch.setattr(join, "_joins_in_process", 0)
     port = free_port()
     master = TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=30), wait_for_workers=False)
     join.tell_peers_before_joining(DistEnv(1, 3, 1, "127.0.0.1", port, "slurm"), "checkpoint.dir: cannot create it")
     started = time.monotonic()
     with pytest.raises(RankFailed, match=r"^rank 1 failed before joining: checkpoint.dir: cannot create it$"):
-        join.prepare_and_agree(master, 0, 3, lambda: "x", join._prefix(join._joins_in_process + 1))
+        join.prepare_and_agree(master, 0, 3, lambda: "x", join._prefix(1))  # the first join: the one rank 1 told
     assert time.monotonic() - started < 5
 
 
 def test_rank_zero_failing_before_the_join_keeps_its_store_up_until_the_others_have_read_why(monkeypatch):
     """Under Slurm rank 0 hosts the store: failing before the join, it starts the store only to say why, and ends as
     soon as every other rank has read it."""
-    monkeypatch.setattr(join, "_spoke_in_store", False)
+    monkeypatch.setattr(join, "_joins_in_process", 0)
     port = free_port()
-    prefix = join._prefix(join._joins_in_process + 1)
+    prefix = join._prefix(1)  # the first join of every rank
     outcome: list[BaseException | None] = [None]
 
     def rank_one() -> None:
@@ -125,10 +125,10 @@ def test_rank_zero_failing_before_the_join_keeps_its_store_up_until_the_others_h
 
 def test_one_process_or_a_rank_that_already_joined_tells_nobody(monkeypatch):
     monkeypatch.setattr(join, "TCPStore", lambda *a, **k: pytest.fail("no store should be reached"))
-    monkeypatch.setattr(join, "_spoke_in_store", False)
+    monkeypatch.setattr(join, "_joins_in_process", 0)
     join.tell_peers_before_joining(DistEnv(0, 1, 0, "127.0.0.1", 1, "none"), "x")
     join.tell_peers_before_joining(DistEnv(1, 2, 1, "127.0.0.1", 1, "local"), "x")
-    monkeypatch.setattr(join, "_spoke_in_store", True)
+    monkeypatch.setattr(join, "_joins_in_process", 1)  # it joined once
     join.tell_peers_before_joining(DistEnv(1, 2, 1, "127.0.0.1", 1, "torchrun"), "x")
 
 
