@@ -109,6 +109,11 @@ class DistributedConfig:
     memory_budget_per: str = "rank"
     """What memory_budget_gb covers: rank (one GPU's memory) or machine (shared by the ranks on one machine, as CPU
     ranks share its RAM)."""
+    cpu_allocator: str = "auto"
+    """CPU ranks only: how glibc treats freed memory. lean = return freed buffers to the OS, so resident memory tracks
+    what a rank holds, as the memory plan predicts; fast = keep freed pages for the next step (twice the steps per
+    second of lean for the SwAV default on 2 cores), resident memory above the plan; auto = lean with a
+    memory_budget_gb (the plan must hold), else fast (shardlab/memory/meter.py: configure_cpu_allocator)."""
     timeout_s: int = 600
     """Collective timeout: a dead rank fails the others after this many seconds instead of hanging forever."""
     compile: bool = False
@@ -316,6 +321,10 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     check(d.timeout_s > 0, f"distributed.timeout_s must be > 0, got {d.timeout_s}")
     check(d.compile_timeout_s > 0, f"distributed.compile_timeout_s must be > 0, got {d.compile_timeout_s}")
     check(d.memory_budget_gb >= 0, f"distributed.memory_budget_gb must be >= 0 (0 = none), got {d.memory_budget_gb}")
+    check(
+        d.cpu_allocator in ("auto", "lean", "fast"),
+        f"distributed.cpu_allocator must be auto, lean or fast, got '{d.cpu_allocator}'",
+    )
     check(
         d.memory_budget_per in ("rank", "machine"),
         f"distributed.memory_budget_per must be rank or machine, got '{d.memory_budget_per}'",

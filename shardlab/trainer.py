@@ -35,7 +35,7 @@ from shardlab.jobs import run_record
 from shardlab.jobs.preemption import StopSignals
 from shardlab.jobs.run_dir import run_key_differences
 from shardlab.logging import RunLogger
-from shardlab.memory.meter import PeakMeter, memory_gib, resident_bytes
+from shardlab.memory.meter import PeakMeter, memory_gib, resident_bytes, resolve_cpu_allocator
 from shardlab.memory.plan import GiB, RunPlan
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
 from shardlab.task import Task
@@ -269,9 +269,15 @@ class Trainer:
             "predicted_between_steps_gib": est.between_steps / GiB,
         }
         where = "allocator peak" if self.backend.device.type == "cuda" else "peak RSS above the rank's start"
+        caveat = ""
+        if self.backend.device.type == "cpu":
+            dist_cfg = self.cfg.distributed
+            self.memory["cpu_allocator"] = resolve_cpu_allocator(dist_cfg.cpu_allocator, dist_cfg.memory_budget_gb)
+            if self.memory["cpu_allocator"] == "fast":
+                caveat = " (the allocator keeps freed pages: distributed.cpu_allocator=lean measures against the plan)"
         log.info(
             f"memory per rank (fullest rank): training-step peak {peak / GiB:.2f} GiB ({where}), plan "
-            f"{est.peak / GiB:.2f}; held between steps {held / GiB:.2f} GiB, plan {est.between_steps / GiB:.2f}"
+            f"{est.peak / GiB:.2f}; held between steps {held / GiB:.2f} GiB, plan {est.between_steps / GiB:.2f}{caveat}"
         )
 
     def _step(self) -> tuple[torch.Tensor, bool]:

@@ -38,9 +38,9 @@ The JSON (rank 0 writes it):
 
 Peak memory: on CUDA the caching allocator's peak (max_memory_allocated); on CPU the rank's peak resident set size
 (VmHWM of /proc/self/status, which includes the ~0.3-0.5 GiB of Python, torch and the memory-mapped corpus;
-``rss_at_start_bytes`` is that baseline), read at the last timed step. Spawned ranks get
-MALLOC_MMAP_THRESHOLD_=65536 (as shardlab.runner.launch_local sets) so glibc returns FSDP's freed buffers to the OS
-and RSS tracks what is live; a world-size-1 run in this process has whatever this process started with.
+``rss_at_start_bytes`` is that baseline), read at the last timed step. CPU ranks set glibc's treatment of freed memory
+from distributed.cpu_allocator (auto: fast, keeping freed pages, without a memory budget; lean, returning them so that
+RSS tracks what is live, with one): ``env.cpu_allocator`` records it.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from shardlab import runner  # noqa: E402
 from shardlab.distributed import env as dist_env  # noqa: E402
-from shardlab.memory.meter import process_peak, resident_bytes  # noqa: E402
+from shardlab.memory.meter import process_peak, resident_bytes, resolve_cpu_allocator  # noqa: E402
 
 BENCH_DEFAULTS = {  # applied unless the command line sets the key: no checkpoints, logs or validation mid-run
     "checkpoint.resume": "none",
@@ -411,6 +411,7 @@ def assemble(cfg, opts: dict, probe: StepProbe, result: dict) -> dict:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
             "torch_threads": torch.get_num_threads(),
             "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+            "cpu_allocator": resolve_cpu_allocator(cfg.distributed.cpu_allocator, cfg.distributed.memory_budget_gb),
             "cpu_count": os.cpu_count(),
             "loadavg_1min_at_end": os.getloadavg()[0],
         },

@@ -6,10 +6,11 @@ No shardlab code runs in the timed loop except tasks/lm/model.py, for the identi
 --reduce-scatter); the launch uses shardlab's free-port and rank-environment helpers. The defaults are model=gpt_small
 with the LM task's defaults (seq_len 128, global batch 32, AdamW lr 3e-3 / betas 0.9, 0.95 / weight decay 0.1 on
 matrices, clip_norm 1.0); tokens are random. fully_shard goes on every block (all but the last reshard after forward,
-as torchtitan does) and on the root with FSDP2's default (the root does not reshard). AdamW is fused. The ranks are
-spawned with MALLOC_MMAP_THRESHOLD_=65536 (unless set) and OMP_NUM_THREADS = cores // ranks, as shardlab's local
-launcher does. ``--prefetch`` issues each block's all-gather asynchronously one block ahead (FSDP2 overlaps
-all-gathers through CUDA streams; on CPU/gloo every unshard otherwise blocks); ``--reduce-scatter all_reduce`` issues
+as torchtitan does) and on the root with FSDP2's default (the root does not reshard). AdamW is fused. The ranks get
+OMP_NUM_THREADS = cores // ranks and keep freed pages (glibc's mmap threshold at its ceiling), as shardlab's local
+launcher and CPU ranks do (distributed.cpu_allocator=auto without a budget). ``--prefetch`` issues each block's
+all-gather asynchronously one block ahead (FSDP2 overlaps all-gathers through CUDA streams; on CPU/gloo every unshard
+otherwise blocks); ``--reduce-scatter all_reduce`` issues
 FSDP2's reduce-scatter as an all-reduce through FSDP2's custom-comm hook, overlapped with the next block's backward
 (shardlab's opt-in distributed.reduce_scatter=all_reduce); ``--parallel ddp`` wraps in DDP instead.
 
@@ -36,12 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
 
 from shardlab.distributed.env import free_port, set_local_rank_defaults  # noqa: E402
+from shardlab.memory.meter import configure_cpu_allocator  # noqa: E402
 from tasks.lm.config import GPTConfig  # noqa: E402
 from tasks.lm.model import GPT  # noqa: E402
 
 
 def train(rank: int, args: argparse.Namespace, port: int, meta: dict) -> None:
     world = args.world_size
+    configure_cpu_allocator("fast")  # as a shardlab CPU rank without a memory budget (distributed.cpu_allocator=auto)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cfg = GPTConfig(num_layers=args.layers, dim=args.dim, num_heads=args.heads, max_seq_len=args.max_seq_len)
     with torch.device("meta"):
@@ -141,6 +144,7 @@ def train(rank: int, args: argparse.Namespace, port: int, meta: dict) -> None:
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                 "torch_threads": torch.get_num_threads(),
                 "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+                "cpu_allocator": "fast",
                 "loadavg_1min_at_end": os.getloadavg()[0],
             },
             "meta": finish(meta),

@@ -68,6 +68,7 @@ def run_overrides(opts, layout: str, k: int, batch: int) -> list[str]:
         f"validation.batch_size={opts.world_size}",
         "validation.num_batches=1",
         "checkpoint.save=false",
+        "distributed.cpu_allocator=lean",  # resident memory is what the plan predicts, not the allocator's cache
         "logging.progress_bar=false",
         "logging.tensorboard=false",
         f"logging.interval_steps={opts.steps}",

@@ -134,9 +134,9 @@ class Backend:
         group (join_process_group): every backend does when world_size > 1 (metrics and checkpoints sync through it),
         and ddp / fully_sharded do at world size 1 too, since DDP and FSDP2 need one."""
         if self.device.type == "cpu":
-            from shardlab.memory.meter import return_freed_buffers_to_os
+            from shardlab.memory.meter import configure_cpu_allocator, resolve_cpu_allocator
 
-            return_freed_buffers_to_os()
+            configure_cpu_allocator(resolve_cpu_allocator(self.cfg.cpu_allocator, self.cfg.memory_budget_gb))
         if self.env.world_size > 1 or self.name != "single":
             join_process_group(self.env, self.device, self.cfg.timeout_s, prepare_data)
         elif prepare_data is not None:

@@ -82,19 +82,9 @@ def job_port(job) -> int:
 
 
 def set_local_rank_defaults(world_size: int) -> None:
-    """Environment for ranks this process is about to spawn (children inherit it), unless the user set it.
-
-    CPU ranks only: glibc keeps FSDP's freed per-unit buffers in its arenas; a lower mmap threshold returns them to the
-    OS (measured on CPU: 7.45 -> 4.69 GiB total RSS at 4 ranks). Ranks started by other launchers set the same
-    threshold themselves (shardlab.memory.meter.return_freed_buffers_to_os). GPU ranks keep parameters in CUDA memory,
-    where it would only add page faults to host-side allocations (pinned buffers, the data); never measured there.
-    One OpenMP thread per core per rank: oversubscribed OpenMP threads spin and collapse throughput."""
-    import torch
-
-    from shardlab.memory.meter import MMAP_THRESHOLD_BYTES
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
+    """Environment for ranks this process is about to spawn (children inherit it), unless the user set it: one
+    OpenMP thread per core per rank (oversubscribed OpenMP threads spin and collapse throughput). How a CPU rank's
+    allocator treats freed memory is the rank's own setting (distributed.cpu_allocator), on every launcher."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
 
 

@@ -34,6 +34,7 @@ MODEL = [
     "lr_scheduler.warmup_steps=0",
     "validation.num_batches=1",
     "checkpoint.save=false",
+    "distributed.cpu_allocator=lean",  # resident memory tracks what a rank holds
 ]
 
 
@@ -135,6 +136,7 @@ VISION = [
     "checkpoint.save=false",
     "logging.progress_bar=false",
     "logging.tensorboard=false",
+    "distributed.cpu_allocator=lean",
 ]
 
 

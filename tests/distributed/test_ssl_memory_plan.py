@@ -25,6 +25,7 @@ def test_predicted_peak_of_swav_multi_crop_matches_the_measured_one(tmp_path):
             "validation.num_batches=1",
             "validation.batch_size=64",
             "checkpoint.save=false",
+            "distributed.cpu_allocator=lean",
             "logging.progress_bar=false",
             "logging.tensorboard=false",
         ]

@@ -14,6 +14,7 @@ from shardlab.config import DistributedConfig, validate
 from shardlab.distributed import base
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.base import Backend, process_group_backend
+from shardlab.memory import meter
 from shardlab.runner import run_rank
 from tests.conftest import compose_config
 
@@ -102,14 +103,55 @@ def unset(monkeypatch, *names: str) -> None:
 
 def test_cpu_only_workarounds_stay_off_on_cuda(fake_cuda, monkeypatch):
     unset(monkeypatch, "MALLOC_MMAP_THRESHOLD_", "OMP_NUM_THREADS")
+    configured = []
+    monkeypatch.setattr(meter, "configure_cpu_allocator", configured.append)
     dist_env.set_local_rank_defaults(2)
-    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ  # CPU ranks only: never measured on GPU ranks
+    backend = Backend(DistributedConfig(backend="ddp"), rank_env(1, 2))
+    backend.name = "ddp"
+    backend.setup()
+    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ and configured == []  # never measured on GPU ranks
     cfg = compose_config(["distributed=fully_sharded", "distributed.reduce_scatter=all_reduce"])
     with pytest.raises(Exception, match="reduce_scatter=all_reduce is a gloo \\(CPU\\) workaround"):
         validate(cfg, world_size=2, num_cuda_devices=2)
 
 
-def test_cpu_ranks_get_the_malloc_threshold(monkeypatch):
-    unset(monkeypatch, "MALLOC_MMAP_THRESHOLD_", "OMP_NUM_THREADS")
-    dist_env.set_local_rank_defaults(2)
-    assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "65536"
+@pytest.mark.parametrize(
+    ("setting", "budget_gb", "applied"), [("auto", 0.0, "fast"), ("auto", 2.0, "lean"), ("lean", 0.0, "lean")]
+)
+def test_cpu_ranks_set_their_allocator_from_the_config(monkeypatch, setting, budget_gb, applied):
+    configured = []
+    monkeypatch.setattr(meter, "configure_cpu_allocator", configured.append)
+    Backend(DistributedConfig(cpu_allocator=setting, memory_budget_gb=budget_gb), rank_env(0, 1)).setup()
+    assert configured == [applied]
+
+
+# A block above lean's mmap threshold, allocated and freed again and again (as every step does with its activations).
+ALLOCATE_AND_FREE = """
+import resource, sys
+import torch
+from shardlab.memory.meter import configure_cpu_allocator
+assert configure_cpu_allocator(sys.argv[1])
+torch.ones(1 << 20).sum()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(400):
+    torch.ones(1 << 20).sum()  # 4 MiB
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_fast_allocator_reuses_freed_pages_that_lean_returns_to_the_os(monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)  # the user's setting would win over both
+    faults = {
+        mode: int(
+            subprocess.run(
+                [sys.executable, "-c", ALLOCATE_AND_FREE, mode], capture_output=True, text=True, check=True
+            ).stdout
+        )
+        for mode in ("lean", "fast")
+    }
+    # lean: every 4 MiB block is a fresh mmap, 1,024 page faults each; fast: the heap keeps the pages.
+    assert faults["lean"] >= 400 * 512, faults
+    assert faults["fast"] * 20 < faults["lean"], faults
