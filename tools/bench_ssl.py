@@ -1,7 +1,7 @@
 """Images/s of SwAV against supervised training on the same trunk and world size, and against a bare SwAV loop, in one
 run and one JSON.
 
-    python tools/bench_ssl.py --world-size 2 --steps 20 --warmup 5 --out bench_ssl.json [overrides]
+    python tools/bench_ssl.py --world-size 2 --steps 20 --warmup 5 --pairs 3 --out bench_ssl.json [overrides]
 
 Three measurements, one after the other, each on ``--world-size`` local ranks under fully_sharded (CPU: gloo):
   swav        tools/bench.py on task=swav (default: 2 x 32 px + 4 x 16 px crops of the embedded images, regnet_cifar)
@@ -12,7 +12,9 @@ Three measurements, one after the other, each on ``--world-size`` local ranks un
               no per-sample seeding, metrics, logging or stop-flag agreement. What it lacks is the framework's overhead.
 Overrides (Hydra, as for shardlab.train) apply to the swav and reference runs; the model.* and data.num_workers ones
 also to the supervised run. The JSON holds each run's images_per_s (global images per median step), median_step_ms
-and load, and the ratios swav / supervised and 1 - swav / reference (the framework's overhead).
+and load, and the ratios swav / supervised and 1 - swav / reference (the framework's overhead). ``--pairs N`` runs swav
+and the bare loop N times, alternating, so that a machine's drift falls on both; the figures are those of the pair with
+the median overhead, and ``pairs`` holds every pair's.
 """
 
 from __future__ import annotations
@@ -143,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--pairs", type=int, default=1, help="swav and the bare loop this many times, alternating (machine drift)"
+    )
     parser.add_argument("--out", default="bench_ssl.json")
     args, overrides = parser.parse_known_args(argv)
     world = args.world_size
@@ -152,13 +157,18 @@ def main(argv: list[str] | None = None) -> dict:
     layout = ["distributed=fully_sharded", f"distributed.world_size={world}"]
     with tempfile.TemporaryDirectory(prefix="bench-ssl-") as tmp:
         load_at_start = os.getloadavg()[0]
-        swav = bench.main([*layout, *swav_overrides, *timing, "--out", f"{tmp}/swav.json"])
+        pairs = []
+        for k in range(args.pairs):
+            swav = bench.main([*layout, *swav_overrides, *timing, "--out", f"{tmp}/swav{k}.json"])
+            opts = {"steps": args.steps, "warmup": args.warmup, "out": f"{tmp}/reference{k}.json"}
+            pairs.append((swav, run_reference(swav_overrides, world, opts)))
         supervised_overrides = ["task=image_classification", *shared]
         if not any(o.startswith("optimization.batch_size=") for o in shared):  # the task's default batch otherwise
             supervised_overrides.append(f"optimization.batch_size={swav['batch_size']}")
         supervised = bench.main([*layout, *supervised_overrides, *timing, "--out", f"{tmp}/supervised.json"])
-        opts = {"steps": args.steps, "warmup": args.warmup, "out": f"{tmp}/reference.json"}
-        reference = run_reference(swav_overrides, world, opts)
+    overheads = [1 - swav["images_per_s"] / reference["images_per_s"] for swav, reference in pairs]
+    median = sorted(range(len(pairs)), key=overheads.__getitem__)[len(pairs) // 2]
+    swav, reference = pairs[median]  # the pair with the median overhead
     out = {
         "tool": "bench_ssl",
         "world_size": world,
@@ -169,12 +179,21 @@ def main(argv: list[str] | None = None) -> dict:
         "supervised": summary(supervised),
         "reference": reference,
         "swav_over_supervised": swav["images_per_s"] / supervised["images_per_s"],
-        "framework_overhead": 1 - swav["images_per_s"] / reference["images_per_s"],
+        "framework_overhead": overheads[median],
+        "pairs": [
+            {
+                "swav_images_per_s": swav["images_per_s"],
+                "reference_images_per_s": reference["images_per_s"],
+                "framework_overhead": overhead,
+            }
+            for (swav, reference), overhead in zip(pairs, overheads, strict=True)
+        ],  # fmt: skip
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(
         f"bench_ssl: swav {swav['images_per_s']:.1f} images/s, supervised {supervised['images_per_s']:.1f}, bare swav "
-        f"loop {reference['images_per_s']:.1f} (framework overhead {100 * out['framework_overhead']:+.1f}%); "
+        f"loop {reference['images_per_s']:.1f} (framework overhead {100 * out['framework_overhead']:+.1f}%, the median "
+        f"of {len(pairs)} interleaved pair(s): {', '.join(f'{100 * o:+.1f}%' for o in overheads)}); "
         f"wrote {args.out}",
         flush=True,
     )
