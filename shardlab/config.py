@@ -111,9 +111,9 @@ class DistributedConfig:
     ranks share its RAM)."""
     cpu_allocator: str = "auto"
     """CPU ranks only: how glibc treats freed memory. lean = return freed buffers to the OS, so resident memory tracks
-    what a rank holds, as the memory plan predicts; fast = keep freed pages for the next step (twice the steps per
-    second of lean for the SwAV default on 2 cores), resident memory above the plan; auto = lean with a
-    memory_budget_gb (the plan must hold), else fast (shardlab/memory/meter.py: configure_cpu_allocator)."""
+    what a rank holds, as the memory plan predicts; fast = keep freed pages for the next step (faster, resident memory
+    above the plan: docs/benchmarks.md "Memory versus speed on CPU"); auto = lean with a memory_budget_gb (the plan
+    must hold), else fast (shardlab/memory/meter.py: configure_cpu_allocator)."""
     timeout_s: int = 600
     """Collective timeout: a dead rank fails the others after this many seconds instead of hanging forever."""
     compile: bool = False

@@ -410,6 +410,22 @@ def parts(sources: list[Source]) -> list[str]:
     return lines
 
 
+def overhead(sources: list[Source]) -> list[str]:
+    """tools/bench_overhead.py: shardlab against the bare loop on the same shapes, each interleaved pair's tokens/s."""
+    lines = header("backend", "pair (order)", "shardlab tokens/s", "bare loop tokens/s", "shardlab / loop")
+    for _, d in sources:
+        for backend, result in d["backends"].items():
+            for k, pair in enumerate(result["pairs"], start=1):
+                order = " first, ".join(pair["order"]) + " second"
+                ratio = f"{pair['ratio']:.3f}x"
+                lines.append(
+                    row(backend, f"{k} ({order})", f"{pair['shardlab_tokens_per_s']:.0f}",
+                        f"{pair['loop_tokens_per_s']:.0f}", ratio)
+                )  # fmt: skip
+            lines.append(row(backend, "median", "", "", f"**{result['median_ratio']:.3f}x**"))
+    return lines
+
+
 def ssl_probe(sources: list[Source]) -> list[str]:
     """tools/evaluate.py --out: a linear probe and kNN on each trunk's frozen features, the same command for each."""
     methods = {"swav": "SwAV", "simclr": "SimCLR", "image_classification": "supervised (labels)"}
@@ -436,6 +452,7 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "ssl_probe": ssl_probe,
     "start": start,
     "parts": parts,
+    "overhead": overhead,
 }
 
 

@@ -82,7 +82,7 @@ def configure_cpu_allocator(mode: str) -> bool:
     it keeps: FSDP's per-unit all-gather and gradient buffers and activations then stay resident, and a rank's memory
     grows far past what it holds. Every such allocation pays its page faults again.
     fast: the threshold at glibc's ceiling and no trimming below 1 GiB, so a step reuses the pages the last one freed
-    (half the step time of lean for the SwAV default, measured); resident memory stays at the steps' high-water mark.
+    instead of faulting them in again; resident memory stays at the steps' high-water mark.
     A no-op where the C library is not glibc or the user set MALLOC_MMAP_THRESHOLD_ (the user's choice wins)."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
