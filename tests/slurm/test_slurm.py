@@ -168,6 +168,23 @@ def test_a_bad_config_reports_its_one_line_error_and_the_job_fails(slurm_env, co
     wait_for(lambda: slurm_state(slurm_env, job["job_id"]) == "FAILED", 60, "Slurm to record the job as FAILED")
 
 
+def test_a_task_whose_checks_fail_stops_the_job_at_once_with_its_reason(slurm_env, corpus_cache, tmp_path):
+    """One task per rank, and only rank 1 cannot create its checkpoint directory (below a regular file): rank 1 fails
+    its start-up checks before it joins; rank 0, which hosts the rendezvous store under Slurm, stops with rank 1's
+    reason at once instead of waiting for it until the collective timeout."""
+    (tmp_path / "ckpt1").write_text("a regular file where rank 1's checkpoint folder should go")
+    per_task_dir = f"checkpoint.dir={tmp_path}/ckpt${{oc.env:SLURM_PROCID,0}}/checkpoints"
+    started = time.monotonic()
+    out = finish(submit(slurm_env, tmp_path, corpus_cache, "hydra.launcher.tasks_per_node=2", per_task_dir), 240)
+    (job,) = manifest(tmp_path)
+    assert time.monotonic() - started < 150, out[-3000:]
+    reason = f"checkpoint.dir: cannot create or write {tmp_path}/ckpt1/checkpoints ({tmp_path}/ckpt1 is a file"
+    assert f"#0 job {job['job_id']} failed: rank 1 failed first: {reason}" in out, out[-3000:]
+    assert f"(rank 0: rank 1 failed before joining: {reason}" in out  # rank 0 heard it from rank 1
+    status = run_record.read(Path(job["run_dir"]))
+    assert status["status"] == "failed" and reason in status["error"]
+
+
 def start_long_job(env: dict, sweep_dir: Path, corpus_cache: str) -> tuple[subprocess.Popen, dict]:
     proc = submit(env, sweep_dir, corpus_cache, "optimization.max_steps=100000")
     job = wait_for(lambda: (manifest(sweep_dir) or [None])[0], 60, "the submission")
