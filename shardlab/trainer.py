@@ -35,7 +35,7 @@ from shardlab.jobs import run_record
 from shardlab.jobs.preemption import StopSignals
 from shardlab.jobs.run_dir import run_key_differences
 from shardlab.logging import RunLogger
-from shardlab.memory.meter import PeakMeter, memory_gib, resident_bytes, resolve_cpu_allocator
+from shardlab.memory.meter import PeakMeter, memory_gib, resident_bytes
 from shardlab.memory.plan import GiB, RunPlan
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
 from shardlab.task import Task
@@ -270,10 +270,9 @@ class Trainer:
         }
         where = "allocator peak" if self.backend.device.type == "cuda" else "peak RSS above the rank's start"
         caveat = ""
-        if self.backend.device.type == "cpu":
-            dist_cfg = self.cfg.distributed
-            self.memory["cpu_allocator"] = resolve_cpu_allocator(dist_cfg.cpu_allocator, dist_cfg.memory_budget_gb)
-            if self.memory["cpu_allocator"] == "fast":
+        if self.backend.cpu_allocator is not None:
+            self.memory["cpu_allocator"] = self.backend.cpu_allocator
+            if self.backend.cpu_allocator == "fast":
                 caveat = " (the allocator keeps freed pages: distributed.cpu_allocator=lean measures against the plan)"
         log.info(
             f"memory per rank (fullest rank): training-step peak {peak / GiB:.2f} GiB ({where}), plan "

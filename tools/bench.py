@@ -411,7 +411,7 @@ def assemble(cfg, opts: dict, probe: StepProbe, result: dict) -> dict:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
             "torch_threads": torch.get_num_threads(),
             "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-            "cpu_allocator": resolve_cpu_allocator(cfg.distributed.cpu_allocator, cfg.distributed.memory_budget_gb),
+            "cpu_allocator": resolve_cpu_allocator(cfg.distributed),
             "cpu_count": os.cpu_count(),
             "loadavg_1min_at_end": os.getloadavg()[0],
         },

@@ -38,7 +38,7 @@ import bench  # noqa: E402  (tools/bench.py)
 from omegaconf import OmegaConf  # noqa: E402
 
 from shardlab.distributed.env import free_port, set_local_rank_defaults  # noqa: E402
-from shardlab.memory.meter import configure_cpu_allocator  # noqa: E402
+from shardlab.memory.meter import configure_cpu_allocator, resolve_cpu_allocator  # noqa: E402
 
 SWAV = [
     "task=swav",
@@ -61,9 +61,9 @@ def reference_rank(rank: int, world: int, port: int, cfg_yaml: str, opts: dict) 
     from tasks.self_supervised.swav import swav_loss
     from tasks.self_supervised.task import normalize_prototypes
 
-    configure_cpu_allocator("fast")  # as a shardlab CPU rank without a memory budget (distributed.cpu_allocator=auto)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cfg = OmegaConf.create(cfg_yaml)
+    configure_cpu_allocator(resolve_cpu_allocator(cfg.distributed))  # as the shardlab run it is compared with
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     t, o = cfg.task, cfg.optimization
     with torch.device("meta"):
         model = convert_sync_batchnorm(ssl_model.build(cfg.model, t))

@@ -124,6 +124,9 @@ class Backend:
         self.env = env
         self.device = self._pick_device()
         self.param_dtype, self.reduce_dtype = resolve_dtypes(cfg)
+        self.cpu_allocator: str | None = None
+        """What setup applied to this CPU rank's allocator (lean or fast); None on GPU ranks, off glibc, or where the
+        user's MALLOC_MMAP_THRESHOLD_ decides."""
 
     # ---- process group -------------------------------------------------------------------------------------------
     def _pick_device(self) -> torch.device:
@@ -136,7 +139,8 @@ class Backend:
         if self.device.type == "cpu":
             from shardlab.memory.meter import configure_cpu_allocator, resolve_cpu_allocator
 
-            configure_cpu_allocator(resolve_cpu_allocator(self.cfg.cpu_allocator, self.cfg.memory_budget_gb))
+            mode = resolve_cpu_allocator(self.cfg)
+            self.cpu_allocator = mode if configure_cpu_allocator(mode) else None
         if self.env.world_size > 1 or self.name != "single":
             join_process_group(self.env, self.device, self.cfg.timeout_s, prepare_data)
         elif prepare_data is not None:

@@ -66,12 +66,12 @@ GLIBC_TRIM_THRESHOLD = 128 << 10
 """glibc's default trim threshold (lean restores it in a process that ran fast before, as the test suite's do)."""
 
 
-def resolve_cpu_allocator(mode: str, memory_budget_gb: float) -> str:
+def resolve_cpu_allocator(dist_cfg) -> str:
     """distributed.cpu_allocator as a CPU rank applies it: auto is lean where a memory budget is set (the plan that
     chose the layout must then hold for resident memory), else fast."""
-    if mode == "auto":
-        return "lean" if memory_budget_gb > 0 else "fast"
-    return mode
+    if dist_cfg.cpu_allocator == "auto":
+        return "lean" if dist_cfg.memory_budget_gb > 0 else "fast"
+    return dist_cfg.cpu_allocator
 
 
 def configure_cpu_allocator(mode: str) -> bool:

@@ -120,9 +120,10 @@ def test_cpu_only_workarounds_stay_off_on_cuda(fake_cuda, monkeypatch):
 )
 def test_cpu_ranks_set_their_allocator_from_the_config(monkeypatch, setting, budget_gb, applied):
     configured = []
-    monkeypatch.setattr(meter, "configure_cpu_allocator", configured.append)
-    Backend(DistributedConfig(cpu_allocator=setting, memory_budget_gb=budget_gb), rank_env(0, 1)).setup()
-    assert configured == [applied]
+    monkeypatch.setattr(meter, "configure_cpu_allocator", lambda mode: configured.append(mode) or True)
+    backend = Backend(DistributedConfig(cpu_allocator=setting, memory_budget_gb=budget_gb), rank_env(0, 1))
+    backend.setup()
+    assert configured == [applied] and backend.cpu_allocator == applied  # what the end-of-run memory line reports
 
 
 # A block above lean's mmap threshold, allocated and freed again and again (as every step does with its activations).
