@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from tools import bench_meta  # noqa: E402
 
 
 def grid(overrides: list[str]) -> tuple[list[dict], dict]:
@@ -96,13 +97,15 @@ def tuned(base: list[str], scratch: Path) -> tuple[dict, list[str]]:
     return json.loads((run_dir / "status.json").read_text())["autotune"], cmd
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="interleaved measurements of every grid point")
     parser.add_argument("--out", default="autotune_grid.json")
-    args, base = parser.parse_known_args()
+    args, base = parser.parse_known_args(argv)
+    settings = {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "overrides": base}
+    meta = bench_meta.collect(__file__, argv, settings)
     points, info = grid(base)
     unit = info["unit"]
     commands: list[list[str]] = []
@@ -124,6 +127,7 @@ def main() -> None:
     chosen = next(p for p in points if _same(p, decision))
     run_300_s = 300 * chosen["step_ms"] / 1000  # the run that follows the tuning, at the chosen point's speed
     result = {
+        "meta": bench_meta.finish(meta),
         "overrides": base,
         "grid": points,
         "best": {k: best[k] for k in ("layout", "micro_batch", "update_freq", f"{unit}_per_s")},

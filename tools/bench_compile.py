@@ -1,6 +1,6 @@
 """Compiled against eager, in interleaved pairs of tools/bench.py runs; the compile time of a cold and a warm cache.
 
-    python tools/bench_compile.py                      # every case, 3 pairs each (a quiet machine: ~1 h on 2 cores)
+    python tools/bench_compile.py --out docs/bench/compile.json   # every case, 3 pairs each (~45 min on 2 quiet cores)
     python tools/bench_compile.py --cases lm_ddp --pairs 2 --steps 10 optimization.batch_size=16
 
 Each case runs bench.py (a fresh process per run, so nothing compiled survives in memory) with distributed.compile
@@ -8,8 +8,8 @@ false and true, alternating which goes first (eager-compiled, then compiled-eage
 does not favour one side. Each case gets its own empty inductor cache under --out-dir: its first compiled run compiles
 from scratch (cold), the later ones reload what it wrote (warm), and each reports its compile time (bench.py's
 compile_s: first step minus the median step). Arguments without a leading ``--`` are Hydra overrides added to every
-run. Writes every run's bench JSON and summary.json (pairs, throughput ratios, compile times, load averages) to
---out-dir and prints one line per pair.
+run. Writes every run's bench JSON to --out-dir, the summary (pairs, throughput ratios, compile times, load averages,
+and the meta tools/bench_tables.py renders under docs/compile.md's table) to --out, and prints one line per pair.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools import bench_meta  # noqa: E402
 
 CASES = {  # the issue's must-show: gpt_small at world size 2 (fully_sharded and ddp), and regnet_cifar
     "lm_fully_sharded": ["task=lm", "model=gpt_small", "distributed.backend=fully_sharded", "distributed.world_size=2"],
@@ -95,14 +98,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pairs", type=int, default=3, help="eager/compiled pairs per case (>= 2: one cold, warm)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run (bench.py --steps)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (bench.py --warmup)")
-    parser.add_argument("--out-dir", default="bench_compile")
+    parser.add_argument("--out-dir", default="bench_compile", help="every run's bench JSON and the inductor caches")
+    parser.add_argument("--out", help="the summary JSON (default: OUT_DIR/summary.json)")
     args, overrides = parser.parse_known_args(argv)
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown or args.pairs < 1 or any(o.startswith("-") for o in overrides):
         parser.error(f"unknown cases {unknown}" if unknown else "bad --pairs or an unknown --option")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else out_dir / "summary.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {"cases": args.cases.split(","), "pairs": args.pairs, "steps": args.steps, "warmup": args.warmup}
+    meta = bench_meta.collect(__file__, argv, settings)
     summary = {
+        "meta": meta,
         "tool": "bench_compile",
         "steps": args.steps,
         "warmup": args.warmup,
@@ -111,8 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for name in args.cases.split(","):
         summary["cases"][name] = run_case(name, [*CASES[name], *overrides], args, out_dir)
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))  # partial results survive a stop
-    print(f"bench_compile: wrote {out_dir / 'summary.json'}", flush=True)
+        summary["meta"] = bench_meta.finish(meta)
+        out.write_text(json.dumps(summary, indent=1) + "\n")  # partial results survive a stop
+    print(f"bench_compile: wrote {out}", flush=True)
     return summary
 
 

@@ -441,6 +441,46 @@ def ssl_probe(sources: list[Source]) -> list[str]:
     return lines
 
 
+def compiled(sources: list[Source]) -> list[str]:
+    """tools/bench_compile.py: eager against compiled in interleaved pairs of bench.py runs, and each compile time."""
+    lines = header("run", "pair (order)", "eager", "compiled", "compiled / eager", "compile time (cache)")
+    for _, d in sources:
+        for case in d["cases"].values():
+            unit = case["unit"]
+            label = " ".join(o for o in case["overrides"] if not o.startswith("task=lm"))
+            for k, pair in enumerate(case["pairs"], start=1):
+                order = " first, ".join(pair["order"]) + " second"
+                lines.append(
+                    row(label, f"{k} ({order})", f"{pair[f'eager_{unit}_per_s']:.1f} {unit}/s",
+                        f"{pair[f'compiled_{unit}_per_s']:.1f} {unit}/s", f"{pair['speedup']:.3f}x",
+                        f"{pair['compile_s']:.1f} s ({pair['cache']})")
+                )  # fmt: skip
+            lines.append(row(label, "median", "", "", f"**{case['median_speedup']:.3f}x**", ""))
+    return lines
+
+
+def autotune(sources: list[Source]) -> list[str]:
+    """tools/autotune_grid.py: backend=auto's measured choice against the best point of the exhaustive grid."""
+    lines = header(
+        "run", "world size", "budget", "grid", "best of the grid", "auto chose", "auto / best", "tuning (of 300 steps)"
+    )
+    for _, d in sources:
+        unit, settings = d["unit"], dict(o.split("=", 1) for o in d["overrides"])
+        run = " ".join(f"{k}={v}" for k, v in settings.items() if not k.startswith("distributed."))
+        layouts = {p["layout"] for p in d["grid"]}
+        splits = {(p["micro_batch"], p["update_freq"]) for p in d["grid"]}
+        best = d["best"]
+        best_point = f"{best['layout']}, {best['micro_batch']} x {best['update_freq']}"
+        lines.append(
+            row(run, d["world_size"], f"{settings.get('distributed.memory_budget_gb', '-')} GiB",
+                f"{len(d['grid'])} points ({len(layouts)} layouts x {len(splits)} splits)",
+                f"{best_point}: {best[f'{unit}_per_s']:.1f} {unit}/s",
+                f"{d['tuned']['label']}: {d['tuned_grid_throughput']:.1f} {unit}/s", f"**{d['tuned_vs_best']:.3f}x**",
+                f"{d['tuning_s']:.1f} s ({100 * d['tuning_fraction_of_300_steps']:.1f}%)")
+        )  # fmt: skip
+    return lines
+
+
 RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "throughput": throughput,
     "collectives": collectives,
@@ -453,6 +493,8 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "start": start,
     "parts": parts,
     "overhead": overhead,
+    "compile": compiled,
+    "autotune": autotune,
 }
 
 
