@@ -1,6 +1,6 @@
 """Compiled against eager, in interleaved pairs of tools/bench.py runs; the compile time of a cold and a warm cache.
 
-    python tools/bench_compile.py --out docs/bench/compile.json   # every case, 3 pairs each (~45 min on 2 quiet cores)
+    python tools/bench_compile.py --out docs/bench/compile.json   # every case, 3 pairs each (~20 min on 2 quiet cores)
     python tools/bench_compile.py --cases lm_ddp --pairs 2 --steps 10 optimization.batch_size=16
 
 Each case runs bench.py (a fresh process per run, so nothing compiled survives in memory) with distributed.compile
