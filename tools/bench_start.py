@@ -9,6 +9,7 @@ line reaches this process, less the step's own ``ms_per_step``, is when its firs
 
     python tools/bench_start.py --pairs 5 --out docs/bench/start.json
     python tools/bench_start.py --pairs 5 -- model=llama_tiny     # extra overrides for the run
+    python tools/bench_start.py --pairs 5 --torchvision -- task=image_classification   # a vision run and its floor
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ IMPORT_TORCH = "import torch"
 TORCH_OPTIMIZER = "import torch; torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())"
 """The floor of any torch training program: building a torch.optim optimizer imports torch._dynamo (its
 add_param_group is wrapped by torch._disable_dynamo), so every trainer pays that import before its first step."""
+TORCHVISION_OPTIMIZER = "import torch, torchvision; torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())"
+"""The floor of a vision trainer built on torchvision's models (``--torchvision``): importing torchvision imports all of
+its models, datasets, transforms and ops, whatever the run uses."""
 
 
 def time_python(code: str) -> float:
@@ -79,17 +83,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=5, help="interleaved (import torch, one-step run) pairs")
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
+    parser.add_argument("--torchvision", action="store_true", help="also time the floor with torchvision imported")
     parser.add_argument("overrides", nargs="*", help="extra overrides for the run (after --)")
     args = parser.parse_args(argv)
-    meta = bench_meta.collect(__file__, argv, {"pairs": args.pairs, "run": ONE_STEP + args.overrides})
+    settings = {"pairs": args.pairs, "run": ONE_STEP + args.overrides, "torchvision": args.torchvision}
+    meta = bench_meta.collect(__file__, argv, settings)
     with tempfile.TemporaryDirectory() as tmp:
         # Warm-up (not counted): preprocesses the corpus into the cache and fills the OS page cache for both.
         time_python(IMPORT_TORCH)
         time_one_step(args.overrides, Path(tmp) / "warmup")
-        torch_s, optimizer_s, start_s, first_step_s, total_s = [], [], [], [], []
+        torch_s, optimizer_s, vision_s, start_s, first_step_s, total_s = [], [], [], [], [], []
         for i in range(args.pairs):
             torch_s.append(time_python(IMPORT_TORCH))
             optimizer_s.append(time_python(TORCH_OPTIMIZER))
+            if args.torchvision:
+                vision_s.append(time_python(TORCHVISION_OPTIMIZER))
             start, first, total = time_one_step(args.overrides, Path(tmp) / f"run{i}")
             start_s.append(start)
             first_step_s.append(first)
@@ -114,6 +122,15 @@ def main(argv: list[str] | None = None) -> dict:
         "first_step_begins_over_import_torch": median(start_s) / median(torch_s),
         "first_step_over_import_torch": median(first_step_s) / median(torch_s),
         "torch_optimizer_over_import_torch": median(optimizer_s) / median(torch_s),
+        **(
+            {
+                "torchvision_optimizer_s": vision_s,
+                "median_torchvision_optimizer_s": median(vision_s),
+                "torchvision_optimizer_over_import_torch": median(vision_s) / median(torch_s),
+            }
+            if vision_s
+            else {}
+        ),
         "load_average_end": os.getloadavg(),
     }
     print(

@@ -391,8 +391,12 @@ def start(sources: list[Source]) -> list[str]:
     for _, d in sources:
         run = " ".join(o for o in d["meta"]["settings"]["run"] if o.startswith("task=")) or "default LM (task=lm)"
         base = d["median_import_torch_s"]
-        keys = ("median_torch_optimizer_s", "median_first_step_begins_s", "median_first_step_s", "median_total_s")
-        lines.append(row(run, f"{base:.2f} s", *(f"{d[k]:.2f} s ({d[k] / base:.2f}x)" for k in keys)))
+        cell = {k: f"{v:.2f} s ({v / base:.2f}x)" for k, v in d.items() if k.startswith("median_")}
+        floor = cell["median_torch_optimizer_s"]
+        if "median_torchvision_optimizer_s" in cell:
+            floor += f"; with torchvision {cell['median_torchvision_optimizer_s']}"
+        keys = ("median_first_step_begins_s", "median_first_step_s", "median_total_s")
+        lines.append(row(run, f"{base:.2f} s", floor, *(cell[k] for k in keys)))
     return lines
 
 
@@ -446,8 +450,9 @@ def compiled(sources: list[Source]) -> list[str]:
     lines = header("run", "pair (order)", "eager", "compiled", "compiled / eager", "compile time (cache)")
     for _, d in sources:
         for case in d["cases"].values():
-            unit = case["unit"]
-            label = " ".join(o for o in case["overrides"] if not o.startswith("task=lm"))
+            unit, settings = case["unit"], dict(o.split("=", 1) for o in case["overrides"])
+            label = f"{settings.get('model', 'default model')}, {settings.get('distributed.backend', 'single')}"
+            label += f", {settings.get('distributed.world_size', 1)} ranks"
             for k, pair in enumerate(case["pairs"], start=1):
                 order = " first, ".join(pair["order"]) + " second"
                 lines.append(
