@@ -448,11 +448,12 @@ def ssl_probe(sources: list[Source]) -> list[str]:
 def compiled(sources: list[Source]) -> list[str]:
     """tools/bench_compile.py: eager against compiled in interleaved pairs of bench.py runs, and each compile time."""
     lines = header("run", "pair (order)", "eager", "compiled", "compiled / eager", "compile time (cache)")
-    for _, d in sources:
+    for n, (_, d) in enumerate(sources, start=1):
         for case in d["cases"].values():
             unit, settings = case["unit"], dict(o.split("=", 1) for o in case["overrides"])
             label = f"{settings.get('model', 'default model')}, {settings.get('distributed.backend', 'single')}"
             label += f", {settings.get('distributed.world_size', 1)} ranks"
+            label += f" (measurement {n})" if len(sources) > 1 else ""
             for k, pair in enumerate(case["pairs"], start=1):
                 order = " first, ".join(pair["order"]) + " second"
                 lines.append(
