@@ -122,17 +122,12 @@ def main(argv: list[str] | None = None) -> dict:
         "first_step_begins_over_import_torch": median(start_s) / median(torch_s),
         "first_step_over_import_torch": median(first_step_s) / median(torch_s),
         "torch_optimizer_over_import_torch": median(optimizer_s) / median(torch_s),
-        **(
-            {
-                "torchvision_optimizer_s": vision_s,
-                "median_torchvision_optimizer_s": median(vision_s),
-                "torchvision_optimizer_over_import_torch": median(vision_s) / median(torch_s),
-            }
-            if vision_s
-            else {}
-        ),
         "load_average_end": os.getloadavg(),
     }
+    if vision_s:
+        result["torchvision_optimizer_s"] = vision_s
+        result["median_torchvision_optimizer_s"] = median(vision_s)
+        result["torchvision_optimizer_over_import_torch"] = median(vision_s) / median(torch_s)
     print(
         f"median: import torch {median(torch_s):.2f} s, torch optimizer {median(optimizer_s):.2f} s "
         f"({result['torch_optimizer_over_import_torch']:.2f}x); the run's first step begins at {median(start_s):.2f} s "

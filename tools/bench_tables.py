@@ -414,16 +414,20 @@ def parts(sources: list[Source]) -> list[str]:
     return lines
 
 
+def pair_label(k: int, pair: dict[str, Any]) -> str:
+    """An interleaved pair's number and which side ran first: '2 (compiled first, eager second)'."""
+    return f"{k} ({' first, '.join(pair['order'])} second)"
+
+
 def overhead(sources: list[Source]) -> list[str]:
     """tools/bench_overhead.py: shardlab against the bare loop on the same shapes, each interleaved pair's tokens/s."""
     lines = header("backend", "pair (order)", "shardlab tokens/s", "bare loop tokens/s", "shardlab / loop")
     for _, d in sources:
         for backend, result in d["backends"].items():
             for k, pair in enumerate(result["pairs"], start=1):
-                order = " first, ".join(pair["order"]) + " second"
                 ratio = f"{pair['ratio']:.3f}x"
                 lines.append(
-                    row(backend, f"{k} ({order})", f"{pair['shardlab_tokens_per_s']:.0f}",
+                    row(backend, pair_label(k, pair), f"{pair['shardlab_tokens_per_s']:.0f}",
                         f"{pair['loop_tokens_per_s']:.0f}", ratio)
                 )  # fmt: skip
             lines.append(row(backend, "median", "", "", f"**{result['median_ratio']:.3f}x**"))
@@ -455,9 +459,8 @@ def compiled(sources: list[Source]) -> list[str]:
             label += f", {settings.get('distributed.world_size', 1)} ranks"
             label += f" (measurement {n})" if len(sources) > 1 else ""
             for k, pair in enumerate(case["pairs"], start=1):
-                order = " first, ".join(pair["order"]) + " second"
                 lines.append(
-                    row(label, f"{k} ({order})", f"{pair[f'eager_{unit}_per_s']:.1f} {unit}/s",
+                    row(label, pair_label(k, pair), f"{pair[f'eager_{unit}_per_s']:.1f} {unit}/s",
                         f"{pair[f'compiled_{unit}_per_s']:.1f} {unit}/s", f"{pair['speedup']:.3f}x",
                         f"{pair['compile_s']:.1f} s ({pair['cache']})")
                 )  # fmt: skip
