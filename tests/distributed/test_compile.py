@@ -9,7 +9,6 @@ and toggles are marked slow: ``pytest -m slow tests/distributed/test_compile.py`
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
 from tests.conftest import compose_config
 from tests.distributed.harness import run_spawned
-from tests.distributed.test_vision_parity import TINY_VISION, in_float64
+from tests.distributed.test_vision_parity import TINY_VISION, in_float64_throughout, prepared
 
 COMPILED_RTOL = 1e-4
 """The issue's tolerance: inductor fuses and reorders float sums, so compiled and eager agree to rounding, not bits."""
@@ -119,33 +118,6 @@ def must_show(model: list[str], cache: Path, tmp_path_factory, prepare=None) -> 
 
 def float64_params(trainer) -> dict:
     return {"float64": all(p.dtype == torch.float64 for p in trainer.model.parameters())}
-
-
-def in_float64_throughout() -> None:
-    """tests/distributed/test_vision_parity.py's in_float64, and fully_sharded computing in the parameters' own dtype:
-    its fp32 runs pass param_dtype=fp32 to FSDP2, which would cast float64 parameters and inputs down to fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from shardlab.distributed.fully_sharded import FullyShardedBackend
-
-    in_float64()
-    shard_kwargs = FullyShardedBackend.shard_kwargs
-    FullyShardedBackend.shard_kwargs = lambda self: {**shard_kwargs(self), "mp_policy": MixedPrecisionPolicy()}
-
-
-@contextlib.contextmanager
-def prepared(prepare):
-    """``prepare()`` for the duration (it patches classes; they are put back after)."""
-    from shardlab.distributed.fully_sharded import FullyShardedBackend
-    from tasks.image_classification.task import ImageClassificationTask
-
-    saved = ImageClassificationTask.build_model, ImageClassificationTask.collate, FullyShardedBackend.shard_kwargs
-    try:
-        if prepare is not None:
-            prepare()
-        yield
-    finally:
-        ImageClassificationTask.build_model, ImageClassificationTask.collate, FullyShardedBackend.shard_kwargs = saved
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ BatchNorm on the concatenated batch, over all ranks and over groups of ranks (4 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -285,6 +286,33 @@ def in_float64() -> None:
     ImageClassificationTask.collate = lambda self, samples: _doubled(collate(self, samples))
 
 
+def in_float64_throughout() -> None:
+    """in_float64, and fully_sharded computing in the parameters' own dtype: its fp32 runs pass param_dtype=fp32 to
+    FSDP2, which would cast float64 parameters and inputs down to fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from shardlab.distributed.fully_sharded import FullyShardedBackend
+
+    in_float64()
+    shard_kwargs = FullyShardedBackend.shard_kwargs
+    FullyShardedBackend.shard_kwargs = lambda self: {**shard_kwargs(self), "mp_policy": MixedPrecisionPolicy()}
+
+
+@contextlib.contextmanager
+def prepared(prepare):
+    """``prepare()`` for the duration (it patches classes; they are put back after)."""
+    from shardlab.distributed.fully_sharded import FullyShardedBackend
+    from tasks.image_classification.task import ImageClassificationTask
+
+    saved = ImageClassificationTask.build_model, ImageClassificationTask.collate, FullyShardedBackend.shard_kwargs
+    try:
+        if prepare is not None:
+            prepare()
+        yield
+    finally:
+        ImageClassificationTask.build_model, ImageClassificationTask.collate, FullyShardedBackend.shard_kwargs = saved
+
+
 def _doubled(batch):
     images, labels, skipped = batch
     return images.double(), labels, skipped
@@ -302,17 +330,10 @@ def gnorms(result: dict) -> torch.Tensor:
 
 def default_shape_pair(tmp_path_factory, float64: bool) -> dict:
     """The default model at world size 1 and at 2 (ddp, synced BN), in float64 or fp32."""
-    from tasks.image_classification.task import ImageClassificationTask
-
-    saved = ImageClassificationTask.build_model, ImageClassificationTask.collate
-    try:
-        if float64:
-            in_float64()
+    with prepared(in_float64 if float64 else None):
         single = run_rank(
             compose_config(DEFAULT_SHAPE), tmp_path_factory.mktemp("single"), dist_env.detect(), after_fit=trained_state
         )
-    finally:
-        ImageClassificationTask.build_model, ImageClassificationTask.collate = saved
     (two,) = run_spawned(
         [compose_config([*DEFAULT_SHAPE, "distributed.backend=ddp"])],
         2,
