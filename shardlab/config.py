@@ -8,6 +8,7 @@ shardlab.registry), so Hydra itself rejects an override with a typo in its key o
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -384,11 +385,15 @@ def _writable_dir_problem(path: Path) -> tuple[str | None, bool]:
     """One try of writable_dir_problem: (the problem or None, whether a directory was missing that may come back)."""
     missing = []
     existing = path
-    while not existing.exists():
-        missing.append(existing)
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is a file, not a directory", not existing.exists()
+    while True:
+        try:  # one stat per path: an exists() then an is_dir() may see another rank remove and remake it between
+            mode = existing.stat().st_mode
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            missing.append(existing)
+            existing = existing.parent
+    if not stat.S_ISDIR(mode):
+        return f"{existing} is a file, not a directory", False
     step = "creating it"
     try:
         path.mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,8 @@ def test_the_check_leaves_the_filesystem_as_it_found_it(tmp_path):
 
 def test_ranks_that_check_one_new_run_directory_at_once_all_pass(tmp_path):
     """Every rank checks the job's run directory before Hydra makes it; one rank's clean-up removed the directory
-    under another's probe ("writing a file in it failed: No such file or directory", a CI failure of a 4-rank run)."""
+    under another's probe ("writing a file in it failed: No such file or directory", a CI failure of a 4-rank run), or
+    between an exists() and an is_dir() that another rank's mkdir then answered ("is a file, not a directory")."""
     target = tmp_path / "runs" / "new"
     with ThreadPoolExecutor(8) as pool:
         problems = list(pool.map(lambda _: writable_dir_problem(target), range(400)))
