@@ -154,6 +154,17 @@ def test_embedded_datasets_normalize_and_augment_with_the_global_rng():
     assert torch.equal(task.train_dataset[0][0], first)
 
 
+@pytest.mark.parametrize("pad", [1, 4])
+def test_reflect_pad_gives_the_bytes_of_torch_reflection_padding(pad):
+    import torch.nn.functional as F
+
+    from tasks.image_classification.data import reflect_pad
+
+    images = torch.randint(0, 256, (5, 3, 9, 12), dtype=torch.uint8)
+    expected = F.pad(images.float(), [pad] * 4, mode="reflect").to(torch.uint8)
+    assert torch.equal(reflect_pad(images, pad), expected)
+
+
 def test_fake_source_gives_the_requested_size_and_classes():
     task = build_task(
         vision(
