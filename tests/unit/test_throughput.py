@@ -8,7 +8,7 @@ from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
 from shardlab.trainer import Trainer
 
-PAUSE_S = 3.0
+PAUSE_S = 1.0
 
 
 def test_validation_time_is_not_counted_as_training_time(tiny_lm, tmp_path, monkeypatch):
