@@ -388,8 +388,14 @@ def start(sources: list[Source]) -> list[str]:
     lines = header(
         "run", "import torch", "torch + an optimizer", "first step begins", "first step ends", "process exits"
     )
-    for _, d in sources:
-        run = " ".join(o for o in d["meta"]["settings"]["run"] if o.startswith("task=")) or "default LM (task=lm)"
+    runs = [
+        " ".join(o for o in d["meta"]["settings"]["run"] if o.startswith("task=")) or "default LM (task=lm)"
+        for _, d in sources
+    ]
+    for i, (_, d) in enumerate(sources):
+        run = runs[i]
+        if runs.count(run) > 1:  # measured more than once: a row per measurement, in the order of the files
+            run += f" (measurement {runs[: i + 1].count(run)})"
         base = d["median_import_torch_s"]
         cell = {k: f"{v:.2f} s ({v / base:.2f}x)" for k, v in d.items() if k.startswith("median_")}
         floor = cell["median_torch_optimizer_s"]
