@@ -425,6 +425,8 @@ def unknown_key_errors(cfg: Any) -> list[str]:
         fields = getattr(schema, "__dataclass_fields__", None)
         for key in node:
             dotted = f"{prefix}{key}"
+            if dotted == "hydra":  # Hydra's own node (in the config a Hydra callback checks): Hydra checks it
+                continue
             if fields is not None and key not in fields:
                 known = ", ".join(name for name in fields if not name.startswith("_"))
                 errors.append(

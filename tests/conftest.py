@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from shardlab.config import register_schemas
+from shardlab.jobs.preflight import compose_config  # noqa: F401  (the tests compose through the CLI's own helper)
 from shardlab.registry import load_plugins
-from shardlab.train import compose_config  # noqa: F401  (the tests compose through the CLI's own helper)
 
 register_schemas()  # at import as well: some tests compose through Hydra directly (test_run_dir) or read registries
 load_plugins()

@@ -34,10 +34,10 @@ from tools import bench_meta  # noqa: E402
 def grid(overrides: list[str]) -> tuple[list[dict], dict]:
     """Every (layout, split) the plan predicts to fit: the overrides that select it and its predicted peak."""
     from shardlab import runner
+    from shardlab.jobs.preflight import compose_config
     from shardlab.memory.autotune import _splits
     from shardlab.memory.budget import fitting, sharded_only
     from shardlab.memory.plan import GiB, profile_config
-    from shardlab.train import compose_config
 
     cfg = compose_config([*overrides, "distributed.backend=auto"])
     task = runner.build_task(cfg, check_budget=False)

@@ -35,8 +35,8 @@ def peak_rss_gib() -> float:
 
 def one(model: str, mode: str, saves: int, interval: int, batch: int, seq_len: int, run_dir: Path) -> dict:
     from shardlab.distributed import env as dist_env
+    from shardlab.jobs.preflight import compose_config
     from shardlab.runner import run_rank
-    from shardlab.train import compose_config
 
     overrides = [
         f"model={model}",

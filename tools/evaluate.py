@@ -40,9 +40,10 @@ from shardlab.checkpoint import weights
 from shardlab.config import DistributedConfig
 from shardlab.distributed.materialize import materialize
 from shardlab.errors import CheckpointError, ConfigError, DataError, first_cause
+from shardlab.jobs.preflight import GROUPS, check_group_choices, compose_config
 from shardlab.runner import build_task
 from shardlab.task import Task
-from shardlab.train import GROUPS, check_group_choices, compose_config, run_tool
+from shardlab.train import run_tool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools import bench_meta  # noqa: E402

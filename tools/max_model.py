@@ -78,10 +78,10 @@ def run_overrides(opts, layout: str, k: int, batch: int) -> list[str]:
 # ---- prediction ------------------------------------------------------------------------------------------------------
 def predict(overrides: list[str], world_size: int) -> dict:
     """The memory plan of a run, as the run itself will print it (per rank), and the auto rule's need per machine."""
+    from shardlab.jobs.preflight import compose_config
     from shardlab.memory import budget as memory_budget
     from shardlab.memory.plan import estimate, layout_of, profile_config
     from shardlab.runner import build_task
-    from shardlab.train import compose_config
 
     cfg = compose_config(overrides)
     task = build_task(cfg, world_size)

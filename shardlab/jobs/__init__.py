@@ -1,5 +1,7 @@
 """A run as a job: where it runs, what it reports, how it is launched, stopped and requeued.
 
+- ``preflight``: the checks of a command line before the run directory or torch (one line, exit code 2); the Hydra
+  callback that checks a run's composed config.
 - ``run_dir``: which overrides name a run directory (``runs/<task>/<name>``).
 - ``run_record``: ``status.json`` in a run directory: running, completed, stopped or failed, and the final metrics.
 - ``preemption``: stop signals (Slurm's time limit, preemption, ``scancel``), agreed across ranks, then handed to
@@ -8,9 +10,9 @@
   classes are declared in hydra_plugins/shardlab_launcher.
 - ``sweep``: the summary table of a sweep (``summary.json``, ``summary.csv``, tools/sweep_summary.py).
 
-Light on purpose (no torch): Hydra's launcher plugin and the sweep callback import these before any training.
+Light on purpose (no torch): the CLI, Hydra's launcher plugin and the callbacks import these before any training.
 """
 
 from __future__ import annotations
 
-__all__ = ["preemption", "run_dir", "run_record", "submitit_launcher", "sweep"]
+__all__ = ["preemption", "preflight", "run_dir", "run_record", "submitit_launcher", "sweep"]

@@ -107,6 +107,15 @@ def test_bad_input_gets_one_line_error_and_nonzero_exit(case, bad_paths):
     assert re.search(pattern, lines[0]), lines[0]
 
 
+@pytest.mark.parametrize("bad", ["optimizer.lr=-0.1", "optimization.bach_size=3", "+optimizer.foo=1"])
+def test_a_refused_config_makes_no_run_directory(bad, tmp_path):
+    """Hydra composes the run once; the checks of the composed config run before Hydra makes the run directory, and
+    a composition error stops it before that too."""
+    code, _, err = run_cli(f"hydra.run.dir={tmp_path}/run", bad)
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_corrupt_checkpoint_error_leaves_the_file_in_place(bad_paths):
     meta = bad_paths / "run" / "checkpoints" / "step_00000004" / "shardlab.json"
     assert meta.read_text() == "{not json"

@@ -10,9 +10,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from shardlab.errors import ConfigError
+from shardlab.jobs.preflight import preflight
 from shardlab.registry import Registry
 from shardlab.runner import build_task
-from shardlab.train import preflight
 from tests.conftest import compose_config
 
 

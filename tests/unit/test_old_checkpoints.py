@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from shardlab.distributed import env as dist_env
+from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
-from shardlab.train import compose_config
 
 OLD_CHECKPOINT = Path(__file__).parent.parent / "data" / "checkpoint_0b6f597" / "step_00000002"
 OLD_RUN = [

@@ -14,8 +14,8 @@ import pytest
 
 from shardlab.config import path_errors, writable_dir_problem
 from shardlab.errors import ConfigError, DataError
+from shardlab.jobs.preflight import preflight
 from shardlab.runner import build_task, prepare_data
-from shardlab.train import preflight
 from tests.conftest import compose_config
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
+from shardlab.config import CONF_DIR
 from shardlab.jobs.run_dir import MAX_NAME, run_key_differences, run_name
-from shardlab.train import CONF_DIR
 
 
 def hydra_dirs(overrides: list[str]) -> tuple[str, str]:

@@ -12,8 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from shardlab.errors import ConfigError
+from shardlab.jobs.preflight import preflight
 from shardlab.registry import LR_SCHEDULERS, MODELS, OPTIMIZERS, TASKS
-from shardlab.train import preflight
 from tests.conftest import ROOT, compose_config
 
 

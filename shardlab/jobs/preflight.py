@@ -1,0 +1,164 @@
+"""The checks of a command line before anything runs, so that a mistake comes back as one line with a fix and exit
+code 2, not a stack trace, and before Hydra makes the run directory or torch is imported.
+
+A plain run is composed once, by Hydra itself: what the command line alone shows is checked before Hydra starts
+(``check_command_line``); Hydra's composition errors are turned into one line (``composition_error``, the CLI has
+Hydra raise them rather than print them); and the composed config is checked by ``ComposedConfigChecks``, a Hydra
+callback that runs between the composition and the run directory (``check_composed``). ``preflight`` does all three
+in-process for tools and tests, composing through ``compose_config`` as every tool does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+import shardlab.optim  # noqa: F401  (registers the built-in optimizers and schedules with their schemas)
+from shardlab.config import (
+    CONF_DIR,
+    group_options,
+    option_package,
+    options_of,
+    path_errors,
+    register_schemas,
+    task_default_options,
+    validate,
+)
+from shardlab.errors import ConfigError
+from shardlab.registry import load_plugins, unknown_name_message, user_dir
+
+GROUPS = ("task", "model", "data", "optimizer", "lr_scheduler", "distributed")
+HYDRA_FLAGS = (
+    *("-m", "--multirun", "--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--version"),
+    *("--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd"),
+)
+
+
+def check_group_choices(overrides: list[str]) -> None:
+    user_conf = user_dir.conf_dir(user_dir.find(overrides))
+    where = " and user_dir's conf/" if user_conf else ""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.lstrip("+~")
+        options = group_options(key, user_conf) if sep and key in GROUPS else []
+        if options and "," not in value and value not in options:
+            raise ConfigError(unknown_name_message(value, f"{key} option (conf/{key}/*.yaml{where})", options, key))
+
+
+def with_user_dir(overrides: list[str]) -> list[str]:
+    """The overrides with user_dir absolute, after importing its modules (beside the built-in plug-ins, registered
+    first) and putting its conf/ on the search path of the Hydra that composes next; unchanged without a user_dir."""
+    overrides = user_dir.absolute(overrides)
+    user_dir.put_conf_on_search_path(user_dir.find(overrides), CONF_DIR)
+    load_plugins(user_dir.find(overrides))
+    return overrides
+
+
+def task_section_errors(overrides: list[str]) -> list[str]:
+    """model=/data= options of another task than the chosen one (conf/task/<task>.yaml picks its own defaults):
+    found before composing, where the mismatch would fail on the task's own keys with a message naming neither."""
+    chosen = {k.lstrip("+~"): v for k, _, v in (o.partition("=") for o in overrides) if k.lstrip("+~") in GROUPS}
+    task = chosen.get("task", "lm")
+    defaults = task_default_options(task)
+    errors = []
+    for group in ("model", "data"):
+        option = chosen.get(group)
+        if option is None or "," in option or group not in defaults:
+            continue
+        own, theirs = option_package(group, defaults[group]), option_package(group, option)
+        if own and theirs and own != theirs:
+            errors.append(
+                f"{group}={option} is a {group} config of another task ({theirs}); task={task} reads its own: "
+                f"{group}={' | '.join(options_of(group, own))}"
+            )
+    return errors
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config ``overrides`` compose to, outside Hydra's app (pre-flight, tools, tests): schemas, task plug-ins and
+    a user_dir's registered first."""
+    register_schemas()
+    overrides = with_user_dir(overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def is_plain_run(argv: list[str]) -> bool:
+    """A run (or a rank of one) rather than a sweep, help or config printout, which Hydra handles itself."""
+    return not any(a.split("=")[0] in HYDRA_FLAGS for a in argv)
+
+
+def check_command_line(argv: list[str]) -> None:
+    """What the command line alone shows: unknown group options, and model=/data= options of another task."""
+    overrides = [a for a in argv if not a.startswith("hydra.") and not a.startswith("hydra/")]
+    check_group_choices(overrides)
+    mismatched = task_section_errors(overrides)
+    if mismatched:
+        raise ConfigError("; ".join(mismatched))
+
+
+def composition_error(error: BaseException) -> ConfigError:
+    """A Hydra or OmegaConf composition error in one line: the first line of each cause names the key and the
+    problem."""
+    parts = []
+    err: BaseException | None = error
+    while err is not None:
+        first = str(err).strip().splitlines()
+        if first:
+            parts.append(first[0].rstrip("."))
+        err = err.__cause__
+    return ConfigError(": ".join(dict.fromkeys(parts)) + " (see `python -m shardlab.train --help`)")
+
+
+def check_composed(cfg: DictConfig, argv: list[str]) -> None:
+    """The composed config's values, and the run and checkpoint directories, before Hydra creates the run directory
+    (failing with a traceback where it cannot): an explicit hydra.run.dir is checked, or the default's parent (runs/
+    here); build_task checks the exact one again."""
+    validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
+    run_dir = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), "runs")
+    errors = path_errors(cfg, run_dir) if "${" not in run_dir else []
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+class ConfigRefused(SystemExit):
+    """The composed config failed its checks inside Hydra, which turns a callback's exceptions into warnings and goes
+    on; a SystemExit passes through it to the CLI, which reports ``error``."""
+
+    def __init__(self, error: ConfigError) -> None:
+        super().__init__(f"error: {error}")
+        self.error = error
+
+
+class ComposedConfigChecks(Callback):
+    """Hydra callback (conf/config.yaml): ``check_composed`` on the config a run composed, called by Hydra after the
+    composition and before it makes the run directory, so the run's one composition is also the checked one."""
+
+    reached = False
+    """Whether a composition got this far in this process: an error before it was the composition's own."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        ComposedConfigChecks.reached = True
+        try:
+            check_composed(config, sys.argv[1:])  # the command line Hydra composed (shardlab.train.cli set it)
+        except ConfigError as e:
+            raise ConfigRefused(e) from None
+
+
+def preflight(argv: list[str]) -> DictConfig | None:
+    """The CLI's checks in-process: the command line, the composition (``compose_config``), the composed config.
+    Returns the config, or None where Hydra handles things itself (sweeps, help)."""
+    if not is_plain_run(argv):
+        return None
+    check_command_line(argv)
+    try:
+        cfg = compose_config([a for a in argv if not a.startswith("hydra.") and not a.startswith("hydra/")])
+    except Exception as e:
+        raise composition_error(e) from None
+    check_composed(cfg, argv)
+    return cfg
