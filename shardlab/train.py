@@ -1,18 +1,17 @@
 """Entry point: `python -m shardlab.train [group=option ...] [key=value ...]`.
 
-Hydra composes the command line once; shardlab.jobs.preflight checks it before and after that composition, so a mistake
-comes back as one line with a fix and exit code 2, not a stack trace, before the run directory exists. Hydra's task
-function then hands the job to shardlab.runner.
+Hydra composes the command line (twice: once for the run mode, once for the run); shardlab.jobs.preflight checks it
+before and after, so a mistake comes back as one line with a fix and exit code 2, not a stack trace, before the run
+directory exists. Hydra's task function then hands the job to shardlab.runner.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -27,6 +26,8 @@ from shardlab.jobs.preflight import (
     ConfigRefused,
     check_command_line,
     composition_error,
+    composition_errors_raised,
+    hydra_reports_errors_again,
     is_plain_run,
     with_user_dir,
 )
@@ -68,7 +69,7 @@ def main(cfg: DictConfig) -> float | None:
     """One run (or one sweep point); returns its final validation loss for sweepers."""
     from shardlab import runner
 
-    hydra_reports_errors_again()
+    hydra_reports_errors_again()  # done by the checks already, unless the config dropped hydra.callbacks
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
@@ -88,33 +89,6 @@ def main(cfg: DictConfig) -> float | None:
         return math.nan
 
 
-RAISED_BY_HYDRA = "HYDRA_FULL_ERROR"
-"""Hydra's documented switch to raise its errors rather than print them. The CLI sets it until the task function
-starts, so that a composition error reaches the CLI and comes back as one line."""
-_raised_for_cli = False
-
-
-@contextlib.contextmanager
-def composition_errors_raised() -> Iterator[None]:
-    """Hydra raises what fails before the task function (where the user set the switch, it stays as they set it)."""
-    global _raised_for_cli
-    _raised_for_cli = not os.environ.get(RAISED_BY_HYDRA)
-    if _raised_for_cli:
-        os.environ[RAISED_BY_HYDRA] = "1"
-    try:
-        yield
-    finally:
-        hydra_reports_errors_again()
-
-
-def hydra_reports_errors_again() -> None:
-    """The task function's errors are Hydra's to report, as in any Hydra app."""
-    global _raised_for_cli
-    if _raised_for_cli:
-        os.environ.pop(RAISED_BY_HYDRA, None)
-        _raised_for_cli = False
-
-
 def cli() -> None:
     try:
         sys.argv[1:] = with_user_dir(sys.argv[1:])  # before Hydra reads the command line: it composes with it
@@ -123,10 +97,12 @@ def cli() -> None:
             check_command_line(sys.argv[1:])
     except ShardlabError as e:
         report_and_exit(e, tell=True)
-    if not plain_run:  # sweeps, help, --cfg: Hydra's own
-        main()
-        return
     try:
+        if (
+            not plain_run
+        ):  # sweeps, help, --cfg: Hydra's own (a run with -cn/-cp/-cd is still checked by Hydra's callback)
+            main()
+            return
         with composition_errors_raised():
             main()
     except ConfigRefused as refused:  # by ComposedConfigChecks, before the run directory exists

@@ -10,8 +10,10 @@ in-process for tools and tests, composing through ``compose_config`` as every to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from hydra import compose, initialize_config_dir
@@ -90,7 +92,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 def is_plain_run(argv: list[str]) -> bool:
     """A run (or a rank of one) rather than a sweep, help or config printout, which Hydra handles itself."""
-    return not any(a.split("=")[0] in HYDRA_FLAGS for a in argv)
+    return not any(a.split("=")[0] in HYDRA_FLAGS or a == "hydra.mode=MULTIRUN" for a in argv)
 
 
 def check_command_line(argv: list[str]) -> None:
@@ -119,7 +121,7 @@ def check_composed(cfg: DictConfig, argv: list[str]) -> None:
     """The composed config's values, and the run and checkpoint directories, before Hydra creates the run directory
     (failing with a traceback where it cannot): an explicit hydra.run.dir is checked, or the default's parent (runs/
     here); build_task checks the exact one again."""
-    validate(cfg, int(os.environ.get("WORLD_SIZE", 0)) or None)
+    validate(cfg, int(os.environ.get("WORLD_SIZE") or 0) or None)
     run_dir = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), "runs")
     errors = path_errors(cfg, run_dir) if "${" not in run_dir else []
     if errors:
@@ -137,7 +139,8 @@ class ConfigRefused(SystemExit):
 
 class ComposedConfigChecks(Callback):
     """Hydra callback (conf/config.yaml): ``check_composed`` on the config a run composed, called by Hydra after the
-    composition and before it makes the run directory, so the run's one composition is also the checked one."""
+    composition and before it makes the run directory, so the run's composition is also the checked one. Hydra
+    reports what fails after it as in any Hydra app."""
 
     reached = False
     """Whether a composition got this far in this process: an error before it was the composition's own."""
@@ -146,8 +149,39 @@ class ComposedConfigChecks(Callback):
         ComposedConfigChecks.reached = True
         try:
             check_composed(config, sys.argv[1:])  # the command line Hydra composed (shardlab.train.cli set it)
-        except ConfigError as e:
-            raise ConfigRefused(e) from None
+        except Exception as e:  # any failure refuses the run: Hydra would only warn and go on unchecked
+            raise ConfigRefused(e if isinstance(e, ConfigError) else composition_error(e)) from None
+        hydra_reports_errors_again()
+
+
+# ---- Hydra's errors, raised to the CLI until the composition is checked ----------------------------------------------
+RAISED_BY_HYDRA = "HYDRA_FULL_ERROR"
+"""Hydra's documented switch to raise its errors rather than print them (when exactly "1"). The CLI sets it while
+Hydra composes, so that a composition error reaches the CLI and comes back as one line."""
+_user_value: list[str | None] = []
+"""The switch as the user had it, while the CLI holds it (empty otherwise)."""
+
+
+@contextlib.contextmanager
+def composition_errors_raised() -> Iterator[None]:
+    """Hydra raises what fails while it composes; the user's own setting of the switch is put back after."""
+    _user_value[:] = [os.environ.get(RAISED_BY_HYDRA)]
+    os.environ[RAISED_BY_HYDRA] = "1"
+    try:
+        yield
+    finally:
+        hydra_reports_errors_again()
+
+
+def hydra_reports_errors_again() -> None:
+    """The switch as the user set it (or unset): once the composed config is checked, what fails is Hydra's to
+    report, and no child process inherits the CLI's setting."""
+    if _user_value:
+        value = _user_value.pop()
+        if value is None:
+            os.environ.pop(RAISED_BY_HYDRA, None)
+        else:
+            os.environ[RAISED_BY_HYDRA] = value
 
 
 def preflight(argv: list[str]) -> DictConfig | None:

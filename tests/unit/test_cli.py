@@ -19,12 +19,11 @@ from tests.conftest import TINY_LM, compose_config
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def train_cli(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def train_cli(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "shardlab.train", *args],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -107,12 +106,23 @@ def test_bad_input_gets_one_line_error_and_nonzero_exit(case, bad_paths):
     assert re.search(pattern, lines[0]), lines[0]
 
 
-@pytest.mark.parametrize("bad", ["optimizer.lr=-0.1", "optimization.bach_size=3", "+optimizer.foo=1"])
-def test_a_refused_config_makes_no_run_directory(bad, tmp_path):
-    """Hydra composes the run once; the checks of the composed config run before Hydra makes the run directory, and
-    a composition error stops it before that too."""
-    code, _, err = run_cli(f"hydra.run.dir={tmp_path}/run", bad)
-    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+REFUSED = {
+    "out of range": (["optimizer.lr=-0.1"], {}),
+    "mistyped key": (["optimization.bach_size=3"], {}),
+    "unknown key": (["+optimizer.foo=1"], {}),
+    "config named with -cn": (["-cn", "config", "optimizer.lr=-0.1"], {}),
+    "user's HYDRA_FULL_ERROR=0": (["optimization.bach_size=3"], {"HYDRA_FULL_ERROR": "0"}),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_refused_config_makes_no_run_directory(case, tmp_path):
+    """Hydra composes the run; the composed config is checked before Hydra makes the run directory, and a composition
+    error stops it before that too: one line, exit code 2, whatever Hydra's error switch says."""
+    args, env = REFUSED[case]
+    proc = train_cli(*args, f"hydra.run.dir={tmp_path}/run", env=env)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
 
 
