@@ -38,6 +38,7 @@ from shardlab.runner import run_rank
 from tests.conftest import TINY_LM
 from tests.events import scalars
 from tests.faults.conftest import record_cell
+from tests.slurm.test_slurm import start_requeued_job_now
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "tests" / "faults" / "site"
@@ -222,10 +223,7 @@ class Cell:
 
     def release_requeued_job(self) -> None:
         """Slurm holds a requeued job ~120 s; once it is pending again, start it now (at once it would fail)."""
-        job_id = self.job()["job_id"]
-        wait_for(lambda: slurm_state(self.slurm_env, job_id) == "PENDING", 60, "the requeue")
-        time.sleep(3)
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=self.slurm_env, check=True)
+        start_requeued_job_now(self.slurm_env, self.job()["job_id"])
 
 
 def wait_for(condition, timeout: float, what: str):
@@ -235,13 +233,6 @@ def wait_for(condition, timeout: float, what: str):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def slurm_state(env: dict, job_id: str) -> str:
-    out = subprocess.run(
-        ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], env=env, capture_output=True, text=True
-    )
-    return out.stdout.strip()
 
 
 # ---- what each attempt must have said --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from shardlab.runner import run_rank
 from tests.conftest import TINY_LM
 from tests.events import scalars
 from tests.faults.test_fault_matrix import FAULT_STEP, MAX_STEPS, RUN, SITE, TWO_RANKS
-from tests.slurm.test_slurm import slurm_state, wait_for
+from tests.slurm.test_slurm import slurm_state, start_requeued_job_now, wait_for
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,9 +68,7 @@ def test_a_batch_job_without_submitit_is_requeued_at_the_time_limit_warning(
     try:
         wait_for(lambda: (fault_dir / "paused").is_file(), 300, "step 7")
         subprocess.run(["scancel", f"--signal={signal.SIGUSR2.name[3:]}", job_id], env=env, check=True)
-        wait_for(lambda: slurm_state(env, job_id) == "PENDING", 120, "the requeue")
-        subprocess.run(["sleep", "3"], check=True)  # Slurm holds a requeued job ~120 s; start it now
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
+        start_requeued_job_now(env, job_id)
         wait_for(lambda: slurm_state(env, job_id) in ("COMPLETED", "FAILED", "CANCELLED"), 600, "the job's end")
     finally:
         subprocess.run(["scancel", job_id], env=env, capture_output=True)

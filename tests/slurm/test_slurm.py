@@ -65,6 +65,16 @@ def slurm_state(env: dict, job_id: str) -> str:
     return out.stdout.strip()
 
 
+def start_requeued_job_now(env: dict, job_id: str) -> None:
+    """Slurm holds a requeued job ~120 s (its BeginTime); once it is pending again, start it now. Slurm refuses the
+    update for a moment after the requeue, longer on a loaded machine: tried again until it takes."""
+    wait_for(lambda: slurm_state(env, job_id) == "PENDING", 120, "the requeue")
+    update = ["scontrol", "update", f"JobId={job_id}", "StartTime=now"]
+    wait_for(
+        lambda: subprocess.run(update, env=env, capture_output=True).returncode == 0, 60, "Slurm to take StartTime=now"
+    )
+
+
 def assert_losses_equal(got: list[float], expected: list[float]) -> None:
     torch.testing.assert_close(
         torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=0
@@ -117,9 +127,7 @@ def test_usr2_requeues_and_resumes_at_the_signalled_step(slurm_env, corpus_cache
     run_dir, job_id = Path(job["run_dir"]), job["job_id"]
     wait_for(lambda: (run_record.read(run_dir) or {}).get("step", 0) >= 5, 120, "step 5")
     subprocess.run(["scancel", "--signal=USR2", job_id], env=slurm_env, check=True)
-    wait_for(lambda: slurm_state(slurm_env, job_id) == "PENDING", 60, "the requeue")
-    time.sleep(3)  # Slurm holds a requeued job ~120 s (BeginTime); start it now (sent at once it fails)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm_env, check=True)
+    start_requeued_job_now(slurm_env, job_id)
     out = finish(proc)
     assert f"#0 job {job_id} completed at step 60" in out, out[-3000:]
 
@@ -145,9 +153,7 @@ def test_a_job_slurm_requeues_saves_first_and_is_followed_to_its_end(
     run_dir, job_id = Path(job["run_dir"]), job["job_id"]
     wait_for(lambda: (run_record.read(run_dir) or {}).get("step", 0) >= 7, 120, "step 7")
     subprocess.run(["scontrol", "requeue", job_id], env=slurm_env, check=True)
-    wait_for(lambda: slurm_state(slurm_env, job_id) == "PENDING", 60, "the requeue")
-    time.sleep(3)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm_env, check=True)
+    start_requeued_job_now(slurm_env, job_id)
     out = finish(proc)
     assert f"#0 job {job_id} completed at step 60" in out, out[-3000:]
     log = (run_dir / "train.log").read_text()
