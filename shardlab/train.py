@@ -98,9 +98,7 @@ def cli() -> None:
     except ShardlabError as e:
         report_and_exit(e, tell=True)
     try:
-        if (
-            not plain_run
-        ):  # sweeps, help, --cfg: Hydra's own (a run with -cn/-cp/-cd is still checked by Hydra's callback)
+        if not plain_run:  # sweeps, help, --cfg: Hydra's own (a run named by -cn/-cp/-cd: the callback checks it)
             main()
             return
         with composition_errors_raised():

@@ -1,11 +1,12 @@
 """The checks of a command line before anything runs, so that a mistake comes back as one line with a fix and exit
 code 2, not a stack trace, and before Hydra makes the run directory or torch is imported.
 
-A plain run is composed once, by Hydra itself: what the command line alone shows is checked before Hydra starts
-(``check_command_line``); Hydra's composition errors are turned into one line (``composition_error``, the CLI has
-Hydra raise them rather than print them); and the composed config is checked by ``ComposedConfigChecks``, a Hydra
-callback that runs between the composition and the run directory (``check_composed``). ``preflight`` does all three
-in-process for tools and tests, composing through ``compose_config`` as every tool does.
+shardlab adds no composition of its own to a plain run's (Hydra composes it twice: for the run mode, then the run):
+what the command line alone shows is checked before Hydra starts (``check_command_line``); Hydra's composition errors
+are turned into one line (``composition_error``, the CLI has Hydra raise them rather than print them); and the
+composed config is checked by ``ComposedConfigChecks``, a Hydra callback that runs between the composition and the
+run directory (``check_composed``). ``preflight`` does all three in-process for tools and tests, composing through
+``compose_config`` as every tool does.
 """
 
 from __future__ import annotations
@@ -95,9 +96,14 @@ def is_plain_run(argv: list[str]) -> bool:
     return not any(a.split("=")[0] in HYDRA_FLAGS or a == "hydra.mode=MULTIRUN" for a in argv)
 
 
+def job_overrides(argv: list[str]) -> list[str]:
+    """The overrides of the job's config, without Hydra's own (hydra.*, hydra/*)."""
+    return [a for a in argv if not a.startswith("hydra.") and not a.startswith("hydra/")]
+
+
 def check_command_line(argv: list[str]) -> None:
     """What the command line alone shows: unknown group options, and model=/data= options of another task."""
-    overrides = [a for a in argv if not a.startswith("hydra.") and not a.startswith("hydra/")]
+    overrides = job_overrides(argv)
     check_group_choices(overrides)
     mismatched = task_section_errors(overrides)
     if mismatched:
@@ -191,7 +197,7 @@ def preflight(argv: list[str]) -> DictConfig | None:
         return None
     check_command_line(argv)
     try:
-        cfg = compose_config([a for a in argv if not a.startswith("hydra.") and not a.startswith("hydra/")])
+        cfg = compose_config(job_overrides(argv))
     except Exception as e:
         raise composition_error(e) from None
     check_composed(cfg, argv)
