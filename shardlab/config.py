@@ -106,7 +106,8 @@ class DistributedConfig:
     """backend=auto with auto_tune: candidates measured at most (layouts first, then the fastest one's splits)."""
     auto_tune_cache: str | None = "~/.cache/shardlab/autotune"
     """backend=auto with auto_tune: where decisions are kept for the next run of the same model, world size, device
-    and torch (a requeue or resume reuses its own run's decision either way); null: no cache."""
+    and torch (a requeue or resume reuses its own run's copy either way, and is never handed another run's); null:
+    no cache."""
     memory_budget_per: str = "rank"
     """What memory_budget_gb covers: rank (one GPU's memory) or machine (shared by the ranks on one machine, as CPU
     ranks share its RAM)."""
@@ -117,6 +118,10 @@ class DistributedConfig:
     must hold), else fast (shardlab/memory/meter.py: configure_cpu_allocator)."""
     timeout_s: int = 600
     """Collective timeout: a dead rank fails the others after this many seconds instead of hanging forever."""
+    init_timeout_s: int = 1800
+    """The collective timeout while the ranks start (building, sharding and materializing the model, the optimizer,
+    restoring): their pace differs with the machine's load and the model's size; timeout_s applies from the first
+    training step (checkpoint.timeout_s while checkpoints are read and written)."""
     compile: bool = False
     """torch.compile (inductor) each FSDP unit of the task before it is sharded or wrapped, and the LM's loss; compiled
     in the first training step, reused from compile_cache_dir by the next run; validation runs eager
@@ -178,6 +183,9 @@ class CheckpointConfig:
     init_from: str | None = None
     """Begin a new run (step 0, fresh optimizer) from these weights: a .safetensors file or a step_N directory; a
     run that has its own checkpoints continues them instead."""
+    timeout_s: int = 1800
+    """The collective timeout while checkpoints are saved, loaded, published and pruned (a rank writing, reading or
+    deleting slowly on a busy file system waits this long, not distributed.timeout_s); never shorter than that."""
 
 
 @dataclass
@@ -308,6 +316,7 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     check(cfg.validation.num_batches >= 0, "validation.num_batches must be >= 0")
     check(cfg.validation.batch_size > 0, f"validation.batch_size must be > 0, got {cfg.validation.batch_size}")
     check(cfg.checkpoint.interval_steps >= 0, "checkpoint.interval_steps must be >= 0")
+    check(cfg.checkpoint.timeout_s > 0, f"checkpoint.timeout_s must be > 0, got {cfg.checkpoint.timeout_s}")
     check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     check(
         cfg.checkpoint.interval_minutes >= 0,
@@ -321,6 +330,7 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     check(d.world_size >= 1, f"distributed.world_size must be >= 1, got {d.world_size}")
     check(d.timeout_s > 0, f"distributed.timeout_s must be > 0, got {d.timeout_s}")
     check(d.compile_timeout_s > 0, f"distributed.compile_timeout_s must be > 0, got {d.compile_timeout_s}")
+    check(d.init_timeout_s > 0, f"distributed.init_timeout_s must be > 0, got {d.init_timeout_s}")
     check(d.memory_budget_gb >= 0, f"distributed.memory_budget_gb must be >= 0 (0 = none), got {d.memory_budget_gb}")
     check(
         d.cpu_allocator in ("auto", "lean", "fast"),
@@ -354,34 +364,41 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
         raise ConfigError("; ".join(errors))
 
 
-def path_errors(cfg: Any, run_dir: str | os.PathLike) -> list[str]:
+def path_errors(cfg: Any, run_dir: str | os.PathLike, keep_run_dir: bool = False) -> list[str]:
     """The run directory and ``<run dir>/<checkpoint.dir>`` must be directories this process can create and write
     in, so a bad path stops the run before its first step, not at its first save. Checked by doing it: each is
     created (with its missing parents), a file is written and removed in it, and what the check created is removed
-    again - permission bits say nothing of read-only mounts, /proc, or a root user (who passes every access check)."""
-    for key, path in (("hydra.run.dir", Path(run_dir)), ("checkpoint.dir", Path(run_dir) / cfg.checkpoint.dir)):
-        problem = writable_dir_problem(path.expanduser().absolute())
+    again - permission bits say nothing of read-only mounts, /proc, or a root user (who passes every access check).
+    ``keep_run_dir``: the run directory (and parents) the check made stay, for a rank of a job whose other ranks may
+    already be starting in it (removing it under them fails their log file's open)."""
+    checks = (
+        ("hydra.run.dir", Path(run_dir), keep_run_dir),
+        ("checkpoint.dir", Path(run_dir) / cfg.checkpoint.dir, False),
+    )
+    for key, path, keep in checks:
+        problem = writable_dir_problem(path.expanduser().absolute(), keep=keep)
         if problem:
             # The checkpoint directory usually lives inside the run directory: one message is enough.
             return [f"{key}: cannot create or write {path} ({problem}); choose a writable directory"]
     return []
 
 
-def writable_dir_problem(path: Path, attempts: int = 20) -> str | None:
-    """Why ``path`` cannot be created as a directory and written in, or None; leaves the filesystem as it was.
+def writable_dir_problem(path: Path, attempts: int = 20, keep: bool = False) -> str | None:
+    """Why ``path`` cannot be created as a directory and written in, or None; leaves the filesystem as it was, unless
+    ``keep``: then the directories it made stay.
 
     Every rank of a job checks the same run directory at once, and one rank's clean-up may remove a directory
     another has just made or found: "no such file or directory" (under /proc the answer) and "file exists" are tried
     again."""
     problem = None
     for _ in range(attempts):
-        problem, vanished = _writable_dir_problem(path)
+        problem, vanished = _writable_dir_problem(path, keep)
         if not vanished:
             break
     return problem
 
 
-def _writable_dir_problem(path: Path) -> tuple[str | None, bool]:
+def _writable_dir_problem(path: Path, keep: bool) -> tuple[str | None, bool]:
     """One try of writable_dir_problem: (the problem or None, whether a directory was missing that may come back)."""
     missing = []
     existing = path
@@ -405,7 +422,7 @@ def _writable_dir_problem(path: Path) -> tuple[str | None, bool]:
         # Path.mkdir(exist_ok=True) says "exists" where the directory went between its mkdir and its is_dir
         return f"{step} failed: {e.strerror or e}", isinstance(e, (FileNotFoundError, FileExistsError))
     finally:
-        for created in missing:  # deepest first; one another process filled meanwhile stays
+        for created in [] if keep else missing:  # deepest first; one another process filled meanwhile stays
             try:
                 created.rmdir()
             except OSError:

@@ -23,7 +23,7 @@ from shardlab.distributed import env as dist_env
 from shardlab.distributed import load_backends
 from shardlab.errors import ConfigError, DataError, RankFailed, ShardlabError, one_line
 from shardlab.jobs import run_record
-from shardlab.jobs.preemption import STOPPED_EXIT_CODE, StopSignals, torchrun_agent_warning
+from shardlab.jobs.preemption import REQUEUE_SIGNALS, STOPPED_EXIT_CODE, StopSignals, torchrun_agent_warning
 from shardlab.jobs.run_dir import former_run_name, run_name
 from shardlab.jobs.run_lock import RunLock
 from shardlab.memory import budget as memory_budget
@@ -155,9 +155,16 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             signals.forward(speaks_for_job=True)  # the launcher of local ranks: submitit's requeue, or Slurm's
     except BaseException as e:
         if record and (run_record.read(run_dir) or {}).get("status") == "running":  # not a stop that saved
-            run_record.fail_with_first_cause(run_dir, one_line(e), env.world_size)
-        elif not record and not cfg.dry_run and not isinstance(e, SystemExit):
-            run_record.note_rank_error(run_dir, env.rank, one_line(e))  # rank 0 reports the first one
+            # A RankFailed names the rank that failed and why: recorded at once, not after waiting for notes that
+            # will not come (the told ranks leave none), during which torchrun stops this rank for its neighbour's exit.
+            if isinstance(e, RankFailed):
+                run_record.fail(run_dir, one_line(e))
+            else:
+                run_record.fail_with_first_cause(run_dir, one_line(e), env.world_size)
+        elif not record and not cfg.dry_run and not isinstance(e, (SystemExit, RankFailed)):
+            # rank 0 reports the first one. RankFailed is always another rank's failure, told to this one: no cause of
+            # its own, and a job refused a folder in use would leave it in the running job's folder.
+            run_record.note_rank_error(run_dir, env.rank, one_line(e))
         raise
     finally:
         if lock is not None:
@@ -179,6 +186,22 @@ def run_rank(
     ``after_fit(trainer) -> dict`` runs before the process group is torn down (tests and benchmarks inspect the
     trained model there); ``teardown=False`` keeps the group for another run in the same processes.
     """
+    # A time-limit warning is recorded from here: one during start-up (tuning, data, restore) stops the run after its
+    # first step, with a checkpoint and the requeue, where its default action would end the process unrequeued. The
+    # other stop signals are recorded from the first step (Trainer.fit): before it there is nothing new to save.
+    signals = StopSignals(interrupt=cfg.checkpoint.save_on_error)
+    signals.install(only=REQUEUE_SIGNALS)
+    try:
+        return _run_rank(cfg, run_dir, env, after_fit, teardown, task, signals)
+    except BaseException:
+        if signals.received in REQUEUE_SIGNALS:  # the warning still gets its requeue (submitit's, or Slurm's)
+            signals.forward(speaks_for_job=env.is_main and env.launcher != "local")
+        raise
+    finally:
+        signals.restore()
+
+
+def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals: StopSignals) -> dict:
     from shardlab.memory.plan import plan_run
     from shardlab.trainer import Trainer
 
@@ -196,8 +219,12 @@ def run_rank(
             print("\n".join(plan.lines), flush=True)  # before anything is allocated
             if env.launcher == "torchrun" and (warning := torchrun_agent_warning()):
                 print(warning, flush=True)
-        trainer = Trainer(cfg, task, backend, run_dir)
-        trainer.setup(plan)
+        # Start-up's collectives (DDP's broadcast, the restore's agreements) wait up to distributed.init_timeout_s; a
+        # barrier ends it, so no rank issues a step's collective under timeout_s while another is still starting.
+        with backend.long_timeout(cfg.distributed.init_timeout_s):
+            trainer = Trainer(cfg, task, backend, run_dir, signals)
+            trainer.setup(plan)
+            backend.barrier()
         if env.is_main:
             print("\n".join(backend.describe()), flush=True)
         final = trainer.fit()

@@ -105,8 +105,15 @@ def cli() -> None:
             main()
     except ConfigRefused as refused:  # by ComposedConfigChecks, before the run directory exists
         report_and_exit(refused.error, tell=True)
+    except SystemExit as e:
+        # Hydra reports what fails between the checks and the run (making the run directory, opening its log file)
+        # and exits 1; the other ranks would wait minutes for this one. (A failure told already is not told again.)
+        if e.code not in (0, None):
+            tell_peers(RuntimeError(f"the run did not start (exit code {e.code}; the reason is in this rank's output)"))
+        raise
     except Exception as e:
         if ComposedConfigChecks.reached:
+            tell_peers(e)
             raise
         report_and_exit(composition_error(e), tell=True)
 

@@ -26,6 +26,7 @@ from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.materialize import materialize
 from shardlab.errors import (
     CheckpointError,
+    ConfigError,
     IncompatibleCheckpointError,
     UnsafeCheckpointError,
     first_cause,
@@ -43,7 +44,9 @@ from shardlab.train_state import TrainState
 
 
 class Trainer:
-    def __init__(self, cfg: Any, task: Task, backend: Backend, run_dir: Path) -> None:
+    def __init__(
+        self, cfg: Any, task: Task, backend: Backend, run_dir: Path, stop_signals: StopSignals | None = None
+    ) -> None:
         self.cfg = cfg
         self.task = task
         self.backend = backend
@@ -51,7 +54,9 @@ class Trainer:
         self.state = TrainState()
         self.history: list[dict[str, float]] = []
         """Every logged train/valid record (rank 0 has the global values); tests compare these across backends."""
-        self.stop_signals = StopSignals(interrupt=cfg.checkpoint.save_on_error)
+        self.stop_signals = stop_signals or StopSignals(interrupt=cfg.checkpoint.save_on_error)
+        """Installed by run_rank from the rank's start (a signal during start-up stops the run after its first step),
+        else by fit."""
         self.phase = "between"
         """Where the loop is, for checkpoint.save_on_error: between steps (the state is the last completed step's),
         forward (this step's micro-batches: only gradients, and train-mode buffers such as BatchNorm statistics,
@@ -81,6 +86,12 @@ class Trainer:
             full_precision_modules=self.task.full_precision_modules(plan.model),
         )
         self.optimizer = OPTIMIZERS.build(cfg.optimizer.name, self.model, cfg.optimizer, key="optimizer.name")
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        if problem := dcp_reader.values_load_back(groups):
+            raise ConfigError(
+                f"optimizer.name={cfg.optimizer.name}: its param groups hold a value checkpoints cannot read back "
+                f"safely ({problem}); keep them to numbers, strings, bools, tuples and tensors"
+            )
         self.scheduler = LR_SCHEDULERS.build(
             cfg.lr_scheduler.name, self.optimizer, cfg.lr_scheduler, cfg.optimization.max_steps, key="lr_scheduler.name"
         )
@@ -179,6 +190,8 @@ class Trainer:
                 self.meter.reset()  # the next step's peak starts here: validation and saves do not count
             window_paused += time.perf_counter() - paused_from
             if stop and not last:
+                (signum,) = backend.max_over_ranks([float(self.stop_signals.received or 0)])  # which one, agreed
+                self.stop_signals.agree(int(signum))
                 self.stopped_by = self.stop_signals.name or "a stop signal on another rank"
                 saved = f"saved {path}" if cfg.checkpoint.save else "nothing saved (checkpoint.save=false)"
                 log.info(f"stopped at step {state.step} on {self.stopped_by}; {saved}")
@@ -224,14 +237,24 @@ class Trainer:
         warm-up; the throughput units this rank processed per step). The peak meter sees them. For measurements whose
         model is thrown away afterwards (backend=auto's trials): nothing is logged, validated or saved."""
         loader, sums, seconds = self._train_loader(), {}, []
+        # A compiled trial compiles in its first step, as a run does: under compile_timeout_s, ended by a barrier.
+        first_steps = (
+            FirstSteps(self.cfg.distributed, self.backend.process_groups()) if self.cfg.distributed.compile else None
+        )
         self.meter.reset()
-        for _ in range(num_steps):
-            started = time.perf_counter()
-            self.train_step(loader, sums)
-            if self.backend.device.type == "cuda":
-                torch.cuda.synchronize(self.backend.device)
-            seconds.append(time.perf_counter() - started)
-            self.meter.sample()
+        try:
+            for _ in range(num_steps):
+                started = time.perf_counter()
+                self.train_step(loader, sums)
+                if self.backend.device.type == "cuda":
+                    torch.cuda.synchronize(self.backend.device)
+                seconds.append(time.perf_counter() - started)
+                if first_steps is not None:
+                    first_steps.ended(seconds[-1])
+                self.meter.sample()
+        finally:
+            if first_steps is not None:
+                first_steps.close()
         return seconds, float(sums["units"]) / num_steps
 
     def _train_loader(self):
@@ -366,17 +389,19 @@ class Trainer:
             return meta
 
         start = start_of(cfg.checkpoint.resume, cfg.checkpoint.init_from)
-        self.resumed_from = restore(
-            self.checkpointer, cfg.checkpoint.resume, start, check, self.model, self.optimizer, self.state
-        )
+        # Rank 0 cleans and lists the folder, every rank reads its shards (or the whole init_from file): collectives
+        # wait up to checkpoint.timeout_s, the last of them an agreement, so all ranks leave this together.
+        with backend.long_timeout(cfg.checkpoint.timeout_s):
+            self.resumed_from = restore(
+                self.checkpointer, cfg.checkpoint.resume, start, check, self.model, self.optimizer, self.state
+            )
+            self.initialized_from = None
+            if self.resumed_from is None and cfg.checkpoint.init_from:
+                self.initialized_from = self._init_from(Path(cfg.checkpoint.init_from).expanduser())
         if self.checkpointer.rollback is not None and backend.env.is_main:
             run_record.update(self.run_dir, rollback=self.checkpointer.rollback)
-        self.initialized_from = None
-        if self.resumed_from is not None:
-            if cfg.checkpoint.init_from and start.kind == "weights":  # the run's own checkpoints, not its weights
-                self.checkpointer.log(f"[ckpt] checkpoint.init_from is not used: resuming {self.resumed_from}")
-        elif cfg.checkpoint.init_from:
-            self.initialized_from = self._init_from(Path(cfg.checkpoint.init_from).expanduser())
+        if self.resumed_from is not None and cfg.checkpoint.init_from and start.kind == "weights":
+            self.checkpointer.log(f"[ckpt] checkpoint.init_from is not used: resuming {self.resumed_from}")
         if cfg.checkpoint.save_on_error and backend.env.world_size > 1 and backend.env.is_main:
             print(
                 "[ckpt] checkpoint.save_on_error at world size > 1: Ctrl-C (SIGINT) stops every rank after the step "
@@ -398,7 +423,7 @@ class Trainer:
             error = e
         agreement.agree(error, f"checkpoint.init_from: reading {path}", self.backend.device)
         try:
-            weights.load_into(self.model, path)
+            weights.load_into(self.model, path, checked=True)  # read_metadata above, agreed by every rank
         except UnsafeCheckpointError as e:
             error = e
         except Exception as e:

@@ -2,9 +2,9 @@
 
 Every benchmark tool (bench.py, bench_reference.py, bench_checkpoint.py, bench_collectives.py, bench_cpu_adam.py,
 max_model.py, bench_preprocess.py) writes ``"meta": collect(...)`` into its JSON: the commit (and the code files
-that differed from it), the date, the machine (CPU model, cores, memory, GPUs), the torch and Python versions,
-the load average, and the exact command, so tools/bench_tables.py can print all of it under each table in docs/ and
-rerun the command. Nothing here imports torch: the tools that do not need it stay light.
+that differed from it), the date, the machine (CPU model, vector extension, cores, memory, GPUs), the torch and
+Python versions, the load average, and the exact command, so tools/bench_tables.py can print all of it under each
+table in docs/ and rerun the command. Nothing here imports torch: the tools that do not need it stay light.
 """
 
 from __future__ import annotations
@@ -46,6 +46,19 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_vector_isa() -> str | None:
+    """The widest x86 vector extension the CPU reports (avx512f, avx2, avx), or None where /proc/cpuinfo does not say:
+    machines of one model name differ in it here, and CPU matmul and inductor's code speed with it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return next((isa for isa in ("avx512f", "avx2", "avx") if isa in flags), None)
+    except OSError:
+        pass
+    return None
 
 
 def memory_gib() -> float | None:
@@ -96,6 +109,7 @@ def collect(tool_file: str, argv: list[str] | None = None, settings: dict[str, A
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "cpu": cpu_model(),
+            "cpu_isa": cpu_vector_isa(),
             "cores": os.cpu_count(),
             "memory_gib": memory_gib(),
             "gpus": gpus(),

@@ -15,7 +15,8 @@ The word after ``bench-table`` names a renderer (RENDERERS), the paths after the
 relative to the repository root, in the order the rows should appear). Under every table the renderer says where
 its figures come from: each file's command, commit (and the code files that differed from it), date, machine,
 torch version and load average, from the ``meta`` that tools/bench_meta.py records. ``--rerun NAME`` runs each
-file's recorded command again, from the directory it was run in, so it overwrites that same file; then it renders.
+file's recorded command again (a tools/ script only), from the directory it was run in, with its ``--out`` pointed at
+that same file; then it renders.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import glob
 import json
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -49,7 +51,8 @@ def describe_machine(meta: dict[str, Any]) -> str:
     gpus = m.get("gpus")
     gpu = "GPU unknown" if gpus is None else (", ".join(gpus) if gpus else "no GPU")
     memory = f", {m['memory_gib']:g} GiB" if m.get("memory_gib") else ""
-    return f"{m.get('cpu') or 'CPU unknown'} ({m.get('cores') or '?'} cores{memory}), {gpu}"
+    isa = f", {m['cpu_isa']}" if m.get("cpu_isa") else ""  # recorded since 2026-12-01; older files lack it
+    return f"{m.get('cpu') or 'CPU unknown'} ({m.get('cores') or '?'} cores{isa}{memory}), {gpu}"
 
 
 def describe_commit(meta: dict[str, Any]) -> str:
@@ -568,17 +571,34 @@ def tables(root: Path = REPO) -> dict[str, list[Path]]:
     return found
 
 
+def rerun_argv(root: Path, path: Path, meta: dict[str, Any]) -> tuple[list[str], Path]:
+    """(the recorded command's arguments, its directory) to rerun ``path``'s measurement: a tool of this repository's
+    tools/ only (a JSON file is data, not a script to run), its ``--out`` pointed at ``path`` itself (many were
+    recorded writing to a scratch folder and copied into docs/bench afterwards)."""
+    argv, cwd = list(meta.get("argv") or []), (root / meta.get("cwd", ".")).resolve()
+    tool = (root / argv[0]).resolve() if argv else None  # bench_meta records the tool relative to the repository
+    if tool is None or tool.parent != (root / "tools").resolve() or tool.suffix != ".py" or not tool.is_file():
+        raise SystemExit(f"{path.relative_to(root)} records no command of tools/ to rerun; rerun its tool by hand")
+    if not cwd.is_dir():
+        raise SystemExit(f"{path.relative_to(root)} was measured in {cwd}, which is gone; rerun its tool by hand")
+    argv[0] = str(tool)
+    for i, arg in enumerate(argv):
+        if arg == "--out" and i + 1 < len(argv):
+            argv[i + 1] = str(path.resolve())
+        elif arg.startswith("--out="):
+            argv[i] = f"--out={path.resolve()}"
+    return argv, cwd
+
+
 def rerun(root: Path, name: str) -> None:
-    """Run the recorded command of every JSON of table ``name`` again (it overwrites that JSON)."""
+    """Run the recorded command of every JSON of table ``name`` again, writing that JSON."""
     files = tables(root).get(name)
     if not files:
         raise SystemExit(f"no table named '{name}'; tables: {', '.join(tables(root))}")
     for path in files:
-        meta = json.loads(path.read_text()).get("meta") or {}
-        if not meta.get("argv"):
-            raise SystemExit(f"{path.relative_to(root)} records no command to rerun; rerun its tool by hand")
-        print(f"[{name}] {meta['command']}", flush=True)
-        subprocess.run([sys.executable, *meta["argv"]], cwd=root / meta.get("cwd", "."), check=True)
+        argv, cwd = rerun_argv(root, path, json.loads(path.read_text()).get("meta") or {})
+        print(f"[{name}] (in {cwd}) python {shlex.join(argv)}", flush=True)  # what runs, not what the file says ran
+        subprocess.run([sys.executable, *argv], cwd=cwd, check=True)
 
 
 def main(argv: list[str] | None = None, root: Path = REPO) -> int:

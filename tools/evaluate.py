@@ -37,7 +37,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from shardlab.checkpoint import weights
-from shardlab.config import DistributedConfig
 from shardlab.distributed.materialize import materialize
 from shardlab.errors import CheckpointError, ConfigError, DataError, first_cause
 from shardlab.jobs.preflight import GROUPS, check_group_choices, compose_config
@@ -52,18 +51,15 @@ VISION_MODES = ("linear", "knn")
 
 
 # ---- the model -------------------------------------------------------------------------------------------------------
-def checkpoint_config(checkpoint: Path, overrides: list[str]) -> tuple[DictConfig, dict]:
-    """The training config a checkpoint describes, with ``overrides`` (key=value) applied, and its description."""
+def checkpoint_config(checkpoint: Path, overrides: list[str], user_dir: str | None) -> tuple[DictConfig, dict]:
+    """The training config a checkpoint describes, with ``overrides`` (key=value) applied, and its description
+    (``user_dir``: the plug-ins of a run that had them)."""
     if checkpoint.is_dir() and not (checkpoint / "shardlab.json").is_file():
         raise CheckpointError(
             f"{checkpoint} is not a shardlab checkpoint (no shardlab.json); give a step_N folder or a .safetensors file"
         )
     info = weights.describe(checkpoint)
-    if not info.get("config"):
-        raise CheckpointError(f"{checkpoint} carries no training config; it was not written by shardlab")
-    cfg = OmegaConf.create(info["config"])
-    # One process, whatever the run used: DCP loads any sharding into it, so the distributed section is the default.
-    cfg.distributed = OmegaConf.structured(DistributedConfig())
+    cfg = weights.training_config(checkpoint, info, user_dir)
     groups = [o for o in overrides if o.partition("=")[0].lstrip("+~") in GROUPS]
     if groups:
         raise ConfigError(
@@ -244,6 +240,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0, help="the linear probe's init and batch order")
     parser.add_argument("--out", type=Path, default=None, help="write the figures and settings as JSON")
+    parser.add_argument("--user-dir", help="the plug-in folder of a run trained with user_dir= (imported: trust it)")
     vision = parser.add_argument_group("linear probe and kNN")
     vision.add_argument("--epochs", type=int, default=100, help="linear probe: passes over the cached features")
     vision.add_argument("--lr", type=float, default=0.1, help="linear probe: peak learning rate (cosine decay)")
@@ -299,9 +296,9 @@ def main(argv: list[str] | None = None) -> dict:
     where = str(args.checkpoint) if args.checkpoint else "the randomly initialised model"
     if args.checkpoint is not None:
         # data.* choose what to evaluate on; the model is built as it was trained (e.g. its classes from its data)
-        cfg, info = checkpoint_config(args.checkpoint, args.overrides)
+        cfg, info = checkpoint_config(args.checkpoint, args.overrides, args.user_dir)
         model_overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("data.")]
-        model_cfg, _ = checkpoint_config(args.checkpoint, model_overrides)
+        model_cfg, _ = checkpoint_config(args.checkpoint, model_overrides, args.user_dir)
     else:
         cfg, info = composed_config(args.overrides), None
         model_cfg = cfg

@@ -16,7 +16,6 @@ import torch
 from omegaconf import OmegaConf
 
 from shardlab.checkpoint import weights
-from shardlab.config import DistributedConfig
 from shardlab.distributed.materialize import materialize
 from shardlab.errors import ShardlabError
 from shardlab.runner import build_task
@@ -56,16 +55,11 @@ def sample(model, tokenizer, prompt: str, *args, **kwargs) -> str:
     return tokenizer.decode(generate_ids(model, tokenizer, tokenizer.encode(prompt), *args, **kwargs))
 
 
-def load_model(checkpoint: Path):
+def load_model(checkpoint: Path, user_dir: str | None = None):
     """The model of a step_N checkpoint or a consolidated .safetensors file, in one process on the CPU, with the
-    config it was trained with."""
+    config it was trained with (``user_dir``: the plug-ins of a run that had them)."""
     info = weights.describe(checkpoint)
-    if not info.get("config"):
-        raise ShardlabError(f"{checkpoint} carries no training config; it was not written by shardlab")
-    cfg = OmegaConf.create(info["config"])
-    # One process on the CPU, whatever the run used: its distributed section (cpu_offload, hybrid sharding, ...)
-    # shaped how state was sharded, and DCP loads any sharding into one process, so the defaults replace it.
-    cfg.distributed = OmegaConf.structured(DistributedConfig())
+    cfg = weights.training_config(checkpoint, info, user_dir)
     task = build_task(cfg, world_size=1)
     if task.unit != "tokens":
         raise ShardlabError(f"{checkpoint} is a {cfg.task.name} checkpoint; generate.py samples language models only")
@@ -85,9 +79,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--top-k", type=int, default=8, help="sample among the k likeliest tokens; 0 = greedy")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--user-dir", help="the plug-in folder of a run trained with user_dir= (imported: trust it)")
     args = parser.parse_args(argv)
 
-    model, task, cfg = load_model(args.checkpoint)
+    model, task, cfg = load_model(args.checkpoint, args.user_dir)
     text = sample(
         model,
         task.tokenizer,

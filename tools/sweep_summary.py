@@ -1,7 +1,7 @@
 """The summary table of a sweep, rebuilt from its directory: for a sweep that ran (or still runs) on Slurm, or a local
 one whose terminal is gone.
 
-    python tools/sweep_summary.py multirun/2026-11-29_10-00-00
+    python tools/sweep_summary.py multirun/lm/optimizer.lr=1e-3,3e-3
     python tools/sweep_summary.py <sweep dir> --json      # the rows as JSON on stdout
 
 One row per point: overrides, status (pending, running, completed, stopped, failed, died (<Slurm state>)), step
@@ -27,7 +27,8 @@ def main() -> None:
     args = parser.parse_args()
     if not args.sweep_dir.is_dir():
         raise ConfigError(
-            f"{args.sweep_dir} is not a directory; give the sweep's hydra.sweep.dir (e.g. multirun/<date>)"
+            f"{args.sweep_dir} is not a directory; give the sweep's hydra.sweep.dir "
+            "(e.g. multirun/lm/optimizer.lr=1e-3,3e-3)"
         )
     if args.json:
         print(json.dumps(collect(args.sweep_dir), indent=1))

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,11 @@ class PendingSave:
 
 
 class AsyncSaver:
-    def __init__(self) -> None:
-        # Created here, by every rank in the same order (Trainer.setup), as new_group requires.
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    def __init__(self, timeout_s: float) -> None:
+        # Created here, by every rank in the same order (Trainer.setup), as new_group requires; its collectives wait
+        # for the slowest rank's writes, up to checkpoint.timeout_s.
+        timeout = timedelta(seconds=timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self.pending: PendingSave | None = None
         self.stager = ReusedBufferStager(cache_staged_state_dict=True)
 

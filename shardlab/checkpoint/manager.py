@@ -16,6 +16,7 @@ live in layout.py, the background write in async_save.py, weights outside traini
 
 from __future__ import annotations
 
+import functools
 import shutil
 import time
 import warnings
@@ -57,12 +58,25 @@ class SaveRecord:
 def unsaved_optimizer_states(optim_state: dict, path: Path) -> list[str]:
     """The parameters (names) whose optimizer state step folder ``path`` holds none of: ones the saving run had not
     updated yet (SwAV's prototypes while frozen get no gradient; torch optimizers make state at a first update)."""
-    saved = dcp_reader.read_metadata(path).state_dict_metadata  # DCP's flattened keys: optim.state.<name>.<key>
+    # DCP's flattened keys: optim.state.<name>.<key>
+    saved = dcp_reader.read_metadata(path, values=False).state_dict_metadata
 
     def held(name: str, keys) -> bool:
         return any(f"optim.state.{name}.{key}" in saved for key in keys)
 
     return [name for name, entries in optim_state["state"].items() if not held(name, entries)]
+
+
+def _under_checkpoint_timeout(method: Callable) -> Callable:
+    """A Checkpointer method whose collectives wait up to checkpoint.timeout_s (Backend.long_timeout): its ranks write,
+    read or delete at the file system's pace, and rank 0 alone publishes and prunes while the others wait."""
+
+    @functools.wraps(method)
+    def under(self, *args: Any, **kwargs: Any) -> Any:
+        with self.comm.long_timeout(self.cfg.timeout_s):
+            return method(self, *args, **kwargs)
+
+    return under
 
 
 class Checkpointer:
@@ -91,13 +105,14 @@ class Checkpointer:
         if cfg.async_save:
             from shardlab.checkpoint.async_save import AsyncSaver
 
-            self._async = AsyncSaver()
+            self._async = AsyncSaver(max(cfg.timeout_s, comm.cfg.timeout_s))  # never shorter than a step's
 
     @property
     def device(self) -> torch.device:
         return self.comm.device
 
     # ---- save ------------------------------------------------------------------------------------------------------
+    @_under_checkpoint_timeout
     def save(self, model: nn.Module, optimizer: Optimizer, train_state: TrainState, described: dict[str, Any]) -> Path:
         """Write a checkpoint of ``train_state.step`` (all ranks): the model and optimizer shards through DCP, the
         training state and ``described`` (what the checkpoint is of: task, model config, ...) into shardlab.json.
@@ -130,7 +145,7 @@ class Checkpointer:
         try:
             dcp.save(state, checkpoint_id=str(tmp))  # FileSystemWriter fsyncs every shard file and .metadata
         except (Exception, CheckpointException) as e:  # DCP raises on every rank when any rank failed
-            self._discard(tmp)
+            self._discard_everywhere(tmp)
             raise CheckpointError(f"saving step {step} into {tmp} failed ({first_cause(e)}); {self.kept()}") from e
         self._complete(tmp, final, meta, start, blocked_s=time.perf_counter() - start)
         return final
@@ -141,6 +156,7 @@ class Checkpointer:
             return "this run has no checkpoint yet"
         return f"the newest checkpoint, {self.newest.name}, is kept"
 
+    @_under_checkpoint_timeout
     def finish(self) -> None:
         """Wait for the save in flight, if any, and give it its final name (all ranks; a failure is everyone's)."""
         if self._async is None or not self._async.pending:
@@ -149,7 +165,7 @@ class Checkpointer:
         pending, error = self._async.wait()
         failed = agreement.first_error(first_cause(error) if error is not None else None, self.device)
         if failed is not None:
-            self._discard(pending.tmp)
+            self._discard_everywhere(pending.tmp)
             raise CheckpointError(
                 f"asynchronous save of step {pending.meta['step']} into {pending.tmp} failed ({failed}); {self.kept()}"
             )
@@ -204,6 +220,16 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def _discard_everywhere(self, tmp: Path) -> None:
+        """``_discard``, with every rank waiting for rank 0 to finish it (under checkpoint.timeout_s): a rank that went
+        on to the next step's collectives would wait there, under distributed.timeout_s, for as long as it takes."""
+
+        def discard() -> str:
+            self._discard(tmp)
+            return ""
+
+        self._on_rank0(discard, f"removing {tmp}")
+
     def _prune(self, newest: Path) -> None:
         doomed = [
             p
@@ -228,7 +254,7 @@ class Checkpointer:
             state["optim"] = {**optim, "state": {k: v for k, v in optim["state"].items() if k not in never_stepped}}
         tensors = tensors or {}
         state.update({key: obj.state_dict() for key, obj in tensors.items()})
-        dcp.load(state, storage_reader=dcp_reader.SafeReader(str(path)))  # its metadata was checked (resume.py)
+        dcp_reader.load(state, path, checked=True)  # its metadata was checked (resume.py)
         set_model_state_dict(model, state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, optim)  # loaded in place into optim's tensors

@@ -98,7 +98,7 @@ def _decide(ckpt: Checkpointer, resume: str, start: run_line.Start) -> run_line.
         for line in clean_stale(ckpt.root):
             ckpt.log(f"[ckpt] {line} (left by a run that stopped mid-save)")
         existing = complete_checkpoints(ckpt.root)
-        decision = run_line.decide(resume, start, existing, _newest_line(existing))
+        decision = run_line.decide(resume, start, existing, [_line(p) for p in existing])
         if not decision.continues and decision.candidates and not decision.candidates[0].is_dir():
             raise CheckpointError(
                 f"checkpoint.resume: {decision.candidates[0]} does not exist; give a step_N checkpoint directory"
@@ -115,14 +115,12 @@ def _decide(ckpt: Checkpointer, resume: str, start: run_line.Start) -> run_line.
     return run_line.Decision(agreed["continues"], [Path(p) for p in agreed["candidates"]], agreed["note"])
 
 
-def _newest_line(existing: list[Path]) -> run_line.Start | None:
-    """Where the run of the newest checkpoint that can say began (a torn newest one says nothing)."""
-    for path in existing[::-1]:
-        try:
-            return run_line.line_of(read_meta(path))
-        except CheckpointError:
-            continue
-    return None
+def _line(path: Path) -> run_line.Start | None | str:
+    """Where the run of checkpoint ``path`` began (None: it does not say), or UNREADABLE (a torn shardlab.json)."""
+    try:
+        return run_line.line_of(read_meta(path))
+    except CheckpointError:
+        return run_line.UNREADABLE
 
 
 def _load(
@@ -157,7 +155,7 @@ def _load(
             "error may pass: nothing was set aside; rerun to retry, or pass checkpoint.resume=<an older step_N> "
             "to go back past it"
         )
-    return None, f"{failed}; {defect}"
+    return None, failed if defect in failed else f"{failed}; {defect}"  # the index check may have said it already
 
 
 def _after_load(

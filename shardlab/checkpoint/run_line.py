@@ -35,6 +35,12 @@ def canonical(path: str | Path) -> str:
     return str(Path(path).expanduser().resolve())
 
 
+def as_written(path: str | Path) -> str:
+    """A path as the command gives it, made absolute (user expanded) but its symlinks kept: ``resume=latest``, a link
+    someone moves on after the run began, still names the same setting on a requeue."""
+    return str(Path(path).expanduser().absolute())
+
+
 @dataclass(frozen=True)
 class Start:
     """Where a run begins."""
@@ -43,17 +49,35 @@ class Start:
     """scratch, checkpoint (checkpoint.resume=<path>) or weights (checkpoint.init_from)."""
     source: str = ""
     """The checkpoint folder or weights file (canonical path); empty from scratch."""
+    written: str = field(default="", compare=False)
+    """The same path as the command wrote it (``as_written``); empty from scratch or in lines recorded before."""
 
     def describe(self) -> str:
         return "from scratch" if self.kind == SCRATCH else f"from {self.kind} {self.source}"
+
+    def same_as(self, other: Start | None) -> bool:
+        """Whether ``other`` (a checkpoint's line) began where this start begins: the same resolved source, or the same
+        setting as written (a symlink resolved elsewhere since is still the setting the run began with)."""
+        return other is not None and same_line(self, other)
+
+
+def same_line(a: Start | None, b: Start | None) -> bool:
+    """Whether two checkpoints' lines are one run's (None: a checkpoint written before lines were recorded)."""
+    if a is None or b is None:
+        return a is b
+    return a.kind == b.kind and (a.source == b.source or bool(a.written and a.written == b.written))
+
+
+UNREADABLE = "unreadable"
+"""A checkpoint whose shardlab.json does not read says nothing of its line: it may be the run's own, torn."""
 
 
 def start_of(resume: str, init_from: str | None) -> Start:
     """Where this command begins a run: an explicit resume path wins over init_from, which wins over scratch."""
     if resume not in ("auto", "none"):
-        return Start(CHECKPOINT, canonical(resume))
+        return Start(CHECKPOINT, canonical(resume), as_written(resume))
     if init_from:
-        return Start(WEIGHTS, canonical(init_from))
+        return Start(WEIGHTS, canonical(init_from), as_written(init_from))
     return Start(SCRATCH)
 
 
@@ -62,12 +86,18 @@ def line_of(meta: dict[str, Any] | None) -> Start | None:
     line = (meta or {}).get("line")
     if not isinstance(line, dict) or "start" not in line:
         return None
-    return Start(str(line["start"]), str(line.get("from", "")))
+    return Start(str(line["start"]), str(line.get("from", "")), str(line.get("as_written", "")))
 
 
 def new_line(start: Start, job: str | None) -> dict[str, Any]:
     """The ``line`` record of a run that begins now: carried by each of its checkpoints, through every requeue."""
-    return {"start": start.kind, "from": start.source, "began": time.strftime("%Y-%m-%dT%H:%M:%S"), "job": job}
+    return {
+        "start": start.kind,
+        "from": start.source,
+        "as_written": start.written,
+        "began": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "job": job,
+    }
 
 
 @dataclass
@@ -82,21 +112,27 @@ class Decision:
     """A line for the console when the setting alone would not tell the user what happened."""
 
 
-def decide(resume: str, start: Start, existing: list[Path], newest_line: Start | None) -> Decision:
+def decide(resume: str, start: Start, existing: list[Path], lines: list[Start | None | str]) -> Decision:
     """Rank 0: continue or begin, for ``checkpoint.resume`` (auto, none or a path) and this command's ``start``.
 
-    ``existing``: the folder's complete checkpoints, oldest first; ``newest_line``: where the run of the newest one
-    (that says) began."""
-    newest_first = existing[::-1]
+    ``existing``: the folder's complete checkpoints, oldest first; ``lines``: where each one's run began (None: it
+    does not say; UNREADABLE). A run that continues falls back only to its own checkpoints (and unreadable ones),
+    never to an older run's left in the folder (keep_last, milestones)."""
+    newest_line = next((line for line in lines[::-1] if line != UNREADABLE), None)
+    own = [
+        p
+        for p, line in zip(existing[::-1], lines[::-1], strict=True)
+        if line == UNREADABLE or same_line(line, newest_line)
+    ]
     if not existing:
         return Decision(False, [Path(start.source)] if start.kind == CHECKPOINT else [])
     if resume == "auto":
-        return Decision(True, newest_first)
-    if newest_line == start:
+        return Decision(True, own)
+    if start.same_as(newest_line):
         setting = f"checkpoint.resume={resume}" + (f" (init_from {start.source})" if start.kind == WEIGHTS else "")
         return Decision(
             True,
-            newest_first,
+            own,
             f"[ckpt] {setting}: the folder holds this run's own checkpoints (it began {start.describe()}); "
             f"continuing from {existing[-1].name}, as after a requeue",
         )

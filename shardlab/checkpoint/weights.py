@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -54,6 +53,69 @@ def describe(path: Path) -> dict[str, Any]:
             "tools/consolidate.py writes it next to the weights"
         ) from e
     return info
+
+
+def training_config(path: Path, info: dict[str, Any], user_dir: str | None = None):
+    """The config ``path`` (described by ``info``) was trained with, to rebuild its task in one process: its
+    distributed section is the defaults (DCP loads any sharding into one process), and its ``user_dir`` is imported
+    only when the caller names one (``--user-dir``): reading a checkpoint never runs code it names."""
+    from omegaconf import OmegaConf
+
+    from shardlab.config import DistributedConfig
+
+    if not info.get("config"):
+        raise CheckpointError(f"{path} carries no training config; it was not written by shardlab")
+    cfg = OmegaConf.create(info["config"])
+    cfg.distributed = OmegaConf.structured(DistributedConfig())
+    recorded = cfg.get("user_dir")
+    if recorded and not user_dir:
+        raise CheckpointError(
+            f"{path} was trained with plug-ins from user_dir={recorded}; a checkpoint's code is imported only where "
+            f"you name it: pass --user-dir {recorded} (or where that folder is now) if you trust it"
+        )
+    if user_dir or "user_dir" in cfg:
+        cfg.user_dir = user_dir or None
+    return with_new_keys(cfg)
+
+
+def with_new_keys(cfg):
+    """``cfg`` as recorded by an earlier shardlab, with the keys added since at their current defaults: each section
+    filled from its schema as registered now (the generic sections', and the task's, model's, optimizer's, schedule's
+    and data's by the names ``cfg`` gives). Values it holds are kept; keys it holds that are gone stay for the
+    caller's checks to name."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import MISSING, OmegaConf
+
+    import shardlab.optim  # noqa: F401  (registers the optimizers' and schedules' schemas)
+    from shardlab.config import TrainConfig, register_schemas
+    from shardlab.registry import load_plugins
+
+    register_schemas()
+    load_plugins(cfg.get("user_dir"))
+    defaults = OmegaConf.to_container(OmegaConf.structured(TrainConfig))
+    names = {
+        "task": cfg.task.get("name"),
+        "model": cfg.get("model", {}).get("arch"),
+        "optimizer": cfg.optimizer.get("name"),
+        "lr_scheduler": cfg.lr_scheduler.get("name"),
+        "data": cfg.task.get("name"),
+    }
+    store = ConfigStore.instance()
+    for section, name in names.items():
+        try:
+            defaults[section] = OmegaConf.to_container(store.load(f"schema/{section}/{name}.yaml").node)
+        except Exception:  # noqa: BLE001  (no schema of that name, e.g. a plug-in gone: the section stays as it is)
+            continue
+
+    def fill(recorded: dict, default: dict) -> dict:
+        for key, value in default.items():
+            if key not in recorded and value != MISSING:
+                recorded[key] = value
+            elif isinstance(value, dict) and isinstance(recorded.get(key), dict):
+                fill(recorded[key], value)
+        return recorded
+
+    return OmegaConf.create(fill(OmegaConf.to_container(cfg), defaults))
 
 
 def check_compatible(
@@ -101,7 +163,7 @@ def read_full(path: Path) -> dict[str, torch.Tensor]:
     if not state:
         raise CheckpointError(f"{path} holds no model.* tensors; is it a shardlab checkpoint?")
     try:
-        dcp.load({"model": state}, storage_reader=dcp_reader.SafeReader(str(path)), no_dist=True)
+        dcp_reader.load({"model": state}, path, checked=True, no_dist=True)
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"checkpoint {path} could not be read ({first_cause(e)})") from e
     return state
@@ -118,15 +180,16 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, info: dict[str,
     return out
 
 
-def load_into(model: nn.Module, path: Path) -> None:
+def load_into(model: nn.Module, path: Path, checked: bool = False) -> None:
     """Load ``path``'s weights into ``model`` (plain, DDP or FSDP2-sharded, any world size; call on every rank).
 
-    A step folder goes through DCP into the local shards; a safetensors file is read whole on every rank and each
-    rank keeps its slice (set_model_state_dict with a full state dict)."""
+    A step folder goes through DCP into the local shards (``checked``: its index was read through
+    dcp_reader.read_metadata already); a safetensors file is read whole on every rank and each rank keeps its slice
+    (set_model_state_dict with a full state dict)."""
     path = Path(path).expanduser()
     if path.is_dir():
         state = {"model": get_model_state_dict(model)}
-        dcp_reader.load(state, path)
+        dcp_reader.load(state, path, checked=checked)
         set_model_state_dict(model, state["model"])
         return
     full = read_full(path)

@@ -127,6 +127,8 @@ class Backend:
         self.cpu_allocator: str | None = None
         """What setup applied to this CPU rank's allocator (lean or fast); None on GPU ranks, off glibc, or where the
         user's MALLOC_MMAP_THRESHOLD_ decides."""
+        self._timeout_s: float = cfg.timeout_s
+        """The collective timeout in force (long_timeout raises it for a while)."""
 
     # ---- process group -------------------------------------------------------------------------------------------
     def _pick_device(self) -> torch.device:
@@ -264,6 +266,28 @@ class Backend:
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
+
+    @contextlib.contextmanager
+    def long_timeout(self, seconds: float) -> Iterator[None]:
+        """Collectives inside wait up to ``seconds`` (never less than distributed.timeout_s): for work whose time grows
+        with the model, the data or the file system, which one rank may do while the others wait (checkpoint I/O and
+        its folder's clean-up). Nested windows keep the longest until the outermost ends. The caller ends the window
+        with a collective (every checkpoint step ends in an agreement), so no rank leaves it while another is still
+        inside."""
+        previous = self._timeout_s
+        self._timeout_s = max(previous, seconds)
+        if dist.is_initialized() and self._timeout_s != previous:
+            self._set_timeouts(self._timeout_s)
+        try:
+            yield
+        finally:
+            if dist.is_initialized() and self._timeout_s != previous:
+                self._set_timeouts(previous)
+            self._timeout_s = previous
+
+    def _set_timeouts(self, seconds: float) -> None:
+        for group in self.process_groups():
+            dist.set_timeout(timedelta(seconds=seconds), group)
 
     def describe(self) -> Iterator[str]:
         yield f"backend {self.name}: world size {self.env.world_size} ({self.env.launcher}), device {self.device}"

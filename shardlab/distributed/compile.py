@@ -152,6 +152,12 @@ class FirstSteps:
             f"compiling (inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})"
         )
 
+    def close(self) -> None:
+        """timeout_s again if the first step never ended (it raised): a caller that goes on (backend=auto's next
+        trial, the run) must not keep the compile timeout. No barrier: the others may have failed differently."""
+        if not self.durations:
+            self._set_timeout(self.timeout_s)
+
     def _set_timeout(self, seconds: float) -> None:
         if dist.is_initialized():
             for group in self.groups:

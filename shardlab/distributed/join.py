@@ -47,10 +47,25 @@ def agent_hosts_store(env) -> bool:
     return env.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def _prefix(number: int) -> str:
-    """The store keys of this process's ``number``-th join."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives a restarted worker
-    return f"shardlab/join/{restart}/{number}/"
+def _prefix(number: int, attempt: int | None = None) -> str:
+    """The store keys of this process's ``number``-th join in ``attempt`` (default: torchrun's restart count)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if attempt is None else attempt
+    return f"shardlab/join/{attempt}/{number}/"
+
+
+def _arrive(store: Store, number: int, rank: int) -> str:
+    """The keys of this rank's ``number``-th join, its arrival marked there. torchrun's store outlives restarted
+    workers, so each attempt has keys of its own; but TORCHELASTIC_RESTART_COUNT is each node's own count (an agent
+    restarts its healthy workers when another node's failed ones rejoin, without counting it), so it is only where a
+    rank starts looking: it takes the first attempt from there it has not taken part in, as every rank of the new
+    attempt does. (A rank of a node whose count lags that never reached the store in the failed attempt would still
+    take that one.)"""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    while store.check([_Keys(_prefix(number, attempt)).arrived(rank)]):
+        attempt += 1
+    keys = _Keys(_prefix(number, attempt))
+    store.set(keys.arrived(rank), str(os.getpid()))
+    return keys.prefix
 
 
 def prepare_and_agree(
@@ -58,10 +73,10 @@ def prepare_and_agree(
 ) -> None:
     """Run ``prepare()`` (this rank's data; returns what it opened, e.g. token counts and a content hash) with a
     heartbeat, then wait until every rank has, and raise on every rank if one failed or opened other data.
-    ``prefix``: the store keys of this join (default: one per join in this process and torchrun restart)."""
+    ``prefix``: the store keys of this join (default: one per join in this process and attempt, see ``_arrive``)."""
     global _joins_in_process
     _joins_in_process += 1
-    keys = _Keys(prefix or _prefix(_joins_in_process))
+    keys = _Keys(prefix or _arrive(store, _joins_in_process, rank))
     if rank > 0 and store.check([keys.verdict]):  # rank 0 failed before joining: no need to prepare anything
         _raise_if_failed(_read_verdict(store, keys))
     stop = threading.Event()
@@ -100,13 +115,13 @@ def tell_peers_before_joining(env, message: str) -> None:
     if env.world_size <= 1 or env.launcher in ("none", "local") or _joins_in_process:
         return
     _joins_in_process += 1
-    keys = _Keys(_prefix(_joins_in_process))
     hosts = env.rank == 0 and not agent_hosts_store(env)
     try:
         store = TCPStore(
             env.master_addr, env.master_port, world_size=env.world_size, is_master=hosts,
             timeout=timedelta(seconds=EARLY_CONNECT_S), wait_for_workers=False, multi_tenant=True,
         )  # fmt: skip
+        keys = _Keys(_arrive(store, _joins_in_process, env.rank))
         _post_failure(store, keys, env.rank, f"rank {env.rank} failed before joining: {message}")
         if hosts:  # the store ends with this process: keep it until the others have read the verdict (or failed)
             deadline = time.monotonic() + EARLY_LINGER_S
@@ -134,6 +149,9 @@ class _Keys:
         self.verdict = prefix + "verdict"
         self.done = prefix + "done"
         """Ranks that are through with this join: read the verdict, or posted their own failure."""
+
+    def arrived(self, rank: int) -> str:
+        return f"{self.prefix}arrived/{rank}"
 
     def alive(self, rank: int) -> str:
         return f"{self.prefix}alive/{rank}"

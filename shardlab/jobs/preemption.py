@@ -42,27 +42,43 @@ class StopSignals:
     def __init__(self, interrupt: bool = False, on_signal: Callable[[int], None] | None = None) -> None:
         self.received: int | None = None
         """The first stop signal that arrived, if any."""
+        self.agreed: int | None = None
+        """The stop signal the ranks agreed on (``agree``): this rank's own, else one another rank received."""
         self.signals = (*STOP_SIGNALS, signal.SIGINT) if interrupt else STOP_SIGNALS
         self.on_signal = on_signal
         self._previous: dict[int, Any] = {}
         self._forward_to: Any = None
+        self._forwarded = False
 
     @property
     def name(self) -> str | None:
-        return signal.Signals(self.received).name if self.received is not None else None
+        signum = self.received or self.agreed
+        if signum is None:
+            return None
+        return signal.Signals(signum).name + ("" if self.received else " (on another rank)")
 
-    def install(self) -> None:
-        """Record stop signals from now on (main thread only; elsewhere, e.g. in a test harness thread, no-op)."""
-        for sig in self.signals:
+    def agree(self, signum_on_some_rank: int) -> None:
+        """The ranks' stop, agreed: ``signum_on_some_rank`` is the largest signal number received on any rank, so a
+        rank that got none (a ``kill`` of one process) forwards what another got, and rank 0 can requeue the job."""
+        self.agreed = self.received or signum_on_some_rank or None
+
+    def install(self, only: tuple[int, ...] | None = None) -> None:
+        """Record stop signals from now on (main thread only; elsewhere, e.g. in a test harness thread, no-op): all of
+        them, or ``only`` those (a rank's start-up records the time-limit warnings alone: a SIGTERM then still ends
+        the process, which has no progress to save yet). Signals already recorded stay so."""
+        for sig in self.signals if only is None else only:
+            if sig in self._previous:
+                continue
             try:
                 self._previous[sig] = signal.signal(sig, self._record)
             except ValueError:  # not the main thread
                 return
 
     def restore(self) -> None:
-        """Put the previous handlers back, remembering the one the received signal is to be forwarded to."""
-        if self.received is not None and self.received in self._previous:
-            self._forward_to = self._previous[self.received]
+        """Put the previous handlers back, remembering the one the stop's signal is to be forwarded to."""
+        signum = self.received or self.agreed
+        if signum is not None and signum in self._previous:
+            self._forward_to = self._previous[signum]
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
@@ -79,14 +95,19 @@ class StopSignals:
         """After the checkpoint: hand the signal to the handler it would have reached without us (submitit's
         requeue). Default and ignored dispositions need nothing (stopping cleanly was the point), except a time-limit
         warning in a Slurm job submitit does not run: the process that ``speaks_for_job`` (global rank 0, or the
-        launcher of local ranks) requeues it."""
+        launcher of local ranks) requeues it. Once: a handler that ends the process by raising is not called again
+        on the way out."""
+        if self._forwarded:
+            return
+        self._forwarded = True
         self.restore()
         handler: Callable | Any = self._forward_to
-        if self.received == signal.SIGINT:
+        signum = self.received or self.agreed
+        if signum == signal.SIGINT:
             return
         if callable(handler) and handler is not signal.default_int_handler:
-            handler(self.received, None)
-        elif speaks_for_job and self.received in REQUEUE_SIGNALS and requeue_is_ours():
+            handler(signum, None)
+        elif speaks_for_job and signum in REQUEUE_SIGNALS and requeue_is_ours():
             print(requeue_slurm_job(), flush=True)
 
 

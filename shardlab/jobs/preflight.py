@@ -32,6 +32,7 @@ from shardlab.config import (
     task_default_options,
     validate,
 )
+from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.registry import load_plugins, unknown_name_message, user_dir
 
@@ -129,7 +130,16 @@ def check_composed(cfg: DictConfig, argv: list[str]) -> None:
     here); build_task checks the exact one again."""
     validate(cfg, int(os.environ.get("WORLD_SIZE") or 0) or None)
     run_dir = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), "runs")
-    errors = path_errors(cfg, run_dir) if "${" not in run_dir else []
+    if "${now:" in run_dir.replace(" ", ""):
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} names the run's folder by the clock: a requeue or a rerun resolves it again and "
+            "starts over in a new folder, and with a process per rank (torchrun, Slurm tasks) each rank resolves it "
+            "at its own moment; leave the default (named by the experiment) or write the date out"
+        )
+    # A rank of a job of several processes keeps the run directory the check made: another rank may have passed its
+    # checks already and be opening its log file there, and Hydra makes the directory next anyway.
+    several_ranks = dist_env.detect().world_size > 1
+    errors = path_errors(cfg, run_dir, keep_run_dir=several_ranks) if "${" not in run_dir else []
     if errors:
         raise ConfigError("; ".join(errors))
 

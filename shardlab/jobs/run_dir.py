@@ -19,7 +19,8 @@ from pathlib import PurePath
 from typing import Any
 from urllib.parse import quote
 
-from omegaconf import OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 HOW_IT_RUNS = (
     "distributed",
@@ -133,11 +134,48 @@ def _compared(key: str, value: Any) -> Any:
     return PurePath(str(value).strip(QUOTES)).name if key in NAMED_BY_FOLDER and value else value
 
 
+SWEEP_SYNTAX = (",", "(")
+"""What makes an override a sweep over several values: a list (task=lm,swav) or a function (glob(*), range(...))."""
+
+
+def sweep_dir_name(task: str, sweep_overrides: Iterable[str]) -> str:
+    """``<task>/<the sweep's overrides>`` (``optimizer.lr=1e-3,3e-3``, sweep syntax and all): the same command names
+    the same sweep folder, so rerunning it resumes every point there, as rerunning a single run does. A sweep over
+    tasks (``task=lm,swav``) is ``tasks/<every override, task= too>``: its config's task is only the default."""
+    overrides = list(sweep_overrides)
+    if any(_key(o) == "task" and any(c in o.partition("=")[2] for c in SWEEP_SYNTAX) for o in overrides):
+        return f"tasks/{run_name(overrides, ALWAYS_EXCLUDED, parent=())}"
+    return f"{task}/{run_name(overrides, ALWAYS_EXCLUDED)}"
+
+
+_sweep_name: str | None = None
+"""The running multirun's sweep_dir_name, set by NameTheSweep before Hydra first resolves hydra.sweep.dir."""
+
+
+class NameTheSweep(Callback):
+    """Hydra callback (conf/config.yaml): names the multirun's folder from its own config, whose overrides are the
+    command line's. ``${shardlab_sweep_dir:}`` is a cached resolver, so Hydra copies the value into every job's
+    config, and into the jobs submitit pickles, where the overrides are the point's alone (Hydra's ``${now:}`` reaches
+    the jobs the same way)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _sweep_name
+        _sweep_name = sweep_dir_name(config.hydra.runtime.choices.task, list(config.hydra.overrides.task))
+
+
+def _sweep_dir() -> str:
+    if _sweep_name is None:
+        raise ValueError("${shardlab_sweep_dir:} names a multirun's folder, and no multirun has started")
+    return _sweep_name
+
+
 def register_resolvers() -> None:
-    """``${shardlab_run_name:${hydra:overrides.task}}`` names a single run; ``${shardlab_sweep_name:<job num>,...}``
-    a sweep point: its number, then every override, so points that differ only in how they run are told apart."""
+    """``${shardlab_run_name:${hydra:overrides.task}}`` names a single run; ``${shardlab_sweep_dir:}`` a sweep, by
+    the command line's overrides; ``${shardlab_sweep_name:<job num>,...}`` a sweep point: its number, then every
+    override, so points that differ only in how they run are told apart."""
     if not OmegaConf.has_resolver("shardlab_run_name"):
         OmegaConf.register_new_resolver("shardlab_run_name", lambda overrides: run_name(overrides))
+        OmegaConf.register_new_resolver("shardlab_sweep_dir", _sweep_dir, use_cache=True)
         OmegaConf.register_new_resolver(
             "shardlab_sweep_name", lambda num, overrides: f"{num}_{run_name(overrides, ALWAYS_EXCLUDED, parent=())}"
         )

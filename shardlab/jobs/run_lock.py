@@ -9,7 +9,8 @@ naming the other job, unless the lock is stale:
 - its holder was on this host and that process is gone (or the pid now belongs to another process);
 - its heartbeat is older than LEASE_S: the holder's node died or lost the file system.
 
-Taking over is a rename of our own file onto the lock, then a read-back: of two processes that take over at once,
+A new lock is created whole, holder and all (a hard link of a written file), so no job ever reads it empty. Taking
+over is a rename of our own file onto the lock, then a read-back: of two processes that take over at once,
 the one whose file is read back holds it, the other refuses. Held by global rank 0 of a job (the launcher process of
 local ranks); released when the job ends, including on a stop signal and its requeue.
 """
@@ -79,9 +80,7 @@ class RunLock:
     def acquire(self) -> None:
         """Hold the lock, taking over a stale one; RunFolderInUse naming the holder otherwise."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+        if not self._create():
             holder = self._read()
             if holder is not None and (reason := self._live_holder(holder)):
                 raise RunFolderInUse(reason) from None
@@ -92,9 +91,6 @@ class RunLock:
                 raise RunFolderInUse(
                     self._describe(holder or {}, "took over the stale lock at the same time")
                 ) from None
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps({**self.me, "heartbeat": time.time()}))
         self._thread = threading.Thread(target=self._beat, name="shardlab-run-lock", daemon=True)
         self._thread.start()
 
@@ -118,10 +114,36 @@ class RunLock:
         except (OSError, ValueError):
             return None
 
+    def _create(self) -> bool:
+        """Create the lock already holding this job's details, or return False if it exists. A hard link of a written
+        file creates it whole in one step (atomic on local file systems and NFS): a lock created empty and written
+        after let a job starting at the same moment read it empty, take it for stale, and hold it too. Where the
+        file system has no hard links, an exclusive create and a write, with that window."""
+        tmp = self._written_tmp()
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w") as f:
+                f.write(tmp.read_text())
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def _write(self) -> None:
+        os.replace(self._written_tmp(), self.path)
+
+    def _written_tmp(self) -> Path:
+        """A temporary file beside the lock holding this job's details and a fresh heartbeat."""
         tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**self.me, "heartbeat": time.time()}))
-        os.replace(tmp, self.path)
+        return tmp
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

@@ -72,7 +72,8 @@ def fail(run_dir: Path, error: str) -> None:
 # report it already).
 RANK_ERRORS = ".rank_errors"
 PROCESS_STARTED = time.time()
-"""About when this process started (this module is imported at start-up): notes older than this attempt are ignored."""
+"""About when this process started (this module is imported at start-up): notes of ranks that started before this
+attempt are ignored."""
 SKEW_S = 10.0
 """How much earlier than rank 0 another rank of the same attempt may have started."""
 
@@ -92,7 +93,7 @@ def note_rank_error(run_dir: Path, rank: int, error: str) -> None:
         folder = Path(run_dir) / RANK_ERRORS
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".rank{rank}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"rank": rank, "error": error, "time": time.time()}))
+        tmp.write_text(json.dumps({"rank": rank, "error": error, "time": time.time(), "started": PROCESS_STARTED}))
         os.replace(tmp, folder / f"rank{rank}.json")
     except OSError:
         pass
@@ -109,7 +110,9 @@ def first_rank_error(run_dir: Path, wait_s: float = 3.0) -> dict[str, Any] | Non
                 note = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
-            if note.get("time", 0) >= PROCESS_STARTED - SKEW_S:
+            # A rank of this attempt started about when this one did. Its time of failure would not tell: torchrun
+            # restarts the workers within seconds of the last attempt's notes. (Notes without "started": older code.)
+            if note.get("started", note.get("time", 0)) >= PROCESS_STARTED - SKEW_S:
                 notes.append(note)
         if notes or time.monotonic() >= deadline:
             return min(notes, key=lambda n: n["time"]) if notes else None

@@ -13,10 +13,19 @@ What is measured, in order, at most ``auto_tune_max_trials`` candidates:
 A step's time is the median of the timed steps (the first is a warm-up) on the slowest rank: every rank gets the same
 numbers through one all-reduce and makes the same choice.
 
-The decision is part of the run: it is written to ``<run dir>/autotune.json``, so a requeue or resume of the run reuses
-it without measuring, and to ``distributed.auto_tune_cache`` under a key of what the speed depends on (model config,
-batch shapes, global batch, budget, world size, ranks per machine, device, torch version, precision), so the next run
-of the same shape starts at once too. Delete either file to measure again.
+The decision is part of the run: it is written to ``<run dir>/autotune.json`` (also when it came from the cache), so a
+requeue or resume of the run reuses it without measuring, and to ``distributed.auto_tune_cache`` under a key of what
+the speed depends on (model config, batch shapes, global batch, budget, world size, ranks per machine, device, torch
+version, precision, compile), so the next run of the same shape starts at once too.
+
+A run that has its own decision or checkpoints and resumes where the key differs (another world size, another GPU
+model) is measured again, but only for its layout: the micro-batch split and the optimizer name the run (its
+checkpoints hold them), so the run's own are kept, and the cache, another run's decision, is not read for it.
+Delete the run's file (of a run without checkpoints) or the cache entry to measure again.
+
+A candidate that fails on every rank alike (an out-of-memory error of the same step) is reported in the table and the
+others are measured; one that fails on a single rank leaves the others waiting in that step's collective until
+distributed.timeout_s ends the run.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from shardlab.checkpoint.layout import complete_checkpoints
 from shardlab.errors import ConfigError
 from shardlab.memory.budget import Choice, apply_choice, fitting, sharded_only
 from shardlab.memory.plan import GiB, Layout, profile_config
@@ -88,6 +98,7 @@ def decision_key(cfg: DictConfig, task, world_size: int, ranks_per_node: int, de
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "trials": [d.auto_tune_steps, d.auto_tune_max_trials],
+        "compile": d.compile,
     }
 
 
@@ -105,14 +116,18 @@ def tune(cfg: DictConfig, task, env, run_dir: Path) -> str:
     device = pick_device(env.local_rank)
     world, per_node = env.world_size, dist_env.ranks_per_node(env.world_size)
     key = decision_key(cfg, task, world, per_node, device)
-    recorded = broadcast_text(_recorded(cfg, run_dir, key) if env.is_main else "", 0, device)
-    if recorded:
-        decision = json.loads(recorded)
+    found = json.loads(broadcast_text(json.dumps(_find(cfg, run_dir, key)) if env.is_main else "", 0, device))
+    decision, held = found["decision"], found["held"]
+    if decision:
         _apply(cfg, decision["choice"])
-        where = "this run's" if decision.get("from") == "run" else f"the cached ({decision.get('created', '?')})"
+        if decision["from"] == "cache" and env.is_main:  # from now on the run's own, whatever the cache does
+            _write(Path(run_dir) / DECISION_FILE, {k: v for k, v in decision.items() if k != "from"})
+        where = "this run's" if decision["from"] == "run" else f"the cached ({decision.get('created', '?')})"
         return f"distributed.backend=auto: {where} decision, {decision['label']} (not measured again)"
+    if held:
+        _hold(cfg, held, world)
     started = time.perf_counter()
-    trials = _measure(cfg, task, env, device, run_dir)
+    trials = _measure(cfg, task, env, device, run_dir, held)
     ok = [t for t in trials if t.step_s is not None]
     if not ok:
         failures = "; ".join(f"{t.layout}: {t.error}" for t in trials)
@@ -128,22 +143,31 @@ def tune(cfg: DictConfig, task, env, run_dir: Path) -> str:
     }
     _apply(cfg, best.overrides)
     if env.is_main:
-        _record(cfg, run_dir, decision)
+        _record(cfg, run_dir, decision, cache=not held)
     return "\n".join(_table(decision, task.unit, world))
 
 
-def _measure(cfg: DictConfig, task, env, device: torch.device, run_dir: Path) -> list[Trial]:
-    """Measure the candidates (see the module docstring); every rank runs every trial."""
+def _measure(cfg: DictConfig, task, env, device: torch.device, run_dir: Path, held: dict | None) -> list[Trial]:
+    """Measure the candidates (see the module docstring); every rank runs every trial. ``held``: the split (and
+    optimizer) the run is bound to: only layouts are measured, and only those that keep its optimizer."""
     d, o = cfg.distributed, cfg.optimization
     world = env.world_size
     profile, ctx = profile_config(cfg, task, world)
     fits = fitting(profile, cfg, ctx, sharded_only(d))
+    if held and "optimizer.name" in held:
+        fits = [c for c in fits if _optimizer_with(cfg, c) == held["optimizer.name"]]
+        if not fits:
+            raise ConfigError(
+                f"distributed.backend=auto: this run trains with optimizer.name={held['optimizer.name']} (its "
+                f"{DECISION_FILE}), and no layout that fits the budget at world size {world} keeps it; raise "
+                "distributed.memory_budget_gb or set distributed.backend"
+            )
     lightest = [c for c in fits if not (c.layout.activation_checkpointing or c.layout.cpu_offload)]
     lightest = lightest or [c for c in fits if not c.layout.cpu_offload] or fits
     budget = d.auto_tune_max_trials
     trials = [_trial(cfg, task, env, device, run_dir, c, o.batch_size, o.update_freq) for c in lightest[:budget]]
     measured = [t for t in trials if t.step_s is not None]
-    if measured and len(trials) < budget:
+    if measured and len(trials) < budget and not held:
         best = min(measured, key=lambda t: t.step_s)
         choice = next(c for c in lightest if c.layout.label(world) == best.layout)
         for batch, accumulate in _splits(o.batch_size, o.update_freq, world):
@@ -222,44 +246,91 @@ def _trial(cfg: DictConfig, task, env, device, run_dir: Path, choice: Choice, ba
     return trial
 
 
+def _optimizer_with(cfg: DictConfig, choice: Choice) -> str:
+    """The optimizer a candidate trains with (apply_choice fuses an offloaded adamw as cpu_adam)."""
+    trial_cfg = copy.deepcopy(cfg)
+    apply_choice(trial_cfg, choice, 1)
+    return trial_cfg.optimizer.name
+
+
+HELD = ("optimization.batch_size", "optimization.update_freq", "optimizer.name")
+"""What of a decision names the run (shardlab/jobs/run_dir.py): kept when the run's layout is measured again."""
+
+
+def _hold(cfg: DictConfig, held: dict[str, Any], world: int) -> None:
+    """The run's own micro-batch split into ``cfg`` (the optimizer is matched by the candidates, not set here)."""
+    batch, update_freq = held["optimization.batch_size"], held["optimization.update_freq"]
+    if batch % world:
+        raise ConfigError(
+            f"distributed.backend=auto: this run trains with optimization.batch_size={batch} x update_freq="
+            f"{update_freq}, which does not divide over {world} ranks; resume it on a world size dividing {batch}"
+        )
+    cfg.optimization.batch_size, cfg.optimization.update_freq = batch, update_freq
+
+
 def _apply(cfg: DictConfig, overrides: dict[str, Any]) -> None:
     for dotted, value in overrides.items():
         section, key = dotted.split(".", 1)
         cfg[section][key] = value
 
 
-def _recorded(cfg: DictConfig, run_dir: Path, key: dict) -> str:
-    """Rank 0: a decision for ``key``, as JSON text: this run's own first, then the cache; "" when there is none."""
-    candidates = [(Path(run_dir) / DECISION_FILE, "run")]
+def _read(path: Path) -> dict | None:
+    """A decision file, its choice limited to the keys a decision sets (a file is data: it cannot set, say,
+    checkpoint.init_from); None if it is missing or unreadable."""
+    try:
+        decision = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(decision, dict) or not isinstance(decision.get("choice"), dict):
+        return None
+    choice = {k: v for k, v in decision["choice"].items() if k in HELD or k.startswith("distributed.")}
+    return {**decision, "choice": choice}
+
+
+def _find(cfg: DictConfig, run_dir: Path, key: dict) -> dict:
+    """Rank 0: {"decision": one to reuse for ``key`` or None, "held": what the run is bound to or None}.
+
+    The run's own decision for this key first. A run with its own decision for another key, or with checkpoints, is
+    bound to its split (and optimizer): it is measured again for its layout only, and the cache is not read for it.
+    Otherwise the cache."""
+    own = _read(Path(run_dir) / DECISION_FILE)
+    if own and own.get("key") == key:
+        return {"decision": {**own, "from": "run"}, "held": None}
+    if own:
+        return {"decision": None, "held": {k: own["choice"][k] for k in HELD if k in own["choice"]}}
+    if complete_checkpoints(Path(run_dir) / cfg.checkpoint.dir):  # started by hand; resumed now with auto
+        o = cfg.optimization
+        held = {"optimization.batch_size": o.batch_size, "optimization.update_freq": o.update_freq}
+        return {"decision": None, "held": {**held, "optimizer.name": cfg.optimizer.name}}
     if cfg.distributed.auto_tune_cache:
-        candidates.append((Path(cfg.distributed.auto_tune_cache).expanduser() / f"{key_hash(key)}.json", "cache"))
-    for path, origin in candidates:
-        try:
-            decision = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if decision.get("key") == key:
-            return json.dumps({**decision, "from": origin})
-    return ""
+        cached = _read(Path(cfg.distributed.auto_tune_cache).expanduser() / f"{key_hash(key)}.json")
+        if cached and cached.get("key") == key:
+            return {"decision": {**cached, "from": "cache"}, "held": None}
+    return {"decision": None, "held": None}
 
 
-def _record(cfg: DictConfig, run_dir: Path, decision: dict) -> None:
-    """Rank 0: the decision into the run directory, the cache and status.json."""
+def _record(cfg: DictConfig, run_dir: Path, decision: dict, cache: bool) -> None:
+    """Rank 0: the decision into the run directory, the cache (``cache``: unless the run's split was held, which
+    would make another run of this shape inherit it) and status.json."""
     from shardlab.jobs import run_record
 
     targets = [Path(run_dir) / DECISION_FILE]
-    if cfg.distributed.auto_tune_cache:
+    if cfg.distributed.auto_tune_cache and cache:
         targets.append(Path(cfg.distributed.auto_tune_cache).expanduser() / f"{key_hash(decision['key'])}.json")
     for path in targets:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(decision, indent=1))
-            os.replace(tmp, path)
-        except OSError as e:  # a cache that cannot be written costs the next run a measurement, nothing more
-            print(f"warning: distributed.backend=auto could not write {path} ({e})", flush=True)
+        _write(path, decision)
     summary = {k: decision[k] for k in ("label", "choice", "trials", "tuning_s")}
     run_record.update(run_dir, autotune=summary)
+
+
+def _write(path: Path, decision: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(decision, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # a cache that cannot be written costs the next run a measurement, nothing more
+        print(f"warning: distributed.backend=auto could not write {path} ({e})", flush=True)
 
 
 def _table(decision: dict, unit: str, world: int) -> list[str]:

@@ -141,14 +141,12 @@ class TensorImages(Dataset):
 
 
 def reflect_pad(images: Tensor, pad: int) -> Tensor:
-    """``torch.nn.functional.pad(images, [pad] * 4, mode="reflect")`` on the last two dimensions, by indexing: on
-    the uint8 bytes as they are (reflection padding needs float on CPU, and is slow there: every vision run paid it
-    at start-up)."""
-
-    def reflected(n: int) -> Tensor:  # pad..1, 0..n-1, n-2..n-1-pad: the edge pixel is not repeated
-        return torch.cat([torch.arange(pad, 0, -1), torch.arange(n), torch.arange(n - 2, n - 2 - pad, -1)])
-
-    return images.index_select(-2, reflected(images.shape[-2])).index_select(-1, reflected(images.shape[-1]))
+    """``torch.nn.functional.pad(images, [pad] * 4, mode="reflect")`` on the last two dimensions, on the uint8 bytes
+    as they are (reflection padding needs float on CPU, and is slow there: every vision run paid it at start-up), by
+    copying flipped edge strips (a gather through index_select is several times slower): each side mirrors the
+    ``pad`` rows (columns) next to the edge, not the edge itself."""
+    rows = torch.cat([images[..., 1 : pad + 1, :].flip(-2), images, images[..., -pad - 1 : -1, :].flip(-2)], dim=-2)
+    return torch.cat([rows[..., 1 : pad + 1].flip(-1), rows, rows[..., -pad - 1 : -1].flip(-1)], dim=-1)
 
 
 # ---- folder: an ImageFolder tree ----------------------------------------------------------------------------------

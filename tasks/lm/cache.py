@@ -16,6 +16,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import numpy as np
+
 from shardlab.errors import DataError
 from tasks.lm.binarize import FORMAT_VERSION, binarize
 from tasks.lm.cache_lock import build_once
@@ -90,13 +92,36 @@ def prepare_corpus(
     return out
 
 
+TOKEN_DTYPES = ("uint16", "uint32")
+"""What binarize writes token files in (tokenizer.token_dtype: uint32 once a vocabulary outgrows uint16)."""
+
+
 def read_corpus_meta(corpus: Path) -> dict:
-    """meta.json of a preprocessed corpus; formats 1 (uint16 only) and 2 read, newer ones are refused."""
-    meta = json.loads((corpus / "meta.json").read_text())
+    """meta.json of a preprocessed corpus; formats 1 (uint16 only) and 2 read, newer ones are refused, and so is a
+    token dtype binarize never writes or token files whose size is not the token counts it records (a shared cache
+    someone edited: numpy would map an object dtype's bytes as pointers)."""
+    try:
+        meta = json.loads((corpus / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{corpus / 'meta.json'} is unreadable ({e}); delete {corpus} to preprocess again") from None
     if meta.get("format", 1) > FORMAT_VERSION:
         raise DataError(
             f"{corpus} was written by a newer shardlab (format {meta['format']} > {FORMAT_VERSION}); "
             "upgrade shardlab or delete that directory to preprocess again"
         )
     meta.setdefault("dtype", "uint16")
+    if meta["dtype"] not in TOKEN_DTYPES:
+        raise DataError(
+            f"{corpus / 'meta.json'} gives the token dtype {meta['dtype']!r}, which preprocessing never writes "
+            f"({' or '.join(TOKEN_DTYPES)}); delete {corpus} to preprocess again"
+        )
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in ("train", "valid"):
+        recorded = meta.get(f"{split}_tokens")
+        size = (corpus / f"{split}.bin").stat().st_size if (corpus / f"{split}.bin").exists() else None
+        if recorded is not None and size != recorded * itemsize:
+            raise DataError(
+                f"{corpus / (split + '.bin')} holds {size} bytes, not the {recorded:,} {meta['dtype']} tokens its "
+                f"meta.json records; delete {corpus} to preprocess again"
+            )
     return meta

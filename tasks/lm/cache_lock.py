@@ -5,7 +5,8 @@ The lock is a file beside the cache directory, created with O_EXCL (atomic on lo
 its writer's host and pid; the writer touches it every few seconds. A lock is stale - and the next process takes the
 work over - when its writer is gone: on the same host, its pid no longer runs; from another host, its heartbeat has not
 moved for STALE_S by the waiter's own clock (clocks of different hosts are never compared). Each filesystem has its
-own lock, so with node-local caches every node has one writer.
+own lock, so with node-local caches every node has one writer. A writer whose build fails leaves its error beside the
+cache (``<cache>.failed``) for the processes that were waiting for it.
 
 The lock saves work; it is not what keeps a cache whole. binarize writes into a private temporary directory and
 publishes it with one rename, which fails when the directory is already there: in the rare race where two processes
@@ -37,6 +38,11 @@ def lock_path(out: Path) -> Path:
     return out.with_name(out.name + ".lock")
 
 
+def failure_path(out: Path) -> Path:
+    """The last failed build's writer and error, which the processes that waited for that writer stop with."""
+    return out.with_name(out.name + ".failed")
+
+
 def temp_prefix(out: Path, host: str | None = None, pid: int | None = None) -> str:
     """The name prefix of a writer's temporary directory, so a writer taking over can remove a dead one's."""
     return f"{out.name}.tmp-{host or socket.gethostname()}-{pid or os.getpid()}-"
@@ -44,13 +50,15 @@ def temp_prefix(out: Path, host: str | None = None, pid: int | None = None) -> s
 
 def build_once(out: Path, build: Callable[[], None], say: Callable[[str], None] = print) -> None:
     """Make sure ``out`` holds a finished cache (``out/meta.json``): build it here with ``build()``, or wait for the
-    process already building it. A build that raises leaves no lock behind, so a waiter then builds (and reports the
-    same error itself)."""
+    process already building it. A build that raises leaves no lock behind, and a note of its error: the processes
+    that were waiting for it raise that error too (each would otherwise build again in turn and fail the same way,
+    ranks x the build's time), while a process that comes later builds again."""
     while not _done(out):
         with _acquire(out) as mine:
             if mine:
                 if not _done(out):  # finished between our check and our lock
                     build()
+                    failure_path(out).unlink(missing_ok=True)
                 return
         owner, stale = _wait_for_writer(out, say)
         if stale is not None:
@@ -86,6 +94,13 @@ def _acquire(out: Path) -> Iterator[bool]:
     beat.start()
     try:
         yield True
+    except Exception as e:  # not an interrupt: the waiters take over then, as from a writer that died
+        note = {**token, "error": str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"}
+        with contextlib.suppress(OSError):
+            tmp = failure_path(out).with_name(f"{failure_path(out).name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(note))
+            os.replace(tmp, failure_path(out))
+        raise
     finally:
         stop.set()
         beat.join()
@@ -109,13 +124,19 @@ def _read(lock: Path) -> dict | None:
 
 def _wait_for_writer(out: Path, say: Callable[[str], None]) -> tuple[dict, str | None]:
     """Wait while the lock's writer is alive: returns (its owner, None) when the lock is gone or the cache finished,
-    (owner, why) once the writer is judged dead."""
+    (owner, why) once the writer is judged dead; raises the writer's error when its build failed."""
     lock = lock_path(out)
     last_beat, seen_at, owner, announced = None, time.monotonic(), {}, False
     while not _done(out):
         try:
             beat = lock.stat().st_mtime_ns
         except FileNotFoundError:
+            failure = _read(failure_path(out)) or {}
+            if owner and all(failure.get(k) == owner.get(k) for k in ("host", "pid", "started")):
+                raise DataError(
+                    f"preprocessing {out} failed in {owner.get('host')} pid {owner.get('pid')}, which this process "
+                    f"waited for: {failure.get('error')}"
+                ) from None
             break
         owner = _read(lock) or {}
         if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):

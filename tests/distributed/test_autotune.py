@@ -20,7 +20,8 @@ CALLS = {"trials": 0}
 
 
 def fake_clock() -> None:
-    """Each rank: trials run their real steps, then report FAKE_SECONDS for their layout (x0.5 for micro-batch 4)."""
+    """Each rank: trials run their real steps, then report FAKE_SECONDS for their layout (x0.5 for micro-batch 4;
+    for micro-batch 8 instead under auto_tune_steps=3, a machine on which the other split has become faster)."""
     from shardlab import trainer as trainer_module
     from shardlab.memory.plan import layout_of
 
@@ -30,7 +31,8 @@ def fake_clock() -> None:
         seconds, units = real(self, num_steps)
         CALLS["trials"] += 1
         label = layout_of(self.cfg.distributed, self.backend.env.world_size).label(self.backend.env.world_size)
-        scale = 0.5 if self.cfg.optimization.batch_size == 4 else 1.0
+        faster_batch = 8 if self.cfg.distributed.auto_tune_steps == 3 else 4
+        scale = 0.5 if self.cfg.optimization.batch_size == faster_batch else 1.0
         return [FAKE_SECONDS.get(label, 9.0) * scale] * num_steps, units
 
     trainer_module.Trainer.time_steps = timed
@@ -70,8 +72,19 @@ def test_auto_keeps_the_fastest_fitting_layout_reuses_it_on_resume_and_caches_it
     first = tiny_lm(*common)
     resumed = tiny_lm(*[c for c in common if "max_steps" not in c], "optimization.max_steps=3")
     elsewhere = tiny_lm(*common)
-    runs = [tmp_path / "run", tmp_path / "run", tmp_path / "other"]
-    results = run_spawned([first, resumed, elsewhere], 2, run_dirs=runs, inspect=chosen, prepare=fake_clock)
+    # The run elsewhere resumed without the cache (deleted, another node's home): the decision it took from the cache
+    # is its own, so it measures nothing.
+    empty = f"distributed.auto_tune_cache={tmp_path / 'empty'}"
+    no_cache = [c if "auto_tune_cache" not in c else empty for c in common]
+    elsewhere_again = tiny_lm(*[c for c in no_cache if "max_steps" not in c], "optimization.max_steps=3")
+    # That run resumed again where its decision's key differs (auto_tune_steps stands in for another GPU model or
+    # ranks per node) and the other split has become faster: only the layout is measured again, at the run's own
+    # split 4 x 2 (its checkpoint holds it), so the run continues instead of being refused as another experiment.
+    rekeyed = [c for c in common if "max_steps" not in c and "auto_tune_steps" not in c]
+    changed = tiny_lm(*rekeyed, "distributed.auto_tune_steps=3", "optimization.max_steps=4")
+    runs = [tmp_path / "run", tmp_path / "run", tmp_path / "other", tmp_path / "other", tmp_path / "other"]
+    configs = [first, resumed, elsewhere, elsewhere_again, changed]
+    results = run_spawned(configs, 2, run_dirs=runs, inspect=chosen, prepare=fake_clock)
 
     # 3 layouts at micro-batch 8, then the fastest's split 4 x 2 (16 x 0.5 does not exist): 4 trials, the last wins.
     assert results[0]["backend"] == "fully_sharded" and results[0]["reshard_after_forward"] is False
@@ -84,10 +97,22 @@ def test_auto_keeps_the_fastest_fitting_layout_reuses_it_on_resume_and_caches_it
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["autotune"]["label"] == decision["label"] == "fully_sharded, no reshard, micro-batch 4 x 2"
 
-    # The resumed run and a run elsewhere of the same shape measure nothing and make the same choice.
-    for result in results[1:]:
+    # The resumed run and a run elsewhere of the same shape measure nothing and make the same choice; so does the run
+    # elsewhere resumed without the cache, from its own copy of the decision.
+    for result in results[1:4]:
         assert result["trials"] == 4, "no trial ran after the first decision"
         assert (result["backend"], result["reshard_after_forward"]) == ("fully_sharded", False)
         assert (result["batch_size"], result["update_freq"]) == (4, 2)
     assert [r["step"] for r in results[1]["history"] if r["split"] == "train"] == [3]
-    assert list((tmp_path / "cache").glob("*.json")), "the decision is cached for the next run"
+    assert [r["step"] for r in results[3]["history"] if r["split"] == "train"] == [3]
+    cached = list((tmp_path / "cache").glob("*.json"))
+    assert len(cached) == 1, "the decision is cached for the next run"
+
+    # The re-keyed resume: 3 layouts measured at 4 x 2 (no split explored), the run continued to step 4.
+    assert results[4]["trials"] == 4 + 3
+    assert (results[4]["batch_size"], results[4]["update_freq"]) == (4, 2)
+    assert [r["step"] for r in results[4]["history"] if r["split"] == "train"] == [4]
+    rekeyed_decision = json.loads((tmp_path / "other" / DECISION_FILE).read_text())
+    assert [t["micro_batch"] for t in rekeyed_decision["trials"]] == [4, 4, 4]
+    assert rekeyed_decision["label"] == decision["label"]
+    assert list((tmp_path / "cache").glob("*.json")) == cached, "a held split is not cached for other runs"

@@ -51,6 +51,22 @@ def ctrl_c_on_rank0_after_the_update_of_step3() -> None:
     Trainer._step = step
 
 
+def usr1_on_rank0_while_it_restores() -> None:
+    """Rank 0 gets SIGUSR1 during start-up (Trainer.setup: materialize, restore), before any step."""
+    import torch.distributed as dist
+
+    from shardlab.trainer import Trainer
+
+    original = Trainer.setup
+
+    def setup(self, *args, **kwargs):
+        if dist.get_rank() == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return original(self, *args, **kwargs)
+
+    Trainer.setup = setup
+
+
 def train_losses(result: dict) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in result["history"] if r["split"] == "train"}
 
@@ -64,7 +80,7 @@ def uninterrupted(tiny_lm, tmp_path_factory):
 @pytest.mark.parametrize(
     "prepare, extra, stopped_by",
     [
-        (signal_rank1_during_step3, [], "a stop signal on another rank"),  # rank 0 itself got no signal
+        (signal_rank1_during_step3, [], "SIGUSR1 (on another rank)"),  # rank 0 itself got no signal
         (ctrl_c_on_rank0_after_the_update_of_step3, ["checkpoint.save_on_error=true"], "SIGINT"),
     ],
     ids=["usr1-on-rank1", "ctrl-c-after-the-update"],
@@ -90,3 +106,12 @@ def test_signal_on_one_rank_stops_all_at_one_step_and_resume_matches(
         atol=0,
     )
     assert resumed["final"]["loss"] == pytest.approx(uninterrupted["final"]["loss"], rel=1e-5)
+
+
+def test_a_stop_signal_during_start_up_stops_after_the_first_step_with_a_checkpoint(tiny_lm, tmp_path):
+    """Its default action would end the process unsaved (and, in a Slurm job, unrequeued)."""
+    cfg = tiny_lm("distributed.backend=fully_sharded", "validation.interval_steps=0")
+    (stopped,) = run_spawned([cfg], world_size=2, run_dirs=[tmp_path], prepare=usr1_on_rank0_while_it_restores)
+    assert stopped["stopped_by"] == "SIGUSR1"
+    assert sorted(train_losses(stopped)) == [1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001"]

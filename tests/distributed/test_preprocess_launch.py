@@ -2,8 +2,10 @@
 the process group exists, so under torchrun, local ranks and Slurm the run trains; two runs started at once on one
 fresh cache preprocess it once and train on the same tokens; ranks that opened different corpora refuse in one line.
 
-The corpus is ~32 MB of text with a byte-level BPE tokenizer (the tokenizers library encodes well under 4 MB/s on
-one core), so its first preprocessing takes longer than the 5 s timeout; each test asserts that it did."""
+The corpus is text with a byte-level BPE tokenizer, sized to this machine: the fixture times the preprocessing of a
+sample with the workers the runs use and writes enough for three timeouts' worth (machines here encode 3-8 MB/s
+with two workers, so no fixed size is both long enough everywhere and short elsewhere); each test asserts that its
+first preprocessing took longer than the 5 s timeout."""
 
 from __future__ import annotations
 
@@ -16,25 +18,35 @@ from pathlib import Path
 import pytest
 
 from shardlab.distributed.env import free_port
-from tasks.lm.cache import embedded_corpus_files
+from tasks.lm.cache import embedded_corpus_files, prepare_corpus, read_corpus_meta
 from tasks.lm.tokenizer import train_bpe
 from tests.conftest import TINY_LM
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5
-CORPUS_MB = 32
+MIN_CORPUS_MB = 32
+SAMPLE_MB = 8
+
+
+def write_repeated(path: Path, text: str, mb: float) -> Path:
+    with open(path, "w") as f:
+        while f.tell() < mb * 2**20:
+            f.write(text)
+    return path
 
 
 @pytest.fixture(scope="module")
 def slow_corpus(tmp_path_factory) -> tuple[Path, Path]:
-    """(a ~32 MB text file, a 1,024-token BPE tokenizer.json trained on a slice of it)."""
+    """(a text file that takes ~3 timeouts to preprocess here, a 1,024-token BPE tokenizer.json trained on a slice)."""
     root = tmp_path_factory.mktemp("slow_corpus")
     text = "".join(p.read_text(errors="replace") for p in embedded_corpus_files()[:400])
-    corpus = root / "corpus.txt"
-    with open(corpus, "w") as f:
-        while f.tell() < CORPUS_MB * 2**20:
-            f.write(text)
     tokenizer = train_bpe([text[:300_000]], 1024, root / "tokenizer.json")
+    sample = write_repeated(root / "sample.txt", text, SAMPLE_MB)
+    # The runs' own worker count (default_workers picks one per core at this size), so start-up costs count too.
+    timed = prepare_corpus(str(sample), str(root / "sample-cache"), str(tokenizer), 0.5, 0, num_workers=os.cpu_count())
+    meta = read_corpus_meta(timed)
+    mb_per_s = meta["bytes_read"] / 2**20 / meta["seconds"]
+    corpus = write_repeated(root / "corpus.txt", text, max(MIN_CORPUS_MB, 3 * TIMEOUT_S * mb_per_s))
     return corpus, tokenizer
 
 
@@ -71,7 +83,7 @@ def test_torchrun_with_a_5s_timeout_trains_on_a_corpus_whose_preprocessing_takes
     proc = run([*torchrun, "-m", "shardlab.train", *overrides(*slow_corpus, tmp_path / "cache", tmp_path / "run")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     (seconds,) = preprocessing_seconds(proc.stdout)  # one rank preprocessed, the other waited for it
-    assert seconds > TIMEOUT_S, f"preprocessing took {seconds} s: make the corpus larger for this machine"
+    assert seconds > TIMEOUT_S, f"preprocessing took {seconds} s: the sample misjudged this machine's speed"
     assert proc.stdout.count("which is preprocessing") == 1
     assert "[train] step 10 |" in proc.stdout and "world size 2 (torchrun)" in proc.stdout
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,26 @@ def test_submitit_local_launcher_runs_a_two_task_job_and_reports_it(tmp_path, co
     assert "world size 2 (submitit_local)" in Path(job["log"]).read_text()
     (row,) = json.loads((tmp_path / "summary.json").read_text())
     assert row["status"] == "completed" and row["final"]["loss"] > 0
+
+
+def test_rerunning_a_sweep_resumes_each_point_in_the_same_folder(tmp_path, corpus_cache):
+    """The sweep folder is named by the command line's overrides (not the clock), so the same command finds its
+    points' checkpoints: here a point whose last checkpoint was lost (killed after step 3's save) continues from
+    step 3 to the same final loss, and the finished one stays finished."""
+    args = [
+        "-m", *TINY_LM, "optimization.max_steps=6", "validation.interval_steps=0", "checkpoint.interval_steps=3",
+        f"data.cache_dir={corpus_cache}", "optimizer.lr=1e-3,3e-3",
+    ]  # fmt: skip
+    first = train(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "multirun" / "lm").iterdir()
+    before = {r["run_dir"]: r["final"]["loss"] for r in json.loads((sweep_dir / "summary.json").read_text())}
+    killed = Path(sorted(before)[0])
+    shutil.rmtree(killed / "checkpoints" / "step_00000006")
+
+    again = train(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert list((tmp_path / "multirun" / "lm").iterdir()) == [sweep_dir]
+    assert f"resumed from {killed / 'checkpoints' / 'step_00000003'} (step 3," in again.stdout
+    after = {r["run_dir"]: r["final"]["loss"] for r in json.loads((sweep_dir / "summary.json").read_text())}
+    assert after == before

@@ -96,7 +96,7 @@ def test_the_sweep_trains_both_plugins_sharded_on_two_ranks_as_one_process_does(
     (sweep,) = [c for c in ran if is_multirun(c)]
     assert ran[sweep].returncode == 0, ran[sweep].stderr[-3000:]
     assert ran[sweep].stdout.count("backend fully_sharded: world size 2 (local)") == 2
-    (summary,) = research_root.glob("multirun/*/summary.json")
+    (summary,) = research_root.glob("multirun/*/*/summary.json")
     rows = json.loads(summary.read_text())
     tasks = [next(o.split("=")[1] for o in r["overrides"].split() if o.startswith("task=")) for r in rows]
     assert tasks == ["gated_conv_lm", "spirals"] and all(r["status"] == "completed" for r in rows)

@@ -30,7 +30,7 @@ def test_the_tutorial_sweep_on_slurm_matches_one_process_runs(slurm_env, researc
     (command,) = [c for c in tutorial_commands() if on_slurm(c)]
     proc = run_command(command, research_root, slurm_env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (manifest,) = research_root.glob("multirun/*/sweep.json")
+    (manifest,) = research_root.glob("multirun/*/*/sweep.json")
     jobs = json.loads(manifest.read_text())
     assert len(jobs) == 2 and len({j["job_id"].split("_")[0] for j in jobs}) == 1  # one array
     for job in jobs:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 import bench_meta  # noqa: E402
@@ -30,6 +32,9 @@ def test_meta_records_the_commit_machine_and_command():
     assert meta["argv"] == ["tools/bench.py", "model=gpt_small", "--out", "x.json"]
     assert meta["command"] == "python tools/bench.py model=gpt_small --out x.json"
     assert meta["machine"]["cores"] >= 1 and meta["machine"]["cpu"]
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    assert meta["machine"]["cpu_isa"] is None or meta["machine"]["cpu_isa"] in flags.split()
+    assert ("avx512f" in flags.split()) == (meta["machine"]["cpu_isa"] == "avx512f")
     assert meta["load_average_at_end"] >= 0 and "_started" not in meta
 
 
@@ -63,7 +68,7 @@ def test_a_table_is_rendered_from_its_json_between_its_markers(tmp_path):
         (tmp_path / "docs" / "bench" / f"{name}.json").write_text(json.dumps(bench_json(figure, backend, meta)))
     doc = tmp_path / "docs" / "benchmarks.md"
     doc.write_text(
-        "# Benchmarks\n\nbefore\n<!-- bench-table throughput: docs/bench/*.json -->\n| old | 512 |\n"
+        "# Benchmarks\n\nbefore\n<!-- bench-table throughput: docs/bench/*.json -->\n| old | 31337.5 |\n"
         "<!-- /bench-table -->\nafter\n"
     )
     assert bench_tables.render(tmp_path, check=True) == [doc]  # stale: it holds a typed figure
@@ -71,12 +76,13 @@ def test_a_table_is_rendered_from_its_json_between_its_markers(tmp_path):
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nbefore\n<!-- bench-table throughput: docs/bench/*.json -->\n")
     assert text.endswith("<!-- /bench-table -->\nafter\n")
-    assert "512" not in text
+    assert "31337.5" not in text  # (a bare 512 would also match avx512f, or a commit hash)
     assert "| ddp | 909 | 4.50 s | 49.0 ms | 1.59 GiB | 0.40 GiB | 5.7% |" in text
     assert "| fully_sharded | 450 | 9.10 s |" in text
     assert f"commit `{meta['commit'][:10]}`" in text
     assert meta["date"].replace("T", " ").replace("+00:00", " UTC") in text
     assert f"{meta['machine']['cpu']} ({meta['machine']['cores']} cores" in text
+    assert meta["machine"]["cpu_isa"] is None or f"cores, {meta['machine']['cpu_isa']}, " in text
     assert "`python tools/bench.py model=gpt_small --out a`" in text
     assert "a loaded machine" in text
     assert "python tools/bench_tables.py --rerun throughput" in text
@@ -101,10 +107,14 @@ json.dump({{"rows": [row], "meta": finish(collect(__file__))}}, open(out, "w"))
 
 
 def test_rerun_runs_the_recorded_command_again_and_renders_its_new_figures(tmp_path):
-    tool = tmp_path / "fake_collectives.py"
+    """The recorded command wrote a scratch file that was copied into docs/ afterwards: the rerun writes the docs'
+    file itself."""
+    (tmp_path / "tools").mkdir()
+    tool = tmp_path / "tools" / "fake_collectives.py"
     tool.write_text(FAKE_TOOL.format(tools=str(REPO / "tools")))
     (tmp_path / "docs").mkdir()
-    subprocess.run([sys.executable, str(tool), "--out", "docs/c.json"], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "tools/fake_collectives.py", "--out", "scratch.json"], cwd=tmp_path, check=True)
+    (tmp_path / "scratch.json").rename(tmp_path / "docs" / "c.json")
     doc = tmp_path / "docs" / "c.md"
     doc.write_text("<!-- bench-table collectives: docs/c.json -->\n<!-- /bench-table -->\n")
     bench_tables.render(tmp_path)
@@ -112,3 +122,16 @@ def test_rerun_runs_the_recorded_command_again_and_renders_its_new_figures(tmp_p
 
     assert bench_tables.main(["--rerun", "collectives"], root=tmp_path) == 0
     assert "| 2 | 1M (float32) | 2.0 ms |" in doc.read_text()
+    assert not (tmp_path / "scratch.json").exists()
+
+
+def test_rerun_runs_only_a_tool_of_the_repository(tmp_path):
+    """A JSON file is data: one whose recorded command is not a tools/ script (python -c ...) is refused unrun."""
+    (tmp_path / "docs").mkdir()
+    marker = tmp_path / "code-ran"
+    meta = {"command": "python tools/bench_collectives.py", "argv": ["-c", f"open({str(marker)!r}, 'w')"], "cwd": "."}
+    (tmp_path / "docs" / "c.json").write_text(json.dumps({"rows": [], "meta": meta}))
+    (tmp_path / "docs" / "c.md").write_text("<!-- bench-table collectives: docs/c.json -->\n<!-- /bench-table -->\n")
+    with pytest.raises(SystemExit, match="records no command of tools/ to rerun"):
+        bench_tables.main(["--rerun", "collectives"], root=tmp_path)
+    assert not marker.exists()

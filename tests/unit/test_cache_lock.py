@@ -1,5 +1,6 @@
 """One writer per corpus cache: concurrent processes wait for it and reuse its files, a dead writer's lock is taken
-over (same host: at once; another host: after its heartbeat stops), and a failed build leaves nothing behind."""
+over (same host: at once; another host: after its heartbeat stops), and a failed build leaves no lock or cache behind,
+only its error for the processes that waited for it."""
 
 from __future__ import annotations
 
@@ -113,6 +114,46 @@ def test_failed_build_leaves_no_lock_and_the_next_process_builds(tmp_path):
     assert not lock_path(out).exists()
     build_once(out, lambda: finish(out))
     assert (out / "meta.json").is_file()
+
+
+def _build_and_fail(out: str, log: str, seconds: float, queue, start) -> None:
+    """A process that wants the cache (once every process has started); its build fails after ``seconds`` (a full
+    disk, a bad file late in the corpus: the same on every try). Puts (its error, when it was raised)."""
+
+    def build():
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(seconds)
+        raise OSError(28, "No space left on device")
+
+    start.wait(60)
+    try:
+        build_once(Path(out), build, lambda line: None)
+    except (OSError, DataError) as e:
+        queue.put((str(e), time.time()))
+
+
+def test_a_failed_build_stops_the_processes_waiting_for_it_with_its_error(tmp_path):
+    """Three ranks want one new cache and the first one's build fails: the two waiting for it fail with its error at
+    once, instead of each building again in turn (3 builds, one after another, before)."""
+    out, log = tmp_path / "corpus-abc", tmp_path / "builds.log"
+    ctx = mp.get_context("spawn")
+    queue, start = ctx.Queue(), ctx.Barrier(3)
+    procs = [ctx.Process(target=_build_and_fail, args=(str(out), str(log), 2.0, queue, start)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    errors = sorted((queue.get(timeout=5) for _ in procs), key=lambda e: e[1])
+    (builder,) = log.read_text().split()
+    assert errors[0][0] == "[Errno 28] No space left on device"
+    for error, at in errors[1:]:
+        assert error == (f"preprocessing {out} failed in {socket.gethostname()} pid {builder}, which this process "
+                         "waited for: OSError: [Errno 28] No space left on device")  # fmt: skip
+        assert at - errors[0][1] < 2.0
+    assert not lock_path(out).exists()
+    build_once(out, lambda: finish(out))  # a process that comes later builds again, and succeeds
+    assert (out / "meta.json").is_file() and not cache_lock.failure_path(out).exists()
 
 
 def _prepare(path: str, cache: str, queue) -> None:

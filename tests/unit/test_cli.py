@@ -82,6 +82,10 @@ BAD_INPUTS = {
         r"^error: validation.batch_size \(100000\) is more than the \d+ blocks of data.seq_len=32 tokens of the "
         r"validation split; lower validation.batch_size or raise data.valid_percent",
     ),
+    "run dir named by the clock": (
+        ["hydra.run.dir={root}/${{now:%H-%M-%S}}"],
+        r"^error: hydra.run.dir=.*\$\{now:%H-%M-%S\} names the run's folder by the clock: a requeue or a rerun",
+    ),
     "unknown key added with +": (
         ["+optimizer.foo=1"],
         r"optimizer.foo is not a known key of optimizer .*drop \+optimizer.foo",

@@ -37,6 +37,30 @@ def test_order_is_a_fresh_permutation_every_epoch():
     assert first != second
 
 
+def test_every_rank_draws_a_new_epochs_shuffle_in_the_same_step(monkeypatch):
+    """50 samples, global batch 8 over 2 ranks: step 6 reads samples 48-55, rank 0's slice (48-51) all in epoch 0
+    and rank 1's (52-55) in epoch 1. Both ranks must draw epoch 1's permutation in step 6, or rank 1 spends that
+    step drawing while rank 0 waits for it in a collective (a 10^8-block corpus takes seconds to shuffle)."""
+    import torch
+
+    drawn: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
+    real = torch.randperm
+    for rank in (0, 1):
+        step = {"n": 0}
+
+        def randperm(n, generator=None, _rank=rank, _step=step):
+            drawn[_rank].append((_step["n"], generator.initial_seed()))
+            return real(n, generator=generator)
+
+        monkeypatch.setattr(torch, "randperm", randperm)
+        order = GlobalOrder(50, seed=3)
+        for _ in RankBatchSampler(order, 0, 8, rank, 2, num_batches=13):
+            step["n"] += 1
+    assert drawn[0] == drawn[1] and len(drawn[0]) == 3  # epochs 0, 1, 2, each in the same step on both ranks
+    assert [s for s, _ in drawn[0]] == [0, 6, 12]
+    assert list(order._perms) == [1, 2], "the last batch (96-103) reads epochs 1 and 2; epoch 0's order is freed"
+
+
 def test_byte_tokenizer_round_trips_any_text():
     tok = ByteTokenizer()
     text = "déjà vu — 漢字 ✓\n\tdef f(): pass"

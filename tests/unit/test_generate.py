@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
 from shardlab.distributed import env as dist_env
+from shardlab.errors import CheckpointError
 from shardlab.runner import run_rank
-from tools import generate
+from tools import evaluate, generate
 
 PROBE = torch.arange(0, 32).view(1, 32) * 7 % 256
 
@@ -53,3 +57,25 @@ def test_generate_loads_a_checkpoint_trained_with_cpu_offload(tiny_lm, tmp_path)
     model, _, cfg = generate.load_model(tmp_path / "checkpoints" / "step_00000004")
     with torch.no_grad():
         torch.testing.assert_close(model(PROBE), trained["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_naming_a_plug_in_folder_is_not_imported_unless_named(tiny_lm, tmp_path):
+    """shardlab.json records the run's user_dir; a shared folder could point it at code of anyone's. The tools import
+    plug-ins only from --user-dir."""
+    run_rank(tiny_lm("optimization.max_steps=2", "checkpoint.interval_steps=2"), tmp_path / "run", dist_env.detect())
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    plugins = tmp_path / "planted"
+    plugins.mkdir()
+    marker = tmp_path / "code-ran"
+    (plugins / "payload.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    meta = json.loads((checkpoint / "shardlab.json").read_text())
+    meta["config"]["user_dir"] = str(plugins)
+    (checkpoint / "shardlab.json").write_text(json.dumps(meta))
+    for tool in (generate.main, evaluate.main):
+        with pytest.raises(CheckpointError) as e:
+            tool([str(checkpoint), "--max-new-tokens", "2"] if tool is generate.main else [str(checkpoint)])
+        message = str(e.value)
+        assert f"was trained with plug-ins from user_dir={plugins}; a checkpoint's code is imported only" in message
+        assert f"pass --user-dir {plugins}" in message and not marker.exists()
+    generate.main([str(checkpoint), "--max-new-tokens", "2", "--user-dir", str(plugins)])  # named: imported
+    assert marker.exists()

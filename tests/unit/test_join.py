@@ -4,6 +4,9 @@ failed, opened other data, or died while preparing."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -14,18 +17,21 @@ from torch.distributed import TCPStore
 from shardlab.distributed import join
 from shardlab.distributed.env import DistEnv, free_port
 from shardlab.errors import DataError, RankFailed
+from tests.conftest import ROOT, TINY_LM
 
 
-def run_ranks(prepares: list, prefix: str) -> list[BaseException | None]:
-    """prepare_and_agree on one thread per rank (rank 0 hosts the store); each rank's exception, or None."""
-    port = free_port()
-    stores = [TCPStore("127.0.0.1", port, len(prepares), r == 0, timedelta(seconds=30), wait_for_workers=False)
-              for r in range(len(prepares))]  # fmt: skip
+def run_ranks(prepares: list, prefix: str | list[str], port: int | None = None) -> list[BaseException | None]:
+    """prepare_and_agree on one thread per rank (rank 0 hosts the store, unless ``port`` names a running one); each
+    rank's exception, or None. ``prefix``: the join's keys, one for all ranks or one per rank."""
+    hosts, port = port is None, port or free_port()
+    stores = [TCPStore("127.0.0.1", port, len(prepares), hosts and r == 0, timedelta(seconds=30),
+                       wait_for_workers=False) for r in range(len(prepares))]  # fmt: skip
+    prefixes = prefix if isinstance(prefix, list) else [prefix] * len(prepares)
     outcome: list[BaseException | None] = [None] * len(prepares)
 
     def rank(r: int) -> None:
         try:
-            join.prepare_and_agree(stores[r], r, len(prepares), prepares[r], prefix)
+            join.prepare_and_agree(stores[r], r, len(prepares), prepares[r], prefixes[r])
         except BaseException as e:  # noqa: B036  (recorded for the test)
             outcome[r] = e
 
@@ -83,6 +89,24 @@ def test_a_rank_that_died_while_preparing_is_given_up_on(monkeypatch):
         join.prepare_and_agree(master, 0, 2, lambda: "x", "dead/")
 
 
+def test_after_a_torchrun_restart_counted_on_one_node_only_the_ranks_agree_on_fresh_keys(monkeypatch):
+    """Two nodes join, then node A's rank fails and its agent restarts it (restart count 1); node B's agent restarts
+    its healthy rank when A rejoins, without counting it (0). Both must meet in the new attempt's keys: by the count
+    alone, A waited for B in empty keys until APPEAR_S while B passed at once on the old attempt's verdict."""
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    attempt_0 = [join._arrive(server, 1, rank) for rank in (0, 1)]  # count 0 everywhere
+    assert run_ranks([lambda: "data", lambda: "data"], attempt_0, port) == [None, None]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    node_a = join._arrive(server, 1, 0)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    node_b = join._arrive(server, 1, 1)
+    assert node_a == node_b == join._prefix(1, attempt=1)
+    outcome = run_ranks([lambda: "data", lambda: "other data"], [node_a, node_b], port)  # a real new agreement
+    assert all(isinstance(e, DataError) and "the ranks opened different data" in str(e) for e in outcome)
+
+
 # ---- a rank that fails before it reaches the join (a config or path error on its node) -------------------------------
 def test_a_rank_failing_before_the_join_stops_rank_zero_without_waiting_for_its_stopped_neighbours(monkeypatch):
     """Rank 1 fails its config check; rank 2, on the same node, was stopped by that node's launcher and never
@@ -121,6 +145,24 @@ def test_rank_zero_failing_before_the_join_keeps_its_store_up_until_the_others_h
     assert isinstance(outcome[0], RankFailed)
     assert str(outcome[0]) == "rank 0 failed before joining: model.dim: must be > 0"
     assert time.monotonic() - started < join.EARLY_LINGER_S / 2  # it left once rank 1 had read it
+
+
+def test_a_torchrun_rank_whose_run_hydra_cannot_start_stops_rank_zero_at_once(tmp_path, monkeypatch):
+    """Rank 1 passes its checks, then Hydra fails to open the run's log file on its node and exits 1 with its own
+    message (a CI failure: the other node's ranks waited APPEAR_S for it). The CLI tells rank 0 as soon as it exits."""
+    monkeypatch.setattr(join, "_joins_in_process", 0)
+    monkeypatch.setattr(join, "APPEAR_S", 10.0)  # untold, rank 0 would stop with "never appeared" after this
+    port = free_port()
+    master = TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    args = [*TINY_LM, "distributed.backend=fully_sharded", f"hydra.run.dir={tmp_path / 'run'}",
+            "hydra.job_logging.handlers.file.filename=/proc/nowhere/train.log"]  # fmt: skip
+    rank_one = subprocess.run([sys.executable, "-m", "shardlab.train", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert rank_one.returncode == 1 and "Unable to configure handler 'file'" in rank_one.stderr, rank_one.stderr
+    with pytest.raises(RankFailed, match=r"^rank 1 failed before joining: .*the run did not start \(exit code 1"):
+        join.prepare_and_agree(master, 0, 2, lambda: "x", join._prefix(1))
 
 
 def test_one_process_or_a_rank_that_already_joined_tells_nobody(monkeypatch):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,6 +78,14 @@ def test_worker_processes_write_exactly_what_one_process_writes(tmp_path):
     assert tokens(one, "valid").size and tokens(one, "train").size  # several blocks per file, split between both
 
 
+def after_a_failed_build(cache: Path) -> tuple[list[str], list[str]]:
+    """What a failed preprocessing left in ``cache``: the names of everything but its failure note, and the note's
+    errors (tasks/lm/cache_lock.py: the processes that waited for that build stop with its error)."""
+    notes = sorted(cache.glob("*.failed"))
+    errors = [json.loads(note.read_text())["error"] for note in notes]
+    return sorted(p.name for p in cache.iterdir() if p not in notes), errors
+
+
 @pytest.mark.parametrize(
     "line, pattern",
     [
@@ -93,7 +103,9 @@ def test_bad_jsonl_line_names_file_and_line_and_leaves_no_cache(tmp_path, line, 
     (kept / "meta.json").write_text("{}")
     with pytest.raises(DataError, match=pattern):
         prepare_corpus(str(root), str(cache), "byte", 10.0, 0)
-    assert [p.name for p in cache.iterdir()] == ["other-0123"] and (kept / "meta.json").read_text() == "{}"
+    assert (kept / "meta.json").read_text() == "{}"
+    names, errors = after_a_failed_build(cache)
+    assert names == ["other-0123"] and len(errors) == 1 and re.search(pattern, errors[0])
 
 
 def test_corpus_too_small_for_a_block_says_which_split_and_the_fix(tmp_path):
@@ -214,19 +226,47 @@ def test_a_vocabulary_above_65535_is_stored_as_uint32_and_trains(tmp_path, tiny_
     assert np.isfinite(result["final"]["loss"])
 
 
-def test_a_cache_of_the_first_format_still_reads_and_a_newer_one_is_refused(tmp_path):
-    old = tmp_path / "old"
-    old.mkdir()
+def token_cache(path, meta: dict) -> np.ndarray:
+    """A preprocessed corpus made by hand at ``path``: 300 byte tokens in each split, and ``meta`` as meta.json."""
+    path.mkdir(exist_ok=True)
     ids = np.arange(300, dtype=np.uint16) % 257
     for split in ("train", "valid"):
-        ids.tofile(old / f"{split}.bin")
-    meta = {"format": 1, "tokenizer": "byte", "vocab_size": 257, "dtype": "uint16", "documents": {}}
-    (old / "meta.json").write_text(json.dumps(meta))
+        ids.tofile(path / f"{split}.bin")
+    (path / "meta.json").write_text(json.dumps(meta))
+    return ids
+
+
+BYTE_META = {"tokenizer": "byte", "vocab_size": 257, "dtype": "uint16", "documents": {}}
+
+
+def test_a_cache_of_the_first_format_still_reads_and_a_newer_one_is_refused(tmp_path):
+    old = tmp_path / "old"
+    meta = {"format": 1, **BYTE_META}
+    ids = token_cache(old, meta)
     train, _ = open_splits(old, seq_len=16)
     assert train[1].tolist() == ids[16:33].tolist()
     (old / "meta.json").write_text(json.dumps({**meta, "format": 99}))
     with pytest.raises(DataError, match=r"written by a newer shardlab \(format 99 > 2\); upgrade shardlab or delete"):
         open_splits(old, seq_len=16)
+
+
+@pytest.mark.parametrize(
+    "edit, refusal",
+    [
+        ({"dtype": "O"}, r"gives the token dtype 'O', which preprocessing never writes \(uint16 or uint32\); delete"),
+        ({"train_tokens": 600}, r"train\.bin holds 600 bytes, not the 600 uint16 tokens its meta\.json records"),
+    ],
+    ids=["object-dtype", "counts-off"],
+)
+def test_a_cache_whose_meta_does_not_match_what_preprocessing_writes_is_refused(tmp_path, edit, refusal):
+    """A shared cache someone edited: numpy would map an object dtype's bytes as pointers (a crash, or worse)."""
+    cache = tmp_path / "cache"
+    meta = {"format": 2, **BYTE_META, "train_tokens": 300, "valid_tokens": 300}
+    token_cache(cache, meta)
+    open_splits(cache, seq_len=16)  # as preprocessing writes it: reads
+    (cache / "meta.json").write_text(json.dumps({**meta, **edit}))
+    with pytest.raises(DataError, match=refusal):
+        open_splits(cache, seq_len=16)
 
 
 def test_trained_tokenizer_lands_beside_its_data_and_training_with_it_reuses_the_cache(tmp_path, capsys):
@@ -278,4 +318,5 @@ def test_a_bad_jsonl_line_found_by_a_worker_process_is_the_same_one_line_error(t
     (root / "docs.jsonl").write_text('{"text": "a"}\n' * 5000 + '{"title": "x"}\n')
     with pytest.raises(DataError, match=r"docs.jsonl:5001: no 'text' field \(found: title\)"):
         prepare_corpus(str(root), str(tmp_path / "cache"), "byte", 10.0, 0, num_workers=2)
-    assert list((tmp_path / "cache").iterdir()) == []
+    names, errors = after_a_failed_build(tmp_path / "cache")
+    assert names == [] and len(errors) == 1 and "docs.jsonl:5001: no 'text' field" in errors[0]

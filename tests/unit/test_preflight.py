@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,6 +64,31 @@ def test_ranks_that_check_one_new_run_directory_at_once_all_pass(tmp_path):
     with ThreadPoolExecutor(8) as pool:
         problems = list(pool.map(lambda _: writable_dir_problem(target), range(400)))
     assert [p for p in problems if p is not None] == []
+
+
+def test_ranks_of_one_job_never_remove_the_run_directory_another_is_starting_in(tmp_path, monkeypatch):
+    """Four torchrun ranks check one new run directory; each then does what Hydra does once its checks pass: make the
+    directory and open its log file there. A rank's clean-up removed the directory between another's mkdir and its
+    open (a CI failure: "Unable to configure handler 'file'" on two ranks, the other node waiting for them)."""
+    from shardlab.jobs.preflight import check_composed
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    cfg = compose_config(["distributed.backend=fully_sharded"])
+
+    def start_rank(run_dir: Path, rank: int, barrier: threading.Barrier) -> None:
+        barrier.wait()
+        check_composed(cfg, [f"hydra.run.dir={run_dir}"])
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / f"train_rank{rank}.log").open("a").close()
+
+    with ThreadPoolExecutor(4) as pool:
+        for job in range(200):  # the old check failed ~7 of 200 such jobs here
+            barrier = threading.Barrier(4)
+            starts = [pool.submit(start_rank, tmp_path / f"run{job}", rank, barrier) for rank in range(4)]
+            for start in starts:
+                start.result()
 
 
 def test_checkpoint_dir_errors_name_the_key_and_the_fix(tmp_path):

@@ -62,6 +62,42 @@ def test_requeue_with_an_explicit_resume_path_continues_instead_of_going_back(
     assert line["start"] == "checkpoint" and line["from"] == str(step4.resolve())
 
 
+def test_requeue_with_a_resume_symlink_moved_on_since_continues_its_own_run(
+    tiny_lm, tmp_path, reference, crash_lm_loss_at
+):
+    """resume=latest, a link the pretraining job moves on after this run began: the requeue is the same setting, so
+    it continues this run from its own newest checkpoint rather than begin again from where the link points now."""
+    ref_dir, ref = reference
+    latest = tmp_path / "latest"
+    latest.symlink_to(ref_dir / "checkpoints" / "step_00000004")
+    restore_loss = crash_lm_loss_at(6)  # begins at 4, saves 8, dies in step 10
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_rank(tiny_lm(*CKPT, f"checkpoint.resume={latest}"), tmp_path / "run", dist_env.detect())
+    restore_loss()
+    latest.unlink()
+    latest.symlink_to(ref_dir / "checkpoints" / "step_00000012")  # the link moves on
+    resumed = run_rank(tiny_lm(*CKPT, f"checkpoint.resume={latest}"), tmp_path / "run", dist_env.detect())
+    assert_continues(resumed, ref, 9)
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.superseded-*")), "nothing of its own run set aside"
+
+
+def test_a_continuing_run_never_falls_back_to_an_older_runs_checkpoint_left_in_its_folder(tiny_lm, tmp_path, reference):
+    """The folder keeps step 4 of the run before (keep_last); this run began from the reference's step 8 and saved
+    step 12. Its step 12 torn, the requeue has nothing of its own to continue: it stops, naming it, rather than
+    continue from the other run's step 4."""
+    ref_dir, _ = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir / "checkpoints" / "step_00000004", run_dir / "checkpoints" / "step_00000004")
+    begin = f"checkpoint.resume={ref_dir / 'checkpoints' / 'step_00000008'}"
+    run_rank(tiny_lm(*CKPT, begin), run_dir, dist_env.detect())
+    own = run_dir / "checkpoints" / "step_00000012"
+    for shard in own.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=f"checkpoint {own} could not be loaded"):
+        run_rank(tiny_lm(*CKPT, begin), run_dir, dist_env.detect())
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004", "step_00000012"]
+
+
 def test_requeue_with_resume_none_continues_its_own_run(tiny_lm, tmp_path, reference, crash_lm_loss_at):
     _, ref = reference
     resumed = crash_then_requeue(tiny_lm, tmp_path, crash_lm_loss_at, 7, "checkpoint.resume=none")
@@ -127,3 +163,25 @@ def test_a_torchrun_worker_in_a_slurm_job_warns_when_its_agent_would_die_of_the_
     monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM")
     assert torchrun_agent_warning() is None  # outside Slurm nobody sends the warning
+
+
+def test_rank0_requeues_the_slurm_job_on_a_time_limit_warning_another_rank_got(monkeypatch, tmp_path):
+    """``kill -USR2`` of one rank's process: the ranks agree to stop (trainer: the largest signal number over ranks),
+    and global rank 0, which got nothing itself, still requeues the job it speaks for."""
+    import os
+    import signal
+
+    from shardlab.jobs.preemption import StopSignals
+
+    calls = tmp_path / "scontrol.calls"
+    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    signals = StopSignals()
+    signals.install()
+    signals.agree(int(signal.SIGUSR2))  # this rank received none
+    assert signals.received is None and signals.name == "SIGUSR2 (on another rank)"
+    signals.forward(speaks_for_job=True)
+    assert calls.read_text().split() == ["requeue", "4242"]

@@ -6,7 +6,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
 from shardlab.config import CONF_DIR
-from shardlab.jobs.run_dir import MAX_NAME, run_key_differences, run_name
+from shardlab.jobs.run_dir import MAX_NAME, run_key_differences, run_name, sweep_dir_name
 
 
 def hydra_dirs(overrides: list[str]) -> tuple[str, str]:
@@ -83,6 +83,16 @@ def test_a_user_dir_names_the_run_by_its_folder_not_by_where_it_lives():
 def test_sweep_points_keep_every_override_and_their_number():
     _, subdir = hydra_dirs(["optimizer.lr=1e-3", "distributed.world_size=2", "logging.progress_bar=false"])
     assert subdir == "3_distributed.world_size=2,optimizer.lr=1e-3"
+
+
+def test_a_sweeps_folder_is_named_by_its_overrides_and_a_sweep_over_tasks_by_them_all():
+    """The sweep's own config composes only the default task when task= is swept: such a sweep names its tasks."""
+    assert sweep_dir_name("lm", ["optimizer.lr=1e-3,3e-3"]) == "lm/optimizer.lr=1e-3,3e-3"
+    assert sweep_dir_name("swav", ["task=swav", "seed=1,2"]) == "swav/seed=1,2"  # the folder above names the task
+    assert sweep_dir_name("lm", ["task=lm,swav"]) == "tasks/task=lm,swav"
+    assert sweep_dir_name("lm", ["task=image_classification,simclr", "seed=1,2"]) != sweep_dir_name("lm", ["seed=1,2"])
+    assert sweep_dir_name("lm", ["task=glob(*)"]) == "tasks/task=glob%28%2A%29"
+    assert sweep_dir_name("lm", []) == "lm/default"
 
 
 def test_long_names_are_cut_with_a_hash_of_the_whole_name():

@@ -96,6 +96,58 @@ def test_the_heartbeat_keeps_the_lock_fresh(tmp_path, monkeypatch):
     lock.release()
 
 
+TWO_JOBS_AT_ONCE = """
+import multiprocessing as mp, sys
+from pathlib import Path
+from shardlab.errors import RunFolderInUse
+from shardlab.jobs import run_lock
+
+def job(root, barrier, held, who):
+    run_lock.HEARTBEAT_S = 3600
+    for i in range(300):
+        barrier.wait()
+        try:
+            run_lock.RunLock(Path(root) / f"run{i}").acquire()
+            held[(who, i)] = True
+        except RunFolderInUse:
+            held[(who, i)] = False
+
+if __name__ == "__main__":
+    ctx = mp.get_context("fork")
+    barrier, held = ctx.Barrier(2), ctx.Manager().dict()
+    jobs = [ctx.Process(target=job, args=(sys.argv[1], barrier, held, who)) for who in (0, 1)]
+    [j.start() for j in jobs]
+    [j.join() for j in jobs]
+    print(sum(held[(0, i)] and held[(1, i)] for i in range(300)), sum(held[(0, i)] or held[(1, i)] for i in range(300)))
+"""
+
+
+def test_two_jobs_starting_in_one_new_folder_at_once_never_both_hold_it(tmp_path):
+    """Two jobs' rank 0 take the lock of 300 new run directories at the same moments. A lock created empty and
+    written after was read empty by the other job, taken for stale and held by both (8-13 of 300 here)."""
+    proc = subprocess.run([sys.executable, "-c", TWO_JOBS_AT_ONCE, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    both, some = map(int, proc.stdout.split())
+    assert (both, some) == (0, 300)
+
+
+def test_without_hard_links_the_lock_is_created_by_an_exclusive_open(tmp_path, monkeypatch, other_process):
+    def no_links(source, target):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(run_lock.os, "link", no_links)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    assert lock.held() and json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    second = RunLock(tmp_path)
+    second.me = {**second.me, "pid": other_process.pid, "token": "second"}  # another live job on this host
+    with pytest.raises(RunFolderInUse, match=f"pid {os.getpid()}"):
+        second.acquire()
+    lock.release()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_second_training_job_on_a_folder_in_use_fails_in_one_line_naming_the_first(tmp_path, corpus_cache):
     cmd = [sys.executable, "-m", "shardlab.train", *TINY_LM, f"data.cache_dir={corpus_cache}",
            f"hydra.run.dir={tmp_path}", "optimization.max_steps=100000", "validation.interval_steps=0"]  # fmt: skip

@@ -137,3 +137,36 @@ def test_rank0_reports_the_rank_that_failed_first_not_its_own_timeout_after_it(t
     monkeypatch.setattr(run_record, "PROCESS_STARTED", run_record.PROCESS_STARTED + 3600)
     assert run_record.fail_with_first_cause(tmp_path, "ValueError: bad", world_size=2, wait_s=0) == "ValueError: bad"
     assert run_record.fail_with_first_cause(tmp_path, "ValueError: alone", world_size=1) == "ValueError: alone"
+
+
+def test_a_note_of_the_attempt_before_a_torchrun_restart_is_not_this_attempts_cause(tmp_path, monkeypatch):
+    """torchrun restarts the workers within seconds of a failure: the last attempt's note is recent, but the rank that
+    wrote it started long before this attempt's rank 0 did."""
+    attempt_started = run_record.PROCESS_STARTED
+    monkeypatch.setattr(run_record, "PROCESS_STARTED", attempt_started - 3600)  # trained an hour, then failed
+    run_record.note_rank_error(tmp_path, 2, "RuntimeError: CUDA error (attempt 0)")
+    monkeypatch.setattr(run_record, "PROCESS_STARTED", attempt_started)
+    run_record.start(tmp_path, [], 10)
+    run_record.note_rank_error(tmp_path, 3, "DataError: rank 3 could not read shard 17")
+    recorded = run_record.fail_with_first_cause(tmp_path, "RuntimeError: connection closed", world_size=4, wait_s=0)
+    assert recorded.startswith("rank 3 failed first: DataError: rank 3 could not read shard 17")
+
+
+def test_a_rank_told_of_another_ranks_failure_leaves_no_note(tmp_path, monkeypatch, tiny_lm):
+    """A rank's RankFailed is another rank's failure (a job refused a folder in use: its rank 0's), so it leaves no
+    note where rank 0 would read it as a cause (there: the running job's folder). Its own errors still leave one."""
+    from shardlab import runner
+    from shardlab.errors import RankFailed
+
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    told = RankFailed("rank 0 failed before joining: runs/x is in use by job 7")
+    for error, noted in ((told, False), (RuntimeError("injected on rank 1"), True)):
+
+        def fail(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(runner, "build_task", fail)
+        with pytest.raises(type(error)):
+            runner.run_job(tiny_lm(), tmp_path / type(error).__name__, [])
+        assert (tmp_path / type(error).__name__ / run_record.RANK_ERRORS / "rank1.json").exists() == noted
