@@ -9,10 +9,12 @@ naming the other job, unless the lock is stale:
 - its holder was on this host and that process is gone (or the pid now belongs to another process);
 - its heartbeat is older than LEASE_S: the holder's node died or lost the file system.
 
-A new lock is created whole, holder and all (a hard link of a written file), so no job ever reads it empty. Taking
-over is a rename of our own file onto the lock, then a read-back: of two processes that take over at once,
-the one whose file is read back holds it, the other refuses. Held by global rank 0 of a job (the launcher process of
-local ranks); released when the job ends, including on a stop signal and its requeue.
+A new lock is created whole, holder and all (a hard link of a written file), so no job ever reads it empty, and only
+by that exclusive create. Taking over a stale lock removes it first, and only the very file judged stale (renamed
+aside and compared with what was judged): of two jobs that take over at
+once, however far apart, one removes it and the other moves nothing or puts back what it moved, and then only one
+creates the new lock; the other finds that job alive and refuses. Held by global rank 0 of a job (the launcher
+process of local ranks); released when the job ends, including on a stop signal and its requeue.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ HEARTBEAT_S = 30.0
 LEASE_S = 300.0
 """A heartbeat older than this marks a holder as dead (its node went down); ten missed heartbeats, so a slow shared
 file system or a loaded node never loses a live job its lock."""
+TAKEOVER_TRIES = 5
+UNREADABLE_WAIT_S = 0.2
 
 
 def current_job() -> str | None:
@@ -51,6 +55,13 @@ def _process_start(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
+
+
+def _read_or_empty(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
 
 
 def _alive(pid: int, started: str | None) -> bool:
@@ -80,17 +91,15 @@ class RunLock:
     def acquire(self) -> None:
         """Hold the lock, taking over a stale one; RunFolderInUse naming the holder otherwise."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not self._create():
-            holder = self._read()
+        for _ in range(TAKEOVER_TRIES):
+            if self._create():
+                break
+            holder, judged = self._read_judged()
             if holder is not None and (reason := self._live_holder(holder)):
                 raise RunFolderInUse(reason) from None
-            self._write()  # stale, ours or unreadable: take it over
-            time.sleep(0.05)  # let a concurrent taker's rename land, then see whose file is there
-            holder = self._read()
-            if holder is None or holder.get("token") != self.me["token"]:
-                raise RunFolderInUse(
-                    self._describe(holder or {}, "took over the stale lock at the same time")
-                ) from None
+            self._remove_if_unchanged(judged)  # stale, ours or unreadable: away with it, then create ours
+        else:  # each try found a new stale lock: something keeps writing dead holders' locks here
+            raise RunFolderInUse(f"{self.path} changed under every one of {TAKEOVER_TRIES} takeovers; {self._fix()}")
         self._thread = threading.Thread(target=self._beat, name="shardlab-run-lock", daemon=True)
         self._thread.start()
 
@@ -113,6 +122,51 @@ class RunLock:
             return json.loads(self.path.read_text())
         except (OSError, ValueError):
             return None
+
+    def _read_judged(self) -> tuple[dict[str, Any] | None, bytes | None]:
+        """The lock's holder (None if unreadable) and the bytes it was read from (None if the lock is gone; empty if
+        it cannot be read at all). A lock that does not parse is read again after a moment: where hard links are
+        missing, a lock is written after its exclusive create, and its creator may be writing it now."""
+        for pause in (UNREADABLE_WAIT_S, 0.0):
+            try:
+                raw = self.path.read_bytes()
+            except FileNotFoundError:
+                return None, None
+            except OSError:
+                return None, b""
+            try:
+                return json.loads(raw), raw
+            except ValueError:
+                time.sleep(pause)
+        return None, raw
+
+    def _remove_if_unchanged(self, judged: bytes | None) -> None:
+        """Remove the lock if it is still the file judged stale (the same bytes: a live holder's heartbeat rewrites
+        it, and a new lock names another holder; an inode number would not do, as a removed file's is reused at
+        once). It is renamed aside, atomically, so that of several jobs taking over only one gets it; a file another
+        job created or beat since was moved by mistake and goes back (unless a third job created a lock meanwhile,
+        whose lock then stands)."""
+        if judged is None:
+            return  # already gone: the next try creates it
+        aside = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.{time.time_ns()}.stale")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # another job removed it first
+        try:
+            if judged and _read_or_empty(aside) != judged:
+                self._put_back(aside)
+        finally:
+            aside.unlink(missing_ok=True)
+
+    def _put_back(self, aside: Path) -> None:
+        try:
+            os.link(aside, self.path)  # unless a lock exists again (its holder beat, or a third job created one)
+        except FileExistsError:
+            pass
+        except OSError:  # no hard links here: a rename, which would replace a lock made in between
+            if not self.path.exists():
+                os.rename(aside, self.path)
 
     def _create(self) -> bool:
         """Create the lock already holding this job's details, or return False if it exists. A hard link of a written
@@ -172,6 +226,11 @@ class RunLock:
         job = f"job {holder['job']}" if holder.get("job") else "a job"
         return (
             f"{self.path.parent} is in use by {job} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
-            f"{detail}); wait for it to end or stop it, or choose another hydra.run.dir (a lock whose heartbeat is "
-            f"older than {LEASE_S:.0f} s is taken over; delete {self.path} if that job is surely gone)"
+            f"{detail}); {self._fix()}"
+        )
+
+    def _fix(self) -> str:
+        return (
+            f"wait for it to end or stop it, or choose another hydra.run.dir (a lock whose heartbeat is older than "
+            f"{LEASE_S:.0f} s is taken over; delete {self.path} if that job is surely gone)"
         )

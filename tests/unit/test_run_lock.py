@@ -97,45 +97,98 @@ def test_the_heartbeat_keeps_the_lock_fresh(tmp_path, monkeypatch):
 
 
 TWO_JOBS_AT_ONCE = """
-import multiprocessing as mp, sys
+import json, multiprocessing as mp, subprocess, sys, time
 from pathlib import Path
 from shardlab.errors import RunFolderInUse
 from shardlab.jobs import run_lock
 
-def job(root, barrier, held, who):
+def job(root, barrier, held, who, stale):
     run_lock.HEARTBEAT_S = 3600
-    for i in range(300):
+    judge = run_lock.RunLock._live_holder
+
+    def slow_judge(self, holder):  # the second job acts up to 90 ms after judging (a loaded node, a slow NFS)
+        verdict = judge(self, holder)
+        time.sleep(0.03 * (i % 4))
+        return verdict
+
+    if stale and who == 1:
+        run_lock.RunLock._live_holder = slow_judge
+    for i in range(FOLDERS):
         barrier.wait()
         try:
             run_lock.RunLock(Path(root) / f"run{i}").acquire()
             held[(who, i)] = True
         except RunFolderInUse:
             held[(who, i)] = False
+    barrier.wait()  # neither exits while the other may still read its lock: a dead holder's lock is rightly stale
 
 if __name__ == "__main__":
+    root, stale = sys.argv[1], sys.argv[2] == "stale"
+    FOLDERS = 100 if stale else 300
+    if stale:  # every folder holds the lock of a job that died
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        for i in range(FOLDERS):
+            (Path(root) / f"run{i}").mkdir()
+            (Path(root) / f"run{i}" / run_lock.LOCK_FILE).write_text(json.dumps(
+                {"job": None, "host": run_lock.socket.gethostname(), "pid": dead.pid, "token": "dead"}))
     ctx = mp.get_context("fork")
     barrier, held = ctx.Barrier(2), ctx.Manager().dict()
-    jobs = [ctx.Process(target=job, args=(sys.argv[1], barrier, held, who)) for who in (0, 1)]
+    jobs = [ctx.Process(target=job, args=(root, barrier, held, who, stale)) for who in (0, 1)]
     [j.start() for j in jobs]
     [j.join() for j in jobs]
-    print(sum(held[(0, i)] and held[(1, i)] for i in range(300)), sum(held[(0, i)] or held[(1, i)] for i in range(300)))
+    both = sum(held[(0, i)] and held[(1, i)] for i in range(FOLDERS))
+    print(both, sum(held[(0, i)] or held[(1, i)] for i in range(FOLDERS)), FOLDERS)
 """
 
 
-def test_two_jobs_starting_in_one_new_folder_at_once_never_both_hold_it(tmp_path):
-    """Two jobs' rank 0 take the lock of 300 new run directories at the same moments. A lock created empty and
-    written after was read empty by the other job, taken for stale and held by both (8-13 of 300 here)."""
-    proc = subprocess.run([sys.executable, "-c", TWO_JOBS_AT_ONCE, str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+@pytest.mark.parametrize("folders", ["new", "stale"])
+def test_two_jobs_starting_in_one_folder_at_once_never_both_hold_it(tmp_path, folders):
+    """Two jobs' rank 0 take the lock of many run directories at the same moments, new ones or ones whose holder
+    died. A lock created empty and written after was read empty by the other job, taken for stale and held by both
+    (8-13 of 300 new folders here); a stale lock was taken over by writing ours onto it and reading it back 50 ms
+    later, so a job that acted more than 50 ms after judging the lock stale wrote over the first's and both held it
+    (28 of 100 stale folders here)."""
+    proc = subprocess.run([sys.executable, "-c", TWO_JOBS_AT_ONCE, str(tmp_path), folders], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    both, some = map(int, proc.stdout.split())
-    assert (both, some) == (0, 300)
+    both, some, folders = map(int, proc.stdout.split())
+    assert (both, some) == (0, folders)
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard-links", "no-hard-links"])
+def test_a_stale_lock_taken_over_by_another_job_since_it_was_judged_is_left_to_that_job(
+    tmp_path, other_process, monkeypatch, links
+):
+    """This job judged the lock stale; before it removed it, another job took it over. Removing by name would have
+    removed the other job's fresh lock: the file is checked to be the one judged, put back, and this job refused."""
+    if not links:
+        monkeypatch.setattr(run_lock.os, "link", no_links)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_holder(tmp_path, pid=dead.pid)
+    first, second = RunLock(tmp_path), RunLock(tmp_path)
+    first.me = {**first.me, "pid": other_process.pid, "pid_start": run_lock._process_start(other_process.pid)}
+    remove = second._remove_if_unchanged
+
+    def the_other_job_takes_over_first(judged):
+        first.acquire()
+        remove(judged)
+
+    second._remove_if_unchanged = the_other_job_takes_over_first
+    holder = f"in use by a job \\(host {socket.gethostname()}, pid {other_process.pid},"
+    with pytest.raises(RunFolderInUse, match=holder):
+        second.acquire()
+    assert first.held()
+    first.release()
+    assert list(tmp_path.iterdir()) == [], "nothing left aside"
+
+
+def no_links(source, target):
+    raise PermissionError(1, "Operation not permitted")
 
 
 def test_without_hard_links_the_lock_is_created_by_an_exclusive_open(tmp_path, monkeypatch, other_process):
-    def no_links(source, target):
-        raise PermissionError(1, "Operation not permitted")
-
     monkeypatch.setattr(run_lock.os, "link", no_links)
     lock = RunLock(tmp_path)
     lock.acquire()
