@@ -192,7 +192,7 @@ class Trainer:
             if stop and not last:
                 (signum,) = backend.max_over_ranks([float(self.stop_signals.received or 0)])  # which one, agreed
                 self.stop_signals.agree(int(signum))
-                self.stopped_by = self.stop_signals.name or "a stop signal on another rank"
+                self.stopped_by = self.stop_signals.name  # its own signal, or "<SIG> (on another rank)"
                 saved = f"saved {path}" if cfg.checkpoint.save else "nothing saved (checkpoint.save=false)"
                 log.info(f"stopped at step {state.step} on {self.stopped_by}; {saved}")
                 break

@@ -55,14 +55,11 @@ class Start:
     def describe(self) -> str:
         return "from scratch" if self.kind == SCRATCH else f"from {self.kind} {self.source}"
 
-    def same_as(self, other: Start | None) -> bool:
-        """Whether ``other`` (a checkpoint's line) began where this start begins: the same resolved source, or the same
-        setting as written (a symlink resolved elsewhere since is still the setting the run began with)."""
-        return other is not None and same_line(self, other)
-
 
 def same_line(a: Start | None, b: Start | None) -> bool:
-    """Whether two checkpoints' lines are one run's (None: a checkpoint written before lines were recorded)."""
+    """Whether two lines (a checkpoint's, or this command's start) are one run's: the same resolved source, or the
+    same setting as written (a symlink resolved elsewhere since is still the setting the run began with). None: a
+    checkpoint written before lines were recorded."""
     if a is None or b is None:
         return a is b
     return a.kind == b.kind and (a.source == b.source or bool(a.written and a.written == b.written))
@@ -128,7 +125,7 @@ def decide(resume: str, start: Start, existing: list[Path], lines: list[Start | 
         return Decision(False, [Path(start.source)] if start.kind == CHECKPOINT else [])
     if resume == "auto":
         return Decision(True, own)
-    if start.same_as(newest_line):
+    if same_line(start, newest_line):
         setting = f"checkpoint.resume={resume}" + (f" (init_from {start.source})" if start.kind == WEIGHTS else "")
         return Decision(
             True,

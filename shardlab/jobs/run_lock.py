@@ -11,10 +11,10 @@ naming the other job, unless the lock is stale:
 
 A new lock is created whole, holder and all (a hard link of a written file), so no job ever reads it empty, and only
 by that exclusive create. Taking over a stale lock removes it first, and only the very file judged stale (renamed
-aside and compared with what was judged): of two jobs that take over at
-once, however far apart, one removes it and the other moves nothing or puts back what it moved, and then only one
-creates the new lock; the other finds that job alive and refuses. Held by global rank 0 of a job (the launcher
-process of local ranks); released when the job ends, including on a stop signal and its requeue.
+aside and compared with what was judged): of two jobs that take over at once, however far apart, one removes it and
+the other moves nothing or puts back what it moved, and then only one creates the new lock; the other finds that job
+alive and refuses. Held by global rank 0 of a job (the launcher process of local ranks); released when the job ends,
+including on a stop signal and its requeue.
 """
 
 from __future__ import annotations
