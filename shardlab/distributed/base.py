@@ -114,13 +114,6 @@ def _rendezvous_store(env: DistEnv, timeout_s: float) -> TCPStore:
     return store
 
 
-def set_collective_timeout(groups: Sequence[dist.ProcessGroup | None], seconds: float) -> None:
-    """The timeout of every collective issued on ``groups`` from now on (none without a process group)."""
-    if dist.is_initialized():
-        for group in groups:
-            dist.set_timeout(timedelta(seconds=seconds), group)
-
-
 class Backend:
     """Base class: one process, no wrapping. Subclasses override ``parallelize`` and the gradient hooks."""
 
@@ -283,14 +276,18 @@ class Backend:
         inside."""
         previous = self._timeout_s
         self._timeout_s = max(previous, seconds)
-        if self._timeout_s != previous:
-            set_collective_timeout(self.process_groups(), self._timeout_s)
+        if dist.is_initialized() and self._timeout_s != previous:
+            self._set_timeouts(self._timeout_s)
         try:
             yield
         finally:
-            if self._timeout_s != previous:
-                set_collective_timeout(self.process_groups(), previous)
+            if dist.is_initialized() and self._timeout_s != previous:
+                self._set_timeouts(previous)
             self._timeout_s = previous
+
+    def _set_timeouts(self, seconds: float) -> None:
+        for group in self.process_groups():
+            dist.set_timeout(timedelta(seconds=seconds), group)
 
     def describe(self) -> Iterator[str]:
         yield f"backend {self.name}: world size {self.env.world_size} ({self.env.launcher}), device {self.device}"

@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -158,6 +159,6 @@ class FirstSteps:
             self._set_timeout(self.timeout_s)
 
     def _set_timeout(self, seconds: float) -> None:
-        from shardlab.distributed.base import set_collective_timeout
-
-        set_collective_timeout(self.groups, seconds)
+        if dist.is_initialized():
+            for group in self.groups:
+                dist.set_timeout(timedelta(seconds=seconds), group)
