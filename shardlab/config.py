@@ -132,6 +132,14 @@ class DistributedConfig:
     compile_timeout_s: int = 1800
     """compile: the collective timeout during the first training step, while ranks compile (one may wait for a slower
     one); timeout_s applies from the second step on."""
+    plan_device: str = "auto"
+    """The device the memory plan is made for: auto (this machine's GPU, else its CPU), cpu, cuda (this machine's
+    GPU), or a named one from any machine: h100_80gb, h200_141gb, a100_80gb, a100_40gb, l40s_48gb, mi300x
+    (shardlab/memory/devices.py; a user_dir can add more). backend=auto chooses for it by the plan alone."""
+    verify_plan: bool = False
+    """dry_run: also apply the real fully_shard for the world size on torch's fake process group (one process,
+    nothing allocated) and check the plan's per-rank state bytes and collectives against it
+    (shardlab/memory/verify.py)."""
 
 
 @dataclass
@@ -358,10 +366,23 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
         d.activation_checkpointing in ("none", "full"),
         f"distributed.activation_checkpointing must be none or full, got '{d.activation_checkpointing}'",
     )
+    errors += plan_device_errors(cfg)
     errors += distributed_errors(cfg, world_size or d.world_size, num_cuda_devices)
     errors += unknown_key_errors(cfg)
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def plan_device_errors(cfg: Any) -> list[str]:
+    """distributed.plan_device must name a device of shardlab.memory.devices; verify_plan needs a dry run."""
+    from shardlab.memory import devices
+
+    d, errors = cfg.distributed, []
+    if d.plan_device not in devices.known():
+        errors.append(devices.unknown_device_message(d.plan_device))
+    if d.verify_plan and not cfg.dry_run:
+        errors.append("distributed.verify_plan checks the plan of a dry run; add dry_run=true")
+    return errors
 
 
 def path_errors(cfg: Any, run_dir: str | os.PathLike, keep_run_dir: bool = False) -> list[str]:
