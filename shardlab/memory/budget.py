@@ -56,7 +56,11 @@ def budget_per_rank(d, ranks_per_node: int) -> int:
 
 
 def needed(est: MemoryEstimate) -> int:
-    """Bytes per rank a layout needs from the budget: its peak with margin, plus an idle rank's runtime."""
+    """Bytes per rank a layout needs from the budget: its peak with margin, plus an idle rank's runtime. A CUDA plan
+    counts what is outside the tensors itself (allocator, context, NCCL: MemoryEstimate.device_peak), so the margin
+    applies to the tensors only and no allowance is added."""
+    if est.outside:
+        return int(est.peak * PLAN_MARGIN) + est.allocator + est.outside
     return int(est.peak * PLAN_MARGIN) + RUNTIME_ALLOWANCE
 
 
@@ -121,6 +125,14 @@ def resolve(cfg, task, world_size: int) -> str | None:
     if d.memory_budget_gb <= 0:
         return None
     profile, ctx = profile_config(cfg, task, world_size)
+    if d.backend == "auto" and not ctx.local:  # another machine's device: nothing can be measured on it from here
+        choice = choose(profile, cfg, ctx, sharded_only(d))
+        apply_choice(cfg, choice, world_size)
+        return (
+            f"distributed.backend=auto chose {choice.layout.label(world_size)} for {ctx.target} by the plan alone (no "
+            f"trial can run on a {ctx.target} from this machine, so distributed.auto_tune measured nothing): "
+            f"{choice.reason}"
+        )
     if d.backend == "auto" and d.auto_tune:  # measured on the ranks (shardlab.memory.autotune); check a fit exists
         fits = fitting(profile, cfg, ctx, sharded_only(d))
         return (

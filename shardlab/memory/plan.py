@@ -21,6 +21,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from shardlab.distributed.units import count_params, describe_units, meta_model, wrapped_units
+from shardlab.memory import devices
 
 GiB = 2**30
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "cpu_adam": 8}
@@ -51,10 +52,41 @@ class ModelProfile:
     autocast: ModelProfile | None = None
     """The same model profiled under autocast (fp32 weights, ops casting as autocast does), for the layouts that
     compute in low precision through autocast (single, ddp); None when parameters are fp32."""
+    unit_shapes: list[list[tuple[int, int]]] | None = None
+    """Each unit's parameters as (rows, elements per row): FSDP2 shards every parameter by rows, padding the row
+    count to a multiple of the shard group, so a rank's bytes follow the shapes, not the count."""
+    root_shapes: list[tuple[int, int]] | None = None
+    """The root unit's parameters, likewise."""
+    activation_slack: int = 0
+    """What the CUDA caching allocator adds to the saved tensors by rounding each one (devices.allocator_bytes)."""
 
     @property
     def root_params(self) -> int:
         return self.params - sum(self.unit_params)
+
+    def groups(self) -> list[list[tuple[int, int]]]:
+        """The parameter shapes of each FSDP unit, then the root's (the order fully_shard is applied in)."""
+        if self.unit_shapes is None or self.root_shapes is None:  # a profile made by hand: one row per element
+            return [[(n, 1)] for n in [*self.unit_params, self.root_params]]
+        return [*self.unit_shapes, self.root_shapes]
+
+
+def param_shapes(params) -> list[tuple[int, int]]:
+    return [(p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1) for p in params]
+
+
+def shard_rows(rows: int, degree: int, rank: int | None = None) -> int:
+    """Rows of a ``rows``-row parameter a rank of a ``degree``-rank shard group holds, as FSDP2 chunks it
+    (torch.chunk: ceil(rows / degree) per rank, the last ranks fewer or none). ``rank=None``: the padded shard every
+    rank allocates (FSDP2 pads each shard to the first one's size)."""
+    chunk = -(-rows // degree)
+    if rank is None:
+        return chunk
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def shard_numel(shapes: list[tuple[int, int]], degree: int, rank: int | None = None) -> int:
+    return sum(shard_rows(rows, degree, rank) * width for rows, width in shapes)
 
 
 class _FusedAttentionShapes(torch.autograd.Function):
@@ -145,9 +177,14 @@ def profile_model(
     does on that device, counting its weight copies."""
     params = count_params(model)
     unit_params = [count_params(u) for u in units]
+    in_units = {id(p) for u in units for p in u.parameters()}
+    shapes = {
+        "unit_shapes": [param_shapes(u.parameters()) for u in units],
+        "root_shapes": param_shapes(p for p in model.parameters() if id(p) not in in_units),
+    }
     batch = task.example_batch(local_batch) if local_batch > 0 else None
     if batch is None:
-        return ModelProfile(params, unit_params, None, [0] * len(units), [0] * len(units), 0, local_batch)
+        return ModelProfile(params, unit_params, None, [0] * len(units), [0] * len(units), 0, local_batch, **shapes)
     restore = _cast_floating(model, dtype) if autocast_device is None else (lambda: None)
     autocast = _MetaAutocast(dtype, autocast_device) if autocast_device is not None else contextlib.nullcontext()
     param_ids = {id(p) for p in model.parameters()}
@@ -185,7 +222,7 @@ def profile_model(
     except Exception as e:  # a model that cannot run on meta still trains; only its activations go unplanned
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         empty = [0] * len(units)
-        return ModelProfile(params, unit_params, None, empty, empty, 0, local_batch, reason)
+        return ModelProfile(params, unit_params, None, empty, empty, 0, local_batch, reason, **shapes)
     finally:
         for h in handles:
             h.remove()
@@ -202,12 +239,26 @@ def profile_model(
         else:
             outside.append(n)
     total = sum(_nbytes(b) for b in saved.values())
+    slack = sum(devices.allocator_bytes(_nbytes(b)) - _nbytes(b) for b in saved.values())
     copies = 0
     if autocast_device is not None:
         # Every copy lives until the forward ends (autocast's cache), those the matmuls saved until backward.
         copies = sum(_nbytes(c) for c in autocast.weight_copies.values())
         total += sum(_nbytes(c) for c in autocast.weight_copies.values() if id(c) not in saved)
-    return ModelProfile(params, unit_params, total, per_unit, inputs, max(outside), local_batch, None, copies)
+    return ModelProfile(
+        params,
+        unit_params,
+        total,
+        per_unit,
+        inputs,
+        max(outside),
+        local_batch,
+        None,
+        copies,
+        None,
+        **shapes,
+        activation_slack=slack,
+    )
 
 
 def _cast_floating(model: nn.Module, dtype: torch.dtype):
@@ -291,7 +342,7 @@ class PlanContext:
     world_size: int
     ranks_per_node: int
     device: str
-    """cpu or cuda: on CPU, offloaded state shares the memory it was moved from."""
+    """cpu or cuda: the kind of device planned for (on CPU, offloaded state shares the memory it was moved from)."""
     param_bytes: int
     """Bytes per gathered parameter and activation element (distributed.param_dtype)."""
     reduce_bytes: int
@@ -300,9 +351,18 @@ class PlanContext:
     reduce_every_microbatch: bool = True
     prefetch_units: int = 0
     offload_activations: bool = False
+    target: str = "cpu"
+    """distributed.plan_device as resolved: cpu, cuda (this machine's GPU) or a name of devices.DEVICES."""
+    capacity: int = 0
+    """The target's memory per rank, bytes (0: unknown)."""
+    local: bool = True
+    """Whether the target is this machine's own device (else no trial can run on it: backend=auto plans only)."""
 
     @classmethod
-    def from_config(cls, cfg, world_size: int, ranks_per_node: int, device: str) -> PlanContext:
+    def from_config(
+        cls, cfg, world_size: int, ranks_per_node: int, device: str, target: str | None = None, capacity: int = 0
+    ) -> PlanContext:
+        """``device``: cpu or cuda; ``target``: the plan_device it stands for (default: ``device`` itself, here)."""
         from shardlab.distributed.base import resolve_dtypes
 
         d, opt = cfg.distributed, cfg.optimizer
@@ -322,6 +382,9 @@ class PlanContext:
             reduce_every_microbatch=d.reduce_every_microbatch,
             prefetch_units=d.prefetch_units,
             offload_activations=d.offload_activations,
+            target=target or device,
+            capacity=capacity,
+            local=target is None or target in devices.LOCAL,
         )
 
 
@@ -338,13 +401,18 @@ class MemoryEstimate:
     """Unsharded parameters and unsharded gradients of the units in flight (fully_sharded)."""
     activations: int | None
     runtime: int
-    """What a rank keeps after its first step besides the model: kernels' workspaces, thread pools, library caches."""
+    """What a CPU rank keeps after its first step besides the model: kernels' workspaces, thread pools, library
+    caches (0 on CUDA, where the allocator's peak, which the meter reads, leaves them out: see ``outside``)."""
     host: int
     """Bytes moved to host memory (cpu_offload, offload_activations) on CUDA; on CPU they stay counted above."""
     comm_bytes: int
     """Bytes each rank sends per optimizer step (ring collectives)."""
     accumulating: bool = False
     """update_freq > 1: an earlier micro-batch's gradients are held while the next one's activations build up."""
+    allocator: int = 0
+    """CUDA: what the caching allocator reserves beyond the tensors (block rounding and the fragmentation allowance)."""
+    outside: int = 0
+    """CUDA: device memory outside the allocator: the CUDA context and NCCL's buffers."""
 
     @property
     def state(self) -> int:
@@ -357,44 +425,92 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> int:
-        """Gradients fill in as backward frees activations, so the step's peak holds the larger of the two (both
-        when gradients accumulate over micro-batches)."""
+        """The step's peak of live tensors (and a CPU rank's runtime): what the meter reads, the allocator's peak on
+        CUDA. Gradients fill in as backward frees activations, so it holds the larger of the two (both when gradients
+        accumulate over micro-batches)."""
         activations = self.activations or 0
         work = activations + self.grads if self.accumulating else max(activations, self.grads)
         return self.between_steps + self.gathered + work
+
+    @property
+    def device_peak(self) -> int:
+        """What the device must have free for the step: the peak, the allocator's rounding and fragmentation, and
+        (CUDA) the context and NCCL's buffers. Equal to ``peak`` on CPU."""
+        return self.peak + self.allocator + self.outside
 
 
 CPU_RUNTIME_BYTES = 28 * 2**20
 """A CPU rank's resident growth over its first step that is neither model nor activations (kernel and thread-pool
 set-up; not traced further): measured on 13M-28M-parameter LMs at world sizes 2 and 4, every layout
-(tests/distributed/test_memory_plan.py; docs/memory-plan.md). On CUDA such memory lives outside the allocator,
-whose peak the plan predicts there."""
+(tests/distributed/test_memory_plan.py; docs/memory-plan.md). On CUDA such memory lives outside the allocator, whose
+peak the plan predicts there; MemoryEstimate.outside counts the context and NCCL's buffers beside it."""
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Bytes of one rank's parameters, gradients and optimizer state, as FSDP2 allocates them."""
+
+    params: int
+    """The sharded parameters' storage: every rank allocates the padded shard (FSDP2 pads to the first shard)."""
+    local_params: int
+    """Of those, the DTensor local shards (unpadded): what this rank's optimizer state is shaped like."""
+    grads: int
+    """The sharded gradients: views of the padded reduce-scatter output when it is already in the parameters' dtype
+    (fp32), else a cast copy of the local shards."""
+    optimizer: int
+
+
+def rank_state(profile: ModelProfile, layout: Layout, ctx: PlanContext, rank: int = 0) -> RankState:
+    """What rank ``rank`` of the shard group holds (rank 0 holds the most: the first chunks are the full ones)."""
+    if layout.backend != "fully_sharded":
+        P = profile.params
+        return RankState(4 * P, 4 * P, 4 * P, ctx.optimizer_state_bytes * P)
+    f = layout.sharding_degree
+    groups = profile.groups()
+    padded = sum(shard_numel(g, f) for g in groups)
+    local = sum(shard_numel(g, f, rank) for g in groups)
+    grads = 4 * padded if ctx.reduce_bytes == 4 else 4 * local
+    return RankState(4 * padded, 4 * local, grads, ctx.optimizer_state_bytes * local)
+
+
+def communicators(layout: Layout, ctx: PlanContext) -> int:
+    """NCCL communicators a rank of ``layout`` holds: the default group, and each mesh dimension's."""
+    if ctx.world_size == 1 or layout.backend == "single":
+        return 0
+    hybrid = layout.backend == "fully_sharded" and layout.sharding_degree < ctx.world_size
+    return 1 + (2 if hybrid else 1 if layout.backend == "fully_sharded" else 0)
 
 
 def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryEstimate:
-    """Per-rank bytes of a training step of ``layout``: what is held between steps and what the step adds."""
+    """Per-rank bytes of a training step of ``layout`` on the fullest rank: what is held between steps and what the
+    step adds."""
     if layout.backend != "fully_sharded" and profile.autocast is not None:
         profile = profile.autocast  # low precision through autocast, with its weight copies
-    P, units = profile.params, profile.unit_params
+    P = profile.params
     sharded = layout.backend == "fully_sharded"
-    local = -(-P // layout.sharding_degree) if sharded else P  # ceil: FSDP pads the last shard
-    params, optimizer, grads = 4 * local, ctx.optimizer_state_bytes * local, 4 * local
+    ranked = rank_state(profile, layout, ctx)
+    params, optimizer, grads = ranked.params, ranked.optimizer, ranked.grads
     # DDP copies gradients into bucket buffers of the same size that survive zero_grad (gradient_as_bucket_view off).
     grad_buffers = 4 * P if layout.backend == "ddp" else 0
     gathered = 0
     if sharded:
-        biggest = max(units, default=0)
-        root = profile.root_params
+        f = layout.sharding_degree
+        groups = profile.groups()
+        # A unit's all-gather output is one flat buffer of f padded shards; its parameters are views of it.
+        unit_gathered = [f * shard_numel(g, f) for g in groups[:-1]]
+        biggest = max(unit_gathered, default=0)
+        biggest_grad = max(profile.unit_params, default=0)
+        root = f * shard_numel(groups[-1], f) if profile.root_params else 0
         if layout.reshard_after_forward:
             # Backward of the last unit: the root (never resharded) and that unit still gathered, the previous unit
             # prefetched, plus the unit's unsharded gradient and its reduce-scatter buffer.
             in_flight = 2 + max(ctx.prefetch_units - 1, 0)
             gathered = ctx.param_bytes * (root + in_flight * biggest)
         else:  # every unit stays gathered from its forward to its backward
-            gathered = ctx.param_bytes * (root + sum(units) + biggest)
-        gathered += (ctx.param_bytes + ctx.reduce_bytes) * biggest
+            gathered = ctx.param_bytes * (root + sum(unit_gathered) + biggest)
+        gathered += ctx.param_bytes * biggest_grad + ctx.reduce_bytes * biggest
         if ctx.update_freq > 1 and not ctx.reduce_every_microbatch:
-            gathered += 4 * (P - local)  # unsharded gradients kept across micro-batches (a trap the plan warns of)
+            gathered += 4 * (P - -(-P // f))  # unsharded gradients kept across micro-batches (a trap the plan warns of)
     activations = _activations(profile, layout)
     host = 0
     if ctx.device == "cuda":
@@ -406,9 +522,27 @@ def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryE
             activations = _transient(profile)
     runtime = CPU_RUNTIME_BYTES if ctx.device == "cpu" else 0
     comm = _comm_bytes(profile, layout, ctx)
-    return MemoryEstimate(
+    est = MemoryEstimate(
         layout, params, optimizer, grad_buffers, grads, gathered, activations, runtime, host, comm, ctx.update_freq > 1
     )
+    if ctx.device == "cuda":
+        est.outside = devices.CUDA_CONTEXT + communicators(layout, ctx) * devices.NCCL_PER_COMMUNICATOR
+        est.allocator = _allocator_overhead(profile, layout, ctx, est)
+    return est
+
+
+def _allocator_overhead(profile: ModelProfile, layout: Layout, ctx: PlanContext, est: MemoryEstimate) -> int:
+    """CUDA: the caching allocator's block rounding of the state tensors (one per parameter and Adam moment; one flat
+    gradient buffer per unit) and of the saved activations, plus the fragmentation allowance on the whole peak."""
+    rounding = 0
+    if not layout.cpu_offload or ctx.device != "cuda":
+        f = layout.sharding_degree if layout.backend == "fully_sharded" else 1
+        tensors = [4 * shard_rows(rows, f) * width for g in profile.groups() for rows, width in g]
+        moments = ctx.optimizer_state_bytes // 4
+        rounding = (1 + moments) * sum(devices.allocator_bytes(n) - n for n in tensors)
+    if est.activations and profile.activations:
+        rounding += int(profile.activation_slack * est.activations / profile.activations)
+    return rounding + int(devices.FRAGMENTATION * (est.peak + rounding))
 
 
 def _transient(profile: ModelProfile) -> int:
@@ -426,21 +560,56 @@ def _activations(profile: ModelProfile, layout: Layout) -> int | None:
     return total + _transient(profile)
 
 
-def _comm_bytes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> int:
-    P, n, micro = profile.params, ctx.world_size, ctx.update_freq
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step as a rank issues it: what FSDP2 (or DDP) calls, on how many ranks, how many times."""
+
+    op: str
+    """all_gather, reduce_scatter or all_reduce."""
+    group_size: int
+    bytes: int
+    """The per-rank buffer: an all-gather's input, a reduce-scatter's output, an all-reduce's tensor."""
+    count: int
+
+    @property
+    def sent(self) -> int:
+        """Bytes one rank sends for all ``count`` of them in a ring: (n-1) buffers for a gather or scatter, 2(n-1)/n
+        of the buffer for an all-reduce."""
+        n = self.group_size
+        per_call = 2 * (n - 1) * self.bytes // n if self.op == "all_reduce" else (n - 1) * self.bytes
+        return per_call * self.count
+
+
+def collectives(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> list[Collective]:
+    """The collectives of one optimizer step, per FSDP unit (then the root), as fully_sharded issues them: an
+    all-gather per micro-batch in forward and again in backward for each resharded unit (all but the last unit and
+    the root), a reduce-scatter per reduction, and on a hybrid mesh an all-reduce of each reduced shard across the
+    replicas. ddp: one all-reduce of the gradients per reduction."""
+    n, micro = ctx.world_size, ctx.update_freq
     if n == 1 or layout.backend == "single":
-        return 0
+        return []
     reductions = micro if ctx.reduce_every_microbatch else 1
     if layout.backend == "ddp":
-        return int(2 * (n - 1) / n * P * ctx.reduce_bytes * reductions)
+        return [Collective("all_reduce", n, profile.params * ctx.reduce_bytes, reductions)]
     f = layout.sharding_degree
     r = n // f
-    share = (f - 1) / f
-    regathered = P - profile.root_params - (profile.unit_params[-1] if profile.unit_params else 0)
-    gathers = P + (regathered if layout.reshard_after_forward else 0)
-    sent = share * gathers * ctx.param_bytes * micro + share * P * ctx.reduce_bytes * reductions
-    sent += 2 * (r - 1) / r * (P / f) * ctx.reduce_bytes * reductions  # hybrid: all-reduce of shards across replicas
-    return int(sent)
+    groups = profile.groups()
+    out = []
+    for i, shapes in enumerate(groups):
+        shard = shard_numel(shapes, f)
+        if shard == 0:
+            continue  # no parameters: fully_shard makes no group
+        resharded = layout.reshard_after_forward and i < len(groups) - 2  # not the last unit, not the root
+        if f > 1:
+            out.append(Collective("all_gather", f, shard * ctx.param_bytes, micro * (2 if resharded else 1)))
+            out.append(Collective("reduce_scatter", f, shard * ctx.reduce_bytes, reductions))
+        if r > 1:
+            out.append(Collective("all_reduce", r, shard * ctx.reduce_bytes, reductions))
+    return out
+
+
+def _comm_bytes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> int:
+    return sum(c.sent for c in collectives(profile, layout, ctx))
 
 
 # ---- alternatives and the automatic choice ---------------------------------------------------------------------------
@@ -519,35 +688,62 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
     if profile.activation_error:
         lines.append(f"activations not planned: the model's forward fails on meta ({profile.activation_error})")
     lines += list(warnings(profile, chosen, ctx))
+    if ctx.device == "cuda":
+        lines.append(
+            f"  on {ctx.target}: + allocator rounding and fragmentation {_gib(est.allocator)} + CUDA context and "
+            f"NCCL buffers {_gib(est.outside)} = {_gib(est.device_peak)} GiB of {_gib(ctx.capacity)}"
+            f"{'' if est.device_peak <= ctx.capacity else ' (does not fit)'}"
+        )
     if not compare:
         return lines
+    lines.append(f"  attention: {attention_kernel(ctx)}")
     layouts = alternatives(ctx.world_size, ctx.ranks_per_node)
     if chosen not in layouts:
         layouts.insert(0, chosen)
+    cap = f"of {ctx.capacity / GiB:.0f}" if ctx.capacity else "of ?"
     lines.append(
-        f"  {'layout':<40} {'peak GiB':>9} {'state':>7} {'gathered':>9} {'activ.':>7} {'host':>6} {'sent/step':>10}"
+        f"  {'layout':<40} {'peak GiB':>9} {'state':>7} {'gathered':>9} {'activ.':>7} {'host':>6} {'sent/step':>10} "
+        f"{'device':>7} {cap:>7}"
     )
     for layout in layouts:
         e = estimate(profile, layout, ctx)
         mark = "*" if layout == chosen else " "
+        share = f"{e.device_peak / ctx.capacity:.0%}" if ctx.capacity else "?"
         lines.append(
             f"{mark} {layout.label(ctx.world_size):<40} {_gib(e.peak):>9} {_gib(e.state):>7} {_gib(e.gathered):>9} "
-            f"{_gib(e.activations):>7} {_gib(e.host):>6} {e.comm_bytes / GiB:>9.2f}G"
+            f"{_gib(e.activations):>7} {_gib(e.host):>6} {e.comm_bytes / GiB:>9.2f}G {_gib(e.device_peak):>7} "
+            f"{share:>7}"
+        )
+    if ctx.device == "cpu":
+        lines.append("  (planned for a CPU, where cpu_offload moves nothing; on GPUs it frees device memory)")
+    else:
+        lines.append(
+            f"  (planned for {ctx.target}, {ctx.ranks_per_node} ranks per machine; peak: the allocator's peak of "
+            "live tensors; device: what the GPU must have, with rounding, fragmentation, context and NCCL; host: "
+            "what cpu_offload keeps in each rank's host memory)"
         )
     return lines
+
+
+def attention_kernel(ctx: PlanContext) -> str:
+    """Which fused attention the planned device runs and what it keeps: the plan counts q, k, v, the output and one
+    float per query row (no length x length scores) on every device (_FusedAttentionShapes)."""
+    if ctx.device == "cuda":
+        kernel = "flash" if ctx.param_bytes == 2 else "memory-efficient (fp32: flash needs bf16/fp16)"
+        return f"{kernel} SDPA on {ctx.target}: q, k, v, output and a logsumexp per row kept; no length x length scores"
+    return "torch's CPU flash SDPA kernel: q, k, v, output and a logsumexp per row kept; no length x length scores"
 
 
 # ---- the plan of one run ---------------------------------------------------------------------------------------------
 def profile_config(cfg, task, world_size: int, model=None, units=None) -> tuple[ModelProfile, PlanContext]:
     """Profile the task's model (built on meta here unless given) for ``cfg`` at ``world_size`` ranks."""
-    from shardlab.distributed import env as dist_env
     from shardlab.distributed.base import resolve_dtypes
 
     if model is None:
         model = meta_model(task.build_model)
         units = task.fsdp_units(model)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    ctx = PlanContext.from_config(cfg, world_size, dist_env.ranks_per_node(world_size), device)
+    device, target, capacity, per_node = plan_target(cfg, world_size)
+    ctx = PlanContext.from_config(cfg, world_size, per_node, device, target, capacity)
     local_batch = cfg.optimization.batch_size // world_size
     units = wrapped_units(model, units, cfg.distributed)
     param_dtype = resolve_dtypes(cfg.distributed)[0]
@@ -555,6 +751,36 @@ def profile_config(cfg, task, world_size: int, model=None, units=None) -> tuple[
     if param_dtype != torch.float32:  # single and ddp reach it through autocast: profiled as they run
         profile.autocast = profile_model(model, units, task, local_batch, param_dtype, autocast_device=device)
     return profile, ctx
+
+
+def plan_target(cfg, world_size: int) -> tuple[str, str, int, int]:
+    """distributed.plan_device resolved: (cpu or cuda, the device's name, its memory per rank, ranks per machine)."""
+    import os
+
+    from shardlab.distributed import env as dist_env
+    from shardlab.errors import ConfigError
+
+    name = cfg.distributed.get("plan_device", "auto")  # configs recorded before the key existed lack it
+    per_node = dist_env.ranks_per_node(world_size)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return "cpu", "cpu", devices.machine_ram() // max(1, min(per_node, world_size)), per_node
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "distributed.plan_device=cuda plans for this machine's GPU, but it has none; name the GPU to plan "
+                f"for: {', '.join(devices.DEVICES)}"
+            )
+        props = torch.cuda.get_device_properties(0)
+        return "cuda", props.name, props.total_memory, per_node
+    if name not in devices.DEVICES:
+        raise ConfigError(devices.unknown_device_message(name))
+    target = devices.DEVICES[name]
+    launched = os.environ.get("LOCAL_WORLD_SIZE") or "SLURM_PROCID" in os.environ
+    # Planned from elsewhere (a laptop), a job on this device has the machines its table entry says.
+    per_node = per_node if launched else min(target.ranks_per_node, world_size)
+    return target.kind, name, target.memory_bytes, per_node
 
 
 @dataclass

@@ -1,0 +1,182 @@
+"""distributed.verify_plan: the plan held against the real fully_shard, at the job's world size, in one process.
+
+The model is built on meta and sharded by the fully_sharded backend's own parallelize on torch's fake process group
+(a process group that answers every collective without communicating: rank r of any world size, in one process, as
+torchtitan's dry runs use it), once as rank 0 and once as the last rank, whose shards are the shortest when a
+dimension does not divide evenly. Nothing is allocated: the parameters stay on meta. Then:
+
+- per rank, the bytes of the sharded parameters' storage (FSDP2 pads every shard to the first one's size), of their
+  DTensor local shards, of the gradients FSDP2 will write (views of its padded reduce-scatter output when that is in
+  the parameters' dtype, else cast copies of the local shards) and of the optimizer state (one fp32 tensor shaped like
+  the local shard per Adam moment, as torch.optim creates it) must equal shardlab.memory.plan.rank_state's;
+- the collectives one step issues, read from FSDP2's parameter groups (all-gather input per rank, reduce-scatter
+  output, the hybrid mesh's all-reduce; how often each runs from the group's reshard setting) must equal
+  shardlab.memory.plan.collectives', and so the plan's bytes sent per step.
+
+FSDP2 refuses to run forward on meta parameters (it checks they were materialized), so the step's collectives are
+counted from its parameter groups rather than recorded as they run. A mismatch raises PlanMismatch: one line.
+
+Private torch names, used on a tested torch only (shardlab.distributed.torch_internals.TESTED_TORCH), checked by
+tests/unit/test_memory_plan.py::test_verify_plan_private_torch_names_still_behave: the fake backend's FakeStore
+(torch.testing._internal.distributed.fake_pg), FSDPModule._get_fsdp_state(), its _fsdp_param_group (fsdp_params,
+mesh_info, post_forward_mesh_info, mp_policy) and FSDPParam._sharded_param_data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardlab.errors import ConfigError, ShardlabError
+from shardlab.memory.plan import Collective, GiB, collectives, layout_of, profile_config, rank_state
+
+
+class PlanMismatch(ShardlabError):
+    """The memory plan disagrees with what fully_shard did: a bug in the plan, not a user mistake (exit code 1)."""
+
+    exit_code = 1
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
+    """The default process group as torch's fake backend, rank ``rank`` of ``world_size``, for the block."""
+    from shardlab.distributed import torch_internals
+
+    if not torch_internals.tested():
+        raise ConfigError(
+            "distributed.verify_plan uses torch's fake process group and FSDP2 internals, checked on torch "
+            f"{'.'.join(map(str, torch_internals.TESTED_TORCH[0]))} only; this is {torch.__version__}: drop it"
+        )
+    if dist.is_initialized():
+        raise ConfigError("distributed.verify_plan runs in a process without a process group (a dry run)")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_on_fake_group(cfg, task, world_size: int, rank: int):
+    """The task's model on meta, sharded as the fully_sharded backend shards it, seen from ``rank``; returns the
+    model and its FSDP modules in the order fully_shard was applied (units, then the root)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardlab.distributed.env import DistEnv
+    from shardlab.distributed.fully_sharded import FullyShardedBackend
+    from shardlab.distributed.units import meta_model
+
+    model = meta_model(task.build_model)
+    units = task.fsdp_units(model)
+    backend = FullyShardedBackend(cfg.distributed, DistEnv(rank, world_size, rank, "127.0.0.1", 0, "none"))
+    backend.device = torch.device("cpu")  # the fake backend serves any device; nothing is placed on it
+    degree = world_size if cfg.distributed.sharding_degree == -1 else cfg.distributed.sharding_degree
+    # The mesh FullyShardedBackend.setup makes (setup itself would join a real process group first).
+    shape, names = ((world_size,), ("shard",)) if degree == world_size else ((world_size // degree, degree), None)
+    backend.mesh = init_device_mesh("cpu", shape, mesh_dim_names=names or ("replicate", "shard"))
+    backend.sharding_degree = degree
+    model = backend.parallelize(model, units, materialize=lambda m: None)
+    fsdp_modules = [*backend.units, model] if backend.units else [model]
+    return model, fsdp_modules
+
+
+def _group(module: nn.Module):
+    return module._get_fsdp_state()._fsdp_param_group  # None for a module without parameters of its own
+
+
+def measured_state(fsdp_modules: list[nn.Module], optimizer_state_bytes: int) -> dict[str, int]:
+    """This rank's bytes as fully_shard laid them out (see the module docstring)."""
+    out = dict(params=0, local_params=0, grads=0, optimizer=0)
+    for module in fsdp_modules:
+        group = _group(module)
+        if group is None:
+            continue
+        reduce_dtype = group.mp_policy.reduce_dtype
+        for fp in group.fsdp_params:
+            storage = fp._sharded_param_data
+            local = fp.sharded_param.to_local()
+            out["params"] += storage.numel() * storage.element_size()
+            out["local_params"] += local.numel() * local.element_size()
+            same_dtype = reduce_dtype in (None, local.dtype)
+            out["grads"] += (storage.numel() if same_dtype else local.numel()) * local.element_size()
+            for _ in range(optimizer_state_bytes // 4):  # torch.optim: zeros_like(param) per moment
+                moment = torch.zeros_like(fp.sharded_param, memory_format=torch.preserve_format)
+                out["optimizer"] += moment.to_local().numel() * moment.to_local().element_size()
+    return out
+
+
+def measured_collectives(fsdp_modules: list[nn.Module], update_freq: int, reductions: int) -> list[Collective]:
+    """The collectives one step issues, from FSDP2's parameter groups, in the plan's order."""
+    out = []
+    for module in fsdp_modules:
+        group = _group(module)
+        if group is None:
+            continue
+        info = group.mesh_info
+        shard = sum(fp._sharded_param_data.numel() for fp in group.fsdp_params)
+        orig = group.fsdp_params[0].sharded_param.dtype
+        param_dtype = group.mp_policy.param_dtype or orig
+        reduce_dtype = group.mp_policy.reduce_dtype or param_dtype
+        gathers = update_freq * (2 if group.post_forward_mesh_info is not None else 1)
+        if info.shard_mesh_size > 1:
+            out.append(Collective("all_gather", info.shard_mesh_size, shard * param_dtype.itemsize, gathers))
+            out.append(Collective("reduce_scatter", info.shard_mesh_size, shard * reduce_dtype.itemsize, reductions))
+        replicas = getattr(info, "replicate_mesh_size", 1)
+        if replicas > 1:
+            out.append(Collective("all_reduce", replicas, shard * reduce_dtype.itemsize, reductions))
+    return out
+
+
+def verify_plan(cfg, task, world_size: int) -> list[str]:
+    """Check the plan of ``cfg`` against fully_shard at ``world_size`` ranks; lines saying what was checked, or
+    PlanMismatch in one line."""
+    started = time.perf_counter()
+    layout = layout_of(cfg.distributed, world_size)
+    if layout.backend != "fully_sharded" or world_size == 1:
+        return [f"verify_plan: nothing to check for {layout.label(world_size)} at world size {world_size} (it checks "
+                "fully_sharded across ranks)"]  # fmt: skip
+    cfg_plan = copy.deepcopy(cfg)
+    cfg_plan.optimization.batch_size = 0  # the state and the collectives need no activations: no meta forward
+    profile, ctx = profile_config(cfg_plan, task, world_size)
+    f = layout.sharding_degree
+    reductions = ctx.update_freq if ctx.reduce_every_microbatch else 1
+    planned_collectives = collectives(profile, layout, ctx)
+    for rank in sorted({0, world_size - 1}):
+        with fake_process_group(world_size, rank):
+            _, fsdp_modules = shard_on_fake_group(cfg, task, world_size, rank)
+            state = measured_state(fsdp_modules, ctx.optimizer_state_bytes)
+            if rank == 0:
+                measured = measured_collectives(fsdp_modules, ctx.update_freq, reductions)
+        planned = rank_state(profile, layout, ctx, rank % f).__dict__
+        for key, value in planned.items():
+            if state[key] != value:
+                raise PlanMismatch(
+                    f"verify_plan: rank {rank} of {world_size}: fully_shard gives {state[key]:,} bytes of {key}, the "
+                    f"memory plan {value:,} ({layout.label(world_size)})"
+                )
+    if measured != planned_collectives:
+        first = next((i for i, (m, p) in enumerate(zip(measured, planned_collectives, strict=False)) if m != p), None)
+        where = (
+            f"collective {first}: fully_shard {measured[first]}, the plan {planned_collectives[first]}"
+            if first is not None
+            else f"fully_shard issues {len(measured)} collectives, the plan {len(planned_collectives)}"
+        )
+        raise PlanMismatch(f"verify_plan: one step's collectives differ at {where}")
+    sent = sum(c.sent for c in measured)
+    last = rank_state(profile, layout, ctx, (world_size - 1) % f)
+    first_rank = rank_state(profile, layout, ctx, 0)
+    return [
+        f"verify_plan: the real fully_shard at world size {world_size} ({layout.label(world_size)}) on a fake "
+        f"process group matches the plan: params {first_rank.params / GiB:.3f} GiB per rank (local shards: rank 0 "
+        f"{first_rank.local_params / GiB:.3f}, rank {world_size - 1} {last.local_params / GiB:.3f}), grads "
+        f"{first_rank.grads / GiB:.3f}, optimizer rank 0 {first_rank.optimizer / GiB:.3f} / rank {world_size - 1} "
+        f"{last.optimizer / GiB:.3f}; {len(measured)} collectives sending {sent / GiB:.2f} GiB per step; checked in "
+        f"{time.perf_counter() - started:.1f} s, nothing allocated"
+    ]
