@@ -1,7 +1,7 @@
 """Binarize a corpus for the LM task (the fairseq-preprocess analogue), optionally training its tokenizer first.
 
     python tools/preprocess_lm.py /my/text/dir                          # -> ~/.cache/shardlab/<name>-<hash>/
-    python tools/preprocess_lm.py /data/shards --jsonl-field text        # *.jsonl / *.jsonl.gz, one document a line
+    python tools/preprocess_lm.py /data/shards --text-field text         # *.jsonl(.gz/.zst): a line; *.parquet: a row
     python tools/preprocess_lm.py /my/text/dir --tokenizer gpt2/tokenizer.json
     python tools/preprocess_lm.py --train-tokenizer bpe --vocab-size 4096   # a byte-level BPE of the embedded corpus
 
@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--train-tokenizer", choices=["bpe"], help="train a byte-level BPE on the corpus first")
     parser.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of the trained tokenizer")
     parser.add_argument("--tokenizer-sample-mb", type=float, default=100.0, help="MB of the corpus to train it on")
-    parser.add_argument("--jsonl-field", default=defaults.jsonl_field, help="text field of JSONL records")
+    parser.add_argument(
+        "--text-field", "--jsonl-field", default=defaults.text_field, help="JSONL key or Parquet/Arrow column of text"
+    )
     parser.add_argument("--valid-percent", type=float, default=defaults.valid_percent)
     parser.add_argument("--max-corpus-mb", type=float, default=defaults.max_corpus_mb)
     parser.add_argument("--workers", type=int, default=defaults.num_preprocess_workers, help="-1: one per core")
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> Path:
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="tokenizer-", dir=cache_dir) as tmp:
             print(f"training a byte-level BPE ({args.vocab_size} tokens) on {args.tokenizer_sample_mb:g} MB ...")
-            sample = iter_texts(sources, args.jsonl_field, int(args.tokenizer_sample_mb * 2**20))
+            sample = iter_texts(sources, args.text_field, int(args.tokenizer_sample_mb * 2**20))
             tok_file = train_bpe(sample, args.vocab_size, Path(tmp) / "tokenizer.json")
             out = _prepare(args, FileTokenizer(tok_file), {"tokenizer.json": tok_file})
     else:
@@ -72,7 +74,7 @@ def _data_overrides(args) -> str:
     pairs = [
         ("path", str(Path(args.path).expanduser().resolve()) if args.path else None, d.path),
         ("cache_dir", args.cache_dir, d.cache_dir),
-        ("jsonl_field", args.jsonl_field, d.jsonl_field),
+        ("text_field", args.text_field, d.text_field),
         ("valid_percent", args.valid_percent, d.valid_percent),
         ("max_corpus_mb", args.max_corpus_mb, d.max_corpus_mb),
     ]
@@ -86,7 +88,7 @@ def _prepare(args, tokenizer, extra_files) -> Path:
         tokenizer,
         args.valid_percent,
         args.max_corpus_mb,
-        args.jsonl_field,
+        args.text_field,
         args.workers,
         extra_files,
     )

@@ -1,6 +1,7 @@
 """Stream a corpus into train.bin / valid.bin token files over worker processes, in bounded memory, atomically.
 
-The main process reads ~1 MB blocks and writes tokens in order; workers decode, parse JSONL and tokenize. At most a
+The main process reads ~1 MB blocks (decompressing, and decoding Parquet and Arrow record batches) and writes tokens
+in order; workers decode, parse JSONL and tokenize. At most a
 few blocks per worker are in flight, so memory does not grow with the corpus. Output goes to a temporary directory,
 is fsynced, and is renamed into place only when complete: a killed run never leaves a cache that looks finished.
 """
@@ -23,7 +24,7 @@ import numpy as np
 
 from shardlab.errors import DataError
 from tasks.lm.cache_lock import temp_prefix
-from tasks.lm.corpus import Block, Source, jsonl_text, read_blocks
+from tasks.lm.corpus import Block, Source, check_sources, jsonl_text, read_blocks
 from tasks.lm.tokenizer import Tokenizer, load_tokenizer, token_dtype
 
 FORMAT_VERSION = 2
@@ -51,12 +52,16 @@ def _encode_text(tokenizer: Tokenizer, text: str) -> np.ndarray:
     return tokenizer.encode_array(list(_segments(text)) if tokenizer.splits_cleanly else [text])
 
 
-def encode_block(tokenizer: Tokenizer, block: Block, valid_percent: float, jsonl_field: str, dtype) -> tuple:
+def encode_block(tokenizer: Tokenizer, block: Block, valid_percent: float, text_field: str, dtype) -> tuple:
     """(train tokens, valid tokens) of one block; a document's end-of-document token goes with its last tokens."""
     eod = np.array([tokenizer.eod], dtype=dtype)
     parts: dict[str, list[np.ndarray]] = {"train": [], "valid": []}
     src = block.source
-    if not src.jsonl:
+    if block.texts is not None:  # Parquet or Arrow rows: split by row number, as the same JSONL file's lines
+        for n, text in enumerate(block.texts, start=block.first_line):
+            split = "valid" if is_valid_document(f"{src.split_key}:{n}", valid_percent) else "train"
+            parts[split] += [_encode_text(tokenizer, text), eod]
+    elif not src.records:
         key = src.split_key if block.index == 0 else f"{src.split_key}#{block.index}"
         split = "valid" if is_valid_document(key, valid_percent) else "train"
         parts[split].append(_encode_text(tokenizer, block.data.decode("utf-8", errors="replace")))
@@ -66,7 +71,7 @@ def encode_block(tokenizer: Tokenizer, block: Block, valid_percent: float, jsonl
         for n, line in enumerate(block.data.splitlines(), start=block.first_line):
             if not line.strip():
                 continue
-            text = jsonl_text(line, src.path, n, jsonl_field)
+            text = jsonl_text(line, src.path, n, text_field)
             split = "valid" if is_valid_document(f"{src.split_key}:{n}", valid_percent) else "train"
             parts[split] += [_encode_text(tokenizer, text), eod]
     return tuple(np.concatenate(p).astype(dtype, copy=False) if p else np.zeros(0, dtype) for p in parts.values())
@@ -109,18 +114,19 @@ def binarize(
     tokenizer: Tokenizer,
     valid_percent: float,
     max_bytes: int = 0,
-    jsonl_field: str = "text",
+    text_field: str = "text",
     workers: int = 0,
     extra_files: dict[str, Path] | None = None,
     source_name: str = "",
 ) -> dict:
     """Tokenize ``sources`` into out_dir/{train,valid}.bin + meta.json (+ ``extra_files`` copied in) atomically."""
+    check_sources(sources, text_field)  # a shard without the text column fails now, not hours in
     dtype = token_dtype(tokenizer.vocab_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
     try:
-        meta = _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, jsonl_field, workers, dtype)
-        meta.update(source=source_name, jsonl_field=jsonl_field, content_digest=content_digest(tmp))
+        meta = _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, text_field, workers, dtype)
+        meta.update(source=source_name, text_field=text_field, content_digest=content_digest(tmp))
         if extra_files and "tokenizer.json" in extra_files:  # trained for this corpus: it lives beside the tokens
             meta["tokenizer"] = str(out_dir.resolve() / "tokenizer.json")
         for name, path in (extra_files or {}).items():
@@ -165,8 +171,8 @@ def content_digest(corpus: Path) -> str:
 
 
 def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, workers, dtype) -> dict:
-    # Progress counts text bytes; a gzipped file's text size is unknown until read, so then the bar has no total.
-    total = None if any(s.gzipped for s in sources) else sum(s.path.stat().st_size for s in sources)
+    # Progress counts text bytes; a compressed or columnar file's text size is unknown until read: then no total.
+    total = None if any(s.compression or s.columnar for s in sources) else sum(s.path.stat().st_size for s in sources)
     counts = {"train": 0, "valid": 0}
     docs = {"train": 0, "valid": 0}
     last_train = 0
@@ -177,9 +183,9 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
     def blocks() -> Iterator[Block]:
         nonlocal read
         for s in sources:
-            for b in read_blocks(s):
-                read += len(b.data)
-                progress.update(len(b.data))
+            for b in read_blocks(s, text_field=field):
+                read += b.size
+                progress.update(b.size)
                 capped = bool(max_bytes) and read >= max_bytes
                 b.last = b.last or capped  # the document ends at the cap
                 yield b

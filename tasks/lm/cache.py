@@ -2,9 +2,10 @@
 
 A preprocessed corpus is a directory with train.bin / valid.bin (token ids, uint16 when the vocabulary fits, else
 uint32) and meta.json (see tasks/lm/binarize.py). Documents end with an end-of-document token; a document (a file, a
-JSONL line, or a ~1 MB block of a large file) goes to valid when a hash of its path says so, so the split is stable as
-files are added. The embedded default corpus is this Python's standard library source: real text that every machine
-already has. No torch here: tools/preprocess_lm.py and its workers stay small (importing torch alone is ~650 MB RSS).
+JSONL line, a Parquet or Arrow row, or a ~1 MB block of a large file) goes to valid when a hash of its path (and line,
+row or block number) says so, so the split is stable as files are added. The embedded default corpus is this
+Python's standard library source: real text that every machine already has. No torch here: tools/preprocess_lm.py
+and its workers stay small (importing torch alone is ~650 MB RSS).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from shardlab.errors import DataError
 from tasks.lm.binarize import FORMAT_VERSION, binarize
 from tasks.lm.cache_lock import build_once
-from tasks.lm.corpus import Source, find_sources
+from tasks.lm.corpus import Source, find_sources, glob_root
 from tasks.lm.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -41,13 +42,16 @@ def corpus_sources(path: str | None) -> tuple[list[Source], str]:
     """(the corpus files, a name for its cache directory) for data.path (None = the embedded corpus)."""
     if path is None:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        files = [Source(p, str(p.relative_to(stdlib)), False, False) for p in embedded_corpus_files()]
+        files = [Source(p, str(p.relative_to(stdlib))) for p in embedded_corpus_files()]
         return files, f"stdlib-py{sys.version_info.major}{sys.version_info.minor}"
     root = Path(path).expanduser().resolve()
-    return find_sources(root), (root.name.split(".")[0] or "corpus")
+    return find_sources(root), (glob_root(root).name.split(".")[0] or "corpus")
 
 
 def cache_key(sources: list[Source], tokenizer: Tokenizer, valid_percent: float, max_bytes: int, field: str) -> str:
+    """Names the cache by everything its tokens depend on: the settings, and each file's identity (path, size and
+    modification time; a glob, a directory and a list of the same files agree) - a shard replaced, added or removed
+    makes another cache, without reading a byte of the corpus."""
     h = hashlib.sha1(f"{FORMAT_VERSION}|{tokenizer.fingerprint}|{valid_percent}|{max_bytes}|{field}".encode())
     for s in sources:
         st = s.path.stat()
@@ -66,24 +70,25 @@ def prepare_corpus(
     tokenizer: str | Tokenizer,
     valid_percent: float,
     max_mb: float,
-    jsonl_field: str = "text",
+    text_field: str = "text",
     num_workers: int = -1,
     extra_files: dict[str, Path] | None = None,
 ) -> Path:
     """The preprocessed directory for a corpus (built on first use, reused after).
 
-    ``tokenizer``: 'byte', a tokenizer.json path, or a loaded tokenizer; ``num_workers`` -1 = chosen by size.
+    ``tokenizer``: 'byte', a tokenizer.json path, or a loaded tokenizer; ``text_field``: the JSONL key or Parquet
+    and Arrow column of the text; ``num_workers`` -1 = chosen by size.
     """
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     sources, name = corpus_sources(path)
     max_bytes = int(max_mb * 2**20)
-    out = Path(cache_dir).expanduser() / f"{name}-{cache_key(sources, tok, valid_percent, max_bytes, jsonl_field)}"
+    out = Path(cache_dir).expanduser() / f"{name}-{cache_key(sources, tok, valid_percent, max_bytes, text_field)}"
 
     def build() -> None:
         workers = default_workers(sources) if num_workers < 0 else num_workers
         print(f"preprocessing {len(sources)} files from {path or 'the embedded corpus'} into {out} ...", flush=True)
         source = str(path or "embedded")
-        meta = binarize(sources, out, tok, valid_percent, max_bytes, jsonl_field, workers, extra_files, source)
+        meta = binarize(sources, out, tok, valid_percent, max_bytes, text_field, workers, extra_files, source)
         print(f"  {meta['train_tokens']:,} train / {meta['valid_tokens']:,} valid tokens ({meta['dtype']})", flush=True)
 
     # Every process that asks (ranks, jobs, nodes) gets the same directory; one of them builds it, the others wait

@@ -62,15 +62,16 @@ class LlamaConfig:
 @dataclass
 class LMDataConfig:
     path: str | None = None
-    """A text or JSONL file (.gz too), or a directory of them; null = the embedded corpus (this Python's stdlib)."""
+    """A text, JSONL (.gz, .zst too), Parquet or Arrow file, a directory or glob of them, or a dataset saved by
+    datasets' save_to_disk; null = the embedded corpus (this Python's stdlib)."""
     cache_dir: str = "~/.cache/shardlab"
     """Where preprocessed token files are kept (reused across runs)."""
     tokenizer: str = "byte"
     """byte (256 byte values + end-of-document, no dependencies) or the path of a Hugging Face tokenizer.json."""
     eod_token: str | None = None
     """End-of-document token of a tokenizer.json; null = the first it has of <|endoftext|>, </s>, <|end_of_text|>..."""
-    jsonl_field: str = "text"
-    """The field of each JSONL record that holds its text."""
+    text_field: str = "text"
+    """The key of each JSONL record, or the Parquet or Arrow column, that holds a document's text."""
     seq_len: int = 256
     """Tokens per training sample."""
     valid_percent: float = 5.0

@@ -102,7 +102,9 @@ class LanguageModelingTask(Task):
             self.tokenizer,
             d.valid_percent,
             d.max_corpus_mb,
-            d.get("jsonl_field", "text"),  # absent from configs of older checkpoints (generate.py reloads those)
+            # Named jsonl_field before Parquet and Arrow came; absent from configs of older checkpoints (generate.py
+            # reloads those).
+            d.get("text_field", d.get("jsonl_field", "text")),
             d.get("num_preprocess_workers", -1),
         )
 

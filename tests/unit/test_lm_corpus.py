@@ -90,7 +90,7 @@ def after_a_failed_build(cache: Path) -> tuple[list[str], list[str]]:
     "line, pattern",
     [
         ("{not json", r"docs.jsonl:3: not a JSON object .*fix or delete the line"),
-        ('{"body": "x"}', r"docs.jsonl:3: no 'text' field \(found: body\); name the text field with data.jsonl_field"),
+        ('{"body": "x"}', r"docs.jsonl:3: no 'text' field \(found: body\); name the text field with data.text_field"),
     ],
 )
 def test_bad_jsonl_line_names_file_and_line_and_leaves_no_cache(tmp_path, line, pattern):
@@ -158,10 +158,12 @@ def test_tokenizer_without_end_of_document_token_asks_for_one(tmp_path):
 
 
 def test_byte_level_training_imports_neither_tokenizers_nor_transformers(tiny_lm):
+    """Nor the corpora extra's packages: pyarrow and zstandard load only for Parquet, Arrow and .zst files."""
+    optional = ("tokenizers", "transformers", "pyarrow", "zstandard")
     script = (
         "import sys; from tests.conftest import compose_config, TINY_LM; from shardlab.runner import build_task; "
         f"task = build_task(compose_config([*TINY_LM, 'data.cache_dir={tiny_lm().data.cache_dir}']), world_size=1); "
-        "task.prepare_data(); print(sorted(m for m in ('tokenizers', 'transformers') if m in sys.modules))"
+        f"task.prepare_data(); print(sorted(m for m in {optional} if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -320,3 +322,220 @@ def test_a_bad_jsonl_line_found_by_a_worker_process_is_the_same_one_line_error(t
         prepare_corpus(str(root), str(tmp_path / "cache"), "byte", 10.0, 0, num_workers=2)
     names, errors = after_a_failed_build(tmp_path / "cache")
     assert names == [] and len(errors) == 1 and "docs.jsonl:5001: no 'text' field" in errors[0]
+
+
+# ---- corpora as they ship: Parquet shards, Arrow datasets, compressed JSONL ------------------------------------------
+def shipped_documents(n: int = 90) -> list[str]:
+    """Documents of several lines and non-ASCII text, as real corpora hold."""
+    return [
+        f"document {i}: héllo wörld ✓ 漢字\n" + "some words of text " * (i % 9 + 1) + f"\nend {i}" for i in range(n)
+    ]
+
+
+def write_jsonl_shards(folder: Path, docs: list[str], num_shards: int) -> list[list[str]]:
+    """``docs`` as ``part-<k>.jsonl`` shards (what shardlab read before Parquet); returns each shard's documents."""
+    folder.mkdir(parents=True)
+    shards = [docs[k::num_shards] for k in range(num_shards)]
+    for k, shard in enumerate(shards):
+        (folder / f"part-{k}.jsonl").write_text(
+            "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(shard))
+        )
+    return shards
+
+
+def write_parquet_shards(folder: Path, shards: list[list[str]], **columns) -> None:
+    """The same shards as ``part-<k>.parquet``, in row groups of 7 rows (a shard spans several), text not first."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    folder.mkdir(parents=True)
+    for k, shard in enumerate(shards):
+        table = pa.table({"id": list(range(len(shard))), **(columns or {"text": shard})})
+        pq.write_table(table, folder / f"part-{k}.parquet", row_group_size=7)
+
+
+def zstd_frames(data: bytes, num_frames: int = 3) -> bytes:
+    """``data`` compressed as several concatenated zstd frames (as pzstd and appended shards write them)."""
+    zstandard = pytest.importorskip("zstandard")
+    step = -(-len(data) // num_frames)
+    return b"".join(zstandard.ZstdCompressor().compress(data[i : i + step]) for i in range(0, len(data), step))
+
+
+def same_tokens(a: Path, b: Path) -> bool:
+    return all(np.array_equal(tokens(a, split), tokens(b, split)) for split in ("train", "valid"))
+
+
+def train_lm_on(tiny_lm, path: Path, cache: Path, run_dir: Path) -> dict:
+    """The default LM (the tiny test flavor) trained for 3 steps on data.path=``path``: the run's result and task."""
+    from shardlab.distributed import env as dist_env
+    from shardlab.runner import run_rank
+
+    cfg = tiny_lm(
+        f"data.path={path}",
+        f"data.cache_dir={cache}",
+        "data.valid_percent=20",
+        "model.dim=32",
+        "optimization.max_steps=3",
+        "validation.interval_steps=3",
+    )
+    return run_rank(cfg, run_dir, dist_env.detect(), after_fit=lambda t: {"task": t.task})
+
+
+def test_parquet_shards_and_a_jsonl_zst_train_on_the_same_tokens_as_plain_jsonl(tmp_path, tiny_lm):
+    """The must-show of the corpora item: the default LM trained from a directory of Parquet shards and from a
+    .jsonl.zst file caches, token for token, what the same text as plain JSONL gives."""
+    docs = shipped_documents()
+    shards = write_jsonl_shards(tmp_path / "plain", docs, num_shards=3)
+    write_parquet_shards(tmp_path / "parquet", shards)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "zst").mkdir()
+    (tmp_path / "zst" / "docs.jsonl.zst").write_bytes(zstd_frames((tmp_path / "one" / "docs.jsonl").read_bytes()))
+    cache = tmp_path / "cache"
+
+    from_parquet = train_lm_on(tiny_lm, tmp_path / "parquet", cache, tmp_path / "run_parquet")
+    from_zst = train_lm_on(tiny_lm, tmp_path / "zst" / "docs.jsonl.zst", cache, tmp_path / "run_zst")
+    plain_shards = prepare_corpus(str(tmp_path / "plain"), str(cache), "byte", 20.0, 1)
+    plain_file = prepare_corpus(str(tmp_path / "one" / "docs.jsonl"), str(cache), "byte", 20.0, 1)
+
+    parquet_dir, zst_dir = from_parquet["task"].corpus_dir, from_zst["task"].corpus_dir
+    assert same_tokens(parquet_dir, plain_shards) and same_tokens(zst_dir, plain_file)
+    for corpus in (parquet_dir, zst_dir):
+        assert tokens(corpus, "train").size > 1000 and tokens(corpus, "valid").size > 200  # both splits hold text
+        meta = json.loads((corpus / "meta.json").read_text())
+        assert meta["documents"]["train"] + meta["documents"]["valid"] == len(docs)
+    text = bytes(all_tokens(parquet_dir)[all_tokens(parquet_dir) != 256].astype(np.uint8)).decode()
+    assert sorted(text) == sorted("".join(docs))  # every document whole, nothing else (not the id column)
+    assert np.isfinite(from_parquet["final"]["loss"]) and np.isfinite(from_zst["final"]["loss"])
+
+
+def test_a_dataset_saved_by_datasets_reads_its_arrow_files_only(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    docs = shipped_documents(60)
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"n": list(range(60)), "content": docs}).save_to_disk(str(saved), num_shards=2)
+    assert sorted(p.name for p in saved.iterdir())[-2:] == ["dataset_info.json", "state.json"]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for k, shard in enumerate([docs[:30], docs[30:]]):  # save_to_disk's shards, as JSONL of the same names
+        (plain / f"data-0000{k}-of-00002.jsonl").write_text("".join(json.dumps({"content": d}) + "\n" for d in shard))
+    cache = str(tmp_path / "cache")
+    from_arrow = prepare_corpus(str(saved), cache, "byte", 20.0, 0, text_field="content")
+    assert same_tokens(from_arrow, prepare_corpus(str(plain), cache, "byte", 20.0, 0, text_field="content"))
+    assert json.loads((from_arrow / "meta.json").read_text())["documents"]["train"] > 30  # not the json files
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs})}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(DataError, match=r"holds a DatasetDict saved by datasets \(splits: train\); point data.path at"):
+        prepare_corpus(str(tmp_path / "dict"), cache, "byte", 20.0, 0)
+
+
+def test_a_glob_of_parquet_shards_reuses_the_cache_of_their_folder_and_a_replaced_shard_makes_a_new_one(tmp_path):
+    shards = [shipped_documents(40)[k::2] for k in range(2)]
+    write_parquet_shards(tmp_path / "shards", shards)
+    cache = str(tmp_path / "cache")
+    folder = prepare_corpus(str(tmp_path / "shards"), cache, "byte", 20.0, 0)
+    assert prepare_corpus(str(tmp_path / "shards" / "part-*.parquet"), cache, "byte", 20.0, 0) == folder
+    only_first = prepare_corpus(str(tmp_path / "shards" / "part-0.*"), cache, "byte", 20.0, 0)
+    assert only_first != folder and all_tokens(only_first).size < all_tokens(folder).size
+
+    write_parquet_shards(tmp_path / "other", [shards[0], [d.upper() for d in shards[1]]])
+    (tmp_path / "other" / "part-1.parquet").replace(tmp_path / "shards" / "part-1.parquet")
+    changed = prepare_corpus(str(tmp_path / "shards"), cache, "byte", 20.0, 0)
+    assert changed != folder and not same_tokens(changed, folder)
+
+
+def refusal(tmp_path, path: Path, *overrides: str) -> str:
+    """The training CLI's stderr for data.path=``path``, asserting it is one line, exit code 2, and left no cache."""
+    code, out, err = run_cli(f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}", *overrides)
+    assert code == 2, (out, err)
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert not [p for p in (tmp_path / "cache").glob("*") if (p / "meta.json").exists()]
+    return err.strip()
+
+
+def test_a_corrupt_parquet_shard_is_refused_in_one_line_naming_it_before_training(tmp_path):
+    shards = [shipped_documents(30)[k::3] for k in range(3)]
+    write_parquet_shards(tmp_path / "shards", shards)
+    shard = tmp_path / "shards" / "part-2.parquet"
+    shard.write_bytes(shard.read_bytes()[:-100])  # a download cut short: the footer is gone
+    err = refusal(tmp_path, tmp_path / "shards")
+    assert re.fullmatch(rf"error: {shard}: not a readable Parquet file \(.*\); the file is damaged: download .*", err)
+    assert "Traceback" not in err
+
+
+def test_parquet_problems_name_the_file_and_the_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    docs = shipped_documents(30)
+    write_parquet_shards(tmp_path / "wrong_column", [docs], body=docs)
+    with pytest.raises(DataError, match=r"part-0.parquet: no 'text' column \(found: id, body\); name the text column"):
+        prepare_corpus(str(tmp_path / "wrong_column"), str(tmp_path / "cache"), "byte", 20.0, 0)
+    assert prepare_corpus(str(tmp_path / "wrong_column"), str(tmp_path / "cache"), "byte", 20.0, 0, text_field="body")
+    with pytest.raises(DataError, match=r"part-0.parquet: column 'id' holds int64, not text"):
+        prepare_corpus(str(tmp_path / "wrong_column"), str(tmp_path / "cache"), "byte", 20.0, 0, text_field="id")
+
+    pq.write_table(pa.table({"text": ["a", "b", None, "c"]}), tmp_path / "nulls.parquet")
+    with pytest.raises(DataError, match=r"nulls.parquet: row 3: 'text' is null; filter such rows out"):
+        prepare_corpus(str(tmp_path / "nulls.parquet"), str(tmp_path / "cache"), "byte", 20.0, 0)
+
+    write_parquet_shards(tmp_path / "damaged", [docs])  # row groups of 7 rows: the second starts at row 8
+    shard = tmp_path / "damaged" / "part-0.parquet"
+    second = pq.ParquetFile(shard).metadata.row_group(1).column(1).data_page_offset
+    data = bytearray(shard.read_bytes())
+    data[second : second + 40] = b"\xff" * 40  # a damaged page inside the file: its footer still reads
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"part-0.parquet: rows 8-14 \(row group 1\) are unreadable \(.*\); the file"):
+        prepare_corpus(str(tmp_path / "damaged"), str(tmp_path / "cache"), "byte", 20.0, 0)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.zst", ".jsonl.gz"])
+def test_a_truncated_compressed_jsonl_is_refused_naming_the_file_and_the_last_whole_line(tmp_path, suffix):
+    lines = "".join(json.dumps({"text": f"document {i} " * 30}) + "\n" for i in range(20_000)).encode()
+    packed = zstd_frames(lines, num_frames=1) if suffix.endswith("zst") else gzip.compress(lines)
+    path = tmp_path / f"docs{suffix}"
+    path.write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(DataError) as refused:
+        prepare_corpus(str(path), str(tmp_path / "cache"), "byte", 20.0, 0)
+    message = str(refused.value)
+    found = re.fullmatch(
+        rf"{path}: the file is cut short: it ends inside a compressed stream, after line ([\d,]+) of its text; "
+        "download or compress it again, or remove it from data.path",
+        message,
+    )
+    assert found, message
+    assert 1_000 < int(found[1].replace(",", "")) < 20_000  # the lines before the cut were read, not all of them
+    garbage = tmp_path / f"garbage{suffix}"
+    garbage.write_bytes(b"these bytes are not compressed " * 50)
+    with pytest.raises(DataError, match=rf"{garbage}: damaged: not readable as (zstd|gzip) .*before the end of"):
+        prepare_corpus(str(garbage), str(tmp_path / "cache"), "byte", 20.0, 0)
+
+
+def test_text_gz_zst_and_plain_text_give_the_same_tokens(tmp_path):
+    text = "".join(f"line {i} of a long text file, déjà vu\n" for i in range(60_000))  # ~2.4 MB: several blocks
+    for name, data in [
+        ("plain/book.txt", text.encode()),
+        ("gz/book.txt.gz", gzip.compress(text.encode())),
+        ("zst/book.txt.zst", zstd_frames(text.encode())),
+    ]:
+        (tmp_path / name).parent.mkdir()
+        (tmp_path / name).write_bytes(data)
+    cache = str(tmp_path / "cache")
+    plain = prepare_corpus(str(tmp_path / "plain"), cache, "byte", 30.0, 0)
+    assert tokens(plain, "valid").size and tokens(plain, "train").size
+    for folder in ("gz", "zst"):
+        assert same_tokens(prepare_corpus(str(tmp_path / folder), cache, "byte", 30.0, 0), plain)
+
+
+def test_a_missing_optional_package_is_refused_naming_the_file_and_the_extra(tmp_path, monkeypatch):
+    write_parquet_shards(tmp_path / "shards", [shipped_documents(10)])
+    (tmp_path / "zst").mkdir()
+    (tmp_path / "zst" / "docs.jsonl.zst").write_bytes(zstd_frames(b'{"text": "a"}\n'))
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError, as when not installed
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    for path, package in [(tmp_path / "shards", "pyarrow"), (tmp_path / "zst", "zstandard")]:
+        with pytest.raises(DataError) as refused:
+            prepare_corpus(str(path), str(tmp_path / "cache"), "byte", 20.0, 0)
+        assert re.fullmatch(
+            rf"data.path: {path}/\S+ \(a \w+ file\) needs the {package} package, which is not installed: "
+            r"pip install 'shardlab\[corpora\]'",
+            str(refused.value),
+        ), str(refused.value)
