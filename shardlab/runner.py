@@ -22,10 +22,9 @@ from shardlab.config import options_of, path_errors, task_section_package, valid
 from shardlab.distributed import env as dist_env
 from shardlab.distributed import load_backends
 from shardlab.errors import ConfigError, DataError, RankFailed, ShardlabError, one_line
-from shardlab.jobs import run_record
+from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import REQUEUE_SIGNALS, STOPPED_EXIT_CODE, StopSignals, torchrun_agent_warning
 from shardlab.jobs.run_dir import former_run_name, run_name
-from shardlab.jobs.run_lock import RunLock
 from shardlab.memory import budget as memory_budget
 from shardlab.registry import BACKENDS, TASKS, load_plugins, plugin_packages
 
@@ -131,9 +130,8 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
     (shardlab.jobs.run_record) and prints the final validation. Returns the final validation loss."""
     env = dist_env.detect()
     record = env.is_main and not cfg.dry_run
-    lock = RunLock(run_dir) if record else None
-    if lock is not None:
-        lock.acquire()  # before status.json: a job refused here must not rewrite the running job's status
+    if record:  # held already when the CLI's checks took it (before Hydra wrote .hydra/); else taken here
+        run_lock.take(run_dir, cfg.checkpoint.dir)  # before status.json: a refused job leaves the running one's alone
         run_record.start(run_dir, overrides, cfg.optimization.max_steps)
         point_at_former_folder(run_dir, overrides, cfg.checkpoint.dir)
     signals = None
@@ -154,7 +152,9 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
         if signals is not None and result["stopped_by"]:
             signals.forward(speaks_for_job=True)  # the launcher of local ranks: submitit's requeue, or Slurm's
     except BaseException as e:
-        if record and (run_record.read(run_dir) or {}).get("status") == "running":  # not a stop that saved
+        if record and run_lock.taken_over(run_dir):
+            pass  # status.json is the job's that took the folder over now
+        elif record and (run_record.read(run_dir) or {}).get("status") == "running":  # not a stop that saved
             # A RankFailed names the rank that failed and why: recorded at once, not after waiting for notes that
             # will not come (the told ranks leave none), during which torchrun stops this rank for its neighbour's exit.
             if isinstance(e, RankFailed):
@@ -167,8 +167,8 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             run_record.note_rank_error(run_dir, env.rank, one_line(e))
         raise
     finally:
-        if lock is not None:
-            lock.release()
+        if record:
+            run_lock.release(run_dir)
     if result["stopped_by"]:
         if record:
             print(f"stopped early on {result['stopped_by']}; rerun the same command to resume", flush=True)

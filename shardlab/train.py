@@ -2,7 +2,8 @@
 
 Hydra composes the command line (twice: once for the run mode, once for the run); shardlab.jobs.preflight checks it
 before and after, so a mistake comes back as one line with a fix and exit code 2, not a stack trace, before the run
-directory exists. Hydra's task function then hands the job to shardlab.runner.
+directory exists, and takes the run's lock before Hydra writes its record there (a job refused a folder in use
+changes nothing in it). Hydra's task function then hands the job to shardlab.runner.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from omegaconf import DictConfig
 
 from shardlab.config import CONF_DIR, register_schemas
 from shardlab.errors import ShardlabError, one_line
+from shardlab.jobs import run_lock
 from shardlab.jobs.preflight import (
     ComposedConfigChecks,
     ConfigRefused,
@@ -116,6 +118,8 @@ def cli() -> None:
             tell_peers(e)
             raise
         report_and_exit(composition_error(e), tell=True)
+    finally:  # the run's lock, taken by the checks, if Hydra failed before the run could release it
+        run_lock.release_all()
 
 
 if __name__ == "__main__":

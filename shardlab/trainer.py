@@ -28,11 +28,12 @@ from shardlab.errors import (
     CheckpointError,
     ConfigError,
     IncompatibleCheckpointError,
+    RunFolderInUse,
     UnsafeCheckpointError,
     first_cause,
     one_line,
 )
-from shardlab.jobs import run_record
+from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import StopSignals
 from shardlab.jobs.run_dir import run_key_differences
 from shardlab.logging import RunLogger
@@ -156,7 +157,10 @@ class Trainer:
             # Agreed at every step end (one all-reduce), so all ranks stop or save at the same step whichever rank got
             # the signal, and a save by the clock follows rank 0's.
             with record_function("shardlab.agree"):
-                stop, overdue = backend.any_rank(self.stop_signals.received is not None, self._save_overdue())
+                stop, overdue, lock_lost = backend.any_rank(
+                    self.stop_signals.received is not None, self._save_overdue(), self._lock_lost()
+                )
+            stop = stop or lock_lost  # another job holds the folder now: save this step, then stop (below)
             if stop or state.step == o.max_steps:  # the loop's last step: what it holds is what the run holds
                 self.held = self._held_between_steps()
             if state.step % cfg.logging.interval_steps == 0 or state.step == o.max_steps:
@@ -190,6 +194,9 @@ class Trainer:
                 self.meter.reset()  # the next step's peak starts here: validation and saves do not count
             window_paused += time.perf_counter() - paused_from
             if stop and not last:
+                if lock_lost:  # not a stop signal: no requeue; the save above, then one line and exit code 2
+                    self.checkpointer.finish()
+                    raise RunFolderInUse(self._lost_lock_line(path if cfg.checkpoint.save else None))
                 (signum,) = backend.max_over_ranks([float(self.stop_signals.received or 0)])  # which one, agreed
                 self.stop_signals.agree(int(signum))
                 self.stopped_by = self.stop_signals.name  # its own signal, or "<SIG> (on another rank)"
@@ -433,6 +440,16 @@ class Trainer:
             )
         agreement.agree(error, f"checkpoint.init_from: loading {path}", self.backend.device)
         return path
+
+    def _lock_lost(self) -> bool:
+        """Whether rank 0 knows the run's lock is another job's now (shardlab.jobs.run_lock): agreed at the step's
+        end with the stop signals, so every rank saves and stops at the same step."""
+        return self.backend.env.is_main and run_lock.lost(self.run_dir) is not None
+
+    def _lost_lock_line(self, saved: Path | None) -> str:
+        reason = run_lock.lost(self.run_dir) if self.backend.env.is_main else None
+        reason = reason or f"the lock of {self.run_dir} was taken over by another job (rank 0 saw it)"
+        return f"{reason}; stopped at step {self.state.step}, " + (f"saved {saved}" if saved else "nothing saved")
 
     def _save_overdue(self) -> bool:
         """checkpoint.interval_minutes passed since the last save, on rank 0's clock (the others say no)."""

@@ -14,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 import shardlab.optim  # noqa: F401  (registers the built-in optimizers and schedules with their schemas)
 from shardlab.config import (
@@ -33,7 +35,9 @@ from shardlab.config import (
     validate,
 )
 from shardlab.distributed import env as dist_env
-from shardlab.errors import ConfigError
+from shardlab.errors import ConfigError, ShardlabError
+from shardlab.jobs import run_lock
+from shardlab.jobs.run_dir import checkpoint_dir_error
 from shardlab.registry import load_plugins, unknown_name_message, user_dir
 
 GROUPS = ("task", "model", "data", "optimizer", "lr_scheduler", "distributed")
@@ -124,18 +128,28 @@ def composition_error(error: BaseException) -> ConfigError:
     return ConfigError(": ".join(dict.fromkeys(parts)) + " (see `python -m shardlab.train --help`)")
 
 
-def check_composed(cfg: DictConfig, argv: list[str]) -> None:
+def check_composed(
+    cfg: DictConfig, argv: list[str], run_dir: str | None = None, before_paths: Callable[[], None] | None = None
+) -> None:
     """The composed config's values, and the run and checkpoint directories, before Hydra creates the run directory
-    (failing with a traceback where it cannot): an explicit hydra.run.dir is checked, or the default's parent (runs/
-    here); build_task checks the exact one again."""
+    (failing with a traceback where it cannot). ``run_dir``: the run's folder as Hydra resolved it (the callback);
+    otherwise an explicit hydra.run.dir is checked, or the default's parent (runs/ here), and build_task checks the
+    exact one again. ``before_paths``: run after the values pass and before the paths are probed (the callback takes
+    the run's lock there: probing writes in the folder, which a refused job must leave as it was)."""
     validate(cfg, int(os.environ.get("WORLD_SIZE") or 0) or None)
-    run_dir = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), "runs")
-    if "${now:" in run_dir.replace(" ", ""):
+    spelled = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), "runs")
+    if "${now:" in spelled.replace(" ", ""):
         raise ConfigError(
-            f"hydra.run.dir={run_dir} names the run's folder by the clock: a requeue or a rerun resolves it again and "
+            f"hydra.run.dir={spelled} names the run's folder by the clock: a requeue or a rerun resolves it again and "
             "starts over in a new folder, and with a process per rank (torchrun, Slurm tasks) each rank resolves it "
             "at its own moment; leave the default (named by the experiment) or write the date out"
         )
+    escape = checkpoint_dir_error(cfg.checkpoint.dir)
+    if escape:
+        raise ConfigError(escape)
+    if before_paths is not None:
+        before_paths()
+    run_dir = run_dir or spelled
     # A rank of a job of several processes keeps the run directory the check made: another rank may have passed its
     # checks already and be opening its log file there, and Hydra makes the directory next anyway.
     several_ranks = dist_env.detect().world_size > 1
@@ -144,11 +158,30 @@ def check_composed(cfg: DictConfig, argv: list[str]) -> None:
         raise ConfigError("; ".join(errors))
 
 
+def resolved_run_dir(config: DictConfig) -> str:
+    """hydra.run.dir as Hydra's run_job resolves it next (its ``${hydra:...}`` interpolations read HydraConfig, which
+    run_job sets to this same config first)."""
+    HydraConfig.instance().set_config(config)
+    return os.path.abspath(str(OmegaConf.select(config, "hydra.run.dir")))
+
+
+def hold_the_run(config: DictConfig, run_dir: str) -> None:
+    """Before Hydra writes anything in the run folder (``.hydra/``, its log file) and before the path checks probe
+    it: global rank 0 takes the run's lock (shardlab.jobs.run_lock), so a job refused there changes nothing in a
+    running job's folder. The other ranks leave ``.hydra/`` to rank 0: a rank of a job refused later must not write
+    the running job's record either."""
+    if not dist_env.detect().is_main:
+        with read_write(config.hydra), open_dict(config.hydra):
+            config.hydra.output_subdir = None
+    elif not config.get("dry_run"):
+        run_lock.take(Path(run_dir), config.checkpoint.dir)
+
+
 class ConfigRefused(SystemExit):
     """The composed config failed its checks inside Hydra, which turns a callback's exceptions into warnings and goes
     on; a SystemExit passes through it to the CLI, which reports ``error``."""
 
-    def __init__(self, error: ConfigError) -> None:
+    def __init__(self, error: ShardlabError) -> None:
         super().__init__(f"error: {error}")
         self.error = error
 
@@ -164,9 +197,11 @@ class ComposedConfigChecks(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         ComposedConfigChecks.reached = True
         try:
-            check_composed(config, sys.argv[1:])  # the command line Hydra composed (shardlab.train.cli set it)
+            run_dir = resolved_run_dir(config)
+            # the command line Hydra composed (shardlab.train.cli set it)
+            check_composed(config, sys.argv[1:], run_dir, before_paths=lambda: hold_the_run(config, run_dir))
         except Exception as e:  # any failure refuses the run: Hydra would only warn and go on unchecked
-            raise ConfigRefused(e if isinstance(e, ConfigError) else composition_error(e)) from None
+            raise ConfigRefused(e if isinstance(e, ShardlabError) else composition_error(e)) from None
         hydra_reports_errors_again()
 
 

@@ -179,3 +179,23 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver(
             "shardlab_sweep_name", lambda num, overrides: f"{num}_{run_name(overrides, ALWAYS_EXCLUDED, parent=())}"
         )
+
+
+def checkpoint_dir_error(checkpoint_dir: str) -> str | None:
+    """checkpoint.dir climbing out of the run folder with ``..`` (``../shared``, ``../../elsewhere``): every run of
+    a sweep or of a task would resolve it to the same folder, where they would resume, save and prune each other's
+    checkpoints while each holds only its own folder's lock. Refused. A folder named outright (an absolute path, a
+    scratch file system) is a deliberate choice and gets its own lock (shardlab.jobs.run_lock.take)."""
+    path = PurePath(str(checkpoint_dir))
+    if path.is_absolute() or ".." not in path.parts:
+        return None
+    inside = PurePath("run")
+    for part in path.parts:  # sub/../ckpt stays inside: only a path that leaves the run folder is refused
+        inside = inside.parent if part == ".." else inside / part
+        if inside == PurePath("."):
+            return (
+                f"checkpoint.dir={checkpoint_dir} leaves the run folder through '..', where other runs would share its "
+                "checkpoints; use a folder inside the run (the default: checkpoint.dir=checkpoints), an absolute path "
+                "for a folder of this run's own, or another hydra.run.dir"
+            )
+    return None

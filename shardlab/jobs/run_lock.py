@@ -1,24 +1,36 @@
 """One run directory, one writer: a lock file that keeps a second job out of a run in use.
 
-``run.lock`` in the run directory names its holder (job id, host, pid, the pid's start time) and a heartbeat that the
-holder refreshes every HEARTBEAT_S seconds from a daemon thread. A start that finds the lock held refuses in one line
-naming the other job, unless the lock is stale:
+``run.lock`` in the run directory names its holder (job id and restart count, host, pid, the pid's start time) and a
+heartbeat counter that the holder bumps every HEARTBEAT_S seconds from a daemon thread. A start that finds the lock
+held refuses in one line naming the other job, unless the holder is known to be gone:
 
-- it is this job's own: the same Slurm job id (a requeued job, perhaps on another node, whose previous run was killed
-  before it could release the lock; Slurm never runs two incarnations of one job at once), or this very process;
-- its holder was on this host and that process is gone (or the pid now belongs to another process);
-- its heartbeat is older than LEASE_S: the holder's node died or lost the file system.
+- it is an earlier incarnation of this very job: the same job id with a lower restart count (Slurm's
+  SLURM_RESTART_COUNT, torchrun's TORCHELASTIC_RESTART_COUNT), on whatever node; the scheduler never runs two
+  incarnations of one job at once. Another step or process of the same allocation (the same job id, the same
+  restart count) is just another job;
+- its holder was on this host and that process is gone (or the pid now belongs to another process): known at once;
+- its holder is on another host and its heartbeat does not change for LEASE_S, timed on this process's own
+  monotonic clock while it watches the lock (a live holder's next beat refuses the start). The wall clocks of two
+  hosts are never compared: a holder whose clock is skewed is judged by whether its heartbeat moves, not by when.
 
 A new lock is created whole, holder and all (a hard link of a written file), so no job ever reads it empty, and only
 by that exclusive create. Taking over a stale lock removes it first, and only the very file judged stale (renamed
 aside and compared with what was judged): of two jobs that take over at once, however far apart, one removes it and
 the other moves nothing or puts back what it moved, and then only one creates the new lock; the other finds that job
-alive and refuses. Held by global rank 0 of a job (the launcher process of local ranks); released when the job ends,
-including on a stop signal and its requeue.
+alive and refuses. A start that is refused writes nothing: it reads the lock, and creates files only when the lock is
+absent or stale.
+
+Held by global rank 0 of a job (the launcher process of local ranks), from before Hydra writes the run's record
+(shardlab.jobs.preflight) until the job ends. The heartbeat survives a lock it cannot read or find for a while (a
+passing NFS error, another starter renaming it aside to compare): it tries again, and gives the lock up only when
+the file names another holder. Then ``lost()`` says why, and the trainer stops at the next step with a save.
+
+The pid check and the heartbeat watch are shared with the corpus cache's lock (tasks/lm/cache_lock.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -27,18 +39,63 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardlab.errors import RunFolderInUse
+from shardlab.errors import ConfigError, RunFolderInUse
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 30.0
-"""How often the holder refreshes its heartbeat."""
+"""How often the holder bumps its heartbeat (and checks that the lock is still its own)."""
 LEASE_S = 300.0
-"""A heartbeat older than this marks a holder as dead (its node went down); ten missed heartbeats, so a slow shared
-file system or a loaded node never loses a live job its lock."""
+"""How long a watcher must see another host's heartbeat unchanged before it takes the lock over: ten missed
+heartbeats, so a slow shared file system or a loaded node never loses a live job its lock."""
 TAKEOVER_TRIES = 5
 UNREADABLE_WAIT_S = 0.2
+MISSING_BEATS = 3
+"""Beats in a row that find the lock gone before the holder creates it again (exclusively: a job that took it over
+since keeps it): a lock renamed aside for a moment by a starter comparing it comes back by itself."""
+HOLDER_ENV = "SHARDLAB_RUN_LOCKS"
+"""Set by the holder for the ranks it spawns: the locks' paths and tokens, so rank 0 can tell whether they were lost."""
 
 
+# ---- shared with tasks/lm/cache_lock.py: is a holder alive? ----------------------------------------------------------
+def process_start(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot, from /proc), so a reused pid is told from the holder."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def process_alive(pid: int, started: str | None = None) -> bool:
+    """Whether process ``pid`` of this host runs, and is the one that started at ``started`` (if known)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process: it exists
+    return started is None or process_start(pid) in (None, started)
+
+
+class HeartbeatWatch:
+    """How long a holder's heartbeat has stayed the same, on this process's monotonic clock (never the holder's
+    wall clock, which may run on another host, skewed): a watcher that sees it change knows the holder is alive."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.since: float | None = None
+        self.changed = False
+        """Whether the value changed after this watch first saw it."""
+
+    def see(self, value: Any) -> float:
+        """Seconds ``value`` has been seen unchanged (0 when it is new or changed)."""
+        now = time.monotonic()
+        if self.since is None or value != self.value:
+            self.changed = self.since is not None
+            self.value, self.since = value, now
+        return now - self.since
+
+
+# ---- who this job is -------------------------------------------------------------------------------------------------
 def current_job() -> str | None:
     """The scheduler's id for this job, the same on every requeue: Slurm's (one per array task), submitit's local
     one, or torchrun's rendezvous id (elastic restarts keep it; its default "none" names nothing)."""
@@ -49,12 +106,12 @@ def current_job() -> str | None:
     return f"torchelastic-{run_id}" if run_id and run_id != "none" else None
 
 
-def _process_start(pid: int) -> str | None:
-    """When ``pid`` started (clock ticks since boot, from /proc), so a reused pid is told from the holder."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+def current_restart() -> int:
+    """Which incarnation of the job this is: Slurm counts requeues (unset before the first), torchrun its restarts."""
+    for key in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
+        with contextlib.suppress(ValueError):
+            return int(os.environ.get(key, ""))
+    return 0
 
 
 def _read_or_empty(path: Path) -> bytes:
@@ -64,42 +121,54 @@ def _read_or_empty(path: Path) -> bytes:
         return b""
 
 
-def _alive(pid: int, started: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process: it exists
-    return started is None or _process_start(pid) in (None, started)
-
-
 class RunLock:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, say=print) -> None:
         self.path = Path(run_dir) / LOCK_FILE
+        self.say = say
         self.me = {
             "job": current_job(),
+            "restart": current_restart(),
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "pid_start": _process_start(os.getpid()),
+            "pid_start": process_start(os.getpid()),
             "token": f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}",
         }
+        self.lost: str | None = None
+        """Why this job no longer holds the lock (another job's lock replaced it), once the heartbeat is sure."""
+        self._beats = 0
+        self._made: list[Path] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ---- acquire / release --------------------------------------------------------------------------------------
     def acquire(self) -> None:
-        """Hold the lock, taking over a stale one; RunFolderInUse naming the holder otherwise."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(TAKEOVER_TRIES):
-            if self._create():
-                break
+        """Hold the lock, taking over one whose holder is gone; RunFolderInUse naming the holder otherwise."""
+        self._make_parents()
+        watch, announced, takeovers = HeartbeatWatch(), False, 0
+        while True:
             holder, judged = self._read_judged()
-            if holder is not None and (reason := self._live_holder(holder)):
-                raise RunFolderInUse(reason) from None
-            self._remove_if_unchanged(judged)  # stale, ours or unreadable: away with it, then create ours
-        else:  # each try found a new stale lock: something keeps writing dead holders' locks here
-            raise RunFolderInUse(f"{self.path} changed under every one of {TAKEOVER_TRIES} takeovers; {self._fix()}")
+            if judged is None:  # no lock: create ours (another job may create one first: then judge that one)
+                if self._create():
+                    break
+            else:
+                live, reason = self._judge(holder)
+                if live:
+                    raise RunFolderInUse(reason) from None
+                if reason is not None:  # another host's: watched until it changes (live) or the lease passes
+                    unchanged = watch.see(judged)
+                    if watch.changed:
+                        raise RunFolderInUse(self._describe(holder, "its heartbeat moved while this job watched it"))
+                    if unchanged < LEASE_S:
+                        if not announced:
+                            self.say(f"[run] {reason}", flush=True)
+                            announced = True
+                        time.sleep(min(1.0, LEASE_S / 20))
+                        continue
+                self._remove_if_unchanged(judged)  # stale: away with it, then create ours
+            takeovers += 1
+            if takeovers > TAKEOVER_TRIES:  # something keeps writing dead holders' locks here
+                raise RunFolderInUse(f"{self.path} changed under each of {TAKEOVER_TRIES} takeovers; {self._fix()}")
+        os.environ[HOLDER_ENV] = json.dumps({**_spawned_locks(), str(self.path.absolute()): self.me["token"]})
         self._thread = threading.Thread(target=self._beat, name="shardlab-run-lock", daemon=True)
         self._thread.start()
 
@@ -109,52 +178,104 @@ class RunLock:
             self._thread.join(timeout=5)
         if self.held():
             self.path.unlink(missing_ok=True)
+        locks = _spawned_locks()
+        if locks.pop(str(self.path.absolute()), None) == self.me["token"]:
+            os.environ[HOLDER_ENV] = json.dumps(locks)
+        for folder in reversed(self._made):  # a start refused later (a path check) leaves no empty folder behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
     def held(self) -> bool:
-        """Whether the lock still names this process (another job may have taken it over, e.g. after our node froze
-        past the lease)."""
-        holder = self._read()
-        return holder is not None and holder.get("token") == self.me["token"]
+        """Whether the lock file names this process now (False also while it cannot be read)."""
+        return _owner(self.path, self.me["token"])[0] == "ours"
+
+    def taken_over(self) -> bool:
+        """Whether another job surely holds the lock now (its lock replaced ours); a lock that cannot be read or
+        found for a moment is not that."""
+        if self.lost is None:
+            state, holder = _owner(self.path, self.me["token"])
+            if state == "theirs":
+                self.lost = _lost_line(self.path, holder or {})
+        return self.lost is not None
 
     # ---- helpers ------------------------------------------------------------------------------------------------
-    def _read(self) -> dict[str, Any] | None:
+    def _make_parents(self) -> None:
+        missing = [p for p in [self.path.parent, *self.path.parent.parents] if not p.exists()]
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"hydra.run.dir: cannot create or write {self.path.parent} ({e.strerror or e}); choose a writable "
+                "directory"
+            ) from None
+        self._made = list(reversed(missing))
 
-    def _read_judged(self) -> tuple[dict[str, Any] | None, bytes | None]:
-        """The lock's holder (None if unreadable) and the bytes it was read from (None if the lock is gone; empty if
-        it cannot be read at all). A lock that does not parse is read again after a moment: where hard links are
-        missing, a lock is written after its exclusive create, and its creator may be writing it now."""
-        for pause in (UNREADABLE_WAIT_S, 0.0):
+    def _read_judged(self) -> tuple[dict[str, Any], bytes | None]:
+        """The lock's holder ({} if it does not parse) and the bytes it was read from (None if the lock is gone). A
+        lock that does not parse is read again after a moment: where hard links are missing, a lock is written after
+        its exclusive create, and its creator may be writing it now; one that cannot be read is tried a few times,
+        then the start is refused (a live holder's lock is never removed unread)."""
+        error: OSError | None = None
+        raw = b""
+        for pause in (UNREADABLE_WAIT_S, UNREADABLE_WAIT_S, 0.0):
             try:
                 raw = self.path.read_bytes()
             except FileNotFoundError:
-                return None, None
-            except OSError:
-                return None, b""
-            try:
-                return json.loads(raw), raw
-            except ValueError:
+                return {}, None
+            except OSError as e:
+                error = e
                 time.sleep(pause)
-        return None, raw
+                continue
+            try:
+                holder = json.loads(raw)
+                return (holder if isinstance(holder, dict) else {}), raw
+            except ValueError:
+                error = None
+                time.sleep(pause)
+        if error is not None:
+            raise RunFolderInUse(f"cannot read {self.path} ({error.strerror or error}); {self._fix()}")
+        return {}, raw
 
-    def _remove_if_unchanged(self, judged: bytes | None) -> None:
+    def _judge(self, holder: dict[str, Any]) -> tuple[bool, str | None]:
+        """(True, the refusal) for a holder known alive; (False, None) for one known gone (or this process);
+        (False, what this job waits for) for another host's holder, judged by watching its heartbeat."""
+        pid = holder.get("pid")
+        if holder.get("token") == self.me["token"] or self._earlier_incarnation(holder):
+            return False, None  # this job's previous incarnation (a requeue), on whatever node
+        if holder.get("host") == self.me["host"] and isinstance(pid, int):
+            if pid == self.me["pid"] or not process_alive(pid, holder.get("pid_start")):
+                return False, None
+            return True, self._describe(holder, "alive on this host")
+        return False, (
+            f"{self.path.parent} is held by {_who(holder)}; its host is not this one, so this job watches the "
+            f"lock: it is refused as soon as the heartbeat moves, and takes the folder over if the heartbeat stays "
+            f"unchanged for {LEASE_S:.0f} s by this host's clock"
+        )
+
+    def _earlier_incarnation(self, holder: dict[str, Any]) -> bool:
+        """The same job id with a lower restart count: a requeue of the holder itself. The same job id with the same
+        count is another step or process of the allocation, refused like any other job."""
+        restart = holder.get("restart")
+        return (
+            self.me["job"] is not None
+            and holder.get("job") == self.me["job"]
+            and isinstance(restart, int)
+            and restart < self.me["restart"]
+        )
+
+    def _remove_if_unchanged(self, judged: bytes) -> None:
         """Remove the lock if it is still the file judged stale (the same bytes: a live holder's heartbeat rewrites
         it, and a new lock names another holder; an inode number would not do, as a removed file's is reused at
         once). It is renamed aside, atomically, so that of several jobs taking over only one gets it; a file another
         job created or beat since was moved by mistake and goes back (unless a third job created a lock meanwhile,
         whose lock then stands)."""
-        if judged is None:
-            return  # already gone: the next try creates it
         aside = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.{time.time_ns()}.stale")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return  # another job removed it first
         try:
-            if judged and _read_or_empty(aside) != judged:
+            if _read_or_empty(aside) != judged:
                 self._put_back(aside)
         finally:
             aside.unlink(missing_ok=True)
@@ -190,37 +311,31 @@ class RunLock:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _write(self) -> None:
-        os.replace(self._written_tmp(), self.path)
-
     def _written_tmp(self) -> Path:
-        """A temporary file beside the lock holding this job's details and a fresh heartbeat."""
+        """A temporary file beside the lock holding this job's details and the next heartbeat. The beat is a counter:
+        watchers compare it with what they saw, never its wall time (written for people) with their own clock."""
+        self._beats += 1
         tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**self.me, "heartbeat": time.time()}))
+        tmp.write_text(json.dumps({**self.me, "beat": self._beats, "wall_time": time.time()}))
         return tmp
 
     def _beat(self) -> None:
+        missing = 0
         while not self._stop.wait(HEARTBEAT_S):
-            if not self.held():
-                print(f"[run] WARNING: {self.path} was taken over by another job; this job no longer holds it",
-                      flush=True)  # fmt: skip
+            state, holder = _owner(self.path, self.me["token"])
+            if state == "theirs":  # sure: a whole lock naming another holder
+                self.lost = _lost_line(self.path, holder or {})
+                self.say(f"[run] {self.lost}", flush=True)
                 return
+            missing = missing + 1 if state == "missing" else 0
             try:
-                self._write()
+                if state == "ours":
+                    os.replace(self._written_tmp(), self.path)
+                elif missing >= MISSING_BEATS:
+                    self._create()  # exclusively: the next beat reads whose it is
             except OSError:
                 pass  # a passing file-system error: the next beat tries again, well within the lease
-
-    def _live_holder(self, holder: dict[str, Any]) -> str | None:
-        """Why ``holder`` still holds the lock, as the one-line refusal; None if the lock is stale or ours."""
-        if self.me["job"] is not None and holder.get("job") == self.me["job"]:
-            return None  # this job's previous incarnation (a requeue), on whatever node
-        if holder.get("host") == self.me["host"]:
-            if holder.get("pid") == self.me["pid"] or not _alive(int(holder.get("pid", -1)), holder.get("pid_start")):
-                return None
-        age = time.time() - float(holder.get("heartbeat", 0))
-        if age > LEASE_S:
-            return None
-        return self._describe(holder, f"last heartbeat {age:.0f} s ago")
+            # "unreadable" or missing for a moment: written again once it reads as ours
 
     def _describe(self, holder: dict[str, Any], detail: str) -> str:
         job = f"job {holder['job']}" if holder.get("job") else "a job"
@@ -231,6 +346,130 @@ class RunLock:
 
     def _fix(self) -> str:
         return (
-            f"wait for it to end or stop it, or choose another hydra.run.dir (a lock whose heartbeat is older than "
-            f"{LEASE_S:.0f} s is taken over; delete {self.path} if that job is surely gone)"
+            f"wait for it to end or stop it, or choose another hydra.run.dir (another host's lock is taken over once "
+            f"its heartbeat stays unchanged for {LEASE_S:.0f} s; delete {self.path} if that job is surely gone)"
         )
+
+
+def _who(holder: dict[str, Any]) -> str:
+    job = f"job {holder['job']}" if holder.get("job") else "a job"
+    return f"{job} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')})"
+
+
+def _lost_line(path: Path, holder: dict[str, Any]) -> str:
+    return (
+        f"the lock of {path.parent} was taken over by {_who(holder)} while this job ran (its heartbeat did not "
+        f"reach the file for {LEASE_S:.0f} s, or the lock was deleted)"
+    )
+
+
+def _owner(path: Path, token: str) -> tuple[str, dict[str, Any] | None]:
+    """("ours" | "theirs" | "missing" | "unreadable", the holder read): "theirs" only for a whole lock naming
+    another token, the one answer that means the lock is lost."""
+    try:
+        holder = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return "missing", None
+    except (OSError, ValueError):
+        return "unreadable", None
+    if not isinstance(holder, dict):
+        return "unreadable", None
+    return ("ours" if holder.get("token") == token else "theirs"), holder
+
+
+# ---- the locks of this process's runs --------------------------------------------------------------------------------
+_held: dict[Path, list[RunLock]] = {}
+_watched: dict[Path, _Follower] = {}
+
+
+def _key(run_dir: Path) -> Path:
+    return Path(run_dir).expanduser().absolute()
+
+
+def checkpoint_folder_outside(run_dir: Path, checkpoint_dir: str) -> Path | None:
+    """The checkpoint folder when it lies outside the run folder (an absolute path or a link elsewhere): it gets
+    its own lock, so two runs never share it. None when the run's lock covers it."""
+    run = _key(run_dir)
+    folder = run / Path(checkpoint_dir).expanduser()
+    try:
+        folder.resolve().relative_to(run.resolve())
+        return None
+    except ValueError:
+        return folder
+
+
+def take(run_dir: Path, checkpoint_dir: str | None = None) -> list[RunLock]:
+    """The locks of a run (its folder's, and its checkpoint folder's when that lies outside), held by this
+    process: taken now, or the ones this process took already (the pre-flight takes them before Hydra writes the
+    run's record; run_job then finds them held)."""
+    key = _key(run_dir)
+    if key in _held:
+        return _held[key]
+    locks = [RunLock(key)]
+    outside = checkpoint_folder_outside(key, checkpoint_dir) if checkpoint_dir is not None else None
+    if outside is not None:
+        locks.append(RunLock(outside))
+    taken: list[RunLock] = []
+    try:
+        for lock in locks:
+            lock.acquire()
+            taken.append(lock)
+    except BaseException:
+        for lock in reversed(taken):
+            lock.release()
+        raise
+    _held[key] = locks
+    return locks
+
+
+def release(run_dir: Path) -> None:
+    for lock in reversed(_held.pop(_key(run_dir), [])):
+        lock.release()
+
+
+def release_all() -> None:
+    for key in list(_held):
+        release(key)
+
+
+def taken_over(run_dir: Path) -> bool:
+    """Whether another job surely holds one of this run's locks now (read from the files, not the last beat)."""
+    return any(lock.taken_over() for lock in _held.get(_key(run_dir), []))
+
+
+def lost(run_dir: Path) -> str | None:
+    """Why this run lost its lock, or None: from the locks this process holds, or, in a rank spawned by the
+    holder, from a thread that follows the holder's lock files. Cheap enough to ask at every step."""
+    key = _key(run_dir)
+    if key in _held:
+        return next((lock.lost for lock in _held[key] if lock.lost), None)
+    if key not in _watched:
+        _watched[key] = _Follower()
+    return _watched[key].lost
+
+
+def _spawned_locks() -> dict[str, str]:
+    with contextlib.suppress(ValueError):
+        locks = json.loads(os.environ.get(HOLDER_ENV) or "{}")
+        if isinstance(locks, dict):
+            return locks
+    return {}
+
+
+class _Follower:
+    """In a rank its launcher spawned, the launcher's locks of this run (named in HOLDER_ENV), read every
+    HEARTBEAT_S: ``lost`` once a file names another holder."""
+
+    def __init__(self) -> None:
+        self.lost: str | None = None
+        self.locks = {Path(p): t for p, t in _spawned_locks().items()}  # only the current run's: released ones leave
+        if self.locks:
+            threading.Thread(target=self._follow, name="shardlab-run-lock-follower", daemon=True).start()
+
+    def _follow(self) -> None:
+        while self.lost is None:
+            time.sleep(HEARTBEAT_S)
+            for path, token in self.locks.items():
+                state, holder = _owner(path, token)
+                if state == "theirs":
+                    self.lost = _lost_line(path, holder or {})

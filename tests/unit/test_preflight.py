@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import re
 import stat
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +19,7 @@ from shardlab.config import path_errors, writable_dir_problem
 from shardlab.errors import ConfigError, DataError
 from shardlab.jobs.preflight import preflight
 from shardlab.runner import build_task, prepare_data
-from tests.conftest import compose_config
+from tests.conftest import ROOT, TINY_LM, compose_config
 
 
 # ---- directories: created, written in, and removed again ---------------------------------------------------------
@@ -89,6 +91,28 @@ def test_ranks_of_one_job_never_remove_the_run_directory_another_is_starting_in(
             starts = [pool.submit(start_rank, tmp_path / f"run{job}", rank, barrier) for rank in range(4)]
             for start in starts:
                 start.result()
+
+
+def test_a_checkpoint_dir_that_climbs_out_of_the_run_is_refused_in_one_line_before_anything_is_written(
+    tmp_path, corpus_cache
+):
+    """checkpoint.dir=../../elsewhere: every run would share that folder (resume, save and prune each other's
+    checkpoints) while each held only its own run's lock. It used to be accepted."""
+    run = tmp_path / "runs" / "a"
+    cmd = [sys.executable, "-m", "shardlab.train", *TINY_LM, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={run}",
+           "checkpoint.dir=../../elsewhere", "optimization.max_steps=3"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: checkpoint.dir=../../elsewhere leaves the run folder through '..'")
+    assert list(tmp_path.iterdir()) == [], "nothing written: no run folder, no lock"
+
+
+def test_a_checkpoint_dir_inside_the_run_or_named_outright_passes(tmp_path):
+    for ok in ("checkpoints", "sub/../ckpt", str(tmp_path / "scratch")):
+        preflight([f"checkpoint.dir={ok}", f"hydra.run.dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"^checkpoint.dir=a/../../b leaves the run folder"):
+        preflight(["checkpoint.dir=a/../../b", f"hydra.run.dir={tmp_path / 'run'}"])
 
 
 def test_checkpoint_dir_errors_name_the_key_and_the_fix(tmp_path):

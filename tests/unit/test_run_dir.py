@@ -6,7 +6,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
 from shardlab.config import CONF_DIR
-from shardlab.jobs.run_dir import MAX_NAME, run_key_differences, run_name, sweep_dir_name
+from shardlab.jobs.run_dir import MAX_NAME, checkpoint_dir_error, run_key_differences, run_name, sweep_dir_name
 
 
 def hydra_dirs(overrides: list[str]) -> tuple[str, str]:
@@ -116,3 +116,11 @@ def test_a_run_whose_name_changed_is_pointed_at_its_former_folder(tmp_path, caps
     (tmp_path / "task=swav" / "checkpoints" / "step_00000060").mkdir(parents=True)  # named with its task, before
     point_at_former_folder(tmp_path / run_name(["task=swav"]), ["task=swav"], "checkpoints")
     assert capsys.readouterr().out.startswith(f"[run] note: {tmp_path / 'task=swav'} holds checkpoints")
+
+
+def test_checkpoint_dir_error_refuses_only_paths_that_climb_out_of_the_run():
+    for inside in ("checkpoints", "a/b", "sub/../ckpt", ".", "/scratch/me/ckpt", "/a/../b"):
+        assert checkpoint_dir_error(inside) is None, inside
+    for outside in ("..", "../x", "../../elsewhere", "a/../../b"):
+        error = checkpoint_dir_error(outside)
+        assert error.startswith(f"checkpoint.dir={outside} leaves the run folder") and "\n" not in error

@@ -1,5 +1,7 @@
-"""One run directory, one writer: a second job is refused in one line naming the first; a lock whose holder is gone
-(its process ended, its node stopped beating, or it was this job before a requeue) is taken over."""
+"""One run directory, one writer: a second job is refused in one line naming the first (the same Slurm job id too,
+unless it is that job's requeue); a lock whose holder is gone (its process ended, its heartbeat stopped moving for the
+lease on the taker's own clock, or it was this job before a requeue) is taken over; a refused job changes nothing in
+the folder; a holder keeps its lock through a moment without it, and stops with a save when another job holds it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +43,7 @@ def other_process():
 
 def test_a_live_holder_keeps_a_second_job_out_naming_it(tmp_path, other_process, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "222")
-    write_holder(tmp_path, job="111", pid=other_process.pid, pid_start=run_lock._process_start(other_process.pid))
+    write_holder(tmp_path, job="111", pid=other_process.pid, pid_start=run_lock.process_start(other_process.pid))
     with pytest.raises(RunFolderInUse) as e:
         RunLock(tmp_path).acquire()
     message = str(e.value)
@@ -49,7 +52,7 @@ def test_a_live_holder_keeps_a_second_job_out_naming_it(tmp_path, other_process,
 
 
 def test_a_lock_whose_process_ended_is_taken_over(tmp_path, other_process):
-    pid, started = other_process.pid, run_lock._process_start(other_process.pid)
+    pid, started = other_process.pid, run_lock.process_start(other_process.pid)
     other_process.kill()
     other_process.wait()
     write_holder(tmp_path, pid=pid, pid_start=started)
@@ -67,22 +70,88 @@ def test_a_reused_pid_does_not_keep_a_dead_holders_lock(tmp_path, other_process)
     lock.release()
 
 
-def test_another_nodes_lock_is_taken_over_only_after_its_heartbeat_stops(tmp_path, monkeypatch):
-    write_holder(tmp_path, host="node-that-died", pid=4242, heartbeat=time.time() - 10)
-    with pytest.raises(RunFolderInUse, match="host node-that-died, pid 4242, last heartbeat 10 s ago"):
-        RunLock(tmp_path).acquire()
-    write_holder(tmp_path, host="node-that-died", pid=4242, heartbeat=time.time() - run_lock.LEASE_S - 1)
+def test_a_requeued_job_takes_over_its_own_lock_from_another_node_at_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # Slurm's count of this job's requeues
+    write_holder(tmp_path, job="4242", restart=0, host="the-node-before-the-requeue", pid=77)
+    started = time.monotonic()
     lock = RunLock(tmp_path)
     lock.acquire()
+    assert time.monotonic() - started < run_lock.LEASE_S / 10, "no lease to wait for: Slurm ran that one before"
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["host"] == socket.gethostname()
     lock.release()
 
 
-def test_a_requeued_job_takes_over_its_own_lock_from_another_node(tmp_path, monkeypatch):
+def test_a_second_job_with_the_same_slurm_job_id_is_refused(tmp_path, other_process, monkeypatch):
+    """Two runs inside one allocation (another job step, or another process of the same step) share SLURM_JOB_ID and
+    its restart count: the second is refused like any other job. It used to take the live lock over as a requeue."""
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    write_holder(tmp_path, job="4242", host="the-node-before-the-requeue", pid=77)
+    write_holder(tmp_path, job="4242", restart=0, pid=other_process.pid,
+                 pid_start=run_lock.process_start(other_process.pid))  # fmt: skip
+    before = (tmp_path / LOCK_FILE).read_bytes()
+    with pytest.raises(
+        RunFolderInUse, match=f"in use by job 4242 \\(host {socket.gethostname()}, pid {other_process.pid}"
+    ):
+        RunLock(tmp_path).acquire()
+    assert (tmp_path / LOCK_FILE).read_bytes() == before
+
+
+class RemoteHolder:
+    """A holder on another host whose wall clock is off by ``skew_s``: it rewrites its lock every 20 ms (as today's
+    format did: ``heartbeat`` its wall time; and the beat counter), until ``die()``."""
+
+    def __init__(self, run_dir: Path, skew_s: float) -> None:
+        self.path, self.skew_s, self.beat = run_dir / LOCK_FILE, skew_s, 0
+        self.stop = threading.Event()
+        self.write()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def write(self) -> None:
+        self.beat += 1
+        tmp = self.path.with_name(".remote.tmp")
+        now = time.time() + self.skew_s
+        holder = {"job": "77", "restart": 0, "host": "node-b", "pid": 4242, "pid_start": "1", "token": "remote",
+                  "beat": self.beat, "heartbeat": now, "wall_time": now}  # fmt: skip
+        tmp.write_text(json.dumps(holder))
+        os.replace(tmp, self.path)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.02):
+            self.write()
+
+    def die(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def test_a_live_holder_with_a_slow_clock_is_not_taken_over(tmp_path, monkeypatch, capsys):
+    """Its clock runs 301 s slow: judged by its wall time, its heartbeat looked older than the 300 s lease."""
+    monkeypatch.setattr(run_lock, "LEASE_S", 300.0)
+    holder = RemoteHolder(tmp_path, skew_s=-301)
+    try:
+        with pytest.raises(RunFolderInUse, match="host node-b, pid 4242, its heartbeat moved while this job watched"):
+            RunLock(tmp_path).acquire()
+    finally:
+        holder.die()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "remote"
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "its host is not this one, so this job watches the lock" in line and "300 s by this host's clock" in line
+
+
+def test_a_dead_holder_with_a_fast_clock_is_taken_over_a_lease_after_its_last_beat(tmp_path, monkeypatch):
+    """Its clock ran an hour fast: judged by its wall time, its last heartbeat stayed 'in the future' and blocked the
+    folder for an hour past its death. Judged by the taker's own clock, a lease after the beat stopped moving."""
+    monkeypatch.setattr(run_lock, "LEASE_S", 0.6)
+    holder = RemoteHolder(tmp_path, skew_s=3600)
+    time.sleep(0.1)
+    holder.die()
+    started = time.monotonic()
     lock = RunLock(tmp_path)
     lock.acquire()
-    assert json.loads((tmp_path / LOCK_FILE).read_text())["host"] == socket.gethostname()
+    waited = time.monotonic() - started
+    assert 0.6 <= waited < 5, waited
+    assert lock.held()
     lock.release()
 
 
@@ -90,10 +159,143 @@ def test_the_heartbeat_keeps_the_lock_fresh(tmp_path, monkeypatch):
     monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
     lock = RunLock(tmp_path)
     lock.acquire()
-    first = json.loads((tmp_path / LOCK_FILE).read_text())["heartbeat"]
+    first = json.loads((tmp_path / LOCK_FILE).read_text())["beat"]
     time.sleep(0.5)
-    assert json.loads((tmp_path / LOCK_FILE).read_text())["heartbeat"] > first
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["beat"] > first
     lock.release()
+
+
+def test_a_holder_whose_lock_is_renamed_away_and_back_for_a_second_keeps_it(tmp_path, monkeypatch):
+    """Another starter renames the lock aside to compare it (or NFS fails a read): the heartbeat used to read that as
+    "not ours" and stop for good, so a job on another host took the folder a lease later while this one trained."""
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    aside = tmp_path / "aside"
+    os.rename(tmp_path / LOCK_FILE, aside)
+    time.sleep(1.0)
+    os.rename(aside, tmp_path / LOCK_FILE)
+    beat = (tmp_path / LOCK_FILE).read_bytes()
+    time.sleep(0.5)
+    assert getattr(lock, "lost", None) is None and lock.held()
+    assert (tmp_path / LOCK_FILE).read_bytes() != beat, "the heartbeat goes on"
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_lock_another_job_holds_now_is_lost_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    said = []
+    (lock,) = run_lock.take(tmp_path)
+    lock.say = lambda line, **_: said.append(line)
+    (tmp_path / LOCK_FILE).write_text("{not json")  # unreadable for a moment: not lost
+    time.sleep(0.3)
+    assert run_lock.lost(tmp_path) is None
+    write_holder(tmp_path, job="999", host="node-c", pid=31, token="theirs")
+    deadline = time.monotonic() + 5
+    while run_lock.lost(tmp_path) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    reason = run_lock.lost(tmp_path)
+    assert reason.startswith(f"the lock of {tmp_path} was taken over by job 999 (host node-c, pid 31)")
+    assert said == [f"[run] {reason}"] and "\n" not in reason
+    assert run_lock.taken_over(tmp_path)
+    run_lock.release(tmp_path)
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "theirs", "the other job's lock stays"
+
+
+def test_losing_the_lock_stops_training_at_the_next_step_with_a_save_and_one_line(tmp_path, tiny_lm, monkeypatch):
+    from shardlab import runner
+    from shardlab.trainer import Trainer
+
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.02)
+    step = Trainer.train_step
+
+    def another_job_takes_the_folder_during_step_3(self, *args):
+        if self.state.step == 2:
+            write_holder(tmp_path, job="999", host="node-c", pid=31, token="theirs")
+            time.sleep(0.3)  # the holder's heartbeat sees it
+        return step(self, *args)
+
+    monkeypatch.setattr(Trainer, "train_step", another_job_takes_the_folder_during_step_3)
+    cfg = tiny_lm("checkpoint.interval_steps=0", "validation.interval_steps=0")
+    with pytest.raises(RunFolderInUse) as e:
+        runner.run_job(cfg, tmp_path, [])
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"the lock of {tmp_path} was taken over by job 999")
+    assert message.endswith(f"stopped at step 3, saved {tmp_path / 'checkpoints' / 'step_00000003'}")
+    assert (tmp_path / "checkpoints" / "step_00000003" / ".metadata").is_file()
+    assert run_record.read(tmp_path)["status"] == "running", "status.json is the other job's now: not marked failed"
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "theirs"
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from shardlab.jobs import run_lock
+run_lock.HEARTBEAT_S = 3600  # no beat while the test compares the folder
+run_lock.take(Path(sys.argv[1]), sys.argv[2]) if len(sys.argv) > 2 else run_lock.RunLock(Path(sys.argv[1])).acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def hold(run_dir: Path, *checkpoint_dir: str, job: str = "5151") -> subprocess.Popen:
+    env = {**os.environ, "SLURM_JOB_ID": job}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir), *checkpoint_dir], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes | None, int]]:
+    """Every file's bytes and every file's and folder's mtime, the folder's own included."""
+    return {
+        str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns)
+        for p in [folder, *sorted(folder.rglob("*"))]
+    }
+
+
+def test_a_refused_job_leaves_the_running_jobs_folder_byte_identical(tmp_path, corpus_cache):
+    """The same SLURM_JOB_ID, another process of the allocation: refused in one line, exit code 2, and nothing in the
+    running job's folder changes, not a byte nor an mtime. Hydra used to write .hydra/ (the refused job's config)
+    before the lock, and the path checks probed the folders with a file."""
+    run = tmp_path / "run"
+    for name, text in {".hydra/config.yaml": "the running job's config\n", ".hydra/overrides.yaml": "- a=1\n",
+                       "status.json": '{"status": "running"}', "train.log": "step 1\n",
+                       "checkpoints/step_00000001/.metadata": "m"}.items():  # fmt: skip
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    holder = hold(run)
+    try:
+        for p in [run, *run.rglob("*")]:
+            os.utime(p, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))  # any touch shows
+        before = snapshot(run)
+        cmd = [sys.executable, "-m", "shardlab.train", *TINY_LM, f"data.cache_dir={corpus_cache}",
+               f"hydra.run.dir={run}", "optimizer.lr=0.5"]  # fmt: skip
+        second = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "SLURM_JOB_ID": "5151"}, capture_output=True,
+                                text=True, timeout=180)  # fmt: skip
+        assert second.returncode == 2, second.stderr[-3000:]
+        (line,) = second.stderr.strip().splitlines()
+        assert line.startswith(f"error: {run} is in use by job 5151 (host {socket.gethostname()}, pid {holder.pid}")
+        assert snapshot(run) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_checkpoint_folder_outside_the_run_is_locked_too(tmp_path):
+    """checkpoint.dir named outright (a scratch file system) gets its own lock: two runs never share it."""
+    shared = tmp_path / "scratch" / "ckpt"
+    holder = hold(tmp_path / "run_a", str(shared))
+    try:
+        assert (shared / LOCK_FILE).is_file()
+        with pytest.raises(RunFolderInUse, match=f"^{shared} is in use by job 5151"):
+            run_lock.take(tmp_path / "run_b", str(shared))
+        assert not (tmp_path / "run_b" / LOCK_FILE).exists(), "the run's own lock is given back"
+        assert run_lock.checkpoint_folder_outside(tmp_path / "run_b", "checkpoints") is None
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 TWO_JOBS_AT_ONCE = """
@@ -104,7 +306,7 @@ from shardlab.jobs import run_lock
 
 def job(root, barrier, held, who, stale):
     run_lock.HEARTBEAT_S = 3600
-    judge = run_lock.RunLock._live_holder
+    judge = run_lock.RunLock._judge
 
     def slow_judge(self, holder):  # the second job acts up to 90 ms after judging (a loaded node, a slow NFS)
         verdict = judge(self, holder)
@@ -112,7 +314,7 @@ def job(root, barrier, held, who, stale):
         return verdict
 
     if stale and who == 1:
-        run_lock.RunLock._live_holder = slow_judge
+        run_lock.RunLock._judge = slow_judge
     for i in range(FOLDERS):
         barrier.wait()
         try:
@@ -168,7 +370,7 @@ def test_a_stale_lock_taken_over_by_another_job_since_it_was_judged_is_left_to_t
     dead.wait()
     write_holder(tmp_path, pid=dead.pid)
     first, second = RunLock(tmp_path), RunLock(tmp_path)
-    first.me = {**first.me, "pid": other_process.pid, "pid_start": run_lock._process_start(other_process.pid)}
+    first.me = {**first.me, "pid": other_process.pid, "pid_start": run_lock.process_start(other_process.pid)}
     remove = second._remove_if_unchanged
 
     def the_other_job_takes_over_first(judged):
@@ -211,7 +413,7 @@ def test_a_second_training_job_on_a_folder_in_use_fails_in_one_line_naming_the_f
         while (run_record.read(tmp_path) or {}).get("step", 0) < 1:
             assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-2000:]
             time.sleep(0.2)
-        second = subprocess.run(cmd, cwd=ROOT, env={**env, "SLURM_JOB_ID": "5152"}, capture_output=True, text=True,
+        second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                                 timeout=180)  # fmt: skip
         assert second.returncode == 2
         (line,) = second.stderr.strip().splitlines()
