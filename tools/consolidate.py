@@ -18,8 +18,10 @@ from shardlab.train import run_tool
 
 
 def consolidate(checkpoint: Path, out: Path) -> Path:
-    info = weights.describe(checkpoint)
+    # The weights first: a refused index (crafted, overlapping chunks) ends the tool here, before it reads or writes
+    # anything else, and an error is never caught to go on.
     state = weights.read_full(checkpoint)
+    info = weights.describe(checkpoint)
     keep = ("task", "model_config", "config", "step", "samples_seen")
     return weights.write_safetensors(state, out, {"source": str(checkpoint), **{k: info.get(k) for k in keep}})
 

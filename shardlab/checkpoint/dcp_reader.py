@@ -1,33 +1,44 @@
-"""Reading DCP step folders without running their code.
+"""Reading DCP step folders without running their code or changing the process.
 
 DCP keeps a checkpoint's index in ``.metadata``, a pickle, and torch's FileSystemReader reads it with ``pickle.load``:
-a step folder someone shared could run anything on resume, ``init_from`` or in the tools. Here it is unpickled by an
-``Unpickler`` whose ``find_class`` admits only the classes DCP writes into that file (its metadata dataclasses,
-``torch.Size``, dtypes, layouts, paths); anything else is refused before it is called. The file keeps torch's own
+a step folder someone shared could run anything on resume, ``init_from`` or in the tools. Filtering the globals a
+pickle names is not enough either: its BUILD opcode sets attributes on whatever it is given, an allowed class or
+function included (``pathlib.PurePosixPath``'s ``_str``, ``torch.serialization._get_layout``'s cache), so a file could
+rewire every ``Path`` of the process without running any code. Here the file is read by ``MetadataUnpickler``, which
+follows the opcodes DCP writes one by one: it calls only constructors of plain values, creates only DCP's metadata
+dataclasses, and changes only objects it created itself (why not torch's own weights_only unpickler: its
+docstring). The result is then checked field by field against the types DCP writes. The file keeps torch's own
 format, so torch's tools (``dcp_to_torch_save``) still read our checkpoints; the shard files themselves are read by
 torch with ``weights_only=True``.
 
 The index is then checked against what DCP writes, since the rest of the reading trusts it: every entry lies in a
 regular file of the step folder itself and inside that file (not ``/dev/zero``, not 8 GiB past its end), and every
-tensor's chunks cover its shape with stored bytes (so no reader allocates a tensor larger than the files hold). The
-small pickled values DCP keeps beside the tensors (the optimizer's hyper-parameters) are read with torch's
-``weights_only`` unpickler: DCP's own planner would unpickle them with ``weights_only=False``.
+tensor's chunks tile its shape exactly, each stored in its own bytes (so no reader allocates a tensor larger than the
+files hold, and no element of one is left unwritten). The small pickled values DCP keeps beside the tensors (the
+optimizer's hyper-parameters) are read with torch's ``weights_only`` unpickler: DCP's own planner would unpickle them
+with ``weights_only=False``.
 
 ``SafeReader`` is DCP's FileSystemReader with that ``read_metadata`` (the public StorageReader method),
 ``SafeLoadPlanner`` its DefaultLoadPlanner with that ``load_bytes``, and ``load`` checks the folder first, so a
 refusal is one line rather than DCP's wrapped collective error. Every path that opens a step folder comes through
-here: resume (checkpoint.manager), ``init_from`` and the tools (checkpoint.weights).
+here: resume (checkpoint.manager, checkpoint.resume), ``init_from`` and the tools (checkpoint.weights: generate,
+consolidate, export_hf, evaluate).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
 import pickle
+import pickletools
 import re
 import stat
-from pathlib import Path
+import struct
+import types
+from collections import OrderedDict
+from pathlib import Path, PosixPath, PurePosixPath
 from typing import Any
 
 import torch
@@ -35,10 +46,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorProperties,
     TensorStorageMetadata,
 )
 
@@ -47,66 +61,372 @@ from shardlab.errors import CheckpointError, UnsafeCheckpointError
 METADATA_FILE = ".metadata"
 """The name DCP's FileSystemWriter gives the index (tests/unit/test_dcp_reader.py checks torch still writes it)."""
 
-ALLOWED: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset(
-        {
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "_MEM_FORMAT_ENCODING",  # an Enum TensorProperties pickles its memory format as
-        }
-    ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),  # where each entry lies in a shard file
-    "torch.serialization": frozenset({"_get_layout"}),  # how torch.layout pickles: a lookup by name
-    "torch": frozenset({"Size"}),
-    "pathlib": frozenset({"PosixPath", "PurePosixPath"}),  # StorageMeta.checkpoint_id
-    "pathlib._local": frozenset({"PosixPath", "PurePosixPath"}),  # the same classes' module from Python 3.13
-    "collections": frozenset({"OrderedDict"}),
+METADATA_CLASSES: tuple[type, ...] = (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    TensorProperties,
+    _StorageInfo,  # where each entry lies in a shard file
+)
+"""The dataclasses DCP pickles into ``.metadata``: the only objects a file may create empty and then fill (NEWOBJ,
+BUILD), and only the ones it created itself."""
+
+CALLABLES: tuple[Any, ...] = (
+    torch.Size,
+    PosixPath,  # StorageMeta.checkpoint_id
+    PurePosixPath,
+    torch.serialization._get_layout,  # how torch.layout pickles: a lookup by name
+    _MEM_FORMAT_ENCODING,  # an Enum TensorProperties pickles its memory format as: a lookup by value
+    OrderedDict,
+)
+"""What a file may call (REDUCE): constructors of plain values and lookups by name, none of which runs code an
+attacker chose or changes anything outside the object it returns."""
+
+GLOBALS: dict[str, Any] = {
+    **{f"{o.__module__}.{o.__qualname__}": o for o in (*METADATA_CLASSES, *CALLABLES)},
+    "pathlib.PosixPath": PosixPath,  # the module these classes pickle under up to Python 3.12 ...
+    "pathlib.PurePosixPath": PurePosixPath,
+    "pathlib._local.PosixPath": PosixPath,  # ... and from 3.13
+    "pathlib._local.PurePosixPath": PurePosixPath,
+    **{f"torch.{name}": value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
 }
-"""What a DCP .metadata file is made of (plus torch dtypes, admitted by type below). Each is a plain data holder or a
-lookup by name, so constructing it runs no code an attacker chose."""
+"""Every global a DCP .metadata file names, by the name it pickles under. A fixed table, built at import: reading a
+file never imports a module or looks up an attribute by a name the file gives."""
+
+_OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata; any global outside ALLOWED (os.system, builtins.eval, ...) is refused by name."""
+class _Unreadable(Exception):
+    """The bytes are no pickle this reader can follow (truncated, garbled): unreadable, not unsafe."""
 
-    def __init__(self, file, source: Path) -> None:
-        super().__init__(file)
-        self.source = source
 
-    def find_class(self, module: str, name: str) -> Any:
-        if name in ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpointError(
-            f"{self.source} refers to {module}.{name}, which DCP checkpoint metadata never holds: refused without "
-            "running it (a crafted or foreign file); load checkpoints only from sources you trust"
+class MetadataUnpickler:
+    """The pickle opcodes DCP's ``.metadata`` uses (protocol 2 to 5), interpreted one by one with each object's
+    origin tracked, so that nothing outside the objects this file created can change.
+
+    Why not torch's own: ``torch.load(weights_only=True)`` expects torch.save's container around the pickle, and
+    the unpickler under it (``torch._weights_only_unpickler``, private) knows only the protocol-2 opcodes torch.save
+    writes, while DCP writes .metadata with ``pickle.dump`` at the default protocol (FRAME, MEMOIZE, STACK_GLOBAL):
+    it refuses every DCP checkpoint (tests/unit/test_dcp_reader.py checks that torch still does, so that this reader
+    is replaced when torch's can read the file). Python's ``pickle.Unpickler`` filters only ``find_class``: its BUILD
+    sets attributes on whatever is on the stack, an allowed class or function included, which rewires them for the
+    whole process (``GLOBAL pathlib.PurePosixPath; BUILD {'_str': ...}`` turns every path into the attacker's).
+
+    Here: a global is looked up in GLOBALS only; REDUCE calls only CALLABLES; NEWOBJ creates only METADATA_CLASSES;
+    BUILD fills only an object of METADATA_CLASSES that this file created, with its own fields; SETITEM and APPEND
+    change only dicts and lists this file created. Any other opcode is refused (INST, OBJ, EXT, PERSID, ...)."""
+
+    def __init__(self, data: bytes, source: Path) -> None:
+        self.data, self.pos, self.source = data, 0, source
+        self.stack: list[Any] = []
+        self.metastack: list[list[Any]] = []
+        self.memo: dict[int, Any] = {}
+        self.made: dict[int, Any] = {}  # id -> object, for the objects this file created (kept alive: ids stay unique)
+        ops = {
+            pickle.PROTO: self.proto,
+            pickle.FRAME: lambda: self.read(8),  # frames are contiguous in the stream: only a buffering hint
+            pickle.MARK: self.mark,
+            pickle.NONE: lambda: self.stack.append(None),
+            pickle.NEWTRUE: lambda: self.stack.append(True),
+            pickle.NEWFALSE: lambda: self.stack.append(False),
+            pickle.BININT: lambda: self.stack.append(struct.unpack("<i", self.read(4))[0]),
+            pickle.BININT1: lambda: self.stack.append(self.read(1)[0]),
+            pickle.BININT2: lambda: self.stack.append(struct.unpack("<H", self.read(2))[0]),
+            pickle.LONG1: lambda: self.stack.append(int.from_bytes(self.read(self.read(1)[0]), "little", signed=True)),
+            pickle.SHORT_BINUNICODE: lambda: self.text(self.read(1)[0]),
+            pickle.BINUNICODE: lambda: self.text(struct.unpack("<I", self.read(4))[0]),
+            pickle.BINUNICODE8: lambda: self.text(struct.unpack("<Q", self.read(8))[0]),
+            pickle.EMPTY_TUPLE: lambda: self.stack.append(()),
+            pickle.TUPLE1: lambda: self.stack.append((self.stack.pop(),)),
+            pickle.TUPLE2: lambda: self.stack.append(tuple(self.popn(2))),
+            pickle.TUPLE3: lambda: self.stack.append(tuple(self.popn(3))),
+            pickle.TUPLE: self.load_tuple,
+            pickle.EMPTY_LIST: lambda: self.stack.append(self.make([])),
+            pickle.EMPTY_DICT: lambda: self.stack.append(self.make({})),
+            pickle.APPEND: self.load_append,
+            pickle.APPENDS: self.appends,
+            pickle.SETITEM: self.setitem,
+            pickle.SETITEMS: self.setitems,
+            pickle.MEMOIZE: lambda: self.memo.__setitem__(len(self.memo), self.stack[-1]),
+            pickle.BINPUT: lambda: self.memo.__setitem__(self.read(1)[0], self.stack[-1]),
+            pickle.LONG_BINPUT: lambda: self.memo.__setitem__(struct.unpack("<I", self.read(4))[0], self.stack[-1]),
+            pickle.BINGET: lambda: self.stack.append(self.memo[self.read(1)[0]]),
+            pickle.LONG_BINGET: lambda: self.stack.append(self.memo[struct.unpack("<I", self.read(4))[0]]),
+            pickle.GLOBAL: self.global_by_line,
+            pickle.STACK_GLOBAL: self.stack_global,
+            pickle.NEWOBJ: self.newobj,
+            pickle.REDUCE: self.reduce,
+            pickle.BUILD: self.build,
+        }
+        self.ops = {code[0]: op for code, op in ops.items()}
+
+    def load(self) -> Any:
+        """The unpickled object; UnsafeCheckpointError for what DCP never writes, CheckpointError if unreadable."""
+        try:
+            while True:
+                code = self.read(1)[0]
+                if code == pickle.STOP[0]:
+                    return self.stack.pop()
+                op = self.ops.get(code)
+                if op is None:
+                    if code in _OPCODE_NAMES:
+                        raise self.refuse(f"uses the pickle opcode {_OPCODE_NAMES[code]}")
+                    raise _Unreadable(f"byte {self.pos - 1} is no pickle opcode ({code:#04x})")
+                op()
+        except (CheckpointError, _Unreadable):
+            raise
+        except Exception as e:  # noqa: BLE001  (a stack or memo underflow, a bad argument to a constructor, ...)
+            raise _Unreadable(f"{type(e).__name__}: {str(e)[:200]}") from None
+
+    def refuse(self, what: str) -> UnsafeCheckpointError:
+        return UnsafeCheckpointError(
+            f"{self.source} {what}, which DCP checkpoint metadata never holds: refused without running it (a crafted "
+            "or foreign file); load checkpoints only from sources you trust"
         )
+
+    def read(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise _Unreadable(f"cut short at byte {len(self.data)}")
+        self.pos += n
+        return self.data[self.pos - n : self.pos]
+
+    def proto(self) -> None:
+        if not 2 <= self.read(1)[0] <= pickle.HIGHEST_PROTOCOL:
+            raise _Unreadable("an unknown pickle protocol")
+
+    def text(self, n: int) -> None:
+        self.stack.append(str(self.read(n), "utf-8", "surrogatepass"))
+
+    def make(self, obj: Any) -> Any:
+        self.made[id(obj)] = obj
+        return obj
+
+    def mark(self) -> None:
+        self.metastack.append(self.stack)
+        self.stack = []
+
+    def pop_mark(self) -> list[Any]:
+        items, self.stack = self.stack, self.metastack.pop()
+        return items
+
+    def popn(self, n: int) -> list[Any]:
+        if len(self.stack) < n:
+            raise _Unreadable("a stack underflow")
+        items = self.stack[-n:]
+        del self.stack[-n:]
+        return items
+
+    def target(self, *kinds: type) -> Any:
+        """The object on the stack a SETITEM or APPEND changes: only a dict or list this file created."""
+        obj = self.stack[-1]
+        if type(obj) not in kinds or id(obj) not in self.made:
+            raise self.refuse(f"would change {self.describe(obj)}")
+        return obj
+
+    def load_tuple(self) -> None:
+        items = self.pop_mark()  # first: it changes which list self.stack is
+        self.stack.append(tuple(items))
+
+    def load_append(self) -> None:
+        item = self.stack.pop()
+        self.target(list).append(item)
+
+    def appends(self) -> None:
+        items = self.pop_mark()
+        self.target(list).extend(items)
+
+    def setitem(self) -> None:
+        value, key = self.stack.pop(), self.stack.pop()
+        self.target(dict, OrderedDict)[key] = value
+
+    def setitems(self) -> None:
+        items = self.pop_mark()
+        target = self.target(dict, OrderedDict)
+        if len(items) % 2:
+            raise _Unreadable("SETITEMS with an odd number of items")
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def find(self, module: Any, name: Any) -> None:
+        found = GLOBALS.get(f"{module}.{name}") if isinstance(module, str) and isinstance(name, str) else None
+        if found is None:
+            raise self.refuse(f"refers to {module}.{name}")
+        self.stack.append(found)
+
+    def global_by_line(self) -> None:
+        lines = []
+        for _ in range(2):
+            end = self.data.find(b"\n", self.pos)
+            if end < 0:
+                raise _Unreadable("a GLOBAL without its names")
+            lines.append(self.read(end + 1 - self.pos)[:-1].decode("utf-8"))
+        self.find(*lines)
+
+    def stack_global(self) -> None:
+        module, name = self.popn(2)
+        self.find(module, name)
+
+    def newobj(self) -> None:
+        cls, args = self.popn(2)
+        if not any(cls is allowed for allowed in METADATA_CLASSES) or type(args) is not tuple or args:
+            raise self.refuse(f"creates {self.describe(cls)} by NEWOBJ")
+        self.stack.append(self.make(cls.__new__(cls)))
+
+    def reduce(self) -> None:
+        func, args = self.popn(2)
+        if not any(func is allowed for allowed in CALLABLES) or type(args) is not tuple:
+            raise self.refuse(f"calls {self.describe(func)}")
+        result = func(*args)
+        if type(result) is OrderedDict:
+            self.make(result)
+        self.stack.append(result)
+
+    def build(self) -> None:
+        """Fill an object this file created: TensorProperties through its own ``__setstate__`` (a 5-tuple), the
+        other dataclasses with a dict of their own field names. Never a class, function or module, never an object
+        that existed before (a dtype, an Enum member, a layout): that would change it for the whole process."""
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        cls = type(inst)
+        if id(inst) not in self.made or not any(cls is allowed for allowed in METADATA_CLASSES):
+            raise self.refuse(f"would set attributes of {self.describe(inst)}")
+        if cls is TensorProperties:
+            if type(state) is not tuple or len(state) != 5:
+                raise self.refuse(f"gives a TensorProperties the state {type(state).__name__}")
+            inst.__setstate__(state)
+            return
+        names = {f.name for f in dataclasses.fields(cls)}
+        if type(state) is not dict or not all(type(k) is str and k in names for k in state):
+            raise self.refuse(f"gives a {cls.__name__} the state {str(state)[:80]!r}")
+        vars(inst).update(state)
+
+    @staticmethod
+    def describe(obj: Any) -> str:
+        if isinstance(obj, type):
+            return f"the class {obj.__module__}.{obj.__qualname__}"
+        if isinstance(obj, types.ModuleType):
+            return f"the module {obj.__name__}"
+        if callable(obj) and hasattr(obj, "__qualname__"):
+            return f"the function {getattr(obj, '__module__', '?')}.{obj.__qualname__}"
+        return f"a {type(obj).__name__} it did not create"
+
+
+def unpickle_metadata(data: bytes, source: Path) -> Metadata:
+    """``data`` (a .metadata file's bytes) as DCP Metadata, every field of the type DCP writes; CheckpointError if it
+    does not unpickle, UnsafeCheckpointError if it holds what DCP never writes."""
+    try:
+        metadata = MetadataUnpickler(data, source).load()
+    except _Unreadable as e:
+        raise CheckpointError(f"{source} is unreadable ({e})") from None
+    if type(metadata) is not Metadata:
+        raise CheckpointError(f"{source} holds a {type(metadata).__name__}, not DCP metadata")
+    if problem := _structure_defect(metadata):
+        raise _unsafe(source, f"holds {problem}")
+    return metadata
+
+
+_NONE = type(None)
+_UNSET = object()
+
+
+def _fields_defect(obj: Any, expected: dict[str, tuple[type, ...]]) -> str | None:
+    """What is wrong with ``obj``'s fields against ``expected`` (name -> allowed exact types), or None."""
+    for name, kinds in expected.items():
+        value = getattr(obj, name, _UNSET)
+        if type(value) not in kinds:
+            return f"a {type(obj).__name__} whose {name} is a {type(value).__name__}"
+    return None
+
+
+def _structure_defect(metadata: Metadata) -> str | None:
+    """Why ``metadata`` is not shaped as DCP writes it (each field of its own type, all the way down), or None: the
+    checks that follow and DCP's reader then meet only the types they expect."""
+    defect = _fields_defect(
+        metadata,
+        {
+            "state_dict_metadata": (dict,),
+            "planner_data": (dict, _NONE),
+            "storage_data": (dict,),
+            "storage_meta": (StorageMeta, _NONE),
+            "version": (str, _NONE),
+        },
+    )
+    if defect:
+        return defect
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if type(fqn) is not str or type(entry) not in (TensorStorageMetadata, BytesStorageMetadata):
+            return f"the entry {str(fqn)[:80]!r} as a {type(entry).__name__}"
+        if type(entry) is TensorStorageMetadata:
+            defect = _fields_defect(
+                entry, {"properties": (TensorProperties,), "size": (torch.Size,), "chunks": (list,)}
+            )
+            defect = defect or _fields_defect(
+                entry.properties,
+                {
+                    "dtype": (torch.dtype,),
+                    "layout": (torch.layout,),
+                    "requires_grad": (bool,),
+                    "memory_format": (torch.memory_format,),
+                    "pin_memory": (bool,),
+                },
+            )
+            if defect:
+                return defect
+            for chunk in entry.chunks:
+                if type(chunk) is not ChunkStorageMetadata:
+                    return f"a chunk of {fqn} as a {type(chunk).__name__}"
+                if defect := _fields_defect(chunk, {"offsets": (torch.Size,), "sizes": (torch.Size,)}):
+                    return defect
+    for index, info in metadata.storage_data.items():
+        if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
+            return f"a {type(info).__name__} where an entry's place belongs"
+        defect = _fields_defect(index, {"fqn": (str,), "offset": (torch.Size, _NONE), "index": (int, _NONE)})
+        defect = defect or _fields_defect(
+            info,
+            {
+                "relative_path": (str,),
+                "offset": (int,),
+                "length": (int,),
+                "transform_descriptors": (list, tuple, _NONE),
+            },
+        )
+        if defect:
+            return defect
+    for fqn, path in (metadata.planner_data or {}).items():  # a flattened key's path in the nested state dict
+        if type(fqn) is not str or type(path) not in (tuple, list) or not all(type(p) in (str, int) for p in path):
+            return f"the planner path {str(path)[:80]!r} for {str(fqn)[:80]!r}"
+    if metadata.storage_meta is not None:
+        defect = _fields_defect(
+            metadata.storage_meta,
+            {
+                "checkpoint_id": (str, PosixPath, PurePosixPath, _NONE),
+                "save_id": (str, _NONE),
+                "load_id": (str, _NONE),
+                "modules": (list,),
+            },
+        )
+        if defect or not all(type(m) is str for m in metadata.storage_meta.modules):
+            return defect or "a StorageMeta whose modules are not names"
+    return None
 
 
 def read_metadata(path: Path, *, values: bool = True) -> Metadata:
-    """The DCP index of step folder ``path``, read through the allow-list and checked against the folder's files;
+    """The DCP index of step folder ``path``, read through MetadataUnpickler and checked against the folder's files;
     ``values``: also unpickle the small values it holds, through ``weights_only`` (``SafeLoadPlanner`` does that
     inside a load). CheckpointError if it is missing, not DCP metadata or its files are cut short (a torn write);
     UnsafeCheckpointError if it names anything DCP never writes."""
     path = Path(path)
     source = path / METADATA_FILE
     try:
-        with open(source, "rb") as f:
-            metadata = MetadataUnpickler(f, source).load()
-    except UnsafeCheckpointError:
-        raise
+        data = source.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path} has no DCP {METADATA_FILE}; is it a step_N checkpoint folder?") from None
-    except Exception as e:  # truncated, empty or garbled: pickle raises many kinds
+    except OSError as e:
         raise CheckpointError(f"{source} is unreadable ({type(e).__name__}: {str(e)[:200]})") from e
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{source} holds a {type(metadata).__name__}, not DCP metadata")
+    metadata = unpickle_metadata(data, source)
     check_index(path, metadata)
     if values:
         for index, info in metadata.storage_data.items():
@@ -127,19 +447,15 @@ def _unsafe(source: Path, what: str) -> UnsafeCheckpointError:
 def check_index(path: Path, metadata: Metadata) -> None:
     """That ``metadata``'s entries lie inside the regular files of ``path`` and its tensors' chunks cover them."""
     source = path / METADATA_FILE
-    storage, entries = metadata.storage_data, metadata.state_dict_metadata
-    if not isinstance(storage, dict) or not isinstance(entries, dict):
-        raise _unsafe(source, "has no table of entries")
+    storage, entries = metadata.storage_data, metadata.state_dict_metadata  # their types: _structure_defect
     sizes: dict[str, int] = {}
     for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise _unsafe(source, f"holds a {type(info).__name__} where an entry's place belongs")
         name = info.relative_path
-        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+        if name in ("", ".", "..") or "/" in name or "\\" in name:
             raise _unsafe(source, f"places {index.fqn} in {name!r}, outside the step folder")
         if info.transform_descriptors:  # DCP's stream extensions (compression): shardlab writes none
             raise _unsafe(source, f"asks for stream transforms {list(info.transform_descriptors)} on {index.fqn}")
-        if not all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
+        if info.offset < 0 or info.length < 0:
             raise _unsafe(source, f"gives {index.fqn} the extent ({info.offset!r}, {info.length!r})")
         if name not in sizes:
             try:
@@ -157,15 +473,18 @@ def check_index(path: Path, metadata: Metadata) -> None:
     for fqn, entry in entries.items():
         if isinstance(entry, TensorStorageMetadata):
             _check_chunks(source, fqn, entry, storage)
-        elif not isinstance(entry, BytesStorageMetadata):
-            raise _unsafe(source, f"describes {fqn} as a {type(entry).__name__}")
+        elif MetadataIndex(fqn) not in storage:  # DCP's reader would fail on it inside the collective load
+            raise _unsafe(source, f"lists the value {fqn} but stores it nowhere")
 
 
 def _check_chunks(source: Path, fqn: str, entry: TensorStorageMetadata, storage: dict) -> None:
-    """Each chunk inside the tensor's shape and stored in at least its own bytes; the chunks cover the shape."""
+    """The chunks tile the tensor exactly: each inside its shape and stored in at least its own bytes, no two
+    overlapping, and together as many elements as the shape. A gap would leave memory the reader allocated
+    (``torch.empty``) unwritten, heap bytes that ``consolidate`` would then write out; sizes that add up do not rule
+    that out when two chunks overlap ([0, 2048) and [1024, 3072) of 4096)."""
     shape = list(entry.size)
     itemsize = entry.properties.dtype.itemsize
-    covered, seen = 0, set()
+    covered, boxes = 0, []
     for chunk in entry.chunks:
         offsets, sizes = list(chunk.offsets), list(chunk.sizes)
         inside = len(offsets) == len(sizes) == len(shape) and all(
@@ -173,16 +492,33 @@ def _check_chunks(source: Path, fqn: str, entry: TensorStorageMetadata, storage:
         )
         if not inside:
             raise _unsafe(source, f"gives {fqn} {shape} a chunk at {offsets} of {sizes}")
-        if (tuple(offsets), tuple(sizes)) in seen:
-            continue
-        seen.add((tuple(offsets), tuple(sizes)))
         numel = math.prod(sizes)
         info = storage.get(MetadataIndex(fqn, chunk.offsets))
         if info is None or info.length < numel * itemsize:
             raise _unsafe(source, f"stores the chunk of {fqn} at {offsets} in fewer bytes than its {numel} elements")
         covered += numel
+        if numel:
+            boxes.append((offsets, sizes))
+    if covered == math.prod(shape) and (pair := _overlapping(boxes)):
+        raise _unsafe(source, f"gives {fqn} {shape} overlapping chunks at {pair[0]} and {pair[1]}")
     if covered != math.prod(shape):
         raise _unsafe(source, f"gives {fqn} the shape {shape} but chunks holding {covered} of its elements")
+
+
+def _overlapping(boxes: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int]] | None:
+    """The offsets of two boxes (offsets, sizes) that share an element, or None. A sweep along the first dimension:
+    each box is compared only with those whose rows it meets (FSDP's row shards: none; a column split: its
+    neighbours), not with every other box."""
+    if boxes and not boxes[0][0]:  # a 0-d tensor: every non-empty chunk is the whole of it
+        return (boxes[0][0], boxes[1][0]) if len(boxes) > 1 else None
+    active: list[tuple[list[int], list[int]]] = []
+    for box in sorted(boxes, key=lambda b: b[0][0]):
+        active = [a for a in active if a[0][0] + a[1][0] > box[0][0]]
+        for other in active:
+            if all(o < b + n and b < o + m for o, m, b, n in zip(other[0], other[1], box[0], box[1], strict=True)):
+                return other[0], box[0]
+        active.append(box)
+    return None
 
 
 def _refusal(error: pickle.UnpicklingError) -> str:
@@ -284,13 +620,11 @@ def integrity_defect(path: Path) -> str | None:
     except ValueError as e:
         return f"{path / META_FILE} does not parse ({e})"
     try:
-        metadata = MetadataUnpickler(io.BytesIO(raw[METADATA_FILE]), path / METADATA_FILE).load()
+        metadata = unpickle_metadata(raw[METADATA_FILE], path / METADATA_FILE)
     except UnsafeCheckpointError:
         raise
-    except Exception as e:
-        return f"{path / METADATA_FILE} does not unpickle ({type(e).__name__}: {str(e)[:200]})"
-    if not isinstance(metadata, Metadata):
-        return f"{path / METADATA_FILE} holds a {type(metadata).__name__}, not DCP metadata"
+    except CheckpointError as e:
+        return str(e).replace(" is unreadable (", " does not unpickle (", 1)
     try:
         check_index(path, metadata)
     except UnsafeCheckpointError:

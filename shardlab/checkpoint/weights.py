@@ -3,8 +3,8 @@ start a run from either (checkpoint.init_from).
 
 Two sources, one description: a step_N checkpoint folder (DCP shards + shardlab.json) or a consolidated
 ``model.safetensors`` with ``model.json`` beside it (task name, model config, the training config). Nothing here
-unpickles a tensor file: safetensors and DCP only (its .metadata index through dcp_reader's allow-list), JSON for
-metadata. Reused by tools/consolidate.py, tools/generate.py and exporters.
+unpickles a tensor file: safetensors and DCP only (its .metadata index through dcp_reader's MetadataUnpickler), JSON
+for metadata. Reused by tools/consolidate.py, tools/generate.py and exporters.
 """
 
 from __future__ import annotations

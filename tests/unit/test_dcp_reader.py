@@ -5,13 +5,17 @@ a normal checkpoint keeps torch's own format, so torch's DCP tools still read it
 
 from __future__ import annotations
 
+import collections
 import io
 import os
+import pathlib
 import pickle
+import random
 import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -279,3 +283,192 @@ def test_an_optimizer_whose_param_groups_would_not_read_back_is_refused_before_t
     with pytest.raises(ConfigError, match=r"optimizer.name=adamw: its param groups hold a value checkpoints cannot"):
         run_rank(tiny_lm(*RUN), tmp_path, dist_env.detect())
     assert not (tmp_path / "checkpoints").exists()
+
+
+NAMED = (
+    *(getattr(dcp_metadata, name) for name in dcp_metadata.__all__),
+    dcp_metadata._MEM_FORMAT_ENCODING,
+    _StorageInfo,
+    torch.Size,
+    torch.serialization._get_layout,
+    pathlib.PurePath,
+    pathlib.PurePosixPath,
+    pathlib.PosixPath,
+    collections.OrderedDict,
+)
+"""Everything a DCP .metadata names (the classes and functions whose attributes a crafted one must never change)."""
+
+
+def test_torchs_weights_only_unpickler_still_cannot_read_dcp_metadata(checkpoints):
+    """Why dcp_reader has its own MetadataUnpickler: torch's restricted unpickler, even with DCP's classes admitted
+    (add_safe_globals), refuses the protocol-4 pickle DCP writes. When this fails, torch can read it: use torch's."""
+    normal, _, _ = checkpoints
+    data = (normal / ".metadata").read_bytes()
+    with torch.serialization.safe_globals(list(NAMED)):
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _string(text: str) -> bytes:
+    data = text.encode()
+    return pickle.BINUNICODE + len(data).to_bytes(4, "little") + data
+
+
+ATTACKS = {
+    # The finding: every Path of the process would print as the attacker's path.
+    "class-slot": (
+        b"\x80\x02cpathlib\nPurePosixPath\nN}" + _string("_str") + _string("/attacker") + b"s\x86b.",
+        "would set attributes of the class pathlib.PurePosixPath",
+    ),
+    # torch's layout lookup (how every torch.layout unpickles) would answer from the attacker's table.
+    "function-attribute": (
+        b"\x80\x02ctorch.serialization\n_get_layout\n}" + _string("cache") + b"}sb.",
+        "would set attributes of the function torch.serialization._get_layout",
+    ),
+    # A shared object that existed before the file: the Enum member TensorProperties pickles its format as.
+    "existing-object": (
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R}"
+        + _string("_value_")
+        + b"K\x07sb.",
+        "would set attributes of a _MEM_FORMAT_ENCODING it did not create",
+    ),
+    # A dict that is not the file's own: the class's namespace is not reachable, but a dtype is an existing object.
+    "setitem-on-a-global": (
+        b"\x80\x02ctorch\nfloat32\n" + _string("x") + b"K\x01s.",
+        "would change a dtype it did not create",
+    ),
+}
+
+
+def _process_state() -> dict[str, dict[str, int]]:
+    """What a crafted file must never change: the attributes (by identity) of pathlib, DCP's metadata module, and of
+    every class and function a .metadata may name, plus the contents of the layout lookup's cache."""
+    owners = {"pathlib": pathlib, "dcp_metadata": dcp_metadata, "dcp_reader": dcp_reader}
+    owners.update({repr(o): o for o in NAMED})
+    state = {name: {k: id(v) for k, v in vars(owner).items()} for name, owner in owners.items()}
+    state["layout cache"] = {k: id(v) for k, v in torch.serialization._get_layout.cache.items()}
+    return state
+
+
+@pytest.fixture
+def restored_process():
+    """Puts back whatever a crafted file changed (on today's stdlib-based reader it would), so a failing test does not
+    break every later one in this process."""
+    saved = {c: dict(vars(c)) for c in NAMED if isinstance(c, type)}
+    layout = dict(vars(torch.serialization._get_layout))
+    members = {m: dict(vars(m)) for m in dcp_metadata._MEM_FORMAT_ENCODING}
+    yield
+    for cls, attrs in saved.items():
+        for key in set(vars(cls)) - set(attrs):
+            delattr(cls, key)
+        for key, value in attrs.items():
+            if key not in ("__dict__", "__weakref__", "__doc__") and vars(cls).get(key) is not value:
+                setattr(cls, key, value)
+    for obj, attrs in [(torch.serialization._get_layout, layout), *members.items()]:
+        vars(obj).clear()
+        vars(obj).update(attrs)
+
+
+@pytest.mark.parametrize("payload, refusal", ATTACKS.values(), ids=ATTACKS.keys())
+def test_a_metadata_that_would_change_a_class_function_or_shared_object_is_refused(
+    checkpoints, tmp_path, restored_process, payload, refusal
+):
+    normal, _, _ = checkpoints
+    crafted = tmp_path / "step_00000002"
+    shutil.copytree(normal, crafted)
+    (crafted / ".metadata").write_bytes(payload)
+    weights.read_full(normal)  # the layout lookup's cache as a normal read leaves it
+    before = _process_state()
+    out = tmp_path / "out" / "m.safetensors"
+    for read in (dcp_reader.read_metadata, weights.read_full, lambda p: consolidate.main([str(p), "--out", str(out)])):
+        with pytest.raises(UnsafeCheckpointError) as e:
+            read(crafted)
+        assert refusal in str(e.value) and "\n" not in str(e.value)
+    assert str(pathlib.Path("/tmp/x")) == "/tmp/x" and str(pathlib.PurePosixPath("a", "b")) == "a/b"
+    assert _process_state() == before
+    assert not out.parent.exists(), "consolidate went on after the refusal"
+    assert torch.equal(weights.read_full(normal)["embed.tok.weight"], weights.read_full(normal)["embed.tok.weight"])
+
+
+def _overlapping_chunks(metadata, dest) -> None:
+    """embed.tok.weight as rows [0, n/2) and [n/4, 3n/4): sizes that add up to the whole, the last quarter unwritten."""
+    fqn = "model.embed.tok.weight"
+    entry = metadata.state_dict_metadata[fqn]
+    rows, cols = entry.size
+    first = metadata.storage_data[MetadataIndex(fqn, [0, 0])]
+    half = torch.Size([rows // 2, cols])
+    entry.chunks = [
+        ChunkStorageMetadata(torch.Size([0, 0]), half),
+        ChunkStorageMetadata(torch.Size([rows // 4, 0]), half),
+    ]
+    metadata.storage_data[MetadataIndex(fqn, [rows // 4, 0])] = _StorageInfo(
+        first.relative_path, first.offset, first.length // 2
+    )
+
+
+def test_chunks_that_overlap_are_refused_although_their_sizes_add_up(checkpoints, tmp_path):
+    normal, _, _ = checkpoints
+    crafted = tmp_path / "step_00000002"
+    crafted_copy(normal, crafted, _overlapping_chunks)
+    out = tmp_path / "out" / "m.safetensors"
+    for read in (dcp_reader.read_metadata, weights.read_full, lambda p: consolidate.main([str(p), "--out", str(out)])):
+        with pytest.raises(UnsafeCheckpointError, match=r"gives model.embed.tok.weight \[\d+, 64\] overlapping chunks"):
+            read(crafted)
+    assert dcp_reader.integrity_defect(normal) is None
+    assert not out.parent.exists(), "nothing was written"
+
+
+def _model_read_twice(path) -> tuple[dict, dict]:
+    """The model entries of step folder ``path`` loaded into tensors filled with 0 and then with 1 before the load:
+    an element the load did not write differs between the two."""
+    metadata = dcp_reader.read_metadata(path, values=False)
+    loads = []
+    for fill in (0.0, 1.0):
+        state = {
+            k.removeprefix("model."): torch.full(e.size, fill, dtype=e.properties.dtype)
+            for k, e in metadata.state_dict_metadata.items()
+            if k.startswith("model.")
+        }
+        dcp_reader.load({"model": state}, path, checked=True, no_dist=True)
+        loads.append(state)
+    return loads[0], loads[1]
+
+
+def test_fuzzed_metadata_is_refused_in_one_line_or_read_whole_and_never_changes_the_process(checkpoints, tmp_path):
+    """Random byte changes of a real .metadata: each is refused as a CheckpointError of one line, or reads back into
+    tensors every element of which the load wrote; none changes a module, class or function attribute."""
+    normal, _, _ = checkpoints
+    original = (normal / ".metadata").read_bytes()
+    reference = weights.read_full(normal)
+    fuzzed = tmp_path / "step_00000002"
+    shutil.copytree(normal, fuzzed)
+    before = _process_state()
+    rng = random.Random(29)
+    outcomes = {"refused": 0, "refused by the load": 0, "read, equal": 0, "read, other bytes": 0}
+    for _ in range(250):
+        data = bytearray(original)
+        for _ in range(rng.choice((1, 1, 2, 4))):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.1:
+            data = data[: rng.randrange(len(data))]
+        (fuzzed / ".metadata").write_bytes(bytes(data))
+        try:
+            dcp_reader.read_metadata(fuzzed)
+        except CheckpointError as e:
+            assert "\n" not in str(e), str(e)
+            outcomes["refused"] += 1
+            continue
+        try:  # an index whose every field is plausible can still place a chunk on bytes that are no tensor
+            zeros, ones = _model_read_twice(fuzzed)
+        except CheckpointException:
+            with pytest.raises(CheckpointError) as e:  # as every reader in shardlab reports it: one line
+                weights.read_full(fuzzed)
+            assert "\n" not in str(e.value)
+            outcomes["refused by the load"] += 1
+            continue
+        assert all(torch.equal(zeros[k], ones[k]) for k in zeros), "a tensor was left partly unwritten"
+        same = sorted(zeros) == sorted(reference) and all(torch.equal(zeros[k], reference[k]) for k in zeros)
+        outcomes["read, equal" if same else "read, other bytes"] += 1
+    assert _process_state() == before
+    assert str(type(normal)("/tmp/x")) == "/tmp/x"
+    assert outcomes["refused"] > 100 and outcomes["read, equal"] > 10, outcomes
