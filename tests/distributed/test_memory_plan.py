@@ -155,3 +155,61 @@ def test_vision_plan_with_synced_bn_is_not_under_the_measured_peak(tmp_path, lay
     # Under-prediction is the direction that makes backend=auto choose a layout that does not fit.
     assert -0.05 <= m["predicted_peak_gib"] / m["peak_gib"] - 1 <= 0.25, report
     assert abs(m["predicted_between_steps_gib"] / m["between_steps_gib"] - 1) <= 0.25, report
+
+
+# ---- the plan against the real fully_shard at scale, on torch's fake process group (one process, meta) -------------
+def verified(world: int, *overrides: str) -> list[str]:
+    from shardlab.memory.verify import verify_plan
+    from shardlab.runner import build_task
+    from tests.conftest import compose_config
+
+    cfg = compose_config([
+        "model=llama_tiny", "distributed=fully_sharded", "dry_run=true", "distributed.verify_plan=true",
+        f"distributed.world_size={world}", f"optimization.batch_size={world}", f"validation.batch_size={world}",
+        *overrides,
+    ])  # fmt: skip
+    return verify_plan(cfg, build_task(cfg, world_size=world), world)
+
+
+# llama_tiny's 192-row norms and 64-row key/value projections (and its 320-row vocabulary at 64 ranks) shard unevenly
+# from 64 ranks on: at 512 and 1024 most ranks hold padding only, so rank 0's and the last rank's bytes differ.
+@pytest.mark.parametrize(
+    "world, overrides",
+    [
+        (8, ["distributed.precision=bf16"]),
+        (64, ["distributed.reshard_after_forward=false"]),
+        (512, ["optimization.update_freq=2"]),
+        (1024, ["distributed.precision=bf16", "distributed.cpu_offload=true", "optimizer=cpu_adam"]),
+        (512, ["distributed.sharding_degree=8"]),  # hybrid 64 x 8
+        (1024, ["distributed.sharding_degree=8", "distributed.precision=bf16"]),  # hybrid 128 x 8
+    ],
+    ids=["8", "64-no-reshard", "512-accumulating", "1024-offload", "hybrid-64x8", "hybrid-128x8"],
+)
+def test_plan_matches_the_real_fully_shard_on_a_fake_process_group(world, overrides):
+    (line,) = verified(world, *overrides)
+    assert line.startswith(f"verify_plan: the real fully_shard at world size {world}") and "matches the plan" in line
+    if world >= 512:  # uneven: the last rank's local shards are smaller than rank 0's
+        local = re.search(rf"rank 0 ([\d.]+), rank {world - 1} ([\d.]+)\)", line)
+        assert local and float(local.group(1)) >= float(local.group(2))
+
+
+def test_a_plan_broken_on_purpose_fails_verification_in_one_line(monkeypatch):
+    from shardlab.memory import plan
+    from shardlab.memory.verify import PlanMismatch
+
+    # The plan forgets FSDP2's padding: ceil(rows / ranks) becomes rows // ranks.
+    monkeypatch.setattr(plan, "shard_rows", lambda rows, degree, rank=None: rows // degree)
+    with pytest.raises(PlanMismatch) as e:
+        verified(512)
+    assert str(e.value).startswith("verify_plan: rank 0 of 512: fully_shard gives") and "\n" not in str(e.value)
+
+
+def test_a_plan_that_miscounts_one_collective_fails_verification(monkeypatch):
+    from shardlab.memory import plan
+    from shardlab.memory.verify import PlanMismatch
+
+    real = plan.collectives
+    monkeypatch.setattr(plan, "collectives", lambda *a: real(*a)[:-1])  # one reduce-scatter left out
+    monkeypatch.setattr("shardlab.memory.verify.collectives", plan.collectives)
+    with pytest.raises(PlanMismatch, match="one step's collectives differ"):
+        verified(8)

@@ -264,3 +264,82 @@ def test_autocast_plan_counts_the_weight_copies_and_activations_a_real_autocast_
     # The plan of a single (autocast) run holds them; the same model sharded (FSDP's own casts) has no copies.
     assert estimate(profile, Layout("single"), ctx).activations >= kept
     assert profile.activations < planned_autocast.activations
+
+
+# ---- planning for a named device (distributed.plan_device) ---------------------------------------------------------
+LLAMA_8B_H100 = [
+    "model=llama3_8b", "distributed=fully_sharded", "distributed.plan_device=h100_80gb", "data.seq_len=1024",
+    "optimization.batch_size=8", "validation.batch_size=8", "distributed.precision=bf16",
+]  # fmt: skip
+
+
+def test_a_named_gpu_is_planned_from_this_cpu_with_its_allocator_context_nccl_and_offload_to_the_host():
+    from shardlab.memory import devices
+
+    _, (profile, ctx) = planned(LLAMA_8B_H100, 8)
+    assert (ctx.device, ctx.target, ctx.capacity, ctx.local) == ("cuda", "h100_80gb", 81559 * 2**20, False)
+    assert profile.params == 8_030_261_248  # Llama 3 8B's published size
+    full = estimate(profile, Layout("fully_sharded", 8), ctx)
+    offload = estimate(profile, Layout("fully_sharded", 8, cpu_offload=True), ctx)
+    assert full.outside == devices.CUDA_CONTEXT + 2 * devices.NCCL_PER_COMMUNICATOR  # default group + shard group
+    assert full.allocator >= devices.FRAGMENTATION * full.peak  # rounding plus the fragmentation allowance
+    assert full.device_peak == full.peak + full.allocator + full.outside
+    assert offload.params == offload.grads == offload.optimizer == 0
+    assert offload.host == full.params + full.grads + full.optimizer > 0
+    lines = describe(profile, Layout("fully_sharded", 8), ctx, compare=True)
+    assert any("on h100_80gb:" in line and "of 79.65" in line for line in lines)
+    assert any("flash SDPA on h100_80gb" in line for line in lines)
+
+
+def test_fsdp2_row_shards_are_padded_to_the_first_and_the_last_ranks_hold_less():
+    from shardlab.memory.plan import shard_numel, shard_rows
+
+    assert [shard_rows(37, 8, r) for r in range(8)] == [5, 5, 5, 5, 5, 5, 5, 2]
+    assert shard_rows(37, 8) == 5  # every rank allocates the padded shard
+    assert [shard_rows(3, 8, r) for r in range(8)] == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert shard_numel([(37, 10), (3, 2)], 8) == 5 * 10 + 1 * 2
+
+
+def test_an_unknown_plan_device_is_refused_in_one_line_naming_the_key_and_the_known_devices():
+    cfg = compose_config([*LLAMA_8B_H100[:2], "distributed.plan_device=h100"])
+    with pytest.raises(ConfigError) as e:
+        build_task(cfg, world_size=8)
+    message = str(e.value)
+    assert "distributed.plan_device: 'h100' is not a known plan device" in message and "\n" not in message
+    assert "h100_80gb" in message and "mi300x" in message and "Did you mean 'h100_80gb'?" in message
+
+
+def test_auto_for_another_machines_gpu_chooses_by_the_plan_alone_and_says_so(capsys):
+    overrides = [o for o in LLAMA_8B_H100 if o != "distributed=fully_sharded"]
+    cfg = compose_config([*overrides, "distributed.backend=auto", "distributed.memory_budget_gb=80"])
+    build_task(cfg, world_size=8)
+    out = capsys.readouterr().out
+    assert "by the plan alone" in out and "no trial can run on a h100_80gb" in out
+    assert cfg.distributed.backend == "fully_sharded"
+
+
+def test_verify_plan_private_torch_names_still_behave():
+    """shardlab.memory.verify's private torch names: fails loudly, naming what moved, when a torch upgrade changes
+    one (the fake backend, FSDP2's parameter groups and their padded shard storage)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardlab.distributed import torch_internals
+    from shardlab.memory.verify import fake_process_group
+
+    if not torch_internals.tested():
+        pytest.skip(f"torch {torch.__version__} is outside TESTED_TORCH: verify_plan refuses to run on it")
+    with fake_process_group(8, 7):
+        mesh = init_device_mesh("cpu", (8,))
+        with torch.device("meta"):
+            layer = nn.Linear(10, 37)
+        fully_shard(layer, mesh=mesh)
+        group = layer._get_fsdp_state()._fsdp_param_group
+        assert group is not None, "FSDPModule._get_fsdp_state()._fsdp_param_group moved"
+        weight = next(fp for fp in group.fsdp_params if fp.sharded_param.dim() == 2)
+        assert weight._sharded_param_data.numel() == 5 * 10, "FSDPParam._sharded_param_data is not the padded shard"
+        assert weight.sharded_param.to_local().shape == (2, 10)  # rank 7 of 8: rows 35-36 of 37
+        assert weight.sharded_param.is_meta  # nothing allocated
+        assert group.mesh_info.shard_mesh_size == 8 and group.post_forward_mesh_info is not None
+        assert group.mp_policy.param_dtype is None
