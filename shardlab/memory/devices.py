@@ -86,7 +86,7 @@ def named_like(gpu_name: str) -> Device | None:
     return None
 
 
-# ---- what a CUDA rank holds besides its tensors -----------------------------------------------------------------------
+# ---- what a CUDA rank holds besides its tensors ----------------------------------------------------------------------
 # PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp; ROCm's is the same code, hipified):
 ALLOC_BLOCK = 512
 """kMinBlockSize: every allocation is rounded up to a multiple of 512 bytes."""
