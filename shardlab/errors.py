@@ -3,9 +3,34 @@
 `assert` stays for internal invariants; anything a user can cause by a config, a path or a file raises one of these.
 """
 
+import re
+
+_WORKER_WRAPPER = re.compile(r"Caught (\w+) in (DataLoader worker process \d+|pin memory thread[^\n]*)\.\nOriginal ")
+
+
+def unwrapped(message: str) -> str:
+    """``message`` without the traceback torch's DataLoader wraps a worker's error in: a worker's exception is raised
+    again in the main process as ``type(error)("Caught DataError in DataLoader worker process 0.\\nOriginal
+    Traceback ...\\nshardlab.errors.DataError: <the message>")``, so with data.num_workers > 0 the one line a user
+    should see came as a traceback. The line the error was raised with, as with num_workers=0."""
+    wrapped = _WORKER_WRAPPER.match(message)
+    if not wrapped:
+        return message
+    name = wrapped.group(1)
+    for line in reversed(message.splitlines()):  # the traceback's last line: "<module>.<name>: <the message>"
+        original = re.match(rf"(?:[\w.]+\.)?{name}: (.*)$", line)
+        if original:
+            return original.group(1)
+    return message
+
 
 class ShardlabError(Exception):
     """Base class: a mistake the user can fix; the message says what and how."""
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (unwrapped(args[0]),)  # raised again by torch's DataLoader from a worker: its own line
+        super().__init__(*args)
 
 
 class ConfigError(ShardlabError):
@@ -27,6 +52,13 @@ class IncompatibleCheckpointError(CheckpointError):
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file that would run code when read (a pickle naming more than DCP's metadata classes): refused,
     never fallen back from, never set aside."""
+
+
+class TrainingDiverged(ShardlabError):
+    """The loss or the weights stopped being finite (optimization.max_nonfinite_steps): the run ends failed, and
+    nothing non-finite is saved. Not a mistake in the command line, so exit code 1."""
+
+    exit_code = 1
 
 
 class RunFolderInUse(ShardlabError):

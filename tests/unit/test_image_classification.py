@@ -232,6 +232,30 @@ def test_undecodable_image_raises_one_line_data_error_naming_the_file(image_tree
     assert "data.skip_corrupt=true" in str(e.value)
 
 
+def test_undecodable_image_read_by_a_dataloader_worker_is_the_same_one_line(image_tree, tmp_path):
+    """torch raises a worker's error again as "Caught DataError in DataLoader worker process 0. / Original
+    Traceback ...": the user sees the error's own line, as with data.num_workers=0."""
+    overrides = [
+        f"data.path={image_tree}",
+        "data.image_size=8",
+        "data.num_workers=2",
+        *TINY_MODEL,
+        "optimization.batch_size=3",
+        "optimization.max_steps=3",  # 9 samples: the whole train split, broken.png included
+        "lr_scheduler.warmup_steps=0",
+        "validation.interval_steps=0",
+        "validation.batch_size=4",
+        "checkpoint.save=false",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+    ]
+    with pytest.raises(DataError) as e:
+        run_rank(vision(*overrides), tmp_path, dist_env.detect())
+    assert one_line(e.value).startswith("data.path: ") or str(image_tree) in str(e.value), str(e.value)
+    assert str(image_tree / "train" / "b" / "broken.png") in str(e.value) and "data.skip_corrupt=true" in str(e.value)
+    assert "DataLoader worker" not in str(e.value)
+
+
 def test_skip_corrupt_passes_over_the_file_counts_it_and_training_finishes(image_tree, tmp_path_factory, capsys):
     overrides = [
         f"data.path={image_tree}",
