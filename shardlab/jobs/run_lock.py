@@ -122,9 +122,11 @@ def _read_or_empty(path: Path) -> bytes:
 
 
 class RunLock:
-    def __init__(self, run_dir: Path, say=print) -> None:
+    def __init__(self, run_dir: Path, say=print, key: str = "hydra.run.dir") -> None:
         self.path = Path(run_dir) / LOCK_FILE
         self.say = say
+        self.key = key
+        """The setting that names the folder, for a folder that cannot be made."""
         self.me = {
             "job": current_job(),
             "restart": current_restart(),
@@ -204,9 +206,11 @@ class RunLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
+            from shardlab.config import writable_dir_problem  # its words for why (the path checks' own)
+
+            problem = writable_dir_problem(self.path.parent) or e.strerror or str(e)
             raise ConfigError(
-                f"hydra.run.dir: cannot create or write {self.path.parent} ({e.strerror or e}); choose a writable "
-                "directory"
+                f"{self.key}: cannot create or write {self.path.parent} ({problem}); choose a writable directory"
             ) from None
         self._made = list(reversed(missing))
 
@@ -408,7 +412,7 @@ def take(run_dir: Path, checkpoint_dir: str | None = None) -> list[RunLock]:
     locks = [RunLock(key)]
     outside = checkpoint_folder_outside(key, checkpoint_dir) if checkpoint_dir is not None else None
     if outside is not None:
-        locks.append(RunLock(outside))
+        locks.append(RunLock(outside, key="checkpoint.dir"))
     taken: list[RunLock] = []
     try:
         for lock in locks:

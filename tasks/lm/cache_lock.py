@@ -3,10 +3,11 @@ completion marker (meta.json) and reuse it, however many processes, ranks or job
 
 The lock is a file beside the cache directory, created with O_EXCL (atomic on local filesystems and NFS v3+), holding
 its writer's host and pid; the writer touches it every few seconds. A lock is stale - and the next process takes the
-work over - when its writer is gone: on the same host, its pid no longer runs; from another host, its heartbeat has not
-moved for STALE_S by the waiter's own clock (clocks of different hosts are never compared). Each filesystem has its
-own lock, so with node-local caches every node has one writer. A writer whose build fails leaves its error beside the
-cache (``<cache>.failed``) for the processes that were waiting for it.
+work over - when its writer is gone: on the same host, its pid no longer runs (or now names a process that started at
+another time); from another host, its heartbeat has not moved for STALE_S by the waiter's own clock (clocks of
+different hosts are never compared). Both checks are shardlab.jobs.run_lock's, shared with the run folder's lock. Each
+filesystem has its own lock, so with node-local caches every node has one writer. A writer whose build fails leaves its
+error beside the cache (``<cache>.failed``) for the processes that were waiting for it.
 
 The lock saves work; it is not what keeps a cache whole. binarize writes into a private temporary directory and
 publishes it with one rename, which fails when the directory is already there: in the rare race where two processes
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from shardlab.errors import DataError
+from shardlab.jobs.run_lock import HeartbeatWatch, process_alive, process_start
 
 HEARTBEAT_S = 5.0
 """How often a writer touches its lock."""
@@ -86,7 +88,8 @@ def _acquire(out: Path) -> Iterator[bool]:
             f"data.cache_dir: cannot write {lock} to preprocess the corpus there ({e.strerror or e}); choose a "
             "writable data.cache_dir (tools/preprocess_lm.py: --cache-dir)"
         ) from None
-    token = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    token = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": process_start(os.getpid()),
+             "started": time.time()}  # fmt: skip
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(token))
     stop = threading.Event()
@@ -126,7 +129,7 @@ def _wait_for_writer(out: Path, say: Callable[[str], None]) -> tuple[dict, str |
     """Wait while the lock's writer is alive: returns (its owner, None) when the lock is gone or the cache finished,
     (owner, why) once the writer is judged dead; raises the writer's error when its build failed."""
     lock = lock_path(out)
-    last_beat, seen_at, owner, announced = None, time.monotonic(), {}, False
+    watch, owner, announced = HeartbeatWatch(), {}, False
     while not _done(out):
         try:
             beat = lock.stat().st_mtime_ns
@@ -140,27 +143,15 @@ def _wait_for_writer(out: Path, say: Callable[[str], None]) -> tuple[dict, str |
             break
         owner = _read(lock) or {}
         if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
-            if not _alive(owner["pid"]):
+            if not process_alive(owner["pid"], owner.get("pid_start")):  # a reused pid is not the writer
                 return owner, "its process is gone"
-        if beat != last_beat:
-            last_beat, seen_at = beat, time.monotonic()
-        elif time.monotonic() - seen_at > STALE_S:
+        if watch.see(beat) > STALE_S:  # the mtime the writer touches, timed on this process's clock
             return owner, f"no heartbeat for {STALE_S:.0f} s"
         if not announced and owner:
             say(f"waiting for {owner.get('host')} pid {owner.get('pid')}, which is preprocessing {out}")
             announced = True
         time.sleep(POLL_S)
     return owner, None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process with that pid
-    return True
 
 
 def _break(out: Path, owner: dict, why: str) -> None:

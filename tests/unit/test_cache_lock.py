@@ -78,6 +78,23 @@ def test_lock_of_a_dead_process_on_this_host_is_taken_over_and_its_temp_dir_remo
     assert not orphan.exists() and not lock_path(out).exists()
 
 
+def test_a_dead_writers_pid_now_running_another_process_does_not_keep_its_lock(tmp_path, monkeypatch):
+    """The writer's pid was reused by an unrelated process: its start time tells them apart (run_lock's check, shared),
+    so the lock is taken over at once rather than after STALE_S without heartbeats."""
+    monkeypatch.setattr(cache_lock, "STALE_S", 30.0)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out = tmp_path / "corpus-abc"
+        owner = {"host": socket.gethostname(), "pid": other.pid, "pid_start": "1", "started": 0}
+        lock_path(out).write_text(json.dumps(owner))
+        started = time.monotonic()
+        build_once(out, lambda: finish(out), lambda line: None)
+        assert (out / "meta.json").is_file() and time.monotonic() - started < 5
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_lock_from_another_host_is_taken_over_once_its_heartbeat_stops(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_lock, "STALE_S", 1.0)
     monkeypatch.setattr(cache_lock, "POLL_S", 0.05)
