@@ -5,7 +5,8 @@ shardlab adds no composition of its own to a plain run's (Hydra composes it twic
 what the command line alone shows is checked before Hydra starts (``check_command_line``); Hydra's composition errors
 are turned into one line (``composition_error``, the CLI has Hydra raise them rather than print them); and the
 composed config is checked by ``ComposedConfigChecks``, a Hydra callback that runs between the composition and the
-run directory (``check_composed``). ``preflight`` does all three in-process for tools and tests, composing through
+run directory (``check_composed``), and that takes the run's lock before Hydra writes anything there
+(``hold_the_run``). ``preflight`` does all three in-process for tools and tests, composing through
 ``compose_config`` as every tool does.
 """
 

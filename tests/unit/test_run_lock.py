@@ -203,6 +203,21 @@ def test_a_lock_another_job_holds_now_is_lost_with_one_line(tmp_path, monkeypatc
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "theirs", "the other job's lock stays"
 
 
+def test_a_rank_its_launcher_spawned_learns_that_the_launchers_lock_was_lost(tmp_path, monkeypatch):
+    """Local ranks are children of the holder: rank 0 follows the lock files the launcher named in its environment."""
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.02)
+    write_holder(tmp_path, token="the-launchers")
+    monkeypatch.setenv(run_lock.HOLDER_ENV, json.dumps({str(tmp_path / LOCK_FILE): "the-launchers"}))
+    assert run_lock.lost(tmp_path) is None
+    time.sleep(0.1)
+    assert run_lock.lost(tmp_path) is None
+    write_holder(tmp_path, job="999", host="node-c", pid=31, token="theirs")
+    deadline = time.monotonic() + 5
+    while run_lock.lost(tmp_path) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert run_lock.lost(tmp_path).startswith(f"the lock of {tmp_path} was taken over by job 999 (host node-c")
+
+
 def test_losing_the_lock_stops_training_at_the_next_step_with_a_save_and_one_line(tmp_path, tiny_lm, monkeypatch):
     from shardlab import runner
     from shardlab.trainer import Trainer
