@@ -265,7 +265,10 @@ def tune_layout(cfg: DictConfig, task, env: dist_env.DistEnv, run_dir: Path) -> 
     from shardlab.distributed.base import join_process_group, pick_device
     from shardlab.memory import autotune
 
-    join_process_group(env, pick_device(env.local_rank), cfg.distributed.timeout_s, lambda: prepare_data(task))
+    join_process_group(
+        env, pick_device(env.local_rank), cfg.distributed.timeout_s, lambda: prepare_data(task),
+        cfg.distributed.init_timeout_s,
+    )  # fmt: skip
     report = autotune.tune(cfg, task, env, run_dir)
     if env.is_main:
         print(report, flush=True)

@@ -17,6 +17,7 @@ from torch.distributed import DistError, PrefixStore, TCPStore
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import DistributedConfig
+from shardlab.distributed import network
 from shardlab.distributed.env import DistEnv, free_port
 from shardlab.distributed.join import agent_hosts_store, prepare_and_agree, store_timeout
 from shardlab.errors import ConfigError, RankFailed, one_line
@@ -53,24 +54,38 @@ def process_group_backend(device: torch.device) -> str:
 
 
 def join_process_group(
-    env: DistEnv, device: torch.device, timeout_s: float, prepare_data: Callable[[], str] | None = None
-) -> None:
+    env: DistEnv,
+    device: torch.device,
+    timeout_s: float,
+    prepare_data: Callable[[], str] | None = None,
+    init_timeout_s: float = 600.0,
+) -> str | None:
     """Prepare this rank's data with ``prepare_data()`` (it returns what the rank opened), then join the job's process
     group (once per process: when it exists, only ``prepare_data`` runs).
 
     The ranks first meet in the launcher's rendezvous store, where data preparation may take as long as it needs and
-    all ranks agree they opened the same data (shardlab.distributed.join); only then is the process group made, with
-    ``timeout_s`` for its collectives."""
+    all ranks agree they opened the same data (shardlab.distributed.join) and learn what each sees of the network,
+    from which each chooses the interface gloo/NCCL offer their peers (shardlab.distributed.network); only then is the
+    process group made, with ``timeout_s`` for its collectives. A rank that cannot reach the master fails after
+    ``init_timeout_s``, as rank 0 gives up on one that never came. Returns the interface chosen (None: the default)."""
     if dist.is_initialized():
         if prepare_data is not None:
             prepare_data()
-        return
-    store = _rendezvous_store(env, timeout_s)
-    if prepare_data is not None:
-        if env.world_size > 1:
-            prepare_and_agree(store, env.rank, env.world_size, prepare_data)
-        else:
-            prepare_data()
+        return None
+    store = _rendezvous_store(env, timeout_s, init_timeout_s)
+    interface = None
+    if env.world_size > 1:
+        route = network.local_route(env.master_addr)
+        routes = prepare_and_agree(
+            store, env.rank, env.world_size, prepare_data or (lambda: ""), route=route.to_json(),
+            appear_s=init_timeout_s,
+        )  # fmt: skip
+        interface = network.choose_interface(
+            route, [network.Route(**r) for r in routes if r is not None], network.interfaces()
+        )
+    elif prepare_data is not None:
+        prepare_data()
+    interface = network.apply_interface(interface)
     timeout = timedelta(seconds=timeout_s)
     store.set_timeout(timeout)
     dist.init_process_group(
@@ -80,16 +95,21 @@ def join_process_group(
         world_size=env.world_size,
         timeout=timeout,
     )
+    return interface
 
 
 AGENT_STORE_CONNECT_S = 20.0
 """torchrun's agent starts its store before any worker: one that cannot be reached for this long has ended."""
 
 
-def _rendezvous_store(env: DistEnv, timeout_s: float) -> TCPStore:
+def _rendezvous_store(env: DistEnv, timeout_s: float, init_timeout_s: float = 600.0) -> TCPStore:
     """The job's key-value store: torchrun's agent hosts it where torchrun says so (TORCHELASTIC_USE_AGENT_STORE), else
-    rank 0 does, at the master address and port (local spawn, Slurm, or one process on any free port)."""
+    rank 0 does, at the master address and port (local spawn, Slurm, or one process on any free port). Another rank
+    first waits for rank 0's port to answer (network.wait_for_master: notes while waiting, one line on failure after
+    ``init_timeout_s``)."""
     agent_hosts = agent_hosts_store(env)
+    if env.master_port and env.rank != 0 and not agent_hosts:
+        network.wait_for_master(env.rank, env.master_addr, env.master_port, init_timeout_s)
     # Rank 0 may start its store minutes after the others (a slow node, a long import); an agent's store is up before
     # its workers start, so not reaching it soon means that agent ended (its own workers failed) and nobody ever will.
     connect_s = AGENT_STORE_CONNECT_S if agent_hosts else store_timeout(timeout_s).total_seconds()
@@ -127,6 +147,8 @@ class Backend:
         self.cpu_allocator: str | None = None
         """What setup applied to this CPU rank's allocator (lean or fast); None on GPU ranks, off glibc, or where the
         user's MALLOC_MMAP_THRESHOLD_ decides."""
+        self.interface: str | None = None
+        """The network interface gloo/NCCL offer their peers, where this job spans several hosts (None: default)."""
         self._timeout_s: float = cfg.timeout_s
         """The collective timeout in force (long_timeout raises it for a while)."""
 
@@ -144,7 +166,9 @@ class Backend:
             mode = resolve_cpu_allocator(self.cfg)
             self.cpu_allocator = mode if configure_cpu_allocator(mode) else None
         if self.env.world_size > 1 or self.name != "single":
-            join_process_group(self.env, self.device, self.cfg.timeout_s, prepare_data)
+            self.interface = join_process_group(
+                self.env, self.device, self.cfg.timeout_s, prepare_data, self.cfg.init_timeout_s
+            )
         elif prepare_data is not None:
             prepare_data()
 
@@ -291,6 +315,9 @@ class Backend:
 
     def describe(self) -> Iterator[str]:
         yield f"backend {self.name}: world size {self.env.world_size} ({self.env.launcher}), device {self.device}"
+        if self.interface:
+            yield (f"network: master {self.env.master_addr}:{self.env.master_port}; ranks talk on {self.interface} "
+                   "here (each host chooses its own: docs/distributed.md#multi-node)")  # fmt: skip
         if self.cfg.compile:
             cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
             yield f"compile: every unit builds its graphs in the first training step (inductor cache {cache})"

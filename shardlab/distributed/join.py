@@ -22,6 +22,7 @@ from datetime import timedelta
 
 from torch.distributed import Store, TCPStore
 
+from shardlab.distributed.network import WAIT_NOTE_S
 from shardlab.errors import DataError, RankFailed
 
 HEARTBEAT_S = 2.0
@@ -69,11 +70,19 @@ def _arrive(store: Store, number: int, rank: int) -> str:
 
 
 def prepare_and_agree(
-    store: Store, rank: int, world_size: int, prepare: Callable[[], str], prefix: str | None = None
-) -> None:
+    store: Store,
+    rank: int,
+    world_size: int,
+    prepare: Callable[[], str],
+    prefix: str | None = None,
+    route: dict | None = None,
+    appear_s: float = APPEAR_S,
+) -> list[dict | None]:
     """Run ``prepare()`` (this rank's data; returns what it opened, e.g. token counts and a content hash) with a
-    heartbeat, then wait until every rank has, and raise on every rank if one failed or opened other data.
-    ``prefix``: the store keys of this join (default: one per join in this process and attempt, see ``_arrive``)."""
+    heartbeat, then wait until every rank has, and raise on every rank if one failed or opened other data. Returns
+    every rank's ``route`` (what it sees of the network: shardlab.distributed.network.Route), in rank order.
+    ``prefix``: the store keys of this join (default: one per join in this process and attempt, see ``_arrive``);
+    ``appear_s``: how long rank 0 waits for a rank that never connected (distributed.init_timeout_s)."""
     global _joins_in_process
     _joins_in_process += 1
     keys = _Keys(prefix or _arrive(store, _joins_in_process, rank))
@@ -89,15 +98,17 @@ def prepare_and_agree(
             message = str(e) if isinstance(e, (DataError, RankFailed)) else f"{type(e).__name__}: {e}"
             _post_failure(store, keys, rank, f"rank {rank} could not prepare its data: {message}")
             raise
-        store.set(keys.ready(rank), json.dumps({"data": identity, "host": socket.gethostname()}))
+        ready = {"data": identity, "host": socket.gethostname(), "route": route}
+        store.set(keys.ready(rank), json.dumps(ready))
         store.add(keys.count, 1)
         if rank == 0:
-            store.set(keys.verdict, json.dumps(_decide(store, keys, world_size)))
+            store.set(keys.verdict, json.dumps(_decide(store, keys, world_size, appear_s)))
         verdict = _wait_for_verdict(store, keys)
     finally:
         stop.set()
         beat.join()
     _raise_if_failed(verdict)
+    return verdict["routes"]
 
 
 def _raise_if_failed(verdict: dict) -> None:
@@ -173,10 +184,11 @@ def _heartbeat(store: Store, key: str, stop: threading.Event) -> None:
             return
 
 
-def _decide(store: Store, keys: _Keys, world_size: int) -> dict:
+def _decide(store: Store, keys: _Keys, world_size: int, appear_s: float = APPEAR_S) -> dict:
     """Rank 0: wait for every rank's result (giving up on dead ones, and on waiting at all once one rank failed: a
-    launcher may already have stopped that rank's neighbours); the verdict every rank will read."""
-    started = time.monotonic()
+    launcher may already have stopped that rank's neighbours), saying every WAIT_NOTE_S who it still waits for; the
+    verdict every rank will read."""
+    started = noted = time.monotonic()
     beats: dict[int, tuple[int, float]] = {}  # rank -> (last counter seen, when it last moved)
 
     def first_failure() -> dict | None:
@@ -187,19 +199,30 @@ def _decide(store: Store, keys: _Keys, world_size: int) -> dict:
         if failure := first_failure():
             return failure
         now = time.monotonic()
+        absent, preparing = [], []
         for r in range(1, world_size):
             if store.check([keys.ready(r)]):
                 continue
             if not store.check([keys.alive(r)]):
-                if now - started > APPEAR_S:
-                    return {"error": f"rank {r} never joined ({APPEAR_S:.0f} s); see its log"}
+                if now - started > appear_s:
+                    return {
+                        "error": f"rank {r} never joined ({appear_s:.0f} s, distributed.init_timeout_s); see its log "
+                        "(a node that did not start, or cannot reach this one)"
+                    }
+                absent.append(r)
                 continue
+            preparing.append(r)
             counter = store.add(keys.alive(r), 0)
             last, moved = beats.get(r, (None, now))
             if counter != last:
                 beats[r] = (counter, now)
             elif now - moved > STALL_S:
                 return {"error": f"rank {r} stopped while preparing its data (no heartbeat for {STALL_S:.0f} s)"}
+        if now - noted >= WAIT_NOTE_S:
+            noted = now
+            print(f"[rank 0] waiting for ranks to join ({now - started:.0f} s): {world_size - len(absent)} of "
+                  f"{world_size} connected; not yet: {_ranks(absent)}; preparing their data: {_ranks(preparing)}",
+                  flush=True)  # fmt: skip
         time.sleep(1.0)
     if failure := first_failure():  # a failing rank counts itself in too
         return failure
@@ -212,7 +235,11 @@ def _decide(store: Store, keys: _Keys, world_size: int) -> dict:
                 f"{r} ({other['host']}) {other['data']}; give every rank the same data (node-local copies must hold "
                 "the same files)",
             }
-    return {"ok": True}
+    return {"ok": True, "routes": [other.get("route") for other in opened]}
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "") or "none"
 
 
 def _wait_for_verdict(store: Store, keys: _Keys) -> dict:
