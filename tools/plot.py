@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,8 +165,8 @@ def draw(runs: list[Curves], shared: list[str], out: Path):
     axes[0, 0].set_title("against the optimizer step")
     axes[0, 1].set_title(f"against the {unit} seen")
     axes[0, 0].legend(fontsize=8, title="runs", title_fontsize=8)
-    if shared:
-        fig.suptitle("common: " + " ".join(shared), fontsize=9)
+    if shared:  # wrapped: a sweep's shared overrides run to hundreds of characters
+        fig.suptitle(textwrap.fill("common: " + " ".join(shared), width=170, break_on_hyphens=False), fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
