@@ -152,6 +152,9 @@ class OptimizationConfig:
     """Micro-batches accumulated per optimizer step; global batch = batch_size * update_freq."""
     clip_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
+    max_nonfinite_steps: int = 3
+    """Stop the run as failed when the loss is NaN or infinite on this many steps in a row (any rank), or at a save
+    whose weights are; nothing non-finite is saved. fp16's gradient overflows, which the scaler skips, do not count."""
 
 
 @dataclass
@@ -298,14 +301,23 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
         if not ok:
             errors.append(msg)
 
+    nonfinite = nonfinite_errors(cfg)
+    if nonfinite:  # alone: the range checks below would only repeat them (NaN fails every comparison, inf passes >)
+        raise ConfigError("; ".join(nonfinite))
     o, opt, sch, d = cfg.optimization, cfg.optimizer, cfg.lr_scheduler, cfg.distributed
     check(o.max_steps > 0, f"optimization.max_steps must be > 0, got {o.max_steps}")
+    check(
+        o.max_nonfinite_steps >= 1,
+        f"optimization.max_nonfinite_steps must be >= 1, got {o.max_nonfinite_steps}",
+    )
     check(o.batch_size > 0, f"optimization.batch_size must be > 0, got {o.batch_size}")
     check(o.update_freq > 0, f"optimization.update_freq must be >= 1, got {o.update_freq}")
     check(o.clip_norm >= 0, f"optimization.clip_norm must be >= 0 (0 disables), got {o.clip_norm}")
     check(opt.lr > 0, f"optimizer.lr must be > 0, got {opt.lr}")
     check(opt.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {opt.weight_decay}")
     check(opt.trust_coefficient > 0, f"optimizer.trust_coefficient must be > 0, got {opt.trust_coefficient}")
+    check(opt.eps > 0, f"optimizer.eps must be > 0 (it keeps a denominator off zero), got {opt.eps}")
+    check(0 <= opt.momentum < 1, f"optimizer.momentum must be in [0, 1), got {opt.momentum}")
     check(
         len(opt.betas) == 2 and all(0 <= b < 1 for b in opt.betas),
         f"optimizer.betas must be two numbers in [0, 1), got {list(opt.betas)}",
@@ -371,6 +383,29 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     errors += unknown_key_errors(cfg)
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def nonfinite_errors(cfg: Any) -> list[str]:
+    """Every number of the config (all sections, plug-ins' included, lists too) that is NaN or infinite, by dotted
+    key. Range checks let them through: ``lr > 0`` holds for inf, and optimizer.lr=inf trained a NaN loss from step 2
+    and ended "completed" with a NaN checkpoint. No shardlab setting means infinity (0 is "off" where one can be)."""
+    import math
+
+    errors: list[str] = []
+
+    def visit(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if f"{key}{k}" != "hydra":  # Hydra's own node: Hydra checks it
+                    visit(v, f"{key}{k}.")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                visit(v, f"{key[:-1]}[{i}].")
+        elif isinstance(value, float) and not math.isfinite(value):
+            errors.append(f"{key[:-1]} must be a finite number, got {value}; give a finite value")
+
+    visit(OmegaConf.to_container(cfg, resolve=False), "")  # an interpolation repeats a value checked where it is set
+    return errors
 
 
 def plan_device_errors(cfg: Any) -> list[str]:

@@ -29,6 +29,7 @@ from shardlab.errors import (
     ConfigError,
     IncompatibleCheckpointError,
     RunFolderInUse,
+    TrainingDiverged,
     UnsafeCheckpointError,
     first_cause,
     one_line,
@@ -64,6 +65,11 @@ class Trainer:
         change) or update (the optimizer, scaler and schedule are being stepped: neither the last step nor this)."""
         self.stopped_by: str | None = None
         """The stop signal that ended training before optimization.max_steps (after a checkpoint), if one did."""
+        self.loss_finite: torch.Tensor | bool = True
+        """Whether every micro-batch loss of the last step on this rank was finite (a tensor: read once, when the
+        step's flags are agreed, not after each micro-batch)."""
+        self.nonfinite_steps = 0
+        """Steps in a row whose loss was not finite on some rank (optimization.max_nonfinite_steps ends the run)."""
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self, plan: RunPlan, restore: bool = True) -> None:
@@ -157,9 +163,13 @@ class Trainer:
             # Agreed at every step end (one all-reduce), so all ranks stop or save at the same step whichever rank got
             # the signal, and a save by the clock follows rank 0's.
             with record_function("shardlab.agree"):
-                stop, overdue, lock_lost = backend.any_rank(
-                    self.stop_signals.received is not None, self._save_overdue(), self._lock_lost()
+                stop, overdue, lock_lost, nonfinite = backend.any_rank(
+                    self.stop_signals.received is not None,
+                    self._save_overdue(),
+                    self._lock_lost(),
+                    not bool(self.loss_finite),
                 )
+            self._count_nonfinite(nonfinite, log)
             stop = stop or lock_lost  # another job holds the folder now: save this step, then stop (below)
             if stop or state.step == o.max_steps:  # the loop's last step: what it holds is what the run holds
                 self.held = self._held_between_steps()
@@ -226,6 +236,8 @@ class Trainer:
             with backend.grad_sync(self.model, micro == o.update_freq - 1):
                 with backend.forward_context():
                     loss, stats = self.task.loss(self.model, batch, backend.device)
+                finite = torch.isfinite(loss.detach()).all()
+                self.loss_finite = finite if micro == 0 else self.loss_finite & finite
                 scaled = loss / o.update_freq
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             with record_function("shardlab.metrics"):
@@ -441,6 +453,30 @@ class Trainer:
         agreement.agree(error, f"checkpoint.init_from: loading {path}", self.backend.device)
         return path
 
+    def _count_nonfinite(self, nonfinite: bool, log: RunLogger) -> None:
+        """One more step whose loss was not finite (on some rank: agreed, so every rank stops at the same step), or
+        the streak ends. At optimization.max_nonfinite_steps the run ends failed, saving nothing: NaN does not train
+        back to a number, and ending "completed" with a NaN checkpoint hid it."""
+        limit = self.cfg.optimization.max_nonfinite_steps
+        self.nonfinite_steps = self.nonfinite_steps + 1 if nonfinite else 0
+        if nonfinite:
+            log.info(f"WARNING: the loss is not finite at step {self.state.step} ({self.nonfinite_steps} of {limit})")
+        if self.nonfinite_steps >= limit:
+            raise TrainingDiverged(
+                f"the loss was not finite (NaN or inf) on {limit} steps in a row, the last step {self.state.step} "
+                f"(optimization.max_nonfinite_steps={limit}); nothing non-finite was saved, "
+                f"{self.checkpointer.kept()}; lower optimizer.lr or optimization.clip_norm, or look at that data"
+            )
+
+    @torch.no_grad()
+    def _weights_finite(self) -> bool:
+        """Whether every parameter of the model is finite, agreed over ranks (each checks its own shards)."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        # amax and amin carry NaN and inf through without a temporary the size of the tensor (isfinite makes one).
+        ends = [e for t in local if t.is_floating_point() and t.numel() for e in (t.amax(), t.amin())]
+        finite = not ends or bool(torch.isfinite(torch.stack(ends)).all())
+        return not self.backend.any_rank(not finite)[0]
+
     def _lock_lost(self) -> bool:
         """Whether rank 0 knows the run's lock is another job's now (shardlab.jobs.run_lock): agreed at the step's
         end with the stop signals, so every rank saves and stops at the same step."""
@@ -508,6 +544,8 @@ class Trainer:
         """Why the state in memory is not the last completed step's, or None if it is."""
         world = self.backend.env.world_size
         step, kept = self.state.step, self.checkpointer.kept()
+        if isinstance(error, TrainingDiverged):
+            return f"the run diverged (a checkpoint of it would hold NaN or inf); {kept}"
         if world > 1:
             return (
                 f"at world size {world} the other ranks cannot join a save after one rank's error; {kept}. Ctrl-C "
@@ -524,6 +562,11 @@ class Trainer:
         return None
 
     def save(self) -> Path:
+        if not self._weights_finite():  # every save: the loop's, a stop's, the last, save_on_error's
+            raise TrainingDiverged(
+                f"the weights are not finite (NaN or inf) at step {self.state.step}: not saved, "
+                f"{self.checkpointer.kept()}; lower optimizer.lr or optimization.clip_norm"
+            )
         described = {  # what the checkpoint is of, for checks and tools; the resumable state is self.state
             "task": self.cfg.task.name,
             "model_config": self.model_config,

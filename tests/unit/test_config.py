@@ -66,6 +66,43 @@ def test_preflight_answers_bad_overrides_in_one_line(override, expected):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("optimizer.lr=inf", "optimizer.lr must be a finite number, got inf; give a finite value"),
+        ("optimizer.eps=nan", "optimizer.eps must be a finite number, got nan; give a finite value"),
+        ("optimizer.weight_decay=inf", "optimizer.weight_decay must be a finite number, got inf"),
+        ("optimizer.momentum=nan", "optimizer.momentum must be a finite number, got nan"),
+        ("optimizer.betas=[0.9,nan]", "optimizer.betas[1] must be a finite number, got nan"),
+        ("model.init_std=nan", "model.init_std must be a finite number, got nan"),
+        ("data.max_corpus_mb=nan", "data.max_corpus_mb must be a finite number, got nan"),
+        ("optimization.clip_norm=-inf", "optimization.clip_norm must be a finite number, got -inf"),
+        ("optimizer.eps=-1", "optimizer.eps must be > 0 (it keeps a denominator off zero), got -1.0"),
+        ("optimizer.eps=0", "optimizer.eps must be > 0"),
+        ("optimizer.momentum=1", "optimizer.momentum must be in [0, 1), got 1.0"),
+        ("optimization.max_nonfinite_steps=0", "optimization.max_nonfinite_steps must be >= 1, got 0"),
+    ],
+)
+def test_a_number_that_is_not_finite_or_out_of_range_is_refused_in_one_line(override, expected):
+    """Range checks alone let inf through (inf > 0): optimizer.lr=inf trained NaN losses and ended "completed"."""
+    with pytest.raises(ConfigError) as e:
+        preflight([override])
+    assert str(e.value) == expected or str(e.value).startswith(expected), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_cli_refuses_lr_inf_in_one_line_with_exit_code_2_and_writes_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    args = ["optimizer.lr=inf", f"hydra.run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}"]
+    out = subprocess.run([sys.executable, "-m", "shardlab.train", *args], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == "error: optimizer.lr must be a finite number, got inf; give a finite value"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run folder, no cache, no lock
+
+
 def test_validation_collects_every_problem_at_once():
     cfg = compose_config(
         ["optimizer.lr=-1", "optimization.batch_size=0", "optimization.max_steps=10", "lr_scheduler.warmup_steps=20"]

@@ -89,3 +89,80 @@ def test_without_save_on_error_ctrl_c_interrupts_as_usual(tiny_lm, tmp_path, mon
     monkeypatch.setattr(Trainer, "_step", after_the_update_of_step(3, lambda: os.kill(os.getpid(), signal.SIGINT)))
     with pytest.raises(KeyboardInterrupt):
         run_rank(tiny_lm(*CKPT), tmp_path, dist_env.detect())
+
+
+# ---- a run that goes non-finite (optimization.max_nonfinite_steps) --------------------------------------------------
+NONFINITE = ["optimization.max_steps=10", "validation.interval_steps=0", "checkpoint.save_on_error=true"]
+
+
+def saved_weights_are_finite(run_dir) -> list[str]:
+    """The step folders of ``run_dir``, each checked to hold only finite weights."""
+    from shardlab.checkpoint import weights
+
+    steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    for name in steps:
+        state = weights.read_full(run_dir / "checkpoints" / name)
+        assert all(torch.isfinite(t).all() for t in state.values()), f"{name} holds NaN or inf"
+    return steps
+
+
+def failed_with(run_dir, error) -> str:
+    from shardlab.jobs import run_record
+
+    status = run_record.read(run_dir)
+    assert status["status"] == "failed" and status["error"] == str(error) and "\n" not in str(error)
+    return str(error)
+
+
+def test_a_loss_that_stays_nan_stops_the_run_as_failed_after_max_nonfinite_steps(tiny_lm, tmp_path, monkeypatch):
+    from shardlab.errors import TrainingDiverged
+    from shardlab.runner import run_job
+    from tasks.lm.task import LanguageModelingTask
+
+    original, calls = LanguageModelingTask.loss, {"n": 0}
+
+    def nan_from_step_3(self, model, batch, device):
+        loss, stats = original(self, model, batch, device)
+        calls["n"] += device.type != "meta"  # the memory plan's shape-only forward is no training step
+        return (loss * float("nan") if calls["n"] >= 3 else loss), stats
+
+    monkeypatch.setattr(LanguageModelingTask, "loss", nan_from_step_3)
+    with pytest.raises(TrainingDiverged) as e:
+        run_job(tiny_lm(*NONFINITE, "checkpoint.interval_steps=1"), tmp_path, [])
+    assert failed_with(tmp_path, e.value).startswith(
+        "the loss was not finite (NaN or inf) on 3 steps in a row, the last step 5 "
+        "(optimization.max_nonfinite_steps=3); nothing non-finite was saved, the newest checkpoint, step_00000004,"
+    )
+    assert calls["n"] == 5  # stopped there, not at optimization.max_steps
+    # NaN gradients skip the update (the weights stay step 2's), so steps 3 and 4 saved finite weights
+    assert saved_weights_are_finite(tmp_path) == ["step_00000003", "step_00000004"]
+
+
+@pytest.mark.parametrize(
+    "interval, refusal",
+    [
+        (1, "the weights are not finite (NaN or inf) at step 3: not saved, the newest checkpoint, step_00000002, is"),
+        (0, "the loss was not finite (NaN or inf) on 3 steps in a row, the last step 6"),
+    ],
+    ids=["at-the-next-save", "after-the-streak-with-save_on_error"],
+)
+def test_weights_gone_nan_are_never_saved_and_the_run_fails(tiny_lm, tmp_path, monkeypatch, interval, refusal):
+    """As optimizer.lr=inf did (the config now refuses it): the update writes NaN into the weights. The next save
+    refuses them; without one, the loss's streak ends the run, and save_on_error saves nothing either."""
+    from shardlab.errors import TrainingDiverged
+    from shardlab.runner import run_job
+
+    original = Trainer._step
+
+    def poisoning_step_3(self):
+        result = original(self)
+        if self.state.step + 1 == 3:
+            with torch.no_grad():
+                next(self.model.parameters()).fill_(float("nan"))
+        return result
+
+    monkeypatch.setattr(Trainer, "_step", poisoning_step_3)
+    with pytest.raises(TrainingDiverged) as e:
+        run_job(tiny_lm(*NONFINITE, f"checkpoint.interval_steps={interval}"), tmp_path, [])
+    assert failed_with(tmp_path, e.value).startswith(refusal)
+    assert saved_weights_are_finite(tmp_path) == (["step_00000001", "step_00000002"] if interval else [])
