@@ -120,8 +120,11 @@ def architecture_errors(cfg: DictConfig) -> list[str]:
 
 
 def job_world_size(cfg: DictConfig, launcher_world_size: int) -> int:
-    """Ranks the job will have: the launcher's, or distributed.world_size for ranks shardlab spawns itself."""
-    return launcher_world_size if launcher_world_size > 1 else cfg.distributed.world_size
+    """Ranks the job will have: the launcher's, or distributed.world_size where shardlab spawns ranks itself (in one
+    process, or in each of a Slurm job's tasks: one task per node starting its share of the ranks)."""
+    if launcher_world_size > 1 and not dist_env.ranks_to_spawn(cfg.distributed.world_size, dist_env.detect()):
+        return launcher_world_size
+    return max(launcher_world_size, cfg.distributed.world_size)
 
 
 def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | None:
@@ -136,13 +139,14 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
         point_at_former_folder(run_dir, overrides, cfg.checkpoint.dir)
     signals = None
     try:
-        task = build_task(cfg, env.world_size, run_dir)
+        task = build_task(cfg, job_world_size(cfg, env.world_size), run_dir)
         if cfg.dry_run:
             print_plan(cfg, task)
             return None
-        if env.launcher == "none" and cfg.distributed.world_size > 1:
+        local_ranks = dist_env.ranks_to_spawn(cfg.distributed.world_size, env)
+        if local_ranks:
             prepare_data(task)  # once, here, so the ranks find it cached and data errors come back as one line
-            result, signals = launch_local(cfg, run_dir, cfg.distributed.world_size)
+            result, signals = launch_local(cfg, run_dir, cfg.distributed.world_size, local_ranks)
         else:
             result = run_rank(cfg, run_dir, env, task=task)
         if record:
@@ -150,7 +154,8 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             if result["final"]:
                 print(f"final validation: {format_final(result['final'])}", flush=True)
         if signals is not None and result["stopped_by"]:
-            signals.forward(speaks_for_job=True)  # the launcher of local ranks: submitit's requeue, or Slurm's
+            # the launcher of local ranks (on every node, the first node's): submitit's requeue, or Slurm's
+            signals.forward(speaks_for_job=env.is_main)
     except BaseException as e:
         if record and run_lock.taken_over(run_dir):
             pass  # status.json is the job's that took the folder over now
@@ -195,7 +200,7 @@ def run_rank(
         return _run_rank(cfg, run_dir, env, after_fit, teardown, task, signals)
     except BaseException:
         if signals.received in REQUEUE_SIGNALS:  # the warning still gets its requeue (submitit's, or Slurm's)
-            signals.forward(speaks_for_job=env.is_main and env.launcher != "local")
+            signals.forward(speaks_for_job=env.is_main and not env.spawned)
         raise
     finally:
         signals.restore()
@@ -243,7 +248,7 @@ def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals:
         if env.is_main:
             run_record.finish(run_dir, result)  # before the handler below, which may end the process
         # Under submitit: its requeue, now that the checkpoint is written; local ranks leave that to their launcher.
-        trainer.stop_signals.forward(speaks_for_job=env.is_main and env.launcher != "local")
+        trainer.stop_signals.forward(speaks_for_job=env.is_main and not env.spawned)
     return result
 
 
@@ -275,11 +280,12 @@ def tune_layout(cfg: DictConfig, task, env: dist_env.DistEnv, run_dir: Path) -> 
 
 
 def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int, result_file: str) -> None:
-    """Body of a locally spawned rank: rank 0 hands its result back through ``result_file``; errors are reported with
-    the rank and end the process non-zero."""
+    """Body of a locally spawned rank (``rank``: its index on this machine): the first hands its result back through
+    ``result_file``; errors are reported with the rank and end the process non-zero."""
     faulthandler.register(signal.SIGQUIT)  # `kill -QUIT <pid>` dumps a hung rank's stacks (USR1/2 are stop signals)
     cfg = OmegaConf.create(cfg_yaml)
     env = dist_env.detect(spawned_rank=rank, spawned_world=world_size, spawned_port=port)
+    rank = env.rank
     try:
         result = run_rank(cfg, Path(run_dir), env)
     except ShardlabError:
@@ -287,28 +293,34 @@ def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port
     except Exception:
         print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
-    if rank == 0:
+    if env.local_rank == 0:
         handed = {key: result[key] for key in ("final", "stopped_by", "memory")}
         Path(result_file).write_text(json.dumps(handed))
     dist_env.end_finished_rank()
 
 
-def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> tuple[dict, StopSignals]:
-    """Start ``world_size`` processes on this machine (gloo on CPU, nccl on CUDA), wait for all of them, and return
-    rank 0's result with the stop signals this process received. A stop signal sent to this process reaches every
-    rank, which then stop at an agreed step; the signal is then this process's to forward (run_job), so a one-task
-    Slurm job that spawns its ranks is requeued like any other (submitit's handler is the one it reaches)."""
+def launch_local(
+    cfg: DictConfig, run_dir: Path, world_size: int, nprocs: int | None = None
+) -> tuple[dict, StopSignals]:
+    """Start ``nprocs`` (default: all ``world_size``) ranks on this machine (gloo on CPU, nccl on CUDA), wait for all of
+    them, and return the first one's result with the stop signals this process received. Fewer than ``world_size``:
+    this process is one task of a multi-node job, its ranks those of its task (shardlab.distributed.env.detect). A
+    stop signal sent to this process reaches every rank, which then stop at an agreed step; the signal is then this
+    process's to forward (run_job), so a Slurm job whose tasks spawn their ranks is requeued like any other (submitit's
+    handler is the one it reaches)."""
     import torch.multiprocessing as mp
 
+    nprocs = nprocs or world_size
+    first = dist_env.detect().rank * nprocs  # the global rank of this task's first one (0 on one machine)
     port = dist_env.free_port()
-    dist_env.set_local_rank_defaults(world_size)
+    dist_env.set_local_rank_defaults(nprocs)
     cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     with tempfile.TemporaryDirectory(prefix="shardlab-") as tmp:
         result_file = str(Path(tmp) / "result.json")
         context = mp.start_processes(
             _spawned_entry,
             args=(cfg_yaml, str(run_dir), world_size, port, result_file),
-            nprocs=world_size,
+            nprocs=nprocs,
             join=False,
             start_method="spawn",
         )
@@ -331,10 +343,12 @@ def launch_local(cfg: DictConfig, run_dir: Path, world_size: int) -> tuple[dict,
             name, _, message = last.partition(": ")
             user_error = getattr(errors, name.rsplit(".", 1)[-1], None)
             if isinstance(user_error, type) and issubclass(user_error, ShardlabError):
-                raise user_error(f"(rank {e.error_index}) {message}") from None
-            raise RankFailed(f"rank {e.error_index} failed: {last}") from None
+                raise user_error(f"(rank {first + e.error_index}) {message}") from None
+            raise RankFailed(f"rank {first + e.error_index} failed: {last}") from None
         except mp.ProcessExitedException as e:
-            raise RankFailed(f"rank {e.error_index} exited with code {e.exit_code}; see its message above") from None
+            raise RankFailed(
+                f"rank {first + e.error_index} exited with code {e.exit_code}; see its message above"
+            ) from None
         finally:
             signals.restore()
         return json.loads(Path(result_file).read_text()), signals

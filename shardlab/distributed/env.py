@@ -25,6 +25,9 @@ class DistEnv:
     master_port: int
     launcher: str
     """torchrun, slurm, submitit_local, local (shardlab spawned the ranks) or none (one process)."""
+    spawned: bool = False
+    """shardlab started this rank: on one machine (launcher local), or as one of the local ranks a Slurm task starts
+    on its node (launcher slurm / submitit_local); its launcher process, not the rank, speaks for the job."""
 
     @property
     def is_main(self) -> bool:
@@ -32,9 +35,18 @@ class DistEnv:
 
 
 def detect(spawned_rank: int | None = None, spawned_world: int = 1, spawned_port: int = 0) -> DistEnv:
-    """Rank and rendezvous for this process; ``spawned_*`` come from shardlab's own launcher when it started us."""
+    """Rank and rendezvous for this process; ``spawned_*`` come from shardlab's own launcher when it started us
+    (``spawned_rank``: the index on this machine). A rank spawned by one task of a multi-task job (one task per node,
+    each starting its share of distributed.world_size) takes its global rank and the job's rendezvous from the task."""
     if spawned_rank is not None:
-        return DistEnv(spawned_rank, spawned_world, spawned_rank, "127.0.0.1", spawned_port, "local")
+        task = detect()
+        if task.world_size > 1:
+            per_task = spawned_world // task.world_size
+            return DistEnv(
+                task.rank * per_task + spawned_rank, spawned_world, spawned_rank, task.master_addr, task.master_port,
+                task.launcher, spawned=True,
+            )  # fmt: skip
+        return DistEnv(spawned_rank, spawned_world, spawned_rank, "127.0.0.1", spawned_port, "local", spawned=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         return DistEnv(
             rank=int(os.environ["RANK"]),
@@ -79,6 +91,25 @@ def job_port(job) -> int:
     raw = job.raw_job_id
     number = int(raw) if raw.isdigit() else zlib.crc32(raw.encode())
     return 20000 + number % 40000
+
+
+def ranks_to_spawn(world_size: int, env: DistEnv) -> int:
+    """How many ranks this process starts itself (0: it is a rank): ``world_size`` (distributed.world_size) on one
+    machine without a launcher, or, in a Slurm (or submitit local) job with fewer tasks than ``world_size``, its share
+    of them: one task per node, each starting world_size / tasks local ranks. torchrun starts every rank itself."""
+    if env.launcher == "none":
+        return world_size if world_size > 1 else 0
+    if env.launcher in ("slurm", "submitit_local") and not env.spawned and world_size > env.world_size:
+        if world_size % env.world_size:
+            from shardlab.errors import ConfigError
+
+            raise ConfigError(
+                f"distributed.world_size={world_size} cannot be split over this job's {env.world_size} tasks; use a "
+                f"multiple of {env.world_size} (each task starts world_size / {env.world_size} ranks on its node), "
+                f"or {env.world_size} (each task is one rank)"
+            )
+        return world_size // env.world_size
+    return 0
 
 
 def set_local_rank_defaults(world_size: int) -> None:
