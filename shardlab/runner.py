@@ -207,6 +207,7 @@ def run_rank(
 
 
 def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals: StopSignals) -> dict:
+    from shardlab.checkpoint.shared import require_shared_folder
     from shardlab.memory.plan import plan_run
     from shardlab.trainer import Trainer
 
@@ -219,6 +220,8 @@ def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals:
     # that they opened the same data.
     backend.setup(prepare_data=lambda: prepare_data(task))
     try:
+        if backend.network.spans_hosts:
+            require_shared_folder(run_dir / cfg.checkpoint.dir, backend.network.hosts, backend.device)
         plan = plan_run(cfg, task, env.world_size)
         if env.is_main:
             print("\n".join(plan.lines), flush=True)  # before anything is allocated

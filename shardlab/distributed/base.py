@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
@@ -59,7 +60,7 @@ def join_process_group(
     timeout_s: float,
     prepare_data: Callable[[], str] | None = None,
     init_timeout_s: float = 600.0,
-) -> str | None:
+) -> network.Joined:
     """Prepare this rank's data with ``prepare_data()`` (it returns what the rank opened), then join the job's process
     group (once per process: when it exists, only ``prepare_data`` runs).
 
@@ -67,22 +68,24 @@ def join_process_group(
     all ranks agree they opened the same data (shardlab.distributed.join) and learn what each sees of the network,
     from which each chooses the interface gloo/NCCL offer their peers (shardlab.distributed.network); only then is the
     process group made, with ``timeout_s`` for its collectives. A rank that cannot reach the master fails after
-    ``init_timeout_s``, as rank 0 gives up on one that never came. Returns the interface chosen (None: the default)."""
+    ``init_timeout_s``, as rank 0 gives up on one that never came. Returns the hosts of the ranks and the interface
+    chosen (the same as the first time, when the group exists)."""
+    global _joined
     if dist.is_initialized():
         if prepare_data is not None:
             prepare_data()
-        return None
+        return _joined
     store = _rendezvous_store(env, timeout_s, init_timeout_s)
-    interface = None
+    interface, hosts = None, [socket.gethostname()]
     if env.world_size > 1:
         route = network.local_route(env.master_addr)
         routes = prepare_and_agree(
             store, env.rank, env.world_size, prepare_data or (lambda: ""), route=route.to_json(),
             appear_s=init_timeout_s,
         )  # fmt: skip
-        interface = network.choose_interface(
-            route, [network.Route(**r) for r in routes if r is not None], network.interfaces()
-        )
+        everyone = [network.Route(**r) for r in routes]
+        interface = network.choose_interface(route, everyone, network.interfaces())
+        hosts = [r.host for r in everyone]
     elif prepare_data is not None:
         prepare_data()
     interface = network.apply_interface(interface)
@@ -95,8 +98,12 @@ def join_process_group(
         world_size=env.world_size,
         timeout=timeout,
     )
-    return interface
+    _joined = network.Joined(hosts, interface)
+    return _joined
 
+
+_joined = network.Joined([socket.gethostname()], None)
+"""What this process's join learned (its process group is made once per process)."""
 
 AGENT_STORE_CONNECT_S = 20.0
 """torchrun's agent starts its store before any worker: one that cannot be reached for this long has ended."""
@@ -147,8 +154,8 @@ class Backend:
         self.cpu_allocator: str | None = None
         """What setup applied to this CPU rank's allocator (lean or fast); None on GPU ranks, off glibc, or where the
         user's MALLOC_MMAP_THRESHOLD_ decides."""
-        self.interface: str | None = None
-        """The network interface gloo/NCCL offer their peers, where this job spans several hosts (None: default)."""
+        self.network = network.Joined([socket.gethostname()], None)
+        """The host of each rank, and the interface gloo/NCCL offer their peers here (None: their default)."""
         self._timeout_s: float = cfg.timeout_s
         """The collective timeout in force (long_timeout raises it for a while)."""
 
@@ -166,7 +173,7 @@ class Backend:
             mode = resolve_cpu_allocator(self.cfg)
             self.cpu_allocator = mode if configure_cpu_allocator(mode) else None
         if self.env.world_size > 1 or self.name != "single":
-            self.interface = join_process_group(
+            self.network = join_process_group(
                 self.env, self.device, self.cfg.timeout_s, prepare_data, self.cfg.init_timeout_s
             )
         elif prepare_data is not None:
@@ -315,8 +322,9 @@ class Backend:
 
     def describe(self) -> Iterator[str]:
         yield f"backend {self.name}: world size {self.env.world_size} ({self.env.launcher}), device {self.device}"
-        if self.interface:
-            yield (f"network: master {self.env.master_addr}:{self.env.master_port}; ranks talk on {self.interface} "
+        if self.network.interface:
+            yield (f"network: {len(set(self.network.hosts))} hosts, master {self.env.master_addr}:"
+                   f"{self.env.master_port}; ranks talk on {self.network.interface} "
                    "here (each host chooses its own: docs/distributed.md#multi-node)")  # fmt: skip
         if self.cfg.compile:
             cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")

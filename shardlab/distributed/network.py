@@ -49,6 +49,20 @@ class Route:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Joined:
+    """What a rank learned when it joined its job's process group."""
+
+    hosts: list[str]
+    """The host name of each rank, in rank order."""
+    interface: str | None
+    """The interface gloo/NCCL offer their peers from this rank (None: their own choice, as on one host)."""
+
+    @property
+    def spans_hosts(self) -> bool:
+        return len(set(self.hosts)) > 1
+
+
 def resolve(address: str) -> str:
     """``address`` (a name or an IPv4/IPv6 literal) as this host resolves it; socket.gaierror where it cannot."""
     try:
