@@ -66,7 +66,9 @@ class DistributedConfig:
     """A name in BACKENDS: single, ddp, fully_sharded; or auto: the fastest layout the memory plan predicts to fit
     memory_budget_gb (shardlab/memory/budget.py)."""
     world_size: int = 1
-    """Processes to start on this machine when not launched by torchrun or Slurm (which set the world themselves)."""
+    """The ranks shardlab starts itself: on this machine when no launcher started this process, or in each task of a
+    Slurm job with fewer tasks than this (one task per node, each starting world_size / tasks ranks). torchrun, and a
+    Slurm job of one task per rank, set the world themselves."""
     sharding_degree: int = -1
     """fully_sharded: ranks a parameter is sharded over (FSDP paper's F). -1 = all ranks; 1 <= F < world = hybrid."""
     reshard_after_forward: bool = True
@@ -118,10 +120,11 @@ class DistributedConfig:
     must hold), else fast (shardlab/memory/meter.py: configure_cpu_allocator)."""
     timeout_s: int = 600
     """Collective timeout: a dead rank fails the others after this many seconds instead of hanging forever."""
-    init_timeout_s: int = 1800
-    """The collective timeout while the ranks start (building, sharding and materializing the model, the optimizer,
-    restoring): their pace differs with the machine's load and the model's size; timeout_s applies from the first
-    training step (checkpoint.timeout_s while checkpoints are read and written)."""
+    init_timeout_s: int = 600
+    """How long the ranks may take to start: to reach the master (a rank that cannot fails in one line naming the
+    address, port and interface), for rank 0 to see every rank arrive (who is missing is printed every 30 s), and the
+    collective timeout while they build, shard and materialize the model and the optimizer and restore; timeout_s
+    applies from the first training step (checkpoint.timeout_s while checkpoints are read and written)."""
     compile: bool = False
     """torch.compile (inductor) each FSDP unit of the task before it is sharded or wrapped, and the LM's loss; compiled
     in the first training step, reused from compile_cache_dir by the next run; validation runs eager
