@@ -204,7 +204,7 @@ class Trainer:
                 self.meter.reset()  # the next step's peak starts here: validation and saves do not count
             window_paused += time.perf_counter() - paused_from
             if stop and not last:
-                if lock_lost:  # not a stop signal: no requeue; the save above, then one line and exit code 2
+                if lock_lost:  # not a stop signal: no requeue. Saved above; then every rank ends with the reason
                     self.checkpointer.finish()
                     raise RunFolderInUse(self._lost_lock_line(path if cfg.checkpoint.save else None))
                 (signum,) = backend.max_over_ranks([float(self.stop_signals.received or 0)])  # which one, agreed
@@ -483,8 +483,7 @@ class Trainer:
         return self.backend.env.is_main and run_lock.lost(self.run_dir) is not None
 
     def _lost_lock_line(self, saved: Path | None) -> str:
-        reason = run_lock.lost(self.run_dir) if self.backend.env.is_main else None
-        reason = reason or f"the lock of {self.run_dir} was taken over by another job (rank 0 saw it)"
+        reason = run_lock.lost_reason(self.run_dir)  # the same words on every rank, whichever one is reported
         return f"{reason}; stopped at step {self.state.step}, " + (f"saved {saved}" if saved else "nothing saved")
 
     def _save_overdue(self) -> bool:

@@ -452,6 +452,21 @@ def lost(run_dir: Path) -> str | None:
     return _watched[key].lost
 
 
+def lost_reason(run_dir: Path) -> str:
+    """Why the run lost its lock, in the same words on every rank once the ranks agreed it did: rank 0 (or the
+    holder that spawned it) knows; another rank reads whom the lock file names now (the run folder is shared: every
+    rank saves its shards there)."""
+    reason = lost(run_dir)
+    if reason:
+        return reason
+    files = [(Path(p), t) for p, t in _spawned_locks().items()] or [(_key(run_dir) / LOCK_FILE, "")]
+    for path, token in files:
+        state, holder = _owner(path, token)
+        if state == "theirs":
+            return _lost_line(path, holder or {})
+    return f"the lock of {run_dir} was taken over by another job"
+
+
 def _spawned_locks() -> dict[str, str]:
     with contextlib.suppress(ValueError):
         locks = json.loads(os.environ.get(HOLDER_ENV) or "{}")
