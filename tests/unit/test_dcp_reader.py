@@ -25,7 +25,7 @@ from shardlab.checkpoint import dcp_reader, weights
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError, ConfigError, UnsafeCheckpointError, first_cause
 from shardlab.runner import run_rank
-from tools import consolidate, export_hf, generate
+from tools import consolidate, evaluate, export_hf, generate
 
 RUN = ["optimization.max_steps=2", "checkpoint.interval_steps=2", "validation.interval_steps=0"]
 
@@ -142,8 +142,9 @@ def test_init_from_refuses_a_crafted_metadata(tiny_lm, checkpoints, tmp_path):
         lambda c, out: generate.main([str(c), "--max-new-tokens", "2"]),
         lambda c, out: consolidate.main([str(c), "--out", str(out / "m.safetensors")]),
         lambda c, out: export_hf.main([str(c), "--out", str(out / "hf")]),
+        lambda c, out: evaluate.main([str(c), "--batch-size", "8"]),
     ],
-    ids=["generate", "consolidate", "export_hf"],
+    ids=["generate", "consolidate", "export_hf", "evaluate"],
 )
 def test_the_tools_refuse_a_crafted_metadata(checkpoints, tmp_path, tool):
     _, crafted, marker = checkpoints
@@ -371,19 +372,30 @@ def restored_process():
 
 @pytest.mark.parametrize("payload, refusal", ATTACKS.values(), ids=ATTACKS.keys())
 def test_a_metadata_that_would_change_a_class_function_or_shared_object_is_refused(
-    checkpoints, tmp_path, restored_process, payload, refusal
+    tiny_lm, checkpoints, tmp_path, restored_process, payload, refusal
 ):
+    """Every path that opens a step folder: the reader, the tools, init_from, resume (auto and by path)."""
     normal, _, _ = checkpoints
-    crafted = tmp_path / "step_00000002"
+    crafted = tmp_path / "run" / "checkpoints" / "step_00000002"
     shutil.copytree(normal, crafted)
     (crafted / ".metadata").write_bytes(payload)
     weights.read_full(normal)  # the layout lookup's cache as a normal read leaves it
     before = _process_state()
     out = tmp_path / "out" / "m.safetensors"
-    for read in (dcp_reader.read_metadata, weights.read_full, lambda p: consolidate.main([str(p), "--out", str(out)])):
-        with pytest.raises(UnsafeCheckpointError) as e:
+    readers = {
+        "read_metadata": dcp_reader.read_metadata,
+        "read_full": weights.read_full,
+        "consolidate": lambda p: consolidate.main([str(p), "--out", str(out)]),
+        "generate": lambda p: generate.main([str(p), "--max-new-tokens", "2"]),
+        "evaluate": lambda p: evaluate.main([str(p), "--batch-size", "8"]),
+        "init_from": lambda p: run_rank(tiny_lm(*RUN, f"checkpoint.init_from={p}"), tmp_path / "b", dist_env.detect()),
+        "resume=path": lambda p: run_rank(tiny_lm(*RUN, f"checkpoint.resume={p}"), tmp_path / "c", dist_env.detect()),
+        "resume=auto": lambda p: run_rank(tiny_lm(*RUN), tmp_path / "run", dist_env.detect()),
+    }
+    for name, read in readers.items():
+        with pytest.raises(CheckpointError) as e:
             read(crafted)
-        assert refusal in str(e.value) and "\n" not in str(e.value)
+        assert refusal in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
     assert str(pathlib.Path("/tmp/x")) == "/tmp/x" and str(pathlib.PurePosixPath("a", "b")) == "a/b"
     assert _process_state() == before
     assert not out.parent.exists(), "consolidate went on after the refusal"
