@@ -483,4 +483,4 @@ def test_fuzzed_metadata_is_refused_in_one_line_or_read_whole_and_never_changes_
         outcomes["read, equal" if same else "read, other bytes"] += 1
     assert _process_state() == before
     assert str(type(normal)("/tmp/x")) == "/tmp/x"
-    assert outcomes["refused"] > 100 and outcomes["read, equal"] > 10, outcomes
+    assert outcomes["refused"] > 150 and outcomes["read, equal"] > 2, outcomes  # both sides were reached
