@@ -225,3 +225,28 @@ def test_an_unwritable_cache_dir_is_one_line_naming_the_key(tmp_path):
     cfg = compose_config(["data.cache_dir=/proc/shardlab-cache", "data.max_corpus_mb=1"])
     with pytest.raises(DataError, match=r"^data.cache_dir: cannot write /proc/shardlab-cache/.*\.lock to preprocess"):
         prepare_data(build_task(cfg, 1))
+
+
+def test_only_global_rank_0_records_the_run_and_holds_its_lock(tmp_path, monkeypatch):
+    """Every rank of a torchrun or Slurm job runs Hydra: the others leave .hydra/ to rank 0, which writes it once it
+    holds the lock, so a rank of a refused job writes nothing in a running job's folder either."""
+    from hydra import compose, initialize_config_dir
+
+    from shardlab.config import CONF_DIR
+    from shardlab.jobs import run_lock
+    from shardlab.jobs.preflight import hold_the_run, resolved_run_dir
+
+    run = tmp_path / "run"
+    for rank in (1, 0):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose(config_name="config", overrides=[f"hydra.run.dir={run}"], return_hydra_config=True)
+        assert resolved_run_dir(cfg) == str(run)
+        try:
+            hold_the_run(cfg, str(run))
+            assert (cfg.hydra.output_subdir is None) == (rank == 1)
+            assert (run / run_lock.LOCK_FILE).is_file() == (rank == 0)
+        finally:
+            run_lock.release(run)
