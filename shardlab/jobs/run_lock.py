@@ -170,7 +170,6 @@ class RunLock:
             takeovers += 1
             if takeovers > TAKEOVER_TRIES:  # something keeps writing dead holders' locks here
                 raise RunFolderInUse(f"{self.path} changed under each of {TAKEOVER_TRIES} takeovers; {self._fix()}")
-        os.environ[HOLDER_ENV] = json.dumps({**_spawned_locks(), str(self.path.absolute()): self.me["token"]})
         self._thread = threading.Thread(target=self._beat, name="shardlab-run-lock", daemon=True)
         self._thread.start()
 
@@ -180,9 +179,6 @@ class RunLock:
             self._thread.join(timeout=5)
         if self.held():
             self.path.unlink(missing_ok=True)
-        locks = _spawned_locks()
-        if locks.pop(str(self.path.absolute()), None) == self.me["token"]:
-            os.environ[HOLDER_ENV] = json.dumps(locks)
         for folder in reversed(self._made):  # a start refused later (a path check) leaves no empty folder behind
             with contextlib.suppress(OSError):
                 folder.rmdir()
@@ -423,12 +419,18 @@ def take(run_dir: Path, checkpoint_dir: str | None = None) -> list[RunLock]:
             lock.release()
         raise
     _held[key] = locks
+    # The ranks this process spawns next follow exactly these locks (not an enclosing job's: a run started from
+    # within another would otherwise stop when that one lost its folder).
+    os.environ[HOLDER_ENV] = json.dumps({str(lock.path.absolute()): lock.me["token"] for lock in locks})
     return locks
 
 
 def release(run_dir: Path) -> None:
-    for lock in reversed(_held.pop(_key(run_dir), [])):
+    locks = _held.pop(_key(run_dir), [])
+    for lock in reversed(locks):
         lock.release()
+    if locks:
+        os.environ.pop(HOLDER_ENV, None)
 
 
 def release_all() -> None:
