@@ -2,13 +2,16 @@
 
     python tools/bench_preprocess.py --generate-mb 2048 --out preprocess.json -- --train-tokenizer bpe --vocab-size 8192
     python tools/bench_preprocess.py --corpus /data/shards --tokenizer ~/tok/tokenizer.json --out preprocess.json
+    python tools/bench_preprocess.py --generate-mb 32 --format parquet --out preprocess_parquet.json -- --workers 2
 
 Runs tools/preprocess_lm.py on the corpus in a child process (arguments after ``--`` are passed on), sampling the
 whole process tree's memory (RSS and PSS, workers included) every 0.2 s and its CPU time, and times the reference:
 the same tokenizer's encode_batch_fast in this process with all its threads. On a shared machine MB per CPU-second
 compares the two more fairly than MB/s, which depends on the CPU share each got.
 --generate-mb writes a JSONL corpus of that size under a temporary directory (repeated records of this Python's
-standard library, one file per record) and deletes it after.
+standard library, one file per record) and deletes it after; --format converts it first, file by file, to the same
+documents as .jsonl.gz, .jsonl.zst, Parquet, Arrow (as datasets' save_to_disk writes it) or .txt.gz (each file's
+documents as one text), so the formats' rows compare reading the same text: their "corpus" is the JSONL's size.
 """
 
 from __future__ import annotations
@@ -54,6 +57,41 @@ def generate_jsonl(out_dir: Path, megabytes: float, num_files: int = 8) -> Path:
     return out_dir
 
 
+FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow", "txt.gz")
+
+
+def convert(folder: Path, fmt: str) -> None:
+    """Rewrite every part*.jsonl of ``folder`` as ``fmt`` (the same documents, in the same order), in place."""
+    import gzip
+
+    if fmt == "jsonl":
+        return  # generated as JSONL already: the row the other formats compare with
+
+    for path in sorted(folder.glob("part*.jsonl")):
+        docs = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+        out = path.with_suffix("." + fmt)
+        if fmt == "jsonl.gz":
+            out.write_bytes(gzip.compress(path.read_bytes(), compresslevel=6))
+        elif fmt == "jsonl.zst":
+            import zstandard
+
+            out.write_bytes(zstandard.ZstdCompressor(level=3).compress(path.read_bytes()))
+        elif fmt == "txt.gz":
+            out.write_bytes(gzip.compress("\n".join(docs).encode(), compresslevel=6))
+        else:
+            import pyarrow as pa
+
+            table = pa.table({"text": docs, "id": list(range(len(docs)))})
+            if fmt == "parquet":
+                import pyarrow.parquet as pq
+
+                pq.write_table(table, out, row_group_size=1000)  # the hub's Parquet: ~1,000-row groups, snappy
+            else:
+                with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+                    writer.write_table(table, max_chunksize=1000)  # datasets' writer_batch_size
+        path.unlink()
+
+
 def _tree(pid: int) -> list[int]:
     """pid and all its descendants."""
     children: dict[int, list[int]] = {}
@@ -86,7 +124,9 @@ def _memory_kib(pids: list[int]) -> tuple[int, int, int]:
     return rss, pss, biggest
 
 
-def run_preprocess(corpus: Path, cache_dir: Path, extra: list[str]) -> dict:
+def run_preprocess(corpus: Path, cache_dir: Path, extra: list[str], corpus_bytes: int | None = None) -> dict:
+    """``corpus_bytes``: the size the MB/s figures divide (the same documents as JSONL, for a converted corpus);
+    default: the files' size."""
     cmd = [sys.executable, str(ROOT / "tools" / "preprocess_lm.py"), str(corpus), "--cache-dir", str(cache_dir), *extra]
     start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -103,10 +143,12 @@ def run_preprocess(corpus: Path, cache_dir: Path, extra: list[str]) -> dict:
         raise SystemExit(f"preprocess_lm failed ({proc.returncode}):\n{output}")
     out_dir = next(p for p in cache_dir.iterdir() if (p / "meta.json").is_file())
     meta = json.loads((out_dir / "meta.json").read_text())
-    corpus_bytes = sum(s.path.stat().st_size for s in find_sources(corpus))
+    disk_bytes = sum(s.path.stat().st_size for s in find_sources(corpus))
+    corpus_bytes = corpus_bytes or disk_bytes
     return {
         "command": " ".join(cmd[1:]),
         "corpus_mb": corpus_bytes / 1e6,
+        "disk_mb": round(disk_bytes / 1e6, 2),
         "wall_s": round(seconds, 1),
         "mb_per_s_end_to_end": round(corpus_bytes / 1e6 / seconds, 2),
         "mb_per_s_binarize": round(meta["bytes_read"] / 1e6 / meta["seconds"], 2),
@@ -144,6 +186,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", type=Path, help="corpus to preprocess (or --generate-mb)")
     parser.add_argument("--generate-mb", type=float, default=0, help="generate a JSONL corpus of this size")
+    parser.add_argument("--format", choices=FORMATS, help="convert the generated corpus to this format first")
     parser.add_argument("--tokenizer", help="tokenizer.json for preprocessing and the reference (else the trained one)")
     parser.add_argument("--reference-mb", type=float, default=20.0, help="sample size of the reference encode")
     parser.add_argument("--out", type=Path, default=Path("bench_preprocess.json"))
@@ -152,6 +195,8 @@ def main() -> None:
     meta = collect(__file__, sys.argv[1:], settings=settings | {"preprocess_args": extra})
     if not args.corpus and not args.generate_mb:
         parser.error("give --corpus or --generate-mb")
+    if args.format and not args.generate_mb:
+        parser.error("--format converts the generated corpus: give --generate-mb")
     if args.tokenizer:
         extra += ["--tokenizer", args.tokenizer]
 
@@ -159,12 +204,17 @@ def main() -> None:
         if not args.corpus:
             (Path(tmp) / "corpus").mkdir()
         corpus = args.corpus or generate_jsonl(Path(tmp) / "corpus", args.generate_mb)
+        jsonl_bytes = None
+        if args.format:
+            jsonl_bytes = sum(p.stat().st_size for p in corpus.glob("*.jsonl"))
+            convert(corpus, args.format)
         cache = Path(tmp) / "cache"
         result = {
             "tool": "bench_preprocess",
             "cpus": os.cpu_count(),
             "load_average_at_start": os.getloadavg(),
-            **run_preprocess(corpus, cache, extra),
+            **({"format": args.format} if args.format else {}),
+            **run_preprocess(corpus, cache, extra, jsonl_bytes),
         }
         tokenizer = args.tokenizer or next(cache.glob("*/tokenizer.json"), None)
         if tokenizer:

@@ -279,7 +279,7 @@ def preprocess(sources: list[Source]) -> list[str]:
         lines.append(
             row(
                 f"`{args}`",
-                f"{d['corpus_mb']:.0f} MB",
+                f"{d['corpus_mb']:.0f} MB" + (f" as {d['format']} ({d['disk_mb']:.0f} MB)" if d.get("format") else ""),
                 f"{d['tokens'] / 1e6:.1f} M {d['dtype']}",
                 f"{d['wall_s']:.1f} s",
                 f"{d['mb_per_s_end_to_end']:.2f} MB/s",

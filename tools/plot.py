@@ -8,8 +8,9 @@ Four panels: training loss (top) and validation loss (bottom), against the optim
 tokens seen (right; samples for tasks without data.seq_len: step x optimization.batch_size x update_freq
 [x data.seq_len], from the run's .hydra/config.yaml). A loss axis is logarithmic when the curves span more than 3x,
 a step or token axis when it spans more than two decades. Each run is labelled by the overrides that differ between
-the runs (.hydra/overrides.yaml); the overrides they share are the title. A run that was resumed logs the steps after
-its checkpoint twice; the later lines win, as TensorBoard's purge does. Needs matplotlib (pip install -e '.[plot]').
+the runs (.hydra/overrides.yaml); the overrides they share that name the experiment are the title. A run that was
+resumed logs the steps after its checkpoint twice; the later lines win, as TensorBoard's purge does. Needs matplotlib
+(pip install -e '.[plot]').
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout (python tools/p
     sys.path.insert(0, str(REPO))
 
 from shardlab.errors import ConfigError, DataError  # noqa: E402
+from shardlab.jobs.run_dir import names_the_run  # noqa: E402
 from shardlab.jobs.sweep import collect  # noqa: E402
 from shardlab.logging import LOG_FILE  # noqa: E402
 
@@ -140,7 +142,7 @@ def draw(runs: list[Curves], shared: list[str], out: Path):
         raise ConfigError("tools/plot.py needs matplotlib, which is not installed: pip install -e '.[plot]'") from None
     units = {r.unit for r in runs}
     unit = units.pop() if len(units) == 1 else "tokens or samples"
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharey="row")
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col", sharey="row")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for row, split in enumerate(("train", "valid")):
         losses = []
@@ -157,15 +159,18 @@ def draw(runs: list[Curves], shared: list[str], out: Path):
         axes[row, 0].set_ylabel(f"{name} loss")
         _log_if_wide(axes[row, 0], "y", losses, LOG_SPAN_LOSS)
     for col, xlabel in enumerate(("step", unit)):
+        axes[1, col].set_xlabel(xlabel)
         for ax in axes[:, col]:
-            ax.set_xlabel(xlabel)
             ax.grid(True, which="both", alpha=0.3)
-            xs = [x for line in ax.get_lines() for x in line.get_xdata()]
-            _log_if_wide(ax, "x", xs, LOG_SPAN_X)
+        xs = [x for ax in axes[:, col] for line in ax.get_lines() for x in line.get_xdata()]
+        _log_if_wide(axes[1, col], "x", xs, LOG_SPAN_X)  # shared by the column: train and valid on one scale
     axes[0, 0].set_title("against the optimizer step")
     axes[0, 1].set_title(f"against the {unit} seen")
     axes[0, 0].legend(fontsize=8, title="runs", title_fontsize=8)
-    if shared:  # wrapped: a sweep's shared overrides run to hundreds of characters
+    # Above the panels: the shared overrides that define the experiment (not logging.*, checkpoint.*, data.cache_dir
+    # and the other keys that do not name a run directory), wrapped: a sweep's run to hundreds of characters.
+    shared = [o for o in shared if names_the_run(o.split("=", 1)[0].lstrip("+~"))]
+    if shared:
         fig.suptitle(textwrap.fill("common: " + " ".join(shared), width=170, break_on_hyphens=False), fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from tasks.lm.corpus import Block, Source
 
 EXTRA = "pip install 'shardlab[corpora]'"
-ROWS_PER_BATCH = 1024
-"""Rows decoded at once: documents are KBs, so a batch is ~MBs, and blocks gather batches up to ~1 MB of text."""
+ROWS_PER_BATCH = 256
+"""Rows decoded at once from a Parquet row group: a transient ~MBs for documents of KBs (the batch is then cut into
+blocks of ~1 MB of text, as few or many rows as that takes)."""
 FIX_FIELD = "name the text column with data.text_field (tools/preprocess_lm.py: --text-field)"
 FIX_DAMAGED = "the file is damaged: download or write it again, or remove it from data.path"
 
@@ -116,6 +117,8 @@ def check(source: Source, field: str) -> None:
 def read_blocks(source: Source, field: str, block_bytes: int) -> Iterator[Block]:
     """The file's documents in blocks of whole rows, ~``block_bytes`` of text each; ``Block.first_line`` is the
     1-based number of a block's first row."""
+    import numpy as np
+
     from tasks.lm.corpus import Block
 
     pc = require("pyarrow.compute", "Parquet and Arrow files")
@@ -125,13 +128,21 @@ def read_blocks(source: Source, field: str, block_bytes: int) -> Iterator[Block]
         if column.null_count:
             at = row + 1 + column.is_null().to_pylist().index(True)
             raise DataError(f"{source.path}: row {at}: {field!r} is null; filter such rows out of the file")
-        if not texts:
-            first = row + 1
-        texts += column.to_pylist()
-        size += pc.sum(pc.binary_length(column)).as_py() or 0
-        if size >= block_bytes:
-            yield Block(source, index, first, b"", texts=texts, size=size)
-            texts, size, index = [], 0, index + 1
+        lengths = pc.binary_length(column).to_numpy(zero_copy_only=False)
+        start = 0
+        while start < len(column):
+            # The rows that fill the block to block_bytes (at least one): an Arrow batch of 1,000 long documents
+            # (datasets writes such) is cut into ~1 MB blocks, so the blocks in flight to workers stay ~MBs.
+            filled = np.cumsum(lengths[start:])
+            take = min(int(np.searchsorted(filled, block_bytes - size)) + 1, len(column) - start)
+            if not texts:
+                first = row + start + 1
+            texts += column.slice(start, take).to_pylist()
+            size += int(filled[take - 1])
+            start += take
+            if size >= block_bytes:
+                yield Block(source, index, first, b"", texts=texts, size=size)
+                texts, size, index = [], 0, index + 1
     if texts or index == 0:
         yield Block(source, index, first, b"", last=True, texts=texts, size=size)
 

@@ -539,3 +539,16 @@ def test_a_missing_optional_package_is_refused_naming_the_file_and_the_extra(tmp
             r"pip install 'shardlab\[corpora\]'",
             str(refused.value),
         ), str(refused.value)
+
+
+def test_parquet_blocks_hold_about_block_bytes_of_whole_rows_numbered_from_one(tmp_path):
+    """A record batch of long documents is cut into blocks of ~block_bytes (what bounds the blocks in flight to the
+    workers), each knowing its first row's number (what the split hashes and errors name)."""
+    docs = [f"row {i} " + "x" * (50 + 40 * (i % 5)) for i in range(60)]
+    write_parquet_shards(tmp_path / "shards", [docs])
+    (source,) = find_sources(tmp_path / "shards")
+    blocks = list(read_blocks(source, block_bytes=1000))
+    assert [t for b in blocks for t in b.texts] == docs
+    assert all(1000 <= b.size < 1000 + 300 for b in blocks[:-1]) and blocks[-1].last
+    assert [b.first_line for b in blocks] == [1 + sum(len(b.texts) for b in blocks[:k]) for k in range(len(blocks))]
+    assert all(b.size == sum(len(t.encode()) for t in b.texts) for b in blocks)

@@ -62,7 +62,7 @@ def test_a_four_point_sweep_is_one_png_with_four_curves_labelled_by_their_differ
     labels = [f"optimizer.lr={lr} model.dim={dim}" for lr, dim in POINTS]
     train_step, train_tokens, valid_step, valid_tokens = fig.axes
     assert [t.get_text() for t in train_step.get_legend().get_texts()] == labels
-    assert fig._suptitle.get_text() == "common: data.seq_len=64 optimization.max_steps=100"
+    assert fig._suptitle.get_text() == "common: data.seq_len=64"  # max_steps names no run: how long, not what
     for ax in fig.axes:
         assert [line.get_label() for line in ax.get_lines()] == labels
     for num, (line, (lr, dim)) in enumerate(zip(train_step.get_lines(), POINTS, strict=True)):
@@ -76,7 +76,7 @@ def test_a_four_point_sweep_is_one_png_with_four_curves_labelled_by_their_differ
     assert list(valid_step.get_lines()[1].get_ydata()) == pytest.approx(
         [loss_at(s, "3e-3", 64) + 0.1 for s in range(20, 120, 20)], rel=1e-3
     )
-    assert train_tokens.get_xlabel() == "tokens" and valid_step.get_ylabel() == "validation loss"
+    assert valid_tokens.get_xlabel() == "tokens" and valid_step.get_ylabel() == "validation loss"
     assert train_step.get_yscale() == "log"  # the losses span 5.6 / 1.2 > 3x: a log axis shows the late steps
     assert train_step.get_xscale() == "linear"  # steps 10-100: one decade
 
