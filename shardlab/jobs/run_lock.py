@@ -122,6 +122,9 @@ def _read_or_empty(path: Path) -> bytes:
 
 
 class RunLock:
+    """``run.lock`` in one folder: ``acquire`` (or RunFolderInUse), a heartbeat thread while held, ``release``.
+    Runs use ``take``, which also locks a checkpoint folder outside the run."""
+
     def __init__(self, run_dir: Path, say=print, key: str = "hydra.run.dir") -> None:
         self.path = Path(run_dir) / LOCK_FILE
         self.say = say
