@@ -27,7 +27,6 @@ consolidate, export_hf, evaluate).
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import math
@@ -74,6 +73,42 @@ METADATA_CLASSES: tuple[type, ...] = (
 """The dataclasses DCP pickles into ``.metadata``: the only objects a file may create empty and then fill (NEWOBJ,
 BUILD), and only the ones it created itself."""
 
+_NONE = type(None)
+FIELD_TYPES: dict[type, dict[str, tuple[type, ...]]] = {
+    Metadata: {
+        "state_dict_metadata": (dict,),
+        "planner_data": (dict, _NONE),
+        "storage_data": (dict,),
+        "storage_meta": (StorageMeta, _NONE),
+        "version": (str, _NONE),
+    },
+    MetadataIndex: {"fqn": (str,), "offset": (torch.Size, _NONE), "index": (int, _NONE)},
+    StorageMeta: {
+        "checkpoint_id": (str, PosixPath, PurePosixPath, _NONE),
+        "save_id": (str, _NONE),
+        "load_id": (str, _NONE),
+        "modules": (list,),
+    },
+    TensorStorageMetadata: {"properties": (TensorProperties,), "size": (torch.Size,), "chunks": (list,)},
+    BytesStorageMetadata: {},
+    ChunkStorageMetadata: {"offsets": (torch.Size,), "sizes": (torch.Size,)},
+    TensorProperties: {
+        "dtype": (torch.dtype,),
+        "layout": (torch.layout,),
+        "requires_grad": (bool,),
+        "memory_format": (torch.memory_format,),
+        "pin_memory": (bool,),
+    },
+    _StorageInfo: {
+        "relative_path": (str,),
+        "offset": (int,),
+        "length": (int,),
+        "transform_descriptors": (list, tuple, _NONE),
+    },
+}
+"""The exact type of every field of each metadata class, as DCP writes them: checked when a file fills an object
+(BUILD) and again, all the way down, once it is read."""
+
 CALLABLES: tuple[Any, ...] = (
     torch.Size,
     PosixPath,  # StorageMeta.checkpoint_id
@@ -84,6 +119,22 @@ CALLABLES: tuple[Any, ...] = (
 )
 """What a file may call (REDUCE): constructors of plain values and lookups by name, none of which runs code an
 attacker chose or changes anything outside the object it returns."""
+
+
+def _ints(args: tuple) -> bool:
+    return len(args) == 1 and type(args[0]) in (list, tuple) and all(type(n) is int for n in args[0])
+
+
+ARGUMENTS: dict[Any, Any] = {
+    torch.Size: _ints,
+    PosixPath: lambda args: all(type(a) is str for a in args),
+    PurePosixPath: lambda args: all(type(a) is str for a in args),
+    torch.serialization._get_layout: lambda args: len(args) == 1 and type(args[0]) is str,
+    _MEM_FORMAT_ENCODING: lambda args: len(args) == 1 and type(args[0]) is int,
+    OrderedDict: lambda args: not args,  # filled by SETITEMS afterwards
+}
+"""The arguments each of CALLABLES may be called with, by exact type: only strings and ints are ever hashed or
+compared (a tuple that shares its parts can take 2**60 steps to hash or print)."""
 
 GLOBALS: dict[str, Any] = {
     **{f"{o.__module__}.{o.__qualname__}": o for o in (*METADATA_CLASSES, *CALLABLES)},
@@ -125,6 +176,7 @@ class MetadataUnpickler:
         self.metastack: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
         self.made: dict[int, Any] = {}  # id -> object, for the objects this file created (kept alive: ids stay unique)
+        self.built: set[int] = set()  # ids of made objects whose fields BUILD checked
         ops = {
             pickle.PROTO: self.proto,
             pickle.FRAME: lambda: self.read(8),  # frames are contiguous in the stream: only a buffering hint
@@ -179,7 +231,7 @@ class MetadataUnpickler:
         except (CheckpointError, _Unreadable):
             raise
         except Exception as e:  # noqa: BLE001  (a stack or memo underflow, a bad argument to a constructor, ...)
-            raise _Unreadable(f"{type(e).__name__}: {str(e)[:200]}") from None
+            raise _Unreadable(f"{type(e).__name__}: {' '.join(str(e)[:200].split())}") from None
 
     def refuse(self, what: str) -> UnsafeCheckpointError:
         return UnsafeCheckpointError(
@@ -238,9 +290,16 @@ class MetadataUnpickler:
         items = self.pop_mark()
         self.target(list).extend(items)
 
+    def key(self, key: Any) -> Any:
+        """A dict key: a string, an int or a MetadataIndex whose fields BUILD checked (hashing runs no code and
+        takes time linear in the file)."""
+        if type(key) in (str, int) or (type(key) is MetadataIndex and id(key) in self.built):
+            return key
+        raise self.refuse(f"uses {_shown(key)} as a key")
+
     def setitem(self) -> None:
         value, key = self.stack.pop(), self.stack.pop()
-        self.target(dict, OrderedDict)[key] = value
+        self.target(dict, OrderedDict)[self.key(key)] = value
 
     def setitems(self) -> None:
         items = self.pop_mark()
@@ -248,12 +307,13 @@ class MetadataUnpickler:
         if len(items) % 2:
             raise _Unreadable("SETITEMS with an odd number of items")
         for i in range(0, len(items), 2):
-            target[items[i]] = items[i + 1]
+            target[self.key(items[i])] = items[i + 1]
 
     def find(self, module: Any, name: Any) -> None:
         found = GLOBALS.get(f"{module}.{name}") if isinstance(module, str) and isinstance(name, str) else None
         if found is None:
-            raise self.refuse(f"refers to {module}.{name}")
+            shown = f"{module}.{name}" if isinstance(module, str) and isinstance(name, str) else ""
+            raise self.refuse(f"refers to {shown if shown.isprintable() else _shown(module) + '.' + _shown(name)}")
         self.stack.append(found)
 
     def global_by_line(self) -> None:
@@ -277,8 +337,11 @@ class MetadataUnpickler:
 
     def reduce(self) -> None:
         func, args = self.popn(2)
-        if not any(func is allowed for allowed in CALLABLES) or type(args) is not tuple:
+        takes = next((check for allowed, check in ARGUMENTS.items() if func is allowed), None)
+        if takes is None or type(args) is not tuple:
             raise self.refuse(f"calls {self.describe(func)}")
+        if not takes(args):
+            raise self.refuse(f"calls {self.describe(func)} with {_shown(args)} of {[_shown(a) for a in args[:3]]}")
         result = func(*args)
         if type(result) is OrderedDict:
             self.make(result)
@@ -294,14 +357,16 @@ class MetadataUnpickler:
         if id(inst) not in self.made or not any(cls is allowed for allowed in METADATA_CLASSES):
             raise self.refuse(f"would set attributes of {self.describe(inst)}")
         if cls is TensorProperties:
-            if type(state) is not tuple or len(state) != 5:
-                raise self.refuse(f"gives a TensorProperties the state {type(state).__name__}")
+            if type(state) is not tuple or len(state) != 5 or type(state[3]) is not _MEM_FORMAT_ENCODING:
+                raise self.refuse(f"gives a TensorProperties the state {_shown(state)}")
             inst.__setstate__(state)
-            return
-        names = {f.name for f in dataclasses.fields(cls)}
-        if type(state) is not dict or not all(type(k) is str and k in names for k in state):
-            raise self.refuse(f"gives a {cls.__name__} the state {str(state)[:80]!r}")
-        vars(inst).update(state)
+        elif type(state) is dict and all(type(k) is str and k in FIELD_TYPES[cls] for k in state):
+            vars(inst).update(state)
+        else:
+            raise self.refuse(f"gives a {cls.__name__} the state {_shown(state)}")
+        if defect := _fields_defect(inst):
+            raise self.refuse(f"makes {defect}")
+        self.built.add(id(inst))
 
     @staticmethod
     def describe(obj: Any) -> str:
@@ -328,88 +393,61 @@ def unpickle_metadata(data: bytes, source: Path) -> Metadata:
     return metadata
 
 
-_NONE = type(None)
 _UNSET = object()
 
 
-def _fields_defect(obj: Any, expected: dict[str, tuple[type, ...]]) -> str | None:
-    """What is wrong with ``obj``'s fields against ``expected`` (name -> allowed exact types), or None."""
-    for name, kinds in expected.items():
+def _fields_defect(obj: Any) -> str | None:
+    """What is wrong with the fields of ``obj`` (of a METADATA_CLASSES class) against FIELD_TYPES, or None."""
+    for name, kinds in FIELD_TYPES[type(obj)].items():
         value = getattr(obj, name, _UNSET)
         if type(value) not in kinds:
-            return f"a {type(obj).__name__} whose {name} is a {type(value).__name__}"
+            return f"a {type(obj).__name__} whose {name} is {_shown(value)}"
     return None
+
+
+def _shown(value: Any) -> str:
+    """A value of the file in a message: a short printable string as itself, anything else by its type only (the
+    repr of a file's nested structure can be as long as the file makes it, or its newlines break the line)."""
+    if type(value) is str:
+        return repr(value[:200]) if value.isprintable() else "a string with unprintable characters"
+    return f"a {type(value).__name__}" if type(value) not in (int, bool, _NONE) else repr(value)
 
 
 def _structure_defect(metadata: Metadata) -> str | None:
     """Why ``metadata`` is not shaped as DCP writes it (each field of its own type, all the way down), or None: the
     checks that follow and DCP's reader then meet only the types they expect."""
-    defect = _fields_defect(
-        metadata,
-        {
-            "state_dict_metadata": (dict,),
-            "planner_data": (dict, _NONE),
-            "storage_data": (dict,),
-            "storage_meta": (StorageMeta, _NONE),
-            "version": (str, _NONE),
-        },
-    )
-    if defect:
+    if defect := _fields_defect(metadata):
         return defect
     for fqn, entry in metadata.state_dict_metadata.items():
-        if type(fqn) is not str or type(entry) not in (TensorStorageMetadata, BytesStorageMetadata):
-            return f"the entry {str(fqn)[:80]!r} as a {type(entry).__name__}"
+        if (
+            type(fqn) is not str
+            or not fqn.isprintable()
+            or type(entry) not in (TensorStorageMetadata, BytesStorageMetadata)
+        ):
+            return f"the entry {_shown(fqn)} as {_shown(entry)}"
         if type(entry) is TensorStorageMetadata:
-            defect = _fields_defect(
-                entry, {"properties": (TensorProperties,), "size": (torch.Size,), "chunks": (list,)}
-            )
-            defect = defect or _fields_defect(
-                entry.properties,
-                {
-                    "dtype": (torch.dtype,),
-                    "layout": (torch.layout,),
-                    "requires_grad": (bool,),
-                    "memory_format": (torch.memory_format,),
-                    "pin_memory": (bool,),
-                },
-            )
-            if defect:
+            if defect := _fields_defect(entry) or _fields_defect(entry.properties):
                 return defect
             for chunk in entry.chunks:
                 if type(chunk) is not ChunkStorageMetadata:
-                    return f"a chunk of {fqn} as a {type(chunk).__name__}"
-                if defect := _fields_defect(chunk, {"offsets": (torch.Size,), "sizes": (torch.Size,)}):
+                    return f"a chunk of {fqn} as {_shown(chunk)}"
+                if defect := _fields_defect(chunk):
                     return defect
     for index, info in metadata.storage_data.items():
         if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
-            return f"a {type(info).__name__} where an entry's place belongs"
-        defect = _fields_defect(index, {"fqn": (str,), "offset": (torch.Size, _NONE), "index": (int, _NONE)})
-        defect = defect or _fields_defect(
-            info,
-            {
-                "relative_path": (str,),
-                "offset": (int,),
-                "length": (int,),
-                "transform_descriptors": (list, tuple, _NONE),
-            },
-        )
-        if defect:
+            return f"{_shown(info)} where an entry's place belongs"
+        if defect := _fields_defect(index) or _fields_defect(info):
             return defect
+        if not index.fqn.isprintable() or not info.relative_path.isprintable():
+            return f"the entry {_shown(index.fqn)} in the file {_shown(info.relative_path)}"
     for fqn, path in (metadata.planner_data or {}).items():  # a flattened key's path in the nested state dict
         if type(fqn) is not str or type(path) not in (tuple, list) or not all(type(p) in (str, int) for p in path):
-            return f"the planner path {str(path)[:80]!r} for {str(fqn)[:80]!r}"
+            return f"the planner path {_shown(path)} for {_shown(fqn)}"
     if metadata.storage_meta is not None:
-        defect = _fields_defect(
-            metadata.storage_meta,
-            {
-                "checkpoint_id": (str, PosixPath, PurePosixPath, _NONE),
-                "save_id": (str, _NONE),
-                "load_id": (str, _NONE),
-                "modules": (list,),
-            },
-        )
-        if defect or not all(type(m) is str for m in metadata.storage_meta.modules):
-            return defect or "a StorageMeta whose modules are not names"
+        if defect := _fields_defect(metadata.storage_meta):
+            return defect
+        if not all(type(m) is str for m in metadata.storage_meta.modules):
+            return "a StorageMeta whose modules are not names"
     return None
 
 

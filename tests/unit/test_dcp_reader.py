@@ -484,3 +484,39 @@ def test_fuzzed_metadata_is_refused_in_one_line_or_read_whole_and_never_changes_
     assert _process_state() == before
     assert str(type(normal)("/tmp/x")) == "/tmp/x"
     assert outcomes["refused"] > 150 and outcomes["read, equal"] > 2, outcomes  # both sides were reached
+
+
+def _shared_tuple(depth: int) -> bytes:
+    """Pickle opcodes leaving on the stack a tuple of ``depth`` levels whose two halves are the same object: a few
+    hundred bytes, 2**depth leaves to hash, compare or print."""
+    ops = b"\x29\x94"  # EMPTY_TUPLE, MEMOIZE (memo 0)
+    for level in range(depth):
+        ops += b"h" + bytes([level]) + b"\x86\x94"  # BINGET (the tuple on the stack again), TUPLE2, MEMOIZE
+    return ops
+
+
+def test_a_metadata_whose_key_or_argument_would_take_forever_to_hash_is_refused_at_once(tmp_path):
+    """Only strings, ints and checked metadata objects are ever hashed: a shared 64-level tuple as a dict key, or as
+    the argument of a lookup, would hash for ages under pickle.load. Run in a child so a regression fails, not hangs."""
+    import subprocess
+    import sys
+
+    payloads = {
+        "key": b"\x80\x04}" + _shared_tuple(64) + b"Ns.",  # EMPTY_DICT, the tuple, NONE, SETITEM
+        "argument": b"\x80\x02ctorch.serialization\n_get_layout\n" + _shared_tuple(64) + b"\x85R.",  # (tuple,) REDUCE
+    }
+    for name, payload in payloads.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".metadata").write_bytes(payload)
+    code = (
+        "import sys; from shardlab.checkpoint import dcp_reader; from shardlab.errors import UnsafeCheckpointError\n"
+        "for folder in sys.argv[1:]:\n"
+        "    try: dcp_reader.read_metadata(folder)\n"
+        "    except UnsafeCheckpointError as e: print(e)\n"
+    )
+    folders = [str(tmp_path / name) for name in payloads]
+    out = subprocess.run([sys.executable, "-c", code, *folders], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout + out.stderr
+    assert "uses a tuple as a key, which DCP checkpoint metadata never holds" in lines[0]
+    assert "calls the function torch.serialization._get_layout with a tuple of ['a tuple']" in lines[1]
