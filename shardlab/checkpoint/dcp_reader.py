@@ -166,9 +166,12 @@ class MetadataUnpickler:
     sets attributes on whatever is on the stack, an allowed class or function included, which rewires them for the
     whole process (``GLOBAL pathlib.PurePosixPath; BUILD {'_str': ...}`` turns every path into the attacker's).
 
-    Here: a global is looked up in GLOBALS only; REDUCE calls only CALLABLES; NEWOBJ creates only METADATA_CLASSES;
-    BUILD fills only an object of METADATA_CLASSES that this file created, with its own fields; SETITEM and APPEND
-    change only dicts and lists this file created. Any other opcode is refused (INST, OBJ, EXT, PERSID, ...)."""
+    Here: a global is looked up in GLOBALS only; REDUCE calls only CALLABLES, with the argument types ARGUMENTS
+    gives; NEWOBJ creates only METADATA_CLASSES; BUILD fills only an object of METADATA_CLASSES that this file
+    created, with its own fields of the types FIELD_TYPES gives; SETITEM and APPEND change only dicts and lists this
+    file created, keyed by strings, ints or a filled MetadataIndex. So nothing runs code, nothing outside the file's
+    own objects changes, and nothing is hashed or compared that costs more than its bytes. Any other opcode is
+    refused (INST, OBJ, EXT, PERSID, ...)."""
 
     def __init__(self, data: bytes, source: Path) -> None:
         self.data, self.pos, self.source = data, 0, source
