@@ -460,7 +460,8 @@ class Trainer:
         limit = self.cfg.optimization.max_nonfinite_steps
         self.nonfinite_steps = self.nonfinite_steps + 1 if nonfinite else 0
         if nonfinite:
-            log.info(f"WARNING: the loss is not finite at step {self.state.step} ({self.nonfinite_steps} of {limit})")
+            step, streak = self.state.step, self.nonfinite_steps
+            log.info(f"[train] WARNING: the loss is not finite at step {step} ({streak} of {limit} in a row)")
         if self.nonfinite_steps >= limit:
             raise TrainingDiverged(
                 f"the loss was not finite (NaN or inf) on {limit} steps in a row, the last step {self.state.step} "
