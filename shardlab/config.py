@@ -125,6 +125,11 @@ class DistributedConfig:
     address, port and interface), for rank 0 to see every rank arrive (who is missing is printed every 30 s), and the
     collective timeout while they build, shard and materialize the model and the optimizer and restore; timeout_s
     applies from the first training step (checkpoint.timeout_s while checkpoints are read and written)."""
+    on_lost_host: str = "requeue"
+    """What a Slurm job does when a collective breaks because another host went away (its processes ended, the node
+    failed): requeue (rank 0 requeues the job, which resumes from the newest complete checkpoint once Slurm has the
+    nodes again) or fail (the job ends failed; rerun the same command to resume). Off Slurm the job fails either way
+    (torchrun's --max-restarts restarts it)."""
     compile: bool = False
     """torch.compile (inductor) each FSDP unit of the task before it is sharded or wrapped, and the LM's loss; compiled
     in the first training step, reused from compile_cache_dir by the next run; validation runs eager
@@ -362,6 +367,10 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     check(
         d.memory_budget_per in ("rank", "machine"),
         f"distributed.memory_budget_per must be rank or machine, got '{d.memory_budget_per}'",
+    )
+    check(
+        d.on_lost_host in ("requeue", "fail"),
+        f"distributed.on_lost_host must be requeue or fail, got '{d.on_lost_host}'",
     )
     check(
         d.backend != "auto" or d.memory_budget_gb > 0,

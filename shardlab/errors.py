@@ -71,6 +71,14 @@ class RankFailed(ShardlabError):
     exit_code = 1
 
 
+class MasterUnreachable(RankFailed):
+    """This rank could not reach the job's master address and port (so it cannot tell the others either)."""
+
+
+class HostLost(RankFailed):
+    """A collective broke because another host of the job went away (its processes killed, the node down)."""
+
+
 def first_cause(error: BaseException) -> str:
     """A one-line reason; DCP wraps each rank's exception (a BaseException subclass) in CheckpointException."""
     failures = getattr(error, "failures", None)

@@ -21,9 +21,15 @@ from shardlab import errors
 from shardlab.config import options_of, path_errors, task_section_package, validate
 from shardlab.distributed import env as dist_env
 from shardlab.distributed import load_backends
-from shardlab.errors import ConfigError, DataError, RankFailed, ShardlabError, one_line
+from shardlab.errors import ConfigError, DataError, HostLost, RankFailed, ShardlabError, one_line
 from shardlab.jobs import run_lock, run_record
-from shardlab.jobs.preemption import REQUEUE_SIGNALS, STOPPED_EXIT_CODE, StopSignals, torchrun_agent_warning
+from shardlab.jobs.preemption import (
+    REQUEUE_SIGNALS,
+    STOPPED_EXIT_CODE,
+    StopSignals,
+    requeue_slurm_job,
+    torchrun_agent_warning,
+)
 from shardlab.jobs.run_dir import former_run_name, run_name
 from shardlab.memory import budget as memory_budget
 from shardlab.registry import BACKENDS, TASKS, load_plugins, plugin_packages
@@ -170,6 +176,9 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             # rank 0 reports the first one. RankFailed is always another rank's failure, told to this one: no cause of
             # its own, and a job refused a folder in use would leave it in the running job's folder.
             run_record.note_rank_error(run_dir, env.rank, one_line(e))
+        if isinstance(e, HostLost) and record and lost_host_requeues(cfg.distributed.on_lost_host):
+            print(f"{one_line(e)}\n{requeue_slurm_job()}", flush=True)
+            raise SystemExit(STOPPED_EXIT_CODE) from e  # no result: the submitter follows the job through its requeue
         raise
     finally:
         if record:
@@ -179,6 +188,12 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             print(f"stopped early on {result['stopped_by']}; rerun the same command to resume", flush=True)
         raise SystemExit(STOPPED_EXIT_CODE)
     return result["final"].get("loss") if result["final"] else None
+
+
+def lost_host_requeues(on_lost_host: str) -> bool:
+    """A lost host requeues this job (distributed.on_lost_host=requeue, inside Slurm): the process speaking for the
+    job asks for it once; rank 0's status says why it stopped."""
+    return on_lost_host == "requeue" and bool(os.environ.get("SLURM_JOB_ID"))
 
 
 def run_rank(
@@ -208,6 +223,7 @@ def run_rank(
 
 def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals: StopSignals) -> dict:
     from shardlab.checkpoint.shared import require_shared_folder
+    from shardlab.distributed.network import collective_reason
     from shardlab.memory.plan import plan_run
     from shardlab.trainer import Trainer
 
@@ -244,6 +260,13 @@ def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals:
             "memory": trainer.memory,
             **extra,
         }
+    except RuntimeError as e:  # gloo names the peer whose connection broke: say which host that is
+        if (lost := backend.network.lost_peer(e)) is None:
+            raise
+        raise HostLost(
+            f"lost {lost}: its processes ended or its host went down ({collective_reason(e)}); a requeue resumes "
+            "from the newest complete checkpoint (distributed.on_lost_host)"
+        ) from e
     finally:
         if teardown:
             backend.teardown()

@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from shardlab.config import CONF_DIR, register_schemas
-from shardlab.errors import ShardlabError, one_line
+from shardlab.errors import MasterUnreachable, ShardlabError, one_line
 from shardlab.jobs import run_lock
 from shardlab.jobs.preflight import (
     ComposedConfigChecks,
@@ -45,9 +45,12 @@ def tell_peers(error: BaseException) -> None:
 
     env = dist_env.detect()
     if env.world_size > 1:
-        from shardlab.distributed.join import tell_peers_before_joining
+        from shardlab.distributed.join import cannot_tell_peers, tell_peers_before_joining
 
-        tell_peers_before_joining(env, one_line(error))
+        if isinstance(error, MasterUnreachable):
+            cannot_tell_peers()  # their store is out of this rank's reach: trying would only wait EARLY_CONNECT_S
+        else:
+            tell_peers_before_joining(env, one_line(error))
 
 
 def report_and_exit(error: ShardlabError, tell: bool = False) -> None:

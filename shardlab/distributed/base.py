@@ -76,7 +76,7 @@ def join_process_group(
             prepare_data()
         return _joined
     store = _rendezvous_store(env, timeout_s, init_timeout_s)
-    interface, hosts = None, [socket.gethostname()]
+    interface, hosts, addresses = None, [socket.gethostname()], []
     if env.world_size > 1:
         route = network.local_route(env.master_addr)
         routes = prepare_and_agree(
@@ -85,7 +85,7 @@ def join_process_group(
         )  # fmt: skip
         everyone = [network.Route(**r) for r in routes]
         interface = network.choose_interface(route, everyone, network.interfaces())
-        hosts = [r.host for r in everyone]
+        hosts, addresses = [r.host for r in everyone], [r.source for r in everyone]
     elif prepare_data is not None:
         prepare_data()
     interface = network.apply_interface(interface)
@@ -98,7 +98,7 @@ def join_process_group(
         world_size=env.world_size,
         timeout=timeout,
     )
-    _joined = network.Joined(hosts, interface)
+    _joined = network.Joined(hosts, interface, addresses)
     return _joined
 
 

@@ -144,6 +144,12 @@ def tell_peers_before_joining(env, message: str) -> None:
         pass
 
 
+def cannot_tell_peers() -> None:
+    """This rank cannot reach the job's store (network.wait_for_master gave up): nothing can be told, now or later."""
+    global _joins_in_process
+    _joins_in_process += 1
+
+
 def _post_failure(store: Store, keys: _Keys, rank: int, message: str) -> None:
     if rank == 0:
         store.set(keys.verdict, json.dumps({"error": message}))

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 import struct
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from shardlab.errors import RankFailed
+from shardlab.errors import MasterUnreachable, RankFailed
 
 WAIT_NOTE_S = 30.0
 """How often a rank waiting for the master (or rank 0 waiting for the others) says so."""
@@ -57,10 +58,30 @@ class Joined:
     """The host name of each rank, in rank order."""
     interface: str | None
     """The interface gloo/NCCL offer their peers from this rank (None: their own choice, as on one host)."""
+    addresses: list[str] = field(default_factory=list)
+    """The address each rank reaches the master from (its address on the job's network), in rank order."""
 
     @property
     def spans_hosts(self) -> bool:
         return len(set(self.hosts)) > 1
+
+    def lost_peer(self, error: BaseException) -> str | None:
+        """'shl-n2 (10.77.0.12, rank 1)' where ``error`` (a failed collective: gloo names the peer whose connection
+        broke, "Read error [10.77.0.12]:4272: Connection reset by peer") names another host of this job; else None."""
+        for ip in re.findall(r"\[([0-9a-fA-F.:]+)\]", str(error)):
+            ranks = [r for r, address in enumerate(self.addresses) if address == ip]
+            if ranks and not is_loopback(ip):
+                named = ", ".join(map(str, ranks))
+                return f"{self.hosts[ranks[0]]} ({ip}, rank{'s' if len(ranks) > 1 else ''} {named})"
+        return None
+
+
+def collective_reason(error: BaseException) -> str:
+    """A failed collective's message without gloo's source location and advice: 'Read error [10.77.0.12]:4272:
+    Connection reset by peer'."""
+    text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". This is typically caused")[0].rstrip(".")
 
 
 def resolve(address: str) -> str:
@@ -176,7 +197,7 @@ def wait_for_master(rank: int, master_addr: str, port: int, timeout_s: float, sa
                 problem = f"no answer within {PROBE_S:.0f} s"
         waited = time.monotonic() - started
         if waited >= timeout_s:
-            raise RankFailed(
+            raise MasterUnreachable(
                 f"rank {rank} on {host} could not reach the master at {where} port {port} from {via} within "
                 f"distributed.init_timeout_s={timeout_s:.0f} s ({problem}); check that the first host is up and "
                 "reachable from this one (MASTER_ADDR/MASTER_PORT, a firewall, GLOO_SOCKET_IFNAME)"

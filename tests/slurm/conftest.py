@@ -53,4 +53,19 @@ def _answers(env: dict[str, str]) -> bool:
         out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=10)
     except subprocess.TimeoutExpired:
         return False
-    return out.returncode == 0 and out.stdout.strip() in ("idle", "mixed", "allocated")
+    states = out.stdout.split()
+    return out.returncode == 0 and bool(states) and all(s in ("idle", "mixed", "allocated") for s in states)
+
+
+@pytest.fixture(scope="session")
+def multi_node_env(slurm_env) -> dict[str, str]:
+    """The test cluster's partition `multi`: hosts shl-n1.. (network namespaces; tools/slurm_cluster.sh), all up."""
+    out = subprocess.run(["sinfo", "-h", "-p", "multi", "-o", "%T"], env=slurm_env, capture_output=True, text=True)
+    if out.returncode != 0 or not out.stdout.split():
+        _unavailable("the test cluster has no partition multi (no network namespaces here: see slurm_cluster.sh up)")
+    return slurm_env
+
+
+def cluster(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """tools/slurm_cluster.sh with ``args`` (on HOST CMD..., kill-node HOST, node-up HOST)."""
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
