@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardlab.distributed import env as dist_env
+from shardlab.errors import ConfigError
 
 LAUNCHER_VARS = (
     "RANK",
@@ -123,3 +124,30 @@ def test_submitit_local_job_tasks(monkeypatch):
     )
     env = dist_env.detect()
     assert (env.rank, env.world_size, env.local_rank, env.launcher) == (1, 2, 1, "submitit_local")
+
+
+def test_a_rank_spawned_by_one_task_per_node_takes_its_global_rank_and_the_jobs_rendezvous(monkeypatch):
+    """Two Slurm tasks (one per node), distributed.world_size=4: the second task's ranks are 2 and 3, meeting at the
+    first node with the job's port."""
+    setenv_all(
+        monkeypatch, SLURM_NTASKS="2", SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="gpu[07-08]", SLURM_JOB_NUM_NODES="2", SLURM_NODEID="1",
+    )  # fmt: skip
+    task = dist_env.detect()
+    assert dist_env.ranks_to_spawn(4, task) == 2
+    assert dist_env.ranks_to_spawn(2, task) == 0  # as many tasks as ranks: each task is a rank
+    rank = dist_env.detect(spawned_rank=1, spawned_world=4, spawned_port=1234)
+    assert (rank.rank, rank.world_size, rank.local_rank, rank.master_addr, rank.launcher, rank.spawned) == (
+        3, 4, 1, "gpu07", "slurm", True,
+    )  # fmt: skip
+    assert rank.master_port == task.master_port != 1234
+    assert dist_env.ranks_to_spawn(4, rank) == 0  # a spawned rank spawns nothing
+    with pytest.raises(ConfigError, match=r"^distributed.world_size=3 cannot be split over this job's 2 tasks; "):
+        dist_env.ranks_to_spawn(3, task)
+
+
+def test_only_shardlab_or_a_slurm_task_spawns_ranks(monkeypatch):
+    assert dist_env.ranks_to_spawn(1, dist_env.detect()) == 0
+    assert dist_env.ranks_to_spawn(4, dist_env.detect()) == 4
+    setenv_all(monkeypatch, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    assert dist_env.ranks_to_spawn(4, dist_env.detect()) == 0  # torchrun starts every rank itself
