@@ -163,12 +163,15 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             # the launcher of local ranks (on every node, the first node's): submitit's requeue, or Slurm's
             signals.forward(speaks_for_job=env.is_main)
     except BaseException as e:
+        # A broken connection to another host is a lost host only where no rank left an error of its own (a rank that
+        # raised ends its process too, and its error, not a requeue that would meet it again, is the job's outcome).
+        lost_host = isinstance(e, HostLost) and record and run_record.first_rank_error(run_dir) is None
         if record and run_lock.taken_over(run_dir):
             pass  # status.json is the job's that took the folder over now
         elif record and (run_record.read(run_dir) or {}).get("status") == "running":  # not a stop that saved
             # A RankFailed names the rank that failed and why: recorded at once, not after waiting for notes that
             # will not come (the told ranks leave none), during which torchrun stops this rank for its neighbour's exit.
-            if isinstance(e, RankFailed):
+            if isinstance(e, RankFailed) and (lost_host or not isinstance(e, HostLost)):
                 run_record.fail(run_dir, one_line(e))
             else:
                 run_record.fail_with_first_cause(run_dir, one_line(e), env.world_size)
@@ -176,7 +179,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             # rank 0 reports the first one. RankFailed is always another rank's failure, told to this one: no cause of
             # its own, and a job refused a folder in use would leave it in the running job's folder.
             run_record.note_rank_error(run_dir, env.rank, one_line(e))
-        if isinstance(e, HostLost) and record and lost_host_requeues(cfg.distributed.on_lost_host):
+        if lost_host and lost_host_requeues(cfg.distributed.on_lost_host):
             print(f"{one_line(e)}\n{requeue_slurm_job()}", flush=True)
             raise SystemExit(STOPPED_EXIT_CODE) from e  # no result: the submitter follows the job through its requeue
         raise
@@ -314,9 +317,13 @@ def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port
     rank = env.rank
     try:
         result = run_rank(cfg, Path(run_dir), env)
-    except ShardlabError:
-        raise  # torch.multiprocessing hands it to the parent, which reports it in one line
-    except Exception:
+    except Exception as e:
+        if env.launcher != "local" and not isinstance(e, RankFailed):
+            # Its own error, for rank 0 on another host: told from a lost host by this note (one machine's launcher
+            # hears of it directly).
+            run_record.note_rank_error(Path(run_dir), rank, one_line(e))
+        if isinstance(e, ShardlabError):
+            raise  # torch.multiprocessing hands it to the parent, which reports it in one line
         print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
     if env.local_rank == 0:
