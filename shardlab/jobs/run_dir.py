@@ -2,8 +2,9 @@
 
 ``runs/<task>/<name>`` is built from the command line's overrides minus the keys that only change how a run executes
 (its launcher, world size, backend and sharding knobs, logging, validation cadence, checkpoint handling, its length,
-where data is cached). So a run resumed on another world size or backend, or extended with a larger
-optimization.max_steps, finds its own checkpoints instead of silently starting a fresh run elsewhere.
+where data is cached, how many non-finite losses in a row end it). So a run resumed on another world size or backend,
+or extended with a larger optimization.max_steps, finds its own checkpoints instead of silently starting a fresh run
+elsewhere.
 
 Names cannot collide for different values: characters outside a safe set are percent-escaped (``data.path=/a/b_c``
 is ``data.path=%2Fa%2Fb_c``, ``/a/b/c`` is ``data.path=%2Fa%2Fb%2Fc``), so common overrides keep short readable
@@ -28,6 +29,7 @@ HOW_IT_RUNS = (
     "validation",
     "checkpoint",
     "optimization.max_steps",
+    "optimization.max_nonfinite_steps",
     "data.cache_dir",
     "data.num_workers",
     "data.num_preprocess_workers",

@@ -29,6 +29,8 @@ def test_how_a_run_executes_does_not_move_its_directory():
         ["distributed=ddp", "distributed.cpu_offload=false"],
         ["optimization.max_steps=5000", "checkpoint.interval_steps=50", "++checkpoint.resume=auto"],
         ["logging.interval_steps=1", "validation.num_batches=3", "data.cache_dir=/tmp/c", "dry_run=true"],
+        ["optimization.max_nonfinite_steps=10", "distributed.on_lost_host=fail"],
+        ["distributed.plan_device=h100_80gb", "distributed.verify_plan=true"],
     ):
         assert hydra_dirs([*base, *how])[0] == run_dir == "runs/lm/model=gpt_small,optimizer.lr=3e-4"
 
@@ -63,9 +65,10 @@ def test_different_values_never_share_a_folder():
 
 def test_run_key_differences_name_what_makes_another_experiment():
     saved = {"data": {"path": "/a/b_c", "cache_dir": "/c1"}, "optimizer": {"lr": 1e-3}, "seed": 1,
-             "distributed": {"world_size": 2}, "optimization": {"max_steps": 10, "batch_size": 8}}  # fmt: skip
+             "distributed": {"world_size": 2},
+             "optimization": {"max_steps": 10, "batch_size": 8, "max_nonfinite_steps": 3}}  # fmt: skip
     same_run = {**saved, "distributed": {"world_size": 1}, "data": {"path": "/a/b_c", "cache_dir": "/c2"},
-                "optimization": {"max_steps": 20, "batch_size": 8}}  # fmt: skip
+                "optimization": {"max_steps": 20, "batch_size": 8, "max_nonfinite_steps": 9}}  # fmt: skip
     assert run_key_differences(saved, same_run) == []  # how it runs, where it caches, how long: the same run
     other = {**same_run, "data": {"path": "/a/b/c", "cache_dir": "/c2"}, "seed": 2, "new_key": 1}
     assert run_key_differences(saved, other) == [("data.path", "/a/b_c", "/a/b/c"), ("seed", 1, 2)]
