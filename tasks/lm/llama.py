@@ -153,6 +153,8 @@ class Llama(LMArchitecture):
             errors.append(f"model.ffn_dim must be >= 1 (or null for 8/3 x dim), got {m.ffn_dim}")
         if m.rope_theta <= 0 or m.norm_eps <= 0:
             errors.append(f"model.rope_theta ({m.rope_theta}) and model.norm_eps ({m.norm_eps}) must be > 0")
+        if m.init_std <= 0:  # normal_ would fail at init, after the process group is up
+            errors.append(f"model.init_std must be > 0, got {m.init_std}")
         return errors
 
     @classmethod

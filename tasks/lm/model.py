@@ -108,6 +108,8 @@ class GPT(LMArchitecture):
             errors.append(f"model.mlp_ratio ({m.mlp_ratio}) x model.dim ({m.dim}) must give an MLP at least 1 wide")
         if not 0 <= m.dropout < 1:
             errors.append(f"model.dropout must be in [0, 1), got {m.dropout}")
+        if m.init_std <= 0:  # normal_ would fail at init, after the process group is up
+            errors.append(f"model.init_std must be > 0, got {m.init_std}")
         if m.num_heads >= 1 and m.dim % m.num_heads:
             errors.append(f"model.num_heads ({m.num_heads}) must divide model.dim ({m.dim})")
         return errors

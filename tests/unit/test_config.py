@@ -138,6 +138,7 @@ def test_unknown_backend_names_known_ones_and_suggests():
         (["model.num_heads=5"], 1, "model.num_heads (5) must divide model.dim"),
         (["model.num_heads=0"], 1, "model.num_heads must be >= 1, got 0"),
         (["model.mlp_ratio=0.001"], 1, "must give an MLP at least 1 wide"),
+        (["model.init_std=-0.02"], 1, "model.init_std must be > 0, got -0.02"),
         (["task=image_classification", "model.dropout=1.0"], 1, "model.dropout must be in [0, 1), got 1.0"),
         (["distributed.backend=fully_sharded", "distributed.sharding_degree=0"], 2, "sharding_degree (0) must divide"),
         (["distributed.backend=ddp", "distributed.prefetch_units=1"], 2, "prefetch_units applies to fully_sharded"),

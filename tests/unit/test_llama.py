@@ -33,6 +33,7 @@ def built(*overrides: str, seed: int = 7):
         (["model.num_heads=5"], "model.num_heads (5) must divide model.dim (64)"),
         (["model.ffn_dim=0"], "model.ffn_dim must be >= 1 (or null for 8/3 x dim), got 0"),
         (["model.rope_theta=0"], "model.rope_theta (0.0) and model.norm_eps (1e-05) must be > 0"),
+        (["model.init_std=0"], "model.init_std must be > 0, got 0.0"),
         # (the known names that follow include a user_dir's architectures registered by other tests)
         (["model.arch=lama"], "model.arch: 'lama' is not a known model architecture"),
     ],
