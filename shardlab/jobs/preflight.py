@@ -2,12 +2,12 @@
 code 2, not a stack trace, and before Hydra makes the run directory or torch is imported.
 
 shardlab adds no composition of its own to a plain run's (Hydra composes it twice: for the run mode, then the run):
-what the command line alone shows is checked before Hydra starts (``check_command_line``); Hydra's composition errors
-are turned into one line (``composition_error``, the CLI has Hydra raise them rather than print them); and the
-composed config is checked by ``ComposedConfigChecks``, a Hydra callback that runs between the composition and the
-run directory (``check_composed``), and that takes the run's lock before Hydra writes anything there
-(``hold_the_run``). ``preflight`` does all three in-process for tools and tests, composing through
-``compose_config`` as every tool does.
+what the command line alone shows (renamed keys, group options) is checked before Hydra starts
+(``check_command_line``); Hydra's composition errors are turned into one line (``composition_error``, the CLI has
+Hydra raise them rather than print them); and the composed config is checked by ``ComposedConfigChecks``, a Hydra
+callback that runs between the composition and the run directory (``check_composed``), and that takes the run's lock
+before Hydra writes anything there (``hold_the_run``). ``preflight`` does all three in-process for tools and tests,
+composing through ``compose_config`` as every tool does.
 """
 
 from __future__ import annotations
@@ -46,6 +46,23 @@ HYDRA_FLAGS = (
     *("-m", "--multirun", "--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--version"),
     *("--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd"),
 )
+
+RENAMED_KEYS = {"data.jsonl_field": "data.text_field"}
+"""Keys shardlab renamed (old: new). Hydra would answer the old name with "Key 'jsonl_field' not in 'LMDataConfig'";
+a command line that sets one is told the new name instead (configs saved under the old name still load: the task
+reads either)."""
+
+
+def renamed_key_errors(overrides: list[str]) -> list[str]:
+    """One line per override of a renamed key, with the override spelled under its new name."""
+    errors = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        new = RENAMED_KEYS.get(key.lstrip("+~"))
+        if new:
+            fix = f"{new}={value}" if sep else f"~{new}"
+            errors.append(f"{key.lstrip('+~')} was renamed {new}; use {fix}")
+    return errors
 
 
 def check_group_choices(overrides: list[str]) -> None:
@@ -108,8 +125,12 @@ def job_overrides(argv: list[str]) -> list[str]:
 
 
 def check_command_line(argv: list[str]) -> None:
-    """What the command line alone shows: unknown group options, and model=/data= options of another task."""
+    """What the command line alone shows: renamed keys, unknown group options, and model=/data= options of another
+    task."""
     overrides = job_overrides(argv)
+    renamed = renamed_key_errors(overrides)
+    if renamed:
+        raise ConfigError("; ".join(renamed))
     check_group_choices(overrides)
     mismatched = task_section_errors(overrides)
     if mismatched:

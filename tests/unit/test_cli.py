@@ -91,6 +91,11 @@ BAD_INPUTS = {
         r"optimizer.foo is not a known key of optimizer .*drop \+optimizer.foo",
     ),
     "degenerate model shape": (["model.num_layers=0"], r"model.num_layers must be >= 1, got 0"),
+    "renamed key": (
+        ["data.jsonl_field=content"],
+        r"^error: data.jsonl_field was renamed data.text_field; use data.text_field=content$",
+    ),
+    "renamed key added with +": (["+data.jsonl_field=body"], r"^error: data.jsonl_field was renamed data.text_field; "),
     "corrupt checkpoint": (
         ["hydra.run.dir={root}/run", "checkpoint.resume={root}/run/checkpoints/step_00000004", *TINY_LM],
         r"shardlab.json is unreadable",
