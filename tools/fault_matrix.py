@@ -21,6 +21,7 @@ LAYOUTS = {
     "torchrun": "torchrun (`--nproc_per_node=2`)",
     "slurm_tasks": "Slurm, one task per rank (`hydra.launcher.tasks_per_node=2`)",
     "slurm_local": "Slurm, one task starting its ranks (`distributed.world_size=2`)",
+    "slurm_2nodes": "Slurm, 2 nodes, one task per rank (`hydra.launcher.nodes=2`: rank 1 on the second host)",
 }
 EVENTS = {
     "kill_one": "SIGKILL of rank 1",
@@ -28,14 +29,22 @@ EVENTS = {
     "usr2": "SIGUSR2 (time-limit warning)",
     "sigterm": "SIGTERM",
     "scontrol_requeue": "`scontrol requeue`",
+    "kill_node": "SIGKILL of rank 1's whole node (its slurmd too)",
     "error_one_rank": "an error on rank 1",
     "save_fails_rank0": "rank 0's save fails (ENOSPC)",
 }
 RESUMES = ("auto", "path", "none", "init_from")
 
 
+def applies(layout: str, event: str) -> bool:
+    """scontrol needs a scheduler; a node to lose, a second one."""
+    if event == "scontrol_requeue":
+        return layout.startswith("slurm")
+    return event != "kill_node" or layout == "slurm_2nodes"
+
+
 def cell_text(cell: dict | None, layout: str, event: str) -> str:
-    if event == "scontrol_requeue" and not layout.startswith("slurm"):
+    if not applies(layout, event):
         return "n/a"
     if cell is None:
         return "not run"
@@ -90,7 +99,7 @@ def summary(results: dict) -> str:
     cells = {(c["layout"], c["event"], c["resume"]): c["passed"] for c in results["cells"]}
     passed = sum(cells.values())
     short = {"local": "local ranks", "torchrun": "torchrun", "slurm_tasks": "Slurm, task per rank",
-             "slurm_local": "Slurm, one task"}  # fmt: skip
+             "slurm_local": "Slurm, one task", "slurm_2nodes": "Slurm, 2 nodes"}  # fmt: skip
     lines = [
         f"Each entry: `resume=` auto / path / none / init_from. {passed} of {len(cells)} cells run passed, at "
         f"{commits(results)}; every cell in words: [docs/fault-matrix.md](docs/fault-matrix.md).",
@@ -101,7 +110,7 @@ def summary(results: dict) -> str:
     for event, name in EVENTS.items():
         row = []
         for layout in LAYOUTS:
-            if event == "scontrol_requeue" and not layout.startswith("slurm"):
+            if not applies(layout, event):
                 row.append("n/a")
             else:
                 row.append(" / ".join(MARKS[cells.get((layout, event, r))] for r in RESUMES))

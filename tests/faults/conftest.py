@@ -9,7 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from tests.slurm.conftest import slurm_env  # noqa: F401  (the Slurm cells share the Slurm tests' cluster)
+from tests.slurm.conftest import multi_node_env, slurm_env  # noqa: F401  (the Slurm cells share its cluster)
 
 
 def record_cell(outcome: dict) -> None:

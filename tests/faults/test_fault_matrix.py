@@ -2,7 +2,8 @@
 
 Each cell runs the tests' tiny LM on 2 ranks (fully_sharded, 10 steps, a checkpoint every 3) with one fault at step 7
 (a save that fails: at step 6), as the layout runs it: shardlab's own local ranks, torchrun, a Slurm job with one task
-per rank, a one-task Slurm job that starts its ranks. The job is then requeued (Slurm does it, or the test reruns the
+per rank, a one-task Slurm job that starts its ranks, and a Slurm job of one task per rank on two hosts (the test
+cluster's partition multi; there also the loss of rank 1's whole node). The job is then requeued (Slurm does it, or the test reruns the
 same command, as a supervisor or the user would), and the cell checks what a user must be able to rely on:
 
 - the first attempt ends as it should and says so (exit code, status.json, the submitter's report);
@@ -38,7 +39,10 @@ from shardlab.runner import run_rank
 from tests.conftest import TINY_LM
 from tests.events import scalars
 from tests.faults.conftest import record_cell
+from tests.slurm.conftest import cluster
+from tests.slurm.test_multinode import node_state, start_once_pending
 from tests.slurm.test_slurm import start_requeued_job_now
+from tools.fault_matrix import applies
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "tests" / "faults" / "site"
@@ -55,8 +59,10 @@ RUN = [
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 TWO_RANKS = ["distributed.backend=fully_sharded", f"distributed.timeout_s={TIMEOUT_S}"]
 
-LAYOUTS = ("local", "torchrun", "slurm_tasks", "slurm_local")
-EVENTS = ("kill_one", "kill_all", "usr2", "sigterm", "scontrol_requeue", "error_one_rank", "save_fails_rank0")
+LAYOUTS = ("local", "torchrun", "slurm_tasks", "slurm_local", "slurm_2nodes")
+EVENTS = (
+    "kill_one", "kill_all", "usr2", "sigterm", "scontrol_requeue", "kill_node", "error_one_rank", "save_fails_rank0",
+)  # fmt: skip
 RESUMES = ("auto", "path", "none", "init_from")
 DEFAULT_CELLS = {
     ("torchrun", "sigterm", "init_from"),
@@ -71,13 +77,17 @@ failing set-aside (tests/distributed/test_checkpoint_agreement.py). All 104 cell
 SLURM_REQUEUES = ("usr2", "scontrol_requeue")
 """Events after which Slurm requeues the job itself (through submitit, or as scontrol asks); after the others the job
 ends and the test resubmits the same command."""
+LOST_HOST = ("kill_one", "kill_node")
+"""On 2 nodes, events that leave rank 0 a lost host (rank 1's processes gone without an error of their own): rank 0
+names it and requeues the job (distributed.on_lost_host=requeue), which resumes from the newest complete checkpoint."""
+MULTI = ["hydra.launcher.partition=multi", "hydra.launcher.nodes=2"]
 
 
 def cells():
     for layout in LAYOUTS:
         for event in EVENTS:
-            if event == "scontrol_requeue" and not layout.startswith("slurm"):
-                continue  # no scheduler to requeue
+            if not applies(layout, event):
+                continue  # no scheduler to requeue, or no second node to lose
             for resume in RESUMES:
                 marks = [pytest.mark.slurm] if layout.startswith("slurm") else []
                 if (layout, event, resume) not in DEFAULT_CELLS:
@@ -167,6 +177,10 @@ class Cell:
         if self.layout.startswith("slurm") and (self.tmp / "sweep" / "sweep.json").is_file():
             subprocess.run(["scancel", self.job()["job_id"]], env=self.slurm_env, capture_output=True)
 
+    @property
+    def lost_host(self) -> bool:
+        return self.layout == "slurm_2nodes" and self.event in LOST_HOST
+
     def launch(self) -> Attempt:
         overrides = [*RUN, f"data.cache_dir={self.corpus_cache}", *TWO_RANKS, *self.setting]
         if self.layout == "local":
@@ -178,8 +192,10 @@ class Cell:
                    "--nproc_per_node=2", f"--master_port={free_port()}",
                    "-m", "shardlab.train", *overrides, f"hydra.run.dir={self.run_dir}"]  # fmt: skip
         else:
-            ranks = "hydra.launcher.tasks_per_node=2" if self.layout == "slurm_tasks" else "distributed.world_size=2"
-            cmd = [sys.executable, "-m", "shardlab.train", "-m", *overrides, ranks, "hydra/launcher=slurm",
+            ranks = {"slurm_tasks": ["hydra.launcher.tasks_per_node=2"], "slurm_2nodes": MULTI}.get(
+                self.layout, ["distributed.world_size=2"]
+            )
+            cmd = [sys.executable, "-m", "shardlab.train", "-m", *overrides, *ranks, "hydra/launcher=slurm",
                    f"hydra.sweep.dir={self.tmp / 'sweep'}", "hydra.launcher.poll_s=1"]  # fmt: skip
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -210,6 +226,8 @@ class Cell:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        elif self.event == "kill_node":
+            assert cluster(self.slurm_env, "kill-node", "shl-n2").returncode == 0
         elif self.event == "scontrol_requeue":
             self.scontrol_or_scancel(["scontrol", "requeue", self.job()["job_id"]])
         elif self.layout.startswith("slurm"):
@@ -222,8 +240,15 @@ class Cell:
         subprocess.run(cmd, env=self.slurm_env, check=True, capture_output=True)
 
     def release_requeued_job(self) -> None:
-        """Slurm holds a requeued job ~120 s; once it is pending again, start it now (at once it would fail)."""
-        start_requeued_job_now(self.slurm_env, self.job()["job_id"])
+        """Slurm holds a requeued job ~120 s; once it is pending again, start it now (at once it would fail). A lost
+        node comes back first, once Slurm has seen it go (as tests/slurm/test_multinode.py does)."""
+        if self.lost_host:
+            if self.event == "kill_node":
+                wait_for(lambda: "down" in node_state(self.slurm_env, "shl-n2"), 120, "Slurm to mark shl-n2 down")
+                assert cluster(self.slurm_env, "node-up", "shl-n2").returncode == 0
+            start_once_pending(self.slurm_env, self.job()["job_id"])
+        else:
+            start_requeued_job_now(self.slurm_env, self.job()["job_id"])
 
 
 def wait_for(condition, timeout: float, what: str):
@@ -241,6 +266,10 @@ def check_first_attempt(cell: Cell, attempt: Attempt) -> str:
     rc, out, status = attempt.proc.returncode, attempt.out, run_record.read(cell.run_dir) or {}
     if cell.layout.startswith("slurm"):
         job = cell.job()["job_id"]
+        if cell.lost_host:
+            assert f"#0 job {job} completed at step {MAX_STEPS}" in out, out[-3000:]
+            assert "lost shl-n2 (10.77.0.12, rank 1)" in Path(cell.job()["log"]).read_text()
+            return "lost host named; completed after its requeue"
         if cell.event in SLURM_REQUEUES or cell.event == "save_fails_rank0":
             assert f"#0 job {job} completed at step {MAX_STEPS}" in out, out[-3000:]
             return "completed" + (" after a requeue" if cell.event != "save_fails_rank0" else "")
@@ -274,7 +303,8 @@ def checkpoint_steps(cell: Cell) -> list[int]:
 
 @pytest.mark.parametrize("layout, event, resume", list(cells()))
 def test_fault_matrix_cell(layout, event, resume, references, corpus_cache, tmp_path, request):
-    slurm_env = request.getfixturevalue("slurm_env") if layout.startswith("slurm") else None
+    env_fixture = "multi_node_env" if layout == "slurm_2nodes" else "slurm_env"
+    slurm_env = request.getfixturevalue(env_fixture) if layout.startswith("slurm") else None
     setting, expected = references[resume]
     cell = Cell(layout, event, resume, tmp_path, corpus_cache, setting, slurm_env)
     cell.fault_dir.mkdir()
@@ -285,11 +315,11 @@ def test_fault_matrix_cell(layout, event, resume, references, corpus_cache, tmp_
         first = cell.launch()
         cell.deliver(first)
         delivered = time.time()
-        if layout.startswith("slurm") and event in SLURM_REQUEUES:
+        if (layout.startswith("slurm") and event in SLURM_REQUEUES) or cell.lost_host:
             cell.release_requeued_job()
         seconds = first.wait(timeout=600)
         outcome["first_attempt"] = check_first_attempt(cell, first)
-        if event not in (*SLURM_REQUEUES, "save_fails_rank0"):  # the attempt must end soon after the fault
+        if event not in (*SLURM_REQUEUES, "save_fails_rank0") and not cell.lost_host:  # it must end soon after
             fault_at = max(delivered, (cell.fault_dir / "fired").stat().st_mtime)
             after_fault = time.time() - fault_at
             assert after_fault < TIMEOUT_S + 60, f"a rank hung: the attempt ended {after_fault:.0f} s after the fault"
@@ -302,7 +332,8 @@ def test_fault_matrix_cell(layout, event, resume, references, corpus_cache, tmp_
         if event != "save_fails_rank0":
             log = (cell.run_dir / "train.log").read_text()
             resumed = [int(n) for n in re.findall(r"\] resumed from \S+ \(step (\d+),", log)]
-            expected_step = FAULT_STEP if requeued_by_slurm else max(saved)
+            # A signal saves at the fault's step; a lost host leaves the last periodic save (every 3 steps) before it.
+            expected_step = FAULT_STEP if requeued_by_slurm else (FAULT_STEP // 3 * 3 if cell.lost_host else max(saved))
             assert resumed and resumed[-1] == expected_step, (resumed, saved)
             outcome["resumed_at"] = resumed[-1]
         got = dict(scalars(cell.run_dir))
@@ -316,3 +347,5 @@ def test_fault_matrix_cell(layout, event, resume, references, corpus_cache, tmp_
     finally:
         record_cell(outcome)
         cell.end_leftovers()
+        if layout == "slurm_2nodes":
+            cluster(slurm_env, "node-up", "shl-n2")
