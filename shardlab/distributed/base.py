@@ -85,7 +85,7 @@ def join_process_group(
         )  # fmt: skip
         everyone = [network.Route(**r) for r in routes]
         interface = network.choose_interface(route, everyone, network.interfaces())
-        hosts, addresses = [r.host for r in everyone], [r.source for r in everyone]
+        hosts, addresses = [r.host for r in everyone], network.peer_addresses(everyone)
     elif prepare_data is not None:
         prepare_data()
     interface = network.apply_interface(interface)

@@ -128,6 +128,13 @@ def is_loopback(ip: str) -> bool:
     return ipaddress.ip_address(ip).is_loopback
 
 
+def peer_addresses(routes: list[Route]) -> list[str]:
+    """Each rank's address as its peers see it: its source towards the master, or, on the master's host (which resolves
+    the master to loopback), the master address as the other hosts resolved it."""
+    remote = next((r.master_ip for r in routes if not is_loopback(r.master_ip)), None)
+    return [remote if is_loopback(r.source) and remote else r.source for r in routes]
+
+
 def choose_interface(own: Route, routes: list[Route], addresses: dict[str, str]) -> str | None:
     """The interface this rank should offer its peers (None: leave it to the library, as on one host).
 

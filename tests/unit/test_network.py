@@ -104,3 +104,16 @@ def test_a_broken_collective_names_the_host_it_lost():
     assert network.collective_reason(gloo) == "Read error [10.77.0.12]:4272: Connection reset by peer"
     assert job.lost_peer(RuntimeError("Timed out waiting 600000ms for recv operation to complete")) is None
     assert Joined(["n1"], None).lost_peer(gloo) is None
+
+
+def test_the_masters_host_is_named_by_the_address_the_others_reach_it_at():
+    """Its ranks route to the master over loopback; gloo names them by the address they offered (the master's)."""
+    routes = [N1_OWN, N1_OWN, N2, N2]
+    assert network.peer_addresses(routes) == ["10.77.0.11", "10.77.0.11", "10.77.0.12", "10.77.0.12"]
+    job = Joined([r.host for r in routes], "eth2", network.peer_addresses(routes))
+    assert (
+        job.lost_peer(RuntimeError("Read error [10.77.0.11]:5: Connection reset by peer"))
+        == "n1 (10.77.0.11, ranks 0, 1)"
+    )
+    local = Route(host="n1", master_ip="127.0.0.1", source="127.0.0.1")
+    assert network.peer_addresses([local, local]) == ["127.0.0.1", "127.0.0.1"]
