@@ -3,8 +3,9 @@
 Each cell runs the tests' tiny LM on 2 ranks (fully_sharded, 10 steps, a checkpoint every 3) with one fault at step 7
 (a save that fails: at step 6), as the layout runs it: shardlab's own local ranks, torchrun, a Slurm job with one task
 per rank, a one-task Slurm job that starts its ranks, and a Slurm job of one task per rank on two hosts (the test
-cluster's partition multi; there also the loss of rank 1's whole node). The job is then requeued (Slurm does it, or the test reruns the
-same command, as a supervisor or the user would), and the cell checks what a user must be able to rely on:
+cluster's partition multi; there also the loss of rank 1's whole node). The job is then requeued (Slurm does it, or
+the test reruns the same command, as a supervisor or the user would), and the cell checks what a user must be able to
+rely on:
 
 - the first attempt ends as it should and says so (exit code, status.json, the submitter's report);
 - no rank hangs: it ends within the collective timeout of the fault;
