@@ -167,9 +167,33 @@ def torchrun_on(env, host: str, node_rank: int, port: int, args: list[str], out:
     )  # fmt: skip
 
 
+def test_a_plain_sbatch_script_with_one_srun_task_per_host_starting_two_ddp_ranks_matches_one_process(
+    multi_node_env, corpus_cache, tmp_path, one_process
+):
+    """No submitit: `srun` starts one task per host, each of which starts 2 local ranks (ddp across 4 ranks)."""
+    overrides = [*RUN, f"optimization.max_steps={STEPS}", f"data.cache_dir={corpus_cache}", "distributed.backend=ddp",
+                 "distributed.world_size=4", f"hydra.run.dir={tmp_path}/run"]  # fmt: skip
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --partition=multi --nodes=2 --ntasks-per-node=1 --cpus-per-task=2\n"
+        f"srun {sys.executable} -m shardlab.train {' '.join(overrides)}\n"
+    )
+    sbatch = subprocess.run(
+        ["sbatch", "--parsable", "--wait", f"--output={tmp_path}/job.out", str(script)], cwd=ROOT,
+        env={**multi_node_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = (tmp_path / "job.out").read_text()
+    assert sbatch.returncode == 0, out[-3000:]
+    assert "world size 4 (slurm)" in out and "network: 2 hosts" in out and "backend ddp" in out, out[-3000:]
+    got = scalars(tmp_path / "run")
+    assert [s for s, _ in got] == list(range(1, STEPS + 1))
+    assert_losses_equal([v for _, v in got], train_losses(one_process))
+
+
 def test_torchrun_across_two_hosts_matches_one_process(multi_node_env, corpus_cache, tmp_path, one_process):
     """Host names that resolve to loopback on their own host: each rank offers gloo the interface its peers reach."""
-    args = [*RUN, f"optimization.max_steps={STEPS}", f"data.cache_dir={corpus_cache}", f"hydra.run.dir={tmp_path}/run"]
+    args = [*RUN, f"optimization.max_steps={STEPS}", f"data.cache_dir={corpus_cache}", f"hydra.run.dir={tmp_path}/run",
+            "distributed.backend=ddp"]  # fmt: skip
     logs = [tmp_path / "n1.log", tmp_path / "n2.log"]
     agents = [
         torchrun_on(multi_node_env, f"shl-n{n + 1}", n, 29_400 + os.getpid() % 500, args, logs[n]) for n in (0, 1)
