@@ -77,10 +77,10 @@ def join_process_group(
         return _joined
     store = _rendezvous_store(env, timeout_s, init_timeout_s)
     interface, hosts, addresses = None, [socket.gethostname()], []
-    if env.world_size > 1:
+    if env.world_size > 1 and prepare_data is not None:  # without data to agree on, the ranks meet in the group
         route = network.local_route(env.master_addr)
         routes = prepare_and_agree(
-            store, env.rank, env.world_size, prepare_data or (lambda: ""), route=route.to_json(),
+            store, env.rank, env.world_size, prepare_data, route=route.to_json(),
             appear_s=init_timeout_s,
         )  # fmt: skip
         everyone = [network.Route(**r) for r in routes]

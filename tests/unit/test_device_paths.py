@@ -28,7 +28,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: joined.setdefault("set_device", device))
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: joined.update(kwargs))
     # The ranks meet in a rendezvous store before the group exists; an in-process one stands in for rank 0's server.
-    monkeypatch.setattr(base, "_rendezvous_store", lambda env, timeout_s: dist.HashStore())
+    monkeypatch.setattr(base, "_rendezvous_store", lambda env, timeout_s, init_timeout_s: dist.HashStore())
     return count, joined
 
 
