@@ -151,6 +151,23 @@ class DistributedConfig:
 
 
 @dataclass
+class EMAConfig:
+    enabled: bool = False
+    """Keep an exponential moving average of the model's parameters (fp32, sharded like them), saved with the training
+    state; validation.ema validates with it, tools/export_hf.py --ema exports it, a teacher network reads it."""
+    decay: float = 0.999
+    """Weight of the old average at each update: average = decay * average + (1 - decay) * weights. With
+    schedule=cosine, its value at start_step."""
+    schedule: str = "constant"
+    """constant, or cosine: the decay rises from decay to final_decay along a half cosine from start_step to
+    optimization.max_steps (BYOL's and DINO's momentum)."""
+    final_decay: float = 1.0
+    """The decay at the last step under schedule=cosine (unused under constant)."""
+    start_step: int = 0
+    """Steps before this one copy the weights into the average instead of averaging (fairseq's ema_start_update)."""
+
+
+@dataclass
 class OptimizationConfig:
     max_steps: int = 1000
     """Optimizer steps to train for."""
@@ -163,6 +180,8 @@ class OptimizationConfig:
     max_nonfinite_steps: int = 3
     """Stop the run as failed when the loss is NaN or infinite on this many steps in a row (any rank), or at a save
     whose weights are; nothing non-finite is saved. fp16's gradient overflows, which the scaler skips, do not count."""
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    """The moving average of the weights (optimization.ema.*)."""
 
 
 @dataclass
@@ -173,6 +192,8 @@ class ValidationConfig:
     """Batches per validation; 0 = the whole validation set."""
     batch_size: int = 64
     """Samples per validation batch over all ranks."""
+    ema: bool = False
+    """Validate with the averaged weights of optimization.ema instead of the trained ones (needs it enabled)."""
 
 
 @dataclass
@@ -343,6 +364,7 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     check(cfg.validation.interval_steps >= 0, "validation.interval_steps must be >= 0")
     check(cfg.validation.num_batches >= 0, "validation.num_batches must be >= 0")
     check(cfg.validation.batch_size > 0, f"validation.batch_size must be > 0, got {cfg.validation.batch_size}")
+    errors += ema_errors(cfg)
     check(cfg.checkpoint.interval_steps >= 0, "checkpoint.interval_steps must be >= 0")
     check(cfg.checkpoint.timeout_s > 0, f"checkpoint.timeout_s must be > 0, got {cfg.checkpoint.timeout_s}")
     check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
@@ -395,6 +417,23 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     errors += unknown_key_errors(cfg)
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def ema_errors(cfg: Any) -> list[str]:
+    """optimization.ema's ranges, and validation.ema without it."""
+    ema, errors = cfg.optimization.ema, []
+    for key in ("decay", "final_decay"):
+        if not 0 <= getattr(ema, key) <= 1:
+            errors.append(f"optimization.ema.{key} must be in [0, 1], got {getattr(ema, key)}")
+    if ema.schedule not in ("constant", "cosine"):
+        errors.append(f"optimization.ema.schedule must be constant or cosine, got '{ema.schedule}'")
+    if ema.start_step < 0:
+        errors.append(f"optimization.ema.start_step must be >= 0, got {ema.start_step}")
+    if cfg.validation.ema and not ema.enabled:
+        errors.append(
+            "validation.ema validates with the average of optimization.ema; set optimization.ema.enabled=true"
+        )
+    return errors
 
 
 def nonfinite_errors(cfg: Any) -> list[str]:

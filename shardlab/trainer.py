@@ -6,6 +6,7 @@ decides how gradients are reduced.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import time
@@ -41,6 +42,7 @@ from shardlab.logging import RunLogger
 from shardlab.memory.meter import PeakMeter, memory_gib, resident_bytes
 from shardlab.memory.plan import GiB, RunPlan
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
+from shardlab.optim.ema import WeightAverage
 from shardlab.task import Task
 from shardlab.train_state import TrainState
 
@@ -106,10 +108,19 @@ class Trainer:
         self.state.components = {"scheduler": self.scheduler, "grad_scaler": self.scaler}
         task_state = self.task.training_state(self.state, backend.device)  # e.g. SwAV's queue; most tasks: None
         self.state.tensors = {"task": task_state} if task_state is not None else {}
+        self.ema = (
+            WeightAverage(self.model, cfg.optimization.ema, cfg.optimization.max_steps)
+            if cfg.optimization.ema.enabled
+            else None
+        )
+        if self.ema is not None:  # saved through DCP beside the model, resharded like it (shardlab/optim/ema.py)
+            self.state.tensors["ema"] = self.ema
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
         self.resumed_from = self.initialized_from = None
         if restore:
             self._restore()
+        if self.ema is not None and self.initialized_from is not None:  # the average starts at the loaded weights
+            self.ema.reset()
         self.last_save = (self.state.step, time.monotonic())
         self.global_batch = cfg.optimization.batch_size
         self.train_order = GlobalOrder(len(self.task.train_dataset), cfg.seed, shuffle=True)
@@ -341,6 +352,8 @@ class Trainer:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.ema is not None:  # every step, skipped or not: the same count of updates at any world size
+            self.ema.update(self.state.step)
         return grad_norm, skipped
 
     @torch.no_grad()
@@ -364,11 +377,13 @@ class Trainer:
         )
         sums: dict[str, torch.Tensor] = {}
         started = time.perf_counter()
-        for batch in loader:
-            with backend.forward_context():
-                _, stats = self.task.loss(self.model, batch, backend.device)
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0) + v.detach().float()
+        averaged = self.ema.swapped_into(self.model) if cfg.validation.ema else contextlib.nullcontext()
+        with averaged:
+            for batch in loader:
+                with backend.forward_context():
+                    _, stats = self.task.loss(self.model, batch, backend.device)
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0) + v.detach().float()
         metrics = self.task.summarize(self._sum_over_ranks(sums))
         self._record("valid", {**metrics, "seconds": time.perf_counter() - started}, log)
         return metrics

@@ -3,6 +3,7 @@ GPT2LMHeadModel, model.arch=llama as a LlamaForCausalLM.
 
     python tools/export_hf.py runs/lm/default/checkpoints/step_00000300 --out hf-export
     python tools/export_hf.py model.safetensors --out hf-export       # a file from tools/consolidate.py
+    python tools/export_hf.py runs/lm/default/checkpoints/step_00000300 --ema --out hf-ema  # optimization.ema's weights
     python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; \
 AutoModelForCausalLM.from_pretrained('hf-export'); T.from_pretrained('hf-export')"
 
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("checkpoint", type=Path, help="a step_N checkpoint directory or a consolidated .safetensors")
     parser.add_argument("--out", type=Path, required=True, help="directory to write (created)")
     parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json; default: the run's data.tokenizer")
+    parser.add_argument(
+        "--ema", action="store_true", help="export the run's moving average of the weights (optimization.ema)"
+    )
     args = parser.parse_args(argv)
 
     config = weights.describe(args.checkpoint)["config"]
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> Path:
         tokenizer = load_tokenizer(spec, None if args.tokenizer else config["data"].get("eod_token"))
     except ConfigError as e:
         raise ConfigError(f"{e} (or pass the tokenizer the run used with --tokenizer)") from None
-    state = weights.read_full(args.checkpoint)
+    state = weights.read_full(args.checkpoint, ema=args.ema)
     hf = export_hf(state, config["model"], tokenizer, args.out)
     print(f"wrote {args.out} ({hf['architectures'][0]}, vocabulary {hf['vocab_size']}, tokenizer {spec})")
     return args.out

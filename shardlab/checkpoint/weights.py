@@ -25,6 +25,8 @@ from shardlab.errors import CheckpointError, IncompatibleCheckpointError, first_
 
 MODEL_PREFIX = "model."
 """DCP flattens the saved {"model": ..., "optim": ...} into keys "model.<name>" and "optim.<...>"."""
+EMA_PREFIX = "ema."
+"""optimization.ema's average, saved as "ema.<name>" with the names of the model's parameters."""
 WEIGHTS_FORMAT = "shardlab-weights/1"
 
 
@@ -139,10 +141,23 @@ def check_compatible(
         )
 
 
-def read_full(path: Path) -> dict[str, torch.Tensor]:
+def read_full(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     """The whole model state, unsharded, on the CPU, from a step_N folder (only the model.* entries of the DCP
-    checkpoint are read: optimizer state never comes into memory) or a .safetensors file."""
+    checkpoint are read: optimizer state never comes into memory) or a .safetensors file. ``ema``: the parameters are
+    optimization.ema's average instead (the ema.* entries; buffers stay the model's), from a step_N folder only."""
     path = Path(path).expanduser()
+    if ema:
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: the EMA weights are in step_N checkpoint folders only; give one")
+        state, average = _read_prefixed(path, MODEL_PREFIX), _read_prefixed(path, EMA_PREFIX)
+        if not average:
+            raise CheckpointError(
+                f"{path} holds no EMA weights (ema.* entries): its run had optimization.ema.enabled=false; drop the "
+                "EMA option"
+            )
+        if unknown := sorted(set(average) - set(state)):
+            raise CheckpointError(f"{path}: EMA entry {unknown[0]!r} names no model parameter; is it a shardlab one?")
+        return {**state, **average}
     if not path.is_dir():
         from safetensors.torch import load_file
 
@@ -150,20 +165,27 @@ def read_full(path: Path) -> dict[str, torch.Tensor]:
             return load_file(str(path))
         except Exception as e:
             raise CheckpointError(f"{path} could not be read as safetensors ({first_cause(e)})") from e
+    state = _read_prefixed(path, MODEL_PREFIX)
+    if not state:
+        raise CheckpointError(f"{path} holds no model.* tensors; is it a shardlab checkpoint?")
+    return state
+
+
+def _read_prefixed(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of step folder ``path`` whose DCP keys start with ``prefix`` ("model.", "ema."), by the rest of
+    their key, unsharded on the CPU; {} if it holds none."""
     metadata = dcp_reader.read_metadata(path)
     state: dict[str, torch.Tensor] = {}
     for key, item in metadata.state_dict_metadata.items():
-        if not key.startswith(MODEL_PREFIX):
+        if not key.startswith(prefix):
             continue
         if not isinstance(item, TensorStorageMetadata):
-            raise CheckpointError(
-                f"{path}: model entry {key!r} is not a tensor; shardlab checkpoints hold only tensors"
-            )
-        state[key.removeprefix(MODEL_PREFIX)] = torch.empty(item.size, dtype=item.properties.dtype)
+            raise CheckpointError(f"{path}: entry {key!r} is not a tensor; shardlab checkpoints hold only tensors")
+        state[key.removeprefix(prefix)] = torch.empty(item.size, dtype=item.properties.dtype)
     if not state:
-        raise CheckpointError(f"{path} holds no model.* tensors; is it a shardlab checkpoint?")
+        return state
     try:
-        dcp_reader.load({"model": state}, path, checked=True, no_dist=True)
+        dcp_reader.load({prefix.rstrip("."): state}, path, checked=True, no_dist=True)
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"checkpoint {path} could not be read ({first_cause(e)})") from e
     return state

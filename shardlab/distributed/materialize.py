@@ -35,7 +35,7 @@ def materialize(model: nn.Module, device: torch.device, init_fn: InitFn, seed: i
         for module, name in slots[1:]:
             module._parameters[name] = first_module._parameters[first_name]
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        name = _clean_name(name)
+        name = clean_name(name)
         if isinstance(tensor, DTensor):
             full = torch.empty(tensor.shape, dtype=tensor.dtype)
             init_fn(name, full, _generator(seed, name))
@@ -57,6 +57,6 @@ def _shared_parameter_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]
     return [s for s in slots.values() if len(s) > 1]
 
 
-def _clean_name(name: str) -> str:
+def clean_name(name: str) -> str:
     """Strip wrapper prefixes (activation checkpointing, DDP) so names match the unwrapped model's."""
     return name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")

@@ -371,6 +371,9 @@ class PlanContext:
             state = 4 if opt.momentum > 0 else 0
         else:
             state = OPTIMIZER_STATE_BYTES.get(opt.name, 8)
+        ema = cfg.optimization.get("ema")
+        if ema is not None and ema.enabled:  # optimization.ema: an fp32 average beside each local parameter shard
+            state += 4
         return cls(
             world_size=world_size,
             ranks_per_node=max(1, min(ranks_per_node, world_size)),
