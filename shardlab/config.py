@@ -82,7 +82,15 @@ class DistributedConfig:
     cpu_offload: bool = False
     """fully_sharded: keep sharded params, grads and optimizer state on the CPU (pinned on CUDA)."""
     activation_checkpointing: str = "none"
-    """Recompute activations per FSDP unit in backward: none or full."""
+    """Recompute activations per FSDP unit (a transformer block in the LMs) in backward: none; full (every unit keeps
+    only its input); selective_layer (every ac_every_k_units-th unit does); selective_op (every unit keeps its input
+    and the outputs of the ops in ac_save_ops, recomputing the rest). Every backend
+    (shardlab/distributed/activation_checkpointing.py)."""
+    ac_every_k_units: int = 2
+    """activation_checkpointing=selective_layer: checkpoint every k-th unit (k=2: half of them)."""
+    ac_save_ops: list[str] = field(default_factory=lambda: ["matmul", "attention"])
+    """activation_checkpointing=selective_op: the op groups whose outputs are kept: matmul (mm, addmm, bmm), attention
+    (the fused attention kernels); the rest of each unit is recomputed."""
     offload_activations: bool = False
     """With activation_checkpointing=none: move saved activations to the CPU during forward."""
     prefetch_units: int = 0
@@ -229,6 +237,38 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    enabled: bool = False
+    """Log to Weights & Biases from rank 0, beside TensorBoard (needs pip install -e '.[wandb]'; docs/tracking.md)."""
+    project: str = "shardlab"
+    """The W&B project the run goes to."""
+    entity: str | None = None
+    """The W&B team or user; None: your default entity."""
+    name: str | None = None
+    """The run's display name; None: the run folder's name."""
+    group: str | None = None
+    """The run's group; None: a sweep's points are grouped by the sweep folder's name, a single run has none."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the run."""
+    mode: str = "online"
+    """online (offline when W&B cannot be reached, with the command that uploads it later) or offline."""
+
+
+@dataclass
+class MlflowConfig:
+    enabled: bool = False
+    """Log to MLflow from rank 0, beside TensorBoard (needs pip install -e '.[mlflow]'; docs/tracking.md)."""
+    tracking_uri: str | None = None
+    """Where runs go: http(s)://host:port, sqlite:///path.db, or a folder; None: MLFLOW_TRACKING_URI, else ./mlruns."""
+    experiment: str | None = None
+    """The experiment; None: a sweep's points share one named by the sweep folder, a single run goes to 'shardlab'."""
+    run_name: str | None = None
+    """The run's name; None: the run folder's name."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Tags of the run (key: value), e.g. +logging.mlflow.tags.team=nlp."""
+
+
+@dataclass
 class LoggingConfig:
     interval_steps: int = 50
     """Print a log line and write TensorBoard scalars every this many steps."""
@@ -236,6 +276,10 @@ class LoggingConfig:
     """Write TensorBoard event files under <run dir>/tensorboard."""
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases (shardlab/tracking.py)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow (shardlab/tracking.py)."""
 
 
 @dataclass
@@ -408,11 +452,9 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     for key in ("precision", "param_dtype", "reduce_dtype"):
         value = getattr(d, key)
         check(value is None or value in DTYPES, f"distributed.{key} must be one of {', '.join(DTYPES)}, got '{value}'")
-    check(
-        d.activation_checkpointing in ("none", "full"),
-        f"distributed.activation_checkpointing must be none or full, got '{d.activation_checkpointing}'",
-    )
+    errors += checkpointing_errors(d)
     errors += plan_device_errors(cfg)
+    errors += tracker_errors(cfg.logging)
     errors += distributed_errors(cfg, world_size or d.world_size, num_cuda_devices)
     errors += unknown_key_errors(cfg)
     if errors:
@@ -433,6 +475,56 @@ def ema_errors(cfg: Any) -> list[str]:
         errors.append(
             "validation.ema validates with the average of optimization.ema; set optimization.ema.enabled=true"
         )
+    return errors
+
+
+def checkpointing_errors(d: Any) -> list[str]:
+    """distributed.activation_checkpointing and its keys (``d``: the distributed section)."""
+    from shardlab.distributed.activation_checkpointing import MODES, SAVE_OP_GROUPS
+
+    mode, errors = d.activation_checkpointing, []
+    if mode not in MODES:
+        errors.append(f"distributed.activation_checkpointing must be one of {', '.join(MODES)}, got '{mode}'")
+    if d.ac_every_k_units < 2:
+        errors.append(
+            f"distributed.ac_every_k_units must be >= 2, got {d.ac_every_k_units}; every unit (k=1) is "
+            "activation_checkpointing=full"
+        )
+    unknown = [g for g in d.ac_save_ops if g not in SAVE_OP_GROUPS]
+    if unknown or not d.ac_save_ops:
+        errors.append(
+            f"distributed.ac_save_ops must be a non-empty list of {', '.join(SAVE_OP_GROUPS)}, "
+            f"got {list(d.ac_save_ops)}"
+        )
+    defaults = DistributedConfig()
+    for key, needs in (("ac_every_k_units", "selective_layer"), ("ac_save_ops", "selective_op")):
+        if getattr(d, key) != getattr(defaults, key) and mode != needs:
+            errors.append(
+                f"distributed.{key} applies to activation_checkpointing={needs} only (it is {mode}); drop it or set "
+                f"distributed.activation_checkpointing={needs}"
+            )
+    return errors
+
+
+TRACKER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
+"""The module each tracker imports (logging.<tracker>.enabled), by the name of the extra that installs it."""
+
+
+def tracker_errors(log_cfg: Any) -> list[str]:
+    """An enabled tracker must be installed (found, not imported: its import takes seconds) and its mode known."""
+    import importlib.util
+
+    errors = []
+    for extra, module in TRACKER_MODULES.items():
+        section = log_cfg.get(extra)  # .get: configs recorded before the trackers existed lack them
+        if section is not None and section.enabled and importlib.util.find_spec(module) is None:
+            errors.append(
+                f"logging.{extra}.enabled needs the {module} package, which is not installed; "
+                f"pip install -e '.[{extra}]' or drop logging.{extra}.enabled"
+            )
+    mode = log_cfg.get("wandb", {}).get("mode", "online")
+    if mode not in ("online", "offline"):
+        errors.append(f"logging.wandb.mode must be online or offline, got '{mode}'")
     return errors
 
 
@@ -615,8 +707,8 @@ def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]
         )
     if d.offload_activations and d.activation_checkpointing != "none":
         errors.append(
-            "distributed.offload_activations and activation_checkpointing=full both shrink activation "
-            "memory; choose one"
+            f"distributed.offload_activations and activation_checkpointing={d.activation_checkpointing} both shrink "
+            "activation memory; choose one"
         )
     dtypes = {d.param_dtype or d.precision, d.reduce_dtype or d.precision}
     if {"fp16", "bf16"} <= dtypes:

@@ -1,18 +1,92 @@
-"""Activation checkpointing per unit: recompute a unit's activations in backward instead of keeping them."""
+"""Activation checkpointing per unit: recompute a unit's activations in backward instead of keeping them.
+
+distributed.activation_checkpointing chooses how much (torchtitan's modes, through torch's public APIs):
+  full             every unit keeps only its input and recomputes the rest in backward;
+  selective_layer  every k-th unit (distributed.ac_every_k_units) does so, the others keep everything;
+  selective_op     every unit keeps its input and the outputs of the ops in distributed.ac_save_ops (the matmuls and
+                   attention, the costly ops) and recomputes the rest (norms, activations, residual adds, RoPE), through
+                   torch.utils.checkpoint's selective-checkpoint policy.
+``checkpointed_units`` is the one place that says which units recompute; the memory plan asks it too.
+"""
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective_layer", "selective_op")
+"""The values of distributed.activation_checkpointing."""
 
 
-def wrap_units(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+def _ops(*names: str) -> frozenset:
+    """The aten overloads of ``names`` this torch build has (a CPU-only or older build lacks some)."""
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+SAVE_OP_GROUPS: dict[str, frozenset] = {
+    # What F.linear, matmul and @ become below autograd, where the policy sees ops.
+    "matmul": _ops("mm", "addmm", "bmm", "baddbmm"),
+    # The fused attention kernels: output and logsumexp (recomputing attention costs as much as the matmuls).
+    "attention": _ops(
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    ),
+}
+"""distributed.ac_save_ops names: the op groups whose outputs selective_op keeps."""
+
+
+def checkpointed_units(num_units: int, mode: str, every_k: int) -> list[int]:
+    """Indices of the units that recompute under ``mode`` (selective_layer: the k-th, 2k-th, ... unit, counting from
+    1, as torchtitan counts, so the last units, whose activations backward needs first, are as likely as any)."""
+    if mode == "none":
+        return []
+    if mode == "selective_layer":
+        return [i for i in range(num_units) if (i + 1) % every_k == 0]
+    return list(range(num_units))
+
+
+def save_ops(groups) -> frozenset:
+    return frozenset().union(*(SAVE_OP_GROUPS[g] for g in groups))
+
+
+def _policy(saved: frozenset, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    # A pure function of the op, so torch.compile can apply it in its partitioner as eager does op by op.
+    return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context(saved: frozenset):
+    return create_selective_checkpoint_contexts(functools.partial(_policy, saved))
+
+
+def checkpoint_units(model: nn.Module, units: list[nn.Module], cfg) -> list[nn.Module]:
+    """Apply ``cfg.activation_checkpointing`` (the distributed section) to ``units``: each unit that recomputes is
+    replaced in its parent by a checkpoint wrapper. Returns the units, wrapped where they were, in the same order."""
+    picked = set(checkpointed_units(len(units), cfg.activation_checkpointing, cfg.ac_every_k_units))
+    if not picked:
+        return list(units)
+    context_fn = None
+    if cfg.activation_checkpointing == "selective_op":
+        context_fn = functools.partial(_selective_context, save_ops(cfg.ac_save_ops))
+    wrapped = wrap_units(model, [u for i, u in enumerate(units) if i in picked], context_fn)
+    it = iter(wrapped)
+    return [next(it) if i in picked else u for i, u in enumerate(units)]
+
+
+def wrap_units(model: nn.Module, units: list[nn.Module], context_fn=None) -> list[nn.Module]:
     """Replace each unit in its parent by a checkpoint wrapper; returns the wrappers, in the same order.
+    ``context_fn``: torch.utils.checkpoint's, e.g. a selective-checkpoint policy (non-reentrant checkpointing).
 
     The wrapper adds `_checkpoint_wrapped_module.` to parameter names; torch.distributed.checkpoint's state-dict
     helpers strip it, so checkpoints stay loadable with checkpointing on or off.
     """
-    wrapped = {id(u): checkpoint_wrapper(u) for u in units}
+    kwargs = {} if context_fn is None else {"context_fn": context_fn}
+    wrapped = {id(u): checkpoint_wrapper(u, **kwargs) for u in units}
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if id(child) in wrapped:

@@ -204,10 +204,10 @@ class Backend:
         ``full_precision_modules`` (Task.full_precision_modules) compute in fp32 whatever the param dtype: their own
         fp32 units under fully_sharded; autocast leaves them alone elsewhere."""
         materialize(model)
-        if self.cfg.activation_checkpointing == "full":
-            from shardlab.distributed.activation_checkpointing import wrap_units
+        if self.cfg.activation_checkpointing != "none":
+            from shardlab.distributed.activation_checkpointing import checkpoint_units
 
-            units = wrap_units(model, units)
+            units = checkpoint_units(model, units, self.cfg)
         self.compile_units(units or [model])
         return model
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from shardlab.distributed.activation_checkpointing import wrap_units
+from shardlab.distributed.activation_checkpointing import checkpoint_units
 from shardlab.distributed.base import Backend
 from shardlab.registry import BACKENDS
 
@@ -27,8 +27,7 @@ class DDPBackend(Backend):
         full_precision_modules: Sequence[nn.Module] = (),
     ) -> nn.Module:
         materialize(model)
-        if self.cfg.activation_checkpointing == "full":
-            units = wrap_units(model, units)
+        units = checkpoint_units(model, units, self.cfg)
         self.compile_units(units or [model])
         ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         # Reduce in the configured dtype: DDP's compression hooks cast each bucket before the all-reduce.

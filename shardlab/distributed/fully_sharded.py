@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from shardlab.distributed import torch_internals
-from shardlab.distributed.activation_checkpointing import wrap_units
+from shardlab.distributed.activation_checkpointing import checkpoint_units
 from shardlab.distributed.base import Backend
 from shardlab.distributed.gloo_comms import AllReduceReduceScatter, make_reduce_comm
 from shardlab.distributed.grad_scaler import ShardedGradScaler
@@ -61,8 +61,7 @@ class FullyShardedBackend(Backend):
         full_precision_modules: Sequence[nn.Module] = (),
     ) -> nn.Module:
         units = units or generic_units(model, self.cfg.wrap_min_num_params)
-        if self.cfg.activation_checkpointing == "full":
-            units = wrap_units(model, units)
+        units = checkpoint_units(model, units, self.cfg)
         self.units = units
         self.compile_units(units or [model])
         kwargs = self.shard_kwargs()

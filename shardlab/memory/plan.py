@@ -19,7 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from shardlab.distributed.activation_checkpointing import SAVE_OP_GROUPS, checkpointed_units
 from shardlab.distributed.units import count_params, describe_units, meta_model, wrapped_units
 from shardlab.memory import devices
 
@@ -59,6 +62,12 @@ class ModelProfile:
     """The root unit's parameters, likewise."""
     activation_slack: int = 0
     """What the CUDA caching allocator adds to the saved tensors by rounding each one (devices.allocator_bytes)."""
+    unit_op_outputs: list[dict[str, int]] | None = None
+    """Per unit, bytes of the outputs of each op group of activation_checkpointing.SAVE_OP_GROUPS (what
+    selective_op keeps beside the unit's input)."""
+    unit_op_overlap: list[dict[str, int]] | None = None
+    """Per unit and op group, the bytes of the unit's saved tensors that are such outputs (selective_op's
+    recomputation reuses them instead of saving them again)."""
 
     @property
     def root_params(self) -> int:
@@ -103,11 +112,66 @@ class _FusedAttentionShapes(torch.autograd.Function):
         out = q.new_empty((*batch, length, heads, v.shape[-1])).transpose(-3, -2)
         row_stats = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, row_stats)
+        for recorder in _OpOutputs.active:  # what the fused kernel returns, as the attention op's outputs
+            recorder.note("attention", (out, row_stats))
         return out
 
     @staticmethod
     def backward(ctx, grad):  # never run: the plan only counts what forward saves
         raise NotImplementedError
+
+
+GROUP_OF_OP = {op: group for group, ops in SAVE_OP_GROUPS.items() for op in ops}
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # a view, or _unsafe_view after a matmul, shares its base's storage
+
+
+class _OpOutputs(TorchDispatchMode):
+    """Below autograd, where F.linear has become mm/addmm: the outputs of the op groups selective_op can keep, by
+    storage, with the unit they were made in (``current[0]``; -1 outside the units). Kept alive until the profile is
+    read, so no storage key is reused."""
+
+    active: list[_OpOutputs] = []
+
+    def __init__(self, current: list[int]) -> None:
+        super().__init__()
+        self.current = current
+        self.outputs: dict[int, tuple[int, str, torch.Tensor]] = {}
+
+    def note(self, group: str, out) -> None:
+        if self.current[0] < 0:
+            return
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _storage_key(t) not in self.outputs:
+                self.outputs[_storage_key(t)] = (self.current[0], group, t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in GROUP_OF_OP:
+            self.note(GROUP_OF_OP[func], out)
+        return out
+
+    def __enter__(self):
+        _OpOutputs.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _OpOutputs.active.remove(self)
+        return super().__exit__(*exc)
+
+    def per_unit(self, num_units: int, saved: dict[int, torch.Tensor], owner: dict[int, int]):
+        """(bytes of each unit's outputs per group, bytes of its saved tensors that are such outputs, per group)."""
+        outputs: list[dict[str, int]] = [dict.fromkeys(SAVE_OP_GROUPS, 0) for _ in range(num_units)]
+        overlap: list[dict[str, int]] = [dict.fromkeys(SAVE_OP_GROUPS, 0) for _ in range(num_units)]
+        for unit, group, t in self.outputs.values():
+            outputs[unit][group] += _nbytes(t)
+        for key, base in saved.items():
+            made = self.outputs.get(_storage_key(base))
+            if made is not None and made[0] == owner[key]:
+                overlap[made[0]][made[1]] += _nbytes(base)
+        return outputs, overlap
 
 
 class _MetaAttention(TorchFunctionMode):
@@ -215,8 +279,9 @@ def profile_model(
     for i, unit in enumerate(units):
         handles.append(unit.register_forward_pre_hook(enter(i)))
         handles.append(unit.register_forward_hook(leave))
+    ops = _OpOutputs(current)
     try:
-        with _MetaAttention(), autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _MetaAttention(), autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ops:
             model.train()
             task.loss(model, batch if autocast_device else _cast_inputs(batch, dtype), torch.device("meta"))
     except Exception as e:  # a model that cannot run on meta still trains; only its activations go unplanned
@@ -245,6 +310,7 @@ def profile_model(
         # Every copy lives until the forward ends (autocast's cache), those the matmuls saved until backward.
         copies = sum(_nbytes(c) for c in autocast.weight_copies.values())
         total += sum(_nbytes(c) for c in autocast.weight_copies.values() if id(c) not in saved)
+    op_outputs, op_overlap = ops.per_unit(len(units), saved, owner)
     return ModelProfile(
         params,
         unit_params,
@@ -258,6 +324,8 @@ def profile_model(
         None,
         **shapes,
         activation_slack=slack,
+        unit_op_outputs=op_outputs,
+        unit_op_overlap=op_overlap,
     )
 
 
@@ -299,7 +367,21 @@ class Layout:
     """Ranks a parameter is sharded over (1 = not sharded)."""
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
+    """Whether any unit recomputes in backward (every unit, unless one of the two keys below narrows it)."""
     cpu_offload: bool = False
+    ac_every_k_units: int = 1
+    """> 1: only every k-th unit recomputes (activation_checkpointing=selective_layer)."""
+    ac_save_ops: tuple[str, ...] = ()
+    """Non-empty: every unit keeps these op groups' outputs and recomputes the rest (selective_op)."""
+
+    @property
+    def checkpointing(self) -> str:
+        """The distributed.activation_checkpointing value of this layout."""
+        if not self.activation_checkpointing:
+            return "none"
+        if self.ac_save_ops:
+            return "selective_op"
+        return "selective_layer" if self.ac_every_k_units > 1 else "full"
 
     def label(self, world_size: int) -> str:
         text = self.backend
@@ -308,16 +390,23 @@ class Layout:
                 text = f"hybrid, shards of {self.sharding_degree}"
             if not self.reshard_after_forward:
                 text += ", no reshard"
-        if self.activation_checkpointing:
+        if self.checkpointing == "full":
             text += " + act. ckpt"
+        elif self.checkpointing == "selective_layer":
+            text += f" + act. ckpt 1/{self.ac_every_k_units} units"
+        elif self.checkpointing == "selective_op":
+            text += " + op-selective ckpt"
         if self.cpu_offload:
             text += " + cpu_offload"
         return text
 
     def overrides(self, world_size: int) -> dict:
         """The distributed.* values that select this layout."""
-        checkpointing = "full" if self.activation_checkpointing else "none"
-        values: dict = {"backend": self.backend, "activation_checkpointing": checkpointing}
+        values: dict = {"backend": self.backend, "activation_checkpointing": self.checkpointing}
+        if self.checkpointing == "selective_layer":
+            values["ac_every_k_units"] = self.ac_every_k_units
+        elif self.checkpointing == "selective_op":
+            values["ac_save_ops"] = list(self.ac_save_ops)
         if self.backend == "fully_sharded":
             values.update(
                 sharding_degree=-1 if self.sharding_degree == world_size else self.sharding_degree,
@@ -329,10 +418,16 @@ class Layout:
 
 def layout_of(d, world_size: int) -> Layout:
     """The layout a composed distributed section asks for."""
+    mode = d.activation_checkpointing
+    checkpointing = {
+        "activation_checkpointing": mode != "none",
+        "ac_every_k_units": d.ac_every_k_units if mode == "selective_layer" else 1,
+        "ac_save_ops": tuple(d.ac_save_ops) if mode == "selective_op" else (),
+    }
     if d.backend != "fully_sharded":
-        return Layout(d.backend, 1, True, d.activation_checkpointing == "full", False)
+        return Layout(d.backend, 1, True, cpu_offload=False, **checkpointing)
     degree = world_size if d.sharding_degree == -1 else min(d.sharding_degree, world_size)
-    return Layout("fully_sharded", degree, d.reshard_after_forward, d.activation_checkpointing == "full", d.cpu_offload)
+    return Layout("fully_sharded", degree, d.reshard_after_forward, cpu_offload=d.cpu_offload, **checkpointing)
 
 
 @dataclass(frozen=True)
@@ -557,10 +652,25 @@ def _activations(profile: ModelProfile, layout: Layout) -> int | None:
     if profile.activations is None:
         return None
     total = profile.activations
-    if layout.activation_checkpointing and profile.unit_activations:
-        # Units keep only their inputs; backward recomputes one unit at a time.
-        total = total - sum(profile.unit_activations) + sum(profile.unit_inputs) + max(profile.unit_activations)
+    picked = checkpointed_units(len(profile.unit_activations), layout.checkpointing, layout.ac_every_k_units)
+    if picked:
+        # A checkpointed unit keeps its input (and under selective_op its kept ops' outputs) instead of what it saved;
+        # backward recomputes one unit at a time, saving again all but the kept outputs.
+        kept, reused = _kept_op_bytes(profile, layout)
+        acts, inputs = profile.unit_activations, profile.unit_inputs
+        total -= sum(acts[i] - inputs[i] - kept[i] for i in picked)
+        total += max(acts[i] - reused[i] for i in picked)
     return total + _transient(profile)
+
+
+def _kept_op_bytes(profile: ModelProfile, layout: Layout) -> tuple[list[int], list[int]]:
+    """Per unit: the bytes selective_op keeps (its op groups' outputs), and the part of them the unit saved anyway."""
+    n = len(profile.unit_activations)
+    if not layout.ac_save_ops or profile.unit_op_outputs is None or profile.unit_op_overlap is None:
+        return [0] * n, [0] * n
+    groups = layout.ac_save_ops
+    kept = [sum(unit[g] for g in groups) for unit in profile.unit_op_outputs]
+    return kept, [sum(unit[g] for g in groups) for unit in profile.unit_op_overlap]
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,8 @@ def test_compiled_matches_eager_on_ddp_and_with_every_fully_sharded_toggle(tiny_
         "offload_activations": ([sharded, "distributed.offload_activations=true"], COMPILED_RTOL),
         "offload_params": ([sharded, "distributed.cpu_offload=true"], COMPILED_RTOL),
         "ddp_checkpointing": (["distributed.backend=ddp", "distributed.activation_checkpointing=full"], COMPILED_RTOL),
+        "selective_op": ([sharded, "distributed.activation_checkpointing=selective_op"], COMPILED_RTOL),
+        "selective_layer": ([sharded, "distributed.activation_checkpointing=selective_layer"], COMPILED_RTOL),
         "accumulate": ([sharded, "optimization.update_freq=2", "distributed.reduce_every_microbatch=false"], 1e-4),
         "overlapped": ([sharded, "distributed.reduce_scatter=all_reduce", "distributed.prefetch_units=1"], 1e-4),
         "fp16_scaler": ([sharded, "distributed.precision=fp16"], 0.02),  # fp16 rounds fused and unfused sums apart

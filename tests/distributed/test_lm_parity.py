@@ -120,6 +120,10 @@ TWO_RANK_VARIANTS = {
     "fsdp_fp16_reduce": [FSDP, "distributed.reduce_dtype=fp16"],  # fp32 params, fp16 reduce-scatter: scaled too
     "llama_fsdp_native": [FSDP, *LLAMA],
     "llama_fsdp_act_ckpt": [*OVERLAP, *LLAMA, "distributed.activation_checkpointing=full"],
+    "fsdp_sel_layer_ckpt": [FSDP, "distributed.activation_checkpointing=selective_layer"],
+    "fsdp_sel_op_ckpt": [FSDP, "distributed.activation_checkpointing=selective_op"],
+    "ddp_sel_op_ckpt": ["distributed.backend=ddp", "distributed.activation_checkpointing=selective_op"],
+    "llama_fsdp_sel_op_ckpt": [FSDP, *LLAMA, "distributed.activation_checkpointing=selective_op"],
 }
 
 

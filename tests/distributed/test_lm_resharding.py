@@ -51,12 +51,17 @@ def runs(tiny_lm, tmp_path_factory):
     single_from_fsdp2 = run_rank(
         tiny_lm(f"checkpoint.resume={fsdp_step5}"), tmp_path_factory.mktemp("s_from_f"), dist_env.detect()
     )
-    hybrid, replicated, hybrid_from_fsdp2 = run_spawned(
+    hybrid, replicated, hybrid_from_fsdp2, hybrid_selective = run_spawned(
         [
             tiny_lm("distributed.backend=fully_sharded", "distributed.sharding_degree=2"),
             tiny_lm("distributed.backend=fully_sharded", "distributed.sharding_degree=1"),
             tiny_lm(
                 "distributed.backend=fully_sharded", "distributed.sharding_degree=2", f"checkpoint.resume={fsdp_step5}"
+            ),
+            tiny_lm(  # selective checkpointing on the hybrid mesh: the same math as without
+                "distributed.backend=fully_sharded",
+                "distributed.sharding_degree=2",
+                "distributed.activation_checkpointing=selective_op",
             ),
         ],
         world_size=4,
@@ -69,10 +74,11 @@ def runs(tiny_lm, tmp_path_factory):
         "hybrid": hybrid,
         "replicated": replicated,
         "hybrid_from_fsdp2": hybrid_from_fsdp2,
+        "hybrid_selective": hybrid_selective,
     }
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "hybrid", "replicated"])
+@pytest.mark.parametrize("name", ["fsdp2", "hybrid", "replicated", "hybrid_selective"])
 def test_sharded_runs_match_single_process(name, runs):
     got, expected = train_losses(runs[name]), train_losses(runs["reference"])
     assert sorted(got) == list(range(1, 11))

@@ -1,0 +1,146 @@
+"""Selective activation checkpointing (distributed.activation_checkpointing=selective_layer / selective_op): the
+same math as none, the units it wraps, what the plan predicts for it, its config checks, and torch.compile over it.
+
+Against measured memory: tests/distributed/test_memory_plan.py; on ddp and fully_sharded: tests/distributed/
+test_lm_parity.py; the CPU table of memory against recompute time: tools/bench_checkpointing.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from shardlab.distributed import env as dist_env
+from shardlab.distributed.activation_checkpointing import checkpoint_units, checkpointed_units
+from shardlab.errors import ConfigError
+from shardlab.memory.plan import estimate, layout_of, profile_config
+from shardlab.runner import build_task, run_rank
+from tests.conftest import compose_config
+
+MODES = ["none", "full", "selective_layer", "selective_op"]
+LLAMA = ["model=llama_tiny", "model.num_kv_heads=2"]
+
+
+def train_losses(tiny_lm, tmp_path, *overrides) -> tuple[list[float], dict]:
+    cfg = tiny_lm(*overrides, "optimization.max_steps=4", "validation.interval_steps=0", "model.num_layers=4")
+    result = run_rank(cfg, tmp_path, dist_env.detect(), after_fit=count_wrappers)
+    return [r["loss"] for r in result["history"] if r["split"] == "train"], result
+
+
+def count_wrappers(trainer) -> dict:
+    return {"wrapped": sum(isinstance(m, CheckpointWrapper) for m in trainer.model.modules())}
+
+
+@pytest.mark.parametrize("model", [[], LLAMA], ids=["gpt", "llama"])
+def test_every_mode_trains_exactly_the_losses_of_none(tiny_lm, tmp_path, model):
+    """Recomputation must not change the math: the same losses, bit for bit, and the modes wrap the units they say."""
+    runs = {m: train_losses(tiny_lm, tmp_path / m, *model, f"distributed.activation_checkpointing={m}") for m in MODES}
+    for mode in MODES[1:]:
+        assert torch.equal(torch.tensor(runs[mode][0]), torch.tensor(runs["none"][0])), mode
+    assert len(runs["none"][0]) == 4
+    # gpt: 4 blocks; llama: 4 blocks plus its embedding and head units (6 in all)
+    num_units = 4 if not model else 6
+    expected = {"none": 0, "full": num_units, "selective_layer": num_units // 2, "selective_op": num_units}
+    assert {m: r[1]["wrapped"] for m, r in runs.items()} == expected
+
+
+def test_selective_layer_wraps_every_kth_unit_counting_from_one():
+    assert checkpointed_units(6, "selective_layer", 2) == [1, 3, 5]
+    assert checkpointed_units(7, "selective_layer", 3) == [2, 5]
+    assert checkpointed_units(3, "full", 2) == [0, 1, 2]
+    assert checkpointed_units(3, "none", 2) == []
+
+
+def _mlp_units() -> tuple[nn.Module, list[nn.Module]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(2)))
+    return model, list(model)
+
+
+def test_selective_op_recomputes_the_cheap_ops_and_reuses_the_matmuls():
+    """Backward under selective_op runs every unit's GELU again but no matmul of forward's (only backward's own)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def backward_ops(mode: str) -> list[str]:
+        model, units = _mlp_units()
+        cfg = compose_config([f"distributed.activation_checkpointing={mode}"]).distributed
+        checkpoint_units(model, units, cfg)
+        loss = model(torch.randn(4, 16)).sum()
+        with Count() as count:
+            loss.backward()
+        return count.ops
+
+    plain, selective, full = backward_ops("none"), backward_ops("selective_op"), backward_ops("full")
+    assert plain.count("gelu.default") == 0 and selective.count("gelu.default") == 2 == full.count("gelu.default")
+    assert selective.count("addmm.default") == 0 < full.count("addmm.default")  # full recomputes the linears
+
+
+def test_selective_op_composes_with_compile_and_gives_eager_gradients():
+    """torch.compile over a selective_op unit (the policy applied in inductor's partitioner) computes what eager
+    does; a cheap stand-in for the LM runs of tests/distributed/test_compile.py."""
+    grads = {}
+    for compiled in (False, True):
+        model, units = _mlp_units()
+        cfg = compose_config(["distributed.activation_checkpointing=selective_op"]).distributed
+        units = checkpoint_units(model, units, cfg)
+        if compiled:
+            for unit in units:
+                unit.compile(backend="aot_eager")  # the partitioner applies the policy; no C++ build needed
+        model(torch.randn(4, 16, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+        grads[compiled] = [p.grad.clone() for p in model.parameters()]
+    for eager, compiled in zip(grads[False], grads[True], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model", [["model=gpt_small"], ["model=llama_small"]], ids=["gpt_small", "llama_small"])
+@pytest.mark.parametrize("backend", ["single", "ddp", "fully_sharded"])
+def test_planned_peak_of_each_selective_mode_lies_between_none_and_full(model, backend):
+    world = 1 if backend == "single" else 4
+    overrides = [*model, f"distributed.backend={backend}", "optimization.batch_size=16", "data.seq_len=512"]
+    cfg = compose_config(overrides)
+    profile, ctx = profile_config(cfg, build_task(cfg, world_size=world), world)
+
+    def peak(mode: str) -> int:
+        cfg.distributed.activation_checkpointing = mode
+        return estimate(profile, layout_of(cfg.distributed, world), ctx).peak
+
+    none, full, kept_matmuls = peak("none"), peak("full"), peak("selective_op")
+    assert full < peak("selective_layer") < none
+    assert full < kept_matmuls < none
+    cfg.distributed.ac_save_ops = ["attention"]  # keeping less recomputes more: closer to full
+    assert full < peak("selective_op") < kept_matmuls
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["distributed.activation_checkpointing=some"], "activation_checkpointing must be one of none, full, sel"),
+        (
+            ["distributed.activation_checkpointing=selective_layer", "distributed.ac_every_k_units=1"],
+            "ac_every_k_units must be >= 2, got 1; every unit (k=1) is activation_checkpointing=full",
+        ),
+        (
+            ["distributed.activation_checkpointing=selective_op", "distributed.ac_save_ops=[matmul,softmax]"],
+            "ac_save_ops must be a non-empty list of matmul, attention, got ['matmul', 'softmax']",
+        ),
+        (["distributed.ac_every_k_units=4"], "ac_every_k_units applies to activation_checkpointing=selective_layer"),
+        (
+            ["distributed.activation_checkpointing=full", "distributed.ac_save_ops=[matmul]"],
+            "ac_save_ops applies to activation_checkpointing=selective_op only (it is full)",
+        ),
+    ],
+)
+def test_bad_checkpointing_values_are_named_before_launch(overrides, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        build_task(compose_config(overrides), world_size=1)
