@@ -44,6 +44,20 @@ SWAV = [
     "task.queue_start_step=1",
 ]
 SIMCLR = ["task=simclr", *TINY_SSL]
+# DINO with everything that has state or a schedule: 2 + 2 crops, the last layer frozen for 3 steps, the teacher
+# temperature warming up over 3 steps, the teacher's momentum on its cosine, the center.
+DINO = [
+    "task=dino",
+    *TINY_SSL,
+    "data.num_local_crops=2",
+    "task.projection_dims=[32,32,16]",
+    "task.num_prototypes=24",
+    "task.freeze_last_layer_steps=3",
+    "task.warmup_teacher_temperature=0.02",
+    "task.warmup_teacher_temperature_steps=3",
+    "optimizer.lr=0.01",
+    "optimization.ema.decay=0.9",
+]
 
 
 def swav(*overrides: str):
@@ -52,3 +66,7 @@ def swav(*overrides: str):
 
 def simclr(*overrides: str):
     return compose_config([*SIMCLR, *overrides])
+
+
+def dino(*overrides: str):
+    return compose_config([*DINO, *overrides])

@@ -1,6 +1,6 @@
-"""Config schemas of the self-supervised vision methods (task=swav, task=simclr) and their multi-crop data (the
-``multicrop`` data option). Light on purpose, like tasks/image_classification/config.py: imported at start-up for every
-run, so torchvision is imported only by the task, model and data modules.
+"""Config schemas of the self-supervised vision methods (task=swav, task=simclr, task=dino) and their multi-crop data
+(the ``multicrop`` data option). Light on purpose, like tasks/image_classification/config.py: imported at start-up for
+every run, so torchvision is imported only by the task, model and data modules.
 
 The method's own keys live in the task section (``task.temperature=0.2``), the trunk is any RegNet of the vision
 task's model options (``model=regnet_cifar``, ``model=regnet_y_400mf``), the crops in the data section.
@@ -53,6 +53,30 @@ class SimCLRConfig(SelfSupervisedConfig):
 
 
 @dataclass
+class DINOConfig(SelfSupervisedConfig):
+    projection_dims: list[int] = field(default_factory=lambda: [2048, 2048, 256])
+    """The DINO head's MLP widths; the last is the bottleneck, L2-normalized before the last layer."""
+    projection_bn: bool = False
+    """BatchNorm in the head's MLP (DINO's use_bn_in_head; off by default)."""
+    projection_activation: str = "gelu"
+    """The activation between the head's linear layers: gelu (DINO's) or relu."""
+    num_prototypes: int = 65536
+    """Output dimensions of the weight-normalized last layer (DINO's out_dim, K)."""
+    temperature: float = 0.1
+    """The student's softmax temperature."""
+    teacher_temperature: float = 0.04
+    """The teacher's softmax temperature after its warm-up (sharpening; DINO: 0.04 to 0.07)."""
+    warmup_teacher_temperature: float = 0.04
+    """The teacher's temperature at step 0, rising linearly to teacher_temperature."""
+    warmup_teacher_temperature_steps: int = 0
+    """Steps of the teacher temperature's warm-up (DINO: 30 epochs)."""
+    center_momentum: float = 0.9
+    """Momentum of the center: center = m * center + (1 - m) * the global batch's mean teacher output."""
+    freeze_last_layer_steps: int = 0
+    """Optimizer steps at the start whose last-layer gradients are dropped (DINO: 1 epoch)."""
+
+
+@dataclass
 class MultiCropDataConfig(ImageDataConfig):
     """Images as for image classification (source, path, num_train, ...), each read as several augmented crops.
     data.image_size is the global crops' size; label_smoothing does not apply (no labels are used)."""
@@ -83,3 +107,4 @@ class MultiCropDataConfig(ImageDataConfig):
 # One data section for both methods: conf/data/multicrop.yaml names schema/data/swav (the same dataclass).
 TASKS.register_lazy("swav", "tasks.self_supervised.task:SwAVTask", dataclass=SwAVConfig, data=MultiCropDataConfig)
 TASKS.register_lazy("simclr", "tasks.self_supervised.task:SimCLRTask", dataclass=SimCLRConfig, data=MultiCropDataConfig)
+TASKS.register_lazy("dino", "tasks.self_supervised.task:DINOTask", dataclass=DINOConfig, data=MultiCropDataConfig)

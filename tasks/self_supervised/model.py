@@ -1,4 +1,4 @@
-"""A RegNet trunk with a projection head and, for SwAV, prototypes.
+"""A RegNet trunk with a projection head and, for SwAV, prototypes (for DINO, its weight-normalized last layer).
 
 The trunk is the vision task's RegNet (tasks/image_classification/model.py: any torchvision flavor or regnet_cifar)
 with its classifier replaced by an identity, held as the submodule ``trunk``: a checkpoint's ``trunk.<name>`` is the
@@ -19,30 +19,47 @@ from torch import Tensor, nn
 
 from shardlab.registry import MODELS
 from tasks.image_classification import model as regnet
+from tasks.self_supervised.dino import WeightNormLinear
 
 TRUNK_PREFIX = "trunk."
 """What a self-supervised checkpoint's trunk weights are prefixed with, against the supervised model's names."""
 
 
-def projection_head(in_dim: int, dims: list[int], batch_norm: bool) -> nn.Sequential:
-    """Linear layers of widths ``dims``, with (BatchNorm1d and) ReLU between them; the last layer is the embedding."""
+def projection_head(in_dim: int, dims: list[int], batch_norm: bool, activation: str = "relu") -> nn.Sequential:
+    """Linear layers of widths ``dims``, with (BatchNorm1d and) ReLU or GELU between them; the last layer is the
+    embedding."""
     layers: list[nn.Module] = []
     for i, out_dim in enumerate(dims):
         layers.append(nn.Linear(in_dim, out_dim))
         if i < len(dims) - 1:
             if batch_norm:
                 layers.append(nn.BatchNorm1d(out_dim, eps=1e-5, momentum=0.1))  # the trunk's BN settings
-            layers.append(nn.ReLU(inplace=True))
+            layers.append(nn.GELU() if activation == "gelu" else nn.ReLU(inplace=True))
         in_dim = out_dim
     return nn.Sequential(*layers)
 
 
 class SelfSupervisedModel(nn.Module):
-    def __init__(self, trunk: nn.Module, feature_dim: int, dims: list[int], batch_norm: bool, prototypes: int) -> None:
+    def __init__(
+        self,
+        trunk: nn.Module,
+        feature_dim: int,
+        dims: list[int],
+        batch_norm: bool,
+        prototypes: int,
+        activation: str = "relu",
+        normalized_prototypes: bool = False,
+    ) -> None:
         super().__init__()
         self.trunk = trunk
-        self.projection = projection_head(feature_dim, dims, batch_norm)
-        self.prototypes = nn.Linear(dims[-1], prototypes, bias=False) if prototypes else None
+        self.projection = projection_head(feature_dim, dims, batch_norm, activation)
+        self.prototypes = None
+        if prototypes:  # SwAV's prototypes, or DINO's last layer (weight-normalized rows)
+            self.prototypes = (
+                WeightNormLinear(dims[-1], prototypes)
+                if normalized_prototypes
+                else nn.Linear(dims[-1], prototypes, bias=False)
+            )
 
     def features(self, images: Tensor) -> Tensor:
         """The trunk's pooled features (N, feature_dim)."""
@@ -81,7 +98,15 @@ def build(cfg_model, task_cfg) -> SelfSupervisedModel:
     feature_dim = trunk.fc.in_features
     trunk.fc = nn.Identity()
     prototypes = getattr(task_cfg, "num_prototypes", 0)
-    return SelfSupervisedModel(trunk, feature_dim, list(task_cfg.projection_dims), task_cfg.projection_bn, prototypes)
+    return SelfSupervisedModel(
+        trunk,
+        feature_dim,
+        list(task_cfg.projection_dims),
+        task_cfg.projection_bn,
+        prototypes,
+        activation=getattr(task_cfg, "projection_activation", "relu"),
+        normalized_prototypes=task_cfg.name == "dino",
+    )
 
 
 def fsdp_units(model: SelfSupervisedModel) -> list[nn.Module]:

@@ -1,4 +1,4 @@
-"""Self-supervised pretraining of a RegNet trunk: SwAV and SimCLR on multi-crop views, no labels used.
+"""Self-supervised pretraining of a RegNet trunk: SwAV, SimCLR and DINO on multi-crop views, no labels used.
 
 Both share the vision task's model options, image sources, config checks and BatchNorm handling (synced over the
 ranks, fp32 units under bf16); they replace its classifier with a projection head (and SwAV's prototypes), its inputs
@@ -19,6 +19,7 @@ from tasks.image_classification import model as regnet
 from tasks.image_classification.task import ImageClassificationTask
 from tasks.self_supervised import model as ssl_model
 from tasks.self_supervised.data import crop_sizes, open_datasets
+from tasks.self_supervised.dino import Center, dino_loss, teacher_temperature, teacher_weights
 from tasks.self_supervised.simclr import nt_xent
 from tasks.self_supervised.swav import FeatureQueue, swav_loss
 
@@ -206,3 +207,60 @@ def normalize_prototypes(model: nn.Module) -> None:
     weight = unwrapped(model).prototypes.weight
     rows = weight.to_local() if isinstance(weight, DTensor) else weight
     rows.copy_(F.normalize(rows, dim=1))
+
+
+class DINOTask(SelfSupervisedTask):
+    """DINO (tasks/self_supervised/dino.py): the teacher is optimization.ema's average of this model."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.center: Center | None = None
+        self.train_state = None
+
+    def method_errors(self) -> list[str]:
+        t, d, ema = self.cfg.task, self.cfg.data, self.cfg.optimization.ema
+        errors = []
+        if not ema.enabled:
+            errors.append("task=dino's teacher is the moving average of the weights: set optimization.ema.enabled=true")
+        if d.num_global_crops + d.num_local_crops < 2:
+            errors.append(
+                "task=dino predicts the teacher's view of one global crop from another crop: it needs >= 2 crops, got "
+                f"{d.num_global_crops + d.num_local_crops}"
+            )
+        if t.num_prototypes < 1:
+            errors.append(f"task.num_prototypes must be >= 1, got {t.num_prototypes}")
+        if t.teacher_temperature <= 0 or t.warmup_teacher_temperature <= 0:
+            errors.append("task.teacher_temperature and task.warmup_teacher_temperature must be > 0")
+        if t.warmup_teacher_temperature_steps < 0 or t.freeze_last_layer_steps < 0:
+            errors.append("task.warmup_teacher_temperature_steps and task.freeze_last_layer_steps must be >= 0")
+        if not 0 <= t.center_momentum < 1:
+            errors.append(f"task.center_momentum must be in [0, 1), got {t.center_momentum}")
+        if t.projection_activation not in ("gelu", "relu"):
+            errors.append(f"task.projection_activation must be gelu or relu, got '{t.projection_activation}'")
+        return errors
+
+    def training_state(self, train_state, device: torch.device) -> Center:
+        self.train_state = train_state  # the step (teacher temperature) and the trainer's average (the teacher)
+        self.center = Center(self.cfg.task.num_prototypes, self.cfg.task.center_momentum, device)
+        return self.center
+
+    def frozen_parameters(self, model: nn.Module, step: int) -> list[nn.Parameter]:
+        if step < self.cfg.task.freeze_last_layer_steps:
+            return [unwrapped(model).prototypes.weight]
+        return []
+
+    def method_loss(self, model: nn.Module, crops: list[torch.Tensor], n: int) -> torch.Tensor:
+        t, num_global = self.cfg.task, self.cfg.data.num_global_crops
+        state = self.train_state
+        average = state.tensors.get("ema") if state is not None else None
+        if state is not None and average is None:
+            raise RuntimeError("task=dino: the trainer keeps no average of the weights to be the teacher")
+        with teacher_weights(model, average):
+            _, teacher, _ = model(crops[:num_global])
+        _, student, _ = model(crops)
+        step = state.step if state is not None else 0
+        center = self.center.center if self.center is not None else torch.zeros((), device=student.device)
+        loss = dino_loss(student, teacher, center, num_global, t.temperature, teacher_temperature(t, step))
+        if model.training and self.center is not None:
+            self.center.update(teacher)
+        return loss
