@@ -17,10 +17,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 import shardlab.optim  # noqa: F401  (the built-in optimizers, registered before a user_dir's plug-ins)
-from shardlab import errors
-from shardlab.config import options_of, path_errors, task_section_package, validate
+from shardlab import checks, errors
+from shardlab.checks import job_world_size
+from shardlab.config import path_errors
 from shardlab.distributed import env as dist_env
-from shardlab.distributed import load_backends
 from shardlab.errors import ConfigError, DataError, HostLost, RankFailed, ShardlabError, one_line
 from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import (
@@ -32,105 +32,43 @@ from shardlab.jobs.preemption import (
 )
 from shardlab.jobs.run_dir import former_run_name, run_name
 from shardlab.memory import budget as memory_budget
-from shardlab.registry import BACKENDS, TASKS, load_plugins, plugin_packages
+from shardlab.registry import BACKENDS, TASKS, load_plugins
 
 
 def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | None = None, check_budget: bool = True):
-    """The task for ``cfg``, after every generic and task-specific config check (one ConfigError for all).
+    """The task for ``cfg``, after every config check (shardlab.checks.check: one ConfigError for all), for tools and
+    tests that compose a config and build its task themselves.
 
     ``run_dir``: also check that it and the checkpoint directory in it can be written. ``check_budget=False`` skips
-    holding an explicit backend to distributed.memory_budget_gb (run_rank: run_job did, before any rank started);
-    backend=auto is resolved either way."""
-    import torch
-
-    from shardlab.distributed.compile import compile_errors
-    from shardlab.task import Task
-
-    load_plugins(cfg.get("user_dir"))  # .get: configs recorded before user_dir existed lack it
-    load_backends()  # registers single, ddp, fully_sharded
-
-    problems: list[str] = []
-    world_size = world_size or dist_env.detect().world_size
-    try:
-        validate(cfg, world_size if world_size > 1 else None, torch.cuda.device_count())
-    except ConfigError as e:
-        problems.append(str(e))
-    if cfg.distributed.backend != "auto":
-        BACKENDS.get(cfg.distributed.backend, key="distributed.backend")
-    foreign = foreign_section_errors(cfg)
-    if foreign:  # the task's own checks would only fail on the other task's keys
-        raise ConfigError("; ".join(problems + foreign))
-    task = TASKS.build(cfg.task.name, cfg, key="task.name")
-    problems += architecture_errors(cfg)
-    problems += task.config_errors()
-    problems += compile_errors(cfg.distributed, torch.cuda.device_count())
-    if cfg.distributed.wrap_min_num_params > 0 and type(task).fsdp_units is not Task.fsdp_units:
-        problems.append(
-            f"distributed.wrap_min_num_params applies to models without a unit plan, but task {cfg.task.name} "
-            "declares its FSDP units; drop it"
-        )
-    problems += path_errors(cfg, run_dir) if run_dir is not None else []
+    holding an explicit backend to distributed.memory_budget_gb; backend=auto is resolved either way."""
+    world_size = job_world_size(cfg, world_size or dist_env.detect().world_size)
+    task = checks.check(cfg, world_size, budget=check_budget)
+    problems = path_errors(cfg, run_dir) if run_dir is not None else []
     if problems:
         raise ConfigError("; ".join(problems))
-    # backend=auto becomes a layout; an explicit one predicted over distributed.memory_budget_gb is refused.
-    if check_budget or (cfg.distributed.backend == "auto" and not cfg.distributed.auto_tune):
-        chosen = memory_budget.resolve(cfg, task, job_world_size(cfg, world_size))
-        if chosen and dist_env.detect().is_main:
-            print(chosen, flush=True)
+    choose_layout(cfg, task, world_size, check_budget)
     return task
 
 
-def plugin_package(factory) -> str:
-    """The task plug-in package a registered factory or schema class comes from (e.g. tasks.lm)."""
-    return factory.__module__.rpartition(".")[0]
+def choose_layout(cfg: DictConfig, task, world_size: int, planned: bool = True) -> None:
+    """backend=auto becomes a layout by the memory plan alone (written into ``cfg``; with auto_tune, the ranks measure
+    later and this only checks that one fits). ``planned=False``: only where the ranks will not tune (a rank given
+    backend=auto with auto_tune measures it itself, shardlab.memory.autotune). A choice, not a check: the checks
+    (shardlab.checks) hold an explicit backend to the budget."""
+    if cfg.distributed.backend == "auto" and (planned or not cfg.distributed.auto_tune):
+        chosen = memory_budget.resolve(cfg, task, world_size)
+        if chosen and dist_env.detect().is_main:
+            print(chosen, flush=True)
 
 
-def section_package(task_name: str, section: str) -> str:
-    """The package whose ``section`` configs (model, data) task ``task_name`` reads: the one its conf/task file picks
-    (SwAV reads the vision task's RegNet), else the task's own."""
-    return task_section_package(task_name, section) or plugin_package(TASKS.get(task_name, key="task.name"))
+def rank_task(cfg: DictConfig):
+    """The task of a checked config, built without checking it again: a rank trusts the pre-flight of the process that
+    started it (shardlab.checks) and checks only what it alone sees (its data, devices and world)."""
+    from shardlab.distributed import load_backends
 
-
-def another_plugins(package: str, own: str) -> bool:
-    """Whether ``package`` is another installed task plug-in than ``own``; a user_dir's package is none of them."""
-    return package != own and package in plugin_packages()
-
-
-def foreign_section_errors(cfg: DictConfig) -> list[str]:
-    """The model and data sections must not be another task plug-in's: a GPTConfig cannot configure image
-    classification, nor image data the LM. Schemas from elsewhere (a user_dir) pass; the task checks them itself."""
-    errors = []
-    for section in ("model", "data"):
-        package = section_package(cfg.task.name, section)
-        schema = OmegaConf.get_type(cfg[section])
-        if schema is None or schema is dict:
-            continue
-        if another_plugins(plugin_package(schema), package):
-            errors.append(
-                f"{section}: task {cfg.task.name} cannot read a {schema.__name__} (a {section} config of "
-                f"{plugin_package(schema)}); use one of its own: {section}={' | '.join(options_of(section, package))}"
-            )
-    return errors
-
-
-def architecture_errors(cfg: DictConfig) -> list[str]:
-    """model.arch must name an architecture of the chosen task: not one of another task's plug-in package (a RegNet
-    for the LM). Architectures from elsewhere (a user_dir) pass here; the task checks their shape itself."""
-    from shardlab.registry import MODELS, unknown_name_message
-
-    package = section_package(cfg.task.name, "model")
-    own = [name for name in MODELS.names() if not another_plugins(MODELS.module_of(name).rpartition(".")[0], package)]
-    if cfg.model.arch not in own:
-        return [unknown_name_message(cfg.model.arch, f"model architecture of task {cfg.task.name}", own, "model.arch")]
-    return []
-
-
-def job_world_size(cfg: DictConfig, launcher_world_size: int) -> int:
-    """Ranks the job will have: the launcher's, or distributed.world_size where shardlab spawns ranks itself (in one
-    process, or in each of a Slurm job's tasks: one task per node starting its share of the ranks)."""
-    if launcher_world_size > 1 and not dist_env.ranks_to_spawn(cfg.distributed.world_size, dist_env.detect()):
-        return launcher_world_size
-    return max(launcher_world_size, cfg.distributed.world_size)
+    load_plugins(cfg.get("user_dir"))  # a spawned rank imports afresh: the plug-ins register again
+    load_backends()
+    return TASKS.build(cfg.task.name, cfg, key="task.name")
 
 
 def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | None:
@@ -145,7 +83,12 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
         point_at_former_folder(run_dir, overrides, cfg.checkpoint.dir)
     signals = None
     try:
-        task = build_task(cfg, job_world_size(cfg, env.world_size), run_dir)
+        world = job_world_size(cfg, env.world_size)
+        task = checks.checked(cfg, world)  # by the CLI's pre-flight, before anything was written
+        if task is None:  # a sweep point, or a config its caller composed: checked here, once
+            task = build_task(cfg, world, run_dir)
+        else:
+            choose_layout(cfg, task, world)
         if cfg.dry_run:
             print_plan(cfg, task)
             return None
@@ -230,7 +173,9 @@ def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals:
     from shardlab.memory.plan import plan_run
     from shardlab.trainer import Trainer
 
-    task = task or build_task(cfg, env.world_size, check_budget=False)
+    if task is None:  # the checked config's task (run_job passes the one it checked)
+        task = rank_task(cfg)
+        choose_layout(cfg, task, env.world_size, planned=False)  # a caller's backend=auto without tuning
     if cfg.distributed.backend == "auto":  # measured on these ranks, then written into cfg
         tune_layout(cfg, task, env, run_dir)
     backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, env, key="distributed.backend")

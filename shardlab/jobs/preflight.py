@@ -1,13 +1,14 @@
 """The checks of a command line before anything runs, so that a mistake comes back as one line with a fix and exit
-code 2, not a stack trace, and before Hydra makes the run directory or torch is imported.
+code 2, not a stack trace, before Hydra makes the run directory (the command line's own checks: before torch is
+imported).
 
 shardlab adds no composition of its own to a plain run's (Hydra composes it twice: for the run mode, then the run):
 what the command line alone shows (renamed keys, group options) is checked before Hydra starts
 (``check_command_line``); Hydra's composition errors are turned into one line (``composition_error``, the CLI has
-Hydra raise them rather than print them); and the composed config is checked by ``ComposedConfigChecks``, a Hydra
-callback that runs between the composition and the run directory (``check_composed``), and that takes the run's lock
-before Hydra writes anything there (``hold_the_run``). ``preflight`` does all three in-process for tools and tests,
-composing through ``compose_config`` as every tool does.
+Hydra raise them rather than print them); and the composed config is checked (every check of ``shardlab.checks``,
+once) by ``ComposedConfigChecks``, a Hydra callback that runs between the composition and the run directory
+(``check_composed``), and that takes the run's lock before Hydra writes anything there (``hold_the_run``).
+``preflight`` does all three in-process for tools and tests, composing through ``compose_config`` as every tool does.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 import shardlab.optim  # noqa: F401  (registers the built-in optimizers and schedules with their schemas)
+from shardlab import checks
 from shardlab.config import (
     CONF_DIR,
     group_options,
@@ -33,7 +35,6 @@ from shardlab.config import (
     path_errors,
     register_schemas,
     task_default_options,
-    validate,
 )
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, ShardlabError
@@ -153,12 +154,13 @@ def composition_error(error: BaseException) -> ConfigError:
 def check_composed(
     cfg: DictConfig, argv: list[str], run_dir: str | None = None, before_paths: Callable[[], None] | None = None
 ) -> None:
-    """The composed config's values, and the run and checkpoint directories, before Hydra creates the run directory
-    (failing with a traceback where it cannot). ``run_dir``: the run's folder as Hydra resolved it (the callback);
-    otherwise an explicit hydra.run.dir is checked, or the default's parent (runs/ here), and build_task checks the
-    exact one again. ``before_paths``: run after the values pass and before the paths are probed (the callback takes
+    """The composed config's values (every check of shardlab.checks, once: the run that follows in this process finds
+    them done), and the run and checkpoint directories, before Hydra creates the run directory (failing with a
+    traceback where it cannot). ``run_dir``: the run's folder as Hydra resolved it (the callback); otherwise an
+    explicit hydra.run.dir is checked, or the default's parent (runs/ here; ``build_task(run_dir=...)`` checks an
+    exact one). ``before_paths``: run after the values pass and before the paths are probed (the callback takes
     the run's lock there: probing writes in the folder, which a refused job must leave as it was)."""
-    validate(cfg, int(os.environ.get("WORLD_SIZE") or 0) or None)
+    checks.check(cfg)
     spelled = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), "runs")
     if "${now:" in spelled.replace(" ", ""):
         raise ConfigError(

@@ -103,6 +103,16 @@ class ImageClassificationTask(Task):
                 )
         return errors
 
+    def world_errors(self, world_size: int) -> list[str]:
+        group = self.cfg.model.sync_bn_group_size
+        if self.cfg.model.sync_bn and world_size > 1 and group > 0 and (group > world_size or world_size % group):
+            # the ranks' BN groups (shardlab.distributed.sync_bn) would refuse it after the process group is up
+            return [
+                f"model.sync_bn_group_size ({group}) must divide the world size ({world_size}); use 0 to share BN "
+                "statistics over all ranks"
+            ]
+        return []
+
     # ---- data ----------------------------------------------------------------------------------------------------
     def prepare_data(self) -> None:
         self.train_dataset, self.valid_dataset, self.data_classes = open_datasets(self.cfg.data)
