@@ -1,4 +1,5 @@
-"""What the user sees while training: a rank-0 progress bar, periodic log lines and TensorBoard scalars.
+"""What the user sees while training: a rank-0 progress bar, periodic log lines, TensorBoard scalars, and the same
+scalars in the experiment trackers that are enabled (shardlab.tracking: W&B, MLflow).
 
 The log lines also go to the run directory's train.log (beside Hydra's own lines there, on every launch path) and
 the step reached to its status.json (for sweep summaries).
@@ -9,9 +10,11 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from shardlab.config import LoggingConfig
 from shardlab.jobs import run_record
+from shardlab.tracking import Tracker, open_trackers
 
 LOG_FILE = "train.log"
 
@@ -31,13 +34,25 @@ def format_metrics(metrics: dict[str, float]) -> str:
 
 
 class RunLogger:
-    """Console + TensorBoard on rank 0; every method is a no-op elsewhere so call sites need no rank checks."""
+    """Console + TensorBoard + trackers on rank 0; every method is a no-op elsewhere so call sites need no rank checks.
 
-    def __init__(self, cfg: LoggingConfig, run_dir: Path, is_main: bool, total_steps: int, start_step: int) -> None:
+    ``run_config``: the composed config, which the trackers record as the run's parameters."""
+
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        run_dir: Path,
+        is_main: bool,
+        total_steps: int,
+        start_step: int,
+        run_config: Any = None,
+    ) -> None:
         self.is_main = is_main
         self.run_dir = run_dir
         self.bar = None
         self.tb = None
+        self.trackers: list[Tracker] = []
+        self.status = "failed"  # until finish() says otherwise
         if not is_main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -60,6 +75,8 @@ class RunLogger:
             # A resumed run first discards events past its checkpoint (logged before a crash or kill, then trained
             # again), so the directory holds one continuous history.
             self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        if run_config is not None:
+            self.trackers = open_trackers(run_config, run_dir, self.info)
 
     def info(self, message: str) -> None:
         if not self.is_main:
@@ -86,10 +103,23 @@ class RunLogger:
             for key, value in metrics.items():
                 self.tb.add_scalar(f"{split}/{key}", value, step)
             self.tb.flush()
+        for tracker in self.trackers:
+            tracker.log(split, step, metrics)
+
+    def finish(self, step: int, final: dict[str, float], checkpoint: Path | None, stopped: bool) -> None:
+        """The run's end as the trackers keep it: its final metrics and newest checkpoint, and whether it stopped to
+        be resumed or completed."""
+        if not self.is_main:
+            return
+        self.status = "stopped" if stopped else "completed"
+        for tracker in self.trackers:
+            tracker.finish(step, final, checkpoint)
 
     def close(self) -> None:
         if not self.is_main:
             return
+        for tracker in self.trackers:  # first: their last lines go to train.log too
+            tracker.close(self.status)
         self.file.close()
         if self.bar is not None:
             self.bar.close()

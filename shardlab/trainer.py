@@ -129,13 +129,14 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         """Train to optimization.max_steps, or until a stop signal (then save and set ``stopped_by``)."""
         cfg, is_main = self.cfg, self.backend.env.is_main
-        log = RunLogger(cfg.logging, self.run_dir, is_main, cfg.optimization.max_steps, self.state.step)
+        log = RunLogger(cfg.logging, self.run_dir, is_main, cfg.optimization.max_steps, self.state.step, cfg)
         self.checkpointer.log = log.info  # save lines above the progress bar, not through it
         self.stop_signals.install()
         try:
             final = self._fit(log)
             self.checkpointer.finish()  # an asynchronous save still in flight gets its name before we return
             self._report_memory(log)
+            log.finish(self.state.step, final, self.checkpointer.newest, stopped=bool(self.stopped_by))
             return final
         except BaseException as error:
             if not is_main and not isinstance(error, SystemExit):  # first: rank 0 reports the rank that failed first

@@ -1,0 +1,108 @@
+"""Experiment trackers (shardlab/tracking.py) against the real libraries, in one process: a run stopped by SIGUSR2
+and resumed is one tracker run holding the whole loss history and the config; an unreachable MLflow never stops
+training; a missing library is refused at the pre-flight. The 2-rank fully_sharded version and a real `mlflow server`
+are in tests/distributed/test_tracking.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from shardlab.config import validate
+from shardlab.distributed import env as dist_env
+from shardlab.errors import ConfigError
+from shardlab.runner import run_rank
+from tests.tracker_files import mlflow_history, mlflow_runs, wandb_offline_runs
+
+pytest.importorskip("mlflow")
+pytest.importorskip("wandb")
+
+
+@pytest.fixture
+def usr2_at_step3(monkeypatch):
+    """The LM's 3rd training forward sends this process SIGUSR2 (a Slurm pre-emption warning): the run saves at
+    step 3 and stops; the returned function puts the real loss back, for the resume."""
+    from tasks.lm.task import LanguageModelingTask
+
+    original, calls = LanguageModelingTask.loss, {"n": 0}
+
+    def loss(self, model, batch, device):
+        calls["n"] += device.type != "meta"
+        if calls["n"] == 3 and device.type != "meta":
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return original(self, model, batch, device)
+
+    monkeypatch.setattr(LanguageModelingTask, "loss", loss)
+    return lambda: monkeypatch.setattr(LanguageModelingTask, "loss", original)
+
+
+def stop_and_resume(cfg, run_dir, put_back) -> tuple[dict, dict]:
+    stopped = run_rank(cfg, run_dir, dist_env.detect())
+    assert stopped["stopped_by"] == "SIGUSR2"
+    put_back()
+    resumed = run_rank(cfg, run_dir, dist_env.detect())
+    assert resumed["stopped_by"] is None
+    return stopped, resumed
+
+
+def train_losses(*results: dict) -> dict[int, float]:
+    return {r["step"]: r["loss"] for result in results for r in result["history"] if r["split"] == "train"}
+
+
+def test_mlflow_keeps_one_run_across_a_stop_and_resume(tiny_lm, tmp_path, usr2_at_step3):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = tiny_lm("logging.mlflow.enabled=true", f"logging.mlflow.tracking_uri={uri}", "logging.interval_steps=1")
+    run_dir = tmp_path / "run"
+    stopped, resumed = stop_and_resume(cfg, run_dir, usr2_at_step3)
+
+    (run,) = mlflow_runs(uri)
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "run"
+    assert run.data.params["model.dim"] == "64" and run.data.params["optimization.max_steps"] == "10"
+    history = mlflow_history(uri, run.info.run_id, "train/loss")
+    assert history == pytest.approx(train_losses(stopped, resumed))
+    assert sorted(history) == list(range(1, 11))
+    assert run.data.metrics["final/loss"] == pytest.approx(resumed["final"]["loss"])
+    assert run.data.tags["checkpoint"] == str(run_dir / "checkpoints" / "step_00000010")
+
+
+def test_wandb_offline_resumes_the_same_run_read_back_from_its_files(tiny_lm, tmp_path, usr2_at_step3):
+    cfg = tiny_lm("logging.wandb.enabled=true", "logging.wandb.mode=offline", "logging.wandb.tags=[tiny]")
+    run_dir = tmp_path / "run"
+    stopped, resumed = stop_and_resume(cfg, run_dir, usr2_at_step3)
+
+    first, second = wandb_offline_runs(run_dir)  # one file per start, one run id: `wandb sync` makes them one run
+    assert first["id"] == second["id"] and first["name"] == "run" and first["tags"] == ["tiny"]
+    assert first["config"]["model.dim"] == "64"
+    assert sorted(first["history"]) == [1, 2, 3] and sorted(second["history"]) == list(range(4, 11))
+    losses = {step: row["train/loss"] for run in (first, second) for step, row in run["history"].items()}
+    assert losses == pytest.approx(train_losses(stopped, resumed))
+    assert second["summary"]["final/loss"] == pytest.approx(resumed["final"]["loss"])
+    assert second["summary"]["checkpoint"] == str(run_dir / "checkpoints" / "step_00000010")
+    assert first["exit"] and second["exit"]
+
+
+def test_an_unreachable_mlflow_is_reported_once_and_training_completes(tiny_lm, tmp_path):
+    port = dist_env.free_port()  # nothing listens there
+    cfg = tiny_lm("logging.mlflow.enabled=true", f"logging.mlflow.tracking_uri=http://127.0.0.1:{port}")
+    result = run_rank(cfg, tmp_path, dist_env.detect())
+
+    assert result["stopped_by"] is None and result["final"]["loss"] > 0
+    log = (tmp_path / "train.log").read_text()
+    assert log.count(f"[track] mlflow: cannot reach http://127.0.0.1:{port}") == 1
+    assert (tmp_path / "checkpoints" / "step_00000010").is_dir()
+
+
+@pytest.mark.parametrize("extra", ["wandb", "mlflow"])
+def test_a_missing_tracker_library_is_refused_in_one_line_naming_the_extra(tiny_lm, monkeypatch, extra):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == extra else find_spec(name, *a))
+    with pytest.raises(ConfigError) as refused:
+        validate(tiny_lm(f"logging.{extra}.enabled=true"))
+    message = str(refused.value)
+    assert f"pip install -e '.[{extra}]'" in message and f"logging.{extra}.enabled" in message
+    assert "\n" not in message
