@@ -7,6 +7,8 @@ language model by its perplexity on a corpus (fairseq's eval-lm).
     python tools/evaluate.py --random-init task=image_classification model=regnet_cifar model.depth=8
     python tools/evaluate.py runs/lm/default/checkpoints/step_00000300                     # validation perplexity
     python tools/evaluate.py model.safetensors data.path=held_out.txt --split all          # a whole other corpus
+    python tools/evaluate.py CHECKPOINT --lm-eval hellaswag,arc_easy                     # lm-evaluation-harness
+    python tools/evaluate.py CHECKPOINT --lm-eval my_task --lm-eval-include my_tasks/    # task YAMLs of your own
 
 CHECKPOINT is a step_N folder (any backend and world size) or a .safetensors file from tools/consolidate.py. The
 model is rebuilt from the checkpoint's own description (task and training config) through the task registry and
@@ -19,8 +21,11 @@ validation split of a labelled image source (embedded, folder = an ImageFolder t
 unaugmented, and cached in memory (and in --cache-dir, keyed by model and data, if given); the linear probe trains
 on the train split's standardized features and reports top-1/top-5 on the validation split; kNN votes among the k
 most cosine-similar train features. Language models (--perplexity, the default): the task's loss over every block
-of data.seq_len tokens of the chosen split, as the trainer's validation computes it. Everything is seeded; the same
-command gives the same figures. ``--out FILE`` writes them as JSON with the settings beside them.
+of data.seq_len tokens of the chosen split, as the trainer's validation computes it. --lm-eval TASKS (comma-separated)
+exports the checkpoint to Hugging Face (tools/export_hf.py; --export-dir keeps it) and runs EleutherAI's
+lm-evaluation-harness on it with a context window of data.seq_len (tasks/lm/harness.py says when its rolling
+log-likelihood equals the perplexity here). Everything is seeded; the same command gives the same figures.
+``--out FILE`` writes them as JSON with the settings beside them.
 """
 
 from __future__ import annotations
@@ -228,6 +233,38 @@ def evaluate_perplexity(task, model, cfg, args, device) -> dict[str, float]:
     return metrics
 
 
+# ---- language models: lm-evaluation-harness --------------------------------------------------------------------------
+def evaluate_lm_eval(checkpoint: Path, cfg: DictConfig, args) -> dict:
+    """The harness's metrics per task on the checkpoint's Hugging Face export (in --export-dir, or a temporary
+    folder removed afterwards)."""
+    import tempfile
+
+    from tasks.lm.harness import run_harness, summarize, task_manager
+    from tools import export_hf
+
+    if cfg.task.name != "lm":
+        raise ConfigError(f"{checkpoint} is a {cfg.task.name} checkpoint; --lm-eval needs a language model")
+    tasks = [t for t in args.lm_eval.split(",") if t]
+    manager = task_manager(tasks, args.lm_eval_include)  # a missing extra or task: refused before the export
+    settings = dict(
+        max_length=cfg.data.seq_len,
+        device=args.device,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        num_fewshot=args.num_fewshot,
+        bootstrap_iters=args.bootstrap_iters,
+    )
+    with tempfile.TemporaryDirectory(prefix="shardlab-hf-") as tmp:
+        out = args.export_dir or Path(tmp)
+        export_hf.main([str(checkpoint), "--out", str(out)])
+        raw = run_harness(out, tasks, manager, **settings)
+    metrics = summarize(raw)
+    for task, values in metrics.items():
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in values.items() if not k.endswith("_stderr"))
+        print(f"lm-eval {task}: {shown}", flush=True)
+    return {"lm_eval": metrics, "lm_eval_samples": raw.get("samples", {})}
+
+
 # ---- the command -----------------------------------------------------------------------------------------------------
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -251,6 +288,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     vision.add_argument("--cache-dir", type=Path, default=None, help="keep extracted features here for reruns")
     lm = parser.add_argument_group("perplexity")
     lm.add_argument("--split", choices=("valid", "train", "all"), default="valid", help="all: every document")
+    harness = parser.add_argument_group("lm-evaluation-harness (pip install -e '.[lm-eval]')")
+    harness.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-eval task names, e.g. hellaswag,piqa")
+    harness.add_argument("--lm-eval-include", type=Path, action="append", default=[], help="a folder of task YAMLs")
+    harness.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if < 1)")
+    harness.add_argument("--num-fewshot", type=int, default=None, help="examples in each prompt; default the task's")
+    harness.add_argument("--bootstrap-iters", type=int, default=100_000, help="resamples for stderr; 0: none")
+    harness.add_argument("--export-dir", type=Path, default=None, help="keep the Hugging Face export here")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
     paths = [item for item in args.items if "=" not in item]
     args.overrides = [item for item in args.items if "=" in item]
@@ -262,6 +306,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             "give a checkpoint (a step_N folder or a .safetensors file), or --random-init with the overrides of an "
             "architecture (e.g. task=image_classification model=regnet_cifar)"
         )
+    if args.lm_eval is not None and (args.checkpoint is None or args.random_init):
+        raise ConfigError("--lm-eval evaluates a trained checkpoint's export; give a checkpoint, without --random-init")
     for name in ("batch_size", "epochs", "probe_batch_size", "k"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -304,6 +350,15 @@ def main(argv: list[str] | None = None) -> dict:
         model_cfg = cfg
     args.batch_size = args.batch_size or cfg.validation.batch_size
     torch.manual_seed(args.seed)
+    if args.lm_eval is not None:
+        results = evaluate_lm_eval(args.checkpoint, cfg, args)
+        if args.perplexity:  # both asked for: the perplexity beside the harness's figures
+            task, model = build_model(model_cfg, args.checkpoint)
+            data_task = task if cfg is model_cfg else build_task(cfg, world_size=1, check_budget=False)
+            results.update(evaluate_perplexity(data_task, model, cfg, args, torch.device(args.device)))
+        if args.out is not None:
+            write_report(args, cfg, info, {k: v for k, v in results.items() if k != "lm_eval_samples"}, meta)
+        return results
     task, model = build_model(model_cfg, None if args.random_init else args.checkpoint)
     modes = chosen_modes(args, task, where)
     described = f"{where} (task {cfg.task.name}" + (f", step {info.get('step')}" if info else "")
@@ -336,7 +391,11 @@ def cache_key(args, cfg: DictConfig, info: dict | None) -> str:
 def write_report(args, cfg: DictConfig, info: dict | None, results: dict, meta: dict) -> None:
     """The figures as JSON, with what they were measured on (bench_meta: command, commit, machine, load) and the
     trunk's training step, for tools/bench_tables.py's ssl_probe table."""
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "items"}
+
+    def plain(v):
+        return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, list) else v
+
+    settings = {k: plain(v) for k, v in vars(args).items() if k != "items"}
     report = {
         "meta": bench_meta.finish({**meta, "settings": settings}),
         "results": results,
