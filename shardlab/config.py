@@ -269,38 +269,6 @@ class MlflowConfig:
 
 
 @dataclass
-class WandbConfig:
-    enabled: bool = False
-    """Log to Weights & Biases from rank 0, beside TensorBoard (needs pip install -e '.[wandb]'; docs/tracking.md)."""
-    project: str = "shardlab"
-    """The W&B project the run goes to."""
-    entity: str | None = None
-    """The W&B team or user; None: your default entity."""
-    name: str | None = None
-    """The run's display name; None: the run folder's name."""
-    group: str | None = None
-    """The run's group; None: a sweep's points are grouped by the sweep folder's name, a single run has none."""
-    tags: list[str] = field(default_factory=list)
-    """Tags of the run."""
-    mode: str = "online"
-    """online (offline when W&B cannot be reached, with the command that uploads it later) or offline."""
-
-
-@dataclass
-class MlflowConfig:
-    enabled: bool = False
-    """Log to MLflow from rank 0, beside TensorBoard (needs pip install -e '.[mlflow]'; docs/tracking.md)."""
-    tracking_uri: str | None = None
-    """Where runs go: http(s)://host:port, sqlite:///path.db, or a folder; None: MLFLOW_TRACKING_URI, else ./mlruns."""
-    experiment: str | None = None
-    """The experiment; None: a sweep's points share one named by the sweep folder, a single run goes to 'shardlab'."""
-    run_name: str | None = None
-    """The run's name; None: the run folder's name."""
-    tags: dict[str, str] = field(default_factory=dict)
-    """Tags of the run (key: value), e.g. +logging.mlflow.tags.team=nlp."""
-
-
-@dataclass
 class LoggingConfig:
     interval_steps: int = 50
     """Print a log line and write TensorBoard scalars every this many steps."""
@@ -487,7 +455,6 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     errors += checkpointing_errors(d)
     errors += plan_device_errors(cfg)
     errors += tracker_errors(cfg.logging)
-    errors += tracker_errors(cfg.logging)
     errors += distributed_errors(cfg, world_size or d.world_size, num_cuda_devices)
     errors += unknown_key_errors(cfg)
     if errors:
@@ -536,28 +503,6 @@ def checkpointing_errors(d: Any) -> list[str]:
                 f"distributed.{key} applies to activation_checkpointing={needs} only (it is {mode}); drop it or set "
                 f"distributed.activation_checkpointing={needs}"
             )
-    return errors
-
-
-TRACKER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
-"""The module each tracker imports (logging.<tracker>.enabled), by the name of the extra that installs it."""
-
-
-def tracker_errors(log_cfg: Any) -> list[str]:
-    """An enabled tracker must be installed (found, not imported: its import takes seconds) and its mode known."""
-    import importlib.util
-
-    errors = []
-    for extra, module in TRACKER_MODULES.items():
-        section = log_cfg.get(extra)  # .get: configs recorded before the trackers existed lack them
-        if section is not None and section.enabled and importlib.util.find_spec(module) is None:
-            errors.append(
-                f"logging.{extra}.enabled needs the {module} package, which is not installed; "
-                f"pip install -e '.[{extra}]' or drop logging.{extra}.enabled"
-            )
-    mode = log_cfg.get("wandb", {}).get("mode", "online")
-    if mode not in ("online", "offline"):
-        errors.append(f"logging.wandb.mode must be online or offline, got '{mode}'")
     return errors
 
 
