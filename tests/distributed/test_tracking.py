@@ -1,0 +1,129 @@
+"""The trackers on a 2-rank fully_sharded run stopped by SIGUSR2 and resumed (rank 0 logs; the stop is agreed by both
+ranks): one MLflow run on a local sqlite store and one W&B run offline, each with the whole loss history and the
+config. And MLflow through a real local `mlflow server`, which goes away mid-run and comes back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from shardlab.distributed import env as dist_env
+from shardlab.runner import run_rank
+from tests.distributed.harness import run_spawned
+from tests.tracker_files import mlflow_history, mlflow_runs, wandb_offline_runs
+
+pytest.importorskip("mlflow")
+pytest.importorskip("wandb")
+
+
+def usr2_on_rank1_during_step3() -> None:
+    """Runs in each spawned rank: rank 1 sends itself SIGUSR2 in its 3rd training forward."""
+    import torch.distributed as dist
+
+    from tasks.lm.task import LanguageModelingTask
+
+    original, calls = LanguageModelingTask.loss, {"n": 0}
+
+    def loss(self, model, batch, device):
+        calls["n"] += device.type != "meta"
+        if calls["n"] == 3 and device.type != "meta" and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return original(self, model, batch, device)
+
+    LanguageModelingTask.loss = loss
+
+
+def train_losses(*results: dict) -> dict[int, float]:
+    return {r["step"]: r["loss"] for result in results for r in result["history"] if r["split"] == "train"}
+
+
+@pytest.mark.slow  # two spawns of 2 ranks, and MLflow making its sqlite tables: ~50 s here
+def test_a_stopped_and_resumed_fully_sharded_run_is_one_mlflow_run_and_one_wandb_run(tiny_lm, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = tiny_lm(
+        "distributed.backend=fully_sharded",
+        "validation.interval_steps=0",
+        "logging.interval_steps=1",
+        *("logging.mlflow.enabled=true", f"logging.mlflow.tracking_uri={uri}", "+logging.mlflow.tags.team=nlp"),
+        *("logging.wandb.enabled=true", "logging.wandb.mode=offline"),
+    )
+    run_dir = tmp_path / "run"
+    (stopped,) = run_spawned([cfg], world_size=2, run_dirs=[run_dir], prepare=usr2_on_rank1_during_step3)
+    assert stopped["stopped_by"] == "SIGUSR2 (on another rank)"
+    (resumed,) = run_spawned([cfg], world_size=2, run_dirs=[run_dir])
+    losses = train_losses(stopped, resumed)
+    assert sorted(losses) == list(range(1, 11))
+
+    (run,) = mlflow_runs(uri)
+    assert run.info.status == "FINISHED" and run.data.tags["team"] == "nlp"
+    assert run.data.params["distributed.backend"] == "fully_sharded" and run.data.params["model.dim"] == "64"
+    assert mlflow_history(uri, run.info.run_id, "train/loss") == pytest.approx(losses)
+
+    first, second = wandb_offline_runs(run_dir)
+    assert first["id"] == second["id"]
+    assert first["config"]["distributed.backend"] == "fully_sharded"
+    wandb_losses = {step: row["train/loss"] for r in (first, second) for step, row in r["history"].items()}
+    assert wandb_losses == pytest.approx(losses)
+
+
+def start_mlflow_server(db: str, port: int) -> subprocess.Popen:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", db]
+        + ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its workers go with it
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return server
+        except OSError:
+            time.sleep(1)
+    stop_mlflow_server(server)
+    raise AssertionError("mlflow server did not start in 120 s")
+
+
+def stop_mlflow_server(server: subprocess.Popen) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    server.wait(timeout=30)
+
+
+@pytest.mark.slow  # an mlflow server starts twice: ~1-2 min
+def test_an_mlflow_server_that_goes_away_is_reported_once_and_gets_the_whole_history(tiny_lm, tmp_path, monkeypatch):
+    from tasks.lm.task import LanguageModelingTask
+
+    db, port = f"sqlite:///{tmp_path / 'server.db'}", dist_env.free_port()
+    servers = [start_mlflow_server(db, port)]
+    original, calls = LanguageModelingTask.loss, {"n": 0}
+
+    def loss(self, model, batch, device):  # the server goes away in step 3, and is back from step 7
+        calls["n"] += device.type != "meta"
+        if device.type != "meta" and calls["n"] == 3:
+            stop_mlflow_server(servers[-1])
+        if device.type != "meta" and calls["n"] == 7:
+            servers.append(start_mlflow_server(db, port))
+        return original(self, model, batch, device)
+
+    monkeypatch.setattr(LanguageModelingTask, "loss", loss)
+    uri = f"http://127.0.0.1:{port}"
+    cfg = tiny_lm("logging.mlflow.enabled=true", f"logging.mlflow.tracking_uri={uri}", "logging.interval_steps=1")
+    try:
+        result = run_rank(cfg, tmp_path / "run", dist_env.detect())
+        (run,) = mlflow_runs(uri)
+        history = mlflow_history(uri, run.info.run_id, "train/loss")
+    finally:
+        stop_mlflow_server(servers[-1])
+
+    assert history == pytest.approx(train_losses(result))
+    assert sorted(history) == list(range(1, 11))
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count(f"[track] mlflow: cannot reach {uri}") == 1
+    assert log.count(f"[track] mlflow: reached {uri} again") == 1
