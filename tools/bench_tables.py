@@ -499,6 +499,37 @@ def autotune(sources: list[Source]) -> list[str]:
     return lines
 
 
+def _reserved(plan: dict[str, int], published_gib: float) -> str:
+    """The plan's reserved bytes (its tensors' peak + the allocator's rounding and fragmentation) against a figure."""
+    reserved = plan["reserved_bytes"] / GiB
+    return f"{reserved:.2f} GiB ({reserved / published_gib - 1:+.0%}; tensors {plan['peak_bytes'] / GiB:.2f})"
+
+
+def plan_vs_published(sources: list[Source]) -> list[str]:
+    """tools/plan_vs_published.py: published peak reserved memory of FSDP2 runs beside the plan of the same settings."""
+    lines = header(
+        "published run (Llama 3.1 8B)", "GPUs", "local batch x sequence", "AC", "compile, float8", "published",
+        "plan: shardlab's keys", "plan: AC as torchtitan applies it", "what the plan leaves out",
+    )  # fmt: skip
+    cited: dict[str, dict[str, Any]] = {}
+    for _, d in sources:
+        for r in d["rows"]:
+            src, published = r["source"], r["published_gib"]
+            cited.setdefault(src["url"], src)
+            float8 = r["float8"] if r["float8"] != "none" else "no float8"
+            lines.append(
+                row(f"[{src['file'].split('/')[-1]}]({src['url']}) {src['table'].split(':')[0]}, {src['row']}",
+                    f"{r['world_size']} x {r['gpu']}", f"{r['local_batch']} x {r['seq_len']}",
+                    f"`{r['activation_checkpointing']}`", f"{'compiled' if r['compile'] else 'eager'}, {float8}",
+                    f"{published} GiB", _reserved(r["plan"], published),
+                    f"**{_reserved(r['as_torchtitan'], published)}**", r["plan_leaves_out"])
+            )  # fmt: skip
+    lines.append("")
+    for url, src in cited.items():
+        lines.append(f"- [{src['repo']} `{src['file']}` at `{src['commit'][:10]}`]({url}): {src['run']}")
+    return lines
+
+
 RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "throughput": throughput,
     "collectives": collectives,
@@ -513,6 +544,7 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "overhead": overhead,
     "compile": compiled,
     "autotune": autotune,
+    "plan_vs_published": plan_vs_published,
 }
 
 
