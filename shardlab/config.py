@@ -74,7 +74,12 @@ class DistributedConfig:
     reshard_after_forward: bool = True
     """fully_sharded: free gathered params after forward (ZeRO-3); false keeps them until backward (ZeRO-2-like)."""
     precision: str = "fp32"
-    """Shorthand for param_dtype/reduce_dtype: fp32, bf16, fp16 (fp16 adds a gradient scaler)."""
+    """Shorthand for param_dtype/reduce_dtype: fp32, bf16, fp16 (fp16 adds a gradient scaler), or auto: bf16 where this
+    machine's bf16 matmuls are measurably faster than fp32, else fp32 (measured once per machine, cached in
+    precision_cache, the same on every rank: shardlab/distributed/precision.py)."""
+    precision_cache: str | None = "~/.cache/shardlab/precision"
+    """precision=auto: where each machine's measured bf16 and fp32 matmul rates are kept (keyed by CPU, GPU and
+    torch); null: measure in every run."""
     param_dtype: str | None = None
     """Compute dtype of gathered params: fp32, bf16, fp16; null = from precision."""
     reduce_dtype: str | None = None
@@ -449,7 +454,11 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
         d.reduce_scatter in ("native", "all_reduce"),
         f"distributed.reduce_scatter must be native or all_reduce, got '{d.reduce_scatter}'",
     )
-    for key in ("precision", "param_dtype", "reduce_dtype"):
+    check(
+        d.precision in (*DTYPES, "auto"),
+        f"distributed.precision must be one of {', '.join(DTYPES)}, auto, got '{d.precision}'",
+    )
+    for key in ("param_dtype", "reduce_dtype"):
         value = getattr(d, key)
         check(value is None or value in DTYPES, f"distributed.{key} must be one of {', '.join(DTYPES)}, got '{value}'")
     errors += checkpointing_errors(d)

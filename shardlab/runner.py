@@ -170,6 +170,7 @@ def run_rank(
 def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals: StopSignals) -> dict:
     from shardlab.checkpoint.shared import require_shared_folder
     from shardlab.distributed.network import collective_reason
+    from shardlab.distributed.precision import settle as settle_precision
     from shardlab.memory.plan import plan_run
     from shardlab.trainer import Trainer
 
@@ -184,6 +185,8 @@ def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals:
     # that they opened the same data.
     backend.setup(prepare_data=lambda: prepare_data(task))
     try:
+        if (line := settle_precision(cfg.distributed, backend)) and env.is_main:  # precision=auto: one dtype for all
+            print(line, flush=True)
         if backend.network.spans_hosts:
             require_shared_folder(run_dir / cfg.checkpoint.dir, backend.network.hosts, backend.device)
         plan = plan_run(cfg, task, env.world_size)
@@ -356,6 +359,8 @@ def print_plan(cfg: DictConfig, task) -> None:
 
     started = time.perf_counter()
     world = job_world_size(cfg, dist_env.detect().world_size)
+    if precision_line := plan_precision(cfg):
+        print(precision_line, flush=True)
     lines = plan_run(cfg, task, world, compare=True).lines  # the plan says which device it is for
     lines.append(f"planned in {time.perf_counter() - started:.2f} s on the meta device (nothing allocated)")
     print("\n".join(lines), flush=True)
@@ -363,6 +368,18 @@ def print_plan(cfg: DictConfig, task) -> None:
         from shardlab.memory.verify import verify_plan
 
         print("\n".join(verify_plan(cfg, task, world)), flush=True)
+
+
+def plan_precision(cfg: DictConfig) -> str | None:
+    """dry_run with distributed.precision=auto: a named plan_device's published rates decide, else this machine's."""
+    from shardlab.distributed import precision
+    from shardlab.distributed.base import pick_device
+    from shardlab.memory import devices
+
+    named = devices.DEVICES.get(cfg.distributed.get("plan_device", "auto"))
+    if named is not None:
+        return precision.for_named_device(cfg.distributed, named)
+    return precision.resolve(cfg.distributed, pick_device(0))
 
 
 def format_final(metrics: dict[str, float]) -> str:

@@ -32,8 +32,10 @@ def resolve_dtypes(cfg: DistributedConfig) -> tuple[torch.dtype, torch.dtype]:
 
     fairseq's --fp16 reduces in fp16 too; bf16 reduces in fp32 by default because bf16 sums lose bits fast.
     """
-    param = cfg.param_dtype or cfg.precision
-    reduce = cfg.reduce_dtype or ("fp32" if cfg.precision == "bf16" else cfg.precision)
+    # precision=auto is fp32 until a rank settles it (distributed/precision.py: settle, before the plan and the model)
+    precision = "fp32" if cfg.precision == "auto" else cfg.precision
+    param = cfg.param_dtype or precision
+    reduce = cfg.reduce_dtype or ("fp32" if precision == "bf16" else precision)
     return DTYPE_BY_NAME[param], DTYPE_BY_NAME[reduce]
 
 

@@ -1,0 +1,91 @@
+"""distributed.precision=auto: the choice follows the machine's measured bf16 and fp32 matmul rates, cached per machine,
+printed with both rates, the same on every rank; a plan for a named device follows its published rates."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardlab.distributed import env as dist_env
+from shardlab.distributed import precision
+from shardlab.distributed.base import resolve_dtypes
+from shardlab.memory import devices
+from shardlab.runner import run_rank
+
+CPU = torch.device("cpu")
+SLOW_BF16 = {"fp32_gflops": 90.0, "bf16_gflops": 0.9}  # an AVX2-only machine: torch emulates bf16 (issue #30)
+FAST_BF16 = {"fp32_gflops": 94.0, "bf16_gflops": 212.0}  # the issue's AVX-512-BF16 figures
+
+
+def cache_rates(cache, rates: dict) -> None:
+    """Put ``rates`` where this machine's measurement would be cached, as if it had measured them."""
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / f"{precision.machine_key(CPU)}.json").write_text(json.dumps(rates))
+
+
+@pytest.mark.parametrize("rates, chosen", [(SLOW_BF16, "fp32"), (FAST_BF16, "bf16")], ids=["avx2", "avx512_bf16"])
+def test_auto_runs_the_dtype_the_cached_rates_favour_and_prints_both(tiny_lm, tmp_path, capsys, rates, chosen):
+    cache_rates(tmp_path / "cache", rates)
+    dtypes = {}
+
+    def inspect(trainer) -> dict:
+        dtypes["param"] = trainer.backend.param_dtype
+        return {}
+
+    cfg = tiny_lm(
+        "distributed.precision=auto", f"distributed.precision_cache={tmp_path / 'cache'}", "optimization.max_steps=2"
+    )
+    run_rank(cfg, tmp_path / "run", dist_env.detect(), after_fit=inspect)
+    out = capsys.readouterr().out
+    assert f"distributed.precision=auto chose {chosen}: " in out
+    assert f"{rates['bf16_gflops']:.0f} GFLOP/s in bf16, {rates['fp32_gflops']:.0f} in fp32" in out
+    assert dtypes["param"] == {"fp32": torch.float32, "bf16": torch.bfloat16}[chosen]
+
+
+def test_rates_are_measured_once_per_machine_then_read_back(tmp_path):
+    calls = []
+
+    def measure(device):
+        calls.append(device)
+        return dict(FAST_BF16)
+
+    first, where = precision.machine_rates(CPU, str(tmp_path), measure=measure)
+    assert where.startswith("measured now, cached in ")
+    again, where_again = precision.machine_rates(CPU, str(tmp_path), measure=measure)
+    assert (again, len(calls)) == (first, 1) and where_again.startswith("cached in ")
+
+
+def test_another_torch_is_another_key_so_it_measures_again(monkeypatch):
+    key = precision.machine_key(CPU)
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert precision.machine_key(CPU) != key
+
+
+def test_measured_rates_are_real_and_decide_by_the_margin():
+    rates = precision.measure_rates(CPU, repeats=1)
+    assert rates["fp32_gflops"] > 0 and rates["bf16_gflops"] > 0
+    assert precision.choice(rates) == ("bf16" if rates["bf16_gflops"] >= 1.2 * rates["fp32_gflops"] else "fp32")
+    assert precision.choice({"fp32_gflops": 100.0, "bf16_gflops": 110.0}) == "fp32"  # within the margin: exact fp32
+
+
+def test_one_rank_on_a_slow_bf16_machine_makes_every_rank_fp32(tmp_path):
+    """settle's all-reduce: this rank's machine favours bf16, but another rank reports it does not."""
+    cache_rates(tmp_path, FAST_BF16)
+    d = SimpleNamespace(precision="auto", precision_cache=str(tmp_path), param_dtype=None, reduce_dtype=None)
+    backend = SimpleNamespace(device=CPU, any_rank=lambda *flags: [True], param_dtype=None, reduce_dtype=None)
+    line = precision.settle(d, backend)
+    assert d.precision == "fp32" and backend.param_dtype == torch.float32
+    assert line.endswith("fp32 on every rank, as another machine of this job is not faster in bf16")
+
+
+def test_a_plan_for_a_named_device_uses_its_published_rates():
+    d = SimpleNamespace(precision="auto")
+    line = precision.for_named_device(d, devices.DEVICES["h100_80gb"])
+    assert d.precision == "bf16" and "989 TFLOP/s bf16 against 67 fp32" in line
+    assert resolve_dtypes(SimpleNamespace(precision="auto", param_dtype=None, reduce_dtype=None)) == (
+        torch.float32,
+        torch.float32,
+    )  # unsettled: fp32 until a rank settles it
