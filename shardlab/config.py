@@ -264,7 +264,8 @@ class MlflowConfig:
     enabled: bool = False
     """Log to MLflow from rank 0, beside TensorBoard (needs pip install -e '.[mlflow]'; docs/tracking.md)."""
     tracking_uri: str | None = None
-    """Where runs go: http(s)://host:port, sqlite:///path.db, or a folder; None: MLFLOW_TRACKING_URI, else ./mlruns."""
+    """Where runs go: http(s)://host:port or a database (sqlite:///path.db); None: MLFLOW_TRACKING_URI, else MLflow's
+    default (sqlite:///mlflow.db in the working directory)."""
     experiment: str | None = None
     """The experiment; None: a sweep's points share one named by the sweep folder, a single run goes to 'shardlab'."""
     run_name: str | None = None
