@@ -67,12 +67,6 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
             f"distributed.wrap_min_num_params applies to models without a unit plan, but task {cfg.task.name} "
             "declares its FSDP units; drop it"
         )
-    if cfg.distributed.backend == "single" and world_size > 1 and cfg.distributed.world_size == 1:
-        # a launcher's world (torchrun, Slurm tasks) for one process: the rank would find out at its backend
-        problems.append(
-            f"distributed.backend=single runs one process but this job has {world_size} ranks; "
-            "use distributed.backend=ddp or fully_sharded"
-        )
     if problems:
         raise ConfigError("; ".join(problems))
     if (
