@@ -201,6 +201,48 @@ def hold_the_run(config: DictConfig, run_dir: str) -> None:
         run_lock.take(Path(run_dir), config.checkpoint.dir)
 
 
+# ---- a sweep point's record, written once the point holds its folder ------------------------------------------------
+RECORD_SUBDIR = ".hydra"
+"""Where Hydra records a job's config (hydra.output_subdir, by default)."""
+RECORD_AFTER_LOCK = "SHARDLAB_RECORD_AFTER_LOCK"
+"""Set in a sweep's hydra.job.env_set by ``record_after_lock``: the points' records are shardlab's to write."""
+
+
+def record_after_lock(config: DictConfig) -> None:
+    """A sweep (multirun): Hydra's run_job writes each point's ``.hydra/`` before the point's task function, where the
+    lock is taken, so a point refused a folder in use (a sweep rerun while it still runs) rewrote the running point's
+    record. The points compose from the sweep's Hydra overrides (every launcher: basic, submitit), which gain
+    hydra.output_subdir=null and the marker, so that ``write_record_when_held`` writes the record after the lock."""
+    if config.hydra.output_subdir != RECORD_SUBDIR:  # none, or elsewhere: as the user set it
+        return
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.overrides.hydra.extend(["hydra.output_subdir=null", f"+hydra.job.env_set.{RECORD_AFTER_LOCK}=1"])
+
+
+def write_record_when_held(config: DictConfig) -> None:
+    """A sweep point's start (Hydra's on_job_start: its folder made, nothing written in it yet): global rank 0 takes
+    the point's lock, then writes the record Hydra would have (config.yaml, hydra.yaml, overrides.yaml). Refused, it
+    writes nothing: the task function takes the lock again and reports why, as for a single run."""
+    from hydra.core.utils import _save_config  # Hydra's own writer: the record reads as Hydra writes it
+
+    if not config.hydra.job.env_set.get(RECORD_AFTER_LOCK) or not dist_env.detect().is_main:
+        return  # not a marked sweep point; or not rank 0, which leaves the record to rank 0 (hold_the_run)
+    run_dir = Path(config.hydra.runtime.output_dir)
+    if not config.get("dry_run"):
+        try:
+            run_lock.take(run_dir, config.checkpoint.dir)
+        except ShardlabError:
+            return
+    task_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+    hydra_cfg = OmegaConf.create({"hydra": OmegaConf.to_container(config.hydra)})  # a writable copy, unresolved
+    hydra_cfg.hydra.output_subdir = RECORD_SUBDIR  # as Hydra would have recorded it, without shardlab's marker
+    hydra_cfg.hydra.overrides.hydra = list(config.hydra.overrides.hydra)[:-2]
+    hydra_cfg.hydra.job.env_set.pop(RECORD_AFTER_LOCK)
+    _save_config(task_cfg, "config.yaml", run_dir / RECORD_SUBDIR)
+    _save_config(hydra_cfg, "hydra.yaml", run_dir / RECORD_SUBDIR)
+    _save_config(config.hydra.overrides.task, "overrides.yaml", run_dir / RECORD_SUBDIR)
+
+
 class ConfigRefused(SystemExit):
     """The composed config failed its checks inside Hydra, which turns a callback's exceptions into warnings and goes
     on; a SystemExit passes through it to the CLI, which reports ``error``."""
@@ -213,7 +255,8 @@ class ConfigRefused(SystemExit):
 class ComposedConfigChecks(Callback):
     """Hydra callback (conf/config.yaml): ``check_composed`` on the config a run composed, called by Hydra after the
     composition and before it makes the run directory, so the run's composition is also the checked one. Hydra
-    reports what fails after it as in any Hydra app."""
+    reports what fails after it as in any Hydra app. In a sweep it has each point's record written once the point
+    holds its folder (``record_after_lock``, ``write_record_when_held``)."""
 
     reached = False
     """Whether a composition got this far in this process: an error before it was the composition's own."""
@@ -227,6 +270,12 @@ class ComposedConfigChecks(Callback):
         except Exception as e:  # any failure refuses the run: Hydra would only warn and go on unchecked
             raise ConfigRefused(e if isinstance(e, ShardlabError) else composition_error(e)) from None
         hydra_reports_errors_again()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        record_after_lock(config)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        write_record_when_held(config)
 
 
 # ---- Hydra's errors, raised to the CLI until the composition is checked ----------------------------------------------

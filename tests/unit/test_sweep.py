@@ -170,3 +170,33 @@ def test_a_rank_told_of_another_ranks_failure_leaves_no_note(tmp_path, monkeypat
         with pytest.raises(type(error)):
             runner.run_job(tiny_lm(), tmp_path / type(error).__name__, [])
         assert (tmp_path / type(error).__name__ / run_record.RANK_ERRORS / "rank1.json").exists() == noted
+
+
+@pytest.mark.slow  # a 2-point sweep of dry runs: ~45 s on a busy 2-core machine
+def test_a_sweep_points_record_is_the_one_hydra_writes_without_shardlabs_marker(tmp_path):
+    """Each point's .hydra/ is written by shardlab once the point holds its folder (preflight.write_record_when_held),
+    not by Hydra before it: the record holds the point's own config and overrides, and Hydra's settings as the user
+    gave them (output_subdir .hydra, no marker override or variable)."""
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from shardlab.jobs.preflight import RECORD_AFTER_LOCK
+    from tests.conftest import ROOT
+
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "shardlab.train", "-m", "dry_run=true", "optimizer.lr=0.1,0.2",
+           f"hydra.sweep.dir={sweep_dir}", "hydra.sweep.subdir=p${hydra.job.num}"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Callback" not in done.stderr  # no callback failed (Hydra turns their errors into warnings)
+    for num, lr in enumerate((0.1, 0.2)):
+        record = sweep_dir / f"p{num}" / ".hydra"
+        assert OmegaConf.load(record / "overrides.yaml") == ["dry_run=True", f"optimizer.lr={lr}"]  # Hydra's spelling
+        assert OmegaConf.load(record / "config.yaml").optimizer.lr == lr
+        hydra = OmegaConf.load(record / "hydra.yaml").hydra
+        assert hydra.output_subdir == ".hydra"
+        assert RECORD_AFTER_LOCK not in hydra.job.env_set
+        assert not any("output_subdir" in o or RECORD_AFTER_LOCK in o for o in hydra.overrides.hydra)
+        assert list(hydra.overrides.task) == ["dry_run=True", f"optimizer.lr={lr}"]
