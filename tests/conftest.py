@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import signal
 from pathlib import Path
@@ -109,9 +110,38 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked slow run only when ``-m`` names slow (``-m slow``, or ``-m "slow or not slow"`` for everything):
     the fault matrix's other cells, the sbatch requeue tests, compiled runs of real model sizes, world size 4 and the
     like, which together take hours on 2 cores. The default suite keeps one test of each behaviour."""
-    if "slow" in (config.option.markexpr or ""):
-        return
     slow = [item for item in items if item.get_closest_marker("slow")]
-    if slow:
+    if slow and "slow" not in (config.option.markexpr or ""):
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    _slurm_first(items)
+
+
+def worker_group(nodeid: str) -> str:
+    """Which tests one pytest-xdist worker runs together (``-n``; the scheduler below): a test file's tests, so its
+    module fixtures (reference runs) are built once; and every test that needs the Slurm cluster, since the session
+    that starts the cluster stops it at its end, and the multi-node tests take a host down under the others' feet.
+    The workers' controller sees node ids only, not marks: the Slurm tests are those under tests/slurm/ and the fault
+    matrix's Slurm cells (``_slurm_first`` holds every test marked slurm to that)."""
+    path, _, rest = nodeid.partition("::")
+    return "slurm" if path.startswith("tests/slurm/") or "[slurm_" in rest else path
+
+
+def _slurm_first(items) -> None:
+    """The Slurm group, the longest, first: it runs beside the rest rather than after it."""
+    for item in items:
+        if item.get_closest_marker("slurm") and worker_group(item.nodeid) != "slurm":
+            raise pytest.UsageError(f"{item.nodeid} needs Slurm: put it under tests/slurm/ (see worker_group)")
+    items.sort(key=lambda item: worker_group(item.nodeid) != "slurm")  # stable: file order kept within each
+
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ByWorkerGroup(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return worker_group(nodeid)
+
+        return ByWorkerGroup(config, log)
