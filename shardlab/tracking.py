@@ -66,9 +66,12 @@ def flat_params(cfg: Any) -> dict[str, str]:
 
 
 def sweep_name(run_dir: Path) -> str | None:
-    """The sweep a run belongs to: its folder's parent, where Hydra writes multirun.yaml for every multirun (on every
-    launcher); None for a single run."""
-    return run_dir.parent.name if (run_dir.parent / "multirun.yaml").is_file() else None
+    """The sweep a run belongs to: its folder's parent, where Hydra's sweeper writes multirun.yaml (on every launcher)
+    and shardlab's Slurm launchers their manifest; None for a single run."""
+    from shardlab.jobs.sweep import MANIFEST
+
+    parent = run_dir.parent
+    return parent.name if (parent / "multirun.yaml").is_file() or (parent / MANIFEST).is_file() else None
 
 
 def recorded_ids(run_dir: Path) -> dict[str, Any]:
@@ -228,9 +231,9 @@ class MlflowTracker:
         return True
 
     def _send(self) -> None:
-        for i in range(0, len(self.pending), 1000):  # MLflow's most metrics per call
-            self.client.log_batch(self.run_id, metrics=self.pending[i : i + 1000])
-        self.pending = []
+        while self.pending:  # what was sent leaves the buffer at once: a failure midway resends nothing twice
+            self.client.log_batch(self.run_id, metrics=self.pending[:1000])  # MLflow's most metrics per call
+            del self.pending[:1000]
 
     def log(self, split: str, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric

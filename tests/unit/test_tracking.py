@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,9 @@ from tests.tracker_files import mlflow_history, mlflow_runs, wandb_offline_runs
 
 pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -60,6 +66,7 @@ def test_mlflow_keeps_one_run_across_a_stop_and_resume(tiny_lm, tmp_path, usr2_a
     (run,) = mlflow_runs(uri)
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "run"
+    assert MlflowClient(uri).get_experiment(run.info.experiment_id).name == "shardlab"  # a single run's
     assert run.data.params["model.dim"] == "64" and run.data.params["optimization.max_steps"] == "10"
     history = mlflow_history(uri, run.info.run_id, "train/loss")
     assert history == pytest.approx(train_losses(stopped, resumed))
@@ -70,11 +77,14 @@ def test_mlflow_keeps_one_run_across_a_stop_and_resume(tiny_lm, tmp_path, usr2_a
 
 def test_wandb_offline_resumes_the_same_run_read_back_from_its_files(tiny_lm, tmp_path, usr2_at_step3):
     cfg = tiny_lm("logging.wandb.enabled=true", "logging.wandb.mode=offline", "logging.wandb.tags=[tiny]")
-    run_dir = tmp_path / "run"
+    (tmp_path / "my_sweep").mkdir()
+    (tmp_path / "my_sweep" / "multirun.yaml").write_text("{}")  # as Hydra's sweeper leaves it in a sweep's folder
+    run_dir = tmp_path / "my_sweep" / "0_optimizer.lr=0.01"
     stopped, resumed = stop_and_resume(cfg, run_dir, usr2_at_step3)
 
     first, second = wandb_offline_runs(run_dir)  # one file per start, one run id: `wandb sync` makes them one run
-    assert first["id"] == second["id"] and first["name"] == "run" and first["tags"] == ["tiny"]
+    assert first["id"] == second["id"] and first["name"] == run_dir.name and first["tags"] == ["tiny"]
+    assert first["group"] == second["group"] == "my_sweep"  # a sweep's points are one group
     assert first["config"]["model.dim"] == "64"
     assert sorted(first["history"]) == [1, 2, 3] and sorted(second["history"]) == list(range(4, 11))
     losses = {step: row["train/loss"] for run in (first, second) for step, row in run["history"].items()}
@@ -106,3 +116,43 @@ def test_a_missing_tracker_library_is_refused_in_one_line_naming_the_extra(tiny_
     message = str(refused.value)
     assert f"pip install -e '.[{extra}]'" in message and f"logging.{extra}.enabled" in message
     assert "\n" not in message
+
+
+def test_wandb_online_without_credentials_logs_offline_and_says_how_to_sync(tiny_lm, tmp_path, monkeypatch):
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc: nobody is logged in
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    result = run_rank(tiny_lm("logging.wandb.enabled=true"), tmp_path / "run", dist_env.detect())
+
+    assert result["stopped_by"] is None
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "[track] wandb: no W&B credentials (wandb login, or WANDB_API_KEY); logging offline instead" in log
+    (run,) = wandb_offline_runs(tmp_path / "run")
+    assert f"wandb sync {tmp_path / 'run' / 'wandb'}/offline-run-*-{run['id']}" in log
+    assert sorted(run["history"])[-1] == 10
+
+
+BLOCK_MLFLOW = """
+import sys
+sys.modules["mlflow"] = None  # as if it were not installed: importlib finds no spec, and import raises
+from shardlab.train import cli
+cli()
+"""
+
+
+def test_the_cli_refuses_a_missing_tracker_before_anything_is_written(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCK_MLFLOW, "logging.mlflow.enabled=true", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: logging.mlflow.enabled needs the mlflow package, which is not installed; pip install -e '.[mlflow]' "
+        "or drop logging.mlflow.enabled"
+    ]
+    assert not run_dir.exists()
