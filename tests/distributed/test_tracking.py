@@ -20,6 +20,7 @@ from tests.tracker_files import mlflow_history, mlflow_runs, wandb_offline_runs
 
 pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
+from mlflow.tracking import MlflowClient  # noqa: E402
 
 
 def usr2_on_rank1_during_step3() -> None:
@@ -53,7 +54,9 @@ def test_a_stopped_and_resumed_fully_sharded_run_is_one_mlflow_run_and_one_wandb
         *("logging.mlflow.enabled=true", f"logging.mlflow.tracking_uri={uri}", "+logging.mlflow.tags.team=nlp"),
         *("logging.wandb.enabled=true", "logging.wandb.mode=offline"),
     )
-    run_dir = tmp_path / "run"
+    (tmp_path / "lr_sweep").mkdir()
+    (tmp_path / "lr_sweep" / "multirun.yaml").write_text("{}")  # a sweep point's folder, as Hydra's sweeper makes it
+    run_dir = tmp_path / "lr_sweep" / "0_optimizer.lr=0.003"
     (stopped,) = run_spawned([cfg], world_size=2, run_dirs=[run_dir], prepare=usr2_on_rank1_during_step3)
     assert stopped["stopped_by"] == "SIGUSR2 (on another rank)"
     (resumed,) = run_spawned([cfg], world_size=2, run_dirs=[run_dir])
@@ -62,11 +65,12 @@ def test_a_stopped_and_resumed_fully_sharded_run_is_one_mlflow_run_and_one_wandb
 
     (run,) = mlflow_runs(uri)
     assert run.info.status == "FINISHED" and run.data.tags["team"] == "nlp"
+    assert MlflowClient(uri).get_experiment(run.info.experiment_id).name == "lr_sweep"  # the sweep's experiment
     assert run.data.params["distributed.backend"] == "fully_sharded" and run.data.params["model.dim"] == "64"
     assert mlflow_history(uri, run.info.run_id, "train/loss") == pytest.approx(losses)
 
     first, second = wandb_offline_runs(run_dir)
-    assert first["id"] == second["id"]
+    assert first["id"] == second["id"] and first["group"] == "lr_sweep"
     assert first["config"]["distributed.backend"] == "fully_sharded"
     wandb_losses = {step: row["train/loss"] for r in (first, second) for step, row in r["history"].items()}
     assert wandb_losses == pytest.approx(losses)
