@@ -1,7 +1,8 @@
 """Evaluate a checkpoint: a vision trunk by a linear probe and kNN on its frozen features (VISSL's benchmark), a
 language model by its perplexity on a corpus (fairseq's eval-lm).
 
-    python tools/evaluate.py runs/ssl/swav/checkpoints/step_00001000             # linear probe and kNN top-1
+    python tools/evaluate.py runs/ssl/swav/checkpoints/step_00001000             # linear probe, kNN top-1: test split
+    python tools/evaluate.py CHECKPOINT --split valid                             # the split recipes are chosen on
     python tools/evaluate.py CHECKPOINT --linear data.path=/imagenet data.num_workers=16 --batch-size 512
     python tools/evaluate.py CHECKPOINT --random-init                             # same architecture, random weights
     python tools/evaluate.py --random-init task=image_classification model=regnet_cifar model.depth=8
@@ -16,15 +17,17 @@ loaded in one process, in eval mode. Arguments without a leading ``--`` are over
 (``data.*`` picks the evaluation data: data.path, data.source, data.num_workers, data.image_size, ...), or, with
 --random-init and no checkpoint, the Hydra overrides that name the architecture as for ``python -m shardlab.train``.
 
-Vision (--linear, --knn; both by default): the trunk's pooled features (``Task.features``) of the train and
-validation split of a labelled image source (embedded, folder = an ImageFolder tree, fake) are extracted once,
-unaugmented, and cached in memory (and in --cache-dir, keyed by model and data, if given); the linear probe trains
-on the train split's standardized features and reports top-1/top-5 on the validation split; kNN votes among the k
-most cosine-similar train features. Language models (--perplexity, the default): the task's loss over every block
-of data.seq_len tokens of the chosen split, as the trainer's validation computes it. --lm-eval TASKS (comma-separated)
-exports the checkpoint to Hugging Face (tools/export_hf.py; --export-dir keeps it) and runs EleutherAI's
-lm-evaluation-harness on it with a context window of data.seq_len (tasks/lm/harness.py says when its rolling
-log-likelihood equals the perplexity here). Everything is seeded; the same command gives the same figures.
+Vision (--linear, --knn; both by default): the trunk's pooled features (``Task.features``) of the train split and of
+the split judged on (--split: test by default, which nothing is tuned on; valid, which recipes are chosen on) of a
+labelled image source (embedded, folder = an ImageFolder tree, fake) are extracted once, unaugmented, and cached in
+memory (and in --cache-dir, keyed by model, data and split, if given); the linear probe trains on the train split's
+standardized features and reports top-1/top-5 on the judged split; kNN votes among the k most cosine-similar train
+features. A random trunk (--random-init) has its BatchNorm statistics re-estimated on the train split first
+(--recompute-bn/--no-recompute-bn: any trunk, or none). Language models (--perplexity, the default): the task's loss
+over every block of data.seq_len tokens of the chosen split, as the trainer's validation computes it. --lm-eval
+TASKS (comma-separated) exports the checkpoint to Hugging Face (tools/export_hf.py; --export-dir keeps it) and runs
+EleutherAI's lm-evaluation-harness on it with a context window of data.seq_len (tasks/lm/harness.py says when its
+rolling log-likelihood equals the perplexity here). Everything is seeded; the same command gives the same figures.
 ``--out FILE`` writes them as JSON with the settings beside them.
 """
 
@@ -131,34 +134,71 @@ def labelled_data(cfg: DictConfig):
     return dataclasses.replace(data, augment=False)
 
 
+def settle_split(data, args) -> None:
+    """A folder without test/ is judged on its val/ (ImageNet's test labels are not public, so its val/ is what
+    everyone reports), unless --split test was asked for; a source drawn with data.num_test=0 has no test split."""
+    from tasks.image_classification.data import folder_test_split, source_of
+
+    if args.split != "test":
+        return
+    if source_of(data) != "folder":
+        if data.num_test < 1:
+            raise ConfigError("data.num_test is 0: there is no test split; set data.num_test=N or use --split valid")
+        return
+    if folder_test_split(Path(data.path).expanduser().resolve()) is None:
+        if args.split_asked:
+            raise DataError(
+                f"--split test: data.path {data.path} has no test/ directory; add test/<class>/<image> or use "
+                "--split valid"
+            )
+        print(f"note: {data.path} has no test/ split: judging on its val/ split", flush=True)
+        args.split = "valid"
+
+
+def eval_datasets(data, args):
+    """(train split, the split judged on: args.split)."""
+    from tasks.image_classification.data import open_datasets, open_test
+
+    train_set, valid_set, _ = open_datasets(data)
+    return train_set, (valid_set if args.split == "valid" else open_test(data))
+
+
 def features_and_labels(task, model, data, args, device, cache_key: str) -> dict[str, torch.Tensor]:
-    """{train,valid}_{features,labels}: extracted once, or read back from --cache-dir."""
+    """{train,eval}_{features,labels} (eval: the split judged on): extracted once, or read back from --cache-dir.
+    With args.recompute_bn the BatchNorm statistics are re-estimated on the train split first."""
     from safetensors.torch import load_file, save_file
 
-    from tasks.image_classification.data import open_datasets
-    from tasks.image_classification.probe import extract_features
+    from tasks.image_classification.probe import extract_features, recompute_bn_stats
 
     cache = args.cache_dir / f"features-{cache_key}.safetensors" if args.cache_dir else None
     if cache is not None and cache.is_file():
         print(f"features: read from {cache}", flush=True)
         return load_file(str(cache))
-    train_set, valid_set, _ = open_datasets(data)
+    train_set, eval_set = eval_datasets(data, args)
     started = time.perf_counter()
     model.to(device)
+    if args.recompute_bn:
+        count = recompute_bn_stats(
+            model, lambda images: task.features(model, images), train_set, args.batch_size, data.num_workers, device
+        )
+        print(
+            f"BatchNorm: running statistics of {count} layers re-estimated on the {len(train_set)} train images",
+            flush=True,
+        )
     out = {}
-    for split, dataset in (("train", train_set), ("valid", valid_set)):
+    for split, dataset in (("train", train_set), ("eval", eval_set)):
         feats, labels = extract_features(
             lambda images: task.features(model, images),
             dataset,
             args.batch_size,
             data.num_workers,
             device,
-            name=f"features ({split})",
+            name=f"features ({split if split == 'train' else args.split})",
         )
         out[f"{split}_features"], out[f"{split}_labels"] = feats, labels
     seconds = time.perf_counter() - started
     print(
-        f"features: {out['train_features'].shape[1]}-d, {len(train_set)} train and {len(valid_set)} validation images "
+        f"features: {out['train_features'].shape[1]}-d, {len(train_set)} train and {len(eval_set)} {args.split} images "
         f"in {seconds:.1f} s",
         flush=True,
     )
@@ -169,14 +209,15 @@ def features_and_labels(task, model, data, args, device, cache_key: str) -> dict
     return out
 
 
-def evaluate_trunk(task, model, cfg, args, modes: list[str], device, cache_key: str) -> dict[str, float]:
+def evaluate_trunk(task, model, cfg, args, modes: list[str], device, info: dict | None) -> dict[str, float]:
     from tasks.image_classification.data import count_classes
     from tasks.image_classification.probe import knn_scores, standardize, top_k_accuracy, train_linear
 
     data = labelled_data(cfg)
-    f = features_and_labels(task, model, data, args, device, cache_key)
+    settle_split(data, args)
+    f = features_and_labels(task, model, data, args, device, cache_key(args, cfg, info))
     train_x, train_y = f["train_features"].to(device), f["train_labels"].to(device)
-    valid_x, valid_y = f["valid_features"].to(device), f["valid_labels"].to(device)
+    valid_x, valid_y = f["eval_features"].to(device), f["eval_labels"].to(device)
     num_classes = count_classes(data)
     results: dict[str, float] = {}
     if "linear" in modes:
@@ -198,6 +239,7 @@ def evaluate_trunk(task, model, cfg, args, modes: list[str], device, cache_key: 
         scores = knn_scores(train_x, train_y, valid_x, num_classes, args.k, args.temperature)
         results["knn_top1"] = top_k_accuracy(scores, valid_y, 1)
         print(f"kNN: top-1 {results['knn_top1']:.2f}%  (k={args.k}, temperature {args.temperature})", flush=True)
+    print(f"(on the {len(valid_y)} images of the {args.split} split)", flush=True)
     return results
 
 
@@ -276,6 +318,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None, help="per forward; default validation.batch_size")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0, help="the linear probe's init and batch order")
+    parser.add_argument(
+        "--split",
+        choices=("test", "valid", "val", "train", "all"),
+        default=None,
+        help="vision: the split judged on, test (default; nothing is tuned on it) or valid (for choosing recipes); "
+        "perplexity: valid (default), train or all (every document)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the figures and settings as JSON")
     parser.add_argument("--user-dir", help="the plug-in folder of a run trained with user_dir= (imported: trust it)")
     vision = parser.add_argument_group("linear probe and kNN")
@@ -286,8 +335,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     vision.add_argument("--k", type=int, default=20, help="kNN: neighbours that vote")
     vision.add_argument("--temperature", type=float, default=0.07, help="kNN: vote weight exp(similarity / T)")
     vision.add_argument("--cache-dir", type=Path, default=None, help="keep extracted features here for reruns")
-    lm = parser.add_argument_group("perplexity")
-    lm.add_argument("--split", choices=("valid", "train", "all"), default="valid", help="all: every document")
+    vision.add_argument(
+        "--recompute-bn",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="re-estimate BatchNorm running statistics on the train split before extracting features "
+        "(default: on with --random-init, whose statistics are its init's, off for a trained trunk)",
+    )
     harness = parser.add_argument_group("lm-evaluation-harness (pip install -e '.[lm-eval]')")
     harness.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-eval task names, e.g. hellaswag,piqa")
     harness.add_argument("--lm-eval-include", type=Path, action="append", default=[], help="a folder of task YAMLs")
@@ -296,6 +350,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     harness.add_argument("--bootstrap-iters", type=int, default=100_000, help="resamples for stderr; 0: none")
     harness.add_argument("--export-dir", type=Path, default=None, help="keep the Hugging Face export here")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
+    args.split_asked = args.split is not None
+    args.split = "valid" if args.split == "val" else args.split
     paths = [item for item in args.items if "=" not in item]
     args.overrides = [item for item in args.items if "=" in item]
     if len(paths) > 1:
@@ -327,13 +383,29 @@ def chosen_modes(args, task: Task, where: str) -> list[str]:
             )
         if mode == "perplexity" and not is_lm:
             raise ConfigError(f"{where} is a {task.cfg.task.name} checkpoint; --perplexity needs a language model")
-    if asked:
-        return asked
-    if has_trunk:
-        return list(VISION_MODES)
-    if is_lm:
-        return ["perplexity"]
+    modes = asked or (list(VISION_MODES) if has_trunk else ["perplexity"] if is_lm else [])
+    if modes:
+        resolve_split(args, modes)
+        return modes
     raise ConfigError(f"{where}: task {task.cfg.task.name} has neither an image trunk nor a token loss to evaluate")
+
+
+def resolve_split(args, modes: list[str]) -> None:
+    """args.split for what is evaluated: a trunk is judged on test (default) or valid, never on the images its probe
+    trains on; a corpus has train and valid splits (valid by default). args.recompute_bn: on for a random trunk."""
+    if modes == ["perplexity"]:
+        if args.split == "test":
+            raise ConfigError("--split test: a corpus has train and valid splits; use --split valid, train or all")
+        args.split = args.split or "valid"
+        return
+    if args.split in ("train", "all"):
+        raise ConfigError(
+            f"--split {args.split}: the probe trains on the train split, so it is judged on held-out images; use "
+            "--split test (the default) or valid"
+        )
+    args.split = args.split or "test"
+    if args.recompute_bn is None:
+        args.recompute_bn = args.random_init
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -352,7 +424,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     if args.lm_eval is not None:
         results = evaluate_lm_eval(args.checkpoint, cfg, args)
-        if args.perplexity:  # both asked for: the perplexity beside the harness's figures
+        if args.perplexity:
+            resolve_split(args, ["perplexity"])  # both asked for: the perplexity beside the harness's figures
             task, model = build_model(model_cfg, args.checkpoint)
             data_task = task if cfg is model_cfg else build_task(cfg, world_size=1, check_budget=False)
             results.update(evaluate_perplexity(data_task, model, cfg, args, torch.device(args.device)))
@@ -368,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
         data_task = task if cfg is model_cfg else build_task(cfg, world_size=1, check_budget=False)
         results = evaluate_perplexity(data_task, model, cfg, args, device)
     else:
-        results = evaluate_trunk(task, model, cfg, args, modes, device, cache_key(args, cfg, info))
+        results = evaluate_trunk(task, model, cfg, args, modes, device, info)
     if args.out is not None:
         write_report(args, cfg, info, results, meta)
     return results
@@ -384,6 +457,8 @@ def cache_key(args, cfg: DictConfig, info: dict | None) -> str:
         "task": cfg.task.name,
         "model": OmegaConf.to_container(cfg.model, resolve=True),
         "data": dataclasses.asdict(labelled_data(cfg)),
+        "split": args.split,
+        "recompute_bn": bool(args.recompute_bn),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 

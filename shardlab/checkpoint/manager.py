@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from shardlab.checkpoint import agreement, dcp_reader
 from shardlab.checkpoint.layout import TMP, complete_checkpoints, fsync_path, publish, remove, step_name, to_prune
-from shardlab.errors import CheckpointError, first_cause
+from shardlab.errors import CheckpointError, IncompatibleCheckpointError, first_cause
 from shardlab.train_state import TrainState
 
 # DCP warns that it assumes a single process when no process group exists: that is exactly the single backend's case.
@@ -53,6 +53,10 @@ class SaveRecord:
     """Time training waited for this save (staging, plus any wait for the previous one in flight)."""
     total_s: float
     """From the save call until its checkpoint had its final name."""
+
+
+MISSING_STATE = {"ema": "optimization.ema's average of the weights", "task": "the task's own, e.g. SwAV's queue"}
+"""What each TrainState.tensors key is, for the line that refuses a checkpoint without it."""
 
 
 def unsaved_optimizer_states(optim_state: dict, path: Path) -> list[str]:
@@ -253,6 +257,13 @@ class Checkpointer:
             never_stepped = unsaved_optimizer_states(optim, path)
             state["optim"] = {**optim, "state": {k: v for k, v in optim["state"].items() if k not in never_stepped}}
         tensors = tensors or {}
+        saved = dcp_reader.read_metadata(path, values=False).state_dict_metadata
+        for key in tensors:  # state this run keeps that the saving run did not: a refusal, not a torn checkpoint
+            if not any(name.startswith(f"{key}.") for name in saved):
+                raise IncompatibleCheckpointError(
+                    f"{path} holds no {key}.* state, which this run keeps ({MISSING_STATE.get(key, key)}): its run "
+                    "had it off; begin from its weights with checkpoint.init_from, or turn it off"
+                )
         state.update({key: obj.state_dict() for key, obj in tensors.items()})
         dcp_reader.load(state, path, checked=True)  # its metadata was checked (resume.py)
         set_model_state_dict(model, state["model"])

@@ -10,6 +10,7 @@ learns it to well above that in minutes on a CPU.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from pathlib import Path
@@ -266,6 +267,55 @@ class FakeImages(Dataset):
     def __getitem__(self, i: int) -> tuple[Tensor, int, int]:
         image, label = self.data[i]
         return image, int(label), 0
+
+
+# ---- the held-out test split (tools/evaluate.py) ---------------------------------------------------------------------
+EVAL_SPLITS = ("valid", "test")
+"""What a trunk is judged on: valid (for choosing recipes, as the training runs' validation) or test (nothing is
+tuned on it; tools/evaluate.py's default)."""
+
+
+def test_split_seed(seed: int) -> int:
+    """The generator seed of the embedded test split: a hash of data.seed, so its images are a draw of their own, the
+    same for every method, training seed and data.num_train/num_valid, and no data.seed's train draw."""
+    digest = hashlib.sha256(f"shardlab embedded test split, data.seed={seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def folder_test_split(root: Path) -> Path | None:
+    """<root>/test when an ImageFolder tree has one (ImageNet's test labels are not public: it has none)."""
+    test = root / "test"
+    return test if test.is_dir() else None
+
+
+def open_test(cfg: ImageDataConfig) -> Dataset | None:
+    """The test split, unaugmented: embedded, data.num_test images drawn from test_split_seed(data.seed) (the train
+    and validation images stay those of the first data.num_train + data.num_valid draws); fake, the data.num_test
+    samples after the validation ones; folder, data.path/test/ (None when there is none)."""
+    source = source_of(cfg)
+    size = cfg.image_size or native_size(source)
+    if source == "embedded":
+        images, labels = generate_shapes(cfg.num_test, test_split_seed(cfg.seed), size)
+        return TensorImages(images, labels, augment=False)
+    if source == "fake":
+        tf_fake = v2.Compose(
+            [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+        )
+        offset = cfg.seed + cfg.num_train + cfg.num_valid
+        return FakeImages(cfg.num_test, size, cfg.num_fake_classes, offset, tf_fake)
+    root = Path(cfg.path).expanduser().resolve()
+    test_dir = folder_test_split(root)
+    if test_dir is None:
+        return None
+    test = ImageFiles(test_dir, transforms(size, augment=False, train=False), cfg.skip_corrupt)
+    train_classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    if test.classes != train_classes:  # labels are class-folder indices: another set would mislabel every image
+        extra = sorted(set(test.classes) ^ set(train_classes))
+        raise DataError(
+            f"data.path: {root / 'train'} and {test_dir} have different class folders (e.g. {extra[:3]}); the test "
+            "split needs the train split's classes"
+        )
+    return test
 
 
 def open_datasets(cfg: ImageDataConfig) -> tuple[Dataset, Dataset, int]:

@@ -66,6 +66,51 @@ def extract_features(
     return features, labels
 
 
+@torch.no_grad()
+def recompute_bn_stats(
+    model: nn.Module,
+    features_of,
+    dataset: Dataset,
+    batch_size: int,
+    num_workers: int,
+    device: torch.device,
+) -> int:
+    """Re-estimate every BatchNorm's running mean and variance on ``dataset`` (the train split, unaugmented): reset,
+    then one pass in which each BN normalizes with its batch's statistics and accumulates them with momentum=None,
+    torch's cumulative average (the mean over batches of each batch's mean and unbiased variance), as
+    torch.optim.swa_utils.update_bn does. An untrained trunk's running statistics are those of its init (mean 0,
+    variance 1), which no image has; judged with them, a random trunk is weaker than the architecture is.
+
+    The BNs are put in training mode by a hook around their own forward, since ``features_of`` may put the model in
+    eval mode itself (the self-supervised task's does); nothing else runs in training mode, and no gradient is kept.
+    Returns the number of BatchNorm layers re-estimated."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    momenta = [m.momentum for m in norms]
+
+    def batch_statistics(module, args):
+        module.training = True
+
+    def back_to_eval(module, args, output):
+        module.training = False
+
+    hooks = []
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+        hooks += [m.register_forward_pre_hook(batch_statistics), m.register_forward_hook(back_to_eval)]
+    try:
+        extract_features(features_of, dataset, batch_size, num_workers, device, name="BatchNorm statistics")
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for m, momentum in zip(norms, momenta, strict=True):
+            m.momentum = momentum
+            m.training = False
+    return len(norms)
+
+
 def standardize(train: Tensor, *others: Tensor) -> list[Tensor]:
     """Every tensor shifted and scaled by the training features' per-dimension mean and std (as the BatchNorm in
     front of VISSL's linear head does at evaluation), so no trunk is judged by the scale of its features."""

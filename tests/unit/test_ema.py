@@ -11,7 +11,7 @@ from torch import nn
 
 from shardlab.checkpoint import weights
 from shardlab.distributed import env as dist_env
-from shardlab.errors import CheckpointError, ConfigError
+from shardlab.errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from shardlab.jobs.preflight import preflight
 from shardlab.optim.ema import WeightAverage, ema_decay
 from shardlab.runner import run_rank
@@ -145,7 +145,12 @@ def test_export_with_ema_writes_the_average_that_validation_measured(lm_runs, tm
     assert float(loss) == pytest.approx(_losses(lm_runs["whole"], "valid")[10], rel=1e-5)
 
 
-def test_export_with_ema_of_a_run_without_it_is_refused_in_one_line(tmp_path, tiny_lm):
-    run_rank(tiny_lm("optimization.max_steps=1"), tmp_path, dist_env.detect())
+def test_a_checkpoint_without_an_average_is_refused_in_one_line_by_export_and_resume(tmp_path, tiny_lm):
+    run_rank(tiny_lm("optimization.max_steps=1"), tmp_path / "plain", dist_env.detect())
+    step1 = tmp_path / "plain" / "checkpoints" / "step_00000001"
     with pytest.raises(CheckpointError, match="holds no EMA weights .* optimization.ema.enabled=false"):
-        weights.read_full(tmp_path / "checkpoints" / "step_00000001", ema=True)
+        weights.read_full(step1, ema=True)
+    # Refused, not taken for a torn checkpoint (which resume=auto would set aside and go back past).
+    with pytest.raises(IncompatibleCheckpointError, match="holds no ema.* state, which this run keeps .*checkpoint.init_from"):
+        run_rank(tiny_lm(*EMA, f"checkpoint.resume={step1}"), tmp_path / "ema", dist_env.detect())
+    assert step1.is_dir()

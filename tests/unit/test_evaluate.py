@@ -156,6 +156,102 @@ def test_features_cache_is_reused_and_keyed_by_the_weights(vision_checkpoint, tm
     assert len(list(tmp_path.glob("features-*.safetensors"))) == 2
 
 
+# ---- the splits: train, valid (choosing recipes), test (reported) ----------------------------------------------------
+def test_embedded_test_split_is_disjoint_and_the_same_whatever_the_train_and_validation_sizes():
+    from tasks.image_classification.config import ImageDataConfig
+    from tasks.image_classification.data import generate_shapes, open_datasets, open_test
+
+    data = ImageDataConfig(image_size=16, num_train=80, num_valid=40, num_test=40, augment=False)
+    train, valid, _ = open_datasets(data)
+    test = open_test(data)
+    assert (len(train), len(valid), len(test)) == (80, 40, 40)
+    # train and validation stay the first draw's images (the runs and parity tests before the test split see them)
+    images, labels = generate_shapes(120, 0, 16)
+    assert torch.equal(train.images, images[:80]) and torch.equal(valid.labels, labels[80:])
+    rows = {bytes(x.flatten().tolist()) for x in torch.cat([train.images, valid.images])}
+    assert not any(bytes(x.flatten().tolist()) in rows for x in test.images)  # no test image is a train/valid one
+    assert set(test.labels.tolist()) == set(range(10))
+    other_sizes = open_test(ImageDataConfig(image_size=16, num_train=20, num_valid=10, num_test=40))
+    assert torch.equal(other_sizes.images, test.images) and torch.equal(other_sizes.labels, test.labels)
+    other_seed = open_test(ImageDataConfig(image_size=16, num_train=80, num_valid=40, num_test=40, seed=1))
+    assert not torch.equal(other_seed.images, test.images)
+
+
+def test_fake_test_split_follows_the_validation_samples():
+    from tasks.image_classification.config import ImageDataConfig
+    from tasks.image_classification.data import open_datasets, open_test
+
+    data = ImageDataConfig(source="fake", image_size=8, num_train=6, num_valid=4, num_test=3, num_fake_classes=5)
+    train, valid, _ = open_datasets(data)
+    test = open_test(data)
+    seen = [train[i][0] for i in range(6)] + [valid[i][0] for i in range(4)]
+    assert len(test) == 3 and not any(torch.equal(test[i][0], x) for i in range(3) for x in seen)
+
+
+def test_evaluate_judges_the_test_split_unless_asked_for_validation(vision_checkpoint, tmp_path, capsys):
+    sizes = ["data.num_valid=60", "data.num_test=40"]
+    test = evaluate.main([str(vision_checkpoint), "--knn", *PROBE, *sizes, "--out", str(tmp_path / "t.json")])
+    assert "(on the 40 images of the test split)" in capsys.readouterr().out
+    assert OmegaConf.load(tmp_path / "t.json").meta.settings.split == "test"
+    valid = evaluate.main([str(vision_checkpoint), "--knn", *PROBE, *sizes, "--split", "val"])
+    assert "(on the 60 images of the valid split)" in capsys.readouterr().out
+    assert valid == evaluate.main([str(vision_checkpoint), "--knn", *PROBE, *sizes, "--split", "valid"])
+    assert "BatchNorm" not in capsys.readouterr().out  # a trained trunk keeps its statistics by default
+    assert test != valid
+
+
+def test_recompute_bn_gives_each_layer_the_train_splits_batch_statistics_by_hand():
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from tasks.image_classification.probe import recompute_bn_stats
+
+    g = torch.Generator().manual_seed(0)
+    conv, bn1, bn2 = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.BatchNorm1d(4)
+    with torch.no_grad():
+        for p in (conv.weight, conv.bias, bn1.weight, bn1.bias):
+            p.copy_(torch.randn(p.shape, generator=g))
+    model = nn.ModuleDict({"conv": conv, "bn1": bn1, "bn2": bn2})
+
+    def features(images):  # as the self-supervised task's: it puts the model in eval mode itself
+        model.eval()
+        return model["bn2"](model["bn1"](model["conv"](images)).relu().mean((2, 3)))
+
+    images = torch.randn(12, 3, 5, 5, generator=g) * 3 + 1
+    recompute_bn_stats(model, features, TensorDataset(images, torch.zeros(12)), 6, 0, torch.device("cpu"))
+
+    # by hand: two batches of 6, each BN normalizing with its batch's statistics; running = mean over the batches of
+    # each batch's mean and unbiased variance (torch's cumulative average, momentum=None)
+    def stats(x, dims):
+        return (
+            x.mean(dims),
+            x.var(dims, unbiased=True),
+            (x - x.mean(dims, keepdim=True)) / (x.var(dims, unbiased=False, keepdim=True) + 1e-5).sqrt(),
+        )
+
+    expected = {"bn1": [], "bn2": []}
+    with torch.no_grad():
+        for batch in images.split(6):
+            h = conv(batch)
+            mean, var, normed = stats(h, (0, 2, 3))
+            expected["bn1"].append((mean, var))
+            h = (normed * bn1.weight[:, None, None] + bn1.bias[:, None, None]).relu().mean((2, 3))
+            expected["bn2"].append(stats(h, (0,))[:2])
+    for name, bn in (("bn1", bn1), ("bn2", bn2)):
+        torch.testing.assert_close(bn.running_mean, torch.stack([m for m, _ in expected[name]]).mean(0))
+        torch.testing.assert_close(bn.running_var, torch.stack([v for _, v in expected[name]]).mean(0))
+        assert bn.momentum == 0.1 and not bn.training and int(bn.num_batches_tracked) == 2
+    assert not conv.weight.requires_grad or conv.weight.grad is None
+
+
+def test_a_random_trunk_is_probed_with_batchnorm_statistics_of_the_train_split(vision_checkpoint, capsys):
+    recomputed = evaluate.main([str(vision_checkpoint), "--random-init", "--knn", *PROBE])
+    assert "BatchNorm: running statistics of" in capsys.readouterr().out
+    as_initialised = evaluate.main([str(vision_checkpoint), "--random-init", "--knn", *PROBE, "--no-recompute-bn"])
+    assert "BatchNorm" not in capsys.readouterr().out
+    assert recomputed != as_initialised
+
+
 # ---- the command on LM checkpoints -----------------------------------------------------------------------------------
 def test_lm_perplexity_equals_the_trainers_validation_perplexity(lm_checkpoint, capsys):
     checkpoint, final = lm_checkpoint
@@ -210,6 +306,11 @@ def test_mistakes_are_answered_in_one_line(vision_checkpoint, lm_checkpoint, tmp
     assert "data.colour" in answer([str(vision_checkpoint), "data.colour=1"], capsys)
     no_classes = answer([str(vision_checkpoint), f"data.path={tmp_path / 'images'}", "data.source=folder"], capsys)
     assert "has no class folders" in no_classes
+    assert "--split train: the probe trains on the train split" in answer(
+        [str(vision_checkpoint), "--split", "train"], capsys
+    )
+    assert "--split test: a corpus has train and valid splits" in answer([str(lm), "--split", "test"], capsys)
+    assert "data.num_test is 0" in answer([str(vision_checkpoint), "data.num_test=0"], capsys)
 
 
 def test_a_source_without_labels_is_refused():
