@@ -5,6 +5,7 @@ language model by its perplexity on a corpus (fairseq's eval-lm).
     python tools/evaluate.py CHECKPOINT --split valid                             # the split recipes are chosen on
     python tools/evaluate.py CHECKPOINT --linear data.path=/imagenet data.num_workers=16 --batch-size 512
     python tools/evaluate.py CHECKPOINT --random-init                             # same architecture, random weights
+    python tools/evaluate.py CHECKPOINT --ema                                     # the EMA weights (DINO's teacher)
     python tools/evaluate.py --random-init task=image_classification model=regnet_cifar model.depth=8
     python tools/evaluate.py runs/lm/default/checkpoints/step_00000300                     # validation perplexity
     python tools/evaluate.py model.safetensors data.path=held_out.txt --split all          # a whole other corpus
@@ -91,9 +92,10 @@ def composed_config(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"{' '.join(overrides)}: {first_cause(e)}") from None
 
 
-def build_model(cfg: DictConfig, checkpoint: Path | None) -> tuple[Task, torch.nn.Module]:
+def build_model(cfg: DictConfig, checkpoint: Path | None, ema: bool = False) -> tuple[Task, torch.nn.Module]:
     """The task and its model in this process: seeded init (cfg.seed), then the checkpoint's weights if given (their
-    keys and shapes must fit the model the config describes)."""
+    keys and shapes must fit the model the config describes); ``ema``: its optimization.ema average instead (DINO's
+    teacher)."""
     try:
         task = build_task(cfg, world_size=1, check_budget=False)
         with torch.device("meta"):
@@ -108,7 +110,10 @@ def build_model(cfg: DictConfig, checkpoint: Path | None) -> tuple[Task, torch.n
     materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
     if checkpoint is not None:
         try:
-            weights.load_into(model, checkpoint)
+            if ema:
+                model.load_state_dict(weights.read_full(checkpoint, ema=True))
+            else:
+                weights.load_into(model, checkpoint)
         except CheckpointError:
             raise
         except Exception as e:  # DCP's and load_state_dict's shape and key mismatches
@@ -315,6 +320,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--knn", action="store_true", help="kNN classifier on frozen features (vision)")
     parser.add_argument("--perplexity", action="store_true", help="perplexity on data.path's split (language models)")
     parser.add_argument("--random-init", action="store_true", help="skip the checkpoint's weights: a seeded init")
+    parser.add_argument("--ema", action="store_true", help="the run's average of the weights (optimization.ema)")
     parser.add_argument("--batch-size", type=int, default=None, help="per forward; default validation.batch_size")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0, help="the linear probe's init and batch order")
@@ -432,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.out is not None:
             write_report(args, cfg, info, {k: v for k, v in results.items() if k != "lm_eval_samples"}, meta)
         return results
-    task, model = build_model(model_cfg, None if args.random_init else args.checkpoint)
+    task, model = build_model(model_cfg, None if args.random_init else args.checkpoint, ema=args.ema)
     modes = chosen_modes(args, task, where)
     described = f"{where} (task {cfg.task.name}" + (f", step {info.get('step')}" if info else "")
     print(f"evaluating {described}{', random init seed ' + str(cfg.seed) if args.random_init else ''})", flush=True)

@@ -15,6 +15,7 @@ from shardlab.jobs.preflight import preflight
 from shardlab.runner import run_rank
 from tasks.self_supervised.dino import Center, WeightNormLinear, dino_loss, teacher_temperature
 from tests.ssl_configs import STEPS, dino
+from tools import evaluate
 
 
 def softmax(row: list[float], temperature: float) -> list[float]:
@@ -87,6 +88,7 @@ def _teacher_and_center(trainer) -> dict:
     return {
         "ema": {k: v.detach().clone() for k, v in trainer.ema.state_dict().items()},
         "center": trainer.task.center.center.clone(),
+        "student_stem": trainer.model.state_dict()["trunk.stem.0.weight"].detach().clone(),
     }
 
 
@@ -107,3 +109,8 @@ def test_resume_restores_the_teacher_and_the_center_exactly(tmp_path):
     assert torch.equal(resumed["center"], whole["center"]) and whole["center"].abs().sum() > 0
     for name, tensor in whole["ema"].items():
         assert torch.equal(resumed["ema"][name], tensor), name
+    # tools/evaluate.py --ema probes the teacher: the checkpoint's average, not the student.
+    _, teacher = evaluate.build_model(dino(), tmp_path / "whole" / "checkpoints" / "step_00000006", ema=True)
+    weight = "prototypes.weight"
+    assert torch.equal(teacher.state_dict()[weight], whole["ema"][weight])
+    assert not torch.equal(teacher.state_dict()["trunk.stem.0.weight"], whole["student_stem"])
