@@ -122,13 +122,14 @@ class WandbTracker:
         )
         self.run, self.failed = None, False
         self.offline = w.mode == "offline"
-        if not self.offline and not wandb.login(prompt=False):  # never a prompt: ranks have no terminal to answer
-            say("[track] wandb: no W&B credentials (wandb login, or WANDB_API_KEY); logging offline instead")
-            self.offline = True
         if not self.offline:
             try:
-                self.run = wandb.init(mode="online", **options)
-            except Exception as e:  # no credentials, no network, a server error: the run goes on offline
+                if wandb.login(prompt=False):  # never a prompt (ranks have no terminal); checks a key with the server
+                    self.run = wandb.init(mode="online", **options)
+                else:
+                    say("[track] wandb: no W&B credentials (wandb login, or WANDB_API_KEY); logging offline instead")
+                    self.offline = True
+            except Exception as e:  # no network, a server error: the run goes on offline
                 say(f"[track] wandb: cannot reach W&B ({one_line(e)}); logging offline instead")
                 self.offline = True
         if self.offline:

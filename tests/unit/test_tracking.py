@@ -156,3 +156,19 @@ def test_the_cli_refuses_a_missing_tracker_before_anything_is_written(tmp_path):
         "or drop logging.mlflow.enabled"
     ]
     assert not run_dir.exists()
+
+
+@pytest.mark.slow  # W&B checks the key with the unreachable server for ~15 s
+def test_wandb_online_with_no_server_to_reach_logs_offline(tiny_lm, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # a key, and a server that is not there
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{dist_env.free_port()}")
+    result = run_rank(tiny_lm("logging.wandb.enabled=true"), tmp_path / "run", dist_env.detect())
+
+    assert result["stopped_by"] is None
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count("[track] wandb: cannot reach W&B (") == 1 and "logging offline instead" in log
+    (run,) = wandb_offline_runs(tmp_path / "run")
+    assert sorted(run["history"])[-1] == 10
