@@ -83,14 +83,17 @@ def recompute_bn_stats(
 
     The BNs are put in training mode by a hook around their own forward, since ``features_of`` may put the model in
     eval mode itself (the self-supervised task's does); nothing else runs in training mode, and no gradient is kept.
-    Returns the number of BatchNorm layers re-estimated."""
+    A BN the features do not pass through (a self-supervised head's) keeps its statistics. Returns the number of
+    BatchNorm layers re-estimated."""
     from torch.nn.modules.batchnorm import _BatchNorm
 
     norms = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
-    momenta = [m.momentum for m in norms]
+    before = [(m.momentum, {k: v.clone() for k, v in m.state_dict().items()}) for m in norms]
+    visited: set[int] = set()
 
     def batch_statistics(module, args):
         module.training = True
+        visited.add(id(module))
 
     def back_to_eval(module, args, output):
         module.training = False
@@ -105,10 +108,11 @@ def recompute_bn_stats(
     finally:
         for hook in hooks:
             hook.remove()
-        for m, momentum in zip(norms, momenta, strict=True):
-            m.momentum = momentum
-            m.training = False
-    return len(norms)
+        for m, (momentum, state) in zip(norms, before, strict=True):
+            m.momentum, m.training = momentum, False
+            if id(m) not in visited:  # not on the features' path (a projection head): left as it was
+                m.load_state_dict(state)
+    return len(visited)
 
 
 def standardize(train: Tensor, *others: Tensor) -> list[Tensor]:

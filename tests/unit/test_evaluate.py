@@ -211,14 +211,17 @@ def test_recompute_bn_gives_each_layer_the_train_splits_batch_statistics_by_hand
     with torch.no_grad():
         for p in (conv.weight, conv.bias, bn1.weight, bn1.bias):
             p.copy_(torch.randn(p.shape, generator=g))
-    model = nn.ModuleDict({"conv": conv, "bn1": bn1, "bn2": bn2})
+    head = nn.BatchNorm1d(4)  # not on the features' path, as a self-supervised projection head's
+    head.running_mean.fill_(3.0)
+    model = nn.ModuleDict({"conv": conv, "bn1": bn1, "bn2": bn2, "head": head})
 
     def features(images):  # as the self-supervised task's: it puts the model in eval mode itself
         model.eval()
         return model["bn2"](model["bn1"](model["conv"](images)).relu().mean((2, 3)))
 
     images = torch.randn(12, 3, 5, 5, generator=g) * 3 + 1
-    recompute_bn_stats(model, features, TensorDataset(images, torch.zeros(12)), 6, 0, torch.device("cpu"))
+    count = recompute_bn_stats(model, features, TensorDataset(images, torch.zeros(12)), 6, 0, torch.device("cpu"))
+    assert count == 2 and torch.equal(head.running_mean, torch.full((4,), 3.0)) and int(head.num_batches_tracked) == 0
 
     # by hand: two batches of 6, each BN normalizing with its batch's statistics; running = mean over the batches of
     # each batch's mean and unbiased variance (torch's cumulative average, momentum=None)
