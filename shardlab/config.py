@@ -535,6 +535,13 @@ def tracker_errors(log_cfg: Any) -> list[str]:
     mode = log_cfg.get("wandb", {}).get("mode", "online")
     if mode not in ("online", "offline"):
         errors.append(f"logging.wandb.mode must be online or offline, got '{mode}'")
+    uri = log_cfg.get("mlflow", {}).get("tracking_uri")
+    if uri is not None and "://" not in uri and not uri.startswith("databricks"):
+        # a bare path is MLflow's folder store, which MLflow 3 refuses (in maintenance mode) at the first call
+        errors.append(
+            f"logging.mlflow.tracking_uri must be a URI (http(s)://host:port, sqlite:///path.db), got '{uri}'; for a "
+            f"local store use sqlite:///{uri.rstrip('/')}.db"
+        )
     return errors
 
 

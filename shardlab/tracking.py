@@ -41,10 +41,12 @@ class Tracker(Protocol):
 def open_trackers(cfg: Any, run_dir: Path, say: Callable[[str], None]) -> list[Tracker]:
     """The enabled trackers for ``cfg`` (the composed config), continuing the runs ``run_dir`` recorded."""
     trackers: list[Tracker] = []
-    if cfg.logging.wandb.enabled:
-        trackers.append(WandbTracker(cfg, run_dir, say))
-    if cfg.logging.mlflow.enabled:
-        trackers.append(MlflowTracker(cfg, run_dir, say))
+    for name, tracker in (("wandb", WandbTracker), ("mlflow", MlflowTracker)):
+        if cfg.logging[name].enabled:
+            try:
+                trackers.append(tracker(cfg, run_dir, say))
+            except Exception as e:  # e.g. a tracking URI its library does not take: training goes on without it
+                say(f"[track] {name}: cannot start ({one_line(e)}); this run goes on without it")
     return trackers
 
 

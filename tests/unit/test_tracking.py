@@ -172,3 +172,20 @@ def test_wandb_online_with_no_server_to_reach_logs_offline(tiny_lm, tmp_path, mo
     assert log.count("[track] wandb: cannot reach W&B (") == 1 and "logging offline instead" in log
     (run,) = wandb_offline_runs(tmp_path / "run")
     assert sorted(run["history"])[-1] == 10
+
+
+def test_a_tracking_uri_that_is_a_folder_is_refused_with_the_sqlite_uri_to_use(tiny_lm):
+    with pytest.raises(ConfigError) as refused:
+        validate(tiny_lm("logging.mlflow.enabled=true", "logging.mlflow.tracking_uri=mlruns"))
+    assert str(refused.value) == (
+        "logging.mlflow.tracking_uri must be a URI (http(s)://host:port, sqlite:///path.db), got 'mlruns'; for a "
+        "local store use sqlite:///mlruns.db"
+    )
+
+
+def test_a_tracking_uri_mlflow_does_not_take_leaves_training_alone(tiny_lm, tmp_path):
+    cfg = tiny_lm("logging.mlflow.enabled=true", "logging.mlflow.tracking_uri=foo://bar", "optimization.max_steps=2")
+    result = run_rank(cfg, tmp_path, dist_env.detect())
+
+    assert result["stopped_by"] is None and (tmp_path / "checkpoints" / "step_00000002").is_dir()
+    assert (tmp_path / "train.log").read_text().count("[track] mlflow: cannot start (") == 1
