@@ -1,0 +1,153 @@
+"""The self-supervised defaults judged over seeds on the test split (issue #31 item 2): each method's default
+pretraining (``python -m shardlab.train task=METHOD seed=S``) for every seed, then ``tools/evaluate.py`` on its last
+checkpoint, and the untrained trunk of the same architecture with each seed's init (its BatchNorm statistics
+re-estimated on the train split, evaluate's default for --random-init). Reported: mean and sample standard deviation
+over the seeds of linear-probe top-1/top-5 and kNN top-1 on the test split, which nothing was tuned on.
+
+    python tools/ssl_seeds.py --out docs/bench/ssl_seeds.json                       # swav simclr dino + random, 3 seeds
+    python tools/ssl_seeds.py --methods simclr --seeds 1 2 --out /tmp/simclr.json    # a part of it
+    python tools/ssl_seeds.py --table docs/bench/ssl_seeds.json                      # the markdown table of a study
+
+Runs go to ``--runs``/<method>/seed_<S> (default runs/ssl_seeds). The training command resumes (checkpoint.resume=
+auto), so a study stopped half-way continues where it stopped and a finished run is only evaluated again. Each
+training run's wall time is recorded with the load average before and after: on a shared machine the times are
+noisy, the figures are not (every run is seeded). Arguments after ``--`` are overrides for every training run (e.g.
+``-- distributed=single distributed.world_size=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools import bench_meta, evaluate  # noqa: E402
+
+METRICS = ("linear_top1", "linear_top5", "knn_top1")
+LABELS = {
+    "swav": "SwAV",
+    "simclr": "SimCLR",
+    "dino": "DINO",
+    "random": "random init, BN re-estimated on train",
+    "random_init_bn": "random init, its init's BN statistics",
+}
+
+
+def newest_checkpoint(run_dir: Path) -> Path:
+    steps = sorted((run_dir / "checkpoints").glob("step_*"))
+    if not steps:
+        raise SystemExit(f"{run_dir}: the training run left no checkpoint; see {run_dir} for its log")
+    return steps[-1]
+
+
+def train(method: str, seed: int, run_dir: Path, overrides: list[str]) -> dict:
+    """The default pretraining of ``method`` with ``seed``, in its own process, as a user runs it; its wall time."""
+    command = [sys.executable, "-m", "shardlab.train", f"task={method}", f"seed={seed}", f"hydra.run.dir={run_dir}"]
+    command += ["logging.progress_bar=false", *overrides]
+    load = round(os.getloadavg()[0], 2)
+    started = time.perf_counter()
+    print(f"[{method} seed {seed}] {' '.join(command[1:])}", flush=True)
+    done = subprocess.run(command, cwd=bench_meta.REPO)
+    if done.returncode != 0:
+        raise SystemExit(f"[{method} seed {seed}] training failed with exit code {done.returncode}")
+    return {
+        "command": command[1:],
+        "seconds": round(time.perf_counter() - started, 1),
+        "load_average": [load, round(os.getloadavg()[0], 2)],
+    }
+
+
+def judge(argv: list[str], out: Path) -> dict[str, float]:
+    """tools/evaluate.py with ``argv`` on the test split (its default), the figures also written to ``out``."""
+    results = evaluate.main([*argv, "--split", "test", "--out", str(out)])
+    return {k: results[k] for k in METRICS}
+
+
+def summary(per_seed: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Mean and sample standard deviation (n - 1) of each metric over the seeds."""
+    out = {}
+    for metric in METRICS:
+        values = [r[metric] for r in per_seed.values()]
+        sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+        out[metric] = {"mean": round(statistics.fmean(values), 2), "sd": round(sd, 2), "n": len(values)}
+    return out
+
+
+def table(study: dict) -> str:
+    """The study as a markdown table: mean ± sd over the seeds, and the seeds' own values."""
+    lines = [
+        "| trunk (test split) | linear top-1 | linear top-5 | kNN top-1 | seeds: linear top-1 | training time |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, entry in study["methods"].items():
+        s = entry["summary"]
+        cells = [f"{s[m]['mean']:.1f} ± {s[m]['sd']:.1f}%" for m in METRICS]
+        seeds = ", ".join(f"{r['linear_top1']:.1f}" for r in entry["per_seed"].values())
+        times = [t["seconds"] for t in entry.get("training", {}).values()]
+        took = f"{min(times) / 60:.1f}-{max(times) / 60:.1f} min" if times else "-"
+        steps = f", {entry['steps']} steps" if entry.get("steps") else ""
+        lines.append(f"| {LABELS.get(name, name)}{steps} | {' | '.join(cells)} | {seeds} | {took} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
+    mine = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="*", default=["swav", "simclr", "dino"], help="tasks to pretrain (none: "
+                        "the random trunk only)")  # fmt: skip
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--no-random", action="store_true", help="skip the untrained trunk")
+    parser.add_argument("--runs", type=Path, default=Path("runs/ssl_seeds"), help="where the training runs go")
+    parser.add_argument("--out", type=Path, default=None, help="the study as JSON")
+    parser.add_argument("--table", type=Path, default=None, help="print the table of this study's JSON and stop")
+    args = parser.parse_args(mine)
+    if args.table is not None:
+        study = json.loads(args.table.read_text())
+        print(table(study))
+        return study
+    if len(args.seeds) < 2:
+        raise SystemExit("--seeds: give at least 2 seeds for a standard deviation (the study's default: 1 2 3)")
+    meta = bench_meta.collect(__file__, argv)
+    study: dict = {"methods": {}, "overrides": overrides}
+    for method in args.methods:
+        entry: dict = {"per_seed": {}, "training": {}}
+        for seed in args.seeds:
+            run_dir = (args.runs / method / f"seed_{seed}").resolve()
+            entry["training"][str(seed)] = train(method, seed, run_dir, overrides)
+            checkpoint = newest_checkpoint(run_dir)
+            entry["steps"] = int(checkpoint.name.split("_")[-1])
+            entry["per_seed"][str(seed)] = judge([str(checkpoint)], run_dir / "eval_test.json")
+        entry["summary"] = summary(entry["per_seed"])
+        study["methods"][method] = entry
+        print(table(study), flush=True)
+    # The same trunk architecture (regnet_cifar, every method's default) untrained, with each seed's init: with its
+    # BatchNorm statistics re-estimated on the train split (evaluate's default for --random-init), and, to show what
+    # that changes, with its init's (mean 0, variance 1).
+    baselines = [] if args.no_random else [("random", []), ("random_init_bn", ["--no-recompute-bn"])]
+    for name, bn in baselines:
+        entry = {"per_seed": {}}
+        for seed in args.seeds:
+            out = (args.runs / name / f"seed_{seed}" / "eval_test.json").resolve()
+            task = args.methods[0] if args.methods else "swav"
+            architecture = [f"task={task}", *overrides, f"seed={seed}"]  # as trained: model.* included
+            entry["per_seed"][str(seed)] = judge(["--random-init", *bn, *architecture], out)
+        entry["summary"] = summary(entry["per_seed"])
+        study["methods"][name] = entry
+    study["meta"] = bench_meta.finish(meta)
+    print(table(study), flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(study, indent=1) + "\n")
+    return study
+
+
+if __name__ == "__main__":
+    main()
