@@ -151,6 +151,19 @@ def test_a_checkpoint_without_an_average_is_refused_in_one_line_by_export_and_re
     with pytest.raises(CheckpointError, match="holds no EMA weights .* optimization.ema.enabled=false"):
         weights.read_full(step1, ema=True)
     # Refused, not taken for a torn checkpoint (which resume=auto would set aside and go back past).
-    with pytest.raises(IncompatibleCheckpointError, match="holds no ema.* state, which this run keeps .*checkpoint.init_from"):
+    with pytest.raises(
+        IncompatibleCheckpointError, match="holds no ema.* state, which this run keeps .*checkpoint.init_from"
+    ):
         run_rank(tiny_lm(*EMA, f"checkpoint.resume={step1}"), tmp_path / "ema", dist_env.detect())
     assert step1.is_dir()
+
+
+def test_the_memory_plan_counts_the_average_beside_the_optimizer_state():
+    from shardlab.jobs.preflight import compose_config
+    from shardlab.memory.plan import PlanContext
+
+    def state_bytes(*overrides: str) -> int:
+        return PlanContext.from_config(compose_config(list(overrides)), 1, 1, "cpu").optimizer_state_bytes
+
+    assert state_bytes("optimization.ema.enabled=true") == state_bytes() + 4  # fp32 per local parameter element
+    assert state_bytes("task=dino") == state_bytes("task=dino", "optimization.ema.enabled=false") + 4
