@@ -454,11 +454,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def cache_key(args, cfg: DictConfig, info: dict | None) -> str:
-    """What the features depend on: the weights (checkpoint path and step, or the random init's seed), the model and
-    the data settings."""
+    """What the features depend on: the weights (checkpoint path and step, its EMA average or not, or the random
+    init's seed), the model, the data settings, the split and whether BatchNorm statistics were re-estimated."""
     key = {
         "checkpoint": None if args.random_init else str(args.checkpoint.resolve()),
         "step": (info or {}).get("step"),
+        "ema": bool(args.ema) and not args.random_init,
         "seed": cfg.seed if args.random_init else None,
         "task": cfg.task.name,
         "model": OmegaConf.to_container(cfg.model, resolve=True),

@@ -255,6 +255,17 @@ def test_a_random_trunk_is_probed_with_batchnorm_statistics_of_the_train_split(v
     assert recomputed != as_initialised
 
 
+def test_the_feature_cache_is_keyed_by_split_batchnorm_statistics_and_ema_weights(tmp_path):
+    import argparse
+
+    cfg = compose_config(TINY_VISION)
+    base = dict(random_init=False, checkpoint=tmp_path, ema=False, split="test", recompute_bn=False)
+    key = evaluate.cache_key(argparse.Namespace(**base), cfg, {"step": 3})
+    assert key == evaluate.cache_key(argparse.Namespace(**base), cfg, {"step": 3})
+    for change in ({"split": "valid"}, {"recompute_bn": True}, {"ema": True}):
+        assert evaluate.cache_key(argparse.Namespace(**{**base, **change}), cfg, {"step": 3}) != key, change
+
+
 # ---- the command on LM checkpoints -----------------------------------------------------------------------------------
 def test_lm_perplexity_equals_the_trainers_validation_perplexity(lm_checkpoint, capsys):
     checkpoint, final = lm_checkpoint
