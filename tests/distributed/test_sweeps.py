@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import yaml
+
 from tests.conftest import TINY_LM
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,3 +121,26 @@ def test_rerunning_a_sweep_resumes_each_point_in_the_same_folder(tmp_path, corpu
     assert f"resumed from {killed / 'checkpoints' / 'step_00000003'} (step 3," in again.stdout
     after = {r["run_dir"]: r["final"]["loss"] for r in json.loads((sweep_dir / "summary.json").read_text())}
     assert after == before
+
+
+def test_an_optuna_sweep_minimizes_the_final_validation_loss_over_its_trials(tmp_path, corpus_cache):
+    """hydra-optuna-sweeper (the optuna extra, in the test extra) searches a shardlab run: each trial is a point with
+    its folder and its row in the summary, and the best value Optuna reports is the lowest final validation loss."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install -e '.[optuna]'")
+    proc = sweep(
+        tmp_path, corpus_cache, "optimization.max_steps=2", "validation.num_batches=1", "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2", "hydra.sweeper.sampler.seed=0",
+        "optimizer.lr=interval(1e-4,1e-2)",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]  # e.g. a callback's error, which Hydra only warns of
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert len(rows) == 2 and all(r["status"] == "completed" and r["step"] == 2 for r in rows)
+    lrs = [
+        float(next(o for o in r["overrides"].split() if o.startswith("optimizer.lr=")).partition("=")[2]) for r in rows
+    ]
+    assert all(1e-4 <= lr <= 1e-2 for lr in lrs) and lrs[0] != lrs[1]
+    best = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    losses = [r["final"]["loss"] for r in rows]
+    assert best["best_value"] == pytest.approx(min(losses))
+    assert best["best_params"]["optimizer.lr"] == pytest.approx(lrs[losses.index(min(losses))])
