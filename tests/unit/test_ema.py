@@ -167,3 +167,13 @@ def test_the_memory_plan_counts_the_average_beside_the_optimizer_state():
 
     assert state_bytes("optimization.ema.enabled=true") == state_bytes() + 4  # fp32 per local parameter element
     assert state_bytes("task=dino") == state_bytes("task=dino", "optimization.ema.enabled=false") + 4
+
+
+def test_a_run_begun_from_init_from_weights_starts_its_average_there(lm_runs, tiny_lm, tmp_path):
+    """decay=1 never moves the average: after training it still holds exactly the weights the run began from."""
+    source = lm_runs["whole_dir"] / "checkpoints" / "step_00000010"
+    frozen = ["optimization.ema.enabled=true", "optimization.ema.decay=1.0", "optimization.max_steps=2"]
+    result = run_rank(tiny_lm(*frozen, f"checkpoint.init_from={source}"), tmp_path, dist_env.detect(), _inspect)
+    loaded = weights.read_full(source)
+    for name, tensor in result["ema"].items():
+        assert torch.equal(tensor, loaded[name]), name
