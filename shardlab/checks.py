@@ -67,11 +67,17 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
             f"distributed.wrap_min_num_params applies to models without a unit plan, but task {cfg.task.name} "
             "declares its FSDP units; drop it"
         )
+    if cfg.distributed.get("plan_device") == "cuda" and not num_cuda_devices:
+        # every rank's plan (shardlab.memory.plan) would refuse it, after the process group is up
+        from shardlab.memory import devices
+
+        problems.append(
+            "distributed.plan_device=cuda plans for this machine's GPU, but it has none; name the GPU to plan for: "
+            f"{', '.join(devices.DEVICES)}"
+        )
     if problems:
         raise ConfigError("; ".join(problems))
-    if (
-        budget and cfg.distributed.backend != "auto"
-    ):  # backend=auto is a choice, made by the run (runner.run_job), not a check
+    if budget and cfg.distributed.backend != "auto":  # backend=auto is a choice the run makes (runner.choose_layout)
         from shardlab.memory import budget as memory_budget
 
         memory_budget.resolve(cfg, task, world_size)  # refuses a backend the plan predicts over the budget

@@ -130,6 +130,18 @@ def test_a_bn_group_that_does_not_divide_the_world_is_refused_before_any_rank_st
         checks.check(cfg)
 
 
+def test_planning_for_this_machines_gpu_without_one_is_refused_by_the_checks(tiny_lm):
+    """Every rank's plan found it, once its process group was up; the checks know this machine's GPUs first."""
+    from shardlab import checks
+    from shardlab.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"^distributed.plan_device=cuda plans for this machine's GPU, but it has none"
+    ):
+        checks.check(tiny_lm("distributed.plan_device=cuda"), num_cuda_devices=0)
+    checks.check(tiny_lm("distributed.plan_device=h100_80gb"), num_cuda_devices=0)  # a named GPU plans anywhere
+
+
 # ---- a bad value leaves the run folder as it was -------------------------------------------------------------------
 def snapshot(folder: Path) -> dict[str, tuple[bytes | None, int]]:
     return {
@@ -191,7 +203,7 @@ RAISES_CONFIG_ERROR = {
     "shardlab/runner.py": "whether the disk lets a tool's run folder be written (build_task's run_dir)",
     "shardlab/checkpoint/run_line.py": "the checkpoints the folder holds",
     "shardlab/checkpoint/shared.py": "whether the hosts share the checkpoint folder",
-    "shardlab/memory/plan.py": "this machine's GPU, for distributed.plan_device=cuda",
+    "shardlab/memory/plan.py": "the rank's machine's GPU for distributed.plan_device=cuda (the checks ask first)",
     "shardlab/memory/budget.py": "the memory plan against distributed.memory_budget_gb (asked by the checks)",
     "shardlab/memory/autotune.py": "the layouts measured on the ranks",
     "shardlab/memory/verify.py": "the real fully_shard against the plan (a dry run's)",
