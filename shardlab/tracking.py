@@ -157,7 +157,13 @@ class WandbTracker:
         self._try(lambda: self.run.summary.update(summary))
 
     def close(self, status: str) -> None:
+        import wandb
+
         self._try(lambda: self.run.finish(exit_code=1 if status == "failed" else 0))
+        # finish() returns before W&B's service has written the run's last records (the run file was read without
+        # its last steps), and the atexit hook that would wait for it does not run in spawned ranks, which end with
+        # os._exit: wait for the service here.
+        self._try(wandb.teardown)
         if self.offline and not self.failed:
             self.say(
                 f"[track] wandb: run {self.run.id} was logged offline; upload it with: "
@@ -187,7 +193,6 @@ class MlflowTracker:
         self.params = flat_params(cfg)
         recorded = recorded_ids(run_dir).get("mlflow", {})
         self.run_id: str | None = recorded.get("run_id") if recorded.get("tracking_uri") == self.uri else None
-        self.resumed = self.run_id is not None
         self.pending: list[Any] = []  # metrics not yet sent
         self.unreachable_since: float | None = None
         self._try(self._open)
