@@ -499,6 +499,25 @@ def autotune(sources: list[Source]) -> list[str]:
     return lines
 
 
+def checkpointing(sources: list[Source]) -> list[str]:
+    """tools/bench_checkpointing.py: each activation_checkpointing mode's peak (measured, planned) against its step."""
+    lines = header(
+        "model", "activation_checkpointing", "peak above start", "planned", "peak vs none", "CPU ms per step",
+        "recompute cost (CPU)", "wall ms per step", "losses = none's",
+    )  # fmt: skip
+    for _, d in sources:
+        for model, modes in d["models"].items():
+            none = modes["none"]["peak_gib"]
+            for mode, r in modes.items():
+                lines.append(
+                    row(model, f"`{mode}`", f"{r['peak_gib']:.3f} GiB", f"{r['predicted_peak_gib']:.3f} GiB",
+                        f"{r['peak_gib'] / none - 1:+.0%}", f"{r['best_step_cpu_ms']:.0f}",
+                        f"{r['recompute_cost']:+.0%}", f"{r['best_step_ms']:.0f}",
+                        "yes" if r["same_losses_as_none"] else "**no**")
+                )  # fmt: skip
+    return lines
+
+
 def _reserved(plan: dict[str, int], published_gib: float) -> str:
     """The plan's reserved bytes (its tensors' peak + the allocator's rounding and fragmentation) against a figure."""
     reserved = plan["reserved_bytes"] / GiB
@@ -545,6 +564,7 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "compile": compiled,
     "autotune": autotune,
     "plan_vs_published": plan_vs_published,
+    "checkpointing": checkpointing,
 }
 
 
