@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools import bench_meta, evaluate  # noqa: E402
 
 METRICS = ("linear_top1", "linear_top5", "knn_top1")
+EVAL_ARGS = {"dino": ["--ema"]}
+"""How each method's trunk is judged beyond the defaults: DINO by its teacher (the EMA weights), as its paper does."""
 LABELS = {
     "swav": "SwAV",
     "simclr": "SimCLR",
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
             entry["training"][str(seed)] = train(method, seed, run_dir, overrides)
             checkpoint = newest_checkpoint(run_dir)
             entry["steps"] = int(checkpoint.name.split("_")[-1])
-            entry["per_seed"][str(seed)] = judge([str(checkpoint)], run_dir / "eval_test.json")
+            judged = [str(checkpoint), *EVAL_ARGS.get(method, [])]
+            entry["per_seed"][str(seed)] = judge(judged, run_dir / "eval_test.json")
         entry["summary"] = summary(entry["per_seed"])
         study["methods"][method] = entry
         print(table(study), flush=True)
