@@ -76,14 +76,23 @@ def machine_rates(device: torch.device, cache_dir: str | None, measure=measure_r
     if cache_dir is None:
         return measure(device), "measured now, not cached (distributed.precision_cache=null)"
     folder = Path(cache_dir).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{machine_key(device)}.json"
-    with open(folder / f"{path.stem}.lock", "w") as lock:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return _cached(path, device, measure)
+    except OSError as e:  # a read-only or full home: still a choice, only not kept
+        return measure(device), f"measured now, not cached ({folder}: {e.strerror or e})"
+
+
+def _cached(path: Path, device: torch.device, measure) -> tuple[dict, str]:
+    with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.exists():
             try:
-                return json.loads(path.read_text()), f"cached in {path}"
-            except (OSError, ValueError):
+                rates = json.loads(path.read_text())
+                if {"bf16_gflops", "fp32_gflops"} <= set(rates):
+                    return rates, f"cached in {path}"
+            except (OSError, ValueError, TypeError):
                 pass  # a damaged file: measured again below
         rates = measure(device)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

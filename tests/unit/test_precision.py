@@ -58,6 +58,15 @@ def test_rates_are_measured_once_per_machine_then_read_back(tmp_path):
     assert (again, len(calls)) == (first, 1) and where_again.startswith("cached in ")
 
 
+def test_a_damaged_or_unwritable_cache_measures_instead_of_failing(tmp_path):
+    cache_rates(tmp_path / "cache", {"fp32_gflops": 1.0})  # a truncated file: no bf16 rate
+    rates, where = precision.machine_rates(CPU, str(tmp_path / "cache"), measure=lambda d: dict(FAST_BF16))
+    assert rates == FAST_BF16 and where.startswith("measured now, cached in ")
+    (tmp_path / "file").write_text("")
+    rates, where = precision.machine_rates(CPU, str(tmp_path / "file" / "sub"), measure=lambda d: dict(SLOW_BF16))
+    assert rates == SLOW_BF16 and where.startswith("measured now, not cached (")
+
+
 def test_another_torch_is_another_key_so_it_measures_again(monkeypatch):
     key = precision.machine_key(CPU)
     monkeypatch.setattr(torch, "__version__", "0.0.1")
