@@ -283,9 +283,9 @@ class LoggingConfig:
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    """Weights & Biases (shardlab/tracking.py)."""
+    """Weights & Biases (shardlab/logging/trackers.py)."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-    """MLflow (shardlab/tracking.py)."""
+    """MLflow (shardlab/logging/trackers.py)."""
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """A run as a job: where it runs, what it reports, how it is launched, stopped and requeued.
 
+- ``checks``: every check of a composed config's values, in one place, run once per start (``check``).
 - ``preflight``: the checks of a command line before the run directory or torch (one line, exit code 2); the Hydra
   callback that checks a run's composed config.
 - ``run_dir``: which overrides name a run directory (``runs/<task>/<name>``).
@@ -15,4 +16,4 @@ Light on purpose (no torch): the CLI, Hydra's launcher plugin and the callbacks 
 
 from __future__ import annotations
 
-__all__ = ["preemption", "preflight", "run_dir", "run_record", "submitit_launcher", "sweep"]
+__all__ = ["checks", "preemption", "preflight", "run_dir", "run_record", "submitit_launcher", "sweep"]

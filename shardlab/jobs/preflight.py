@@ -5,7 +5,7 @@ imported).
 shardlab adds no composition of its own to a plain run's (Hydra composes it twice: for the run mode, then the run):
 what the command line alone shows (renamed keys, group options) is checked before Hydra starts
 (``check_command_line``); Hydra's composition errors are turned into one line (``composition_error``, the CLI has
-Hydra raise them rather than print them); and the composed config is checked (every check of ``shardlab.checks``,
+Hydra raise them rather than print them); and the composed config is checked (every check of ``shardlab.jobs.checks``,
 once) by ``ComposedConfigChecks``, a Hydra callback that runs between the composition and the run directory
 (``check_composed``), and that takes the run's lock before Hydra writes anything there (``hold_the_run``).
 ``preflight`` does all three in-process for tools and tests, composing through ``compose_config`` as every tool does.
@@ -26,7 +26,6 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 import shardlab.optim  # noqa: F401  (registers the built-in optimizers and schedules with their schemas)
-from shardlab import checks
 from shardlab.config import (
     CONF_DIR,
     group_options,
@@ -38,7 +37,7 @@ from shardlab.config import (
 )
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, ShardlabError
-from shardlab.jobs import run_lock
+from shardlab.jobs import checks, run_lock
 from shardlab.jobs.run_dir import checkpoint_dir_error
 from shardlab.registry import load_plugins, unknown_name_message, user_dir
 
@@ -154,8 +153,8 @@ def composition_error(error: BaseException) -> ConfigError:
 def check_composed(
     cfg: DictConfig, argv: list[str], run_dir: str | None = None, before_paths: Callable[[], None] | None = None
 ) -> None:
-    """The composed config's values (every check of shardlab.checks, once: the run that follows in this process finds
-    them done), and the run and checkpoint directories, before Hydra creates the run directory (failing with a
+    """The composed config's values (every check of shardlab.jobs.checks, once: the run that follows in this process
+    finds them done), and the run and checkpoint directories, before Hydra creates the run directory (failing with a
     traceback where it cannot). ``run_dir``: the run's folder as Hydra resolved it (the callback); otherwise an
     explicit hydra.run.dir is checked, or the default's parent (runs/ here; ``build_task(run_dir=...)`` checks an
     exact one). ``before_paths``: run after the values pass and before the paths are probed (the callback takes

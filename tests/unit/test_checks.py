@@ -1,5 +1,5 @@
-"""Every config check in one place (shardlab.checks), run once per start, before anything is written: ranks trust the
-checked config and check only what they alone see (issue #29, item 7)."""
+"""Every config check in one place (shardlab.jobs.checks), run once per start, before anything is written: ranks
+trust the checked config and check only what they alone see (issue #29, item 7)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def test_the_checks_run_once_per_start_in_the_starting_process_and_never_on_its_
 
 def test_the_run_finds_the_preflights_check_done_and_checks_a_config_it_was_not_given(tiny_lm, tmp_path, monkeypatch):
     """In-process, as the CLI's Hydra callback and task function run: the pre-flight checks, run_job reuses its task."""
-    from shardlab import checks, config, runner
+    from shardlab import config, runner
+    from shardlab.jobs import checks
     from shardlab.jobs.preflight import check_composed
     from tasks.lm.task import LanguageModelingTask
 
@@ -115,8 +116,8 @@ def test_the_run_finds_the_preflights_check_done_and_checks_a_config_it_was_not_
 @pytest.mark.parametrize("group, world, refused", [(3, 4, True), (8, 4, True), (2, 4, False), (0, 4, False)])
 def test_a_bn_group_that_does_not_divide_the_world_is_refused_before_any_rank_starts(group, world, refused):
     """Found by every rank once its process group was up, before; now by the checks, from the job's world size."""
-    from shardlab import checks
     from shardlab.errors import ConfigError
+    from shardlab.jobs import checks
     from tests.conftest import compose_config
 
     cfg = compose_config(
@@ -132,8 +133,8 @@ def test_a_bn_group_that_does_not_divide_the_world_is_refused_before_any_rank_st
 
 def test_planning_for_this_machines_gpu_without_one_is_refused_by_the_checks(tiny_lm):
     """Every rank's plan found it, once its process group was up; the checks know this machine's GPUs first."""
-    from shardlab import checks
     from shardlab.errors import ConfigError
+    from shardlab.jobs import checks
 
     with pytest.raises(
         ConfigError, match=r"^distributed.plan_device=cuda plans for this machine's GPU, but it has none"
@@ -172,20 +173,20 @@ def test_values_found_after_status_json_or_at_the_optimizer_before_now_leave_the
 
 # ---- the rule: the pure checks are made in one place -----------------------------------------------------------------
 CHECKS_CALLED_ONLY_BY = {
-    "validate": {"shardlab/checks.py"},
+    "validate": {"shardlab/jobs/checks.py"},
     # SSL's extend its parent's; the LM's asks its architecture's (model.arch) as a part of its own
-    "config_errors": {"shardlab/checks.py", "tasks/self_supervised/task.py", "tasks/lm/task.py"},
-    "world_errors": {"shardlab/checks.py"},
-    "compile_errors": {"shardlab/checks.py"},
-    "foreign_section_errors": {"shardlab/checks.py"},
-    "architecture_errors": {"shardlab/checks.py"},
+    "config_errors": {"shardlab/jobs/checks.py", "tasks/self_supervised/task.py", "tasks/lm/task.py"},
+    "world_errors": {"shardlab/jobs/checks.py"},
+    "compile_errors": {"shardlab/jobs/checks.py"},
+    "foreign_section_errors": {"shardlab/jobs/checks.py"},
+    "architecture_errors": {"shardlab/jobs/checks.py"},
 }
-"""Each pure check is asked by shardlab.checks.check alone (a subclass may extend its parent's): a module that asks
+"""Each pure check is asked by shardlab.jobs.checks.check alone (a subclass may extend its parent's): a module that asks
 one itself runs it a second time per start, or on a rank."""
 
 RAISES_CONFIG_ERROR = {
     # the pure checks, and what reads only the command line or the registries
-    "shardlab/checks.py": "the checks",
+    "shardlab/jobs/checks.py": "the checks",
     "shardlab/config.py": "validate and its parts (called by the checks), the path probe",
     "shardlab/jobs/preflight.py": "the command line and its composition, before Hydra starts",
     "shardlab/registry/__init__.py": "unknown and clashing names (a lookup the checks make first)",
@@ -212,8 +213,8 @@ RAISES_CONFIG_ERROR = {
     "tasks/image_classification/model.py": "model.flavor, at the model's build (its config_errors checks it first)",
 }
 """Where a ConfigError may be raised, and why there: a new one elsewhere is either a pure config value, which belongs
-in shardlab.checks (or a task's config_errors), or something only a rank, its data or its machine shows, to add here
-with its reason."""
+in shardlab.jobs.checks (or a task's config_errors), or something only a rank, its data or its machine shows, to add
+here with its reason."""
 
 
 def python_files() -> list[Path]:
@@ -238,8 +239,8 @@ def test_each_pure_check_is_asked_from_the_checks_module_alone():
         for name in called_names(ast.parse(path.read_text())) & set(CHECKS_CALLED_ONLY_BY):
             callers[name].add(str(path.relative_to(ROOT)))
     for name, where in callers.items():
-        assert "shardlab/checks.py" in where, name
-        assert where <= CHECKS_CALLED_ONLY_BY[name], f"{name} is asked outside shardlab/checks.py: {where}"
+        assert "shardlab/jobs/checks.py" in where, name
+        assert where <= CHECKS_CALLED_ONLY_BY[name], f"{name} is asked outside shardlab/jobs/checks.py: {where}"
 
 
 def test_config_errors_are_raised_only_where_the_rule_allows():
@@ -248,8 +249,8 @@ def test_config_errors_are_raised_only_where_the_rule_allows():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ConfigError":
                 raising.add(str(path.relative_to(ROOT)))
-    assert "shardlab/checks.py" in raising
+    assert "shardlab/jobs/checks.py" in raising
     assert raising <= set(RAISES_CONFIG_ERROR), (
         "a module raises ConfigError without a reason in RAISES_CONFIG_ERROR: move a pure config check into "
-        "shardlab/checks.py (or the task's config_errors), or name what only a rank or its machine shows there"
+        "shardlab/jobs/checks.py (or the task's config_errors), or name what only a rank or its machine shows there"
     )

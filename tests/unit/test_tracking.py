@@ -1,5 +1,5 @@
-"""Experiment trackers (shardlab/tracking.py) against the real libraries, in one process: a run stopped by SIGUSR2
-and resumed is one tracker run holding the whole loss history and the config; an unreachable MLflow never stops
+"""Experiment trackers (shardlab/logging/trackers.py) against the real libraries, in one process: a run stopped by
+SIGUSR2 and resumed is one tracker run holding the whole loss history and the config; an unreachable MLflow never stops
 training; a missing library is refused at the pre-flight. The 2-rank fully_sharded version and a real `mlflow server`
 are in tests/distributed/test_tracking.py."""
 

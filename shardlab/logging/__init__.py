@@ -1,8 +1,10 @@
 """What the user sees while training: a rank-0 progress bar, periodic log lines, TensorBoard scalars, and the same
-scalars in the experiment trackers that are enabled (shardlab.tracking: W&B, MLflow).
+scalars in the experiment trackers that are enabled (shardlab.logging.trackers: W&B, MLflow).
 
 The log lines also go to the run directory's train.log (beside Hydra's own lines there, on every launch path) and
 the step reached to its status.json (for sweep summaries).
+
+- ``trackers``: Weights & Biases and MLflow, fed the same scalars from rank 0 (``logging.wandb``, ``logging.mlflow``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Any
 
 from shardlab.config import LoggingConfig
 from shardlab.jobs import run_record
-from shardlab.tracking import Tracker, open_trackers
+from shardlab.logging.trackers import Tracker, open_trackers
+
+__all__ = ["LOG_FILE", "RunLogger", "format_metrics", "trackers"]
 
 LOG_FILE = "train.log"
 
