@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -136,6 +137,12 @@ def _slurm_first(items) -> None:
 
 
 if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_auto_num_workers(config):
+        """``-n auto`` (pyproject's addopts): two workers on 2 cores, since much of a test is waiting (for spawned
+        ranks to import torch, for Slurm, for a timeout) and the other worker fills it; one per two cores above that,
+        since a test's ranks take a core each."""
+        return max(2, min(8, (os.cpu_count() or 2) // 2))
 
     def pytest_xdist_make_scheduler(config, log):
         from xdist.scheduler import LoadScopeScheduling
