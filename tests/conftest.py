@@ -139,10 +139,10 @@ def _slurm_first(items) -> None:
 if importlib.util.find_spec("xdist") is not None:
 
     def pytest_xdist_auto_num_workers(config):
-        """``-n auto`` (pyproject's addopts): two workers on 2 cores, since much of a test is waiting (for spawned
-        ranks to import torch, for Slurm, for a timeout) and the other worker fills it; one per two cores above that,
-        since a test's ranks take a core each."""
-        return max(2, min(8, (os.cpu_count() or 2) // 2))
+        """``-n auto`` (pyproject's addopts): three workers on 2 cores, since much of a test is waiting (for spawned
+        ranks to import torch, for Slurm's scheduler, for a timeout) and the others fill it (2 workers left a quarter
+        of the cores idle); one per two cores above that, since a test's ranks take a core each."""
+        return max(3, min(8, (os.cpu_count() or 2) // 2))
 
     def pytest_xdist_make_scheduler(config, log):
         from xdist.scheduler import LoadScopeScheduling
