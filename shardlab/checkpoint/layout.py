@@ -2,6 +2,9 @@
 
 Rank 0 alone calls what changes the folder (the manager decides when); every change is a rename or a write that is
 fsynced with its folder, so a kill at any instant leaves each step_N either complete or absent.
+
+``write_json_atomic`` serves every small JSON file a run keeps outside checkpoints too (status.json, tracker ids, rank
+notes, caches): this module stays torch-free for them.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -61,10 +65,35 @@ def fsync_path(path: Path) -> None:
 
 
 def write_json_durably(path: Path, obj: Any) -> None:
+    """Write ``path`` in place and fsync it: not atomic, a kill mid-write leaves a torn file. Only for a file inside a
+    folder that is renamed into place whole afterwards (``publish``: shardlab.json in step_N.tmp), which no reader
+    sees before the rename and ``clean_stale`` deletes after a kill; anywhere else, ``write_json_atomic``."""
     with open(path, "w") as f:
         f.write(json.dumps(obj, indent=1))
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_json_atomic(path: Path, obj: Any, *, indent: int | None = None, durable: bool = False) -> None:
+    """Replace ``path`` with ``obj`` as JSON whole: a reader, or a kill at any instant, sees the old file or the new
+    one, never part of one. The temp file beside it has a unique name (processes on other hosts, threads) and is
+    removed on any failure, which is raised. ``durable``: fsync the file and then the folder, so the new content also
+    survives a power loss or node crash once this returns."""
+    text = json.dumps(obj, indent=indent)  # before any file exists: an object that cannot be written changes nothing
+    # Not tempfile.mkstemp: its 0600 would replace the file's umask permissions (status.json is read by others).
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "x") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_path(path.parent)
 
 
 def set_aside(path: Path, reason: str) -> Path:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
 import platform
 import time
 from pathlib import Path
 
 import torch
+
+from shardlab.checkpoint.layout import write_json_atomic
 
 BF16_MARGIN = 1.2
 """bf16 must beat fp32 by this factor to be chosen: within it the two are a measurement's noise apart, and fp32 is
@@ -95,9 +96,7 @@ def _cached(path: Path, device: torch.device, measure) -> tuple[dict, str]:
             except (OSError, ValueError, TypeError):
                 pass  # a damaged file: measured again below
         rates = measure(device)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(rates))
-        tmp.replace(path)
+        write_json_atomic(path, rates)
     return rates, f"measured now, cached in {path}"
 
 

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardlab.checkpoint.layout import write_json_atomic
+
 STATUS_FILE = "status.json"
 
 
@@ -29,9 +31,7 @@ def update(run_dir: Path, **fields: Any) -> dict[str, Any]:
     status = read(run_dir) or {}
     status.update(fields, updated=time.time())
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{STATUS_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(status, indent=1))
-    os.replace(tmp, run_dir / STATUS_FILE)
+    write_json_atomic(run_dir / STATUS_FILE, status, indent=1)
     return status
 
 
@@ -92,9 +92,8 @@ def note_rank_error(run_dir: Path, rank: int, error: str) -> None:
     try:
         folder = Path(run_dir) / RANK_ERRORS
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".rank{rank}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"rank": rank, "error": error, "time": time.time(), "started": PROCESS_STARTED}))
-        os.replace(tmp, folder / f"rank{rank}.json")
+        note = {"rank": rank, "error": error, "time": time.time(), "started": PROCESS_STARTED}
+        write_json_atomic(folder / f"rank{rank}.json", note)
     except OSError:
         pass
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from omegaconf import OmegaConf
 
+from shardlab.checkpoint.layout import write_json_atomic
 from shardlab.errors import one_line
 
 IDS_FILE = "trackers.json"
@@ -87,9 +88,7 @@ def record_id(run_dir: Path, tracker: str, ids: dict[str, Any]) -> None:
     """Keep ``tracker``'s run id for the next start of this run (written atomically: a kill leaves the old file)."""
     recorded = recorded_ids(run_dir)
     recorded[tracker] = ids
-    tmp = run_dir / f".{IDS_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(recorded, indent=1))
-    os.replace(tmp, run_dir / IDS_FILE)
+    write_json_atomic(run_dir / IDS_FILE, recorded, indent=1)
 
 
 def new_run_id() -> str:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from shardlab.checkpoint.layout import write_json_atomic
 from shardlab.errors import DataError
 from shardlab.jobs.run_lock import HeartbeatWatch, process_alive, process_start
 
@@ -100,9 +101,7 @@ def _acquire(out: Path) -> Iterator[bool]:
     except Exception as e:  # not an interrupt: the waiters take over then, as from a writer that died
         note = {**token, "error": str(e) if isinstance(e, DataError) else f"{type(e).__name__}: {e}"}
         with contextlib.suppress(OSError):
-            tmp = failure_path(out).with_name(f"{failure_path(out).name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(note))
-            os.replace(tmp, failure_path(out))
+            write_json_atomic(failure_path(out), note)
         raise
     finally:
         stop.set()
