@@ -7,11 +7,9 @@
 # VENV=DIR picks the environment (default: $TMPDIR/shardlab-lowest or -highest, rebuilt each time; KEEP=1 reuses it).
 #
 # lowest pins, from pyproject.toml itself (so the floors tested are the floors declared): torch, torchvision,
-# hydra-core, omegaconf, submitit, hydra-submitit-launcher and tensorboard at their `>=` floors, and the optuna
-# extra's hydra-optuna-sweeper and optuna at theirs (the sweeper release that matches hydra-core 1.3.2). Left to the
-# resolver: numpy, tokenizers, tqdm and safetensors, whose floors (1.24, 0.15, 4.64, 0.4) are older than the test
-# extra's transformers, datasets, lm-eval and scikit-learn accept, so no environment with the tests in it holds them
-# (pinned, pip backtracks for many minutes and fails).
+# hydra-core, omegaconf, submitit, hydra-submitit-launcher, tensorboard, numpy, tqdm, tokenizers and safetensors at
+# their `>=` floors, and the optuna extra's hydra-optuna-sweeper and optuna at theirs (the sweeper release that matches
+# hydra-core 1.3.2). The test extra's own packages (transformers, datasets, lm-eval, ...) are left to the resolver.
 # Before the tests it starts one run and checks its output for warnings (no deprecation lines at start), and prints
 # the versions it tested.
 set -euo pipefail
@@ -38,12 +36,10 @@ if [[ "${KEEP:-0}" != 1 || ! -x "$venv/bin/python" ]]; then
 import re
 import tomllib
 
-FLOATING = {"numpy", "tokenizers", "tqdm", "safetensors"}  # older than the test extra accepts (see the header)
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 for requirement in project["dependencies"] + project["optional-dependencies"]["optuna"]:
     name, floor = re.match(r"([A-Za-z0-9_.\-]+)(?:\[.*\])?\s*>=\s*([^,;\s]+)", requirement).groups()
-    if name not in FLOATING:
-        print(f"{name}=={floor}")
+    print(f"{name}=={floor}")
 EOF
         constraints=(-c "$venv/lowest.txt")
         echo "lowest: $(tr '\n' ' ' <"$venv/lowest.txt")"
