@@ -46,22 +46,42 @@ def swav_loss(
     epsilon: float,
     iterations: int,
     queued_scores: list[Tensor | None],
+    stats: dict[str, Tensor] | None = None,
 ) -> Tensor:
     """The swapped-prediction loss of this rank's n images. ``scores`` (crops * n, K): prototype scores, crop-major;
-    ``queued_scores[i]``: scores of the queue's rows for assignment crop i (None: no queue yet)."""
+    ``queued_scores[i]``: scores of the queue's rows for assignment crop i (None: no queue yet). ``stats``, if given,
+    receives the collapse diagnostics as means over this rank's rows (see ``collapse_stats``)."""
     scores = scores.float()
     num_crops = scores.shape[0] // n
     log_probs = F.log_softmax(scores.view(num_crops, n, -1) / temperature, dim=2)
     loss = scores.new_zeros(())
+    all_codes = []
     for i, crop in enumerate(crops_for_assign):
         with torch.no_grad():
             assigned = scores[crop * n : (crop + 1) * n].detach()
             if queued_scores[i] is not None:
                 assigned = torch.cat([queued_scores[i].float(), assigned])
             codes = sinkhorn(assigned, epsilon, iterations)[-n:]
+            all_codes.append(codes)
         others = [v for v in range(num_crops) if v != crop]
         loss = loss - (codes * log_probs[others]).sum(dim=2).mean(dim=1).sum() / len(others)
+    if stats is not None:
+        stats.update(collapse_stats(torch.cat(all_codes), scores, log_probs.flatten(0, 1)))
     return loss / len(crops_for_assign)
+
+
+@torch.no_grad()
+def collapse_stats(codes: Tensor, scores: Tensor, log_probs: Tensor) -> dict[str, Tensor]:
+    """What tells SwAV's collapse from learning (docs/vision.md), each a mean over rows: ``code_entropy``, the entropy
+    of a row's codes (ln K: uniform codes, nothing to predict; near 0: hard assignments); ``pred_entropy``, that of
+    its predicted distribution over the prototypes; ``score_spread``, the standard deviation of its prototype scores
+    (near 0: every prototype equally far from the embedding)."""
+    entropy = -torch.special.xlogy(codes, codes).sum(dim=1).mean()
+    return {
+        "code_entropy": entropy,
+        "pred_entropy": -(log_probs.exp() * log_probs).sum(dim=1).mean(),
+        "score_spread": scores.std(dim=1).mean(),
+    }
 
 
 class FeatureQueue:

@@ -131,6 +131,8 @@ class SwAVTask(SelfSupervisedTask):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.queue: FeatureQueue | None = None
+        self.stats: dict[str, torch.Tensor] = {}
+        """The last loss's collapse diagnostics (swav.collapse_stats), logged beside the loss."""
 
     def method_errors(self) -> list[str]:
         t, d, batch = self.cfg.task, self.cfg.data, self.cfg.optimization.batch_size
@@ -152,6 +154,19 @@ class SwAVTask(SelfSupervisedTask):
                 "queue holds whole past batches; 0 = no queue"
             )
         return errors
+
+    def loss(self, model: nn.Module, batch, device: torch.device):
+        self.stats.clear()
+        loss, sums = super().loss(model, batch, device)
+        sums.update({f"{key}_sum": value * sums["count"] for key, value in self.stats.items()})
+        return loss, sums
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        metrics = super().summarize(sums)
+        for key in ("code_entropy", "pred_entropy", "score_spread"):
+            if f"{key}_sum" in sums:
+                metrics[key] = sums[f"{key}_sum"] / max(sums["count"], 1)
+        return metrics
 
     def training_state(self, train_state, device: torch.device) -> FeatureQueue | None:
         t = self.cfg.task
@@ -191,6 +206,7 @@ class SwAVTask(SelfSupervisedTask):
             t.epsilon,
             t.sinkhorn_iterations,
             per_crop or [None] * len(t.crops_for_assign),
+            stats=self.stats,
         )
         if queue is not None:
             queue.push(z, list(t.crops_for_assign), n)

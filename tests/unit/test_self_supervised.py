@@ -4,6 +4,8 @@ workers. Distributed behaviour: tests/distributed/test_ssl_parity.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,6 +126,21 @@ def test_frozen_prototypes_are_left_at_their_normalized_values(swav_runs):
     """Prototypes are normalized before every training forward; frozen, nothing moves them afterwards."""
     torch.testing.assert_close(swav_runs["frozen_throughout"]["norms"], torch.ones(24))
     assert not torch.allclose(swav_runs["queue"]["norms"], torch.ones(24), atol=1e-4)  # updated from step 4 on
+
+
+def test_collapse_diagnostics_tell_uniform_codes_from_hard_ones_and_are_logged(swav_runs):
+    """ln K for uniform codes and flat predictions (SwAV's collapse), 0 for one-hot ones; every logged step has them."""
+    from tasks.self_supervised.swav import collapse_stats
+
+    k = 8
+    flat = collapse_stats(torch.full((4, k), 1 / k), torch.zeros(4, k), torch.full((4, k), -math.log(k)))
+    torch.testing.assert_close(flat["code_entropy"], torch.tensor(math.log(k)))
+    torch.testing.assert_close(flat["pred_entropy"], torch.tensor(math.log(k)))
+    assert flat["score_spread"] == 0
+    hard = collapse_stats(torch.eye(k)[:4], torch.eye(k)[:4], F.log_softmax(50 * torch.eye(k)[:4], dim=1))
+    assert hard["code_entropy"] == 0 and hard["pred_entropy"] < 1e-6 and hard["score_spread"] > 0.3
+    rows = [r for r in swav_runs["no_queue"]["history"] if r["split"] == "train"]
+    assert rows and all(0 < r["code_entropy"] <= math.log(24) + 1e-4 and r["score_spread"] > 0 for r in rows)
 
 
 @pytest.mark.parametrize(
