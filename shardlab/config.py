@@ -96,6 +96,14 @@ class DistributedConfig:
     ac_save_ops: list[str] = field(default_factory=lambda: ["matmul", "attention"])
     """activation_checkpointing=selective_op: the op groups whose outputs are kept: matmul (mm, addmm, bmm), attention
     (the fused attention kernels); the rest of each unit is recomputed."""
+    ac_matmul_save_every: int = 1
+    """activation_checkpointing=selective_op with matmul in ac_save_ops: keep the output of every n-th matmul of each
+    unit's forward, counting from its first (1: all; 2: the 1st, 3rd, ..., as torchtitan's selective op policy keeps
+    them), and recompute the others."""
+    ac_skip_units: list[int] = field(default_factory=list)
+    """Units (by index in the task's fsdp_units order; negative: from the end) that never recompute, whatever
+    activation_checkpointing says; the modes choose among the others. [0, -1]: a Llama's embedding and output head,
+    as torchtitan checkpoints only the transformer blocks."""
     offload_activations: bool = False
     """With activation_checkpointing=none: move saved activations to the CPU during forward."""
     prefetch_units: int = 0
@@ -506,13 +514,31 @@ def checkpointing_errors(d: Any) -> list[str]:
             f"distributed.ac_save_ops must be a non-empty list of {', '.join(SAVE_OP_GROUPS)}, "
             f"got {list(d.ac_save_ops)}"
         )
+    if d.ac_matmul_save_every < 1:
+        errors.append(
+            f"distributed.ac_matmul_save_every must be >= 1 (1 keeps every matmul), got {d.ac_matmul_save_every}"
+        )
+    elif d.ac_matmul_save_every > 1 and "matmul" not in d.ac_save_ops:
+        errors.append(
+            f"distributed.ac_matmul_save_every={d.ac_matmul_save_every} thins the kept matmul outputs, but "
+            f"distributed.ac_save_ops={list(d.ac_save_ops)} keeps none; add matmul to ac_save_ops or drop it"
+        )
     defaults = DistributedConfig()
-    for key, needs in (("ac_every_k_units", "selective_layer"), ("ac_save_ops", "selective_op")):
+    for key, needs in (
+        ("ac_every_k_units", "selective_layer"),
+        ("ac_save_ops", "selective_op"),
+        ("ac_matmul_save_every", "selective_op"),
+    ):
         if getattr(d, key) != getattr(defaults, key) and mode != needs:
             errors.append(
                 f"distributed.{key} applies to activation_checkpointing={needs} only (it is {mode}); drop it or set "
                 f"distributed.activation_checkpointing={needs}"
             )
+    if list(d.ac_skip_units) and mode == "none":
+        errors.append(
+            "distributed.ac_skip_units leaves units out of activation checkpointing, which is off "
+            "(activation_checkpointing=none); drop it or choose a mode"
+        )
     return errors
 
 

@@ -5,7 +5,11 @@ distributed.activation_checkpointing chooses how much (torchtitan's modes, throu
   selective_layer  every k-th unit (distributed.ac_every_k_units) does so, the others keep everything;
   selective_op     every unit keeps its input and the outputs of the ops in distributed.ac_save_ops (the matmuls and
                    attention, the costly ops) and recomputes the rest (norms, activations, residual adds, RoPE), through
-                   torch.utils.checkpoint's selective-checkpoint policy.
+                   torch.utils.checkpoint's selective-checkpoint policy. distributed.ac_matmul_save_every=2 keeps
+                   only the 1st, 3rd, ... matmul output of each unit's forward and recomputes the others, as
+                   torchtitan's selective op policy does ("save every other mm").
+distributed.ac_skip_units names units that never recompute ([0, -1]: a Llama's embedding and output head, which
+torchtitan leaves outside checkpointing, wrapping only the transformer blocks).
 ``checkpointed_units`` is the one place that says which units recompute; the memory plan asks it too.
 """
 
@@ -17,6 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from shardlab.errors import ConfigError
 
 MODES = ("none", "full", "selective_layer", "selective_op")
 """The values of distributed.activation_checkpointing."""
@@ -41,14 +47,24 @@ SAVE_OP_GROUPS: dict[str, frozenset] = {
 """distributed.ac_save_ops names: the op groups whose outputs selective_op keeps."""
 
 
-def checkpointed_units(num_units: int, mode: str, every_k: int) -> list[int]:
-    """Indices of the units that recompute under ``mode`` (selective_layer: the k-th, 2k-th, ... unit, counting from
-    1, as torchtitan counts, so the last units, whose activations backward needs first, are as likely as any)."""
+def checkpointed_units(num_units: int, mode: str, every_k: int, skip=()) -> list[int]:
+    """Indices of the units that recompute under ``mode``. ``skip`` (distributed.ac_skip_units; negative: from the
+    end) never do, and the modes choose among the others: selective_layer the k-th, 2k-th, ... of them, counting from
+    1, as torchtitan counts its blocks, so the last units, whose activations backward needs first, are as likely as
+    any."""
     if mode == "none":
         return []
+    outside = [i for i in skip if not -num_units <= i < num_units]
+    if outside:
+        raise ConfigError(
+            f"distributed.ac_skip_units={list(skip)} names units {outside}, but the task has {num_units} units "
+            f"(0 to {num_units - 1}, or -1 to -{num_units} from the end); drop them"
+        )
+    skipped = {i % num_units for i in skip}
+    candidates = [i for i in range(num_units) if i not in skipped]
     if mode == "selective_layer":
-        return [i for i in range(num_units) if (i + 1) % every_k == 0]
-    return list(range(num_units))
+        return [i for n, i in enumerate(candidates, 1) if n % every_k == 0]
+    return candidates
 
 
 def save_ops(groups) -> frozenset:
@@ -60,19 +76,41 @@ def _policy(saved: frozenset, ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_context(saved: frozenset):
-    return create_selective_checkpoint_contexts(functools.partial(_policy, saved))
+class _EveryNthMatmul:
+    """The policy of one checkpointed forward under ac_matmul_save_every=n: the matmuls counted from 1 in the order
+    they run, the 1st, (n+1)-th, ... kept and the others recomputed; every other op as ``_policy``. Forward and its
+    recomputation count apart (torchtitan's ``forward_mm_count``/``recompute_mm_count``) and run the same ops in the
+    same order, so both decide alike; under torch.compile the policy is called once per op while forward is traced,
+    in the same order, so inductor's partitioner keeps what eager keeps."""
+
+    def __init__(self, saved: frozenset, every: int) -> None:
+        self.saved, self.every = saved, every
+        self.counts = {False: 0, True: 0}
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in self.saved and func in SAVE_OP_GROUPS["matmul"]:
+            self.counts[ctx.is_recompute] += 1
+            keep = (self.counts[ctx.is_recompute] - 1) % self.every == 0
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return _policy(self.saved, ctx, func)
+
+
+def _selective_context(saved: frozenset, matmul_every: int = 1):
+    # Called anew for each checkpointed forward: a counting policy starts from its first matmul every time.
+    policy = functools.partial(_policy, saved) if matmul_every == 1 else _EveryNthMatmul(saved, matmul_every)
+    return create_selective_checkpoint_contexts(policy)
 
 
 def checkpoint_units(model: nn.Module, units: list[nn.Module], cfg) -> list[nn.Module]:
     """Apply ``cfg.activation_checkpointing`` (the distributed section) to ``units``: each unit that recomputes is
     replaced in its parent by a checkpoint wrapper. Returns the units, wrapped where they were, in the same order."""
-    picked = set(checkpointed_units(len(units), cfg.activation_checkpointing, cfg.ac_every_k_units))
+    mode = cfg.activation_checkpointing
+    picked = set(checkpointed_units(len(units), mode, cfg.ac_every_k_units, cfg.ac_skip_units))
     if not picked:
         return list(units)
     context_fn = None
-    if cfg.activation_checkpointing == "selective_op":
-        context_fn = functools.partial(_selective_context, save_ops(cfg.ac_save_ops))
+    if mode == "selective_op":
+        context_fn = functools.partial(_selective_context, save_ops(cfg.ac_save_ops), cfg.ac_matmul_save_every)
     wrapped = wrap_units(model, [u for i, u in enumerate(units) if i in picked], context_fn)
     it = iter(wrapped)
     return [next(it) if i in picked else u for i, u in enumerate(units)]
