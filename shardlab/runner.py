@@ -28,7 +28,6 @@ from shardlab.jobs.preemption import (
     STOPPED_EXIT_CODE,
     StopSignals,
     requeue_slurm_job,
-    torchrun_agent_warning,
 )
 from shardlab.jobs.run_dir import former_run_name, run_name
 from shardlab.memory import budget as memory_budget
@@ -147,8 +146,9 @@ def run_rank(
 ) -> dict:
     """Train on this rank; returns {'final': last validation metrics, 'history': logged records (rank 0)}.
 
-    The steps, in order: the task (built and checked, unless run_job passes the one it built), the process group, the
-    data, the plan (model on meta, FSDP units, memory), then the trainer (shard, materialize, restore, fit).
+    The steps, in order: the task (built and checked, unless run_job passes the one it built), backend=auto's layout
+    (tuned on these ranks), the backend, then the run assembled (shardlab.trainer.assemble: process group, data, model
+    on meta, plan, parallelize, materialize, optimizer, checkpointer, restore), and fit.
     ``after_fit(trainer) -> dict`` runs before the process group is torn down (tests and benchmarks inspect the
     trained model there); ``teardown=False`` keeps the group for another run in the same processes.
     """
@@ -168,11 +168,8 @@ def run_rank(
 
 
 def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals: StopSignals) -> dict:
-    from shardlab.checkpoint.shared import require_shared_folder
     from shardlab.distributed.network import collective_reason
-    from shardlab.distributed.precision import settle as settle_precision
-    from shardlab.memory.plan import plan_run
-    from shardlab.trainer import Trainer
+    from shardlab.trainer import assemble
 
     if task is None:  # the checked config's task (run_job passes the one it checked)
         task = rank_task(cfg)
@@ -180,28 +177,10 @@ def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals:
     if cfg.distributed.backend == "auto":  # measured on these ranks, then written into cfg
         tune_layout(cfg, task, env, run_dir)
     backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, env, key="distributed.backend")
-    # Each rank opens its data before the process group exists (the corpus cache makes one writer per cache and
-    # lets the others wait for it), so preprocessing never runs under distributed.timeout_s; the ranks then agree
-    # that they opened the same data.
-    backend.setup(prepare_data=lambda: prepare_data(task))
     try:
-        if (line := settle_precision(cfg.distributed, backend)) and env.is_main:  # precision=auto: one dtype for all
-            print(line, flush=True)
-        if backend.network.spans_hosts:
-            require_shared_folder(run_dir / cfg.checkpoint.dir, backend.network.hosts, backend.device)
-        plan = plan_run(cfg, task, env.world_size)
-        if env.is_main:
-            print("\n".join(plan.lines), flush=True)  # before anything is allocated
-            if env.launcher == "torchrun" and (warning := torchrun_agent_warning()):
-                print(warning, flush=True)
-        # Start-up's collectives (DDP's broadcast, the restore's agreements) wait up to distributed.init_timeout_s; a
-        # barrier ends it, so no rank issues a step's collective under timeout_s while another is still starting.
-        with backend.long_timeout(cfg.distributed.init_timeout_s):
-            trainer = Trainer(cfg, task, backend, run_dir, signals)
-            trainer.setup(plan)
-            backend.barrier()
-        if env.is_main:
-            print("\n".join(backend.describe()), flush=True)
+        # The corpus cache makes one writer per cache and lets the other ranks wait for it; the ranks then agree
+        # that they opened the same data.
+        trainer = assemble(cfg, task, backend, run_dir, prepare_data=lambda: prepare_data(task), signals=signals)
         final = trainer.fit()
         extra = after_fit(trainer) if after_fit is not None else {}
         result = {
@@ -355,13 +334,14 @@ def print_plan(cfg: DictConfig, task) -> None:
     nothing."""
     import time
 
+    from shardlab.distributed.units import model_on_meta
     from shardlab.memory.plan import plan_run
 
     started = time.perf_counter()
     world = job_world_size(cfg, dist_env.detect().world_size)
     if precision_line := plan_precision(cfg):
         print(precision_line, flush=True)
-    lines = plan_run(cfg, task, world, compare=True).lines  # the plan says which device it is for
+    lines = plan_run(cfg, task, world, model_on_meta(task), compare=True).lines  # it says which device it is for
     lines.append(f"planned in {time.perf_counter() - started:.2f} s on the meta device (nothing allocated)")
     print("\n".join(lines), flush=True)
     if cfg.distributed.get("verify_plan"):  # the real fully_shard on a fake process group; a mismatch raises

@@ -1,4 +1,5 @@
-"""The training loop: accumulate, (auto)cast and scale, clip, step, validate, checkpoint, log.
+"""A rank's run: put together in one order (``assemble``), then the training loop: accumulate, (auto)cast and scale,
+clip, step, validate, checkpoint, log.
 
 Nothing here knows the task or the backend: the Task supplies model, data and loss; the Backend wraps the model and
 decides how gradients are reduced.
@@ -10,6 +11,7 @@ import contextlib
 import importlib
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +38,66 @@ from shardlab.errors import (
     one_line,
 )
 from shardlab.jobs import run_lock, run_record
-from shardlab.jobs.preemption import StopSignals
+from shardlab.jobs.preemption import StopSignals, torchrun_agent_warning
 from shardlab.jobs.run_dir import run_key_differences
 from shardlab.logging import RunLogger
 from shardlab.memory.meter import PeakMeter, memory_gib, resident_bytes
-from shardlab.memory.plan import GiB, RunPlan
+from shardlab.memory.plan import GiB, RunPlan, plan_run
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
 from shardlab.optim.ema import WeightAverage
 from shardlab.task import Task
 from shardlab.train_state import TrainState
+
+
+def assemble(
+    cfg: Any,
+    task: Task,
+    backend: Backend,
+    run_dir: Path,
+    *,
+    prepare_data: Callable[[], str] | None = None,
+    signals: StopSignals | None = None,
+    trial: bool = False,
+) -> Trainer:
+    """A rank's run, put together in the one order that every run (shardlab.runner.run_rank) and every trial of
+    distributed.backend=auto (shardlab.memory.autotune) follows; the only place a Trainer is made:
+
+    1. the process group and the data: ``backend.setup(prepare_data)`` (each rank opens its data before the group
+       exists, so preprocessing never runs under distributed.timeout_s; a trial's group and data exist already, so
+       only its layout's mesh is made);
+    2. precision=auto settled on every rank, and (across hosts) the checkpoint folder checked to be shared;
+    3. the model on the meta device (model_on_meta), then the plan of that model (plan_run: its units, the bytes per
+       rank), printed before anything is allocated;
+    4. the trainer (Trainer.setup): parallelize and materialize, the optimizer, schedule, scaler, task state and EMA,
+       the checkpointer, then the restore (checkpoint.resume, else checkpoint.init_from, else the seeded init).
+
+    ``trial``: a backend=auto measurement whose model is thrown away: the seeded init, nothing printed, and the run
+    directory not touched (its checkpointer exists but is never written to)."""
+    from shardlab.checkpoint.shared import require_shared_folder
+    from shardlab.distributed.precision import settle as settle_precision
+    from shardlab.distributed.units import model_on_meta
+
+    env = backend.env
+    speaks = env.is_main and not trial
+    backend.setup(prepare_data=prepare_data)
+    if (line := settle_precision(cfg.distributed, backend)) and speaks:  # precision=auto: one dtype for all ranks
+        print(line, flush=True)
+    if backend.network.spans_hosts and not trial:
+        require_shared_folder(run_dir / cfg.checkpoint.dir, backend.network.hosts, backend.device)
+    plan = plan_run(cfg, task, env.world_size, model_on_meta(task))
+    if speaks:
+        print("\n".join(plan.lines), flush=True)
+        if env.launcher == "torchrun" and (warning := torchrun_agent_warning()):
+            print(warning, flush=True)
+    # Start-up's collectives (DDP's broadcast, the restore's agreements) wait up to distributed.init_timeout_s; a
+    # barrier ends it, so no rank issues a step's collective under timeout_s while another is still starting.
+    with backend.long_timeout(cfg.distributed.init_timeout_s):
+        trainer = Trainer(cfg, task, backend, run_dir, signals)
+        trainer.setup(plan, restore=not trial)
+        backend.barrier()
+    if speaks:
+        print("\n".join(backend.describe()), flush=True)
+    return trainer
 
 
 class Trainer:
@@ -75,9 +128,10 @@ class Trainer:
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self, plan: RunPlan, restore: bool = True) -> None:
-        """Shard and materialize the planned model (built on meta), build the optimizer and schedule, and restore the
-        training state (checkpoint.resume, else checkpoint.init_from, else the seeded init). ``restore=False``: the
-        seeded init, and the run directory is not touched (a trial of backend=auto)."""
+        """Shard and materialize the planned model (built on meta), build the optimizer and schedule, the checkpointer,
+        and restore the training state (checkpoint.resume, else checkpoint.init_from, else the seeded init).
+        ``restore=False``: the seeded init, and the run directory is not touched (a trial of backend=auto). Called
+        once, by ``assemble``."""
         cfg, backend = self.cfg, self.backend
         self.memory_estimate = plan.estimate
         if backend.env.is_main and cfg.logging.tensorboard:
@@ -116,6 +170,9 @@ class Trainer:
         if self.ema is not None:  # saved through DCP beside the model, resharded like it (shardlab/optim/ema.py)
             self.state.tensors["ema"] = self.ema
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
+        # From here on every trainer has its checkpointer (a trial's is never written to); constructing it touches
+        # no file: the folder is listed by the restore and made by the first save.
+        self.checkpointer = Checkpointer(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint, backend)
         self.resumed_from = self.initialized_from = None
         if restore:
             self._restore()
@@ -405,7 +462,6 @@ class Trainer:
         """Continue the folder's run, or begin one per checkpoint.resume (a checkpoint path), checkpoint.init_from
         (weights) or the seeded init (shardlab.checkpoint.run_line: what each setting means on a requeue)."""
         cfg, backend = self.cfg, self.backend
-        self.checkpointer = Checkpointer(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint, backend)
         ignore = self.task.resumable_model_changes
         full_config = OmegaConf.to_container(cfg, resolve=True)
 

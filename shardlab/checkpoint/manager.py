@@ -106,7 +106,8 @@ class Checkpointer:
         status.json)."""
         self.next_index = 1
         self._async = None
-        if cfg.async_save:
+        # A run that never saves (checkpoint.save=false, a backend=auto trial) makes no saver, so no process group.
+        if cfg.async_save and cfg.save:
             from shardlab.checkpoint.async_save import AsyncSaver
 
             self._async = AsyncSaver(max(cfg.timeout_s, comm.cfg.timeout_s))  # never shorter than a step's

@@ -66,3 +66,9 @@ def _unit_lines(model: nn.Module, units: list[nn.Module], cfg) -> Iterator[str]:
 def meta_model(build) -> nn.Module:
     with torch.device("meta"):
         return build()
+
+
+def model_on_meta(task) -> nn.Module:
+    """The task's model on the meta device, nothing allocated: what a run's assembly (shardlab.trainer.assemble) builds
+    and hands to its plan, and what a plan-only caller (a dry run, verify_plan, the tools) builds to plan with."""
+    return meta_model(task.build_model)

@@ -202,16 +202,18 @@ def _fits_at(cfg: DictConfig, task, world: int, layout: Layout, batch: int) -> C
 
 
 def _trial(cfg: DictConfig, task, env, device, run_dir: Path, choice: Choice, batch: int, update_freq: int) -> Trial:
-    """Train ``auto_tune_steps`` steps of one candidate on every rank; the model is thrown away afterwards."""
-    from shardlab.memory.plan import plan_run
+    """Train ``auto_tune_steps`` steps of one candidate on every rank; the model is thrown away afterwards. The trial
+    is assembled as the run would be (shardlab.trainer.assemble), as a trial: the seeded init, the run directory not
+    touched."""
     from shardlab.registry import BACKENDS
-    from shardlab.trainer import Trainer
+    from shardlab.trainer import assemble
 
     world = env.world_size
     trial_cfg = copy.deepcopy(cfg)
     apply_choice(trial_cfg, choice, world)
     trial_cfg.optimization.batch_size, trial_cfg.optimization.update_freq = batch, update_freq
     trial_cfg.logging.tensorboard = False
+    trial_cfg.checkpoint.save = False  # never saves: its checkpointer makes no asynchronous saver (process group)
     overrides = {
         **{f"distributed.{k}": v for k, v in choice.layout.overrides(world).items()},
         "optimizer.name": trial_cfg.optimizer.name,
@@ -222,13 +224,10 @@ def _trial(cfg: DictConfig, task, env, device, run_dir: Path, choice: Choice, ba
     backend = BACKENDS.build(trial_cfg.distributed.backend, trial_cfg.distributed, env, key="distributed.backend")
     error, seconds, units, peak = None, [float("inf")], 0.0, 0
     try:
-        backend.setup()  # the process group exists: only the layout's mesh is made
-        plan = plan_run(trial_cfg, task, world)
-        trainer = Trainer(trial_cfg, task, backend, run_dir)
-        trainer.setup(plan, restore=False)  # the run directory is not touched
+        trainer = assemble(trial_cfg, task, backend, run_dir, trial=True)  # the group and the data exist already
         seconds, units = trainer.time_steps(trial_cfg.distributed.auto_tune_steps)
         peak = trainer.meter.peak_above_baseline
-        del trainer, plan
+        del trainer
     except Exception as e:  # noqa: BLE001  (a candidate that cannot run is reported, not fatal)
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     gc.collect()

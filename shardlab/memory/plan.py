@@ -1,7 +1,8 @@
 """The memory plan: what one rank will hold at its peak, predicted before anything is allocated, for the configured
 layout and for the alternatives (ddp, fully_sharded with or without resharding, hybrid degrees, activation
-checkpointing, CPU offload). ``plan_run`` is a run's planning step (model on meta, units, bytes per rank, the lines
-printed before it allocates); what distributed.backend=auto chooses from the plan is shardlab.memory.budget's.
+checkpointing, CPU offload). ``plan_run`` is a run's planning step (the units and bytes per rank of the model its
+caller built on meta, the lines printed before it allocates); what distributed.backend=auto chooses from the plan is
+shardlab.memory.budget's.
 
 Parameters, gradients and optimizer state follow from parameter counts. Gathered units follow from the FSDP unit
 sizes and the reshard/prefetch settings. Activations come from one forward of the model on the meta device under a
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from shardlab.distributed.activation_checkpointing import SAVE_OP_GROUPS, checkpointed_units
-from shardlab.distributed.units import count_params, describe_units, meta_model, wrapped_units
+from shardlab.distributed.units import count_params, describe_units, model_on_meta, wrapped_units
 from shardlab.memory import devices
 
 GiB = 2**30
@@ -852,8 +853,8 @@ def profile_config(cfg, task, world_size: int, model=None, units=None) -> tuple[
     """Profile the task's model (built on meta here unless given) for ``cfg`` at ``world_size`` ranks."""
     from shardlab.distributed.base import resolve_dtypes
 
-    if model is None:
-        model = meta_model(task.build_model)
+    if model is None:  # a plan-only caller (the budget, the tools); a run's plan is given its model (plan_run)
+        model = model_on_meta(task)
         units = task.fsdp_units(model)
     device, target, capacity, per_node = plan_target(cfg, world_size)
     ctx = PlanContext.from_config(cfg, world_size, per_node, device, target, capacity)
@@ -901,7 +902,7 @@ class RunPlan:
     """What a rank knows before it allocates: the model on meta, its FSDP units, and what the rank will hold."""
 
     model: nn.Module
-    """The task's model, built on the meta device (parallelized and materialized by the trainer)."""
+    """The task's model on the meta device, as the caller built it (parallelized and materialized by the trainer)."""
     units: list[nn.Module]
     """The task's FSDP units, in forward order (empty: the backend's generic policy decides)."""
     estimate: MemoryEstimate
@@ -910,9 +911,10 @@ class RunPlan:
     """The unit plan and the memory plan, for the console (``compare``: with the alternatives' table)."""
 
 
-def plan_run(cfg, task, world_size: int, compare: bool = False) -> RunPlan:
-    """Build the task's model on meta, list its units and predict what each of ``world_size`` ranks will hold."""
-    model = meta_model(task.build_model)
+def plan_run(cfg, task, world_size: int, model: nn.Module, compare: bool = False) -> RunPlan:
+    """List the units of ``model`` (the task's, on meta: built by the caller, shardlab.distributed.units.model_on_meta)
+    and predict what each of ``world_size`` ranks will hold. Planning builds nothing: the run's assembly
+    (shardlab.trainer.assemble) owns the model from meta to materialized."""
     units = task.fsdp_units(model)
     profile, ctx = profile_config(cfg, task, world_size, model, units)
     layout = layout_of(cfg.distributed, world_size)

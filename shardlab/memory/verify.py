@@ -71,9 +71,9 @@ def shard_on_fake_group(cfg, task, world_size: int, rank: int):
 
     from shardlab.distributed.env import DistEnv
     from shardlab.distributed.fully_sharded import FullyShardedBackend
-    from shardlab.distributed.units import meta_model
+    from shardlab.distributed.units import model_on_meta
 
-    model = meta_model(task.build_model)
+    model = model_on_meta(task)
     units = task.fsdp_units(model)
     backend = FullyShardedBackend(cfg.distributed, DistEnv(rank, world_size, rank, "127.0.0.1", 0, "none"))
     backend.device = torch.device("cpu")  # the fake backend serves any device; nothing is placed on it

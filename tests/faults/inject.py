@@ -48,10 +48,10 @@ def install(trainer_module) -> None:
     Trainer = trainer_module.Trainer
     setup = Trainer.setup
 
-    def setup_and_record(self, plan):
+    def setup_and_record(self, plan, *args, **kwargs):
         current["trainer"] = self
         (DIR / f"pid.rank{self.backend.env.rank}").write_text(str(os.getpid()))
-        return setup(self, plan)
+        return setup(self, plan, *args, **kwargs)
 
     Trainer.setup = setup_and_record
     if SPEC["event"] in ("pause", "error"):
