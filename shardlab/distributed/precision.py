@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -34,8 +35,15 @@ SHAPE = (1024, 512, 2048)
 """(m, k, n) of the measured matmul: the issue's shape, about the size of the default LM's projections."""
 
 
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+"""oneDNN's instruction-set caps: ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512-BF16 CPU sends its bf16 matmuls down the
+AVX2-only path (measured on this repository's AMD EPYC: 199 GFLOP/s bf16 without it, 0.6 with it; fp32 unchanged),
+so a capped process has other rates than the same CPU uncapped."""
+
+
 def machine_key(device: torch.device) -> str:
-    """What the rates depend on: the CPU (model and instruction-set flags), the GPU's name, the torch version."""
+    """What the rates depend on: the CPU (model and instruction-set flags), oneDNN's instruction-set cap if one is set,
+    the GPU's name, the torch version."""
     cpu, flags = platform.processor(), ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -47,7 +55,8 @@ def machine_key(device: torch.device) -> str:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    text = json.dumps([cpu, flags, gpu, torch.__version__])
+    caps = [f"{v}={os.environ[v]}" for v in ISA_CAPS if v in os.environ]  # none set: the key it always had
+    text = json.dumps([cpu, flags, gpu, torch.__version__, *caps])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -4,6 +4,10 @@ printed with both rates, the same on every rank; a plan for a named device follo
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -71,6 +75,53 @@ def test_another_torch_is_another_key_so_it_measures_again(monkeypatch):
     key = precision.machine_key(CPU)
     monkeypatch.setattr(torch, "__version__", "0.0.1")
     assert precision.machine_key(CPU) != key
+
+
+def test_a_onednn_isa_cap_is_another_key_so_it_measures_again(monkeypatch):
+    for variable in precision.ISA_CAPS:
+        monkeypatch.delenv(variable, raising=False)
+    key = precision.machine_key(CPU)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # this CPU's bf16 now takes the AVX2-only path: other rates
+    assert precision.machine_key(CPU) != key
+
+
+CAPPED_AUTO = """
+import json, sys, torch
+from pathlib import Path
+from types import SimpleNamespace
+from shardlab.distributed import precision
+precision.SHAPE = (128, 512, 512)  # capped bf16 runs below 1 GFLOP/s: a smaller matmul than the issue's keeps it short
+d = SimpleNamespace(precision="auto", precision_cache=sys.argv[1])
+line = precision.resolve(d, torch.device("cpu"))
+rates = json.loads(next(Path(sys.argv[1]).glob("*.json")).read_text())
+print(json.dumps({"chosen": d.precision, "line": line, **rates}))
+"""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.mark.skipif(
+    not {"avx512_bf16", "amx_bf16"} & cpu_flags(),
+    reason="this CPU has no avx512_bf16 or amx_bf16: its bf16 matmuls are slow already, there is no fast path to cap",
+)
+def test_auto_picks_fp32_where_onednn_is_capped_to_avx2(tmp_path):
+    """ONEDNN_MAX_CPU_ISA=AVX2, set before the process starts (oneDNN reads it once): this CPU's bf16 matmuls take the
+    path of an AVX2-only CPU, so auto measures bf16 slower and trains in fp32, and says so with both rates."""
+    env = {k: v for k, v in os.environ.items() if k not in precision.ISA_CAPS} | {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-c", CAPPED_AUTO, str(tmp_path)]
+    out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["chosen"] == "fp32" and result["bf16_gflops"] < result["fp32_gflops"] / 2, result
+    assert result["line"].startswith("distributed.precision=auto chose fp32: ")
+    assert f"{result['bf16_gflops']:.0f} GFLOP/s in bf16, {result['fp32_gflops']:.0f} in fp32" in result["line"]
 
 
 def test_measured_rates_are_real_and_decide_by_the_margin():
