@@ -69,6 +69,9 @@ class ModelProfile:
     unit_op_overlap: list[dict[str, int]] | None = None
     """Per unit and op group, the bytes of the unit's saved tensors that are such outputs (selective_op's
     recomputation reuses them instead of saving them again)."""
+    unit_matmuls: list[list[tuple[int, int]]] | None = None
+    """Per unit, each matmul it runs, in forward order: (bytes of its output, bytes of the unit's saved tensors that
+    are that output), for selective_op keeping only every n-th matmul (distributed.ac_matmul_save_every)."""
 
     @property
     def root_params(self) -> int:
@@ -140,10 +143,14 @@ class _OpOutputs(TorchDispatchMode):
         super().__init__()
         self.current = current
         self.outputs: dict[int, tuple[int, str, torch.Tensor]] = {}
+        self.matmuls: dict[int, list[torch.Tensor]] = {}
+        """Per unit, the output of each matmul call in order (ac_matmul_save_every's policy counts calls)."""
 
     def note(self, group: str, out) -> None:
         if self.current[0] < 0:
             return
+        if group == "matmul":
+            self.matmuls.setdefault(self.current[0], []).append(out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and _storage_key(t) not in self.outputs:
                 self.outputs[_storage_key(t)] = (self.current[0], group, t)
@@ -173,6 +180,17 @@ class _OpOutputs(TorchDispatchMode):
             if made is not None and made[0] == owner[key]:
                 overlap[made[0]][made[1]] += _nbytes(base)
         return outputs, overlap
+
+    def matmuls_per_unit(self, num_units: int, saved: dict[int, torch.Tensor], owner: dict[int, int]):
+        """Per unit, (bytes of the output, bytes of the unit's saved tensors that are it) of each matmul in order."""
+        saved_bytes: dict[tuple[int, int], int] = {}
+        for key, base in saved.items():
+            where = (owner[key], _storage_key(base))
+            saved_bytes[where] = saved_bytes.get(where, 0) + _nbytes(base)
+        return [
+            [(_nbytes(t), saved_bytes.get((unit, _storage_key(t)), 0)) for t in self.matmuls.get(unit, [])]
+            for unit in range(num_units)
+        ]
 
 
 class _MetaAttention(TorchFunctionMode):
@@ -327,6 +345,7 @@ def profile_model(
         activation_slack=slack,
         unit_op_outputs=op_outputs,
         unit_op_overlap=op_overlap,
+        unit_matmuls=ops.matmuls_per_unit(len(units), saved, owner),
     )
 
 
@@ -374,6 +393,10 @@ class Layout:
     """> 1: only every k-th unit recomputes (activation_checkpointing=selective_layer)."""
     ac_save_ops: tuple[str, ...] = ()
     """Non-empty: every unit keeps these op groups' outputs and recomputes the rest (selective_op)."""
+    ac_matmul_save_every: int = 1
+    """selective_op: of the matmul outputs, only the 1st, (n+1)-th, ... of each unit are kept."""
+    ac_skip_units: tuple[int, ...] = ()
+    """Units that never recompute (distributed.ac_skip_units)."""
 
     @property
     def checkpointing(self) -> str:
@@ -397,6 +420,10 @@ class Layout:
             text += f" + act. ckpt 1/{self.ac_every_k_units} units"
         elif self.checkpointing == "selective_op":
             text += " + op-selective ckpt"
+            if self.ac_matmul_save_every > 1:
+                text += f" (1/{self.ac_matmul_save_every} matmuls)"
+        if self.ac_skip_units:
+            text += f" except units {', '.join(map(str, self.ac_skip_units))}"
         if self.cpu_offload:
             text += " + cpu_offload"
         return text
@@ -408,6 +435,9 @@ class Layout:
             values["ac_every_k_units"] = self.ac_every_k_units
         elif self.checkpointing == "selective_op":
             values["ac_save_ops"] = list(self.ac_save_ops)
+            values["ac_matmul_save_every"] = self.ac_matmul_save_every
+        if self.checkpointing != "none":
+            values["ac_skip_units"] = list(self.ac_skip_units)
         if self.backend == "fully_sharded":
             values.update(
                 sharding_degree=-1 if self.sharding_degree == world_size else self.sharding_degree,
@@ -424,6 +454,9 @@ def layout_of(d, world_size: int) -> Layout:
         "activation_checkpointing": mode != "none",
         "ac_every_k_units": d.ac_every_k_units if mode == "selective_layer" else 1,
         "ac_save_ops": tuple(d.ac_save_ops) if mode == "selective_op" else (),
+        # getattr: configs recorded before these keys existed lack them
+        "ac_matmul_save_every": getattr(d, "ac_matmul_save_every", 1) if mode == "selective_op" else 1,
+        "ac_skip_units": tuple(getattr(d, "ac_skip_units", ())) if mode != "none" else (),
     }
     if d.backend != "fully_sharded":
         return Layout(d.backend, 1, True, cpu_offload=False, **checkpointing)
@@ -653,7 +686,8 @@ def _activations(profile: ModelProfile, layout: Layout) -> int | None:
     if profile.activations is None:
         return None
     total = profile.activations
-    picked = checkpointed_units(len(profile.unit_activations), layout.checkpointing, layout.ac_every_k_units)
+    n = len(profile.unit_activations)
+    picked = checkpointed_units(n, layout.checkpointing, layout.ac_every_k_units, layout.ac_skip_units)
     if picked:
         # A checkpointed unit keeps its input (and under selective_op its kept ops' outputs) instead of what it saved;
         # backward recomputes one unit at a time, saving again all but the kept outputs.
@@ -671,7 +705,16 @@ def _kept_op_bytes(profile: ModelProfile, layout: Layout) -> tuple[list[int], li
         return [0] * n, [0] * n
     groups = layout.ac_save_ops
     kept = [sum(unit[g] for g in groups) for unit in profile.unit_op_outputs]
-    return kept, [sum(unit[g] for g in groups) for unit in profile.unit_op_overlap]
+    reused = [sum(unit[g] for g in groups) for unit in profile.unit_op_overlap]
+    every = layout.ac_matmul_save_every
+    if every > 1 and "matmul" in groups and profile.unit_matmuls is not None:
+        # Only the 1st, (every+1)-th, ... matmul of a unit is kept: the others' outputs leave what it keeps (and
+        # its recomputation saves them again where the unit saved them).
+        for i, matmuls in enumerate(profile.unit_matmuls):
+            dropped = [m for j, m in enumerate(matmuls) if j % every]
+            kept[i] -= sum(out for out, _ in dropped)
+            reused[i] -= sum(overlap for _, overlap in dropped)
+    return kept, reused
 
 
 @dataclass(frozen=True)

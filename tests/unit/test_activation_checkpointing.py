@@ -1,5 +1,6 @@
-"""Selective activation checkpointing (distributed.activation_checkpointing=selective_layer / selective_op): the
-same math as none, the units it wraps, what the plan predicts for it, its config checks, and torch.compile over it.
+"""Selective activation checkpointing (distributed.activation_checkpointing=selective_layer / selective_op, with
+torchtitan's choice: ac_matmul_save_every=2 and ac_skip_units=[0,-1]): the same math as none, the units it wraps, what
+the plan predicts for it, its config checks, and torch.compile over it.
 
 Against measured memory: tests/distributed/test_memory_plan.py; on ddp and fully_sharded: tests/distributed/
 test_lm_parity.py; the CPU table of memory against recompute time: tools/bench_checkpointing.py.
@@ -21,6 +22,14 @@ from tests.conftest import compose_config
 
 MODES = ["none", "full", "selective_layer", "selective_op"]
 LLAMA = ["model=llama_tiny", "model.num_kv_heads=2"]
+# torchtitan's selective op checkpointing: every other matmul output kept, the first and last unit (a Llama's
+# embedding and output head) not checkpointed.
+TITAN = [
+    "distributed.activation_checkpointing=selective_op",
+    "distributed.ac_matmul_save_every=2",
+    "distributed.ac_skip_units=[0,-1]",
+]
+SETTINGS = {**{m: [f"distributed.activation_checkpointing={m}"] for m in MODES}, "torchtitan": TITAN}
 
 
 def train_losses(tiny_lm, tmp_path, *overrides) -> tuple[list[float], dict]:
@@ -36,13 +45,14 @@ def count_wrappers(trainer) -> dict:
 @pytest.mark.parametrize("model", [[], LLAMA], ids=["gpt", "llama"])
 def test_every_mode_trains_exactly_the_losses_of_none(tiny_lm, tmp_path, model):
     """Recomputation must not change the math: the same losses, bit for bit, and the modes wrap the units they say."""
-    runs = {m: train_losses(tiny_lm, tmp_path / m, *model, f"distributed.activation_checkpointing={m}") for m in MODES}
-    for mode in MODES[1:]:
-        assert torch.equal(torch.tensor(runs[mode][0]), torch.tensor(runs["none"][0])), mode
+    runs = {name: train_losses(tiny_lm, tmp_path / name, *model, *overrides) for name, overrides in SETTINGS.items()}
+    for name in runs:
+        assert torch.equal(torch.tensor(runs[name][0]), torch.tensor(runs["none"][0])), name
     assert len(runs["none"][0]) == 4
-    # gpt: 4 blocks; llama: 4 blocks plus its embedding and head units (6 in all)
+    # gpt: 4 blocks; llama: 4 blocks plus its embedding and head units (6 in all); torchtitan's leaves 2 out
     num_units = 4 if not model else 6
     expected = {"none": 0, "full": num_units, "selective_layer": num_units // 2, "selective_op": num_units}
+    expected["torchtitan"] = num_units - 2
     assert {m: r[1]["wrapped"] for m, r in runs.items()} == expected
 
 
@@ -53,46 +63,82 @@ def test_selective_layer_wraps_every_kth_unit_counting_from_one():
     assert checkpointed_units(3, "none", 2) == []
 
 
-def _mlp_units() -> tuple[nn.Module, list[nn.Module]]:
+def test_skipped_units_never_recompute_and_the_modes_count_the_others():
+    assert checkpointed_units(6, "full", 2, [0, -1]) == [1, 2, 3, 4]
+    # selective_layer counts the blocks only, as torchtitan counts them: the 2nd and 4th of blocks 1-4
+    assert checkpointed_units(6, "selective_layer", 2, [0, -1]) == [2, 4]
+    assert checkpointed_units(6, "none", 2, [0]) == []
+    with pytest.raises(ConfigError, match=r"ac_skip_units=\[0, 6\] names units \[6\], but the task has 6 units"):
+        checkpointed_units(6, "full", 2, [0, 6])
+
+
+def _mlp_units(gelu_after: bool = False) -> tuple[nn.Module, list[nn.Module]]:
+    """Two units of Linear(16, 32), GELU, Linear(32, 16) (``gelu_after``: and a GELU, which saves that output)."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(2)))
+    tail = [nn.GELU()] if gelu_after else []
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), *tail) for _ in range(2)))
     return model, list(model)
 
 
-def test_selective_op_recomputes_the_cheap_ops_and_reuses_the_matmuls():
-    """Backward under selective_op runs every unit's GELU again but no matmul of forward's (only backward's own)."""
+def backward_ops(*overrides: str, gelu_after: bool = False) -> list[tuple[str, tuple]]:
+    """The ops (name, output shape) backward runs on ``_mlp_units``."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.ops: list[str] = []
+            self.ops: list[tuple[str, tuple]] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func.__name__)
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            self.ops.append((func.__name__, tuple(out.shape) if isinstance(out, torch.Tensor) else ()))
+            return out
 
-    def backward_ops(mode: str) -> list[str]:
-        model, units = _mlp_units()
-        cfg = compose_config([f"distributed.activation_checkpointing={mode}"]).distributed
-        checkpoint_units(model, units, cfg)
-        loss = model(torch.randn(4, 16)).sum()
-        with Count() as count:
-            loss.backward()
-        return count.ops
+    model, units = _mlp_units(gelu_after)
+    checkpoint_units(model, units, compose_config(list(overrides)).distributed)
+    loss = model(torch.randn(4, 16)).sum()
+    with Count() as count:
+        loss.backward()
+    return count.ops
 
-    plain, selective, full = backward_ops("none"), backward_ops("selective_op"), backward_ops("full")
+
+def names(ops: list[tuple[str, tuple]]) -> list[str]:
+    return [name for name, _ in ops]
+
+
+def test_selective_op_recomputes_the_cheap_ops_and_reuses_the_matmuls():
+    """Backward under selective_op runs every unit's GELU again but no matmul of forward's (only backward's own)."""
+    plain, selective, full = (names(backward_ops(*SETTINGS[m])) for m in ("none", "selective_op", "full"))
     assert plain.count("gelu.default") == 0 and selective.count("gelu.default") == 2 == full.count("gelu.default")
     assert selective.count("addmm.default") == 0 < full.count("addmm.default")  # full recomputes the linears
 
 
-def test_selective_op_composes_with_compile_and_gives_eager_gradients():
-    """torch.compile over a selective_op unit (the policy applied in inductor's partitioner) computes what eager
-    does; a cheap stand-in for the LM runs of tests/distributed/test_compile.py."""
+def test_every_other_matmul_recomputes_each_units_second_linear_only():
+    """ac_matmul_save_every=2 keeps the 1st matmul of each unit's forward and recomputes the 2nd (32 -> 16), whose
+    output the unit's last GELU needs (without that GELU, recomputation stops before it: nothing saved it)."""
+    every_other = "distributed.ac_matmul_save_every=2"
+    ops = backward_ops(*SETTINGS["selective_op"], every_other, gelu_after=True)
+    assert [shape for name, shape in ops if name == "addmm.default"] == [(4, 16), (4, 16)]
+    # each unit's first GELU; its last one is never rerun (recomputation stops once its input is saved again)
+    assert names(ops).count("gelu.default") == 2
+    kept = names(backward_ops(*SETTINGS["selective_op"], gelu_after=True))
+    assert kept.count("addmm.default") == 0 and kept.count("gelu.default") == 2
+    # with the first unit skipped, only the second recomputes
+    skipped = names(
+        backward_ops(*SETTINGS["selective_op"], every_other, "distributed.ac_skip_units=[0]", gelu_after=True)
+    )
+    assert skipped.count("addmm.default") == 1 and skipped.count("gelu.default") == 1
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_selective_op_composes_with_compile_and_gives_eager_gradients(every):
+    """torch.compile over a selective_op unit (the policy applied in inductor's partitioner; every=2: the counting
+    policy, called in trace order) computes what eager does; a cheap stand-in for the LM runs of
+    tests/distributed/test_compile.py."""
     grads = {}
     for compiled in (False, True):
         model, units = _mlp_units()
-        cfg = compose_config(["distributed.activation_checkpointing=selective_op"]).distributed
+        cfg = compose_config([*SETTINGS["selective_op"], f"distributed.ac_matmul_save_every={every}"]).distributed
         units = checkpoint_units(model, units, cfg)
         if compiled:
             for unit in units:
@@ -118,6 +164,12 @@ def test_planned_peak_of_each_selective_mode_lies_between_none_and_full(model, b
     none, full, kept_matmuls = peak("none"), peak("full"), peak("selective_op")
     assert full < peak("selective_layer") < none
     assert full < kept_matmuls < none
+    cfg.distributed.ac_matmul_save_every = 2  # half the matmul outputs kept: between keeping all and full
+    every_other = peak("selective_op")
+    assert full < every_other < kept_matmuls
+    cfg.distributed.ac_skip_units = [0, -1]  # torchtitan's: two units keep everything, so a little more
+    assert every_other < peak("selective_op") < kept_matmuls
+    cfg.distributed.ac_skip_units, cfg.distributed.ac_matmul_save_every = [], 1
     cfg.distributed.ac_save_ops = ["attention"]  # keeping less recomputes more: closer to full
     assert full < peak("selective_op") < kept_matmuls
 
@@ -139,6 +191,19 @@ def test_planned_peak_of_each_selective_mode_lies_between_none_and_full(model, b
             ["distributed.activation_checkpointing=full", "distributed.ac_save_ops=[matmul]"],
             "ac_save_ops applies to activation_checkpointing=selective_op only (it is full)",
         ),
+        (
+            [*SETTINGS["selective_op"], "distributed.ac_matmul_save_every=0"],
+            "ac_matmul_save_every must be >= 1 (1 keeps every matmul), got 0",
+        ),
+        (
+            [*SETTINGS["selective_op"], "distributed.ac_save_ops=[attention]", "distributed.ac_matmul_save_every=2"],
+            "ac_matmul_save_every=2 thins the kept matmul outputs, but distributed.ac_save_ops=['attention'] keeps",
+        ),
+        (
+            [*SETTINGS["full"], "distributed.ac_matmul_save_every=2"],
+            "ac_matmul_save_every applies to activation_checkpointing=selective_op only (it is full)",
+        ),
+        (["distributed.ac_skip_units=[0]"], "ac_skip_units leaves units out of activation checkpointing, which is off"),
     ],
 )
 def test_bad_checkpointing_values_are_named_before_launch(overrides, expected):
