@@ -1,8 +1,8 @@
 """fp32 against bf16 (and what distributed.precision=auto picks) on the default LM: tokens/s and final validation loss.
 
     python tools/bench_precision.py --out docs/bench/precision.json          # the default LM's full run, both at once
-    ONEDNN_MAX_CPU_ISA=AVX2 python tools/bench_precision.py --precisions fp32,bf16,auto \\
-        --out docs/bench/precision_avx2.json optimization.max_steps=30 lr_scheduler.warmup_steps=3
+    python tools/bench_precision.py --isa-cap AVX2 --precisions fp32,bf16,auto \\
+        --out docs/bench/precision_avx2.json optimization.max_steps=3 lr_scheduler.warmup_steps=1
 
 Each run is ``python -m shardlab.train distributed.precision=<p> hydra.run.dir=<run-root>_<round>_<p>`` in a fresh
 process, plus the Hydra overrides given here (arguments without a leading ``--``); its throughput is the run's own
@@ -12,9 +12,11 @@ so a busy machine's load falls on every precision alike; without it they run one
 every round. The load average is sampled every 10 s while they run.
 
 Before the runs a fresh interpreter measures the matmul rates that precision=auto decides by
-(shardlab/distributed/precision.py, not cached) and prints auto's line. Set ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA)
-in the environment to cap oneDNN's instruction set, e.g. AVX2 on an AVX-512-BF16 CPU: its bf16 matmuls then take
-the path of an AVX2-only CPU; the runs and the rate measurement inherit it, and the JSON records it.
+(shardlab/distributed/precision.py, not cached) and prints auto's line. ``--isa-cap AVX2`` sets ONEDNN_MAX_CPU_ISA
+for that measurement and every run (oneDNN reads it once, at its first call: it must be in a process's environment
+when it starts): on an AVX-512-BF16 CPU its bf16 matmuls then take the path of an AVX2-only CPU. An ISA cap already
+in this process's environment (ONEDNN_MAX_CPU_ISA or DNNL_MAX_CPU_ISA) is inherited the same way; the JSON records
+the one in force.
 """
 
 from __future__ import annotations
@@ -109,15 +111,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=1, help="rounds of one run per precision")
     parser.add_argument("--sequential", action="store_true", help="one run at a time (default: a round at once)")
     parser.add_argument("--run-root", default="/tmp/prec_bench", help="runs go to <run-root>_<round>_<precision>")
+    parser.add_argument("--isa-cap", help="ONEDNN_MAX_CPU_ISA for every process started here, e.g. AVX2")
     parser.add_argument("--out", required=True, help="the JSON (tools/bench_tables.py renders it in docs/)")
     args, overrides = parser.parse_known_args(argv)
     precisions = args.precisions.split(",")
     if any(p not in PRECISIONS for p in precisions) or args.rounds < 1 or any(o.startswith("-") for o in overrides):
         parser.error(f"bad --precisions {args.precisions} (of {', '.join(PRECISIONS)}), --rounds or an unknown option")
+    if args.isa_cap:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = args.isa_cap  # the processes started below inherit it
     env = {v: os.environ[v] for v in ISA_VARIABLES if v in os.environ}
     settings = {"precisions": precisions, "rounds": args.rounds, "concurrent": not args.sequential, "env": env}
     meta = bench_meta.collect(__file__, argv, settings)
-    if env:  # the cap is part of what was measured: the recorded command must carry it
+    if env and not args.isa_cap:  # a cap from the environment is part of what was measured: the command shows it
         meta["command"] = " ".join(f"{k}={v}" for k, v in env.items()) + " " + meta["command"]
     rates = matmul_rates()
     print(f"bench_precision: {rates['line']}", flush=True)
