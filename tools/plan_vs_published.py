@@ -10,21 +10,21 @@ logs as `memory:`, the peak of the CUDA caching allocator's *reserved* bytes (`t
 is its allocated peak plus its allocator term (block rounding and the fragmentation allowance), without the CUDA
 context and NCCL's buffers, which live outside the allocator.
 
-Two plans per run:
-  plan            the shardlab run with the matching keys (what `dry_run=true` prints for it);
-  as torchtitan   the same profile with activation checkpointing as torchtitan applies it: to the transformer blocks
-                  only (shardlab also wraps the output head), and for selective op, keeping the outputs of the 1st,
-                  3rd, 5th and 7th matmul of each block (wq, wv, w1, w2; torchtitan's policy saves "every other mm",
-                  counting from one in each block's forward) instead of all seven. The plan's own arithmetic
-                  (shardlab/memory/plan.py: estimate) on a profile whose checkpointing terms are replaced; nothing else
-                  is changed.
-Neither models torch.compile or float8 (torchao): rows that used them show how far they move the figure.
+Two plans per run, both what `dry_run=true` prints for the shardlab run with the keys below:
+  plan            activation checkpointing as torchtitan applies it, in shardlab's keys: to the transformer blocks
+                  only (distributed.ac_skip_units=[0,-1]: not the embedding, not the output head), and for selective
+                  op keeping the outputs of the 1st, 3rd, 5th and 7th matmul of each block (wq, wv, w1, w2;
+                  distributed.ac_matmul_save_every=2: torchtitan's policy saves "every other mm", counting from one in
+                  each block's forward; torchtitan/distributed/activation_checkpoint.py, SelectiveAC);
+  mode defaults   the same mode with shardlab's defaults (every unit checkpointed; selective_op keeping every matmul
+                  output), to show what those two keys are worth.
+No modelling override: both are the plan's own arithmetic. Neither models torch.compile or float8 (torchao): rows that
+used them show how far they move the figure.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -119,72 +119,51 @@ PUBLISHED = [
 ]  # fmt: skip
 
 
-def overrides(p: dict[str, Any]) -> list[str]:
-    """The shardlab keys of a published run (optimization.batch_size is global)."""
-    world, seq = p["world_size"], p["seq_len"]
+TORCHTITAN_AC = {
+    # torchtitan wraps only model.layers (ActivationCheckpointing.apply), and SelectiveAC saves every other mm.
+    "selective_op": ["distributed.ac_matmul_save_every=2", "distributed.ac_skip_units=[0,-1]"],
+    "full": ["distributed.ac_skip_units=[0,-1]"],
+}
+"""The shardlab keys that make each checkpointing mode what torchtitan applies (units: embedding, blocks, head)."""
+
+
+def overrides(p: dict[str, Any], as_torchtitan: bool = True) -> list[str]:
+    """The shardlab keys of a published run (optimization.batch_size is global); ``as_torchtitan=False``: the
+    checkpointing mode with shardlab's defaults instead of torchtitan's choice."""
+    world, seq, ac = p["world_size"], p["seq_len"], p["activation_checkpointing"]
     return [
         "model=llama3_8b", "distributed=fully_sharded", f"distributed.world_size={world}",
         f"distributed.plan_device={p['plan_device']}", f"data.seq_len={seq}", f"model.max_seq_len={max(seq, 8192)}",
         f"optimization.batch_size={p['local_batch'] * world}", f"validation.batch_size={p['local_batch'] * world}",
-        "distributed.precision=bf16", f"distributed.activation_checkpointing={p['activation_checkpointing']}",
+        "distributed.precision=bf16", f"distributed.activation_checkpointing={ac}",
+        *(TORCHTITAN_AC[ac] if as_torchtitan else []),
     ]  # fmt: skip
 
 
-def torchtitan_matmul_bytes(model, tokens: int) -> tuple[int, int, int]:
-    """(all seven matmul outputs of a block, the four torchtitan's selective op keeps, the part of those four the
-    block saves anyway) in bf16 bytes for ``tokens`` tokens. A block's matmuls in forward order: wq, wk, wv, wo, then
-    w1, w3, w2 (w2(silu(w1 x) * w3 x)); torchtitan counts them from 1 and saves the odd ones. silu saves w1's output
-    and the product saves w3's, so of the kept ones w1's was saved anyway."""
-    kv = model.dim // model.num_heads * model.num_kv_heads
-    widths = [model.dim, kv, kv, model.dim, model.ffn_dim, model.ffn_dim, model.dim]
-    all_, kept = sum(widths), sum(widths[0::2])
-    return 2 * tokens * all_, 2 * tokens * kept, 2 * tokens * model.ffn_dim
-
-
-def as_torchtitan(profile, cfg, local_batch: int):
-    """``profile`` with checkpointing as torchtitan applies it: the head (the last unit) outside checkpointing, and
-    each block keeping torchtitan's four matmul outputs instead of all seven."""
-    tokens = local_batch * cfg.data.seq_len
-    all_mm, kept_mm, reused_mm = torchtitan_matmul_bytes(cfg.model, tokens)
-    outputs, overlap = [], []
-    for out, over in zip(profile.unit_op_outputs[:-1], profile.unit_op_overlap[:-1], strict=True):
-        block = out["attention"] > 0
-        if block and out["matmul"] != all_mm:  # the profile's meta forward is the ground truth for the shapes
-            raise SystemExit(f"a block's matmul outputs are {out['matmul']} bytes in the profile, {all_mm} from shapes")
-        outputs.append({**out, "matmul": kept_mm} if block else out)
-        overlap.append({**over, "matmul": reused_mm} if block else over)
-    return dataclasses.replace(
-        profile,
-        unit_activations=profile.unit_activations[:-1],  # the head's saved tensors stay in the total, unrecomputed
-        unit_inputs=profile.unit_inputs[:-1],
-        unit_op_outputs=outputs,
-        unit_op_overlap=overlap,
-    )
-
-
 def plan(p: dict[str, Any]) -> dict[str, Any]:
-    """Plan one published run: the peak, the allocator's term, the reserved figure, for shardlab and as torchtitan."""
+    """Plan one published run: the peak, the allocator's term, the reserved figure, with torchtitan's checkpointing
+    and with the mode's defaults."""
     from shardlab.jobs.preflight import compose_config
     from shardlab.memory.plan import estimate, layout_of, profile_config
     from shardlab.runner import build_task
 
-    cfg = compose_config(overrides(p))
     world = p["world_size"]
+    cfg = compose_config(overrides(p))
     profile, ctx = profile_config(cfg, build_task(cfg, world_size=world), world)
-    layout = layout_of(cfg.distributed, world)
 
-    def figures(est) -> dict[str, int]:
+    def figures(as_torchtitan: bool) -> dict[str, int]:
+        # Only the checkpointing keys differ between the two, so one profile serves both.
+        est = estimate(profile, layout_of(compose_config(overrides(p, as_torchtitan)).distributed, world), ctx)
         return {
             "peak_bytes": est.peak, "allocator_bytes": est.allocator, "reserved_bytes": est.peak + est.allocator,
             "outside_bytes": est.outside, "device_bytes": est.device_peak, "state_bytes": est.state,
             "gathered_bytes": est.gathered, "activation_bytes": est.activations or 0,
         }  # fmt: skip
 
-    titan = as_torchtitan(profile, cfg, p["local_batch"])
     return {
         "overrides": overrides(p),
-        "plan": figures(estimate(profile, layout, ctx)),
-        "as_torchtitan": figures(estimate(titan, layout, ctx)),
+        "plan": figures(True),
+        "mode_defaults": figures(False),
         "largest_outside_bytes": profile.largest_outside,
         "capacity_bytes": ctx.capacity,
     }

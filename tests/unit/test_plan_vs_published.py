@@ -31,11 +31,15 @@ def test_the_table_holds_the_plan_of_todays_code_for_a_published_run():
     so a change to the plan cannot leave the docs' table behind (every row: the slow test below)."""
     row, now = recorded()["t1_fsdp"], replanned("t1_fsdp")
     assert now["overrides"] == row["overrides"]
+    assert (
+        "distributed.ac_matmul_save_every=2" in now["overrides"]
+        and "distributed.ac_skip_units=[0,-1]" in row["overrides"]
+    )
     assert now["plan"] == row["plan"], STALE
-    assert now["as_torchtitan"] == row["as_torchtitan"], STALE
+    assert now["mode_defaults"] == row["mode_defaults"], STALE
     # torchtitan keeps fewer matmul outputs and leaves the head unwrapped: its plan is lower, the state the same.
-    assert now["as_torchtitan"]["activation_bytes"] < now["plan"]["activation_bytes"]
-    assert now["as_torchtitan"]["state_bytes"] == now["plan"]["state_bytes"]
+    assert now["plan"]["activation_bytes"] < now["mode_defaults"]["activation_bytes"]
+    assert now["plan"]["state_bytes"] == now["mode_defaults"]["state_bytes"]
 
 
 @pytest.mark.slow
@@ -43,8 +47,8 @@ def test_every_row_of_the_table_holds_the_plan_of_todays_code():
     rows = recorded()
     assert set(rows) == {p["key"] for p in plan_vs_published.PUBLISHED}
     for row in plan_vs_published.run(plan_vs_published.PUBLISHED):
-        assert {k: row[k] for k in ("plan", "as_torchtitan")} == {
-            k: rows[row["key"]][k] for k in ("plan", "as_torchtitan")
+        assert {k: row[k] for k in ("plan", "mode_defaults")} == {
+            k: rows[row["key"]][k] for k in ("plan", "mode_defaults")
         }, f"{row['key']}: {STALE}"
 
 
