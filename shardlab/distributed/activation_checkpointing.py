@@ -78,19 +78,18 @@ def _policy(saved: frozenset, ctx, func, *args, **kwargs) -> CheckpointPolicy:
 
 class _EveryNthMatmul:
     """The policy of one checkpointed forward under ac_matmul_save_every=n: the matmuls counted from 1 in the order
-    they run, the 1st, (n+1)-th, ... kept and the others recomputed; every other op as ``_policy``. Forward and its
-    recomputation count apart (torchtitan's ``forward_mm_count``/``recompute_mm_count``) and run the same ops in the
-    same order, so both decide alike; under torch.compile the policy is called once per op while forward is traced,
-    in the same order, so inductor's partitioner keeps what eager keeps."""
+    they run, the 1st, (n+1)-th, ... kept and the others recomputed; every other op as ``_policy``. torch asks the
+    policy during forward only and replays its decisions in the recomputation (checkpoint's
+    _CachedTorchDispatchMode), so one count per forward suffices; under torch.compile it is asked once per op, in
+    the same order, while forward is traced, so inductor's partitioner keeps what eager keeps."""
 
     def __init__(self, saved: frozenset, every: int) -> None:
-        self.saved, self.every = saved, every
-        self.counts = {False: 0, True: 0}
+        self.saved, self.every, self.count = saved, every, 0
 
     def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func in self.saved and func in SAVE_OP_GROUPS["matmul"]:
-            self.counts[ctx.is_recompute] += 1
-            keep = (self.counts[ctx.is_recompute] - 1) % self.every == 0
+            self.count += 1
+            keep = (self.count - 1) % self.every == 0
             return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
         return _policy(self.saved, ctx, func)
 
