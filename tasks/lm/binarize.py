@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardlab.checkpoint.layout import fsync_path
 from shardlab.errors import DataError
 from tasks.lm.cache_lock import temp_prefix
 from tasks.lm.corpus import Block, Source, check_sources, jsonl_text, read_blocks
@@ -146,16 +147,6 @@ def binarize(
         shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted run leaves nothing behind
         raise
     return json.loads((out_dir / "meta.json").read_text())
-
-
-def fsync_path(path: Path) -> None:
-    """Make a file's data, or a directory's entries, durable. Defined here rather than taken from
-    shardlab.checkpoint, whose package imports torch: preprocessing workers import this module and must stay light."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def content_digest(corpus: Path) -> str:

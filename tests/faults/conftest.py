@@ -9,6 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from shardlab.checkpoint.layout import write_json_atomic
 from tests.slurm.conftest import multi_node_env, slurm_env  # noqa: F401  (the Slurm cells share its cluster)
 
 
@@ -23,6 +24,4 @@ def record_cell(outcome: dict) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cells[(outcome["layout"], outcome["event"], outcome["resume"])] = {**outcome, "commit": commit}
     ordered = sorted(cells.values(), key=lambda c: (c["layout"], c["event"], c["resume"]))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"commit": commit, "cells": ordered}, indent=1))
-    os.replace(tmp, path)
+    write_json_atomic(path, {"commit": commit, "cells": ordered}, indent=1)
