@@ -174,6 +174,10 @@ def test_compiled_matches_eager_on_ddp_and_with_every_fully_sharded_toggle(tiny_
         "ddp_checkpointing": (["distributed.backend=ddp", "distributed.activation_checkpointing=full"], COMPILED_RTOL),
         "selective_op": ([sharded, "distributed.activation_checkpointing=selective_op"], COMPILED_RTOL),
         "selective_layer": ([sharded, "distributed.activation_checkpointing=selective_layer"], COMPILED_RTOL),
+        "selective_op_every_other_matmul": (  # a counting policy, asked in the order inductor traces the ops
+            [sharded, "distributed.activation_checkpointing=selective_op", "distributed.ac_matmul_save_every=2"],
+            COMPILED_RTOL,
+        ),
         "accumulate": ([sharded, "optimization.update_freq=2", "distributed.reduce_every_microbatch=false"], 1e-4),
         "overlapped": ([sharded, "distributed.reduce_scatter=all_reduce", "distributed.prefetch_units=1"], 1e-4),
         "fp16_scaler": ([sharded, "distributed.precision=fp16"], 0.02),  # fp16 rounds fused and unfused sums apart

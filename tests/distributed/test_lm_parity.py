@@ -94,6 +94,12 @@ def run_single(cfg, tmp_path) -> dict:
 FSDP = "distributed.backend=fully_sharded"
 # Grouped-query attention (2 key/value heads for 4 query heads), RoPE, untied embedding and head as their own units.
 LLAMA = ["model=llama_tiny", "model.num_kv_heads=2", "model.ffn_dim=null"]
+# torchtitan's selective op checkpointing: every other matmul output kept, the embedding and head units unwrapped.
+TORCHTITAN_AC = [
+    "distributed.activation_checkpointing=selective_op",
+    "distributed.ac_matmul_save_every=2",
+    "distributed.ac_skip_units=[0,-1]",
+]
 # The opt-in CPU path: gradients reduced as overlapped all-reduces, all-gathers prefetched asynchronously.
 OVERLAP = [FSDP, "distributed.reduce_scatter=all_reduce", "distributed.prefetch_units=1"]
 TWO_RANK_VARIANTS = {
@@ -124,6 +130,8 @@ TWO_RANK_VARIANTS = {
     "fsdp_sel_op_ckpt": [FSDP, "distributed.activation_checkpointing=selective_op"],
     "ddp_sel_op_ckpt": ["distributed.backend=ddp", "distributed.activation_checkpointing=selective_op"],
     "llama_fsdp_sel_op_ckpt": [FSDP, *LLAMA, "distributed.activation_checkpointing=selective_op"],
+    "llama_fsdp_torchtitan_ckpt": [FSDP, *LLAMA, *TORCHTITAN_AC],
+    "llama_ddp_torchtitan_ckpt": ["distributed.backend=ddp", *LLAMA, *TORCHTITAN_AC],
 }
 
 
