@@ -113,11 +113,17 @@ def choice(rates: dict) -> str:
     return "bf16" if rates["bf16_gflops"] >= BF16_MARGIN * rates["fp32_gflops"] else "fp32"
 
 
+def gflops(rate: float) -> str:
+    """A rate as the line prints it: whole GFLOP/s, and two significant digits below 10 (emulated bf16 runs at
+    0.6, which a whole number would print as 0 or 1)."""
+    return f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"
+
+
 def describe(chosen: str, rates: dict, source: str, device: torch.device) -> str:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
     return (
         f"distributed.precision=auto chose {chosen}: a {'x'.join(map(str, SHAPE))} matmul on {where} runs "
-        f"{rates['bf16_gflops']:.0f} GFLOP/s in bf16, {rates['fp32_gflops']:.0f} in fp32 (bf16 needs "
+        f"{gflops(rates['bf16_gflops'])} GFLOP/s in bf16, {gflops(rates['fp32_gflops'])} in fp32 (bf16 needs "
         f"{BF16_MARGIN}x; {source})"
     )
 
