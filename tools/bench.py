@@ -4,7 +4,7 @@
         --steps 20 --warmup 5 --out bench.json
 
 Arguments without a leading ``--`` are Hydra overrides, as for ``python -m shardlab.train``. The ranks run
-shardlab.runner.run_rank (Trainer.setup and Trainer.fit, spawned like shardlab.runner.launch_local) for
+shardlab.runner.run_rank (shardlab.trainer.assemble and Trainer.fit, spawned like shardlab.runner.launch_local) for
 warmup + steps + 1 steps; global module-forward and optimizer-step hooks do the timing, so nothing in the trainer is
 replaced. A step lasts from its first forward to the next step's (data, forward, backward, clipping, optimizer,
 zero_grad, schedule and metric logging all count); the last step is not timed but has its collectives counted.
