@@ -524,11 +524,19 @@ def _reserved(plan: dict[str, int], published_gib: float) -> str:
     return f"{reserved:.2f} GiB ({reserved / published_gib - 1:+.0%}; tensors {plan['peak_bytes'] / GiB:.2f})"
 
 
+def _ac_keys(overrides: list[str]) -> str:
+    """The activation-checkpointing keys of a planned run: its mode, then the keys that make it torchtitan's."""
+    keys = [o.removeprefix("distributed.") for o in overrides if o.startswith("distributed.ac")]
+    return ", ".join(f"`{k}`" for k in keys)
+
+
 def plan_vs_published(sources: list[Source]) -> list[str]:
-    """tools/plan_vs_published.py: published peak reserved memory of FSDP2 runs beside the plan of the same settings."""
+    """tools/plan_vs_published.py: published peak reserved memory of FSDP2 runs beside the plan of the same settings
+    (checkpointing as torchtitan applies it, through shardlab's keys), and of the mode with shardlab's defaults."""
     lines = header(
-        "published run (Llama 3.1 8B)", "GPUs", "local batch x sequence", "AC", "compile, float8", "published",
-        "plan: shardlab's keys", "plan: AC as torchtitan applies it", "what the plan leaves out",
+        "published run (Llama 3.1 8B)", "GPUs", "local batch x sequence", "checkpointing (distributed.*)",
+        "compile, float8", "published",
+        "plan: torchtitan's AC in shardlab's keys", "plan: the AC mode's defaults", "what the plan leaves out",
     )  # fmt: skip
     cited: dict[str, dict[str, Any]] = {}
     for _, d in sources:
@@ -539,9 +547,9 @@ def plan_vs_published(sources: list[Source]) -> list[str]:
             lines.append(
                 row(f"[{src['file'].split('/')[-1]}]({src['url']}) {src['table'].split(':')[0]}, {src['row']}",
                     f"{r['world_size']} x {r['gpu']}", f"{r['local_batch']} x {r['seq_len']}",
-                    f"`{r['activation_checkpointing']}`", f"{'compiled' if r['compile'] else 'eager'}, {float8}",
-                    f"{published} GiB", _reserved(r["plan"], published),
-                    f"**{_reserved(r['as_torchtitan'], published)}**", r["plan_leaves_out"])
+                    _ac_keys(r["overrides"]), f"{'compiled' if r['compile'] else 'eager'}, {float8}",
+                    f"{published} GiB", f"**{_reserved(r['plan'], published)}**",
+                    _reserved(r["mode_defaults"], published), r["plan_leaves_out"])
             )  # fmt: skip
     lines.append("")
     for url, src in cited.items():
