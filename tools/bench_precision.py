@@ -47,6 +47,7 @@ chosen = precision.choice(rates)
 print(json.dumps({**rates, "choice": chosen, "line": precision.describe(chosen, rates, source, cpu)}))
 """
 TRAIN_LINE = re.compile(r"\[train\] step (\d+) \| (.*)")
+VALID_LINE = re.compile(r"\[valid\] step (\d+) \| loss ([\d.]+)")
 
 
 def matmul_rates() -> dict:
@@ -56,9 +57,12 @@ def matmul_rates() -> dict:
 
 
 def parse_run(run_dir: Path, stdout: str) -> dict:
-    """The run's logged throughput windows, its final validation loss and, for auto, the line it printed."""
-    windows, last_step = [], 0
+    """The run's logged throughput windows, its validation losses (the final one: None for a run stopped early) and,
+    for auto, the line it printed."""
+    windows, last_step, valid = [], 0, {}
     for line in (run_dir / "train.log").read_text().splitlines():
+        if m := VALID_LINE.search(line):
+            valid[int(m.group(1))] = float(m.group(2))
         if m := TRAIN_LINE.search(line):
             step = int(m.group(1))
             fields = dict(part.split(" ", 1) for part in m.group(2).split(" | "))
@@ -75,7 +79,8 @@ def parse_run(run_dir: Path, stdout: str) -> dict:
         "steps": last_step,
         "tokens_per_s": tokens / seconds,  # the run's training tokens over its training time
         "tokens_per_s_median_window": statistics.median(w["tokens_per_s"] for w in windows),
-        "final_valid_loss": status["final"]["loss"],
+        "final_valid_loss": (status.get("final") or {}).get("loss") if status["status"] == "completed" else None,
+        "valid_losses": valid,
         "windows": windows,
         "auto_line": auto[-1].strip() if auto else None,
     }
@@ -90,16 +95,22 @@ def start(precision: str, run_dir: Path, overrides: list[str], cache: Path) -> t
         return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT), log
 
 
-def wait(procs: list[tuple[str, subprocess.Popen, Path, Path]], loads: list[float]) -> dict[str, dict]:
-    """Wait for the runs of a round, sampling the 1-minute load average; each run's parsed result."""
-    started = time.perf_counter()
+def wait(procs: list[tuple[str, subprocess.Popen, Path, Path]], loads: list[float], limit_s: float) -> dict[str, dict]:
+    """Wait for the runs of a round, sampling the 1-minute load average; each run's parsed result. Past ``limit_s``
+    the runs still going get SIGTERM (shardlab saves and stops at the step's end) and count as stopped early."""
+    started, stopped = time.perf_counter(), False
     while any(p.poll() is None for _, p, _, _ in procs):
+        if not stopped and time.perf_counter() - started > limit_s:
+            for _, p, _, _ in procs:
+                if p.poll() is None:
+                    p.terminate()
+            stopped = True
         loads.append(round(os.getloadavg()[0], 2))
         time.sleep(10)
     results = {}
     for precision, proc, run_dir, log in procs:
         stdout = log.read_text()
-        if proc.returncode != 0:
+        if proc.returncode != 0 and not stopped:
             raise SystemExit(f"bench_precision: the {precision} run failed (exit {proc.returncode}); see {log}")
         results[precision] = {**parse_run(run_dir, stdout), "wall_s": round(time.perf_counter() - started, 1)}
     return results
@@ -112,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sequential", action="store_true", help="one run at a time (default: a round at once)")
     parser.add_argument("--run-root", default="/tmp/prec_bench", help="runs go to <run-root>_<round>_<precision>")
     parser.add_argument("--isa-cap", help="ONEDNN_MAX_CPU_ISA for every process started here, e.g. AVX2")
+    parser.add_argument("--time-limit", type=float, help="minutes per round, then its runs stop (recorded as such)")
     parser.add_argument("--out", required=True, help="the JSON (tools/bench_tables.py renders it in docs/)")
     args, overrides = parser.parse_known_args(argv)
     precisions = args.precisions.split(",")
@@ -143,12 +155,13 @@ def main(argv: list[str] | None = None) -> dict:
                 run_dir = Path(f"{args.run_root}_{r}_{p}")
                 proc, log = start(p, run_dir, overrides, cache)
                 procs.append((p, proc, run_dir, log))
-            runs.update(wait(procs, loads))
+            runs.update(wait(procs, loads, 60 * args.time_limit if args.time_limit else float("inf")))
         result["rounds"].append({"order": order, "runs": runs, "load_average": loads})
         for p in order:
             run = runs[p]
             auto = f" ({run['auto_line']})" if run["auto_line"] else ""
-            line = f"{run['tokens_per_s']:.0f} tokens/s, final validation loss {run['final_valid_loss']:.4f}{auto}"
+            loss = run["final_valid_loss"] or f"none (stopped: {run['status']})"
+            line = f"{run['tokens_per_s']:.0f} tokens/s at step {run['steps']}, final validation loss {loss}{auto}"
             print(f"bench_precision: round {r + 1} {p}: {line}", flush=True)
         result["summary"] = summarize(result["rounds"], precisions)
         result["meta"] = bench_meta.finish(meta)
@@ -157,19 +170,29 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def common_valid_step(runs: dict[str, dict]) -> int | None:
+    """The last step every run of a round validated at: where runs stopped at different steps compare."""
+    steps = set.intersection(*(set(map(int, r["valid_losses"])) for r in runs.values()))
+    return max(steps) if steps else None
+
+
 def summarize(rounds: list[dict], precisions: list[str]) -> dict:
-    """Per precision: the median over rounds of tokens/s and of the final validation loss, and each against fp32."""
+    """Per precision: the median over rounds of tokens/s and of the validation loss at each round's last common
+    validation step (the final one where every run completed), and each against fp32."""
     summary = {}
     for p in precisions:
+        losses = [r["runs"][p]["valid_losses"].get(common_valid_step(r["runs"])) for r in rounds]
         summary[p] = {
             "tokens_per_s": statistics.median(r["runs"][p]["tokens_per_s"] for r in rounds),
-            "final_valid_loss": statistics.median(r["runs"][p]["final_valid_loss"] for r in rounds),
+            "valid_loss": statistics.median(x for x in losses if x is not None) if any(losses) else None,
+            "valid_steps": [common_valid_step(r["runs"]) for r in rounds],
         }
     if "fp32" in summary:
         base = summary["fp32"]
         for p in precisions:
             summary[p]["speed_vs_fp32"] = summary[p]["tokens_per_s"] / base["tokens_per_s"]
-            summary[p]["loss_vs_fp32"] = summary[p]["final_valid_loss"] / base["final_valid_loss"] - 1
+            if summary[p]["valid_loss"] is not None and base["valid_loss"]:
+                summary[p]["loss_vs_fp32"] = summary[p]["valid_loss"] / base["valid_loss"] - 1
     return summary
 
 
