@@ -62,7 +62,7 @@ def parse_run(run_dir: Path, stdout: str) -> dict:
     windows, last_step, valid = [], 0, {}
     for line in (run_dir / "train.log").read_text().splitlines():
         if m := VALID_LINE.search(line):
-            valid[int(m.group(1))] = float(m.group(2))
+            valid[m.group(1)] = float(m.group(2))  # keyed by the step as a string, as the JSON keeps it
         if m := TRAIN_LINE.search(line):
             step = int(m.group(1))
             fields = dict(part.split(" ", 1) for part in m.group(2).split(" | "))
@@ -181,7 +181,7 @@ def summarize(rounds: list[dict], precisions: list[str]) -> dict:
     validation step (the final one where every run completed), and each against fp32."""
     summary = {}
     for p in precisions:
-        losses = [r["runs"][p]["valid_losses"].get(common_valid_step(r["runs"])) for r in rounds]
+        losses = [r["runs"][p]["valid_losses"].get(str(common_valid_step(r["runs"]))) for r in rounds]
         summary[p] = {
             "tokens_per_s": statistics.median(r["runs"][p]["tokens_per_s"] for r in rounds),
             "valid_loss": statistics.median(x for x in losses if x is not None) if any(losses) else None,
