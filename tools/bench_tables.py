@@ -557,6 +557,47 @@ def plan_vs_published(sources: list[Source]) -> list[str]:
     return lines
 
 
+def precision(sources: list[Source]) -> list[str]:
+    """tools/bench_precision.py: the default LM in each precision, the runs of a round side by side; auto's choice."""
+    lines = header(
+        "CPU path", "matmul bf16 / fp32 (auto's choice)", "round (load average)", "precision", "steps",
+        "tokens/s", "vs fp32", "validation loss (at step)", "vs fp32",
+    )  # fmt: skip
+    for _, d in sources:
+        cap = d["env"].get("ONEDNN_MAX_CPU_ISA") or d["env"].get("DNNL_MAX_CPU_ISA")
+        path = f"`ONEDNN_MAX_CPU_ISA={cap}`" if cap else f"native ({(d['meta'].get('machine') or {}).get('cpu_isa')})"
+        m = d["matmul"]
+        rates = f"{m['bf16_gflops']:.1f} / {m['fp32_gflops']:.1f} GFLOP/s ({m['choice']})"
+        for k, rnd in enumerate(d["rounds"], start=1):
+            loads = rnd["load_average"]
+            when = f"{k} ({min(loads):.1f}-{max(loads):.1f})" if loads else str(k)
+            runs, base = rnd["runs"], rnd["runs"].get("fp32")
+            at = _compared_step(runs)
+            for p, r in runs.items():
+                chose = re.search(r"chose (\w+)", r["auto_line"] or "")
+                label = f"`{p}`" + (f" (chose {chose[1]})" if chose else "")
+                steps = str(r["steps"]) + ("" if r["status"] == "completed" else f" ({r['status']})")
+                speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
+                mine, ref = _loss_at(r, at), _loss_at(base, at) if base else None
+                loss = "-" if mine is None else f"{mine:.4f} ({f'step {at}' if at else 'final'})"
+                vs = f"{mine / ref - 1:+.2%}" if mine is not None and ref else ""
+                lines.append(row(path, rates, when, label, steps, f"{r['tokens_per_s']:.0f}", speed, loss, vs))
+    return lines
+
+
+def _compared_step(runs: dict[str, dict[str, Any]]) -> int | None:
+    """The step a round's runs compare their validation loss at: None (the final one) where all completed, else the
+    last step every run validated at (tools/bench_precision.py --time-limit)."""
+    if all(r["status"] == "completed" for r in runs.values()):
+        return None
+    steps = set.intersection(*(set(map(int, r.get("valid_losses", {}))) for r in runs.values()))
+    return max(steps) if steps else None
+
+
+def _loss_at(run: dict[str, Any], step: int | None) -> float | None:
+    return run["final_valid_loss"] if step is None else run["valid_losses"].get(str(step))
+
+
 RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "throughput": throughput,
     "collectives": collectives,
@@ -573,6 +614,7 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "autotune": autotune,
     "plan_vs_published": plan_vs_published,
     "checkpointing": checkpointing,
+    "precision": precision,
 }
 
 
