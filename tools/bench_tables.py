@@ -567,7 +567,7 @@ def precision(sources: list[Source]) -> list[str]:
         cap = d["env"].get("ONEDNN_MAX_CPU_ISA") or d["env"].get("DNNL_MAX_CPU_ISA")
         path = f"`ONEDNN_MAX_CPU_ISA={cap}`" if cap else f"native ({(d['meta'].get('machine') or {}).get('cpu_isa')})"
         m = d["matmul"]
-        rates = f"{m['bf16_gflops']:.1f} / {m['fp32_gflops']:.1f} GFLOP/s ({m['choice']})"
+        rates = f"{_rate(m['bf16_gflops'])} / {_rate(m['fp32_gflops'])} GFLOP/s ({m['choice']})"
         for k, rnd in enumerate(d["rounds"], start=1):
             loads = rnd["load_average"]
             when = f"{k} ({min(loads):.1f}-{max(loads):.1f})" if loads else str(k)
@@ -583,6 +583,11 @@ def precision(sources: list[Source]) -> list[str]:
                 vs = f"{mine / ref - 1:+.2%}" if mine is not None and ref else ""
                 lines.append(row(path, rates, when, label, steps, f"{r['tokens_per_s']:.0f}", speed, loss, vs))
     return lines
+
+
+def _rate(gflops: float) -> str:
+    """Whole GFLOP/s, two significant digits below 10: emulated bf16 runs at a few hundredths on a loaded core."""
+    return f"{gflops:.0f}" if gflops >= 10 else f"{gflops:.2g}"
 
 
 def _compared_step(runs: dict[str, dict[str, Any]]) -> int | None:
