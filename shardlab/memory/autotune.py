@@ -34,7 +34,6 @@ import copy
 import gc
 import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from shardlab.checkpoint.layout import complete_checkpoints
+from shardlab.checkpoint.layout import complete_checkpoints, write_json_atomic
 from shardlab.errors import ConfigError
 from shardlab.memory.budget import Choice, apply_choice, fitting, sharded_only
 from shardlab.memory.plan import GiB, Layout, profile_config
@@ -325,9 +324,7 @@ def _record(cfg: DictConfig, run_dir: Path, decision: dict, cache: bool) -> None
 def _write(path: Path, decision: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(decision, indent=1))
-        os.replace(tmp, path)
+        write_json_atomic(path, decision, indent=1)
     except OSError as e:  # a cache that cannot be written costs the next run a measurement, nothing more
         print(f"warning: distributed.backend=auto could not write {path} ({e})", flush=True)
 
