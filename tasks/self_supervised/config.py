@@ -44,6 +44,9 @@ class SwAVConfig(SelfSupervisedConfig):
     assignment once the queue is full; 0 = no queue (useful when the global batch is small against num_prototypes)."""
     queue_start_step: int = 0
     """The optimizer step from which the queue fills (SwAV starts it after some epochs, once features settle)."""
+    hard_codes_steps: int = 0
+    """Optimizer steps at the start whose codes are one-hot (each row's largest Sinkhorn code): unlike soft codes,
+    they stay sharp when the prototype scores flatten, so flat predictions are no resting point (docs/vision.md)."""
 
 
 @dataclass

@@ -47,10 +47,12 @@ def swav_loss(
     iterations: int,
     queued_scores: list[Tensor | None],
     stats: dict[str, Tensor] | None = None,
+    hard: bool = False,
 ) -> Tensor:
     """The swapped-prediction loss of this rank's n images. ``scores`` (crops * n, K): prototype scores, crop-major;
     ``queued_scores[i]``: scores of the queue's rows for assignment crop i (None: no queue yet). ``stats``, if given,
-    receives the collapse diagnostics as means over this rank's rows (see ``collapse_stats``)."""
+    receives the collapse diagnostics as means over this rank's rows (see ``collapse_stats``). ``hard``: each row's
+    codes one-hot at its largest code."""
     scores = scores.float()
     num_crops = scores.shape[0] // n
     log_probs = F.log_softmax(scores.view(num_crops, n, -1) / temperature, dim=2)
@@ -62,6 +64,8 @@ def swav_loss(
             if queued_scores[i] is not None:
                 assigned = torch.cat([queued_scores[i].float(), assigned])
             codes = sinkhorn(assigned, epsilon, iterations)[-n:]
+            if hard:
+                codes = F.one_hot(codes.argmax(dim=1), codes.shape[1]).to(codes.dtype)
             all_codes.append(codes)
         others = [v for v in range(num_crops) if v != crop]
         loss = loss - (codes * log_probs[others]).sum(dim=2).mean(dim=1).sum() / len(others)

@@ -133,6 +133,7 @@ class SwAVTask(SelfSupervisedTask):
         self.queue: FeatureQueue | None = None
         self.stats: dict[str, torch.Tensor] = {}
         """The last loss's collapse diagnostics (swav.collapse_stats), logged beside the loss."""
+        self.train_state = None
 
     def method_errors(self) -> list[str]:
         t, d, batch = self.cfg.task, self.cfg.data, self.cfg.optimization.batch_size
@@ -146,8 +147,8 @@ class SwAVTask(SelfSupervisedTask):
                 f"task.num_prototypes and task.sinkhorn_iterations must be >= 1 and task.epsilon > 0, got "
                 f"{t.num_prototypes}, {t.sinkhorn_iterations} and {t.epsilon}"
             )
-        if t.freeze_prototypes_steps < 0 or t.queue_start_step < 0:
-            errors.append("task.freeze_prototypes_steps and task.queue_start_step must be >= 0")
+        if t.freeze_prototypes_steps < 0 or t.queue_start_step < 0 or t.hard_codes_steps < 0:
+            errors.append("task.freeze_prototypes_steps, task.queue_start_step and task.hard_codes_steps must be >= 0")
         if t.queue_length < 0 or t.queue_length % batch:
             errors.append(
                 f"task.queue_length ({t.queue_length}) must be a multiple of optimization.batch_size ({batch}): the "
@@ -170,6 +171,7 @@ class SwAVTask(SelfSupervisedTask):
 
     def training_state(self, train_state, device: torch.device) -> FeatureQueue | None:
         t = self.cfg.task
+        self.train_state = train_state  # the step, for task.hard_codes_steps
         if t.queue_length == 0:
             return None
         self.queue = FeatureQueue(
@@ -207,6 +209,7 @@ class SwAVTask(SelfSupervisedTask):
             t.sinkhorn_iterations,
             per_crop or [None] * len(t.crops_for_assign),
             stats=self.stats,
+            hard=model.training and self.train_state is not None and self.train_state.step < t.hard_codes_steps,
         )
         if queue is not None:
             queue.push(z, list(t.crops_for_assign), n)

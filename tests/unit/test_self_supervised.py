@@ -64,6 +64,23 @@ def test_sinkhorn_codes_split_the_rows_equally_over_the_prototypes():
     torch.testing.assert_close(codes.sum(0), torch.full((4,), 3.0), rtol=1e-3, atol=1e-3)  # 12 rows / 4 prototypes
 
 
+def test_hard_codes_are_each_rows_largest_sinkhorn_code():
+    """With ``hard``, each crop predicts the other crop's argmax prototype: the cross-entropy to a one-hot target."""
+    from tasks.self_supervised.swav import sinkhorn, swav_loss
+
+    g = torch.Generator().manual_seed(0)
+    n, k, temperature = 6, 5, 0.1
+    scores = F.normalize(torch.randn(2 * n, 8, generator=g), dim=1) @ F.normalize(torch.randn(k, 8, generator=g), 1).t()
+    log_probs = F.log_softmax(scores / temperature, dim=1)
+    expected = 0
+    for crop, other in ((0, 1), (1, 0)):
+        targets = sinkhorn(scores[crop * n : (crop + 1) * n], 0.05, 3).argmax(dim=1)
+        expected = expected + F.nll_loss(log_probs[other * n : (other + 1) * n], targets) / 2
+    hard = swav_loss(scores, n, [0, 1], temperature, 0.05, 3, [None, None], hard=True)
+    torch.testing.assert_close(hard, expected)
+    assert not torch.isclose(swav_loss(scores, n, [0, 1], temperature, 0.05, 3, [None, None]), hard)
+
+
 def test_nt_xent_is_the_cross_entropy_of_each_view_against_all_other_views():
     from tasks.self_supervised.simclr import nt_xent
 
