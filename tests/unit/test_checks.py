@@ -143,6 +143,17 @@ def test_planning_for_this_machines_gpu_without_one_is_refused_by_the_checks(tin
     checks.check(tiny_lm("distributed.plan_device=h100_80gb"), num_cuda_devices=0)  # a named GPU plans anywhere
 
 
+def test_skipping_a_unit_the_model_lacks_is_refused_by_the_checks(tiny_lm):
+    """The units exist only in the model: every rank found a wrong distributed.ac_skip_units index when it wrapped its
+    model, after the run folder was written; the checks build the model on meta and ask first."""
+    from shardlab.errors import ConfigError
+    from shardlab.jobs import checks
+
+    with pytest.raises(ConfigError, match=r"^distributed.ac_skip_units=\[99\] names units \[99\], but the task has"):
+        checks.check(tiny_lm("distributed.activation_checkpointing=full", "distributed.ac_skip_units=[99]"))
+    checks.check(tiny_lm("distributed.activation_checkpointing=full", "distributed.ac_skip_units=[0,-1]"))
+
+
 # ---- a bad value leaves the run folder as it was -------------------------------------------------------------------
 def snapshot(folder: Path) -> dict[str, tuple[bytes | None, int]]:
     return {
@@ -205,6 +216,7 @@ RAISES_CONFIG_ERROR = {
     "shardlab/checkpoint/run_line.py": "the checkpoints the folder holds",
     "shardlab/checkpoint/shared.py": "whether the hosts share the checkpoint folder",
     "shardlab/memory/plan.py": "the rank's machine's GPU for distributed.plan_device=cuda (the checks ask first)",
+    "shardlab/distributed/activation_checkpointing.py": "the model's units for ac_skip_units (the checks ask first)",
     "shardlab/memory/budget.py": "the memory plan against distributed.memory_budget_gb (asked by the checks)",
     "shardlab/memory/autotune.py": "the layouts measured on the ranks",
     "shardlab/memory/verify.py": "the real fully_shard against the plan (a dry run's)",
