@@ -80,10 +80,10 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
     if cfg.distributed.get("ac_skip_units") and cfg.distributed.activation_checkpointing != "none":
         # the units exist only in the model: build it on meta (nothing allocated) and ask what the rank would ask
         from shardlab.distributed.activation_checkpointing import checkpointed_units
-        from shardlab.distributed.units import model_on_meta
+        from shardlab.distributed.units import model_on_meta, wrapped_units
 
-        d = cfg.distributed
-        units = task.fsdp_units(model_on_meta(task))
+        d, model = cfg.distributed, model_on_meta(task)
+        units = wrapped_units(model, task.fsdp_units(model), d)  # the units the backend wraps (generic ones too)
         checkpointed_units(len(units), d.activation_checkpointing, d.ac_every_k_units, d.ac_skip_units)
     if budget and cfg.distributed.backend != "auto":  # backend=auto is a choice the run makes (runner.choose_layout)
         from shardlab.memory import budget as memory_budget
