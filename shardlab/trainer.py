@@ -41,7 +41,7 @@ from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import StopSignals, torchrun_agent_warning
 from shardlab.jobs.run_dir import run_key_differences
 from shardlab.logging import RunLogger
-from shardlab.memory.meter import PeakMeter, memory_gib, resident_bytes
+from shardlab.memory.meter import PeakMeter, memory_gib
 from shardlab.memory.plan import GiB, RunPlan, plan_run
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
 from shardlab.optim.ema import WeightAverage
@@ -362,15 +362,13 @@ class Trainer:
 
     def _held_between_steps(self) -> int:
         """Bytes this rank holds right after a step (parameters, optimizer state, persistent buffers)."""
-        if self.backend.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.backend.device) - self.meter.baseline
-        return resident_bytes() - self.meter.baseline
+        return self.meter.held()
 
     def _report_memory(self, log: RunLogger) -> None:
         """The fullest rank's measured peak and between-step bytes beside the plan's prediction."""
         if self.held is None:
             return  # resumed at the end: no step ran
-        peak, held, total = self.backend.max_over_ranks([self.meter.peak_above_baseline, self.held, self.meter.peak])
+        peak, held, total = self.backend.max_over_ranks([self.meter.peak_above_baseline, self.held, self.meter.total_peak])
         est = self.memory_estimate
         self.memory = {
             "peak_gib": peak / GiB,

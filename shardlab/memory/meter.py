@@ -1,9 +1,12 @@
 """What a rank really used: the peak of its training steps above the rank's idle baseline, to set beside the plan.
 
 On CUDA the caching allocator's peak of allocated bytes. On a CPU rank the peak resident set size (VmHWM) minus the
-resident size when the trainer started (torch imported, process group joined, nothing of the model yet); Linux lets
-a process reset that peak (``/proc/self/clear_refs``), which the meter does after validation and saves so that only
-training steps count. Elsewhere the peak includes them.
+resident size when the trainer started (torch imported, process group joined, nothing of the model yet), both
+without the file-backed pages (RssFile: the shared libraries' code and data). Those pages are the page cache's, not
+the rank's: the kernel maps them in as code first runs and drops them under memory pressure elsewhere on the
+machine, which moved a 0.09 GiB reading by 13 MiB in CI. Linux lets a process reset the peak
+(``/proc/self/clear_refs``), which the meter does after validation and saves so that only training steps count.
+Elsewhere the peak includes them.
 """
 
 from __future__ import annotations
@@ -33,6 +36,16 @@ def resident_bytes() -> int:
     """This process's resident set size now (0 where /proc is missing)."""
     kib = _status_kib("VmRSS")
     return (kib or 0) * 1024
+
+
+def file_backed_bytes() -> int:
+    """This process's resident pages that map files (0 where /proc is missing)."""
+    return (_status_kib("RssFile") or 0) * 1024
+
+
+def private_resident_bytes() -> int:
+    """This process's resident set size without its file-backed pages: what its own allocations hold."""
+    return max(resident_bytes() - file_backed_bytes(), 0)
 
 
 def _glibc():
@@ -124,19 +137,29 @@ class PeakMeter:
             libc = _glibc()
             if libc is not None:
                 libc.malloc_trim(0)  # what a previous run in this process freed is not this run's baseline
-        self.baseline = torch.cuda.memory_allocated(device) if self.cuda else resident_bytes()
+        self.baseline = torch.cuda.memory_allocated(device) if self.cuda else private_resident_bytes()
         self.peak = 0
+        self.total_peak = 0
         self.resettable = True
         self.reset()
 
     def current_peak(self) -> int:
-        return _kernel_peak(self.device)
+        """The peak since the last reset, without the file-backed pages resident now (CPU)."""
+        if self.cuda:
+            return _kernel_peak(self.device)
+        return max(_kernel_peak(self.device) - file_backed_bytes(), 0)
+
+    def held(self) -> int:
+        """Bytes held now above the baseline: allocated on CUDA, private resident memory on CPU."""
+        if self.cuda:
+            return torch.cuda.memory_allocated(self.device) - self.baseline
+        return private_resident_bytes() - self.baseline
 
     def reset(self) -> None:
         """Forget the peak so far (after validation or a save, whose memory is not a training step's); the process
         peak keeps it (process_peak)."""
         key = str(self.device)
-        _FOLDED[key] = max(_FOLDED.get(key, 0), self.current_peak())
+        _FOLDED[key] = max(_FOLDED.get(key, 0), _kernel_peak(self.device))
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
@@ -149,6 +172,7 @@ class PeakMeter:
     def sample(self) -> None:
         """After a training step: keep the highest peak seen."""
         self.peak = max(self.peak, self.current_peak())
+        self.total_peak = max(self.total_peak, _kernel_peak(self.device))
 
     @property
     def peak_above_baseline(self) -> int:
