@@ -368,7 +368,8 @@ class Trainer:
         """The fullest rank's measured peak and between-step bytes beside the plan's prediction."""
         if self.held is None:
             return  # resumed at the end: no step ran
-        peak, held, total = self.backend.max_over_ranks([self.meter.peak_above_baseline, self.held, self.meter.total_peak])
+        meter = self.meter
+        peak, held, total = self.backend.max_over_ranks([meter.peak_above_baseline, self.held, meter.total_peak])
         est = self.memory_estimate
         self.memory = {
             "peak_gib": peak / GiB,

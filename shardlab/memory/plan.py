@@ -575,8 +575,9 @@ CPU_RUNTIME_BYTES = 13 * 2**20
 """A CPU rank's private resident growth over its first step that is neither model nor activations (kernel and
 thread-pool set-up; not traced further): measured on 13M-28M-parameter LMs at world sizes 2 and 4, every layout
 (tests/distributed/test_memory_plan.py; docs/memory-plan.md). The meter leaves out file-backed pages (library code
-mapped in as it first runs, 15 MiB more here, and dropped again under memory pressure), so neither counts them. On CUDA such memory lives outside the allocator, whose
-peak the plan predicts there; MemoryEstimate.outside counts the context and NCCL's buffers beside it."""
+mapped in as it first runs, 15 MiB more here, and dropped again under memory pressure), so neither counts them. On
+CUDA such memory lives outside the allocator, whose peak the plan predicts there; MemoryEstimate.outside counts the
+context and NCCL's buffers beside it."""
 
 
 @dataclass(frozen=True)
