@@ -32,6 +32,19 @@ def write_holder(run_dir: Path, **fields) -> None:
     (run_dir / LOCK_FILE).write_text(json.dumps(holder))
 
 
+def take_over(run_dir: Path, deadline_s: float = 5.0, **fields) -> None:
+    """Another job's lock replaces ours, until our heartbeat reports the lock lost. Written once, it can be undone: a
+    beat that read the file as ours just before the write replaces it with ours again (the lock has no
+    compare-and-swap), and then the other job's own beat finds our lock and it is the one that stops, so one job keeps
+    the folder either way. A real taker beats on; this one writes again, as often as the beat took it back."""
+    deadline = time.monotonic() + deadline_s
+    while run_lock.lost(run_dir) is None and time.monotonic() < deadline:
+        write_holder(run_dir, **fields)
+        seen = time.monotonic() + 4 * run_lock.HEARTBEAT_S
+        while run_lock.lost(run_dir) is None and time.monotonic() < seen:
+            time.sleep(0.01)
+
+
 @pytest.fixture
 def other_process():
     """A live process on this host that is not us (the holder of someone else's lock)."""
@@ -191,10 +204,7 @@ def test_a_lock_another_job_holds_now_is_lost_with_one_line(tmp_path, monkeypatc
     (tmp_path / LOCK_FILE).write_text("{not json")  # unreadable for a moment: not lost
     time.sleep(0.3)
     assert run_lock.lost(tmp_path) is None
-    write_holder(tmp_path, job="999", host="node-c", pid=31, token="theirs")
-    deadline = time.monotonic() + 5
-    while run_lock.lost(tmp_path) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    take_over(tmp_path, job="999", host="node-c", pid=31, token="theirs")
     reason = run_lock.lost(tmp_path)
     assert reason.startswith(f"the lock of {tmp_path} was taken over by job 999 (host node-c, pid 31)")
     assert said == [f"[run] {reason}"] and "\n" not in reason
@@ -227,8 +237,7 @@ def test_losing_the_lock_stops_training_at_the_next_step_with_a_save_and_one_lin
 
     def another_job_takes_the_folder_during_step_3(self, *args):
         if self.state.step == 2:
-            write_holder(tmp_path, job="999", host="node-c", pid=31, token="theirs")
-            time.sleep(0.3)  # the holder's heartbeat sees it
+            take_over(tmp_path, job="999", host="node-c", pid=31, token="theirs")  # the holder's heartbeat sees it
         return step(self, *args)
 
     monkeypatch.setattr(Trainer, "train_step", another_job_takes_the_folder_during_step_3)
