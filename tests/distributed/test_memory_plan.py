@@ -2,8 +2,9 @@
 memory above the rank's start, and what it holds between steps, beside the plan's prediction for the same run.
 
 Peak within 25% and what is held between steps (parameters, optimizer state, gradient buckets: the state) within
-10%, for the LM at world size 2 and 4 under ddp, fully_sharded, fully_sharded with cpu_offload and cpu_adam, and
-fully_sharded with activation checkpointing. Larger models: tools/max_model.py (docs/memory-plan.md).
+10%, for the LM at world size 2 under ddp and fully_sharded, and (-m slow) at world sizes 2 and 4 under those,
+fully_sharded with cpu_offload and cpu_adam, and fully_sharded with activation checkpointing. Larger models:
+tools/max_model.py (docs/memory-plan.md).
 """
 
 from __future__ import annotations
@@ -38,20 +39,29 @@ MODEL = [
 ]
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_predicted_peak_and_state_match_the_measured_ones(tiny_lm, tmp_path, world):
+# By default world size 2 under ddp and fully_sharded (what sharding saves, against the plan); every layout at world
+# sizes 2 and 4 with -m slow (each layout is a fresh set of ranks, about a minute under the suite's load).
+CASES = [
+    pytest.param(2, ["ddp", "fully_sharded"], id="2"),
+    pytest.param(2, list(LAYOUTS), marks=pytest.mark.slow, id="2-every-layout"),
+    pytest.param(4, list(LAYOUTS), marks=pytest.mark.slow, id="4"),
+]
+
+
+@pytest.mark.parametrize(("world", "layouts"), CASES)
+def test_predicted_peak_and_state_match_the_measured_ones(tiny_lm, tmp_path, world, layouts):
     batch = 8 * world
     cfgs = [
-        tiny_lm(*MODEL, *overrides, f"optimization.batch_size={batch}", f"validation.batch_size={batch}")
-        for overrides in LAYOUTS.values()
+        tiny_lm(*MODEL, *LAYOUTS[name], f"optimization.batch_size={batch}", f"validation.batch_size={batch}")
+        for name in layouts
     ]
     # One set of ranks per layout: a rank's first step also warms up kernels and thread pools (the plan's runtime
     # term), which a second run in the same processes would find already done.
     results = [
-        run_spawned([cfg], world, run_dirs=[tmp_path / name])[0] for cfg, name in zip(cfgs, LAYOUTS, strict=True)
+        run_spawned([cfg], world, run_dirs=[tmp_path / name])[0] for cfg, name in zip(cfgs, layouts, strict=True)
     ]
     report = []
-    for name, result in zip(LAYOUTS, results, strict=True):
+    for name, result in zip(layouts, results, strict=True):
         m = result["memory"]
         peak_error = m["predicted_peak_gib"] / m["peak_gib"] - 1
         held_error = m["predicted_between_steps_gib"] / m["between_steps_gib"] - 1
@@ -65,12 +75,13 @@ def test_predicted_peak_and_state_match_the_measured_ones(tiny_lm, tmp_path, wor
         m = result["memory"]
         assert abs(m["predicted_peak_gib"] / m["peak_gib"] - 1) <= 0.25, "\n".join(report)
         assert abs(m["predicted_between_steps_gib"] / m["between_steps_gib"] - 1) <= 0.10, "\n".join(report)
-    memory = {name: r["memory"] for name, r in zip(LAYOUTS, results, strict=True)}
+    memory = {name: r["memory"] for name, r in zip(layouts, results, strict=True)}
     # What sharding is for, measured: it saves (nearly) the state the plan says, and recomputation shrinks the peak.
     saved = memory["ddp"]["between_steps_gib"] - memory["fully_sharded"]["between_steps_gib"]
     planned = memory["ddp"]["predicted_between_steps_gib"] - memory["fully_sharded"]["predicted_between_steps_gib"]
     assert saved >= 0.8 * planned > 0
-    assert memory["activation_checkpointing"]["peak_gib"] < memory["fully_sharded"]["peak_gib"]
+    if "activation_checkpointing" in memory:
+        assert memory["activation_checkpointing"]["peak_gib"] < memory["fully_sharded"]["peak_gib"]
 
 
 # State-heavy: ~28M parameters (ddp holds 20 bytes each on every rank) and few activations.
