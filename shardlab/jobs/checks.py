@@ -77,18 +77,24 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
         )
     if problems:
         raise ConfigError("; ".join(problems))
-    if cfg.distributed.get("ac_skip_units") and cfg.distributed.activation_checkpointing != "none":
-        # the units exist only in the model: build it on meta (nothing allocated) and ask what the rank would ask
-        from shardlab.distributed.activation_checkpointing import checkpointed_units
-        from shardlab.distributed.units import model_on_meta, wrapped_units
+    d = cfg.distributed
+    skips = bool(d.get("ac_skip_units")) and d.activation_checkpointing != "none"
+    planned = budget and d.backend != "auto" and d.memory_budget_gb > 0  # auto: a choice the run makes (runner)
+    if skips or planned:
+        # the units exist only in the model: built once on meta (nothing allocated), for both checks
+        from shardlab.distributed.units import model_on_meta
 
-        d, model = cfg.distributed, model_on_meta(task)
+        model = model_on_meta(task)
+    if skips:  # ask what the rank would ask
+        from shardlab.distributed.activation_checkpointing import checkpointed_units
+        from shardlab.distributed.units import wrapped_units
+
         units = wrapped_units(model, task.fsdp_units(model), d)  # the units the backend wraps (generic ones too)
         checkpointed_units(len(units), d.activation_checkpointing, d.ac_every_k_units, d.ac_skip_units)
-    if budget and cfg.distributed.backend != "auto":  # backend=auto is a choice the run makes (runner.choose_layout)
+    if planned:
         from shardlab.memory import budget as memory_budget
 
-        memory_budget.resolve(cfg, task, world_size)  # refuses a backend the plan predicts over the budget
+        memory_budget.resolve(cfg, task, world_size, model)  # refuses a backend the plan predicts over the budget
     _checked.clear()  # one start per process: only the last config checked is the run's
     _checked[_fingerprint(cfg, world_size)] = task
     return task

@@ -121,13 +121,15 @@ def apply_choice(cfg, choice: Choice, world_size: int) -> None:
         cfg.optimizer.name = "cpu_adam"  # the same update, fused over the offloaded shards on the CPU
 
 
-def resolve(cfg, task, world_size: int) -> str | None:
+def resolve(cfg, task, world_size: int, model=None) -> str | None:
     """Apply distributed.memory_budget_gb to ``cfg``: backend=auto becomes the chosen layout (written into cfg), an
-    explicit backend predicted over the budget is refused (ConfigError). Returns a line saying what was chosen."""
+    explicit backend predicted over the budget is refused (ConfigError). Returns a line saying what was chosen.
+    ``model``: the task's model on meta where the caller built one already (else built here)."""
     d = cfg.distributed
     if d.memory_budget_gb <= 0:
         return None
-    profile, ctx = profile_config(cfg, task, world_size)
+    units = task.fsdp_units(model) if model is not None else None
+    profile, ctx = profile_config(cfg, task, world_size, model=model, units=units)
     if d.backend == "auto" and not ctx.local:  # another machine's device: nothing can be measured on it from here
         choice = choose(profile, cfg, ctx, sharded_only(d))
         apply_choice(cfg, choice, world_size)
