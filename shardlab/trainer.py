@@ -21,6 +21,7 @@ from torch.profiler import record_function
 
 from shardlab.checkpoint import agreement, dcp_reader, weights
 from shardlab.checkpoint.manager import Checkpointer
+from shardlab.checkpoint.policy import SavePolicy
 from shardlab.checkpoint.resume import restore
 from shardlab.checkpoint.run_line import start_of
 from shardlab.data import GlobalOrder, rank_loader, sample_seed
@@ -178,7 +179,7 @@ class Trainer:
             self._restore()
         if self.ema is not None and self.initialized_from is not None:  # the average starts at the loaded weights
             self.ema.reset()
-        self.last_save = (self.state.step, time.monotonic())
+        self.save_policy = SavePolicy.from_config(cfg.checkpoint, self.state.step)
         self.global_batch = cfg.optimization.batch_size
         self.train_order = GlobalOrder(len(self.task.train_dataset), cfg.seed, shuffle=True)
 
@@ -234,7 +235,7 @@ class Trainer:
             with record_function("shardlab.agree"):
                 stop, overdue, lock_lost, nonfinite = backend.any_rank(
                     self.stop_signals.received is not None,
-                    self._save_overdue(),
+                    self.save_policy.overdue(backend.env.is_main),
                     self._lock_lost(),
                     not bool(self.loss_finite),
                 )
@@ -267,7 +268,7 @@ class Trainer:
             vi = cfg.validation.interval_steps
             if last or (vi and state.step % vi == 0 and not stop):  # stopping: the save comes first
                 last_valid = self.validate(log)
-            if cfg.checkpoint.save and (self._save_due(overdue) or last or stop):
+            if cfg.checkpoint.save and (self.save_policy.due(state.step, overdue) or last or stop):
                 path = self._save_in_loop(must_succeed=last or stop, log=log)
             with record_function("shardlab.meter"):
                 self.meter.reset()  # the next step's peak starts here: validation and saves do not count
@@ -558,20 +559,6 @@ class Trainer:
         reason = run_lock.lost_reason(self.run_dir)  # the same words on every rank, whichever one is reported
         return f"{reason}; stopped at step {self.state.step}, " + (f"saved {saved}" if saved else "nothing saved")
 
-    def _save_overdue(self) -> bool:
-        """checkpoint.interval_minutes passed since the last save, on rank 0's clock (the others say no)."""
-        minutes = self.cfg.checkpoint.interval_minutes
-        return minutes > 0 and self.backend.env.is_main and time.monotonic() - self.last_save[1] >= 60 * minutes
-
-    def _save_due(self, overdue: bool) -> bool:
-        """interval_steps, keep_every_steps milestones, or ``overdue`` (interval_minutes, agreed by all ranks)."""
-        c, step = self.cfg.checkpoint, self.state.step
-        return bool(
-            (c.interval_steps and step % c.interval_steps == 0)
-            or (c.keep_every_steps and step % c.keep_every_steps == 0)
-            or overdue
-        )
-
     def _save_in_loop(self, must_succeed: bool, log: RunLogger) -> Path | None:
         """A save of the loop. One that fails (a full disk, a quota: raised on every rank alike) keeps the previous
         checkpoint; a periodic one then reports in one line and training goes on to try again at the next save, so
@@ -582,7 +569,7 @@ class Trainer:
             if must_succeed:
                 raise
             log.info(f"[ckpt] WARNING: {e}; training goes on and tries again at the next save")
-            self.last_save = (self.last_save[0], time.monotonic())  # interval_minutes: not again at every step
+            self.save_policy.failed()  # interval_minutes: not again at every step
             if self.backend.env.is_main:
                 run_record.update(self.run_dir, save_error=str(e))
             return None
@@ -594,7 +581,7 @@ class Trainer:
         save already in flight is completed where that needs no collective. (Ctrl-C never gets here with
         save_on_error: it is an agreed stop at the end of the step, at any world size.)"""
         c = self.cfg.checkpoint
-        unsaved = self.last_save[0] != self.state.step
+        unsaved = self.save_policy.unsaved(self.state.step)
         reason = self._inconsistent_state(error) if c.save and c.save_on_error and unsaved else None
         if not (c.save and c.save_on_error and unsaved) or reason:
             if reason:
@@ -646,5 +633,5 @@ class Trainer:
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
         path = self.checkpointer.save(self.model, self.optimizer, self.state, described)
-        self.last_save = (self.state.step, time.monotonic())
+        self.save_policy.saved(self.state.step)
         return path
