@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlab.distributed.compile import compiled
-from shardlab.errors import ConfigError
+from shardlab.errors import ConfigError, DataError
 from shardlab.registry import MODELS
 from shardlab.task import Task
 from tasks.lm.architecture import LMArchitecture
+from tasks.lm.cache import corpus_sources
 from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.tokenizer import load_tokenizer
 
@@ -86,6 +87,11 @@ class LanguageModelingTask(Task):
             errors.append(
                 f"data.num_preprocess_workers must be >= -1 (-1 = one per core), got {d.num_preprocess_workers}"
             )
+        if d.path is not None:  # a path with no corpus is refused before the run folder is written (listed, not read)
+            try:
+                corpus_sources(d.path)
+            except DataError as e:
+                errors.append(str(e))
         return errors
 
     def prepare_data(self) -> None:

@@ -106,9 +106,13 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_gets_one_line_error_and_nonzero_exit(case, bad_paths):
     args, pattern = BAD_INPUTS[case]
-    code, out, err = run_cli(*[a.format(root=bad_paths) for a in args], f"data.cache_dir={bad_paths}/cache")
+    args = [a.format(root=bad_paths) for a in args]
+    own_dir = any(a.startswith("hydra.run.dir=") for a in args)  # the cases about the folders name their own
+    run = bad_paths / "runs" / re.sub(r"\W+", "_", case)
+    code, out, err = run_cli(*args, f"data.cache_dir={bad_paths}/cache", *([] if own_dir else [f"hydra.run.dir={run}"]))
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, (out, err)
+    assert own_dir or not run.exists(), f"{case}: refused, but after its run folder was written"
     assert "[train]" not in out  # refused before the first step
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err

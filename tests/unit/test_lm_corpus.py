@@ -445,7 +445,10 @@ def test_a_glob_of_parquet_shards_reuses_the_cache_of_their_folder_and_a_replace
 
 def refusal(tmp_path, path: Path, *overrides: str) -> str:
     """The training CLI's stderr for data.path=``path``, asserting it is one line, exit code 2, and left no cache."""
-    code, out, err = run_cli(f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}", *overrides)
+    run = tmp_path / "run"
+    code, out, err = run_cli(
+        f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}", *overrides
+    )
     assert code == 2, (out, err)
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert not [p for p in (tmp_path / "cache").glob("*") if (p / "meta.json").exists()]
