@@ -58,6 +58,23 @@ def dino_loss(
     return total / terms
 
 
+@torch.no_grad()
+def collapse_stats(teacher: Tensor, center: Tensor, temperature: float, z: Tensor) -> dict[str, Tensor]:
+    """What tells DINO's two collapses apart (docs/vision.md#dino), over this rank's rows of the teacher's global crops:
+    ``teacher_entropy``, the mean entropy of a row's target softmax((teacher - center) / temperature) (ln K: uniform
+    targets, the centering won; near 0: sharp ones); ``batch_entropy``, that of the targets' mean over the rows (near 0:
+    one output dimension for every image, the sharpening won); ``z_std``, the standard deviation over the rows of the
+    teacher's L2-normalized bottleneck, averaged over its dimensions (0: one embedding for every image; about
+    1/sqrt(dim) for spread ones)."""
+    q = F.softmax((teacher.float() - center) / temperature, dim=-1)
+    mean = q.mean(dim=0)
+    return {
+        "teacher_entropy": -torch.special.xlogy(q, q).sum(dim=1).mean(),
+        "batch_entropy": -torch.special.xlogy(mean, mean).sum(),
+        "z_std": z.float().std(dim=0).mean(),
+    }
+
+
 def teacher_temperature(t: Any, step: int) -> float:
     """The teacher's temperature at optimizer step ``step`` (0-based): linear from task.warmup_teacher_temperature to
     task.teacher_temperature over task.warmup_teacher_temperature_steps, then constant (DINO's warm-up)."""

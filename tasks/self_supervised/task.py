@@ -19,7 +19,7 @@ from tasks.image_classification import model as regnet
 from tasks.image_classification.task import ImageClassificationTask
 from tasks.self_supervised import model as ssl_model
 from tasks.self_supervised.data import crop_sizes, open_datasets
-from tasks.self_supervised.dino import Center, dino_loss, teacher_temperature, teacher_weights
+from tasks.self_supervised.dino import Center, collapse_stats, dino_loss, teacher_temperature, teacher_weights
 from tasks.self_supervised.simclr import nt_xent
 from tasks.self_supervised.swav import FeatureQueue, swav_loss
 
@@ -235,6 +235,8 @@ class DINOTask(SelfSupervisedTask):
         super().__init__(cfg)
         self.center: Center | None = None
         self.train_state = None
+        self.stats: dict[str, torch.Tensor] = {}
+        """The last loss's collapse diagnostics (dino.collapse_stats), logged beside the loss."""
 
     def method_errors(self) -> list[str]:
         t, d, ema = self.cfg.task, self.cfg.data, self.cfg.optimization.ema
@@ -258,6 +260,19 @@ class DINOTask(SelfSupervisedTask):
             errors.append(f"task.projection_activation must be gelu or relu, got '{t.projection_activation}'")
         return errors
 
+    def loss(self, model: nn.Module, batch, device: torch.device):
+        self.stats.clear()
+        loss, sums = super().loss(model, batch, device)
+        sums.update({f"{key}_sum": value * sums["count"] for key, value in self.stats.items()})
+        return loss, sums
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        metrics = super().summarize(sums)
+        for key in ("teacher_entropy", "batch_entropy", "z_std"):
+            if f"{key}_sum" in sums:
+                metrics[key] = sums[f"{key}_sum"] / max(sums["count"], 1)
+        return metrics
+
     def training_state(self, train_state, device: torch.device) -> Center:
         self.train_state = train_state  # the step (teacher temperature) and the trainer's average (the teacher)
         self.center = Center(self.cfg.task.num_prototypes, self.cfg.task.center_momentum, device)
@@ -275,11 +290,13 @@ class DINOTask(SelfSupervisedTask):
         if state is not None and average is None:
             raise RuntimeError("task=dino: the trainer keeps no average of the weights to be the teacher")
         with teacher_weights(model, average):
-            _, teacher, _ = model(crops[:num_global])
+            teacher_z, teacher, _ = model(crops[:num_global])
         _, student, _ = model(crops)
         step = state.step if state is not None else 0
         center = self.center.center if self.center is not None else torch.zeros((), device=student.device)
-        loss = dino_loss(student, teacher, center, num_global, t.temperature, teacher_temperature(t, step))
+        temperature = teacher_temperature(t, step)
+        loss = dino_loss(student, teacher, center, num_global, t.temperature, temperature)
+        self.stats.update(collapse_stats(teacher, center, temperature, teacher_z))
         if model.training and self.center is not None:
             self.center.update(teacher)
         return loss

@@ -13,7 +13,7 @@ from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.jobs.preflight import preflight
 from shardlab.runner import run_rank
-from tasks.self_supervised.dino import Center, WeightNormLinear, dino_loss, teacher_temperature
+from tasks.self_supervised.dino import Center, WeightNormLinear, collapse_stats, dino_loss, teacher_temperature
 from tests.ssl_configs import STEPS, dino
 from tools import evaluate
 
@@ -68,6 +68,24 @@ def test_last_layer_rows_are_normalized_so_its_scale_does_not_matter():
     with torch.no_grad():
         layer.weight.mul_(torch.tensor([[2.0], [5.0], [0.5]]))
     torch.testing.assert_close(layer(x), before)
+
+
+def test_collapse_stats_tell_uniform_targets_from_one_dimension_and_from_learning():
+    n, k, dim = 8, 6, 4
+    z = torch.nn.functional.normalize(torch.randn(n, dim), dim=1)
+    same = torch.randn(1, k).expand(n, k)  # one output for every image: the center removes it, the targets are uniform
+    uniform = collapse_stats(same, same[:1], 0.04, z[:1].expand(n, dim))
+    assert float(uniform["teacher_entropy"]) == pytest.approx(math.log(k), rel=1e-5)
+    assert float(uniform["batch_entropy"]) == pytest.approx(math.log(k), rel=1e-5)
+    assert float(uniform["z_std"]) == 0
+    one_dim = torch.zeros(n, k)
+    one_dim[:, 2] = 1.0  # the sharpening won: every image on output 2
+    dominant = collapse_stats(one_dim, torch.zeros(1, k), 0.04, z)
+    assert float(dominant["teacher_entropy"]) < 0.01 and float(dominant["batch_entropy"]) < 0.01
+    spread = torch.eye(k)[torch.arange(n) % k]  # sharp targets, different images on different outputs
+    learning = collapse_stats(spread, torch.zeros(1, k), 0.04, z)
+    assert float(learning["teacher_entropy"]) < 0.01 and float(learning["batch_entropy"]) > 0.9 * math.log(k)
+    assert float(learning["z_std"]) > 0.1
 
 
 @pytest.mark.parametrize(
