@@ -57,6 +57,10 @@ DINO = [
     "task.warmup_teacher_temperature_steps=3",
     "optimizer.lr=0.01",
     "optimization.ema.decay=0.9",
+    # No BatchNorm in the head here: over this 16-image batch it amplifies rounding (one pass against per-rank
+    # statistics combined) to 3e-4 of the loss by step 4, past the parity tests' 1e-5; test_dino_parity.py holds the
+    # default's head BatchNorm on two ranks to a looser bound of its own.
+    "task.projection_bn=false",
 ]
 
 
