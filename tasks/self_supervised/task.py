@@ -31,6 +31,11 @@ def unwrapped(model: nn.Module) -> ssl_model.SelfSupervisedModel:
 class SelfSupervisedTask(ImageClassificationTask):
     resumable_model_changes = ("sync_bn", "sync_bn_group_size")  # how BN syncs, not what it holds
 
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.stats: dict[str, torch.Tensor] = {}
+        """The last loss's collapse diagnostics (the keys of ``diagnostics``)."""
+
     def config_errors(self) -> list[str]:
         errors = super().config_errors()  # the trunk's model keys, the image source, validation sizes
         m, d, t = self.cfg.model, self.cfg.data, self.cfg.task
@@ -95,12 +100,19 @@ class SelfSupervisedTask(ImageClassificationTask):
         return features
 
     # ---- loss ----------------------------------------------------------------------------------------------------
+    diagnostics: tuple[str, ...] = ()
+    """The collapse diagnostics a method's loss leaves in ``self.stats`` (means over this rank's rows), logged beside
+    the loss as means over the logging window's samples."""
+
     def loss(self, model: nn.Module, batch, device: torch.device):
         crops, labels, skipped = batch
         crops = [c.to(device, non_blocking=True) for c in crops]
         n = len(labels)
+        self.stats = {}
         loss = self.method_loss(model, crops, n)
-        return loss, {"loss_sum": loss.detach() * n, "count": torch.tensor(float(n)), "skipped": skipped.sum().float()}
+        sums = {"loss_sum": loss.detach() * n, "count": torch.tensor(float(n)), "skipped": skipped.sum().float()}
+        sums.update({f"{key}_sum": self.stats[key] * n for key in self.diagnostics if key in self.stats})
+        return loss, sums
 
     def method_loss(self, model: nn.Module, crops: list[torch.Tensor], n: int) -> torch.Tensor:
         raise NotImplementedError
@@ -109,6 +121,9 @@ class SelfSupervisedTask(ImageClassificationTask):
         metrics = {"loss": sums["loss_sum"] / max(sums["count"], 1)}
         if sums.get("skipped"):
             metrics["skipped"] = int(sums["skipped"])
+        for key in self.diagnostics:
+            if f"{key}_sum" in sums:
+                metrics[key] = sums[f"{key}_sum"] / max(sums["count"], 1)
         return metrics
 
 
@@ -128,11 +143,11 @@ class SimCLRTask(SelfSupervisedTask):
 
 
 class SwAVTask(SelfSupervisedTask):
+    diagnostics = ("code_entropy", "pred_entropy", "score_spread")  # swav.collapse_stats
+
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.queue: FeatureQueue | None = None
-        self.stats: dict[str, torch.Tensor] = {}
-        """The last loss's collapse diagnostics (swav.collapse_stats), logged beside the loss."""
         self.train_state = None
 
     def method_errors(self) -> list[str]:
@@ -155,19 +170,6 @@ class SwAVTask(SelfSupervisedTask):
                 "queue holds whole past batches; 0 = no queue"
             )
         return errors
-
-    def loss(self, model: nn.Module, batch, device: torch.device):
-        self.stats.clear()
-        loss, sums = super().loss(model, batch, device)
-        sums.update({f"{key}_sum": value * sums["count"] for key, value in self.stats.items()})
-        return loss, sums
-
-    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
-        metrics = super().summarize(sums)
-        for key in ("code_entropy", "pred_entropy", "score_spread"):
-            if f"{key}_sum" in sums:
-                metrics[key] = sums[f"{key}_sum"] / max(sums["count"], 1)
-        return metrics
 
     def training_state(self, train_state, device: torch.device) -> FeatureQueue | None:
         t = self.cfg.task
@@ -231,12 +233,12 @@ def normalize_prototypes(model: nn.Module) -> None:
 class DINOTask(SelfSupervisedTask):
     """DINO (tasks/self_supervised/dino.py): the teacher is optimization.ema's average of this model."""
 
+    diagnostics = ("teacher_entropy", "batch_entropy", "z_std")  # dino.collapse_stats
+
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.center: Center | None = None
         self.train_state = None
-        self.stats: dict[str, torch.Tensor] = {}
-        """The last loss's collapse diagnostics (dino.collapse_stats), logged beside the loss."""
 
     def method_errors(self) -> list[str]:
         t, d, ema = self.cfg.task, self.cfg.data, self.cfg.optimization.ema
@@ -259,19 +261,6 @@ class DINOTask(SelfSupervisedTask):
         if t.projection_activation not in ("gelu", "relu"):
             errors.append(f"task.projection_activation must be gelu or relu, got '{t.projection_activation}'")
         return errors
-
-    def loss(self, model: nn.Module, batch, device: torch.device):
-        self.stats.clear()
-        loss, sums = super().loss(model, batch, device)
-        sums.update({f"{key}_sum": value * sums["count"] for key, value in self.stats.items()})
-        return loss, sums
-
-    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
-        metrics = super().summarize(sums)
-        for key in ("teacher_entropy", "batch_entropy", "z_std"):
-            if f"{key}_sum" in sums:
-                metrics[key] = sums[f"{key}_sum"] / max(sums["count"], 1)
-        return metrics
 
     def training_state(self, train_state, device: torch.device) -> Center:
         self.train_state = train_state  # the step (teacher temperature) and the trainer's average (the teacher)
