@@ -130,14 +130,23 @@ def test_rank_zero_failing_before_the_join_keeps_its_store_up_until_the_others_h
     outcome: list[BaseException | None] = [None]
 
     def rank_one() -> None:
-        store = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))  # waits for rank 0's store to start
+        store = TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
         try:
             join.prepare_and_agree(store, 1, 2, lambda: "x", prefix)
         except BaseException as e:  # noqa: B036  (recorded for the test)
             outcome[0] = e
 
     thread = threading.Thread(target=rank_one)
-    thread.start()
+    real_store = join.TCPStore
+
+    def rank_zeros_store_then_rank_one(*args, **kwargs):
+        # Rank 1 connects once rank 0's store listens. Started before, its client once reached another test's server
+        # that held the free port for a moment (another pytest worker), and failed when that server closed.
+        store = real_store(*args, **kwargs)
+        thread.start()
+        return store
+
+    monkeypatch.setattr(join, "TCPStore", rank_zeros_store_then_rank_one)
     started = time.monotonic()
     join.tell_peers_before_joining(DistEnv(0, 2, 0, "127.0.0.1", port, "slurm"), "model.dim: must be > 0")
     thread.join(30)
