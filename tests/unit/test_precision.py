@@ -124,7 +124,8 @@ def test_auto_picks_fp32_where_onednn_is_capped_to_avx2(tmp_path):
     out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["chosen"] == "fp32" and result["bf16_gflops"] < result["fp32_gflops"] / 2, result
+    # Slower, not "by half": under the suite's load both rates sink (4.5 GFLOP/s fp32 against 2.5 bf16 in one CI run).
+    assert result["chosen"] == "fp32" and result["bf16_gflops"] < result["fp32_gflops"], result
     assert result["line"].startswith("distributed.precision=auto chose fp32: ")
     printed = re.search(r" runs ([\d.]+) GFLOP/s in bf16, ([\d.]+) in fp32 ", result["line"])
     assert printed and 0 < float(printed[1]) < float(printed[2]), result["line"]  # both rates, emulated bf16's not "0"
