@@ -23,6 +23,9 @@ class SelfSupervisedConfig(TaskConfig):
     projection_bn: bool = True
     """BatchNorm (synced like the trunk's) and ReLU between the head's linear layers (SwAV, SimCLR v2); false = ReLU
     only (SimCLR v1)."""
+    projection_last_bn: bool = False
+    """A BatchNorm (synced, with its affine) on the embedding itself, its linear layer without bias: SimCLR v2's and
+    lightly's head. Compared over 3 seeds in docs/vision.md#the-projection-head."""
     temperature: float = 0.1
     """Softmax temperature of the loss (SwAV: on the prototype scores; SimCLR: on the cosine similarities)."""
 

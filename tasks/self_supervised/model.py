@@ -25,16 +25,22 @@ TRUNK_PREFIX = "trunk."
 """What a self-supervised checkpoint's trunk weights are prefixed with, against the supervised model's names."""
 
 
-def projection_head(in_dim: int, dims: list[int], batch_norm: bool, activation: str = "relu") -> nn.Sequential:
+def projection_head(
+    in_dim: int, dims: list[int], batch_norm: bool, activation: str = "relu", last_batch_norm: bool = False
+) -> nn.Sequential:
     """Linear layers of widths ``dims``, with (BatchNorm1d and) ReLU or GELU between them; the last layer is the
-    embedding."""
+    embedding, followed by a BatchNorm1d of its own when ``last_batch_norm`` (SimCLR v2's and lightly's head; that
+    layer then has no bias, which the BatchNorm's mean would cancel)."""
     layers: list[nn.Module] = []
     for i, out_dim in enumerate(dims):
-        layers.append(nn.Linear(in_dim, out_dim))
-        if i < len(dims) - 1:
+        last = i == len(dims) - 1
+        layers.append(nn.Linear(in_dim, out_dim, bias=not (last and last_batch_norm)))
+        if not last:
             if batch_norm:
                 layers.append(nn.BatchNorm1d(out_dim, eps=1e-5, momentum=0.1))  # the trunk's BN settings
             layers.append(nn.GELU() if activation == "gelu" else nn.ReLU(inplace=True))
+        elif last_batch_norm:
+            layers.append(nn.BatchNorm1d(out_dim, eps=1e-5, momentum=0.1))
         in_dim = out_dim
     return nn.Sequential(*layers)
 
@@ -49,10 +55,11 @@ class SelfSupervisedModel(nn.Module):
         prototypes: int,
         activation: str = "relu",
         normalized_prototypes: bool = False,
+        last_batch_norm: bool = False,
     ) -> None:
         super().__init__()
         self.trunk = trunk
-        self.projection = projection_head(feature_dim, dims, batch_norm, activation)
+        self.projection = projection_head(feature_dim, dims, batch_norm, activation, last_batch_norm)
         self.prototypes = None
         if prototypes:  # SwAV's prototypes, or DINO's last layer (weight-normalized rows)
             self.prototypes = (
@@ -93,7 +100,7 @@ class SelfSupervisedModel(nn.Module):
 
 def build(cfg_model, task_cfg) -> SelfSupervisedModel:
     """The RegNet of ``cfg_model`` (model.arch, via the vision task's MODELS) without its classifier, and the
-    method's heads (``task_cfg``: projection_dims, projection_bn, num_prototypes for SwAV)."""
+    method's heads (``task_cfg``: projection_dims, projection_bn, projection_last_bn, num_prototypes for SwAV)."""
     trunk = MODELS.build(cfg_model.arch, cfg_model, 1, key="model.arch")
     feature_dim = trunk.fc.in_features
     trunk.fc = nn.Identity()
@@ -106,6 +113,7 @@ def build(cfg_model, task_cfg) -> SelfSupervisedModel:
         prototypes,
         activation=getattr(task_cfg, "projection_activation", "relu"),
         normalized_prototypes=task_cfg.name == "dino",
+        last_batch_norm=task_cfg.projection_last_bn,
     )
 
 

@@ -116,6 +116,18 @@ def test_checkpoint_trunk_is_the_supervised_regnet_without_its_classifier():
     torch.testing.assert_close(features, supervised.eval()(images))
 
 
+def test_a_last_batchnorm_standardizes_the_embedding_over_the_batch():
+    """task.projection_last_bn=true (SimCLR v2's and lightly's head): the embedding layer has no bias and a BatchNorm of
+    its own, so in training each embedding dimension has mean beta (0 at init) and variance gamma^2 (1) over the batch;
+    the default head ends in a plain biased linear layer."""
+    default, last_bn = (build_task(simclr(*o)).build_model() for o in ((), ("task.projection_last_bn=true",)))
+    assert isinstance(default.projection[-1], torch.nn.Linear) and default.projection[-1].bias is not None
+    assert isinstance(last_bn.projection[-1], torch.nn.BatchNorm1d) and last_bn.projection[-2].bias is None
+    z = last_bn.projection(torch.randn(32, last_bn.projection[0].in_features) * 3 + 1)
+    torch.testing.assert_close(z.mean(0), torch.zeros(z.shape[1]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(z.var(0, unbiased=False), torch.ones(z.shape[1]), atol=1e-3, rtol=0)
+
+
 def prototype_norms(trainer) -> dict:
     return {"norms": trainer.model.prototypes.weight.detach().norm(dim=1)}
 
