@@ -7,8 +7,11 @@ over the seeds of linear-probe top-1/top-5 and kNN top-1 on the test split, whic
     python tools/ssl_seeds.py --out docs/bench/ssl_seeds.json                       # swav simclr dino + random, 3 seeds
     python tools/ssl_seeds.py --methods simclr --seeds 1 2 --out /tmp/simclr.json    # a part of it
     python tools/ssl_seeds.py --table docs/bench/ssl_seeds.json                      # the markdown table of a study
+    python tools/ssl_seeds.py --methods simclr --name simclr_last_bn --no-random -- task.projection_last_bn=true
+    python tools/ssl_seeds.py --merge a.json b.json --out docs/bench/ssl_seeds.json  # studies side by side
 
-Runs go to ``--runs``/<method>/seed_<S> (default runs/ssl_seeds). The training command resumes (checkpoint.resume=
+Runs go to ``--runs``/<name>/seed_<S> (default runs/ssl_seeds; the name is the method's unless ``--name`` gives a
+variant its own). The training command resumes (checkpoint.resume=
 auto), so a study stopped half-way continues where it stopped and a finished run is only evaluated again. Each
 training run's wall time is recorded with the load average before and after: on a shared machine the times are
 noisy, the figures are not (every run is seeded). Arguments after ``--`` are overrides for every training run (e.g.
@@ -89,13 +92,37 @@ def table(study: dict) -> str:
     ]
     for name, entry in study["methods"].items():
         s = entry["summary"]
+        label = LABELS.get(entry.get("task", name), name)
+        if entry.get("overrides"):
+            label += f" ({' '.join(entry['overrides'])})"
         cells = [f"{s[m]['mean']:.1f} ± {s[m]['sd']:.1f}%" for m in METRICS]
         seeds = ", ".join(f"{r['linear_top1']:.1f}" for r in entry["per_seed"].values())
         times = [t["seconds"] for t in entry.get("training", {}).values()]
         took = f"{min(times) / 60:.1f}-{max(times) / 60:.1f} min" if times else "-"
         steps = f", {entry['steps']} steps" if entry.get("steps") else ""
-        lines.append(f"| {LABELS.get(name, name)}{steps} | {' | '.join(cells)} | {seeds} | {took} |")
+        lines.append(f"| {label}{steps} | {' | '.join(cells)} | {seeds} | {took} |")
     return "\n".join(lines)
+
+
+def merge(parts: list[Path], out: Path | None) -> dict:
+    """Studies run apart (one method or variant each, as the cores were free) as one: their entries in the order given,
+    each part's provenance kept. A name twice is refused rather than one silently replacing the other."""
+    if out is None:
+        raise SystemExit("--merge writes one study: give --out FILE")
+    study: dict = {"methods": {}, "parts": []}
+    for part in parts:
+        loaded = json.loads(part.read_text())
+        for name, entry in loaded["methods"].items():
+            if name in study["methods"]:
+                raise SystemExit(f"--merge: {part} has '{name}' again; give one of them another --name")
+            entry.setdefault("task", name)
+            entry.setdefault("overrides", loaded.get("overrides", []))
+            study["methods"][name] = entry
+        study["parts"].append({"file": str(part), "meta": loaded.get("meta")})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(study, indent=1) + "\n")
+    print(table(study), flush=True)
+    return study
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -110,26 +137,34 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--runs", type=Path, default=Path("runs/ssl_seeds"), help="where the training runs go")
     parser.add_argument("--out", type=Path, default=None, help="the study as JSON")
     parser.add_argument("--table", type=Path, default=None, help="print the table of this study's JSON and stop")
+    parser.add_argument("--name", default=None, help="the study's name for its one method's variant (its runs' "
+                        "folder too), e.g. simclr_last_bn with -- task.projection_last_bn=true")  # fmt: skip
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, help="write these studies as one to --out")
     args = parser.parse_args(mine)
     if args.table is not None:
         study = json.loads(args.table.read_text())
         print(table(study))
         return study
+    if args.merge is not None:
+        return merge(args.merge, args.out)
+    if args.name is not None and len(args.methods) != 1:
+        raise SystemExit(f"--name names one method's variant: give one method with it, got --methods {args.methods}")
     if len(args.seeds) < 2:
         raise SystemExit("--seeds: give at least 2 seeds for a standard deviation (the study's default: 1 2 3)")
     meta = bench_meta.collect(__file__, argv)
     study: dict = {"methods": {}, "overrides": overrides}
     for method in args.methods:
-        entry: dict = {"per_seed": {}, "training": {}}
+        name = args.name or method
+        entry: dict = {"task": method, "overrides": overrides, "per_seed": {}, "training": {}}
         for seed in args.seeds:
-            run_dir = (args.runs / method / f"seed_{seed}").resolve()
+            run_dir = (args.runs / name / f"seed_{seed}").resolve()
             entry["training"][str(seed)] = train(method, seed, run_dir, overrides)
             checkpoint = newest_checkpoint(run_dir)
             entry["steps"] = int(checkpoint.name.split("_")[-1])
             judged = [str(checkpoint), *EVAL_ARGS.get(method, [])]
             entry["per_seed"][str(seed)] = judge(judged, run_dir / "eval_test.json")
         entry["summary"] = summary(entry["per_seed"])
-        study["methods"][method] = entry
+        study["methods"][name] = entry
         print(table(study), flush=True)
     # The same trunk architecture (regnet_cifar, every method's default) untrained, with each seed's init: with its
     # BatchNorm statistics re-estimated on the train split (evaluate's default for --random-init), and, to show what
