@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # tools.ssl_seeds, when run as a script
 GiB = 2**30
 MARKER = re.compile(r"<!-- bench-table (?P<name>[\w-]+):(?P<files>[^>]*?)-->\n(?P<body>.*?)<!-- /bench-table -->", re.S)
 LAYOUT_NAMES = {
@@ -458,6 +459,14 @@ def ssl_probe(sources: list[Source]) -> list[str]:
     return lines
 
 
+def ssl_seeds(sources: list[Source]) -> list[str]:
+    """tools/ssl_seeds.py studies (a method, a variant, or the random trunk each, as they were run): mean ± sd over the
+    seeds on the test split, one row per method, under one header."""
+    from tools import ssl_seeds as study
+
+    return [*study.TABLE_HEADER, *(line for _, d in sources for line in study.rows(d))]
+
+
 def compiled(sources: list[Source]) -> list[str]:
     """tools/bench_compile.py: eager against compiled in interleaved pairs of bench.py runs, and each compile time."""
     lines = header("run", "pair (order)", "eager", "compiled", "compiled / eager", "compile time (cache)")
@@ -612,6 +621,7 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "max_model": max_model,
     "max_batch": max_batch,
     "ssl_probe": ssl_probe,
+    "ssl_seeds": ssl_seeds,
     "start": start,
     "parts": parts,
     "overhead": overhead,

@@ -8,7 +8,6 @@ over the seeds of linear-probe top-1/top-5 and kNN top-1 on the test split, whic
     python tools/ssl_seeds.py --methods simclr --seeds 1 2 --out /tmp/simclr.json    # a part of it
     python tools/ssl_seeds.py --table docs/bench/ssl_seeds.json                      # the markdown table of a study
     python tools/ssl_seeds.py --methods simclr --name simclr_last_bn --no-random -- task.projection_last_bn=true
-    python tools/ssl_seeds.py --merge a.json b.json --out docs/bench/ssl_seeds.json  # studies side by side
 
 Runs go to ``--runs``/<name>/seed_<S> (default runs/ssl_seeds; the name is the method's unless ``--name`` gives a
 variant its own). The training command resumes (checkpoint.resume=
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools import bench_meta, evaluate  # noqa: E402
+from tools import bench_meta  # noqa: E402
 
 METRICS = ("linear_top1", "linear_top5", "knn_top1")
 EVAL_ARGS = {"dino": ["--ema"]}
@@ -70,6 +69,8 @@ def train(method: str, seed: int, run_dir: Path, overrides: list[str]) -> dict:
 
 def judge(argv: list[str], out: Path) -> dict[str, float]:
     """tools/evaluate.py with ``argv`` on the test split (its default), the figures also written to ``out``."""
+    from tools import evaluate  # torch: not needed to print a table (tools/bench_tables.py renders studies)
+
     results = evaluate.main([*argv, "--split", "test", "--out", str(out)])
     return {k: results[k] for k in METRICS}
 
@@ -84,12 +85,21 @@ def summary(per_seed: dict[str, dict[str, float]]) -> dict[str, dict[str, float]
     return out
 
 
+TABLE_HEADER = (
+    "| trunk (test split) | linear top-1 | linear top-5 | kNN top-1 | seeds: linear top-1 | training time |",
+    "| --- | --- | --- | --- | --- | --- |",
+)
+
+
 def table(study: dict) -> str:
     """The study as a markdown table: mean ± sd over the seeds, and the seeds' own values."""
-    lines = [
-        "| trunk (test split) | linear top-1 | linear top-5 | kNN top-1 | seeds: linear top-1 | training time |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+    return "\n".join([*TABLE_HEADER, *rows(study)])
+
+
+def rows(study: dict) -> list[str]:
+    """The table's rows, one per method or variant (tools/bench_tables.py puts the rows of several studies, run apart,
+    under one header)."""
+    lines = []
     for name, entry in study["methods"].items():
         s = entry["summary"]
         label = LABELS.get(entry.get("task", name), name)
@@ -101,28 +111,7 @@ def table(study: dict) -> str:
         took = f"{min(times) / 60:.1f}-{max(times) / 60:.1f} min" if times else "-"
         steps = f", {entry['steps']} steps" if entry.get("steps") else ""
         lines.append(f"| {label}{steps} | {' | '.join(cells)} | {seeds} | {took} |")
-    return "\n".join(lines)
-
-
-def merge(parts: list[Path], out: Path | None) -> dict:
-    """Studies run apart (one method or variant each, as the cores were free) as one: their entries in the order given,
-    each part's provenance kept. A name twice is refused rather than one silently replacing the other."""
-    if out is None:
-        raise SystemExit("--merge writes one study: give --out FILE")
-    study: dict = {"methods": {}, "parts": []}
-    for part in parts:
-        loaded = json.loads(part.read_text())
-        for name, entry in loaded["methods"].items():
-            if name in study["methods"]:
-                raise SystemExit(f"--merge: {part} has '{name}' again; give one of them another --name")
-            entry.setdefault("task", name)
-            entry.setdefault("overrides", loaded.get("overrides", []))
-            study["methods"][name] = entry
-        study["parts"].append({"file": str(part), "meta": loaded.get("meta")})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(study, indent=1) + "\n")
-    print(table(study), flush=True)
-    return study
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -139,14 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--table", type=Path, default=None, help="print the table of this study's JSON and stop")
     parser.add_argument("--name", default=None, help="the study's name for its one method's variant (its runs' "
                         "folder too), e.g. simclr_last_bn with -- task.projection_last_bn=true")  # fmt: skip
-    parser.add_argument("--merge", type=Path, nargs="+", default=None, help="write these studies as one to --out")
     args = parser.parse_args(mine)
     if args.table is not None:
         study = json.loads(args.table.read_text())
         print(table(study))
         return study
-    if args.merge is not None:
-        return merge(args.merge, args.out)
     if args.name is not None and len(args.methods) != 1:
         raise SystemExit(f"--name names one method's variant: give one method with it, got --methods {args.methods}")
     if len(args.seeds) < 2:
