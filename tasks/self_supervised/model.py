@@ -113,7 +113,7 @@ def build(cfg_model, task_cfg) -> SelfSupervisedModel:
         prototypes,
         activation=getattr(task_cfg, "projection_activation", "relu"),
         normalized_prototypes=task_cfg.name == "dino",
-        last_batch_norm=task_cfg.projection_last_bn,
+        last_batch_norm=getattr(task_cfg, "projection_last_bn", False),  # absent from checkpoints before the key
     )
 
 

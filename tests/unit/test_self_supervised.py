@@ -128,6 +128,20 @@ def test_a_last_batchnorm_standardizes_the_embedding_over_the_batch():
     torch.testing.assert_close(z.var(0, unbiased=False), torch.ones(z.shape[1]), atol=1e-3, rtol=0)
 
 
+def test_a_checkpoint_from_before_the_last_batchnorm_key_builds_the_head_it_was_trained_with():
+    """A checkpoint's config is read as it was saved (tools/evaluate.py, resumes): one written before
+    task.projection_last_bn existed lacks it, and is the default head, not an error."""
+    from omegaconf import OmegaConf
+
+    from tasks.self_supervised import model as ssl_model
+
+    cfg = simclr()
+    task = OmegaConf.masked_copy(cfg.task, [k for k in cfg.task if k != "projection_last_bn"])
+    OmegaConf.set_struct(task, True)
+    head = ssl_model.build(cfg.model, task).projection
+    assert isinstance(head[-1], torch.nn.Linear) and head[-1].bias is not None
+
+
 def prototype_norms(trainer) -> dict:
     return {"norms": trainer.model.prototypes.weight.detach().norm(dim=1)}
 
