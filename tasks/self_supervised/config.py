@@ -50,6 +50,11 @@ class SwAVConfig(SelfSupervisedConfig):
     hard_codes_steps: int = 0
     """Optimizer steps at the start whose codes are one-hot (each row's largest Sinkhorn code): unlike soft codes,
     they stay sharp when the prototype scores flatten, so flat predictions are no resting point (docs/vision.md)."""
+    warmup_temperature: float | None = None
+    """The temperature at step 0, moving linearly to ``temperature`` over warmup_temperature_steps (null: none). An
+    untrained network's predictions at 0.1 are confidently wrong and flatten; begun at 0.5 they start at ln K."""
+    warmup_temperature_steps: int = 0
+    """Steps of the temperature's warm-up (from warmup_temperature to temperature)."""
 
 
 @dataclass

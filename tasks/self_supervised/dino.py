@@ -75,13 +75,16 @@ def collapse_stats(teacher: Tensor, center: Tensor, temperature: float, z: Tenso
     }
 
 
+def linear_warmup(start: float, end: float, steps: int, step: int) -> float:
+    """``start`` at optimizer step 0, linear to ``end`` at step ``steps``, then ``end`` (DINO's teacher temperature,
+    SwAV's task.warmup_temperature)."""
+    return end if step >= steps else start + (end - start) * step / steps
+
+
 def teacher_temperature(t: Any, step: int) -> float:
     """The teacher's temperature at optimizer step ``step`` (0-based): linear from task.warmup_teacher_temperature to
     task.teacher_temperature over task.warmup_teacher_temperature_steps, then constant (DINO's warm-up)."""
-    warmup = t.warmup_teacher_temperature_steps
-    if step >= warmup:
-        return t.teacher_temperature
-    return t.warmup_teacher_temperature + (t.teacher_temperature - t.warmup_teacher_temperature) * step / warmup
+    return linear_warmup(t.warmup_teacher_temperature, t.teacher_temperature, t.warmup_teacher_temperature_steps, step)
 
 
 class Center:

@@ -19,7 +19,14 @@ from tasks.image_classification import model as regnet
 from tasks.image_classification.task import ImageClassificationTask
 from tasks.self_supervised import model as ssl_model
 from tasks.self_supervised.data import crop_sizes, open_datasets
-from tasks.self_supervised.dino import Center, collapse_stats, dino_loss, teacher_temperature, teacher_weights
+from tasks.self_supervised.dino import (
+    Center,
+    collapse_stats,
+    dino_loss,
+    linear_warmup,
+    teacher_temperature,
+    teacher_weights,
+)
 from tasks.self_supervised.simclr import nt_xent
 from tasks.self_supervised.swav import FeatureQueue, swav_loss
 
@@ -162,8 +169,13 @@ class SwAVTask(SelfSupervisedTask):
                 f"task.num_prototypes and task.sinkhorn_iterations must be >= 1 and task.epsilon > 0, got "
                 f"{t.num_prototypes}, {t.sinkhorn_iterations} and {t.epsilon}"
             )
-        if t.freeze_prototypes_steps < 0 or t.queue_start_step < 0 or t.hard_codes_steps < 0:
-            errors.append("task.freeze_prototypes_steps, task.queue_start_step and task.hard_codes_steps must be >= 0")
+        if min(t.freeze_prototypes_steps, t.queue_start_step, t.hard_codes_steps, t.warmup_temperature_steps) < 0:
+            errors.append(
+                "task.freeze_prototypes_steps, task.queue_start_step, task.hard_codes_steps and "
+                "task.warmup_temperature_steps must be >= 0"
+            )
+        if t.warmup_temperature is not None and t.warmup_temperature <= 0:
+            errors.append(f"task.warmup_temperature must be > 0 (null: no warm-up), got {t.warmup_temperature}")
         if t.queue_length < 0 or t.queue_length % batch:
             errors.append(
                 f"task.queue_length ({t.queue_length}) must be a multiple of optimization.batch_size ({batch}): the "
@@ -173,7 +185,7 @@ class SwAVTask(SelfSupervisedTask):
 
     def training_state(self, train_state, device: torch.device) -> FeatureQueue | None:
         t = self.cfg.task
-        self.train_state = train_state  # the step, for task.hard_codes_steps
+        self.train_state = train_state  # the step, for task.hard_codes_steps and the temperature's warm-up
         if t.queue_length == 0:
             return None
         self.queue = FeatureQueue(
@@ -202,11 +214,12 @@ class SwAVTask(SelfSupervisedTask):
             queued = torch.cat([queue.rows(i) for i in range(len(t.crops_for_assign))])
         z, scores, queued_scores = model(crops, queued=queued)
         per_crop = list(queued_scores.chunk(len(t.crops_for_assign))) if queued_scores is not None else None
+        step = self.train_state.step if self.train_state is not None else None
         loss = swav_loss(
             scores,
             n,
             list(t.crops_for_assign),
-            t.temperature,
+            self.temperature(step),
             t.epsilon,
             t.sinkhorn_iterations,
             per_crop or [None] * len(t.crops_for_assign),
@@ -216,6 +229,14 @@ class SwAVTask(SelfSupervisedTask):
         if queue is not None:
             queue.push(z, list(t.crops_for_assign), n)
         return loss
+
+    def temperature(self, step: int | None) -> float:
+        """task.temperature, or on its warm-up at optimizer step ``step`` (validation too: its loss is the training
+        step's); without a step (no training state) the temperature after the warm-up."""
+        t = self.cfg.task
+        if t.warmup_temperature is None or step is None:
+            return t.temperature
+        return linear_warmup(t.warmup_temperature, t.temperature, t.warmup_temperature_steps, step)
 
 
 @torch.no_grad()

@@ -28,11 +28,15 @@ def test_config_mistakes_are_named_together():
         "data.local_crop_scale=[0.5,0.2]",
         "data.blur_prob=1.5",
         "model.num_classes=10",
+        "task.warmup_temperature=0",
     )
     with pytest.raises(ConfigError) as error:
         build_task(cfg)
     message = str(error.value)
-    for key in ("task.queue_length (20)", "task.crops_for_assign", "data.local_crop_scale", "data.blur_prob"):
+    for key in (
+        *("task.queue_length (20)", "task.crops_for_assign", "data.local_crop_scale", "data.blur_prob"),
+        "task.warmup_temperature must be > 0",
+    ):
         assert key in message, message
     assert "model.num_classes (10): task swav has no classifier" in message
     with pytest.raises(ConfigError, match=r"task=simclr contrasts two views: .*got 2 and 2"):
@@ -140,6 +144,18 @@ def test_a_checkpoint_from_before_the_last_batchnorm_key_builds_the_head_it_was_
     OmegaConf.set_struct(task, True)
     head = ssl_model.build(cfg.model, task).projection
     assert isinstance(head[-1], torch.nn.Linear) and head[-1].bias is not None
+
+
+def test_the_temperature_warms_up_linearly_and_the_first_step_trains_at_its_start(tmp_path):
+    """task.warmup_temperature=0.5 over 4 steps to task.temperature=0.1: 0.5, 0.4, 0.3, 0.2, then 0.1. The first
+    step's loss is a run's at 0.5 without warm-up (same seed, same views); the second is not."""
+    warm = ("task.temperature=0.1", "task.warmup_temperature=0.5", "task.warmup_temperature_steps=4")
+    task = build_task(swav(*warm))
+    assert [task.temperature(step) for step in range(6)] == pytest.approx([0.5, 0.4, 0.3, 0.2, 0.1, 0.1])
+    assert task.temperature(None) == 0.1
+    first = [losses(run_rank(swav(*o), tmp_path / str(i), dist_env.detect()))[:2] for i, o in enumerate(
+        (warm, ("task.temperature=0.5",)))]  # fmt: skip
+    assert first[0][0] == first[1][0] and first[0][1] != first[1][1]
 
 
 def prototype_norms(trainer) -> dict:
