@@ -27,7 +27,10 @@ NAMED = [  # the toy defaults of these would not do on ImageNet: every recipe se
     *("validation.batch_size", "validation.interval_steps", "checkpoint.interval_steps"),
 ]
 NAMED_BY_METHOD = {
-    "swav": ["task.num_prototypes", "task.epsilon", "task.freeze_prototypes_steps", "task.queue_length"],
+    "swav": [
+        *("task.num_prototypes", "task.epsilon", "task.freeze_prototypes_steps", "task.queue_length"),
+        "task.warmup_temperature_steps",
+    ],
     "swav+queue": ["task.queue_start_step"],
     "multicrop": ["data.local_crop_size", "data.local_crop_scale"],
 }
@@ -111,10 +114,16 @@ def test_a_recipe_dry_runs_at_its_shape(path, tmp_path, capsys):
     assert not any((tmp_path / "checkpoints").glob("*")) and "planned in" in out
 
 
+UNSET = object()
+
+
 def cell_text(value) -> str:
-    """A value as the docs' recipe table shows it: yaml's true/false, Python's numbers and lists, - for unset."""
-    if value is None:
+    """A value as the docs' recipe table shows it: yaml's true/false and null, Python's numbers and lists, - for
+    unset."""
+    if value is UNSET:
         return "-"
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return str(value).lower()
     return str(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
@@ -134,7 +143,7 @@ def test_docs_show_each_recipes_values_as_the_file_holds_them():
     for row in body:
         key = row[0].strip("`")
         for name, cell in zip(columns, row[1:], strict=True):
-            value = OmegaConf.select(recipe(REPO / "conf" / "experiment" / f"{name}.yaml"), key)
+            value = OmegaConf.select(recipe(REPO / "conf" / "experiment" / f"{name}.yaml"), key, default=UNSET)
             shown = cell_text(value)
             if cell.strip("`") != shown:
                 wrong.append(f"{key} of {name}: docs {cell}, file {shown}")
