@@ -32,8 +32,9 @@ TINY_SSL = [
     "logging.progress_bar=false",
     "logging.tensorboard=false",
 ]
-# SwAV with everything that has state: 2 + 2 crops, prototypes frozen for the first 3 steps, a queue of two batches
-# that starts filling at step 1 (full from step 3 on, used from step 4).
+# SwAV with everything that has state or a schedule: 2 + 2 crops, prototypes frozen for the first 3 steps, a queue of
+# two batches that starts filling at step 1 (full from step 3 on, used from step 4), the temperature warming up from
+# 0.5 to the default's 0.1 over 4 steps.
 SWAV = [
     "task=swav",
     *TINY_SSL,
@@ -42,6 +43,7 @@ SWAV = [
     "task.freeze_prototypes_steps=3",
     "task.queue_length=32",
     "task.queue_start_step=1",
+    "task.warmup_temperature_steps=4",
 ]
 SIMCLR = ["task=simclr", *TINY_SSL]
 # DINO with everything that has state or a schedule: 2 + 2 crops, the last layer frozen for 3 steps, the teacher
