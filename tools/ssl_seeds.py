@@ -51,7 +51,9 @@ def newest_checkpoint(run_dir: Path) -> Path:
 
 
 def train(method: str, seed: int, run_dir: Path, overrides: list[str]) -> dict:
-    """The default pretraining of ``method`` with ``seed``, in its own process, as a user runs it; its wall time."""
+    """The default pretraining of ``method`` with ``seed``, in its own process, as a user runs it; its wall time, or
+    none when the run had finished before (the command then only finds its last checkpoint)."""
+    finished_before = completed(run_dir)
     command = [sys.executable, "-m", "shardlab.train", f"task={method}", f"seed={seed}", f"hydra.run.dir={run_dir}"]
     command += ["logging.progress_bar=false", *overrides]
     load = round(os.getloadavg()[0], 2)
@@ -62,9 +64,18 @@ def train(method: str, seed: int, run_dir: Path, overrides: list[str]) -> dict:
         raise SystemExit(f"[{method} seed {seed}] training failed with exit code {done.returncode}")
     return {
         "command": command[1:],
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": None if finished_before else round(time.perf_counter() - started, 1),
         "load_average": [load, round(os.getloadavg()[0], 2)],
+        **({"note": "finished before this study: evaluated only"} if finished_before else {}),
     }
+
+
+def completed(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run that finished (its status.json says so)."""
+    try:
+        return json.loads((run_dir / "status.json").read_text()).get("status") == "completed"
+    except (OSError, ValueError):
+        return False
 
 
 def judge(argv: list[str], out: Path) -> dict[str, float]:
@@ -107,7 +118,7 @@ def rows(study: dict) -> list[str]:
             label += f" ({' '.join(entry['overrides'])})"
         cells = [f"{s[m]['mean']:.1f} ± {s[m]['sd']:.1f}%" for m in METRICS]
         seeds = ", ".join(f"{r['linear_top1']:.1f}" for r in entry["per_seed"].values())
-        times = [t["seconds"] for t in entry.get("training", {}).values()]
+        times = [t["seconds"] for t in entry.get("training", {}).values() if t.get("seconds") is not None]
         took = f"{min(times) / 60:.1f}-{max(times) / 60:.1f} min" if times else "-"
         steps = f", {entry['steps']} steps" if entry.get("steps") else ""
         lines.append(f"| {label}{steps} | {' | '.join(cells)} | {seeds} | {took} |")
