@@ -37,10 +37,11 @@ def test_a_variant_is_labelled_by_its_overrides_and_named_for_one_method_only():
     per_seed = {str(k): {"linear_top1": 60.0 + k, "linear_top5": 90.0, "knn_top1": 5.0} for k in (1, 2)}
     entry = {"task": "simclr", "overrides": ["task.projection_last_bn=true"], "per_seed": per_seed}
     entry["summary"] = ssl_seeds.summary(per_seed)
+    entry["training"] = {"1": {"seconds": None, "note": "finished before this study: evaluated only"}}
+    entry["training"]["2"] = {"seconds": 150.0}  # only a run trained by the study has a training time
     (row,) = ssl_seeds.rows({"methods": {"simclr_last_bn": entry}})
-    assert row.startswith(
-        "| SimCLR (task.projection_last_bn=true) | 61.5 ± 0.7% | 90.0 ± 0.0% | 5.0 ± 0.0% | 61.0, 62.0 |"
-    )
+    label = "SimCLR (task.projection_last_bn=true)"
+    assert row == f"| {label} | 61.5 ± 0.7% | 90.0 ± 0.0% | 5.0 ± 0.0% | 61.0, 62.0 | 2.5-2.5 min |"
     with pytest.raises(SystemExit, match="one method's variant"):
         ssl_seeds.main(["--methods", "simclr", "swav", "--name", "x"])
 
