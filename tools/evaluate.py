@@ -18,15 +18,15 @@ loaded in one process, in eval mode. Arguments without a leading ``--`` are over
 (``data.*`` picks the evaluation data: data.path, data.source, data.num_workers, data.image_size, ...), or, with
 --random-init and no checkpoint, the Hydra overrides that name the architecture as for ``python -m shardlab.train``.
 
-Vision (--linear, --knn; both by default): the trunk's pooled features (``Task.features``) of the train split and of
-the split judged on (--split: test by default, which nothing is tuned on; valid, which recipes are chosen on) of a
-labelled image source (embedded, folder = an ImageFolder tree, fake) are extracted once, unaugmented, and cached in
-memory (and in --cache-dir, keyed by model, data and split, if given); the linear probe trains on the train split's
-standardized features and reports top-1/top-5 on the judged split; kNN votes among the k most cosine-similar train
-features. A random trunk (--random-init) has its BatchNorm statistics re-estimated on the train split first
+Vision (--linear, --knn; both by default): the trunk's pooled features (``Task.features``) of the train split and of the
+split judged on (--split: test by default, which nothing is tuned on; valid, which recipes are chosen on) of a labelled
+image source (embedded, folder = an ImageFolder tree, fake) are extracted once, unaugmented, and cached in memory (and
+in --cache-dir, keyed by model, data and split, if given); the linear probe trains on the train split's standardized
+features and reports top-1/top-5 on the judged split; kNN votes among the k most cosine-similar train features. A random
+trunk (--random-init) and averaged weights (--ema) have their BatchNorm statistics re-estimated on the train split first
 (--recompute-bn/--no-recompute-bn: any trunk, or none). Language models (--perplexity, the default): the task's loss
-over every block of data.seq_len tokens of the chosen split, as the trainer's validation computes it. --lm-eval
-TASKS (comma-separated) exports the checkpoint to Hugging Face (tools/export_hf.py; --export-dir keeps it) and runs
+over every block of data.seq_len tokens of the chosen split, as the trainer's validation computes it. --lm-eval TASKS
+(comma-separated) exports the checkpoint to Hugging Face (tools/export_hf.py; --export-dir keeps it) and runs
 EleutherAI's lm-evaluation-harness on it with a context window of data.seq_len (tasks/lm/harness.py says when its
 rolling log-likelihood equals the perplexity here). Everything is seeded; the same command gives the same figures.
 ``--out FILE`` writes them as JSON with the settings beside them.
@@ -346,7 +346,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="re-estimate BatchNorm running statistics on the train split before extracting features "
-        "(default: on with --random-init, whose statistics are its init's, off for a trained trunk)",
+        "(default: on with --random-init, whose statistics are its init's, and with --ema, whose are the student's; "
+        "off for a trained trunk)",
     )
     harness = parser.add_argument_group("lm-evaluation-harness (pip install -e '.[lm-eval]')")
     harness.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-eval task names, e.g. hellaswag,piqa")
@@ -398,7 +399,9 @@ def chosen_modes(args, task: Task, where: str) -> list[str]:
 
 def resolve_split(args, modes: list[str]) -> None:
     """args.split for what is evaluated: a trunk is judged on test (default) or valid, never on the images its probe
-    trains on; a corpus has train and valid splits (valid by default). args.recompute_bn: on for a random trunk."""
+    trains on; a corpus has train and valid splits (valid by default). args.recompute_bn: on for a random trunk and for
+    averaged weights (--ema): neither has running statistics of its own (the average is of parameters; its buffers are
+    the student's), so each is probed as torch.optim.swa_utils.update_bn leaves an averaged model."""
     if modes == ["perplexity"]:
         if args.split == "test":
             raise ConfigError("--split test: a corpus has train and valid splits; use --split valid, train or all")
@@ -411,7 +414,7 @@ def resolve_split(args, modes: list[str]) -> None:
         )
     args.split = args.split or "test"
     if args.recompute_bn is None:
-        args.recompute_bn = args.random_init
+        args.recompute_bn = args.random_init or args.ema
 
 
 def main(argv: list[str] | None = None) -> dict:

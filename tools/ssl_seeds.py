@@ -33,7 +33,8 @@ from tools import bench_meta  # noqa: E402
 
 METRICS = ("linear_top1", "linear_top5", "knn_top1")
 EVAL_ARGS = {"dino": ["--ema"]}
-"""How each method's trunk is judged beyond the defaults: DINO by its teacher (the EMA weights), as its paper does."""
+"""How each method's trunk is judged beyond the defaults: DINO by its teacher (the EMA weights, their BatchNorm
+statistics re-estimated: evaluate's default with --ema), as its paper does."""
 LABELS = {
     "swav": "SwAV",
     "simclr": "SimCLR",

@@ -255,6 +255,20 @@ def test_a_random_trunk_is_probed_with_batchnorm_statistics_of_the_train_split(v
     assert recomputed != as_initialised
 
 
+def test_averaged_weights_and_a_random_trunk_get_batchnorm_statistics_of_their_own_by_default():
+    """--ema's average holds parameters only (its BatchNorm buffers are the student's) and --random-init's buffers are
+    its init's: both re-estimate them unless told not to; a trained trunk keeps its own."""
+    from argparse import Namespace
+
+    def resolved(**given) -> bool:
+        args = Namespace(**{"split": None, "random_init": False, "ema": False, "recompute_bn": None, **given})
+        evaluate.resolve_split(args, ["linear", "knn"])
+        return args.recompute_bn
+
+    assert resolved(ema=True) and resolved(random_init=True) and not resolved()
+    assert not resolved(ema=True, recompute_bn=False) and resolved(recompute_bn=True)
+
+
 def test_the_feature_cache_is_keyed_by_split_batchnorm_statistics_and_ema_weights(tmp_path):
     import argparse
 
