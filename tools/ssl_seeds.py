@@ -10,11 +10,10 @@ over the seeds of linear-probe top-1/top-5 and kNN top-1 on the test split, whic
     python tools/ssl_seeds.py --methods simclr --name simclr_last_bn --no-random -- task.projection_last_bn=true
 
 Runs go to ``--runs``/<name>/seed_<S> (default runs/ssl_seeds; the name is the method's unless ``--name`` gives a
-variant its own). The training command resumes (checkpoint.resume=
-auto), so a study stopped half-way continues where it stopped and a finished run is only evaluated again. Each
-training run's wall time is recorded with the load average before and after: on a shared machine the times are
-noisy, the figures are not (every run is seeded). Arguments after ``--`` are overrides for every training run (e.g.
-``-- distributed=single distributed.world_size=1``).
+variant its own). The training command resumes (checkpoint.resume=auto), so a study stopped half-way continues where it
+stopped and a finished run is only evaluated again. Each training run's wall time is recorded with the load average
+before and after: on a shared machine the times are noisy, the figures are not (every run is seeded). Arguments after
+``--`` are overrides for every training run (e.g. ``-- distributed=single distributed.world_size=1``).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from shardlab.jobs import run_record  # noqa: E402
 from tools import bench_meta  # noqa: E402
 
 METRICS = ("linear_top1", "linear_top5", "knn_top1")
@@ -73,10 +73,7 @@ def train(method: str, seed: int, run_dir: Path, overrides: list[str]) -> dict:
 
 def completed(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds a run that finished (its status.json says so)."""
-    try:
-        return json.loads((run_dir / "status.json").read_text()).get("status") == "completed"
-    except (OSError, ValueError):
-        return False
+    return (run_record.read(run_dir) or {}).get("status") == "completed"
 
 
 def judge(argv: list[str], out: Path) -> dict[str, float]:
