@@ -1,31 +1,38 @@
 """One run directory, one writer: a lock file that keeps a second job out of a run in use.
 
-``run.lock`` in the run directory names its holder (job id and restart count, host, pid, the pid's start time) and a
-heartbeat counter that the holder bumps every HEARTBEAT_S seconds from a daemon thread. A start that finds the lock
-held refuses in one line naming the other job, unless the holder is known to be gone:
+``run.lock`` in the run directory names its holder (job id and restart count, host, pid, the pid's start time, and
+since when it holds the lock, a wall time for people). Its content is written once, when the lock is created, and never
+again: the heartbeat is the file's mtime, which the holder touches every HEARTBEAT_S seconds from a daemon thread after
+checking that the lock still names this job. (A beat that rewrote the file could undo a takeover: had another job taken
+the lock over between the beat's check and its write, say while the beat stalled a lease long on a hung NFS mount,
+the write put the stale holder's lock back over the new one, and the job that took over rightly was the one to stop.
+A touch that lands on the new holder's lock that way is harmless, as that job is alive, and the next beat finds the
+lock names another job: the one that took over keeps it.) A start that finds the lock held refuses in one line naming
+the other job, unless the holder is known to be gone:
 
 - it is an earlier incarnation of this very job: the same job id with a lower restart count (Slurm's
   SLURM_RESTART_COUNT, torchrun's TORCHELASTIC_RESTART_COUNT), on whatever node; the scheduler never runs two
   incarnations of one job at once. Another step or process of the same allocation (the same job id, the same
   restart count) is just another job;
 - its holder was on this host and that process is gone (or the pid now belongs to another process): known at once;
-- its holder is on another host and its heartbeat does not change for LEASE_S, timed on this process's own
-  monotonic clock while it watches the lock (a live holder's next beat refuses the start). The wall clocks of two
-  hosts are never compared: a holder whose clock is skewed is judged by whether its heartbeat moves, not by when.
+- its holder is on another host and the lock (its bytes and its mtime) does not change for LEASE_S, timed on this
+  process's own monotonic clock while it watches the lock (a live holder's next beat refuses the start). The wall
+  clocks of two hosts are never compared, the mtime with no clock at all: a holder whose clock is skewed is judged by
+  whether its heartbeat moves, not by when.
 
-A new lock is created whole, holder and all (a hard link of a written file), so no job ever reads it empty, and only
-by that exclusive create. Taking over a stale lock removes it first, and only the very file judged stale (renamed
-aside and compared with what was judged): of two jobs that take over at once, however far apart, one removes it and
-the other moves nothing or puts back what it moved, and then only one creates the new lock; the other finds that job
-alive and refuses. A start that is refused writes nothing: it reads the lock, and creates files only when the lock is
-absent or stale.
+A new lock is created whole, holder and all (a hard link of a written file), so no job ever reads it empty, and only by
+that exclusive create. Taking over a stale lock removes it first, and only the very file judged stale (renamed aside,
+which keeps its mtime, and compared with the bytes and mtime judged): of two jobs that take over at once, however far
+apart, one removes it and the other moves nothing or puts back what it moved, and then only one creates the new lock;
+the other finds that job alive and refuses. A start that is refused writes nothing: it reads the lock, and creates files
+only when the lock is absent or stale.
 
 Held by global rank 0 of a job (the launcher process of local ranks), from before Hydra writes the run's record
 (shardlab.jobs.preflight) until the job ends. The heartbeat survives a lock it cannot read or find for a while (a
 passing NFS error, another starter renaming it aside to compare): it tries again, and gives the lock up only when
 the file names another holder. Then ``lost()`` says why, and the trainer stops at the next step with a save.
 
-The pid check and the heartbeat watch are shared with the corpus cache's lock (tasks/lm/cache_lock.py).
+The pid check, the heartbeat's touch and its watch are shared with the corpus cache's lock (tasks/lm/cache_lock.py).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from shardlab.errors import ConfigError, RunFolderInUse
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 30.0
-"""How often the holder bumps its heartbeat (and checks that the lock is still its own)."""
+"""How often the holder touches its lock (having checked that the lock is still its own)."""
 LEASE_S = 300.0
 """How long a watcher must see another host's heartbeat unchanged before it takes the lock over: ten missed
 heartbeats, so a slow shared file system or a loaded node never loses a live job its lock."""
@@ -76,9 +83,18 @@ def process_alive(pid: int, started: str | None = None) -> bool:
     return started is None or process_start(pid) in (None, started)
 
 
+def touch(path: Path) -> None:
+    """A heartbeat: a new mtime for ``path``, the wall time or a second past its mtime now, whichever is later, so
+    that it changes even where the file system keeps whole seconds or this host's clock stepped back. Watchers look
+    for the change, never compare it with a clock."""
+    beat = max(time.time_ns(), os.stat(path).st_mtime_ns + 1_000_000_000)
+    os.utime(path, ns=(beat, beat))
+
+
 class HeartbeatWatch:
-    """How long a holder's heartbeat has stayed the same, on this process's monotonic clock (never the holder's
-    wall clock, which may run on another host, skewed): a watcher that sees it change knows the holder is alive."""
+    """How long a holder's heartbeat (a lock's mtime, with its bytes for the run lock) has stayed the same, on this
+    process's monotonic clock (never the holder's wall clock, which may run on another host, skewed): a watcher that
+    sees it change knows the holder is alive."""
 
     def __init__(self) -> None:
         self.value: Any = None
@@ -114,11 +130,18 @@ def current_restart() -> int:
     return 0
 
 
-def _read_or_empty(path: Path) -> bytes:
+def _read_lock(path: Path) -> tuple[bytes, int]:
+    """A lock's bytes and its heartbeat (its mtime), from one open file: the same file's both, however its name
+    moves, and fresh on NFS (opening a file revalidates the attributes that a stat by name may take from a cache)."""
+    with open(path, "rb") as f:
+        return f.read(), os.fstat(f.fileno()).st_mtime_ns
+
+
+def _read_lock_or_none(path: Path) -> tuple[bytes, int] | None:
     try:
-        return path.read_bytes()
+        return _read_lock(path)
     except OSError:
-        return b""
+        return None
 
 
 class RunLock:
@@ -140,7 +163,6 @@ class RunLock:
         }
         self.lost: str | None = None
         """Why this job no longer holds the lock (another job's lock replaced it), once the heartbeat is sure."""
-        self._beats = 0
         self._made: list[Path] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -213,16 +235,17 @@ class RunLock:
             ) from None
         self._made = list(reversed(missing))
 
-    def _read_judged(self) -> tuple[dict[str, Any], bytes | None]:
-        """The lock's holder ({} if it does not parse) and the bytes it was read from (None if the lock is gone). A
+    def _read_judged(self) -> tuple[dict[str, Any], tuple[bytes, int] | None]:
+        """The lock's holder ({} if it does not parse) and what it is judged by: the bytes it was read from and its
+        mtime, the holder's heartbeat (None if the lock is gone). A
         lock that does not parse is read again after a moment: where hard links are missing, a lock is written after
         its exclusive create, and its creator may be writing it now; one that cannot be read is tried a few times,
         then the start is refused (a live holder's lock is never removed unread)."""
         error: OSError | None = None
-        raw = b""
+        seen = (b"", 0)
         for pause in (UNREADABLE_WAIT_S, UNREADABLE_WAIT_S, 0.0):
             try:
-                raw = self.path.read_bytes()
+                seen = _read_lock(self.path)
             except FileNotFoundError:
                 return {}, None
             except OSError as e:
@@ -230,14 +253,14 @@ class RunLock:
                 time.sleep(pause)
                 continue
             try:
-                holder = json.loads(raw)
-                return (holder if isinstance(holder, dict) else {}), raw
+                holder = json.loads(seen[0])
+                return (holder if isinstance(holder, dict) else {}), seen
             except ValueError:
                 error = None
                 time.sleep(pause)
         if error is not None:
             raise RunFolderInUse(f"cannot read {self.path} ({error.strerror or error}); {self._fix()}")
-        return {}, raw
+        return {}, seen
 
     def _judge(self, holder: dict[str, Any]) -> tuple[bool, str | None]:
         """(True, the refusal) for a holder known alive; (False, None) for one known gone (or this process);
@@ -266,19 +289,19 @@ class RunLock:
             and restart < self.me["restart"]
         )
 
-    def _remove_if_unchanged(self, judged: bytes) -> None:
-        """Remove the lock if it is still the file judged stale (the same bytes: a live holder's heartbeat rewrites
-        it, and a new lock names another holder; an inode number would not do, as a removed file's is reused at
-        once). It is renamed aside, atomically, so that of several jobs taking over only one gets it; a file another
-        job created or beat since was moved by mistake and goes back (unless a third job created a lock meanwhile,
-        whose lock then stands)."""
+    def _remove_if_unchanged(self, judged: tuple[bytes, int]) -> None:
+        """Remove the lock if it is still the file judged stale (the same bytes and mtime: a live holder's heartbeat
+        touches it, and a new lock names another holder; an inode number would not do, as a removed file's is reused
+        at once). It is renamed aside, atomically, so that of several jobs taking over only one gets it (a rename keeps
+        the mtime); a file another job created or beat since was moved by mistake and goes back (unless a third job
+        created a lock meanwhile, whose lock then stands)."""
         aside = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.{time.time_ns()}.stale")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return  # another job removed it first
         try:
-            if _read_or_empty(aside) != judged:
+            if _read_lock_or_none(aside) != judged:
                 self._put_back(aside)
         finally:
             aside.unlink(missing_ok=True)
@@ -315,14 +338,16 @@ class RunLock:
             tmp.unlink(missing_ok=True)
 
     def _written_tmp(self) -> Path:
-        """A temporary file beside the lock holding this job's details and the next heartbeat. The beat is a counter:
-        watchers compare it with what they saw, never its wall time (written for people) with their own clock."""
-        self._beats += 1
+        """A temporary file beside the lock holding this job's details and since when it holds the lock (a wall time
+        for people: watchers never compare it with their own clock)."""
         tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**self.me, "beat": self._beats, "wall_time": time.time()}))
+        tmp.write_text(json.dumps({**self.me, "since": time.strftime("%Y-%m-%d %H:%M:%S %z")}))
         return tmp
 
     def _beat(self) -> None:
+        """Every HEARTBEAT_S: check that the lock names this job, then touch it. The file is never written: had
+        another job taken the lock over between the check and the touch, the touch lands on that job's lock (it is
+        alive, so that tells watchers nothing false), and the next check finds the lock is another job's."""
         missing = 0
         while not self._stop.wait(HEARTBEAT_S):
             state, holder = _owner(self.path, self.me["token"])
@@ -333,12 +358,12 @@ class RunLock:
             missing = missing + 1 if state == "missing" else 0
             try:
                 if state == "ours":
-                    os.replace(self._written_tmp(), self.path)
+                    touch(self.path)
                 elif missing >= MISSING_BEATS:
                     self._create()  # exclusively: the next beat reads whose it is
             except OSError:
                 pass  # a passing file-system error: the next beat tries again, well within the lease
-            # "unreadable" or missing for a moment: written again once it reads as ours
+            # "unreadable" or missing for a moment: touched again once it reads as ours
 
     def _describe(self, holder: dict[str, Any], detail: str) -> str:
         job = f"job {holder['job']}" if holder.get("job") else "a job"

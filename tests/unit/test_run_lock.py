@@ -33,16 +33,13 @@ def write_holder(run_dir: Path, **fields) -> None:
 
 
 def take_over(run_dir: Path, deadline_s: float = 5.0, **fields) -> None:
-    """Another job's lock replaces ours, until our heartbeat reports the lock lost. Written once, it can be undone: a
-    beat that read the file as ours just before the write replaces it with ours again (the lock has no
-    compare-and-swap), and then the other job's own beat finds our lock and it is the one that stops, so one job keeps
-    the folder either way. A real taker beats on; this one writes again, as often as the beat took it back."""
+    """Another job's lock replaces ours, once, and our heartbeat reports the lock lost. The holder never writes its
+    lock after creating it (its beat only touches the file), so nothing it does puts its lock back over the other
+    job's (test_a_takeover_between_the_beats_check_and_its_write_is_never_undone)."""
+    write_holder(run_dir, **fields)
     deadline = time.monotonic() + deadline_s
     while run_lock.lost(run_dir) is None and time.monotonic() < deadline:
-        write_holder(run_dir, **fields)
-        seen = time.monotonic() + 4 * run_lock.HEARTBEAT_S
-        while run_lock.lost(run_dir) is None and time.monotonic() < seen:
-            time.sleep(0.01)
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -110,28 +107,26 @@ def test_a_second_job_with_the_same_slurm_job_id_is_refused(tmp_path, other_proc
 
 
 class RemoteHolder:
-    """A holder on another host whose wall clock is off by ``skew_s``: it rewrites its lock every 20 ms (as today's
-    format did: ``heartbeat`` its wall time; and the beat counter), until ``die()``."""
+    """A holder on another host whose wall clock is off by ``skew_s``: it creates its lock (``since`` its wall time)
+    and touches it every 20 ms, the mtime its skewed wall time, until ``die()``."""
 
     def __init__(self, run_dir: Path, skew_s: float) -> None:
-        self.path, self.skew_s, self.beat = run_dir / LOCK_FILE, skew_s, 0
+        self.path, self.skew_s = run_dir / LOCK_FILE, skew_s
         self.stop = threading.Event()
-        self.write()
+        holder = {"job": "77", "restart": 0, "host": "node-b", "pid": 4242, "pid_start": "1", "token": "remote",
+                  "since": time.time() + skew_s}  # fmt: skip
+        self.path.write_text(json.dumps(holder))
+        self.touch()
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
-    def write(self) -> None:
-        self.beat += 1
-        tmp = self.path.with_name(".remote.tmp")
-        now = time.time() + self.skew_s
-        holder = {"job": "77", "restart": 0, "host": "node-b", "pid": 4242, "pid_start": "1", "token": "remote",
-                  "beat": self.beat, "heartbeat": now, "wall_time": now}  # fmt: skip
-        tmp.write_text(json.dumps(holder))
-        os.replace(tmp, self.path)
+    def touch(self) -> None:
+        now = time.time_ns() + int(self.skew_s * 1e9)
+        os.utime(self.path, ns=(now, now))
 
     def run(self) -> None:
         while not self.stop.wait(0.02):
-            self.write()
+            self.touch()
 
     def die(self) -> None:
         self.stop.set()
@@ -168,14 +163,55 @@ def test_a_dead_holder_with_a_fast_clock_is_taken_over_a_lease_after_its_last_be
     lock.release()
 
 
-def test_the_heartbeat_keeps_the_lock_fresh(tmp_path, monkeypatch):
+def test_a_lock_judged_stale_whose_holder_beats_before_it_is_removed_goes_back(tmp_path, monkeypatch):
+    """Another host's lock stayed unchanged for the lease; its holder's beat (a touch: the bytes stay the same) came
+    just before the watcher renamed it aside. The watcher compares the file it moved with the bytes and the mtime it
+    judged, puts it back, and is refused: the heartbeat moved."""
+    monkeypatch.setattr(run_lock, "LEASE_S", 0.3)
+    holder = RemoteHolder(tmp_path, skew_s=0)
+    holder.die()
+    written = (tmp_path / LOCK_FILE).read_bytes()
+    lock = RunLock(tmp_path)
+    remove = lock._remove_if_unchanged
+
+    def the_holder_beats_first(judged):
+        holder.touch()
+        remove(judged)
+
+    lock._remove_if_unchanged = the_holder_beats_first
+    with pytest.raises(RunFolderInUse, match="host node-b, pid 4242, its heartbeat moved while this job watched it"):
+        lock.acquire()
+    assert (tmp_path / LOCK_FILE).read_bytes() == written
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE], "nothing left aside"
+
+
+def test_the_heartbeat_touches_the_lock_and_never_writes_it(tmp_path, monkeypatch):
     monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
     lock = RunLock(tmp_path)
     lock.acquire()
-    first = json.loads((tmp_path / LOCK_FILE).read_text())["beat"]
+    path = tmp_path / LOCK_FILE
+    written, first = path.read_bytes(), path.stat()
+    holder = json.loads(written)
+    assert (holder["host"], holder["pid"], holder["job"]) == (socket.gethostname(), os.getpid(), None)
+    assert holder["since"].startswith(time.strftime("%Y-")), "a wall time for people"
     time.sleep(0.5)
-    assert json.loads((tmp_path / LOCK_FILE).read_text())["beat"] > first
+    assert path.stat().st_mtime_ns != first.st_mtime_ns, "the heartbeat moves"
+    assert path.read_bytes() == written and path.stat().st_ino == first.st_ino, "the same file, never rewritten"
     lock.release()
+
+
+def test_a_heartbeat_moves_where_mtimes_keep_whole_seconds_and_the_clock_stepped_back(tmp_path, monkeypatch):
+    """Watchers compare a beat with the last one only: each beat is at least a second past the last, so it shows."""
+    path = tmp_path / "lock"
+    path.write_text("{}")
+    later = time.time_ns() + 3600 * 10**9  # the last beat came from a clock an hour ahead of this one now
+    os.utime(path, ns=(later, later))
+    run_lock.touch(path)
+    assert path.stat().st_mtime_ns >= later + 10**9
+    now = time.time_ns()
+    os.utime(path, ns=(now - 3600 * 10**9, now - 3600 * 10**9))
+    run_lock.touch(path)
+    assert now <= path.stat().st_mtime_ns <= time.time_ns(), "the wall time otherwise, for people who list it"
 
 
 def test_a_holder_whose_lock_is_renamed_away_and_back_for_a_second_keeps_it(tmp_path, monkeypatch):
@@ -188,10 +224,10 @@ def test_a_holder_whose_lock_is_renamed_away_and_back_for_a_second_keeps_it(tmp_
     os.rename(tmp_path / LOCK_FILE, aside)
     time.sleep(1.0)
     os.rename(aside, tmp_path / LOCK_FILE)
-    beat = (tmp_path / LOCK_FILE).read_bytes()
+    beat = (tmp_path / LOCK_FILE).stat().st_mtime_ns
     time.sleep(0.5)
     assert getattr(lock, "lost", None) is None and lock.held()
-    assert (tmp_path / LOCK_FILE).read_bytes() != beat, "the heartbeat goes on"
+    assert (tmp_path / LOCK_FILE).stat().st_mtime_ns != beat, "the heartbeat goes on"
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
 
@@ -211,6 +247,44 @@ def test_a_lock_another_job_holds_now_is_lost_with_one_line(tmp_path, monkeypatc
     assert run_lock.taken_over(tmp_path)
     run_lock.release(tmp_path)
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "theirs", "the other job's lock stays"
+
+
+def replace_with_another_jobs_lock(run_dir: Path, **fields) -> None:
+    """Another job's lock in place of the one there, in one step (a taker renames the stale lock aside and creates
+    its own; the end is the same)."""
+    holder = {"job": "999", "restart": 0, "host": "node-c", "pid": 31, "pid_start": "1", "token": "theirs", **fields}
+    tmp = run_dir / ".theirs.tmp"
+    tmp.write_text(json.dumps(holder))
+    os.replace(tmp, run_dir / LOCK_FILE)
+
+
+def test_a_takeover_between_the_beats_check_and_its_write_is_never_undone(tmp_path, monkeypatch):
+    """The holder's beat read the lock as its own; before its write, another job took the lock over (this beat had
+    stalled a lease long on a hung NFS mount, so a job on another host judged the lock stale). The beat replaced the
+    whole file to bump a counter, writing its lock over the new holder's: that job's heartbeat then found another
+    holder's lock and stopped, while the stale one went on. The beat only touches the file now: the touch lands on
+    the new holder's lock (harmless: that job is alive), and the next beat finds the lock is another job's."""
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    check, taken = run_lock._owner, threading.Event()
+
+    def check_then_another_job_takes_over(*args, **kwargs):
+        seen = check(*args, **kwargs)
+        if threading.current_thread().name == "shardlab-run-lock" and seen[0] == "ours" and not taken.is_set():
+            replace_with_another_jobs_lock(tmp_path)
+            taken.set()
+        return seen
+
+    monkeypatch.setattr(run_lock, "_owner", check_then_another_job_takes_over)
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    deadline = time.monotonic() + 5
+    while lock.lost is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert taken.is_set()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "theirs", "the job that took over keeps it"
+    assert lock.lost is not None and lock.lost.startswith(f"the lock of {tmp_path} was taken over by job 999")
+    lock.release()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "theirs"
 
 
 def test_a_rank_its_launcher_spawned_learns_that_the_launchers_lock_was_lost(tmp_path, monkeypatch):
