@@ -4,10 +4,10 @@ completion marker (meta.json) and reuse it, however many processes, ranks or job
 The lock is a file beside the cache directory, created with O_EXCL (atomic on local filesystems and NFS v3+), holding
 its writer's host and pid; the writer touches it every few seconds. A lock is stale - and the next process takes the
 work over - when its writer is gone: on the same host, its pid no longer runs (or now names a process that started at
-another time); from another host, its heartbeat has not moved for STALE_S by the waiter's own clock (clocks of
-different hosts are never compared). Both checks are shardlab.jobs.run_lock's, shared with the run folder's lock. Each
-filesystem has its own lock, so with node-local caches every node has one writer. A writer whose build fails leaves its
-error beside the cache (``<cache>.failed``) for the processes that were waiting for it.
+another time); from another host, its heartbeat has not moved for STALE_S by the waiter's own clock (clocks of different
+hosts are never compared). The touch and both checks are shardlab.jobs.run_lock's, shared with the run folder's lock.
+Each filesystem has its own lock, so with node-local caches every node has one writer. A writer whose build fails leaves
+its error beside the cache (``<cache>.failed``) for the processes that were waiting for it.
 
 The lock saves work; it is not what keeps a cache whole. binarize writes into a private temporary directory and
 publishes it with one rename, which fails when the directory is already there: in the rare race where two processes
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from shardlab.checkpoint.layout import write_json_atomic
 from shardlab.errors import DataError
-from shardlab.jobs.run_lock import HeartbeatWatch, process_alive, process_start
+from shardlab.jobs.run_lock import HeartbeatWatch, process_alive, process_start, touch
 
 HEARTBEAT_S = 5.0
 """How often a writer touches its lock."""
@@ -113,7 +113,7 @@ def _acquire(out: Path) -> Iterator[bool]:
 def _heartbeat(lock: Path, stop: threading.Event) -> None:
     while not stop.wait(HEARTBEAT_S):
         with contextlib.suppress(OSError):
-            os.utime(lock)
+            touch(lock)
 
 
 def _read(lock: Path) -> dict | None:
