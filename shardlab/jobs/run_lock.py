@@ -28,9 +28,10 @@ the other finds that job alive and refuses. A start that is refused writes nothi
 only when the lock is absent or stale.
 
 Held by global rank 0 of a job (the launcher process of local ranks), from before Hydra writes the run's record
-(shardlab.jobs.preflight) until the job ends. The heartbeat survives a lock it cannot read or find for a while (a
-passing NFS error, another starter renaming it aside to compare): it tries again, and gives the lock up only when
-the file names another holder. Then ``lost()`` says why, and the trainer stops at the next step with a save.
+(shardlab.jobs.preflight) until the job ends, when it is renamed aside and removed only if it still names this job. The
+heartbeat survives a lock it cannot read or find for a while (a passing NFS error, another starter renaming it aside to
+compare): it tries again, and gives the lock up only when the file names another holder. Then ``lost()`` says why, and
+the trainer stops at the next step with a save.
 
 The pid check, the heartbeat's touch and its watch are shared with the corpus cache's lock (tasks/lm/cache_lock.py).
 """
@@ -43,6 +44,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,8 +204,11 @@ class RunLock:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self.held():
-            self.path.unlink(missing_ok=True)
+        # Renamed aside and checked there, not checked and then removed by name: a takeover that came between the check
+        # and the removal would lose the job that took over its lock. A lock that cannot be moved now is left to the
+        # next start, which judges it like any other (this process is gone by then).
+        with contextlib.suppress(OSError):
+            self._remove_aside_if(lambda aside: _owner(aside, self.me["token"])[0] == "ours")
         for folder in reversed(self._made):  # a start refused later (a path check) leaves no empty folder behind
             with contextlib.suppress(OSError):
                 folder.rmdir()
@@ -295,13 +300,17 @@ class RunLock:
         at once). It is renamed aside, atomically, so that of several jobs taking over only one gets it (a rename keeps
         the mtime); a file another job created or beat since was moved by mistake and goes back (unless a third job
         created a lock meanwhile, whose lock then stands)."""
+        self._remove_aside_if(lambda aside: _read_lock_or_none(aside) == judged)
+
+    def _remove_aside_if(self, still: Callable[[Path], bool]) -> None:
+        """Rename the lock aside and remove it if ``still(the file moved)``, else put it back."""
         aside = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.{time.time_ns()}.stale")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return  # another job removed it first
         try:
-            if _read_lock_or_none(aside) != judged:
+            if not still(aside):
                 self._put_back(aside)
         finally:
             aside.unlink(missing_ok=True)

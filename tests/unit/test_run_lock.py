@@ -287,6 +287,28 @@ def test_a_takeover_between_the_beats_check_and_its_write_is_never_undone(tmp_pa
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "theirs"
 
 
+def test_a_takeover_just_after_the_released_lock_was_checked_is_left_standing(tmp_path, monkeypatch):
+    """A holder releasing its lock checked that the lock was its own, then removed it by name: a takeover in between
+    (this holder judged stale meanwhile) lost the new holder its lock. The lock is renamed aside first and checked
+    there, so only the file checked is removed, and another job's goes back."""
+    lock = RunLock(tmp_path)
+    lock.acquire()  # no beat during the test: HEARTBEAT_S is 30 s
+    check, taken = run_lock._owner, threading.Event()
+
+    def check_then_another_job_takes_over(*args, **kwargs):
+        seen = check(*args, **kwargs)
+        if seen[0] == "ours" and not taken.is_set():
+            replace_with_another_jobs_lock(tmp_path)
+            taken.set()
+        return seen
+
+    monkeypatch.setattr(run_lock, "_owner", check_then_another_job_takes_over)
+    lock.release()
+    assert taken.is_set()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "theirs", "the job that took over keeps it"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE], "nothing left aside"
+
+
 def test_a_rank_its_launcher_spawned_learns_that_the_launchers_lock_was_lost(tmp_path, monkeypatch):
     """Local ranks are children of the holder: rank 0 follows the lock files the launcher named in its environment."""
     monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.02)
