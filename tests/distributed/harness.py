@@ -2,10 +2,20 @@
 
 Each rank runs every config in order through shardlab.runner.run_rank, keeping the process group between them;
 rank 0's results come back to the test through a pickle file.
+
+Ranks start from a fork server (multiprocessing's "forkserver"): one process per pytest process that imports torch
+and shardlab once (PRELOAD), from which every later rank is forked. A rank started by "spawn" is a fresh interpreter
+that imports them itself, ~4 s of CPU each: on 2 cores under the suite's load, 10 s for every set of 2 ranks, and
+the default suite starts ~35 sets. The ranks run the same code either way, with the test's environment and working
+directory at the call (``_started``: the server's are those of its own start). The process differs in one way,
+what it shares with the server: pages the server imported are shared until written, so resident memory above a
+rank's start is not what a fresh process would measure; the tests that hold the memory plan to that measurement
+pass ``start_method="spawn"``. (shardlab's own launcher spawns its local ranks; the CLI tests cover that path.)
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import tempfile
@@ -17,11 +27,47 @@ from omegaconf import OmegaConf
 
 from shardlab.distributed import env as dist_env
 
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "shardlab.checkpoint.manager",
+    "shardlab.distributed.ddp",
+    "shardlab.distributed.fully_sharded",
+    "shardlab.runner",
+    "shardlab.trainer",
+    "tasks.lm.task",
+    "tests.distributed.harness",
+]
+"""What the fork server imports once: most of what a rank imports by the end of its first config (the trainer pulls
+in dynamo, FSDP2 and DCP; the harness pulls in the tests package, whose conftest registers shardlab's schemas and
+plugins). Importing starts no thread, so forking after it is safe."""
+multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+
+
+def _started(environ: dict[str, str], cwd: str) -> None:
+    """First thing in a rank: the test's environment and working directory at the call, as a spawned rank inherits
+    them (a forked one has the server's, from whenever the server started)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.chdir(cwd)
+
 
 def _worker(
-    rank: int, world: int, port: int, cfg_yamls: list[str], run_dirs: list[str], prepare, inspect, out: str
+    rank: int,
+    world: int,
+    port: int,
+    cfg_yamls: list[str],
+    run_dirs: list[str],
+    prepare,
+    inspect,
+    out: str,
+    environ: dict[str, str],
+    cwd: str,
 ) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
+    _started(environ, cwd)
     from shardlab.runner import run_rank
 
     if prepare is not None:
@@ -45,12 +91,14 @@ def run_spawned(
     run_dirs: list[Path] | None = None,
     inspect: Callable | None = None,
     prepare: Callable | None = None,
+    start_method: str = "forkserver",
 ) -> list[dict]:
     """Train each config on ``world_size`` local ranks; rank 0's run_rank results, in order.
 
     ``inspect(trainer) -> dict`` (a module-level function, so it pickles) runs on every rank after each fit; its
     rank-0 result is merged into that config's result. ``prepare()`` runs once per rank before the first config
-    (e.g. to patch a collective and record what reaches it).
+    (e.g. to patch a collective and record what reaches it). ``start_method="spawn"``: fresh interpreters, for
+    measuring a rank's memory (the module's docstring).
     """
     tmp = tempfile.mkdtemp(prefix="shardlab-spawn-")
     run_dirs = run_dirs or [Path(tmp) / f"run{i}" for i in range(len(cfgs))]
@@ -58,20 +106,40 @@ def run_spawned(
     yamls = [OmegaConf.to_yaml(c, resolve=True) for c in cfgs]
     mp.start_processes(
         _worker,
-        args=(world_size, dist_env.free_port(), yamls, [str(d) for d in run_dirs], prepare, inspect, out),
+        args=(
+            world_size,
+            dist_env.free_port(),
+            yamls,
+            [str(d) for d in run_dirs],
+            prepare,
+            inspect,
+            out,
+            dict(os.environ),
+            os.getcwd(),
+        ),
         nprocs=world_size,
         join=True,
-        start_method="spawn",
+        start_method=start_method,
     )
     with open(out, "rb") as f:
         return pickle.load(f)
 
 
-def _outcome_worker(rank: int, world: int, port: int, cfg_yaml: str, run_dir: str, prepare, out_dir: str) -> None:
+def _outcome_worker(
+    rank: int,
+    world: int,
+    port: int,
+    cfg_yaml: str,
+    run_dir: str,
+    prepare,
+    out_dir: str,
+    environ: dict[str, str],
+    cwd: str,
+) -> None:
     import json
     import time
 
-    os.environ["OMP_NUM_THREADS"] = "1"
+    _started(environ, cwd)
     from shardlab.runner import run_rank
 
     if prepare is not None:
@@ -98,9 +166,18 @@ def run_spawned_outcomes(cfg, world_size: int, run_dir: Path, prepare: Callable 
     out = tempfile.mkdtemp(prefix="shardlab-outcomes-")
     mp.start_processes(
         _outcome_worker,
-        args=(world_size, dist_env.free_port(), OmegaConf.to_yaml(cfg, resolve=True), str(run_dir), prepare, out),
+        args=(
+            world_size,
+            dist_env.free_port(),
+            OmegaConf.to_yaml(cfg, resolve=True),
+            str(run_dir),
+            prepare,
+            out,
+            dict(os.environ),
+            os.getcwd(),
+        ),
         nprocs=world_size,
         join=True,
-        start_method="spawn",
+        start_method="forkserver",
     )
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]

@@ -56,9 +56,11 @@ def test_predicted_peak_and_state_match_the_measured_ones(tiny_lm, tmp_path, wor
         for name in layouts
     ]
     # One set of ranks per layout: a rank's first step also warms up kernels and thread pools (the plan's runtime
-    # term), which a second run in the same processes would find already done.
+    # term), which a second run in the same processes would find already done. Fresh interpreters (spawn), as in
+    # every test here that measures memory: a rank forked from the harness's server shares its pages.
     results = [
-        run_spawned([cfg], world, run_dirs=[tmp_path / name])[0] for cfg, name in zip(cfgs, layouts, strict=True)
+        run_spawned([cfg], world, run_dirs=[tmp_path / name], start_method="spawn")[0]
+        for cfg, name in zip(cfgs, layouts, strict=True)
     ]
     report = []
     for name, result in zip(layouts, results, strict=True):
@@ -159,7 +161,7 @@ VISION = [
 def test_vision_plan_with_synced_bn_is_not_under_the_measured_peak(tmp_path, layout):
     from tests.conftest import compose_config
 
-    (result,) = run_spawned([compose_config([*VISION, layout])], 2, run_dirs=[tmp_path / "run"])
+    (result,) = run_spawned([compose_config([*VISION, layout])], 2, run_dirs=[tmp_path / "run"], start_method="spawn")
     m = result["memory"]
     report = (
         f"peak {m['peak_gib']:.4f} GiB measured, {m['predicted_peak_gib']:.4f} planned; between steps "
@@ -245,6 +247,7 @@ def measured_as_planned(tiny_lm, tmp_path, model: list[str], variants: dict[str,
             [tiny_lm(*model, *overrides, f"optimization.batch_size={batch}", f"validation.batch_size={batch}")],
             2,
             run_dirs=[tmp_path / name],
+            start_method="spawn",
         )[0]["memory"]
         for name, overrides in variants.items()
     }

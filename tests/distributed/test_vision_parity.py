@@ -258,7 +258,9 @@ def _sync_bn_rank(rank: int, world: int, port: int) -> None:
 
 
 def test_sync_batchnorm_matches_batchnorm_on_the_global_and_the_group_batch():
-    mp.start_processes(_sync_bn_rank, args=(4, dist_env.free_port()), nprocs=4, join=True, start_method="spawn")
+    # Forked from the harness's server, which has torch imported (tests/distributed/harness.py): 4 fresh interpreters
+    # importing it at once on 2 cores took most of this test's ~30 s.
+    mp.start_processes(_sync_bn_rank, args=(4, dist_env.free_port()), nprocs=4, join=True, start_method="forkserver")
 
 
 # ---- the default model shape (depth 6, 32 px): exact in float64, rounding-level in fp32 ----------------------------
