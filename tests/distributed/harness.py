@@ -48,11 +48,13 @@ multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
 
 def _started(environ: dict[str, str], cwd: str) -> None:
     """First thing in a rank: the test's environment and working directory at the call, as a spawned rank inherits
-    them (a forked one has the server's, from whenever the server started)."""
+    them (a forked one has the server's, from whenever the server started); and "spawn" as the rank's own start
+    method, a spawned rank's default, so the processes a rank starts (DataLoader workers) start as they would."""
     os.environ.clear()
     os.environ.update(environ)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.chdir(cwd)
+    multiprocessing.set_start_method("spawn", force=True)
 
 
 def _worker(
