@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
@@ -55,6 +56,10 @@ def _started(environ: dict[str, str], cwd: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.chdir(cwd)
     multiprocessing.set_start_method("spawn", force=True)
+    # torch is imported already (the server preloads it; a spawned rank imports it to unpickle this function), so
+    # OpenMP read the environment before the line above: a forked rank had as many threads as cores (measured: 2
+    # here), and threads that spin against other ranks on 2 cores slow every op (tests/conftest.py).
+    torch.set_num_threads(1)
 
 
 def _worker(
