@@ -464,7 +464,28 @@ def ssl_seeds(sources: list[Source]) -> list[str]:
     seeds on the test split, one row per method, under one header."""
     from tools import ssl_seeds as study
 
-    return [*study.TABLE_HEADER, *(line for _, d in sources for line in study.rows(d))]
+    common = shared_overrides(sources)
+    return [*study.TABLE_HEADER, *(line for _, d in sources for line in study.rows(d, common))]
+
+
+def shared_overrides(sources: list[Source]) -> tuple[str, ...]:
+    """The overrides every variant of a table's studies shares (none for a table of one): named once, in the text
+    and each file's command under the table, instead of in every row."""
+    entries = [e for _, d in sources for e in d["methods"].values()]
+    if len(entries) < 2:
+        return ()
+    shared = set.intersection(*(set(e.get("overrides") or []) for e in entries))
+    return tuple(o for o in entries[0].get("overrides") or [] if o in shared)
+
+
+def ssl_screen(sources: list[Source]) -> list[str]:
+    """tools/ssl_seeds.py --split valid screens (how a recipe was chosen): each variant's final loss, code entropy
+    and probe on the validation split, one row per variant, under one header; each row names what it changes from the
+    first (the base: each file's command, under the table, names all of its overrides)."""
+    from tools import ssl_seeds as study
+
+    base = next(iter(sources[0][1]["methods"].values())).get("overrides") or []
+    return [*study.SCREEN_HEADER, *(line for _, d in sources for line in study.screen_rows(d, base))]
 
 
 def compiled(sources: list[Source]) -> list[str]:
@@ -622,6 +643,7 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "max_batch": max_batch,
     "ssl_probe": ssl_probe,
     "ssl_seeds": ssl_seeds,
+    "ssl_screen": ssl_screen,
     "start": start,
     "parts": parts,
     "overhead": overhead,

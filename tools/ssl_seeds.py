@@ -8,6 +8,11 @@ over the seeds of linear-probe top-1/top-5 and kNN top-1 on the test split, whic
     python tools/ssl_seeds.py --methods simclr --seeds 1 2 --out /tmp/simclr.json    # a part of it
     python tools/ssl_seeds.py --table docs/bench/ssl_seeds.json                      # the markdown table of a study
     python tools/ssl_seeds.py --methods simclr --name simclr_last_bn --no-random -- task.projection_last_bn=true
+    python tools/ssl_seeds.py --methods swav --seeds 1 --split valid --name swav_eps03 --no-random -- task.epsilon=0.03
+
+A screen (``--split valid``; one seed allowed) judges on the validation split, the one recipes are chosen on, and its
+table shows each run's own final loss and code entropy (from its status.json) beside the probe: the ablation tables
+of docs/vision.md.
 
 Runs go to ``--runs``/<name>/seed_<S> (default runs/ssl_seeds; the name is the method's unless ``--name`` gives a
 variant its own). The training command resumes (checkpoint.resume=auto), so a study stopped half-way continues where it
@@ -76,12 +81,18 @@ def completed(run_dir: Path) -> bool:
     return (run_record.read(run_dir) or {}).get("status") == "completed"
 
 
-def judge(argv: list[str], out: Path) -> dict[str, float]:
-    """tools/evaluate.py with ``argv`` on the test split (its default), the figures also written to ``out``."""
+def judge(argv: list[str], out: Path, split: str = "test") -> dict[str, float]:
+    """tools/evaluate.py with ``argv`` on ``split``, the figures also written to ``out``."""
     from tools import evaluate  # torch: not needed to print a table (tools/bench_tables.py renders studies)
 
-    results = evaluate.main([*argv, "--split", "test", "--out", str(out)])
+    results = evaluate.main([*argv, "--split", split, "--out", str(out)])
     return {k: results[k] for k in METRICS}
+
+
+def final_metrics(run_dir: Path) -> dict[str, float]:
+    """The run's own last validation figures (the method's loss and its diagnostics, e.g. SwAV's code_entropy), as its
+    status.json recorded them: what a collapse shows before any probe."""
+    return dict((run_record.read(run_dir) or {}).get("final") or {})
 
 
 def summary(per_seed: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -100,26 +111,80 @@ TABLE_HEADER = (
 )
 
 
+SCREEN_HEADER = (
+    "| setting (validation split) | final loss | code entropy | linear top-1 | kNN top-1 | training time |",
+    "| --- | --- | --- | --- | --- | --- |",
+)
+
+
 def table(study: dict) -> str:
-    """The study as a markdown table: mean ± sd over the seeds, and the seeds' own values."""
+    """The study as a markdown table: mean ± sd over the seeds and the seeds' own values; a screen (on the validation
+    split) as its runs' own final loss and code entropy beside the probe."""
+    if study.get("split", "test") != "test":
+        return "\n".join([*SCREEN_HEADER, *screen_rows(study)])
     return "\n".join([*TABLE_HEADER, *rows(study)])
 
 
-def rows(study: dict) -> list[str]:
+def label(name: str, entry: dict, common: tuple[str, ...] = ()) -> str:
+    """The method's name and the overrides of the variant, less ``common``: those every row of a table shares, or
+    those of a screen's base that the variant keeps (``key=value`` strings)."""
+    text = LABELS.get(entry.get("task", name), name)
+    own = [o for o in entry.get("overrides") or [] if o not in common]
+    if own:
+        text += f" ({' '.join(own)})"
+    elif common:
+        text += " (the base of these runs)"
+    return text
+
+
+def differs_from(base: list[str], overrides: list[str]) -> list[str]:
+    """``overrides`` that set a key to another value than ``base`` does, or a key it leaves alone."""
+    kept = {o.split("=", 1)[0]: o for o in base}
+    return [o for o in overrides if kept.get(o.split("=", 1)[0]) != o]
+
+
+def training_time(entry: dict) -> str:
+    times = [t["seconds"] for t in entry.get("training", {}).values() if t.get("seconds") is not None]
+    return f"{min(times) / 60:.1f}-{max(times) / 60:.1f} min" if times else "-"
+
+
+def mean_final(finals: list[dict[str, float]], key: str) -> str:
+    values = [f[key] for f in finals if key in f]
+    return f"{statistics.fmean(values):.3f}" if values else "-"
+
+
+def screen_rows(study: dict, base: list[str] | None = None) -> list[str]:
+    """One row per variant of a screen: its runs' final loss and code entropy (means over the seeds) beside the
+    probe, which is how the recipes were chosen on the validation split (docs/vision.md). ``base``: the overrides of
+    the screens' base (the table's first row), which its text names once: each row shows what it changes."""
+    lines = []
+    for name, entry in study["methods"].items():
+        overrides = entry.get("overrides") or []
+        changed = overrides if base is None else differs_from(base, overrides)
+        common = tuple(o for o in overrides if o not in changed)
+        finals = list(entry.get("final", {}).values())
+
+        s = entry["summary"]
+        probe = [f"{s[m]['mean']:.1f}%" if s[m]["n"] == 1 else f"{s[m]['mean']:.1f} ± {s[m]['sd']:.1f}%"
+                 for m in ("linear_top1", "knn_top1")]  # fmt: skip
+        steps = f", {entry['steps']} steps" if entry.get("steps") else ""
+        diagnostics = [mean_final(finals, "loss"), mean_final(finals, "code_entropy")]
+        cells = [f"{label(name, entry, common)}{steps}", *diagnostics, *probe]
+        lines.append(f"| {' | '.join(cells)} | {training_time(entry)} |")
+    return lines
+
+
+def rows(study: dict, common: tuple[str, ...] = ()) -> list[str]:
     """The table's rows, one per method or variant (tools/bench_tables.py puts the rows of several studies, run apart,
-    under one header)."""
+    under one header, and passes as ``common`` the overrides they all share, which its text names once)."""
     lines = []
     for name, entry in study["methods"].items():
         s = entry["summary"]
-        label = LABELS.get(entry.get("task", name), name)
-        if entry.get("overrides"):
-            label += f" ({' '.join(entry['overrides'])})"
         cells = [f"{s[m]['mean']:.1f} ± {s[m]['sd']:.1f}%" for m in METRICS]
         seeds = ", ".join(f"{r['linear_top1']:.1f}" for r in entry["per_seed"].values())
-        times = [t["seconds"] for t in entry.get("training", {}).values() if t.get("seconds") is not None]
-        took = f"{min(times) / 60:.1f}-{max(times) / 60:.1f} min" if times else "-"
         steps = f", {entry['steps']} steps" if entry.get("steps") else ""
-        lines.append(f"| {label}{steps} | {' | '.join(cells)} | {seeds} | {took} |")
+        cells = [f"{label(name, entry, common)}{steps}", *cells, seeds, training_time(entry)]
+        lines.append(f"| {' | '.join(cells)} |")
     return lines
 
 
@@ -132,6 +197,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "the random trunk only)")  # fmt: skip
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--no-random", action="store_true", help="skip the untrained trunk")
+    parser.add_argument("--split", choices=["test", "valid"], default="test", help="the split judged on: test (the "
+                        "report; nothing is tuned on it) or valid (a screen, how recipes are chosen: one seed allowed, "
+                        "the table shows each run's final loss and code entropy)")  # fmt: skip
     parser.add_argument("--runs", type=Path, default=Path("runs/ssl_seeds"), help="where the training runs go")
     parser.add_argument("--out", type=Path, default=None, help="the study as JSON")
     parser.add_argument("--table", type=Path, default=None, help="print the table of this study's JSON and stop")
@@ -144,20 +212,22 @@ def main(argv: list[str] | None = None) -> dict:
         return study
     if args.name is not None and len(args.methods) != 1:
         raise SystemExit(f"--name names one method's variant: give one method with it, got --methods {args.methods}")
-    if len(args.seeds) < 2:
-        raise SystemExit("--seeds: give at least 2 seeds for a standard deviation (the study's default: 1 2 3)")
+    if len(args.seeds) < 2 and args.split == "test":
+        raise SystemExit("--seeds: give at least 2 seeds for a standard deviation (the study's default: 1 2 3), or "
+                         "screen one seed on the validation split with --split valid")  # fmt: skip
     meta = bench_meta.collect(__file__, argv)
-    study: dict = {"methods": {}, "overrides": overrides}
+    study: dict = {"methods": {}, "overrides": overrides, "split": args.split}
     for method in args.methods:
         name = args.name or method
-        entry: dict = {"task": method, "overrides": overrides, "per_seed": {}, "training": {}}
+        entry: dict = {"task": method, "overrides": overrides, "per_seed": {}, "training": {}, "final": {}}
         for seed in args.seeds:
             run_dir = (args.runs / name / f"seed_{seed}").resolve()
             entry["training"][str(seed)] = train(method, seed, run_dir, overrides)
             checkpoint = newest_checkpoint(run_dir)
             entry["steps"] = int(checkpoint.name.split("_")[-1])
+            entry["final"][str(seed)] = final_metrics(run_dir)
             judged = [str(checkpoint), *EVAL_ARGS.get(method, [])]
-            entry["per_seed"][str(seed)] = judge(judged, run_dir / "eval_test.json")
+            entry["per_seed"][str(seed)] = judge(judged, run_dir / f"eval_{args.split}.json", args.split)
         entry["summary"] = summary(entry["per_seed"])
         study["methods"][name] = entry
         print(table(study), flush=True)
@@ -168,10 +238,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name, bn in baselines:
         entry = {"per_seed": {}}
         for seed in args.seeds:
-            out = (args.runs / name / f"seed_{seed}" / "eval_test.json").resolve()
+            out = (args.runs / name / f"seed_{seed}" / f"eval_{args.split}.json").resolve()
             task = args.methods[0] if args.methods else "swav"
             architecture = [f"task={task}", *overrides, f"seed={seed}"]  # as trained: model.* included
-            entry["per_seed"][str(seed)] = judge(["--random-init", *bn, *architecture], out)
+            entry["per_seed"][str(seed)] = judge(["--random-init", *bn, *architecture], out, args.split)
         entry["summary"] = summary(entry["per_seed"])
         study["methods"][name] = entry
     study["meta"] = bench_meta.finish(meta)

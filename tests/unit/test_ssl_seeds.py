@@ -62,3 +62,22 @@ def test_a_study_trains_each_seed_and_judges_it_and_the_random_trunk_on_the_test
     assert json.loads((tmp_path / "runs" / "random" / "seed_2" / "eval_test.json").read_text())["meta"]["settings"][
         "recompute_bn"
     ]
+
+
+def test_a_screen_judges_one_seed_on_the_validation_split_and_shows_the_runs_own_loss_and_code_entropy():
+    per_seed = {"1": {"linear_top1": 40.06, "linear_top5": 85.0, "knn_top1": 33.2}}
+    entry = {"task": "swav", "overrides": ["task.epsilon=0.03"], "per_seed": per_seed, "steps": 270}
+    entry["summary"] = ssl_seeds.summary(per_seed)
+    entry["final"] = {"1": {"loss": 4.5216, "code_entropy": 4.4411}}
+    entry["training"] = {"1": {"seconds": 265.0}}
+    table = ssl_seeds.table({"methods": {"swav_eps03": entry}, "split": "valid"}).splitlines()
+    assert table[0] == ssl_seeds.SCREEN_HEADER[0] and "validation split" in table[0]
+    assert table[2] == "| SwAV (task.epsilon=0.03), 270 steps | 4.522 | 4.441 | 40.1% | 33.2% | 4.4-4.4 min |"
+    base = ["optimization.max_steps=270", "task.warmup_temperature_steps=135"]
+    entry["overrides"] = ["optimization.max_steps=270", "task.warmup_temperature_steps=90"]
+    (row,) = ssl_seeds.screen_rows({"methods": {"warm90": entry}}, base)  # a screen names what it changes
+    assert row.startswith("| SwAV (task.warmup_temperature_steps=90), 270 steps |")
+    entry["overrides"] = base
+    assert ssl_seeds.screen_rows({"methods": {"base": entry}}, base)[0].startswith("| SwAV (the base of these runs)")
+    with pytest.raises(SystemExit, match="at least 2 seeds.*--split valid"):
+        ssl_seeds.main(["--seeds", "1", "--split", "test"])
