@@ -125,19 +125,19 @@ def table(study: dict) -> str:
     return "\n".join([*TABLE_HEADER, *rows(study)])
 
 
-def label(name: str, entry: dict, common: tuple[str, ...] = ()) -> str:
-    """The method's name and the overrides of the variant, less ``common``: those every row of a table shares, or
-    those of a screen's base that the variant keeps (``key=value`` strings)."""
+def label(name: str, entry: dict, base: list[str] | tuple[str, ...] = ()) -> str:
+    """The method's name and the overrides of the variant that ``base`` does not set alike: ``base`` is what every row
+    of a table shares, or a screen's base (``key=value`` strings), which the table's text names once."""
     text = LABELS.get(entry.get("task", name), name)
-    own = [o for o in entry.get("overrides") or [] if o not in common]
+    own = differs_from(base, entry.get("overrides") or [])
     if own:
         text += f" ({' '.join(own)})"
-    elif common:
+    elif base:
         text += " (the base of these runs)"
     return text
 
 
-def differs_from(base: list[str], overrides: list[str]) -> list[str]:
+def differs_from(base: list[str] | tuple[str, ...], overrides: list[str]) -> list[str]:
     """``overrides`` that set a key to another value than ``base`` does, or a key it leaves alone."""
     kept = {o.split("=", 1)[0]: o for o in base}
     return [o for o in overrides if kept.get(o.split("=", 1)[0]) != o]
@@ -159,17 +159,13 @@ def screen_rows(study: dict, base: list[str] | None = None) -> list[str]:
     the screens' base (the table's first row), which its text names once: each row shows what it changes."""
     lines = []
     for name, entry in study["methods"].items():
-        overrides = entry.get("overrides") or []
-        changed = overrides if base is None else differs_from(base, overrides)
-        common = tuple(o for o in overrides if o not in changed)
         finals = list(entry.get("final", {}).values())
-
         s = entry["summary"]
         probe = [f"{s[m]['mean']:.1f}%" if s[m]["n"] == 1 else f"{s[m]['mean']:.1f} ± {s[m]['sd']:.1f}%"
                  for m in ("linear_top1", "knn_top1")]  # fmt: skip
         steps = f", {entry['steps']} steps" if entry.get("steps") else ""
         diagnostics = [mean_final(finals, "loss"), mean_final(finals, "code_entropy")]
-        cells = [f"{label(name, entry, common)}{steps}", *diagnostics, *probe]
+        cells = [f"{label(name, entry, base or ())}{steps}", *diagnostics, *probe]
         lines.append(f"| {' | '.join(cells)} | {training_time(entry)} |")
     return lines
 
