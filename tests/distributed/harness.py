@@ -45,6 +45,11 @@ PRELOAD = [
 in dynamo, FSDP2 and DCP; the harness pulls in the tests package, whose conftest registers shardlab's schemas and
 plugins). Importing starts no thread, so forking after it is safe."""
 multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+# One intra-op thread in every process that imports this module: the fork server (PRELOAD ends with it), so every
+# process forked from it, and a spawned rank, which imports it to unpickle its worker. Setting OMP_NUM_THREADS in a
+# rank comes too late, torch being imported by then: a rank had as many threads as cores (measured: 2 here), and
+# threads that spin against the other ranks on 2 cores slow every op (tests/conftest.py).
+torch.set_num_threads(1)
 
 
 def _started(environ: dict[str, str], cwd: str) -> None:
@@ -56,10 +61,6 @@ def _started(environ: dict[str, str], cwd: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.chdir(cwd)
     multiprocessing.set_start_method("spawn", force=True)
-    # torch is imported already (the server preloads it; a spawned rank imports it to unpickle this function), so
-    # OpenMP read the environment before the line above: a forked rank had as many threads as cores (measured: 2
-    # here), and threads that spin against other ranks on 2 cores slow every op (tests/conftest.py).
-    torch.set_num_threads(1)
 
 
 def _worker(

@@ -50,10 +50,10 @@ TINY_VISION = [
 # Random crops and flips drawn in 2 DataLoader worker processes (forked by the test's process, which runs the
 # single-process references).
 AUGMENTED = ["data.augment=true", "data.num_workers=2"]
-# The same in the spawned ranks, with one worker each (started by spawn inside the spawned rank, so it unpickles the
-# task and its collate method): a sample that worker 1 reads in one process is read by a rank's worker 0 here, so
-# the check still tells seeding by rank or worker from seeding by sample. A spawned worker imports torch and the
-# task afresh and takes seconds to start and to stop, for training and again for validation: with 2 per rank this
+# The same in the ranks, with one worker each (started by spawn inside the rank, tests/distributed/harness.py, so it
+# unpickles the task and its collate method): a sample that worker 1 reads in one process is read by a rank's worker 0
+# here, so the check still tells seeding by rank or worker from seeding by sample. A spawned worker imports torch and
+# the task afresh and takes seconds to start and to stop, for training and again for validation: with 2 per rank this
 # one config took 106 s of the module's ~115 s set-up on a loaded 2-core machine, with 1 per rank 61 s.
 AUGMENTED_RANKS = ["data.augment=true", "data.num_workers=1"]
 
