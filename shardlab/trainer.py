@@ -12,6 +12,7 @@ import importlib
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,10 @@ import torch
 from omegaconf import OmegaConf
 from torch.profiler import record_function
 
-from shardlab.checkpoint import agreement, dcp_reader, weights
+from shardlab.checkpoint import dcp_reader
 from shardlab.checkpoint.manager import Checkpointer
-from shardlab.checkpoint.policy import SavePolicy
-from shardlab.checkpoint.resume import restore
-from shardlab.checkpoint.run_line import start_of
+from shardlab.checkpoint.policy import SavePolicy, inconsistent_state, save_after_error, save_on_error_notice
+from shardlab.checkpoint.restore import restore_training
 from shardlab.data import GlobalOrder, rank_loader, sample_seed
 from shardlab.distributed.base import Backend
 from shardlab.distributed.compile import FirstSteps
@@ -31,19 +31,16 @@ from shardlab.distributed.materialize import materialize
 from shardlab.errors import (
     CheckpointError,
     ConfigError,
-    IncompatibleCheckpointError,
     RunFolderInUse,
     TrainingDiverged,
-    UnsafeCheckpointError,
-    first_cause,
     one_line,
 )
 from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import StopSignals, torchrun_agent_warning
 from shardlab.jobs.run_dir import run_key_differences
 from shardlab.logging import RunLogger
-from shardlab.memory.meter import PeakMeter, memory_gib
-from shardlab.memory.plan import GiB, RunPlan, plan_run
+from shardlab.memory.meter import PeakMeter, beside_plan, memory_gib
+from shardlab.memory.plan import RunPlan, plan_run
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
 from shardlab.optim.ema import WeightAverage
 from shardlab.task import Task
@@ -99,6 +96,21 @@ def assemble(
     if speaks:
         print("\n".join(backend.describe()), flush=True)
     return trainer
+
+
+@dataclass
+class ThroughputWindow:
+    """The steps since the last train line. Throughput windows time training only: validation and saving inside a
+    window are taken out (``paused``, and timed on their own lines)."""
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each statistic of the task's loss, and the units processed, summed over the window's micro-batches."""
+    started: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    paused: float = 0.0
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started - self.paused
 
 
 class Trainer:
@@ -193,7 +205,9 @@ class Trainer:
         try:
             final = self._fit(log)
             self.checkpointer.finish()  # an asynchronous save still in flight gets its name before we return
-            self._report_memory(log)
+            if self.held is not None:  # None: resumed at the end, no step ran
+                self.memory, line = beside_plan(self.meter, self.held, self.memory_estimate, self.backend)
+                log.info(line)
             log.finish(self.state.step, final, self.checkpointer.newest, stopped=bool(self.stopped_by))
             return final
         except BaseException as error:
@@ -207,28 +221,20 @@ class Trainer:
 
     def _fit(self, log: RunLogger) -> dict[str, float]:
         cfg, backend, state = self.cfg, self.backend, self.state
-        o = cfg.optimization
-        if self.resumed_from is not None:
-            log.info(f"resumed from {self.resumed_from} (step {state.step}, {state.samples_seen} samples seen)")
-        elif self.initialized_from is not None:
-            log.info(f"initialized from {self.initialized_from} (step 0, fresh optimizer)")
-            self.validate(log)  # the loaded weights' quality, before training moves them
+        max_steps = cfg.optimization.max_steps
+        self._announce_start(log)
         loader = self._train_loader()
-        sums: dict[str, torch.Tensor] = {}
-        # Throughput windows time training only: validation and saving inside a window are taken out (and timed
-        # on their own lines).
-        window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
-        last_valid: dict[str, float] = {}
-        compiling = cfg.distributed.compile and state.step < o.max_steps
+        window, last_valid = ThroughputWindow(), {}
+        compiling = cfg.distributed.compile and state.step < max_steps
         first_steps = FirstSteps(cfg.distributed, backend.process_groups()) if compiling else None
-        while state.step < o.max_steps:
+        while state.step < max_steps:
             step_started = time.perf_counter()
-            lr, grad_norm = self.train_step(loader, sums)
+            lr, grad_norm = self.train_step(loader, window.sums)
             if first_steps is not None and (line := first_steps.ended(time.perf_counter() - step_started)):
                 log.info(line)  # the compilation's cost, once
             with record_function("shardlab.meter"):
                 self.meter.sample()
-            window_steps += 1
+            window.steps += 1
             log.advance()
             # Agreed at every step end (one all-reduce), so all ranks stop or save at the same step whichever rank got
             # the signal, and a save by the clock follows rank 0's.
@@ -241,30 +247,13 @@ class Trainer:
                 )
             self._count_nonfinite(nonfinite, log)
             stop = stop or lock_lost  # another job holds the folder now: save this step, then stop (below)
-            if stop or state.step == o.max_steps:  # the loop's last step: what it holds is what the run holds
+            last = state.step == max_steps  # the loop's last step: what it holds is what the run holds
+            if stop or last:
                 self.held = self._held_between_steps()
-            if state.step % cfg.logging.interval_steps == 0 or state.step == o.max_steps:
-                with record_function("shardlab.log"):  # the metrics' all-reduce and the line (also: _record)
-                    totals = self._sum_over_ranks(sums)
-                metrics = self.task.summarize(totals)
-                elapsed = time.perf_counter() - window_start - window_paused
-                metrics.update(
-                    {
-                        "lr": lr,
-                        "gnorm": float(grad_norm),
-                        f"{self.task.unit}_per_s": totals["units"] / max(elapsed, 1e-9),
-                        "ms_per_step": 1000 * elapsed / max(window_steps, 1),
-                        "mem_gib": memory_gib(backend.device),
-                    }
-                )
-                if self.scaler is not None:
-                    metrics["loss_scale"] = float(self.scaler.get_scale())
-                metrics["skipped_steps"] = self.state.skipped_steps
-                with record_function("shardlab.log"):
-                    self._record("train", metrics, log)
-                sums, window_start, window_steps, window_paused = {}, time.perf_counter(), 0, 0.0
+            if state.step % cfg.logging.interval_steps == 0 or last:
+                self._log_train(window, lr, grad_norm, log)
+                window = ThroughputWindow()
             paused_from = time.perf_counter()
-            last = state.step == o.max_steps
             vi = cfg.validation.interval_steps
             if last or (vi and state.step % vi == 0 and not stop):  # stopping: the save comes first
                 last_valid = self.validate(log)
@@ -272,20 +261,43 @@ class Trainer:
                 path = self._save_in_loop(must_succeed=last or stop, log=log)
             with record_function("shardlab.meter"):
                 self.meter.reset()  # the next step's peak starts here: validation and saves do not count
-            window_paused += time.perf_counter() - paused_from
+            window.paused += time.perf_counter() - paused_from
             if stop and not last:
-                if lock_lost:  # not a stop signal: no requeue. Saved above; then every rank ends with the reason
-                    self.checkpointer.finish()
-                    raise RunFolderInUse(self._lost_lock_line(path if cfg.checkpoint.save else None))
-                (signum,) = backend.max_over_ranks([float(self.stop_signals.received or 0)])  # which one, agreed
-                self.stop_signals.agree(int(signum))
-                self.stopped_by = self.stop_signals.name  # its own signal, or "<SIG> (on another rank)"
-                saved = f"saved {path}" if cfg.checkpoint.save else "nothing saved (checkpoint.save=false)"
-                log.info(f"stopped at step {state.step} on {self.stopped_by}; {saved}")
+                self._stop(lock_lost, path if cfg.checkpoint.save else None, log)
                 break
         if not last_valid and not self.stopped_by:  # resumed at the end: still report the final quality
             last_valid = self.validate(log)
         return last_valid
+
+    def _announce_start(self, log: RunLogger) -> None:
+        """Where training starts from; weights from checkpoint.init_from are validated before training moves them."""
+        state = self.state
+        if self.resumed_from is not None:
+            log.info(f"resumed from {self.resumed_from} (step {state.step}, {state.samples_seen} samples seen)")
+        elif self.initialized_from is not None:
+            log.info(f"initialized from {self.initialized_from} (step 0, fresh optimizer)")
+            self.validate(log)  # the loaded weights' quality, before training moves them
+
+    def _log_train(self, window: ThroughputWindow, lr: float, grad_norm: torch.Tensor, log: RunLogger) -> None:
+        """The train line of the window's steps: the task's metrics (one all-reduce), throughput, memory, scaler."""
+        with record_function("shardlab.log"):  # the metrics' all-reduce and the line (also: _record)
+            totals = self._sum_over_ranks(window.sums)
+        metrics = self.task.summarize(totals)
+        elapsed = window.seconds()
+        metrics.update(
+            {
+                "lr": lr,
+                "gnorm": float(grad_norm),
+                f"{self.task.unit}_per_s": totals["units"] / max(elapsed, 1e-9),
+                "ms_per_step": 1000 * elapsed / max(window.steps, 1),
+                "mem_gib": memory_gib(self.backend.device),
+            }
+        )
+        if self.scaler is not None:
+            metrics["loss_scale"] = float(self.scaler.get_scale())
+        metrics["skipped_steps"] = self.state.skipped_steps
+        with record_function("shardlab.log"):
+            self._record("train", metrics, log)
 
     def train_step(self, loader, sums: dict[str, torch.Tensor]) -> tuple[float, torch.Tensor]:
         """One optimizer step: the micro-batches' forward and backward, clipping, the update, and the training state
@@ -365,31 +377,6 @@ class Trainer:
         """Bytes this rank holds right after a step (parameters, optimizer state, persistent buffers)."""
         return self.meter.held()
 
-    def _report_memory(self, log: RunLogger) -> None:
-        """The fullest rank's measured peak and between-step bytes beside the plan's prediction."""
-        if self.held is None:
-            return  # resumed at the end: no step ran
-        meter = self.meter
-        peak, held, total = self.backend.max_over_ranks([meter.peak_above_baseline, self.held, meter.total_peak])
-        est = self.memory_estimate
-        self.memory = {
-            "peak_gib": peak / GiB,
-            "peak_total_gib": total / GiB,  # with the rank's own baseline (what `top` shows on CPU)
-            "predicted_peak_gib": est.peak / GiB,
-            "between_steps_gib": held / GiB,
-            "predicted_between_steps_gib": est.between_steps / GiB,
-        }
-        where = "allocator peak" if self.backend.device.type == "cuda" else "peak RSS above the rank's start"
-        caveat = ""
-        if self.backend.cpu_allocator is not None:
-            self.memory["cpu_allocator"] = self.backend.cpu_allocator
-            if self.backend.cpu_allocator == "fast":
-                caveat = " (the allocator keeps freed pages: distributed.cpu_allocator=lean measures against the plan)"
-        log.info(
-            f"memory per rank (fullest rank): training-step peak {peak / GiB:.2f} GiB ({where}), plan "
-            f"{est.peak / GiB:.2f}; held between steps {held / GiB:.2f} GiB, plan {est.between_steps / GiB:.2f}{caveat}"
-        )
-
     def _step(self) -> tuple[torch.Tensor, bool]:
         """Unscale, clip and apply the accumulated gradients; (the global gradient norm, whether the update was
         skipped for non-finite gradients)."""
@@ -447,6 +434,26 @@ class Trainer:
         return metrics
 
     # ---- helpers -------------------------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        """The training state from the folder's run, checkpoint.resume, checkpoint.init_from or the seeded init
+        (shardlab.checkpoint.restore); a rollback goes into status.json."""
+        cfg, backend = self.cfg, self.backend
+        self.resumed_from, self.initialized_from = restore_training(
+            cfg,
+            self.checkpointer,
+            self.model,
+            self.optimizer,
+            self.state,
+            backend,
+            model_config=self.model_config,
+            resumable_changes=self.task.resumable_model_changes,
+            run_key_differences=run_key_differences,
+        )
+        if self.checkpointer.rollback is not None and backend.env.is_main:
+            run_record.update(self.run_dir, rollback=self.checkpointer.rollback)
+        if (notice := save_on_error_notice(cfg.checkpoint, backend.env.world_size)) and backend.env.is_main:
+            print(notice, flush=True)
+
     def _sum_over_ranks(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """One all-reduce of every statistic (packed in one tensor); the task turns the totals into metrics."""
         keys = sorted(sums)
@@ -457,73 +464,6 @@ class Trainer:
     def _record(self, split: str, metrics: dict[str, float], log: RunLogger) -> None:
         self.history.append({"split": split, "step": self.state.step, **metrics})
         log.log(split, self.state.step, metrics)
-
-    def _restore(self) -> None:
-        """Continue the folder's run, or begin one per checkpoint.resume (a checkpoint path), checkpoint.init_from
-        (weights) or the seeded init (shardlab.checkpoint.run_line: what each setting means on a requeue)."""
-        cfg, backend = self.cfg, self.backend
-        ignore = self.task.resumable_model_changes
-        full_config = OmegaConf.to_container(cfg, resolve=True)
-
-        def check(path: Path, continuing: bool) -> dict:
-            meta = weights.describe(path)  # reads shardlab.json: an unreadable one is a torn checkpoint
-            weights.check_compatible(path, meta, cfg.task.name, self.model_config, ignore)
-            if continuing:  # the same run: every key that names it must match, not only the model's shape
-                differences = run_key_differences(meta.get("config") or {}, full_config)
-                if differences:
-                    key, saved, current = differences[0]
-                    raise IncompatibleCheckpointError(
-                        f"{path} belongs to a run with {key}={saved!r}, but this run has {key}={current!r}: the folder "
-                        "holds another experiment; use another hydra.run.dir, or pass checkpoint.resume=<that step_N> "
-                        "to begin a new run from it"
-                    )
-            return meta
-
-        start = start_of(cfg.checkpoint.resume, cfg.checkpoint.init_from)
-        # Rank 0 cleans and lists the folder, every rank reads its shards (or the whole init_from file): collectives
-        # wait up to checkpoint.timeout_s, the last of them an agreement, so all ranks leave this together.
-        with backend.long_timeout(cfg.checkpoint.timeout_s):
-            self.resumed_from = restore(
-                self.checkpointer, cfg.checkpoint.resume, start, check, self.model, self.optimizer, self.state
-            )
-            self.initialized_from = None
-            if self.resumed_from is None and cfg.checkpoint.init_from:
-                self.initialized_from = self._init_from(Path(cfg.checkpoint.init_from).expanduser())
-        if self.checkpointer.rollback is not None and backend.env.is_main:
-            run_record.update(self.run_dir, rollback=self.checkpointer.rollback)
-        if self.resumed_from is not None and cfg.checkpoint.init_from and start.kind == "weights":
-            self.checkpointer.log(f"[ckpt] checkpoint.init_from is not used: resuming {self.resumed_from}")
-        if cfg.checkpoint.save_on_error and backend.env.world_size > 1 and backend.env.is_main:
-            print(
-                "[ckpt] checkpoint.save_on_error at world size > 1: Ctrl-C (SIGINT) stops every rank after the step "
-                "and saves; an error on one rank saves nothing (the others cannot join the save's collectives)",
-                flush=True,
-            )
-
-    def _init_from(self, path: Path) -> Path:
-        """checkpoint.init_from: weights only, refused in one line if another task or model shape; agreed over ranks."""
-        error: BaseException | None = None
-        try:
-            info = weights.describe(path)
-            weights.check_compatible(
-                path, info, self.cfg.task.name, self.model_config, self.task.resumable_model_changes
-            )
-            if path.is_dir():
-                dcp_reader.read_metadata(path)  # refused or unreadable here, not inside the collective load
-        except Exception as e:
-            error = e
-        agreement.agree(error, f"checkpoint.init_from: reading {path}", self.backend.device)
-        try:
-            weights.load_into(self.model, path, checked=True)  # read_metadata above, agreed by every rank
-        except UnsafeCheckpointError as e:
-            error = e
-        except Exception as e:
-            error = CheckpointError(
-                f"checkpoint.init_from: {path} could not be loaded ({first_cause(e)}); give a .safetensors file "
-                "from tools/consolidate.py or an intact step_N directory"
-            )
-        agreement.agree(error, f"checkpoint.init_from: loading {path}", self.backend.device)
-        return path
 
     def _count_nonfinite(self, nonfinite: bool, log: RunLogger) -> None:
         """One more step whose loss was not finite (on some rank: agreed, so every rank stops at the same step), or
@@ -559,6 +499,18 @@ class Trainer:
         reason = run_lock.lost_reason(self.run_dir)  # the same words on every rank, whichever one is reported
         return f"{reason}; stopped at step {self.state.step}, " + (f"saved {saved}" if saved else "nothing saved")
 
+    def _stop(self, lock_lost: bool, path: Path | None, log: RunLogger) -> None:
+        """The loop stops before optimization.max_steps, after this step's save (``path``; None without
+        checkpoint.save): the run lock lost ends every rank with the reason, a stop signal sets ``stopped_by``."""
+        if lock_lost:  # not a stop signal: no requeue. Saved above; then every rank ends with the reason
+            self.checkpointer.finish()
+            raise RunFolderInUse(self._lost_lock_line(path))
+        (signum,) = self.backend.max_over_ranks([float(self.stop_signals.received or 0)])  # which one, agreed
+        self.stop_signals.agree(int(signum))
+        self.stopped_by = self.stop_signals.name  # its own signal, or "<SIG> (on another rank)"
+        saved = f"saved {path}" if self.cfg.checkpoint.save else "nothing saved (checkpoint.save=false)"
+        log.info(f"stopped at step {self.state.step} on {self.stopped_by}; {saved}")
+
     def _save_in_loop(self, must_succeed: bool, log: RunLogger) -> Path | None:
         """A save of the loop. One that fails (a full disk, a quota: raised on every rank alike) keeps the previous
         checkpoint; a periodic one then reports in one line and training goes on to try again at the next save, so
@@ -575,49 +527,20 @@ class Trainer:
             return None
 
     def _save_after_error(self, error: BaseException, log: RunLogger) -> None:
-        """checkpoint.save_on_error: save the last completed step, and only a consistent one: at world size 1 (a
-        rank that failed alone cannot save through collectives the others never join), and only if the error came
-        before this step changed anything a checkpoint holds. Otherwise nothing is saved and the log says why; a
-        save already in flight is completed where that needs no collective. (Ctrl-C never gets here with
-        save_on_error: it is an agreed stop at the end of the step, at any world size.)"""
-        c = self.cfg.checkpoint
-        unsaved = self.save_policy.unsaved(self.state.step)
-        reason = self._inconsistent_state(error) if c.save and c.save_on_error and unsaved else None
-        if not (c.save and c.save_on_error and unsaved) or reason:
-            if reason:
-                log.info(f"[ckpt] save_on_error: nothing saved after {type(error).__name__}: {reason}")
-            self.checkpointer.abandon(self.cfg.distributed.timeout_s)
-            return
-        try:
-            path = self.save()
-            self.checkpointer.finish()
-            log.info(
-                f"[ckpt] saved {path} (the last completed step) after {type(error).__name__} in step "
-                f"{self.state.step + 1}; re-raising it"
-            )
-        except BaseException as e:  # noqa: B036  (best effort: the original error is what the user must see)
-            log.info(f"[ckpt] save after {type(error).__name__} failed too ({first_cause(e)})")
-
-    def _inconsistent_state(self, error: BaseException) -> str | None:
-        """Why the state in memory is not the last completed step's, or None if it is."""
-        world = self.backend.env.world_size
-        step, kept = self.state.step, self.checkpointer.kept()
-        if isinstance(error, TrainingDiverged):
-            return f"the run diverged (a checkpoint of it would hold NaN or inf); {kept}"
-        if world > 1:
-            return (
-                f"at world size {world} the other ranks cannot join a save after one rank's error; {kept}. Ctrl-C "
-                "(SIGINT) saves at any world size"
-            )
-        if self.phase == "update":
-            return (
-                f"it came while step {step + 1}'s update was being applied, so the model is neither step {step} nor "
-                f"step {step + 1}; {kept}"
-            )
-        buffers = {name for name, _ in self.model.named_buffers()}
-        if self.phase == "forward" and any(key in buffers for key in self.model.state_dict()):
-            return f"the model's buffers (e.g. BatchNorm statistics) already took step {step + 1}'s batches; {kept}"
-        return None
+        """checkpoint.save_on_error (shardlab.checkpoint.policy.save_after_error): the last completed step, if what
+        is in memory is still that step's."""
+        world, step = self.backend.env.world_size, self.state.step
+        save_after_error(
+            error,
+            self.cfg.checkpoint,
+            self.save_policy,
+            step,
+            lambda: inconsistent_state(error, self.phase, world, step, self.checkpointer.kept(), self.model),
+            self.checkpointer,
+            self.save,
+            self.cfg.distributed.timeout_s,
+            log.info,
+        )
 
     def save(self) -> Path:
         if not self._weights_finite():  # every save: the loop's, a stop's, the last, save_on_error's
