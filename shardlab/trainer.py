@@ -12,7 +12,6 @@ import importlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +27,16 @@ from shardlab.data import GlobalOrder, rank_loader, sample_seed
 from shardlab.distributed.base import Backend
 from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.materialize import materialize
-from shardlab.errors import (
-    CheckpointError,
-    ConfigError,
-    RunFolderInUse,
-    TrainingDiverged,
-    one_line,
-)
+from shardlab.errors import CheckpointError, ConfigError, RunFolderInUse, one_line
 from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import StopSignals, torchrun_agent_warning
 from shardlab.jobs.run_dir import run_key_differences
 from shardlab.logging import RunLogger
+from shardlab.logging.throughput import ThroughputWindow
 from shardlab.memory.meter import PeakMeter, beside_plan, memory_gib
 from shardlab.memory.plan import RunPlan, plan_run
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
+from shardlab.optim.divergence import NonfiniteStreak, require_finite_weights
 from shardlab.optim.ema import WeightAverage
 from shardlab.task import Task
 from shardlab.train_state import TrainState
@@ -98,21 +93,6 @@ def assemble(
     return trainer
 
 
-@dataclass
-class ThroughputWindow:
-    """The steps since the last train line. Throughput windows time training only: validation and saving inside a
-    window are taken out (``paused``, and timed on their own lines)."""
-
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Each statistic of the task's loss, and the units processed, summed over the window's micro-batches."""
-    started: float = field(default_factory=time.perf_counter)
-    steps: int = 0
-    paused: float = 0.0
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.started - self.paused
-
-
 class Trainer:
     def __init__(
         self, cfg: Any, task: Task, backend: Backend, run_dir: Path, stop_signals: StopSignals | None = None
@@ -136,8 +116,7 @@ class Trainer:
         self.loss_finite: torch.Tensor | bool = True
         """Whether every micro-batch loss of the last step on this rank was finite (a tensor: read once, when the
         step's flags are agreed, not after each micro-batch)."""
-        self.nonfinite_steps = 0
-        """Steps in a row whose loss was not finite on some rank (optimization.max_nonfinite_steps ends the run)."""
+        self.nonfinite = NonfiniteStreak(cfg.optimization.max_nonfinite_steps)
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self, plan: RunPlan, restore: bool = True) -> None:
@@ -175,11 +154,8 @@ class Trainer:
         self.state.components = {"scheduler": self.scheduler, "grad_scaler": self.scaler}
         task_state = self.task.training_state(self.state, backend.device)  # e.g. SwAV's queue; most tasks: None
         self.state.tensors = {"task": task_state} if task_state is not None else {}
-        self.ema = (
-            WeightAverage(self.model, cfg.optimization.ema, cfg.optimization.max_steps)
-            if cfg.optimization.ema.enabled
-            else None
-        )
+        o = cfg.optimization
+        self.ema = WeightAverage(self.model, o.ema, o.max_steps) if o.ema.enabled else None
         if self.ema is not None:  # saved through DCP beside the model, resharded like it (shardlab/optim/ema.py)
             self.state.tensors["ema"] = self.ema
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
@@ -245,11 +221,11 @@ class Trainer:
                     self._lock_lost(),
                     not bool(self.loss_finite),
                 )
-            self._count_nonfinite(nonfinite, log)
+            self.nonfinite.count(nonfinite, state.step, self.checkpointer.kept, log.info)
             stop = stop or lock_lost  # another job holds the folder now: save this step, then stop (below)
             last = state.step == max_steps  # the loop's last step: what it holds is what the run holds
-            if stop or last:
-                self.held = self._held_between_steps()
+            if stop or last:  # bytes held right after a step: parameters, optimizer state, persistent buffers
+                self.held = self.meter.held()
             if state.step % cfg.logging.interval_steps == 0 or last:
                 self._log_train(window, lr, grad_norm, log)
                 window = ThroughputWindow()
@@ -283,16 +259,8 @@ class Trainer:
         with record_function("shardlab.log"):  # the metrics' all-reduce and the line (also: _record)
             totals = self._sum_over_ranks(window.sums)
         metrics = self.task.summarize(totals)
-        elapsed = window.seconds()
-        metrics.update(
-            {
-                "lr": lr,
-                "gnorm": float(grad_norm),
-                f"{self.task.unit}_per_s": totals["units"] / max(elapsed, 1e-9),
-                "ms_per_step": 1000 * elapsed / max(window.steps, 1),
-                "mem_gib": memory_gib(self.backend.device),
-            }
-        )
+        metrics.update({"lr": lr, "gnorm": float(grad_norm), **window.rates(totals["units"], self.task.unit)})
+        metrics["mem_gib"] = memory_gib(self.backend.device)
         if self.scaler is not None:
             metrics["loss_scale"] = float(self.scaler.get_scale())
         metrics["skipped_steps"] = self.state.skipped_steps
@@ -360,22 +328,16 @@ class Trainer:
 
     def _train_loader(self):
         """This rank's training batches from the run's data position on (shardlab.data)."""
-        return iter(
-            rank_loader(
-                self.task.train_dataset,
-                self.train_order,
-                self.state.samples_seen,
-                self.global_batch,
-                self.backend.dp_rank,
-                self.backend.dp_world_size,
-                collate_fn=self.task.collate,
-                num_workers=self.task.num_workers,
-            )
-        )
+        return iter(self._loader(self.task.train_dataset, self.train_order, self.state.samples_seen, self.global_batch))
 
-    def _held_between_steps(self) -> int:
-        """Bytes this rank holds right after a step (parameters, optimizer state, persistent buffers)."""
-        return self.meter.held()
+    def _loader(self, dataset, order: GlobalOrder, start: int, batch_size: int, num_batches: int | None = None):
+        """This rank's share of ``batch_size``-sample global batches of ``dataset`` in ``order`` from sample ``start``
+        on (shardlab.data.rank_loader)."""
+        b, task = self.backend, self.task
+        return rank_loader(
+            dataset, order, start, batch_size, b.dp_rank, b.dp_world_size, num_batches=num_batches,
+            collate_fn=task.collate, num_workers=task.num_workers,
+        )  # fmt: skip
 
     def _step(self) -> tuple[torch.Tensor, bool]:
         """Unscale, clip and apply the accumulated gradients; (the global gradient norm, whether the update was
@@ -409,17 +371,7 @@ class Trainer:
         available = len(dataset) // vb
         num_batches = min(cfg.validation.num_batches or available, available)
         self.model.eval()
-        loader = rank_loader(
-            dataset,
-            GlobalOrder(len(dataset), cfg.seed, shuffle=False),
-            0,
-            vb,
-            backend.dp_rank,
-            backend.dp_world_size,
-            num_batches=num_batches,
-            collate_fn=self.task.collate,
-            num_workers=self.task.num_workers,
-        )
+        loader = self._loader(dataset, GlobalOrder(len(dataset), cfg.seed, shuffle=False), 0, vb, num_batches)
         sums: dict[str, torch.Tensor] = {}
         started = time.perf_counter()
         averaged = self.ema.swapped_into(self.model) if cfg.validation.ema else contextlib.nullcontext()
@@ -439,16 +391,9 @@ class Trainer:
         (shardlab.checkpoint.restore); a rollback goes into status.json."""
         cfg, backend = self.cfg, self.backend
         self.resumed_from, self.initialized_from = restore_training(
-            cfg,
-            self.checkpointer,
-            self.model,
-            self.optimizer,
-            self.state,
-            backend,
-            model_config=self.model_config,
-            resumable_changes=self.task.resumable_model_changes,
-            run_key_differences=run_key_differences,
-        )
+            cfg, self.checkpointer, self.model, self.optimizer, self.state, backend, model_config=self.model_config,
+            resumable_changes=self.task.resumable_model_changes, run_key_differences=run_key_differences,
+        )  # fmt: skip
         if self.checkpointer.rollback is not None and backend.env.is_main:
             run_record.update(self.run_dir, rollback=self.checkpointer.rollback)
         if (notice := save_on_error_notice(cfg.checkpoint, backend.env.world_size)) and backend.env.is_main:
@@ -464,31 +409,6 @@ class Trainer:
     def _record(self, split: str, metrics: dict[str, float], log: RunLogger) -> None:
         self.history.append({"split": split, "step": self.state.step, **metrics})
         log.log(split, self.state.step, metrics)
-
-    def _count_nonfinite(self, nonfinite: bool, log: RunLogger) -> None:
-        """One more step whose loss was not finite (on some rank: agreed, so every rank stops at the same step), or
-        the streak ends. At optimization.max_nonfinite_steps the run ends failed, saving nothing: NaN does not train
-        back to a number, and ending "completed" with a NaN checkpoint hid it."""
-        limit = self.cfg.optimization.max_nonfinite_steps
-        self.nonfinite_steps = self.nonfinite_steps + 1 if nonfinite else 0
-        if nonfinite:
-            step, streak = self.state.step, self.nonfinite_steps
-            log.info(f"[train] WARNING: the loss is not finite at step {step} ({streak} of {limit} in a row)")
-        if self.nonfinite_steps >= limit:
-            raise TrainingDiverged(
-                f"the loss was not finite (NaN or inf) on {limit} steps in a row, the last step {self.state.step} "
-                f"(optimization.max_nonfinite_steps={limit}); nothing non-finite was saved, "
-                f"{self.checkpointer.kept()}; lower optimizer.lr or optimization.clip_norm, or look at that data"
-            )
-
-    @torch.no_grad()
-    def _weights_finite(self) -> bool:
-        """Whether every parameter of the model is finite, agreed over ranks (each checks its own shards)."""
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-        # amax and amin carry NaN and inf through without a temporary the size of the tensor (isfinite makes one).
-        ends = [e for t in local if t.is_floating_point() and t.numel() for e in (t.amax(), t.amin())]
-        finite = not ends or bool(torch.isfinite(torch.stack(ends)).all())
-        return not self.backend.any_rank(not finite)[0]
 
     def _lock_lost(self) -> bool:
         """Whether rank 0 knows the run's lock is another job's now (shardlab.jobs.run_lock): agreed at the step's
@@ -530,24 +450,18 @@ class Trainer:
         """checkpoint.save_on_error (shardlab.checkpoint.policy.save_after_error): the last completed step, if what
         is in memory is still that step's."""
         world, step = self.backend.env.world_size, self.state.step
+
+        def why_not() -> str | None:  # asked only when a save would be made
+            return inconsistent_state(error, self.phase, world, step, self.checkpointer.kept(), self.model)
+
         save_after_error(
-            error,
-            self.cfg.checkpoint,
-            self.save_policy,
-            step,
-            lambda: inconsistent_state(error, self.phase, world, step, self.checkpointer.kept(), self.model),
-            self.checkpointer,
-            self.save,
-            self.cfg.distributed.timeout_s,
-            log.info,
-        )
+            error, self.cfg.checkpoint, self.save_policy, step, why_not, self.checkpointer, self.save,
+            self.cfg.distributed.timeout_s, log.info,
+        )  # fmt: skip
 
     def save(self) -> Path:
-        if not self._weights_finite():  # every save: the loop's, a stop's, the last, save_on_error's
-            raise TrainingDiverged(
-                f"the weights are not finite (NaN or inf) at step {self.state.step}: not saved, "
-                f"{self.checkpointer.kept()}; lower optimizer.lr or optimization.clip_norm"
-            )
+        # Every save: the loop's, a stop's, the last, save_on_error's.
+        require_finite_weights(self.model, self.backend.any_rank, self.state.step, self.checkpointer.kept)
         described = {  # what the checkpoint is of, for checks and tools; the resumable state is self.state
             "task": self.cfg.task.name,
             "model_config": self.model_config,
