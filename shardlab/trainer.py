@@ -117,6 +117,7 @@ class Trainer:
         """Whether every micro-batch loss of the last step on this rank was finite (a tensor: read once, when the
         step's flags are agreed, not after each micro-batch)."""
         self.nonfinite = NonfiniteStreak(cfg.optimization.max_nonfinite_steps)
+        """Steps in a row whose loss was not finite on some rank (optimization.max_nonfinite_steps ends the run)."""
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self, plan: RunPlan, restore: bool = True) -> None:
@@ -307,9 +308,8 @@ class Trainer:
         model is thrown away afterwards (backend=auto's trials): nothing is logged, validated or saved."""
         loader, sums, seconds = self._train_loader(), {}, []
         # A compiled trial compiles in its first step, as a run does: under compile_timeout_s, ended by a barrier.
-        first_steps = (
-            FirstSteps(self.cfg.distributed, self.backend.process_groups()) if self.cfg.distributed.compile else None
-        )
+        d = self.cfg.distributed
+        first_steps = FirstSteps(d, self.backend.process_groups()) if d.compile else None
         self.meter.reset()
         try:
             for _ in range(num_steps):
@@ -460,7 +460,8 @@ class Trainer:
         )  # fmt: skip
 
     def save(self) -> Path:
-        # Every save: the loop's, a stop's, the last, save_on_error's.
+        """Save this step: every save comes here (the loop's, a stop's, the last, save_on_error's), and none is
+        made of weights that are not finite."""
         require_finite_weights(self.model, self.backend.any_rank, self.state.step, self.checkpointer.kept)
         described = {  # what the checkpoint is of, for checks and tools; the resumable state is self.state
             "task": self.cfg.task.name,
