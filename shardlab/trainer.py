@@ -19,32 +19,24 @@ import torch
 from omegaconf import OmegaConf
 from torch.profiler import record_function
 
-from shardlab.checkpoint import agreement, dcp_reader, weights
+from shardlab.checkpoint import dcp_reader
 from shardlab.checkpoint.manager import Checkpointer
-from shardlab.checkpoint.policy import SavePolicy
-from shardlab.checkpoint.resume import restore
-from shardlab.checkpoint.run_line import start_of
+from shardlab.checkpoint.policy import SavePolicy, inconsistent_state, save_after_error, save_on_error_notice
+from shardlab.checkpoint.restore import restore_training
 from shardlab.data import GlobalOrder, rank_loader, sample_seed
 from shardlab.distributed.base import Backend
 from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.materialize import materialize
-from shardlab.errors import (
-    CheckpointError,
-    ConfigError,
-    IncompatibleCheckpointError,
-    RunFolderInUse,
-    TrainingDiverged,
-    UnsafeCheckpointError,
-    first_cause,
-    one_line,
-)
+from shardlab.errors import CheckpointError, ConfigError, RunFolderInUse, one_line
 from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import StopSignals, torchrun_agent_warning
 from shardlab.jobs.run_dir import run_key_differences
 from shardlab.logging import RunLogger
-from shardlab.memory.meter import PeakMeter, memory_gib
-from shardlab.memory.plan import GiB, RunPlan, plan_run
+from shardlab.logging.throughput import ThroughputWindow
+from shardlab.memory.meter import PeakMeter, beside_plan, memory_gib
+from shardlab.memory.plan import RunPlan, plan_run
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
+from shardlab.optim.divergence import NonfiniteStreak, require_finite_weights
 from shardlab.optim.ema import WeightAverage
 from shardlab.task import Task
 from shardlab.train_state import TrainState
@@ -124,7 +116,7 @@ class Trainer:
         self.loss_finite: torch.Tensor | bool = True
         """Whether every micro-batch loss of the last step on this rank was finite (a tensor: read once, when the
         step's flags are agreed, not after each micro-batch)."""
-        self.nonfinite_steps = 0
+        self.nonfinite = NonfiniteStreak(cfg.optimization.max_nonfinite_steps)
         """Steps in a row whose loss was not finite on some rank (optimization.max_nonfinite_steps ends the run)."""
 
     # ---- setup ---------------------------------------------------------------------------------------------------
@@ -163,11 +155,8 @@ class Trainer:
         self.state.components = {"scheduler": self.scheduler, "grad_scaler": self.scaler}
         task_state = self.task.training_state(self.state, backend.device)  # e.g. SwAV's queue; most tasks: None
         self.state.tensors = {"task": task_state} if task_state is not None else {}
-        self.ema = (
-            WeightAverage(self.model, cfg.optimization.ema, cfg.optimization.max_steps)
-            if cfg.optimization.ema.enabled
-            else None
-        )
+        o = cfg.optimization
+        self.ema = WeightAverage(self.model, o.ema, o.max_steps) if o.ema.enabled else None
         if self.ema is not None:  # saved through DCP beside the model, resharded like it (shardlab/optim/ema.py)
             self.state.tensors["ema"] = self.ema
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
@@ -193,7 +182,9 @@ class Trainer:
         try:
             final = self._fit(log)
             self.checkpointer.finish()  # an asynchronous save still in flight gets its name before we return
-            self._report_memory(log)
+            if self.held is not None:  # None: resumed at the end, no step ran
+                self.memory, line = beside_plan(self.meter, self.held, self.memory_estimate, self.backend)
+                log.info(line)
             log.finish(self.state.step, final, self.checkpointer.newest, stopped=bool(self.stopped_by))
             return final
         except BaseException as error:
@@ -207,28 +198,20 @@ class Trainer:
 
     def _fit(self, log: RunLogger) -> dict[str, float]:
         cfg, backend, state = self.cfg, self.backend, self.state
-        o = cfg.optimization
-        if self.resumed_from is not None:
-            log.info(f"resumed from {self.resumed_from} (step {state.step}, {state.samples_seen} samples seen)")
-        elif self.initialized_from is not None:
-            log.info(f"initialized from {self.initialized_from} (step 0, fresh optimizer)")
-            self.validate(log)  # the loaded weights' quality, before training moves them
+        max_steps = cfg.optimization.max_steps
+        self._announce_start(log)
         loader = self._train_loader()
-        sums: dict[str, torch.Tensor] = {}
-        # Throughput windows time training only: validation and saving inside a window are taken out (and timed
-        # on their own lines).
-        window_start, window_steps, window_paused = time.perf_counter(), 0, 0.0
-        last_valid: dict[str, float] = {}
-        compiling = cfg.distributed.compile and state.step < o.max_steps
+        window, last_valid = ThroughputWindow(), {}
+        compiling = cfg.distributed.compile and state.step < max_steps
         first_steps = FirstSteps(cfg.distributed, backend.process_groups()) if compiling else None
-        while state.step < o.max_steps:
+        while state.step < max_steps:
             step_started = time.perf_counter()
-            lr, grad_norm = self.train_step(loader, sums)
+            lr, grad_norm = self.train_step(loader, window.sums)
             if first_steps is not None and (line := first_steps.ended(time.perf_counter() - step_started)):
                 log.info(line)  # the compilation's cost, once
             with record_function("shardlab.meter"):
                 self.meter.sample()
-            window_steps += 1
+            window.steps += 1
             log.advance()
             # Agreed at every step end (one all-reduce), so all ranks stop or save at the same step whichever rank got
             # the signal, and a save by the clock follows rank 0's.
@@ -239,32 +222,15 @@ class Trainer:
                     self._lock_lost(),
                     not bool(self.loss_finite),
                 )
-            self._count_nonfinite(nonfinite, log)
+            self.nonfinite.count(nonfinite, state.step, self.checkpointer.kept, log.info)
             stop = stop or lock_lost  # another job holds the folder now: save this step, then stop (below)
-            if stop or state.step == o.max_steps:  # the loop's last step: what it holds is what the run holds
-                self.held = self._held_between_steps()
-            if state.step % cfg.logging.interval_steps == 0 or state.step == o.max_steps:
-                with record_function("shardlab.log"):  # the metrics' all-reduce and the line (also: _record)
-                    totals = self._sum_over_ranks(sums)
-                metrics = self.task.summarize(totals)
-                elapsed = time.perf_counter() - window_start - window_paused
-                metrics.update(
-                    {
-                        "lr": lr,
-                        "gnorm": float(grad_norm),
-                        f"{self.task.unit}_per_s": totals["units"] / max(elapsed, 1e-9),
-                        "ms_per_step": 1000 * elapsed / max(window_steps, 1),
-                        "mem_gib": memory_gib(backend.device),
-                    }
-                )
-                if self.scaler is not None:
-                    metrics["loss_scale"] = float(self.scaler.get_scale())
-                metrics["skipped_steps"] = self.state.skipped_steps
-                with record_function("shardlab.log"):
-                    self._record("train", metrics, log)
-                sums, window_start, window_steps, window_paused = {}, time.perf_counter(), 0, 0.0
+            last = state.step == max_steps  # the loop's last step: what it holds is what the run holds
+            if stop or last:  # bytes held right after a step: parameters, optimizer state, persistent buffers
+                self.held = self.meter.held()
+            if state.step % cfg.logging.interval_steps == 0 or last:
+                self._log_train(window, lr, grad_norm, log)
+                window = ThroughputWindow()
             paused_from = time.perf_counter()
-            last = state.step == o.max_steps
             vi = cfg.validation.interval_steps
             if last or (vi and state.step % vi == 0 and not stop):  # stopping: the save comes first
                 last_valid = self.validate(log)
@@ -272,20 +238,35 @@ class Trainer:
                 path = self._save_in_loop(must_succeed=last or stop, log=log)
             with record_function("shardlab.meter"):
                 self.meter.reset()  # the next step's peak starts here: validation and saves do not count
-            window_paused += time.perf_counter() - paused_from
+            window.paused += time.perf_counter() - paused_from
             if stop and not last:
-                if lock_lost:  # not a stop signal: no requeue. Saved above; then every rank ends with the reason
-                    self.checkpointer.finish()
-                    raise RunFolderInUse(self._lost_lock_line(path if cfg.checkpoint.save else None))
-                (signum,) = backend.max_over_ranks([float(self.stop_signals.received or 0)])  # which one, agreed
-                self.stop_signals.agree(int(signum))
-                self.stopped_by = self.stop_signals.name  # its own signal, or "<SIG> (on another rank)"
-                saved = f"saved {path}" if cfg.checkpoint.save else "nothing saved (checkpoint.save=false)"
-                log.info(f"stopped at step {state.step} on {self.stopped_by}; {saved}")
+                self._stop(lock_lost, path if cfg.checkpoint.save else None, log)
                 break
         if not last_valid and not self.stopped_by:  # resumed at the end: still report the final quality
             last_valid = self.validate(log)
         return last_valid
+
+    def _announce_start(self, log: RunLogger) -> None:
+        """Where training starts from; weights from checkpoint.init_from are validated before training moves them."""
+        state = self.state
+        if self.resumed_from is not None:
+            log.info(f"resumed from {self.resumed_from} (step {state.step}, {state.samples_seen} samples seen)")
+        elif self.initialized_from is not None:
+            log.info(f"initialized from {self.initialized_from} (step 0, fresh optimizer)")
+            self.validate(log)  # the loaded weights' quality, before training moves them
+
+    def _log_train(self, window: ThroughputWindow, lr: float, grad_norm: torch.Tensor, log: RunLogger) -> None:
+        """The train line of the window's steps: the task's metrics (one all-reduce), throughput, memory, scaler."""
+        with record_function("shardlab.log"):  # the metrics' all-reduce and the line (also: _record)
+            totals = self._sum_over_ranks(window.sums)
+        metrics = self.task.summarize(totals)
+        metrics.update({"lr": lr, "gnorm": float(grad_norm), **window.rates(totals["units"], self.task.unit)})
+        metrics["mem_gib"] = memory_gib(self.backend.device)
+        if self.scaler is not None:
+            metrics["loss_scale"] = float(self.scaler.get_scale())
+        metrics["skipped_steps"] = self.state.skipped_steps
+        with record_function("shardlab.log"):
+            self._record("train", metrics, log)
 
     def train_step(self, loader, sums: dict[str, torch.Tensor]) -> tuple[float, torch.Tensor]:
         """One optimizer step: the micro-batches' forward and backward, clipping, the update, and the training state
@@ -327,9 +308,8 @@ class Trainer:
         model is thrown away afterwards (backend=auto's trials): nothing is logged, validated or saved."""
         loader, sums, seconds = self._train_loader(), {}, []
         # A compiled trial compiles in its first step, as a run does: under compile_timeout_s, ended by a barrier.
-        first_steps = (
-            FirstSteps(self.cfg.distributed, self.backend.process_groups()) if self.cfg.distributed.compile else None
-        )
+        d = self.cfg.distributed
+        first_steps = FirstSteps(d, self.backend.process_groups()) if d.compile else None
         self.meter.reset()
         try:
             for _ in range(num_steps):
@@ -348,47 +328,16 @@ class Trainer:
 
     def _train_loader(self):
         """This rank's training batches from the run's data position on (shardlab.data)."""
-        return iter(
-            rank_loader(
-                self.task.train_dataset,
-                self.train_order,
-                self.state.samples_seen,
-                self.global_batch,
-                self.backend.dp_rank,
-                self.backend.dp_world_size,
-                collate_fn=self.task.collate,
-                num_workers=self.task.num_workers,
-            )
-        )
+        return iter(self._loader(self.task.train_dataset, self.train_order, self.state.samples_seen, self.global_batch))
 
-    def _held_between_steps(self) -> int:
-        """Bytes this rank holds right after a step (parameters, optimizer state, persistent buffers)."""
-        return self.meter.held()
-
-    def _report_memory(self, log: RunLogger) -> None:
-        """The fullest rank's measured peak and between-step bytes beside the plan's prediction."""
-        if self.held is None:
-            return  # resumed at the end: no step ran
-        meter = self.meter
-        peak, held, total = self.backend.max_over_ranks([meter.peak_above_baseline, self.held, meter.total_peak])
-        est = self.memory_estimate
-        self.memory = {
-            "peak_gib": peak / GiB,
-            "peak_total_gib": total / GiB,  # with the rank's own baseline (what `top` shows on CPU)
-            "predicted_peak_gib": est.peak / GiB,
-            "between_steps_gib": held / GiB,
-            "predicted_between_steps_gib": est.between_steps / GiB,
-        }
-        where = "allocator peak" if self.backend.device.type == "cuda" else "peak RSS above the rank's start"
-        caveat = ""
-        if self.backend.cpu_allocator is not None:
-            self.memory["cpu_allocator"] = self.backend.cpu_allocator
-            if self.backend.cpu_allocator == "fast":
-                caveat = " (the allocator keeps freed pages: distributed.cpu_allocator=lean measures against the plan)"
-        log.info(
-            f"memory per rank (fullest rank): training-step peak {peak / GiB:.2f} GiB ({where}), plan "
-            f"{est.peak / GiB:.2f}; held between steps {held / GiB:.2f} GiB, plan {est.between_steps / GiB:.2f}{caveat}"
-        )
+    def _loader(self, dataset, order: GlobalOrder, start: int, batch_size: int, num_batches: int | None = None):
+        """This rank's share of ``batch_size``-sample global batches of ``dataset`` in ``order`` from sample ``start``
+        on (shardlab.data.rank_loader)."""
+        b, task = self.backend, self.task
+        return rank_loader(
+            dataset, order, start, batch_size, b.dp_rank, b.dp_world_size, num_batches=num_batches,
+            collate_fn=task.collate, num_workers=task.num_workers,
+        )  # fmt: skip
 
     def _step(self) -> tuple[torch.Tensor, bool]:
         """Unscale, clip and apply the accumulated gradients; (the global gradient norm, whether the update was
@@ -422,17 +371,7 @@ class Trainer:
         available = len(dataset) // vb
         num_batches = min(cfg.validation.num_batches or available, available)
         self.model.eval()
-        loader = rank_loader(
-            dataset,
-            GlobalOrder(len(dataset), cfg.seed, shuffle=False),
-            0,
-            vb,
-            backend.dp_rank,
-            backend.dp_world_size,
-            num_batches=num_batches,
-            collate_fn=self.task.collate,
-            num_workers=self.task.num_workers,
-        )
+        loader = self._loader(dataset, GlobalOrder(len(dataset), cfg.seed, shuffle=False), 0, vb, num_batches)
         sums: dict[str, torch.Tensor] = {}
         started = time.perf_counter()
         averaged = self.ema.swapped_into(self.model) if cfg.validation.ema else contextlib.nullcontext()
@@ -447,6 +386,19 @@ class Trainer:
         return metrics
 
     # ---- helpers -------------------------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        """The training state from the folder's run, checkpoint.resume, checkpoint.init_from or the seeded init
+        (shardlab.checkpoint.restore); a rollback goes into status.json."""
+        cfg, backend = self.cfg, self.backend
+        self.resumed_from, self.initialized_from = restore_training(
+            cfg, self.checkpointer, self.model, self.optimizer, self.state, backend, model_config=self.model_config,
+            resumable_changes=self.task.resumable_model_changes, run_key_differences=run_key_differences,
+        )  # fmt: skip
+        if self.checkpointer.rollback is not None and backend.env.is_main:
+            run_record.update(self.run_dir, rollback=self.checkpointer.rollback)
+        if (notice := save_on_error_notice(cfg.checkpoint, backend.env.world_size)) and backend.env.is_main:
+            print(notice, flush=True)
+
     def _sum_over_ranks(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """One all-reduce of every statistic (packed in one tensor); the task turns the totals into metrics."""
         keys = sorted(sums)
@@ -458,98 +410,6 @@ class Trainer:
         self.history.append({"split": split, "step": self.state.step, **metrics})
         log.log(split, self.state.step, metrics)
 
-    def _restore(self) -> None:
-        """Continue the folder's run, or begin one per checkpoint.resume (a checkpoint path), checkpoint.init_from
-        (weights) or the seeded init (shardlab.checkpoint.run_line: what each setting means on a requeue)."""
-        cfg, backend = self.cfg, self.backend
-        ignore = self.task.resumable_model_changes
-        full_config = OmegaConf.to_container(cfg, resolve=True)
-
-        def check(path: Path, continuing: bool) -> dict:
-            meta = weights.describe(path)  # reads shardlab.json: an unreadable one is a torn checkpoint
-            weights.check_compatible(path, meta, cfg.task.name, self.model_config, ignore)
-            if continuing:  # the same run: every key that names it must match, not only the model's shape
-                differences = run_key_differences(meta.get("config") or {}, full_config)
-                if differences:
-                    key, saved, current = differences[0]
-                    raise IncompatibleCheckpointError(
-                        f"{path} belongs to a run with {key}={saved!r}, but this run has {key}={current!r}: the folder "
-                        "holds another experiment; use another hydra.run.dir, or pass checkpoint.resume=<that step_N> "
-                        "to begin a new run from it"
-                    )
-            return meta
-
-        start = start_of(cfg.checkpoint.resume, cfg.checkpoint.init_from)
-        # Rank 0 cleans and lists the folder, every rank reads its shards (or the whole init_from file): collectives
-        # wait up to checkpoint.timeout_s, the last of them an agreement, so all ranks leave this together.
-        with backend.long_timeout(cfg.checkpoint.timeout_s):
-            self.resumed_from = restore(
-                self.checkpointer, cfg.checkpoint.resume, start, check, self.model, self.optimizer, self.state
-            )
-            self.initialized_from = None
-            if self.resumed_from is None and cfg.checkpoint.init_from:
-                self.initialized_from = self._init_from(Path(cfg.checkpoint.init_from).expanduser())
-        if self.checkpointer.rollback is not None and backend.env.is_main:
-            run_record.update(self.run_dir, rollback=self.checkpointer.rollback)
-        if self.resumed_from is not None and cfg.checkpoint.init_from and start.kind == "weights":
-            self.checkpointer.log(f"[ckpt] checkpoint.init_from is not used: resuming {self.resumed_from}")
-        if cfg.checkpoint.save_on_error and backend.env.world_size > 1 and backend.env.is_main:
-            print(
-                "[ckpt] checkpoint.save_on_error at world size > 1: Ctrl-C (SIGINT) stops every rank after the step "
-                "and saves; an error on one rank saves nothing (the others cannot join the save's collectives)",
-                flush=True,
-            )
-
-    def _init_from(self, path: Path) -> Path:
-        """checkpoint.init_from: weights only, refused in one line if another task or model shape; agreed over ranks."""
-        error: BaseException | None = None
-        try:
-            info = weights.describe(path)
-            weights.check_compatible(
-                path, info, self.cfg.task.name, self.model_config, self.task.resumable_model_changes
-            )
-            if path.is_dir():
-                dcp_reader.read_metadata(path)  # refused or unreadable here, not inside the collective load
-        except Exception as e:
-            error = e
-        agreement.agree(error, f"checkpoint.init_from: reading {path}", self.backend.device)
-        try:
-            weights.load_into(self.model, path, checked=True)  # read_metadata above, agreed by every rank
-        except UnsafeCheckpointError as e:
-            error = e
-        except Exception as e:
-            error = CheckpointError(
-                f"checkpoint.init_from: {path} could not be loaded ({first_cause(e)}); give a .safetensors file "
-                "from tools/consolidate.py or an intact step_N directory"
-            )
-        agreement.agree(error, f"checkpoint.init_from: loading {path}", self.backend.device)
-        return path
-
-    def _count_nonfinite(self, nonfinite: bool, log: RunLogger) -> None:
-        """One more step whose loss was not finite (on some rank: agreed, so every rank stops at the same step), or
-        the streak ends. At optimization.max_nonfinite_steps the run ends failed, saving nothing: NaN does not train
-        back to a number, and ending "completed" with a NaN checkpoint hid it."""
-        limit = self.cfg.optimization.max_nonfinite_steps
-        self.nonfinite_steps = self.nonfinite_steps + 1 if nonfinite else 0
-        if nonfinite:
-            step, streak = self.state.step, self.nonfinite_steps
-            log.info(f"[train] WARNING: the loss is not finite at step {step} ({streak} of {limit} in a row)")
-        if self.nonfinite_steps >= limit:
-            raise TrainingDiverged(
-                f"the loss was not finite (NaN or inf) on {limit} steps in a row, the last step {self.state.step} "
-                f"(optimization.max_nonfinite_steps={limit}); nothing non-finite was saved, "
-                f"{self.checkpointer.kept()}; lower optimizer.lr or optimization.clip_norm, or look at that data"
-            )
-
-    @torch.no_grad()
-    def _weights_finite(self) -> bool:
-        """Whether every parameter of the model is finite, agreed over ranks (each checks its own shards)."""
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-        # amax and amin carry NaN and inf through without a temporary the size of the tensor (isfinite makes one).
-        ends = [e for t in local if t.is_floating_point() and t.numel() for e in (t.amax(), t.amin())]
-        finite = not ends or bool(torch.isfinite(torch.stack(ends)).all())
-        return not self.backend.any_rank(not finite)[0]
-
     def _lock_lost(self) -> bool:
         """Whether rank 0 knows the run's lock is another job's now (shardlab.jobs.run_lock): agreed at the step's
         end with the stop signals, so every rank saves and stops at the same step."""
@@ -558,6 +418,18 @@ class Trainer:
     def _lost_lock_line(self, saved: Path | None) -> str:
         reason = run_lock.lost_reason(self.run_dir)  # the same words on every rank, whichever one is reported
         return f"{reason}; stopped at step {self.state.step}, " + (f"saved {saved}" if saved else "nothing saved")
+
+    def _stop(self, lock_lost: bool, path: Path | None, log: RunLogger) -> None:
+        """The loop stops before optimization.max_steps, after this step's save (``path``; None without
+        checkpoint.save): the run lock lost ends every rank with the reason, a stop signal sets ``stopped_by``."""
+        if lock_lost:  # not a stop signal: no requeue. Saved above; then every rank ends with the reason
+            self.checkpointer.finish()
+            raise RunFolderInUse(self._lost_lock_line(path))
+        (signum,) = self.backend.max_over_ranks([float(self.stop_signals.received or 0)])  # which one, agreed
+        self.stop_signals.agree(int(signum))
+        self.stopped_by = self.stop_signals.name  # its own signal, or "<SIG> (on another rank)"
+        saved = f"saved {path}" if self.cfg.checkpoint.save else "nothing saved (checkpoint.save=false)"
+        log.info(f"stopped at step {self.state.step} on {self.stopped_by}; {saved}")
 
     def _save_in_loop(self, must_succeed: bool, log: RunLogger) -> Path | None:
         """A save of the loop. One that fails (a full disk, a quota: raised on every rank alike) keeps the previous
@@ -575,56 +447,22 @@ class Trainer:
             return None
 
     def _save_after_error(self, error: BaseException, log: RunLogger) -> None:
-        """checkpoint.save_on_error: save the last completed step, and only a consistent one: at world size 1 (a
-        rank that failed alone cannot save through collectives the others never join), and only if the error came
-        before this step changed anything a checkpoint holds. Otherwise nothing is saved and the log says why; a
-        save already in flight is completed where that needs no collective. (Ctrl-C never gets here with
-        save_on_error: it is an agreed stop at the end of the step, at any world size.)"""
-        c = self.cfg.checkpoint
-        unsaved = self.save_policy.unsaved(self.state.step)
-        reason = self._inconsistent_state(error) if c.save and c.save_on_error and unsaved else None
-        if not (c.save and c.save_on_error and unsaved) or reason:
-            if reason:
-                log.info(f"[ckpt] save_on_error: nothing saved after {type(error).__name__}: {reason}")
-            self.checkpointer.abandon(self.cfg.distributed.timeout_s)
-            return
-        try:
-            path = self.save()
-            self.checkpointer.finish()
-            log.info(
-                f"[ckpt] saved {path} (the last completed step) after {type(error).__name__} in step "
-                f"{self.state.step + 1}; re-raising it"
-            )
-        except BaseException as e:  # noqa: B036  (best effort: the original error is what the user must see)
-            log.info(f"[ckpt] save after {type(error).__name__} failed too ({first_cause(e)})")
+        """checkpoint.save_on_error (shardlab.checkpoint.policy.save_after_error): the last completed step, if what
+        is in memory is still that step's."""
+        world, step = self.backend.env.world_size, self.state.step
 
-    def _inconsistent_state(self, error: BaseException) -> str | None:
-        """Why the state in memory is not the last completed step's, or None if it is."""
-        world = self.backend.env.world_size
-        step, kept = self.state.step, self.checkpointer.kept()
-        if isinstance(error, TrainingDiverged):
-            return f"the run diverged (a checkpoint of it would hold NaN or inf); {kept}"
-        if world > 1:
-            return (
-                f"at world size {world} the other ranks cannot join a save after one rank's error; {kept}. Ctrl-C "
-                "(SIGINT) saves at any world size"
-            )
-        if self.phase == "update":
-            return (
-                f"it came while step {step + 1}'s update was being applied, so the model is neither step {step} nor "
-                f"step {step + 1}; {kept}"
-            )
-        buffers = {name for name, _ in self.model.named_buffers()}
-        if self.phase == "forward" and any(key in buffers for key in self.model.state_dict()):
-            return f"the model's buffers (e.g. BatchNorm statistics) already took step {step + 1}'s batches; {kept}"
-        return None
+        def why_not() -> str | None:  # asked only when a save would be made
+            return inconsistent_state(error, self.phase, world, step, self.checkpointer.kept(), self.model)
+
+        save_after_error(
+            error, self.cfg.checkpoint, self.save_policy, step, why_not, self.checkpointer, self.save,
+            self.cfg.distributed.timeout_s, log.info,
+        )  # fmt: skip
 
     def save(self) -> Path:
-        if not self._weights_finite():  # every save: the loop's, a stop's, the last, save_on_error's
-            raise TrainingDiverged(
-                f"the weights are not finite (NaN or inf) at step {self.state.step}: not saved, "
-                f"{self.checkpointer.kept()}; lower optimizer.lr or optimization.clip_norm"
-            )
+        """Save this step: every save comes here (the loop's, a stop's, the last, save_on_error's), and none is
+        made of weights that are not finite."""
+        require_finite_weights(self.model, self.backend.any_rank, self.state.step, self.checkpointer.kept)
         described = {  # what the checkpoint is of, for checks and tools; the resumable state is self.state
             "task": self.cfg.task.name,
             "model_config": self.model_config,

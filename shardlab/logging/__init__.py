@@ -5,6 +5,7 @@ The log lines also go to the run directory's train.log (beside Hydra's own lines
 the step reached to its status.json (for sweep summaries).
 
 - ``trackers``: Weights & Biases and MLflow, fed the same scalars from rank 0 (``logging.wandb``, ``logging.mlflow``).
+- ``throughput``: units per second and milliseconds per step of the steps since the last train line.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -183,3 +184,30 @@ def memory_gib(device: torch.device) -> float:
     """Peak memory of this rank since it started: the CUDA allocator's peak on GPU; on CPU the process's peak resident
     set size."""
     return process_peak(device) / 2**30
+
+
+def beside_plan(meter: PeakMeter, held: int, estimate: Any, backend: Any) -> tuple[dict[str, Any], str]:
+    """The fullest rank's measured training-step peak and between-step bytes (``held``) beside the plan's prediction
+    (``estimate``: a memory.plan.MemoryEstimate): the run's ``memory`` record and the line the trainer logs at the end
+    of fit. A collective (``backend.max_over_ranks``): every rank calls it."""
+    gib = 2**30
+    peak, held, total = backend.max_over_ranks([meter.peak_above_baseline, held, meter.total_peak])
+    memory: dict[str, Any] = {
+        "peak_gib": peak / gib,
+        "peak_total_gib": total / gib,  # with the rank's own baseline (what `top` shows on CPU)
+        "predicted_peak_gib": estimate.peak / gib,
+        "between_steps_gib": held / gib,
+        "predicted_between_steps_gib": estimate.between_steps / gib,
+    }
+    where = "allocator peak" if backend.device.type == "cuda" else "peak RSS above the rank's start"
+    caveat = ""
+    if backend.cpu_allocator is not None:
+        memory["cpu_allocator"] = backend.cpu_allocator
+        if backend.cpu_allocator == "fast":
+            caveat = " (the allocator keeps freed pages: distributed.cpu_allocator=lean measures against the plan)"
+    line = (
+        f"memory per rank (fullest rank): training-step peak {peak / gib:.2f} GiB ({where}), plan "
+        f"{estimate.peak / gib:.2f}; held between steps {held / gib:.2f} GiB, plan {estimate.between_steps / gib:.2f}"
+        f"{caveat}"
+    )
+    return memory, line

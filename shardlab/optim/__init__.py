@@ -4,6 +4,7 @@
 - ``cpu_adam``: AdamW stepped on the local shards of CPU-offloaded parameters.
 - ``lars``: SGD with momentum and a layer-wise trust ratio over plain or sharded parameters (SimCLR, SwAV).
 - ``schedules``: linear warmup, then cosine, inverse_sqrt or constant.
+- ``divergence``: a loss not finite for optimization.max_nonfinite_steps steps, weights not finite before a save.
 
 This module registers them in OPTIMIZERS and LR_SCHEDULERS with their schemas (``schema/optimizer/<name>``,
 ``schema/lr_scheduler/<name>``, named by conf/optimizer/*.yaml and conf/lr_scheduler/*.yaml). It is light on purpose:

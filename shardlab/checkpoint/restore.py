@@ -1,0 +1,108 @@
+"""Where a trainer's state comes from at its start: the folder's run continued or a checkpoint.resume path (resume.py
+picks and loads it), else checkpoint.init_from's weights (loaded here), else the seeded init the model already has.
+
+The trainer calls ``restore_training`` once, from Trainer.setup, after the model, optimizer and training state exist;
+what the restore needs from above this package (the rule that says which config keys name a run) is passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import OmegaConf
+from torch import nn
+from torch.optim import Optimizer
+
+from shardlab.checkpoint import agreement, dcp_reader, weights
+from shardlab.checkpoint.resume import restore
+from shardlab.checkpoint.run_line import start_of
+from shardlab.errors import CheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError, first_cause
+from shardlab.train_state import TrainState
+
+if TYPE_CHECKING:
+    from shardlab.checkpoint.manager import Checkpointer
+
+KeyDifferences = Callable[[Mapping[str, Any], Mapping[str, Any]], list[tuple[str, Any, Any]]]
+"""(saved config, this run's config) -> (key, saved, current) for each key that names the run and differs
+(shardlab.jobs.run_dir.run_key_differences)."""
+
+
+def restore_training(
+    cfg: Any,
+    ckpt: Checkpointer,
+    model: nn.Module,
+    optimizer: Optimizer,
+    state: TrainState,
+    backend: Any,
+    *,
+    model_config: dict,
+    resumable_changes: tuple[str, ...] | list[str],
+    run_key_differences: KeyDifferences,
+) -> tuple[Path | None, Path | None]:
+    """Continue the folder's run, or begin one per checkpoint.resume (a checkpoint path), checkpoint.init_from
+    (weights) or the seeded init (shardlab.checkpoint.run_line: what each setting means on a requeue); (the
+    checkpoint resumed, the init_from weights loaded), at most one of them set. ``resumable_changes``: the model
+    keys a resume may change (the task's)."""
+    check = _checker(cfg, model_config, resumable_changes, run_key_differences)
+    start = start_of(cfg.checkpoint.resume, cfg.checkpoint.init_from)
+    initialized_from = None
+    # Rank 0 cleans and lists the folder, every rank reads its shards (or the whole init_from file): collectives
+    # wait up to checkpoint.timeout_s, the last of them an agreement, so all ranks leave this together.
+    with backend.long_timeout(cfg.checkpoint.timeout_s):
+        resumed_from = restore(ckpt, cfg.checkpoint.resume, start, check, model, optimizer, state)
+        if resumed_from is None and cfg.checkpoint.init_from:
+            source = Path(cfg.checkpoint.init_from).expanduser()
+            initialized_from = init_from(source, model, cfg.task.name, model_config, resumable_changes, backend.device)
+    if resumed_from is not None and cfg.checkpoint.init_from and start.kind == "weights":
+        ckpt.log(f"[ckpt] checkpoint.init_from is not used: resuming {resumed_from}")
+    return resumed_from, initialized_from
+
+
+def _checker(
+    cfg: Any, model_config: dict, resumable_changes, run_key_differences: KeyDifferences
+) -> Callable[[Path, bool], dict]:
+    """``check(path, continuing) -> meta`` for resume.restore: a checkpoint of this task and model shape, and when
+    continuing, of this very run."""
+    full_config = OmegaConf.to_container(cfg, resolve=True)
+
+    def check(path: Path, continuing: bool) -> dict:
+        meta = weights.describe(path)  # reads shardlab.json: an unreadable one is a torn checkpoint
+        weights.check_compatible(path, meta, cfg.task.name, model_config, resumable_changes)
+        if continuing:  # the same run: every key that names it must match, not only the model's shape
+            differences = run_key_differences(meta.get("config") or {}, full_config)
+            if differences:
+                key, saved, current = differences[0]
+                raise IncompatibleCheckpointError(
+                    f"{path} belongs to a run with {key}={saved!r}, but this run has {key}={current!r}: the folder "
+                    "holds another experiment; use another hydra.run.dir, or pass checkpoint.resume=<that step_N> "
+                    "to begin a new run from it"
+                )
+        return meta
+
+    return check
+
+
+def init_from(path: Path, model: nn.Module, task_name: str, model_config: dict, resumable_changes, device) -> Path:
+    """checkpoint.init_from: weights only, refused in one line if another task or model shape; agreed over ranks."""
+    error: BaseException | None = None
+    try:
+        info = weights.describe(path)
+        weights.check_compatible(path, info, task_name, model_config, resumable_changes)
+        if path.is_dir():
+            dcp_reader.read_metadata(path)  # refused or unreadable here, not inside the collective load
+    except Exception as e:
+        error = e
+    agreement.agree(error, f"checkpoint.init_from: reading {path}", device)
+    try:
+        weights.load_into(model, path, checked=True)  # read_metadata above, agreed by every rank
+    except UnsafeCheckpointError as e:
+        error = e
+    except Exception as e:
+        error = CheckpointError(
+            f"checkpoint.init_from: {path} could not be loaded ({first_cause(e)}); give a .safetensors file "
+            "from tools/consolidate.py or an intact step_N directory"
+        )
+    agreement.agree(error, f"checkpoint.init_from: loading {path}", device)
+    return path
