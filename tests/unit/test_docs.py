@@ -244,3 +244,88 @@ def test_a_module_the_map_leaves_out_is_caught(tmp_path):
     assert map_omissions(
         block.replace("  errors.py               ConfigError", "  error.py                ConfigError")
     ) == ["shardlab/errors.py"]
+
+
+# ---- docs/configuration.md's config groups ---------------------------------------------------------------------------
+def group_rows(markdown: str) -> dict[str, tuple[set[str], set[str]]]:
+    """The "Config groups" table: group -> (the options it lists, the schema classes it names), as written in
+    backticks (an option is a lower-case name, a schema a dotted path)."""
+    section = markdown.split("## Config groups", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and (group := re.fullmatch(r"`([\w/]+)`", cells[0])):
+            options = {s for s in SPAN.findall(cells[1]) if re.fullmatch(r"[a-z0-9_]+", s)}
+            rows[group[1]] = (options, {s for s in SPAN.findall(cells[2]) if "." in s})
+    return rows
+
+
+def option_schema(group: str, option: Path) -> str | None:
+    """The schema class of ``option`` (a conf/ YAML file), as module.Class: the one its ``/schema/...`` default
+    selects, else its section's type in the run's schema (TrainConfig's ``task``: TaskConfig); None for a group that
+    is no typed section (experiment, hydra/launcher, or a section typed Any)."""
+    import typing
+
+    import yaml
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from shardlab.config import TrainConfig
+
+    for default in (yaml.safe_load(option.read_text()) or {}).get("defaults", []):
+        if isinstance(default, str) and default.startswith("/schema/"):
+            kind = OmegaConf.get_type(ConfigStore.instance().load(default[1:].split("@")[0] + ".yaml").node)
+            return f"{kind.__module__}.{kind.__qualname__}"
+    kind = typing.get_type_hints(TrainConfig).get(group)
+    return f"{kind.__module__}.{kind.__qualname__}" if isinstance(kind, type) else None
+
+
+def group_table_problems(markdown: str, conf: Path = REPO / "conf") -> list[str]:
+    """How the "Config groups" table differs from ``conf``: a group (a folder of option files, hydra/launcher too)
+    without a row or a row without a group, an option missing or listed that has no file, a schema its options use
+    that the row does not name, or one it names that none uses."""
+    groups: dict[str, dict[str, Path]] = {}
+    for option in sorted(conf.rglob("*.yaml")):
+        if option.parent != conf:
+            groups.setdefault(option.parent.relative_to(conf).as_posix(), {})[option.stem] = option
+    rows = group_rows(markdown)
+    problems = [f"group {g}: no row" for g in groups if g not in rows]
+    problems += [f"row {g}: no folder conf/{g}/" for g in rows if g not in groups]
+    for group, options in groups.items():
+        if group not in rows:
+            continue
+        listed, schemas = rows[group]
+        used = {s for o in options.values() if (s := option_schema(group, o))}
+        problems += [f"{group}: {o} not listed" for o in sorted(options.keys() - listed)]
+        problems += [f"{group}: {o} listed, no conf/{group}/{o}.yaml" for o in sorted(listed - options.keys())]
+        problems += [f"{group}: schema {s} not named" for s in sorted(used - schemas)]
+        problems += [f"{group}: schema {s} named, used by no option" for s in sorted(schemas - used)]
+    return problems
+
+
+def test_the_config_groups_table_lists_every_option_and_schema_in_conf():
+    assert group_table_problems((REPO / "docs" / "configuration.md").read_text()) == []
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "problem"),
+    [
+        (", `llama3_405b`", "", "model: llama3_405b not listed"),
+        ("`lars` (SwAV's", "`larc` (SwAV's", "optimizer: lars not listed"),
+        (", `tasks.self_supervised.config.DINOConfig`", "", "task: schema tasks.self_supervised.config.DINOConfig"),
+        ("| `hydra/launcher` |", "| `launcher` |", "group hydra/launcher: no row"),
+    ],
+)
+def test_a_config_groups_table_that_falls_behind_conf_is_caught(old, new, problem):
+    page = (REPO / "docs" / "configuration.md").read_text()
+    assert old in page
+    assert problem in group_table_problems(page.replace(old, new, 1))[0]
+
+
+def test_a_new_option_file_is_caught(tmp_path):
+    import shutil
+
+    shutil.copytree(REPO / "conf", tmp_path / "conf")
+    (tmp_path / "conf" / "optimizer" / "adafactor.yaml").write_text("defaults:\n  - /schema/optimizer/adamw@_here_\n")
+    page = (REPO / "docs" / "configuration.md").read_text()
+    assert group_table_problems(page, tmp_path / "conf") == ["optimizer: adafactor not listed"]
