@@ -1,4 +1,6 @@
-"""The README is a door, not the house: short, linking every docs/ page, and no link in the docs leads nowhere."""
+"""The README is a door, not the house: short, linking every docs/ page; and the docs stay true of the tree: no link
+leads nowhere, no path written in backticks names a file that is not there, the README's map names every package,
+module and test folder, and docs/configuration.md lists every config group option in conf/."""
 
 from __future__ import annotations
 
