@@ -1,20 +1,33 @@
-"""Tiny self-supervised configs shared by the unit and distributed tests: a 2-stage RegNetY (~3k parameters) on 16 px
-generated images, 2 global crops of 16 px and 2 local ones of 8 px, a global batch of 16."""
+"""Tiny vision configs shared by the unit and distributed tests, all on one 2-stage RegNetY (~3k parameters, with
+squeeze-excitation) on 16 px generated images: image classification on it (TINY_VISION, which each test completes with
+the length and sizes of its run), and the self-supervised methods (2 global crops of 16 px and 2 local ones of 8 px, a
+global batch of 16)."""
 
 from __future__ import annotations
 
 from tests.conftest import compose_config
 
 STEPS = 6
-TINY_SSL = [
-    "distributed=single",  # the tasks' default is two fully_sharded ranks
-    "distributed.world_size=1",
+TINY_REGNET = [
     "model.depth=2",
     "model.w_0=8",
     "model.w_a=8",
     "model.group_width=8",
     "model.stem_width=8",
     "data.image_size=16",
+]
+# Supervised: the task on the tiny trunk, no validation during the run, quiet logs.
+TINY_VISION = [
+    "task=image_classification",
+    *TINY_REGNET,
+    "validation.interval_steps=0",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
+TINY_SSL = [
+    "distributed=single",  # the tasks' default is two fully_sharded ranks
+    "distributed.world_size=1",
+    *TINY_REGNET,
     "data.local_crop_size=8",
     "data.num_train=128",
     "data.num_valid=32",

@@ -14,22 +14,17 @@ from torch import nn
 
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
+from tests import ssl_configs
 from tests.conftest import compose_config
 from tests.distributed.harness import run_spawned
 
 LOSS_RTOL = 1e-5
 STEPS, RESUME_AT = 6, 3
 
-# A 2-stage RegNetY (~3k params, with squeeze-excitation) on 16 px generated images; augmentation off except in the
-# tests of seeding (AUGMENTED).
+# tests/ssl_configs.py's tiny RegNetY classifier, augmentation off except in the tests of seeding (AUGMENTED).
+# tests/distributed/test_compile.py runs it too.
 TINY_VISION = [
-    "task=image_classification",
-    "model.depth=2",
-    "model.w_0=8",
-    "model.w_a=8",
-    "model.group_width=8",
-    "model.stem_width=8",
-    "data.image_size=16",
+    *ssl_configs.TINY_VISION,
     "data.num_train=256",
     "data.num_valid=64",
     "data.augment=false",
@@ -37,13 +32,10 @@ TINY_VISION = [
     f"optimization.max_steps={STEPS}",
     "optimizer.lr=0.05",
     "lr_scheduler.warmup_steps=1",
-    "validation.interval_steps=0",
     "validation.num_batches=2",
     "validation.batch_size=32",
     f"checkpoint.interval_steps={RESUME_AT}",
     "logging.interval_steps=1",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
 ]
 
 

@@ -13,26 +13,19 @@ from shardlab.runner import build_task, run_rank
 from shardlab.train import run_tool
 from tasks.image_classification.probe import knn_scores, standardize, top_k_accuracy, train_linear
 from tests.conftest import compose_config
+from tests.ssl_configs import TINY_VISION
 from tools import consolidate, evaluate
 
-TINY_VISION = [
-    "task=image_classification",
-    "model.depth=2",
-    "model.w_0=8",
-    "model.w_a=8",
-    "model.group_width=8",
-    "model.stem_width=8",
-    "data.image_size=16",
+# tests/ssl_configs.py's tiny RegNetY classifier, trained 3 steps, checkpointed at the last.
+VISION_RUN = [
+    *TINY_VISION,
     "data.num_train=120",
     "data.num_valid=60",
     "optimization.batch_size=20",
     "optimization.max_steps=3",
     "lr_scheduler.warmup_steps=0",
-    "validation.interval_steps=0",
     "validation.batch_size=30",
     "checkpoint.interval_steps=3",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
 ]
 PROBE = ["--epochs", "3", "--k", "5"]
 
@@ -40,7 +33,7 @@ PROBE = ["--epochs", "3", "--k", "5"]
 @pytest.fixture(scope="module")
 def vision_checkpoint(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("vision_run")
-    run_rank(compose_config(TINY_VISION), run_dir, dist_env.detect())
+    run_rank(compose_config(VISION_RUN), run_dir, dist_env.detect())
     return run_dir / "checkpoints" / "step_00000003"
 
 
@@ -101,7 +94,7 @@ def test_knn_weighs_neighbours_by_similarity_over_temperature():
 
 
 def test_image_classification_features_are_what_its_classifier_sees():
-    task = build_task(compose_config(TINY_VISION))
+    task = build_task(compose_config(VISION_RUN))
     model = task.build_model().eval()
     images = torch.randn(4, 3, 16, 16)
     with torch.no_grad():
@@ -124,10 +117,10 @@ def test_vision_checkpoint_folder_and_safetensors_give_the_same_figures(vision_c
 
 def test_random_trunk_of_a_checkpoints_architecture_is_the_composed_one(vision_checkpoint):
     random_of_checkpoint = evaluate.main([str(vision_checkpoint), "--random-init", "--knn", *PROBE])
-    composed = evaluate.main(["--random-init", "--knn", *PROBE, *TINY_VISION])
+    composed = evaluate.main(["--random-init", "--knn", *PROBE, *VISION_RUN])
     assert random_of_checkpoint == composed  # same architecture, same seed: the same trunk
     trained = evaluate.main([str(vision_checkpoint), "--knn", *PROBE])
-    reseeded = evaluate.main(["--random-init", "--knn", *PROBE, *TINY_VISION, "seed=7"])
+    reseeded = evaluate.main(["--random-init", "--knn", *PROBE, *VISION_RUN, "seed=7"])
     assert trained != composed and reseeded != composed
 
 
@@ -272,7 +265,7 @@ def test_averaged_weights_and_a_random_trunk_get_batchnorm_statistics_of_their_o
 def test_the_feature_cache_is_keyed_by_split_batchnorm_statistics_and_ema_weights(tmp_path):
     import argparse
 
-    cfg = compose_config(TINY_VISION)
+    cfg = compose_config(VISION_RUN)
     base = dict(random_init=False, checkpoint=tmp_path, ema=False, split="test", recompute_bn=False)
     key = evaluate.cache_key(argparse.Namespace(**base), cfg, {"step": 3})
     assert key == evaluate.cache_key(argparse.Namespace(**base), cfg, {"step": 3})
