@@ -489,6 +489,8 @@ class Trainer:
             self.initialized_from = None
             if self.resumed_from is None and cfg.checkpoint.init_from:
                 self.initialized_from = self._init_from(Path(cfg.checkpoint.init_from).expanduser())
+            elif self.resumed_from is None:  # the task's own starting weights (model.pretrained), if any
+                self.initialized_from = self.task.load_pretrained(self.model, backend.device)
         if self.checkpointer.rollback is not None and backend.env.is_main:
             run_record.update(self.run_dir, rollback=self.checkpointer.rollback)
         if self.resumed_from is not None and cfg.checkpoint.init_from and start.kind == "weights":
