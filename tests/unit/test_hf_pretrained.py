@@ -135,3 +135,24 @@ def test_a_config_json_alone_plans_but_does_not_train(folders, tmp_path):
 def test_pretrained_and_init_from_together_are_refused(folders, tmp_path):
     with pytest.raises(ConfigError, match="model.pretrained and checkpoint.init_from both give the starting weights"):
         task_of(folders["gpt2"], f"checkpoint.init_from={tmp_path}")
+
+
+LLAMA31_8B = Path(__file__).parents[1] / "data" / "llama3_1_8b"
+
+
+def test_llama_3_1_8b_config_json_alone_plans_for_8_h100s(capsys):
+    from shardlab.runner import print_plan
+
+    overrides = [
+        "distributed=fully_sharded", "distributed.world_size=8", "distributed.plan_device=h100_80gb",
+        "distributed.precision=bf16", "data.seq_len=4096", "optimization.batch_size=8", "validation.batch_size=8",
+        "dry_run=true",
+    ]  # fmt: skip
+    task = task_of(LLAMA31_8B, *overrides)
+    m = task.cfg.model
+    assert (m.arch, m.num_layers, m.dim, m.num_heads, m.num_kv_heads, m.ffn_dim) == ("llama", 32, 4096, 32, 8, 14336)
+    assert (m.vocab_size, m.max_seq_len, m.rope_theta, m.rope_scaling.rope_type) == (128256, 131072, 5e5, "llama3")
+    print_plan(task.cfg, task)
+    out = capsys.readouterr().out
+    assert "8.03B" in out or "8,030,261,248" in out, out
+    assert "h100_80gb" in out, out
