@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 VOCAB = 320
-"""256 byte tokens, <|endoftext|> at 256, padding ids up to a multiple of 64 (tasks.lm.tokenizer.byte_tokenizer_json)."""
+"""256 byte tokens, <|endoftext|> at 256, padding ids up to 320 (tasks.lm.tokenizer.byte_tokenizer_json)."""
 
 _LLAMA_SHAPE = dict(
     vocab_size=VOCAB,
@@ -37,8 +37,21 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {**_LLAMA_SHAPE, "tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {**_LLAMA_SHAPE, "head_dim": 32, "tie_word_embeddings": False}),
     "mistral": ("MistralConfig", {**_LLAMA_SHAPE, "sliding_window": 64, "head_dim": 16}),
-    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=256, eos_token_id=256)),
+    "gpt2": (
+        "GPT2Config",
+        dict(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=256,
+            eos_token_id=256,
+        ),
+    ),
 }
 """family -> (transformers config class, its arguments)."""
 

@@ -6,7 +6,8 @@ Families: Llama 3.x, Qwen2/2.5, Qwen3 and Mistral become ``model.arch=llama`` (t
 each needs; GPT-2 becomes ``model.arch=gpt`` (tasks/lm/model.py). A field of config.json that would change the
 computation and that the architecture cannot express is refused in one line naming it (``HFConfigError``), before
 any weight is read. Fields that change nothing shardlab computes in training (token ids, ``use_cache``,
-``initializer_range``, ``dtype``) are not read, nor GPT-2's dropout rates: model.dropout is the fine-tuner's choice. No transformers import: config.json is JSON.
+``initializer_range``, ``dtype``) are not read, nor GPT-2's dropout rates: model.dropout is the fine-tuner's choice.
+No transformers import: config.json is JSON.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ LLAMA_NAMES = {
     "mlp.up": "mlp.up_proj",
     "mlp.down": "mlp.down_proj",
 }
-"""shardlab Llama block module -> the decoder layer module of LlamaForCausalLM, Qwen2/3's and Mistral's (same layout)."""
+"""shardlab Llama block module -> the decoder layer module of LlamaForCausalLM, Qwen2/3's and Mistral's (one layout)."""
 
 GPT2_LINEARS = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
 """shardlab GPT block Linear -> GPT-2 block Conv1D, whose weight is stored (in, out): the transpose of nn.Linear's."""
@@ -222,7 +223,9 @@ def apply_pretrained(cfg: Any) -> Path:
         raise HFConfigError(f"model.pretrained: {folder} is not a folder; give a Hugging Face model folder")
     section = model_section(read_config_json(folder), folder / "config.json")
     schema = {"gpt": GPTConfig, "llama": LlamaConfig}[section["arch"]]
-    kept = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in schema.__dataclass_fields__}
+    kept = {
+        k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in schema.__dataclass_fields__
+    }
     model = OmegaConf.merge(OmegaConf.structured(schema), kept, section, {"pretrained": str(folder)})
     with open_dict(cfg):
         cfg.model = model

@@ -116,7 +116,7 @@ class LanguageModelingTask(Task):
                 )
             if self.cfg.data.tokenizer == "byte":
                 errors.append(
-                    f"model.pretrained: {self.pretrained} has no tokenizer.json; add it, or name one with data.tokenizer"
+                    f"model.pretrained: {self.pretrained} has no tokenizer.json; add it, or set data.tokenizer"
                 )
         return errors
 

@@ -74,7 +74,10 @@ def test_config_json_decides_the_model_section_and_the_folders_tokenizer_is_used
     assert task.tokenizer.eod == 256 and task.cfg.data.eod_token == "<|endoftext|>"
     if family.startswith("llama3"):
         assert dict(m.rope_scaling) == {
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         }
 
@@ -118,7 +121,9 @@ def test_weights_that_do_not_fit_are_refused_before_any_tensor_is_read(folders, 
     model = model_on_meta(task)
     materialize(model, torch.device("cpu"), task.init_tensor, seed=0)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    with pytest.raises(CheckpointError, match=r"model.pretrained: .*mlp.gate_proj.weight is \[96, 64\], the model's is"):
+    with pytest.raises(
+        CheckpointError, match=r"model.pretrained: .*mlp.gate_proj.weight is \[96, 64\], the model's is"
+    ):
         task.load_pretrained(model, torch.device("cpu"))
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
