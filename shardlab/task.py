@@ -78,6 +78,12 @@ class Task(ABC):
     def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the full value of the parameter or buffer ``name`` in place (see shardlab.distributed.materialize)."""
 
+    def load_pretrained(self, model: nn.Module, device: torch.device) -> Any | None:
+        """Load the weights the task's config starts from (the LM's model.pretrained) into the wrapped, materialized
+        model, on every rank; returns where they came from, or None: the seeded init stands. Asked by the restore
+        when the run resumes nothing and has no checkpoint.init_from."""
+        return None
+
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         """Submodules to shard as separate FSDP units, in forward order; the root is wrapped last by the backend.
         Empty means: let the backend's generic policy decide."""

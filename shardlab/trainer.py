@@ -393,6 +393,7 @@ class Trainer:
         self.resumed_from, self.initialized_from = restore_training(
             cfg, self.checkpointer, self.model, self.optimizer, self.state, backend, model_config=self.model_config,
             resumable_changes=self.task.resumable_model_changes, run_key_differences=run_key_differences,
+            load_pretrained=lambda: self.task.load_pretrained(self.model, backend.device),
         )  # fmt: skip
         if self.checkpointer.rollback is not None and backend.env.is_main:
             run_record.update(self.run_dir, rollback=self.checkpointer.rollback)

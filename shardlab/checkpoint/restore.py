@@ -40,11 +40,13 @@ def restore_training(
     model_config: dict,
     resumable_changes: tuple[str, ...] | list[str],
     run_key_differences: KeyDifferences,
+    load_pretrained: Callable[[], Path | None] = lambda: None,
 ) -> tuple[Path | None, Path | None]:
     """Continue the folder's run, or begin one per checkpoint.resume (a checkpoint path), checkpoint.init_from
     (weights) or the seeded init (shardlab.checkpoint.run_line: what each setting means on a requeue); (the
     checkpoint resumed, the init_from weights loaded), at most one of them set. ``resumable_changes``: the model
-    keys a resume may change (the task's)."""
+    keys a resume may change (the task's); ``load_pretrained`` loads the task's own starting weights
+    (model.pretrained) into the sharded model when neither a checkpoint nor init_from gives them, and names them."""
     check = _checker(cfg, model_config, resumable_changes, run_key_differences)
     start = start_of(cfg.checkpoint.resume, cfg.checkpoint.init_from)
     initialized_from = None
@@ -55,6 +57,8 @@ def restore_training(
         if resumed_from is None and cfg.checkpoint.init_from:
             source = Path(cfg.checkpoint.init_from).expanduser()
             initialized_from = init_from(source, model, cfg.task.name, model_config, resumable_changes, backend.device)
+        elif resumed_from is None:
+            initialized_from = load_pretrained()
     if resumed_from is not None and cfg.checkpoint.init_from and start.kind == "weights":
         ckpt.log(f"[ckpt] checkpoint.init_from is not used: resuming {resumed_from}")
     return resumed_from, initialized_from

@@ -31,6 +31,22 @@ class GPTConfig:
     """Dropout on attention weights and residual branches."""
     init_std: float = 0.02
     """Std of the normal init of weights; residual projections are scaled by 1/sqrt(2 * num_layers)."""
+    pretrained: str | None = None
+    """A Hugging Face model folder (config.json, safetensors, tokenizer.json) to start from; docs/finetuning.md."""
+
+
+@dataclass
+class RopeScalingConfig:
+    rope_type: str = "llama3"
+    """How the rotary frequencies are stretched for long context: llama3 (Llama 3.1's) is the one implemented."""
+    factor: float = 8.0
+    """Low frequencies are divided by it."""
+    low_freq_factor: float = 1.0
+    """Wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully."""
+    high_freq_factor: float = 4.0
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are kept; between, interpolated."""
+    original_max_position_embeddings: int = 8192
+    """The context the model was pretrained with before scaling."""
 
 
 @dataclass
@@ -42,7 +58,7 @@ class LlamaConfig:
     dim: int = 256
     """Residual stream width."""
     num_heads: int = 4
-    """Query heads; must divide dim (head width = dim / num_heads, even: RoPE rotates pairs)."""
+    """Query heads; with head_dim null must divide dim (head width = dim / num_heads, even: RoPE rotates pairs)."""
     num_kv_heads: int = 4
     """Key/value heads (grouped-query attention); must divide num_heads. num_heads = classic multi-head attention."""
     ffn_dim: int | None = None
@@ -57,6 +73,20 @@ class LlamaConfig:
     """Epsilon of the RMSNorms."""
     init_std: float = 0.02
     """Std of the normal init of weights; residual projections are scaled by 1/sqrt(2 * num_layers)."""
+    head_dim: int | None = None
+    """Width of each attention head; null = dim / num_heads (Qwen3 and Mistral set it apart from dim)."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output projection (Llama 3.2 1B/3B, small Qwen2.5 and Qwen3)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2/2.5; Llama's attention_bias sets it with out_bias)."""
+    out_bias: bool = False
+    """Bias on the attention output projection (Llama's and Qwen3's attention_bias)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's queries and keys before RoPE (Qwen3)."""
+    rope_scaling: RopeScalingConfig | None = None
+    """Rotary frequency scaling for long context (Llama 3.1+: rope_type llama3); null = none."""
+    pretrained: str | None = None
+    """A Hugging Face model folder (config.json, safetensors, tokenizer.json) to start from; docs/finetuning.md."""
 
 
 @dataclass

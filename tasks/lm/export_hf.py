@@ -25,25 +25,9 @@ from pathlib import Path
 import torch
 
 from shardlab.errors import ConfigError
+from tasks.lm.hf_models import weight_names
 from tasks.lm.llama import ffn_width
 from tasks.lm.tokenizer import ByteTokenizer, Tokenizer, byte_tokenizer_json
-
-LINEAR_NAMES = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
-"""shardlab block Linear -> GPT-2 block Conv1D (weights transposed)."""
-
-
-LLAMA_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn.q": "self_attn.q_proj",
-    "attn.k": "self_attn.k_proj",
-    "attn.v": "self_attn.v_proj",
-    "attn.o": "self_attn.o_proj",
-    "mlp_norm": "post_attention_layernorm",
-    "mlp.gate": "mlp.gate_proj",
-    "mlp.up": "mlp.up_proj",
-    "mlp.down": "mlp.down_proj",
-}
-"""shardlab Llama block module -> LlamaDecoderLayer module (weights only, same layout)."""
 
 HF_ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 """model.arch -> the transformers class its export loads as."""
@@ -55,7 +39,19 @@ def export_refusal(model_cfg: dict) -> str | None:
     if arch not in HF_ARCHITECTURES:
         known = ", ".join(f"{a} ({hf})" for a, hf in HF_ARCHITECTURES.items())
         return f"model.arch={arch!r} has no Hugging Face counterpart; exported are {known}"
-    return gpt2_refusal(model_cfg) if arch == "gpt" else None
+    return gpt2_refusal(model_cfg) if arch == "gpt" else llama_refusal(model_cfg)
+
+
+LOAD_ONLY_OPTIONS = ("head_dim", "tie_embeddings", "qkv_bias", "out_bias", "qk_norm", "rope_scaling")
+"""Llama options of the families read from Hugging Face folders that the export does not write yet."""
+
+
+def llama_refusal(model_cfg: dict) -> str | None:
+    """Why the export cannot write this Llama config yet, or None when it can."""
+    for key in LOAD_ONLY_OPTIONS:
+        if model_cfg.get(key):
+            return f"model.{key}={model_cfg[key]!r} is read from Hugging Face folders but not exported yet"
+    return None
 
 
 def gpt2_refusal(model_cfg: dict) -> str | None:
@@ -75,45 +71,16 @@ def _check_names(state: dict[str, torch.Tensor], expected: set[str], optional: s
         )
 
 
-def gpt2_state_dict(state: dict[str, torch.Tensor], num_layers: int, tied: bool) -> dict[str, torch.Tensor]:
-    """shardlab GPT parameter names and layouts -> GPT2LMHeadModel's (tied: lm_head.weight left to transformers)."""
-    expected = {"embed.tok.weight", "embed.pos.weight", "head.ln_f.weight", "head.ln_f.bias", "head.out.weight"}
-    expected |= {f"blocks.{i}.{n}" for i in range(num_layers) for n in _block_names()}
+def hf_state_dict(state: dict[str, torch.Tensor], model_cfg: dict) -> dict[str, torch.Tensor]:
+    """shardlab parameter names and layouts -> the Hugging Face architecture's (tasks/lm/hf_models.py, the mapping
+    loading reads too), in fp32; a tied output projection is left to transformers."""
+    arch = model_cfg.get("arch", "gpt")
+    names = weight_names({**model_cfg, "arch": arch})
+    tied = bool(model_cfg.get("tie_embeddings"))
     optional = {"head.out.weight"} if tied else set()  # a tied head may be stored under the embedding's name only
-    _check_names(state, expected, optional, "GPT")
-    out = {
-        "transformer.wte.weight": state["embed.tok.weight"],
-        "transformer.wpe.weight": state["embed.pos.weight"],
-        "transformer.ln_f.weight": state["head.ln_f.weight"],
-        "transformer.ln_f.bias": state["head.ln_f.bias"],
-    }
-    if not tied:
-        out["lm_head.weight"] = state["head.out.weight"]
-    for i in range(num_layers):
-        src, dst = f"blocks.{i}.", f"transformer.h.{i}."
-        for ln in ("ln_1", "ln_2"):
-            out[dst + f"{ln}.weight"] = state[src + f"{ln}.weight"]
-            out[dst + f"{ln}.bias"] = state[src + f"{ln}.bias"]
-        for ours, theirs in LINEAR_NAMES.items():
-            out[dst + f"{theirs}.weight"] = state[src + f"{ours}.weight"].t()
-            out[dst + f"{theirs}.bias"] = state[src + f"{ours}.bias"]
+    _check_names(state, set(names) | optional, optional, "GPT" if arch == "gpt" else "Llama")
+    out = {hf.key: state[ours].t() if hf.transposed else state[ours] for ours, hf in names.items()}
     return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
-
-
-def _block_names() -> list[str]:
-    names = [f"{ln}.{p}" for ln in ("ln_1", "ln_2") for p in ("weight", "bias")]
-    return names + [f"{lin}.{p}" for lin in LINEAR_NAMES for p in ("weight", "bias")]
-
-
-def llama_state_dict(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """shardlab Llama parameter names -> LlamaForCausalLM's (the layouts are the same)."""
-    out = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "head.norm.weight"}
-    out["lm_head.weight"] = "head.out.weight"
-    for i in range(num_layers):
-        for ours, theirs in LLAMA_NAMES.items():
-            out[f"model.layers.{i}.{theirs}.weight"] = f"blocks.{i}.{ours}.weight"
-    _check_names(state, set(out.values()), set(), "Llama")
-    return {hf: state[ours].detach().to(torch.float32).contiguous() for hf, ours in out.items()}
 
 
 def llama_config(model_cfg: dict, vocab_size: int, eod: int) -> dict:
@@ -202,12 +169,11 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg: dict, tokenizer: Tokeni
     reason = export_refusal(model_cfg)
     if reason:
         raise ConfigError(f"cannot export to Hugging Face: {reason}")
+    weights = hf_state_dict(state, model_cfg)
     if model_cfg.get("arch", "gpt") == "llama":
-        weights = llama_state_dict(state, model_cfg["num_layers"])
         vocab_size = weights["model.embed_tokens.weight"].shape[0]
         config = llama_config(model_cfg, vocab_size, tokenizer.eod)
     else:
-        weights = gpt2_state_dict(state, model_cfg["num_layers"], bool(model_cfg["tie_embeddings"]))
         vocab_size = weights["transformer.wte.weight"].shape[0]
         config = gpt2_config(model_cfg, vocab_size, tokenizer.eod)
     if vocab_size < tokenizer.vocab_size:

@@ -1,5 +1,7 @@
-"""A Llama-style decoder: pre-RMSNorm blocks, rotary positions, grouped-query causal attention, SwiGLU MLP, untied
-output projection, no biases.
+"""A Llama-style decoder: pre-RMSNorm blocks, rotary positions, grouped-query causal attention, SwiGLU MLP; by default
+an untied output projection and no biases. The options of the families it loads from Hugging Face folders
+(tasks/lm/hf_models.py): an explicit head_dim, tied embeddings, q/k/v (and output) biases (Qwen2), q/k RMSNorm
+(Qwen3), Llama 3.1's RoPE frequency scaling.
 
 Every convention is Hugging Face's LlamaForCausalLM, so an export is a renaming (tasks/lm/export_hf.py): RMSNorm in
 fp32 cast back before the weight; RoPE in the rotate-half layout (the first half of each head pairs with the second,
@@ -36,12 +38,35 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def rotary_tables(length: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype):
+def head_width(cfg: LlamaConfig) -> int:
+    """Each attention head's width: model.head_dim, or model.dim / model.num_heads."""
+    return cfg.head_dim or cfg.dim // cfg.num_heads
+
+
+def llama3_scaled(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
+    """Llama 3.1's long-context frequencies (transformers' ``rope_type: llama3``): wavelengths longer than the original
+    context / low_freq_factor are divided by ``factor``, shorter than original / high_freq_factor kept, and those
+    between interpolated smoothly."""
+    original = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = original / scaling.low_freq_factor, original / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_tables(
+    length: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype, scaling=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of each (position, channel) angle, (length, head_dim), computed in fp32 (elementwise, so autocast
     leaves them alone) and cast to the activations' dtype. Computed once per forward and shared by every block: a
-    table kept as a buffer would need initialising and sharding for no saving."""
+    table kept as a buffer would need initialising and sharding for no saving. ``scaling``: model.rope_scaling."""
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
+    if scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -57,16 +82,22 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.dim // cfg.num_heads
-        self.q = nn.Linear(cfg.dim, cfg.num_heads * self.head_dim, bias=False)
-        self.k = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=False)
-        self.v = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=False)
-        self.o = nn.Linear(cfg.num_heads * self.head_dim, cfg.dim, bias=False)
+        self.head_dim = head_width(cfg)
+        self.q = nn.Linear(cfg.dim, cfg.num_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v = nn.Linear(cfg.dim, cfg.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o = nn.Linear(cfg.num_heads * self.head_dim, cfg.dim, bias=cfg.out_bias)
+        # Qwen3: each head's queries and keys normalised over head_dim, before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if self.num_kv_heads < self.num_heads:
@@ -105,7 +136,7 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm and output projection: one FSDP unit (the output projection is never tied)."""
+    """Final norm and output projection: one FSDP unit unless tied to the token embedding."""
 
     def __init__(self, cfg: LlamaConfig, vocab_size: int) -> None:
         super().__init__()
@@ -125,28 +156,38 @@ class Llama(LMArchitecture):
         self.embed = nn.Embedding(vocab_size, cfg.dim)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.head = Head(cfg, vocab_size)
+        if cfg.tie_embeddings:
+            self.head.out.weight = self.embed.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
-        head_dim = self.cfg.dim // self.cfg.num_heads
-        cos, sin = rotary_tables(idx.shape[1], head_dim, self.cfg.rope_theta, x.device, x.dtype)
+        cos, sin = rotary_tables(
+            idx.shape[1], head_width(self.cfg), self.cfg.rope_theta, x.device, x.dtype, self.cfg.rope_scaling
+        )
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.head(x)
 
     def fsdp_units(self) -> list[nn.Module]:
-        # Untied, the embedding and the head are the two largest matrices of a small model: each its own unit.
+        # Untied, the embedding and the head are the two largest matrices of a small model: each its own unit. Tied,
+        # their shared weight cannot sit in two units: both stay in the root (as GPT's).
+        if self.cfg.tie_embeddings:
+            return list(self.blocks)
         return [self.embed, *self.blocks, self.head]
 
     @classmethod
     def config_errors(cls, m: LlamaConfig) -> list[str]:
         errors = below_one(m, ("num_layers", "dim", "num_heads", "num_kv_heads", "max_seq_len"))
-        if m.num_heads >= 1 and m.dim % m.num_heads:
-            errors.append(f"model.num_heads ({m.num_heads}) must divide model.dim ({m.dim})")
+        if m.head_dim is not None:
+            if m.head_dim < 2 or m.head_dim % 2:
+                errors.append(f"model.head_dim must be even and >= 2 (RoPE rotates channel pairs), got {m.head_dim}")
+        elif m.num_heads >= 1 and m.dim % m.num_heads:
+            errors.append(f"model.num_heads ({m.num_heads}) must divide model.dim ({m.dim}), or set model.head_dim")
         elif m.num_heads >= 1 and (m.dim // m.num_heads) % 2:
             errors.append(
                 f"model.dim / model.num_heads = {m.dim // m.num_heads} must be even: RoPE rotates channel pairs"
             )
+        errors += rope_scaling_errors(m.rope_scaling)
         if m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads:
             errors.append(f"model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads ({m.num_heads})")
         if m.ffn_dim is not None and m.ffn_dim < 1:
@@ -163,7 +204,26 @@ class Llama(LMArchitecture):
         1/sqrt(2 * layers) as in GPT-2, unit norms."""
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
+        elif name.endswith("bias"):
+            tensor.zero_()
         elif name.endswith(("attn.o.weight", "mlp.down.weight")):
             tensor.normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.num_layers), generator=generator)
         else:
             tensor.normal_(0.0, cfg.init_std, generator=generator)
+
+
+def rope_scaling_errors(scaling) -> list[str]:
+    """Problems of model.rope_scaling (null, or Llama 3.1's llama3 scaling)."""
+    if scaling is None:
+        return []
+    if scaling.rope_type != "llama3":
+        return [f"model.rope_scaling.rope_type={scaling.rope_type!r} is not implemented; llama3 is (or null for none)"]
+    errors = []
+    if scaling.factor <= 0 or scaling.original_max_position_embeddings < 1:
+        errors.append("model.rope_scaling.factor and original_max_position_embeddings must be > 0")
+    if not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
+        errors.append(
+            f"model.rope_scaling needs 0 < low_freq_factor ({scaling.low_freq_factor}) < high_freq_factor "
+            f"({scaling.high_freq_factor})"
+        )
+    return errors

@@ -17,6 +17,7 @@ from shardlab.task import Task
 from tasks.lm.architecture import LMArchitecture
 from tasks.lm.cache import corpus_sources
 from tasks.lm.data import open_splits, prepare_corpus
+from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
 from tasks.lm.tokenizer import load_tokenizer
 
 
@@ -35,6 +36,9 @@ class LanguageModelingTask(Task):
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
+        # model.pretrained decides the model section and the tokenizer, so it is read first; a config.json field the
+        # architectures cannot express stops the run here, before any weight is read.
+        self.pretrained = apply_pretrained(cfg) if cfg.model.get("pretrained") else None
         # Loaded here, before any data or model work, so a bad tokenizer file stops the run in its first second.
         # .get: configs stored in checkpoints written before data.eod_token existed lack the key.
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
@@ -87,12 +91,44 @@ class LanguageModelingTask(Task):
             errors.append(
                 f"data.num_preprocess_workers must be >= -1 (-1 = one per core), got {d.num_preprocess_workers}"
             )
+        errors += self.pretrained_errors()
         if d.path is not None:  # a path with no corpus is refused before the run folder is written (listed, not read)
             try:
                 corpus_sources(d.path)
             except DataError as e:
                 errors.append(str(e))
         return errors
+
+    def pretrained_errors(self) -> list[str]:
+        """model.pretrained: a folder to train from needs weights and a tokenizer (a config.json alone plans)."""
+        if self.pretrained is None:
+            return []
+        from shardlab.checkpoint.hf_folder import weight_files
+
+        errors = []
+        if self.cfg.checkpoint.init_from:
+            errors.append("model.pretrained and checkpoint.init_from both give the starting weights; keep one")
+        if not self.cfg.get("dry_run"):
+            if not weight_files(self.pretrained):
+                errors.append(
+                    f"model.pretrained: {self.pretrained} holds no .safetensors weights; a config.json alone plans "
+                    "(dry_run=true)"
+                )
+            if self.cfg.data.tokenizer == "byte":
+                errors.append(
+                    f"model.pretrained: {self.pretrained} has no tokenizer.json; add it, or set data.tokenizer"
+                )
+        return errors
+
+    def load_pretrained(self, model: nn.Module, device: torch.device) -> Path | None:
+        """model.pretrained's weights into the wrapped, materialized model, each rank reading only its slices."""
+        if self.pretrained is None:
+            return None
+        from shardlab.checkpoint.hf_folder import load_hf_folder
+
+        names = weight_names(self.cfg.model)
+        load_hf_folder(model, self.pretrained, names, device, ignored=IGNORED_CHECKPOINT_KEYS)
+        return self.pretrained
 
     def prepare_data(self) -> None:
         self.corpus_dir = corpus = self.corpus()

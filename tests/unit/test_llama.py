@@ -49,16 +49,16 @@ def test_a_model_section_of_another_architecture_is_refused_in_one_line():
         build_task(compose_config(["model=gpt_tiny", "model.arch=llama"]), world_size=1)
     assert str(error.value) == (
         "model.arch=llama reads the keys of LlamaConfig, but the model section has keys it ignores (dropout, "
-        "mlp_ratio, tie_embeddings) and lacks ffn_dim, norm_eps, num_kv_heads, rope_theta; choose a model=llama_* "
-        "flavor instead of overriding model.arch"
+        "mlp_ratio) and lacks ffn_dim, head_dim, norm_eps, num_kv_heads, out_bias, qk_norm, qkv_bias, rope_scaling, "
+        "rope_theta; choose a model=llama_* flavor instead of overriding model.arch"
     )
 
 
 def test_keys_of_the_gpt_are_not_keys_of_the_llama():
     from hydra.errors import ConfigCompositionException
 
-    with pytest.raises(ConfigCompositionException, match="Could not override 'model.tie_embeddings'"):
-        compose_config(["model=llama_tiny", "model.tie_embeddings=false"])
+    with pytest.raises(ConfigCompositionException, match="Could not override 'model.mlp_ratio'"):
+        compose_config(["model=llama_tiny", "model.mlp_ratio=2"])
 
 
 def test_llama_tiny_trains_on_gpt_tinys_parameter_budget_and_llama_1b_is_about_a_billion():

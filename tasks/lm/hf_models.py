@@ -1,0 +1,246 @@
+"""The Hugging Face families shardlab's LMs read and write: a ``config.json`` as a model section, and the one mapping
+between shardlab's parameter names and the checkpoint's, used both to load (tasks/lm/task.py) and to export
+(tasks/lm/export_hf.py).
+
+Families: Llama 3.x, Qwen2/2.5, Qwen3 and Mistral become ``model.arch=llama`` (tasks/lm/llama.py) with the options
+each needs; GPT-2 becomes ``model.arch=gpt`` (tasks/lm/model.py). A field of config.json that would change the
+computation and that the architecture cannot express is refused in one line naming it (``HFConfigError``), before
+any weight is read. Fields that change nothing shardlab computes in training (token ids, ``use_cache``,
+``initializer_range``, ``dtype``) are not read, nor GPT-2's dropout rates: model.dropout is the fine-tuner's choice.
+No transformers import: config.json is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from shardlab.errors import ConfigError
+
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""config.json model_type values read as model.arch=llama."""
+FAMILIES = (*LLAMA_FAMILIES, "gpt2")
+
+LLAMA_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn.q": "self_attn.q_proj",
+    "attn.k": "self_attn.k_proj",
+    "attn.v": "self_attn.v_proj",
+    "attn.o": "self_attn.o_proj",
+    "attn.q_norm": "self_attn.q_norm",
+    "attn.k_norm": "self_attn.k_norm",
+    "mlp_norm": "post_attention_layernorm",
+    "mlp.gate": "mlp.gate_proj",
+    "mlp.up": "mlp.up_proj",
+    "mlp.down": "mlp.down_proj",
+}
+"""shardlab Llama block module -> the decoder layer module of LlamaForCausalLM, Qwen2/3's and Mistral's (one layout)."""
+
+GPT2_LINEARS = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+"""shardlab GPT block Linear -> GPT-2 block Conv1D, whose weight is stored (in, out): the transpose of nn.Linear's."""
+
+IGNORED_CHECKPOINT_KEYS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+"""Buffers older transformers saved beside the weights (GPT-2's causal mask, a RoPE table): recomputed, not read."""
+
+
+class HFConfigError(ConfigError):
+    """A config.json that shardlab's architectures cannot express (or cannot read)."""
+
+
+class HFName(NamedTuple):
+    key: str
+    """The tensor's name in the Hugging Face checkpoint."""
+    transposed: bool = False
+    """Stored as the transpose of shardlab's tensor (GPT-2's Conv1D weights)."""
+
+
+def weight_names(model_cfg: Any) -> dict[str, HFName]:
+    """shardlab parameter name -> its Hugging Face name, for every parameter of the model section ``model_cfg``
+    (a tied output projection has none: the checkpoint holds the embedding only)."""
+    if model_cfg["arch"] == "gpt":
+        return _gpt2_names(model_cfg["num_layers"], bool(model_cfg["tie_embeddings"]))
+    return _llama_names(model_cfg)
+
+
+def _gpt2_names(num_layers: int, tied: bool) -> dict[str, HFName]:
+    names = {"embed.tok.weight": "transformer.wte.weight", "embed.pos.weight": "transformer.wpe.weight"}
+    names |= {f"head.ln_f.{p}": f"transformer.ln_f.{p}" for p in ("weight", "bias")}
+    out = {ours: HFName(theirs) for ours, theirs in names.items()}
+    if not tied:
+        out["head.out.weight"] = HFName("lm_head.weight")
+    for i in range(num_layers):
+        src, dst = f"blocks.{i}.", f"transformer.h.{i}."
+        for p in ("weight", "bias"):
+            out |= {f"{src}{ln}.{p}": HFName(f"{dst}{ln}.{p}") for ln in ("ln_1", "ln_2")}
+            out |= {f"{src}{o}.{p}": HFName(f"{dst}{t}.{p}", p == "weight") for o, t in GPT2_LINEARS.items()}
+    return out
+
+
+def _llama_names(m: Any) -> dict[str, HFName]:
+    out = {"embed.weight": HFName("model.embed_tokens.weight"), "head.norm.weight": HFName("model.norm.weight")}
+    if not m.get("tie_embeddings"):
+        out["head.out.weight"] = HFName("lm_head.weight")
+    qk_norms = ("attn.q_norm", "attn.k_norm")
+    modules = [n for n in LLAMA_NAMES if n not in qk_norms] + (list(qk_norms) if m.get("qk_norm") else [])
+    biases = [n for n, on in (("attn.q", "qkv_bias"), ("attn.k", "qkv_bias"), ("attn.v", "qkv_bias")) if m.get(on)]
+    biases += ["attn.o"] if m.get("out_bias") else []
+    for i in range(m["num_layers"]):
+        for ours in modules:
+            out[f"blocks.{i}.{ours}.weight"] = HFName(f"model.layers.{i}.{LLAMA_NAMES[ours]}.weight")
+        for ours in biases:
+            out[f"blocks.{i}.{ours}.bias"] = HFName(f"model.layers.{i}.{LLAMA_NAMES[ours]}.bias")
+    return out
+
+
+# ---- config.json -> model section -----------------------------------------------------------------------------------
+def read_config_json(folder: Path) -> dict[str, Any]:
+    """The folder's config.json, or one line saying what is wrong with it."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise HFConfigError(f"model.pretrained: {folder} has no config.json; give a Hugging Face model folder")
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFConfigError(f"model.pretrained: {path} is not readable JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise HFConfigError(f"model.pretrained: {path} holds no JSON object")
+    return hf
+
+
+def model_section(hf: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The model section (arch and every key config.json decides) that computes what ``hf`` (a config.json, at
+    ``path``) describes; refused in one line naming the first field it cannot express."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise HFConfigError(
+            f"{path}: model_type={model_type!r} is not a family shardlab loads; it loads {', '.join(FAMILIES)}"
+        )
+    for architecture in hf.get("architectures") or []:
+        if not architecture.endswith("ForCausalLM") and architecture != "GPT2LMHeadModel":
+            raise HFConfigError(f"{path}: architectures={architecture!r} is not a causal LM; give a *ForCausalLM")
+    section = _gpt2_section(hf, path) if model_type == "gpt2" else _llama_section(hf, path, model_type)
+    return {**section, "vocab_size": _field(hf, "vocab_size", path, int)}
+
+
+def _field(hf: dict, key: str, path: Path, kind: type, default: Any = None) -> Any:
+    value = hf.get(key, default)
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+        raise HFConfigError(f"{path}: {key}={value!r} must be a {kind.__name__}")
+    return value
+
+
+def _require(hf: dict, path: Path, key: str, allowed: tuple, why: str) -> None:
+    """Refuse ``key`` unless absent or one of ``allowed``."""
+    if key in hf and hf[key] not in allowed:
+        raise HFConfigError(f"{path}: {key}={hf[key]!r} is not supported ({why}); shardlab loads {allowed[0]!r}")
+
+
+def _llama_section(hf: dict, path: Path, model_type: str) -> dict[str, Any]:
+    _require(hf, path, "hidden_act", ("silu",), "the SwiGLU MLP gates with SiLU")
+    _require(hf, path, "mlp_bias", (False,), "the MLP has no biases")
+    _require(hf, path, "attention_dropout", (0, 0.0), "attention has no dropout")
+    _require(hf, path, "pretraining_tp", (1, None), "tensor-parallel slicing of the pretraining is not reproduced")
+    _require(hf, path, "use_sliding_window", (False,), "attention is full causal")
+    dim, heads = _field(hf, "hidden_size", path, int), _field(hf, "num_attention_heads", path, int)
+    head_dim = hf.get("head_dim")
+    bias = bool(hf.get("attention_bias", False))
+    section = {
+        "arch": "llama",
+        "num_layers": _field(hf, "num_hidden_layers", path, int),
+        "dim": dim,
+        "num_heads": heads,
+        "num_kv_heads": _field(hf, "num_key_value_heads", path, int, heads),
+        "ffn_dim": _field(hf, "intermediate_size", path, int),
+        "max_seq_len": _field(hf, "max_position_embeddings", path, int),
+        "norm_eps": float(_field(hf, "rms_norm_eps", path, float)),
+        # dim / heads when it equals that: the section then reads as shardlab's own Llama's
+        "head_dim": None if head_dim in (None, dim // heads) and dim % heads == 0 else int(head_dim),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": model_type == "qwen2" or bias,  # Qwen2's q/k/v always carry biases; its o_proj never
+        "out_bias": bias and model_type != "qwen2",
+        "qk_norm": model_type == "qwen3",
+        **_rope(hf, path),
+    }
+    window = hf.get("sliding_window")
+    if window is not None and model_type == "mistral" and window < section["max_seq_len"]:
+        # Mistral 7B v0.1 attends to the last 4096 tokens: the same as full causal attention up to that length.
+        section["max_seq_len"] = int(window)
+    return section
+
+
+def _rope(hf: dict, path: Path) -> dict[str, Any]:
+    """rope_theta and rope_scaling, from transformers 5's rope_parameters or 4.x's rope_theta/rope_scaling."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", hf.get("rope_theta", scaling.pop("rope_theta", 10000.0)))
+    params = params or scaling
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type == "default":
+        return {"rope_theta": float(theta), "rope_scaling": None}
+    if rope_type != "llama3":
+        raise HFConfigError(f"{path}: rope_scaling.rope_type={rope_type!r} is not implemented; default and llama3 are")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if missing := [k for k in keys if k not in params]:
+        raise HFConfigError(f"{path}: rope_scaling (llama3) lacks {', '.join(missing)}")
+    if extra := sorted(set(params) - set(keys)):
+        raise HFConfigError(f"{path}: rope_scaling.{extra[0]} is not part of llama3 scaling; shardlab cannot use it")
+    return {"rope_theta": float(theta), "rope_scaling": {"rope_type": "llama3", **{k: params[k] for k in keys}}}
+
+
+def _gpt2_section(hf: dict, path: Path) -> dict[str, Any]:
+    _require(hf, path, "activation_function", ("gelu_new",), "the MLP uses tanh-approximated GELU")
+    _require(hf, path, "layer_norm_epsilon", (1e-5,), "shardlab's GPT LayerNorms use eps 1e-5")
+    _require(hf, path, "scale_attn_weights", (True,), "attention scales by 1/sqrt(head_dim)")
+    _require(hf, path, "scale_attn_by_inverse_layer_idx", (False,), "no per-layer attention scaling")
+    _require(hf, path, "reorder_and_upcast_attn", (False,), "attention is not upcast")
+    _require(hf, path, "add_cross_attention", (False,), "a decoder only, no cross-attention")
+    dim = _field(hf, "n_embd", path, int)
+    inner = hf.get("n_inner") or 4 * dim
+    return {
+        "arch": "gpt",
+        "num_layers": _field(hf, "n_layer", path, int),
+        "dim": dim,
+        "num_heads": _field(hf, "n_head", path, int),
+        "mlp_ratio": inner / dim,
+        "max_seq_len": _field(hf, "n_positions", path, int),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+    }
+
+
+# ---- model.pretrained: the folder's config.json and tokenizer as the run's model and data sections ------------------
+def apply_pretrained(cfg: Any) -> Path:
+    """Write what the folder of model.pretrained decides into ``cfg``: the model section (its arch, shape and options,
+    from config.json; init_std and the like stay the section's), and, where data.tokenizer is the default byte
+    tokenizer, the folder's tokenizer.json with its end-of-text token. Idempotent (a rank given the resolved config
+    resolves it to the same). Returns the folder."""
+    from omegaconf import OmegaConf, open_dict
+
+    from tasks.lm.config import GPTConfig, LlamaConfig
+
+    folder = Path(cfg.model.pretrained).expanduser().resolve()
+    if not folder.is_dir():
+        raise HFConfigError(f"model.pretrained: {folder} is not a folder; give a Hugging Face model folder")
+    section = model_section(read_config_json(folder), folder / "config.json")
+    schema = {"gpt": GPTConfig, "llama": LlamaConfig}[section["arch"]]
+    kept = {
+        k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in schema.__dataclass_fields__
+    }
+    model = OmegaConf.merge(OmegaConf.structured(schema), kept, section, {"pretrained": str(folder)})
+    with open_dict(cfg):
+        cfg.model = model
+    tokenizer = folder / "tokenizer.json"
+    if cfg.data.tokenizer == "byte" and tokenizer.is_file():
+        cfg.data.tokenizer = str(tokenizer)
+        if cfg.data.get("eod_token") is None:
+            cfg.data.eod_token = eos_token(folder)
+    return folder
+
+
+def eos_token(folder: Path) -> str | None:
+    """The end-of-text token tokenizer_config.json names (eos_token), or None to let the tokenizer's be found."""
+    try:
+        eos = json.loads((folder / "tokenizer_config.json").read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos

@@ -1,0 +1,92 @@
+"""Tiny Hugging Face model folders of each family shardlab loads, made by transformers itself (random weights, no
+download): bf16 safetensors in at least 3 shards with their index, and a byte-level tokenizer.json with
+<|endoftext|>. Tests only: shardlab never imports transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 320
+"""256 byte tokens, <|endoftext|> at 256, padding ids up to 320 (tasks.lm.tokenizer.byte_tokenizer_json)."""
+
+_LLAMA_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+FAMILIES = {
+    "llama3": ("LlamaConfig", {**_LLAMA_SHAPE, "rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": False}),
+    "llama3_tied": ("LlamaConfig", {**_LLAMA_SHAPE, "rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
+    "qwen2": ("Qwen2Config", {**_LLAMA_SHAPE, "tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {**_LLAMA_SHAPE, "head_dim": 32, "tie_word_embeddings": False}),
+    "mistral": ("MistralConfig", {**_LLAMA_SHAPE, "sliding_window": 64, "head_dim": 16}),
+    "gpt2": (
+        "GPT2Config",
+        dict(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=256,
+            eos_token_id=256,
+        ),
+    ),
+}
+"""family -> (transformers config class, its arguments)."""
+
+
+def write_tokenizer(folder: Path) -> None:
+    from tasks.lm.tokenizer import byte_tokenizer_json
+
+    (folder / "tokenizer.json").write_text(byte_tokenizer_json(VOCAB))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def make_folder(family: str, folder: Path, seed: int = 0) -> Path:
+    """A model of ``family`` saved by transformers in bf16 as >= 3 shards, with the tokenizer files."""
+    import transformers
+
+    config_class, kwargs = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kwargs))
+    with torch.no_grad():  # transformers zeroes biases and sets norms to 1: random ones test that they are read
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_" in name:
+                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="40KB")
+    write_tokenizer(folder)
+    return folder
+
+
+def reference(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' fp32 logits on ``tokens[:, :-1]`` and its loss on ``tokens`` (labels = inputs, shifted inside),
+    the model read from ``folder``: the logits and the loss shardlab's LM task computes on the same batch."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=tokens[:, :-1]).logits
+        loss = model(input_ids=tokens, labels=tokens).loss
+    return logits, loss
