@@ -223,7 +223,7 @@ class RunLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            from shardlab.config import writable_dir_problem  # its words for why (the path checks' own)
+            from shardlab.jobs.checks import writable_dir_problem  # its words for why (the path checks' own)
 
             problem = writable_dir_problem(self.path.parent) or e.strerror or str(e)
             raise ConfigError(
