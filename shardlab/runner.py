@@ -18,11 +18,10 @@ from omegaconf import DictConfig, OmegaConf
 
 import shardlab.optim  # noqa: F401  (the built-in optimizers, registered before a user_dir's plug-ins)
 from shardlab import errors
-from shardlab.config import path_errors
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, DataError, HostLost, RankFailed, ShardlabError, one_line
 from shardlab.jobs import checks, run_lock, run_record
-from shardlab.jobs.checks import job_world_size
+from shardlab.jobs.checks import job_world_size, path_errors
 from shardlab.jobs.preemption import (
     REQUEUE_SIGNALS,
     STOPPED_EXIT_CODE,

@@ -33,9 +33,11 @@ from shardlab.jobs.preflight import (
     is_plain_run,
     with_user_dir,
 )
+from shardlab.jobs.run_dir import register_resolvers
 from shardlab.registry import load_plugins
 
 register_schemas()
+register_resolvers()  # the run folder's name (conf/config.yaml's hydra.run.dir), before Hydra composes it
 load_plugins()
 
 

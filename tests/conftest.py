@@ -13,9 +13,11 @@ import torch
 
 from shardlab.config import register_schemas
 from shardlab.jobs.preflight import compose_config  # noqa: F401  (the tests compose through the CLI's own helper)
+from shardlab.jobs.run_dir import register_resolvers
 from shardlab.registry import load_plugins
 
 register_schemas()  # at import as well: some tests compose through Hydra directly (test_run_dir) or read registries
+register_resolvers()  # as the CLI does: the run folder's name in conf/config.yaml needs them
 load_plugins()
 
 # Tiny models gain nothing from a second thread, and OpenMP threads that spin-wait on an oversubscribed 2-core machine

@@ -71,7 +71,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from shardlab import runner  # noqa: E402
 from shardlab.distributed import env as dist_env  # noqa: E402
-from shardlab.memory.meter import process_peak, resident_bytes, resolve_cpu_allocator  # noqa: E402
+from shardlab.distributed.cpu_allocator import resolve_cpu_allocator  # noqa: E402
+from shardlab.memory.meter import process_peak, resident_bytes  # noqa: E402
 
 BENCH_DEFAULTS = {  # applied unless the command line sets the key: no checkpoints, logs or validation mid-run
     "checkpoint.resume": "none",

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
 
+from shardlab.distributed.cpu_allocator import configure_cpu_allocator  # noqa: E402
 from shardlab.distributed.env import free_port, set_local_rank_defaults  # noqa: E402
-from shardlab.memory.meter import configure_cpu_allocator  # noqa: E402
 from tasks.lm.config import GPTConfig  # noqa: E402
 from tasks.lm.model import GPT  # noqa: E402
 

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (tools/bench.py)
 from omegaconf import OmegaConf  # noqa: E402
 
+from shardlab.distributed.cpu_allocator import configure_cpu_allocator, resolve_cpu_allocator  # noqa: E402
 from shardlab.distributed.env import free_port, set_local_rank_defaults  # noqa: E402
-from shardlab.memory.meter import configure_cpu_allocator, resolve_cpu_allocator  # noqa: E402
 
 SWAV = [
     "task=swav",

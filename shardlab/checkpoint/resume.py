@@ -35,13 +35,13 @@ from shardlab.checkpoint.layout import (
     save_index,
     set_aside,
 )
+from shardlab.distributed.env import current_job
 from shardlab.errors import (
     CheckpointError,
     IncompatibleCheckpointError,
     UnsafeCheckpointError,
     first_cause,
 )
-from shardlab.jobs.run_lock import current_job
 from shardlab.train_state import TrainState
 
 if TYPE_CHECKING:

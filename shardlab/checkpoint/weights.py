@@ -84,11 +84,11 @@ def with_new_keys(cfg):
     """``cfg`` as recorded by an earlier shardlab, with the keys added since at their current defaults: each section
     filled from its schema as registered now (the generic sections', and the task's, model's, optimizer's, schedule's
     and data's by the names ``cfg`` gives). Values it holds are kept; keys it holds that are gone stay for the
-    caller's checks to name."""
+    caller's checks to name. The built-in optimizers and schedules need no registration here: their schemas are
+    TrainConfig's own OptimizerConfig and LRSchedulerConfig (and optim/ is not checkpoint/'s to import)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import MISSING, OmegaConf
 
-    import shardlab.optim  # noqa: F401  (registers the optimizers' and schedules' schemas)
     from shardlab.config import TrainConfig, register_schemas
     from shardlab.registry import load_plugins
 

@@ -7,6 +7,7 @@
 - ``materialize``: weights of a meta-built model, filled per parameter from (seed, name), identical on any world size.
 - ``activation_checkpointing``, ``sync_bn``, ``grad_scaler``: what the backends wrap a model with.
 - ``gloo_comms``, ``torch_internals``: the opt-in CPU reduce-scatter path and the private torch APIs it needs.
+- ``cpu_allocator``: how glibc treats a CPU rank's freed memory (distributed.cpu_allocator).
 
 Importing this package is light (no torch); ``load_backends()`` registers the three backends in BACKENDS.
 """

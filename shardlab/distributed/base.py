@@ -170,7 +170,7 @@ class Backend:
         group (join_process_group): every backend does when world_size > 1 (metrics and checkpoints sync through it),
         and ddp / fully_sharded do at world size 1 too, since DDP and FSDP2 need one."""
         if self.device.type == "cpu":
-            from shardlab.memory.meter import configure_cpu_allocator, resolve_cpu_allocator
+            from shardlab.distributed.cpu_allocator import configure_cpu_allocator, resolve_cpu_allocator
 
             mode = resolve_cpu_allocator(self.cfg)
             self.cpu_allocator = mode if configure_cpu_allocator(mode) else None

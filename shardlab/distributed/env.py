@@ -93,6 +93,16 @@ def job_port(job) -> int:
     return 20000 + number % 40000
 
 
+def current_job() -> str | None:
+    """The scheduler's id for this job, the same on every requeue: Slurm's (one per array task), submitit's local
+    one, or torchrun's rendezvous id (elastic restarts keep it; its default "none" names nothing)."""
+    for key in ("SLURM_JOB_ID", "SUBMITIT_LOCAL_JOB_ID"):
+        if os.environ.get(key):
+            return os.environ[key]
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"torchelastic-{run_id}" if run_id and run_id != "none" else None
+
+
 def ranks_to_spawn(world_size: int, env: DistEnv) -> int:
     """How many ranks this process starts itself (0: it is a rank): ``world_size`` (distributed.world_size) on one
     machine without a launcher, or, in a Slurm (or submitit local) job with fewer tasks than ``world_size``, its share

@@ -26,8 +26,6 @@ from pathlib import Path
 
 import torch
 
-from shardlab.checkpoint.layout import write_json_atomic
-
 BF16_MARGIN = 1.2
 """bf16 must beat fp32 by this factor to be chosen: within it the two are a measurement's noise apart, and fp32 is
 the exact one."""
@@ -105,8 +103,21 @@ def _cached(path: Path, device: torch.device, measure) -> tuple[dict, str]:
             except (OSError, ValueError, TypeError):
                 pass  # a damaged file: measured again below
         rates = measure(device)
-        write_json_atomic(path, rates)
+        _replace(path, rates)
     return rates, f"measured now, cached in {path}"
+
+
+def _replace(path: Path, rates: dict) -> None:
+    """Write the cache whole or not at all (a process killed mid-write leaves the old file, or none). Only the
+    holder of the cache's lock writes, so one temp name per process is enough; this stays here rather than borrowing
+    checkpoint/'s atomic JSON writer, a floor above distributed/."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(rates))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def choice(rates: dict) -> str:

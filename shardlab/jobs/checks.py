@@ -1,10 +1,11 @@
 """Every check of a config's values, in one place, run once per start.
 
 ``check(cfg)`` asks each part for its problems and raises one ConfigError naming them all: the generic sections
-(``shardlab.config.validate``: ranges, finite numbers, flag combinations, unknown keys), the names the config picks
+(``validate``: ranges, finite numbers, flag combinations, unknown keys), the names the config picks
 from the registries (backend, task, architecture, optimizer, schedule), the task's own checks (``Task.config_errors``
 and ``Task.world_errors``, written beside each task in tasks/<task>/), torch.compile's, and an explicit backend held to
-distributed.memory_budget_gb (the memory plan, on the meta device).
+distributed.memory_budget_gb (the memory plan, on the meta device). The paths a run will write (``path_errors``)
+are checked here too, by writing there, by whoever is about to make them.
 
 Who runs it, once: the CLI's pre-flight (``shardlab.jobs.preflight``, a Hydra callback), after Hydra composed the
 config and before anything is written - no run folder, lock, ``.hydra/`` or status.json. The run in the same process
@@ -17,12 +18,17 @@ devices, their world, the checkpoints in the folder - and those checks stay wher
 from __future__ import annotations
 
 import json
+import os
+import stat
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from shardlab.config import options_of, task_section_package, validate
+from shardlab.config import DistributedConfig
 from shardlab.errors import ConfigError
+from shardlab.jobs.conf_options import options_of, task_section_package
 from shardlab.registry import BACKENDS, LR_SCHEDULERS, MODELS, OPTIMIZERS, TASKS, load_plugins, plugin_packages
 
 _checked: dict[str, Any] = {}
@@ -77,14 +83,24 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
         )
     if problems:
         raise ConfigError("; ".join(problems))
+    check_with_model(cfg, task, world_size, budget)
+    _checked.clear()  # one start per process: only the last config checked is the run's
+    _checked[_fingerprint(cfg, world_size)] = task
+    return task
+
+
+def check_with_model(cfg: DictConfig, task, world_size: int, budget: bool) -> None:
+    """The checks that need the model's units, built once on meta (nothing allocated): ac_skip_units against the units
+    the backend wraps, and an explicit backend against distributed.memory_budget_gb (skipped with ``budget=False``).
+    Each raises its own ConfigError."""
     d = cfg.distributed
     skips = bool(d.get("ac_skip_units")) and d.activation_checkpointing != "none"
     planned = budget and d.backend != "auto" and d.memory_budget_gb > 0  # auto: a choice the run makes (runner)
-    if skips or planned:
-        # the units exist only in the model: built once on meta (nothing allocated), for both checks
-        from shardlab.distributed.units import model_on_meta
+    if not (skips or planned):
+        return
+    from shardlab.distributed.units import model_on_meta
 
-        model = model_on_meta(task)
+    model = model_on_meta(task)
     if skips:  # ask what the rank would ask
         from shardlab.distributed.activation_checkpointing import checkpointed_units
         from shardlab.distributed.units import wrapped_units
@@ -95,9 +111,6 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
         from shardlab.memory import budget as memory_budget
 
         memory_budget.resolve(cfg, task, world_size, model)  # refuses a backend the plan predicts over the budget
-    _checked.clear()  # one start per process: only the last config checked is the run's
-    _checked[_fingerprint(cfg, world_size)] = task
-    return task
 
 
 def checked(cfg: DictConfig, world_size: int):
@@ -182,3 +195,419 @@ def architecture_errors(cfg: DictConfig) -> list[str]:
     if cfg.model.arch not in own:
         return [unknown_name_message(cfg.model.arch, f"model architecture of task {cfg.task.name}", own, "model.arch")]
     return []
+
+
+# ---- the generic sections' values: ranges, finite numbers, flag combinations, unknown keys ---------------------------
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0) -> None:
+    """Check ranges and cross-field rules of the generic sections; raise one ConfigError listing all problems.
+
+    ``world_size`` is the job's (from the launcher, else distributed.world_size); invalid flag combinations are
+    caught here, before any process starts or any memory is allocated.
+    """
+    nonfinite = nonfinite_errors(cfg)
+    if nonfinite:  # alone: the range checks below would only repeat them (NaN fails every comparison, inf passes >)
+        raise ConfigError("; ".join(nonfinite))
+    d = cfg.distributed
+    errors = [
+        *training_errors(cfg),
+        *ema_errors(cfg),
+        *checkpoint_errors(cfg),
+        *distributed_range_errors(d),
+        *checkpointing_errors(d),
+        *plan_device_errors(cfg),
+        *tracker_errors(cfg.logging),
+        *distributed_errors(cfg, world_size or d.world_size, num_cuda_devices),
+        *unknown_key_errors(cfg),
+    ]
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+def failed(checks: list[tuple[bool, str]]) -> list[str]:
+    """The messages of the checks that do not hold, in order."""
+    return [msg for ok, msg in checks if not ok]
+
+
+def training_errors(cfg: Any) -> list[str]:
+    """The ranges of optimization, optimizer, lr_scheduler and validation."""
+    o, opt, sch, v = cfg.optimization, cfg.optimizer, cfg.lr_scheduler, cfg.validation
+    return failed([
+        (o.max_steps > 0, f"optimization.max_steps must be > 0, got {o.max_steps}"),
+        (o.max_nonfinite_steps >= 1, f"optimization.max_nonfinite_steps must be >= 1, got {o.max_nonfinite_steps}"),
+        (o.batch_size > 0, f"optimization.batch_size must be > 0, got {o.batch_size}"),
+        (o.update_freq > 0, f"optimization.update_freq must be >= 1, got {o.update_freq}"),
+        (o.clip_norm >= 0, f"optimization.clip_norm must be >= 0 (0 disables), got {o.clip_norm}"),
+        (opt.lr > 0, f"optimizer.lr must be > 0, got {opt.lr}"),
+        (opt.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {opt.weight_decay}"),
+        (opt.trust_coefficient > 0, f"optimizer.trust_coefficient must be > 0, got {opt.trust_coefficient}"),
+        (opt.eps > 0, f"optimizer.eps must be > 0 (it keeps a denominator off zero), got {opt.eps}"),
+        (0 <= opt.momentum < 1, f"optimizer.momentum must be in [0, 1), got {opt.momentum}"),
+        (
+            len(opt.betas) == 2 and all(0 <= b < 1 for b in opt.betas),
+            f"optimizer.betas must be two numbers in [0, 1), got {list(opt.betas)}",
+        ),
+        (
+            opt.implementation in ("auto", "fused", "foreach", "loop"),
+            f"optimizer.implementation must be auto, fused, foreach or loop, got '{opt.implementation}'",
+        ),
+        (sch.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {sch.warmup_steps}"),
+        (
+            sch.warmup_steps <= o.max_steps,
+            f"lr_scheduler.warmup_steps ({sch.warmup_steps}) must not exceed optimization.max_steps ({o.max_steps})",
+        ),
+        (0 <= sch.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {sch.min_lr_ratio}"),
+        (v.interval_steps >= 0, "validation.interval_steps must be >= 0"),
+        (v.num_batches >= 0, "validation.num_batches must be >= 0"),
+        (v.batch_size > 0, f"validation.batch_size must be > 0, got {v.batch_size}"),
+    ])  # fmt: skip
+
+
+def checkpoint_errors(cfg: Any) -> list[str]:
+    """The ranges of checkpoint and logging."""
+    c = cfg.checkpoint
+    return failed([
+        (c.interval_steps >= 0, "checkpoint.interval_steps must be >= 0"),
+        (c.timeout_s > 0, f"checkpoint.timeout_s must be > 0, got {c.timeout_s}"),
+        (c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}"),
+        (c.interval_minutes >= 0, f"checkpoint.interval_minutes must be >= 0, got {c.interval_minutes}"),
+        (c.keep_every_steps >= 0, f"checkpoint.keep_every_steps must be >= 0, got {c.keep_every_steps}"),
+        (cfg.logging.interval_steps > 0, f"logging.interval_steps must be > 0, got {cfg.logging.interval_steps}"),
+    ])  # fmt: skip
+
+
+def distributed_range_errors(d: Any) -> list[str]:
+    """The ranges and the named choices of the distributed section (``d``), each on its own."""
+    return failed([
+        (d.world_size >= 1, f"distributed.world_size must be >= 1, got {d.world_size}"),
+        (d.timeout_s > 0, f"distributed.timeout_s must be > 0, got {d.timeout_s}"),
+        (d.compile_timeout_s > 0, f"distributed.compile_timeout_s must be > 0, got {d.compile_timeout_s}"),
+        (d.init_timeout_s > 0, f"distributed.init_timeout_s must be > 0, got {d.init_timeout_s}"),
+        (d.memory_budget_gb >= 0, f"distributed.memory_budget_gb must be >= 0 (0 = none), got {d.memory_budget_gb}"),
+        (
+            d.cpu_allocator in ("auto", "lean", "fast"),
+            f"distributed.cpu_allocator must be auto, lean or fast, got '{d.cpu_allocator}'",
+        ),
+        (
+            d.memory_budget_per in ("rank", "machine"),
+            f"distributed.memory_budget_per must be rank or machine, got '{d.memory_budget_per}'",
+        ),
+        (
+            d.on_lost_host in ("requeue", "fail"),
+            f"distributed.on_lost_host must be requeue or fail, got '{d.on_lost_host}'",
+        ),
+        (
+            d.backend != "auto" or d.memory_budget_gb > 0,
+            "distributed.backend=auto chooses a layout to fit distributed.memory_budget_gb; set it (GiB per rank)",
+        ),
+        (d.auto_tune_steps >= 2, f"distributed.auto_tune_steps must be >= 2 (one warm-up), got {d.auto_tune_steps}"),
+        (d.auto_tune_max_trials >= 1, f"distributed.auto_tune_max_trials must be >= 1, got {d.auto_tune_max_trials}"),
+        (d.prefetch_units >= 0, f"distributed.prefetch_units must be >= 0, got {d.prefetch_units}"),
+        (
+            d.reduce_scatter in ("native", "all_reduce"),
+            f"distributed.reduce_scatter must be native or all_reduce, got '{d.reduce_scatter}'",
+        ),
+        (
+            d.precision in (*DTYPES, "auto"),
+            f"distributed.precision must be one of {', '.join(DTYPES)}, auto, got '{d.precision}'",
+        ),
+        *(
+            (getattr(d, key) is None or getattr(d, key) in DTYPES,
+             f"distributed.{key} must be one of {', '.join(DTYPES)}, got '{getattr(d, key)}'")
+            for key in ("param_dtype", "reduce_dtype")
+        ),
+    ])  # fmt: skip
+
+
+def ema_errors(cfg: Any) -> list[str]:
+    """optimization.ema's ranges, and validation.ema without it."""
+    ema, errors = cfg.optimization.ema, []
+    for key in ("decay", "final_decay"):
+        if not 0 <= getattr(ema, key) <= 1:
+            errors.append(f"optimization.ema.{key} must be in [0, 1], got {getattr(ema, key)}")
+    if ema.schedule not in ("constant", "cosine"):
+        errors.append(f"optimization.ema.schedule must be constant or cosine, got '{ema.schedule}'")
+    if ema.start_step < 0:
+        errors.append(f"optimization.ema.start_step must be >= 0, got {ema.start_step}")
+    if cfg.validation.ema and not ema.enabled:
+        errors.append(
+            "validation.ema validates with the average of optimization.ema; set optimization.ema.enabled=true"
+        )
+    return errors
+
+
+def checkpointing_errors(d: Any) -> list[str]:
+    """distributed.activation_checkpointing and its keys (``d``: the distributed section)."""
+    from shardlab.distributed.activation_checkpointing import MODES, SAVE_OP_GROUPS
+
+    mode, errors = d.activation_checkpointing, []
+    if mode not in MODES:
+        errors.append(f"distributed.activation_checkpointing must be one of {', '.join(MODES)}, got '{mode}'")
+    if d.ac_every_k_units < 2:
+        errors.append(
+            f"distributed.ac_every_k_units must be >= 2, got {d.ac_every_k_units}; every unit (k=1) is "
+            "activation_checkpointing=full"
+        )
+    unknown = [g for g in d.ac_save_ops if g not in SAVE_OP_GROUPS]
+    if unknown or not d.ac_save_ops:
+        errors.append(
+            f"distributed.ac_save_ops must be a non-empty list of {', '.join(SAVE_OP_GROUPS)}, "
+            f"got {list(d.ac_save_ops)}"
+        )
+    if d.ac_matmul_save_every < 1:
+        errors.append(
+            f"distributed.ac_matmul_save_every must be >= 1 (1 keeps every matmul), got {d.ac_matmul_save_every}"
+        )
+    elif d.ac_matmul_save_every > 1 and "matmul" not in d.ac_save_ops:
+        errors.append(
+            f"distributed.ac_matmul_save_every={d.ac_matmul_save_every} thins the kept matmul outputs, but "
+            f"distributed.ac_save_ops={list(d.ac_save_ops)} keeps none; add matmul to ac_save_ops or drop it"
+        )
+    defaults = DistributedConfig()
+    for key, needs in (
+        ("ac_every_k_units", "selective_layer"),
+        ("ac_save_ops", "selective_op"),
+        ("ac_matmul_save_every", "selective_op"),
+    ):
+        if getattr(d, key) != getattr(defaults, key) and mode != needs:
+            errors.append(
+                f"distributed.{key} applies to activation_checkpointing={needs} only (it is {mode}); drop it or set "
+                f"distributed.activation_checkpointing={needs}"
+            )
+    if list(d.ac_skip_units) and mode == "none":
+        errors.append(
+            "distributed.ac_skip_units leaves units out of activation checkpointing, which is off "
+            "(activation_checkpointing=none); drop it or choose a mode"
+        )
+    return errors
+
+
+TRACKER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
+"""The module each tracker imports (logging.<tracker>.enabled), by the name of the extra that installs it."""
+
+
+def tracker_errors(log_cfg: Any) -> list[str]:
+    """An enabled tracker must be installed (found, not imported: its import takes seconds) and its mode known."""
+    import importlib.util
+
+    errors = []
+    for extra, module in TRACKER_MODULES.items():
+        section = log_cfg.get(extra)  # .get: configs recorded before the trackers existed lack them
+        if section is not None and section.enabled and importlib.util.find_spec(module) is None:
+            errors.append(
+                f"logging.{extra}.enabled needs the {module} package, which is not installed; "
+                f"pip install -e '.[{extra}]' or drop logging.{extra}.enabled"
+            )
+    mode = log_cfg.get("wandb", {}).get("mode", "online")
+    if mode not in ("online", "offline"):
+        errors.append(f"logging.wandb.mode must be online or offline, got '{mode}'")
+    uri = log_cfg.get("mlflow", {}).get("tracking_uri")
+    if uri is not None and "://" not in uri and not uri.startswith("databricks"):
+        # a bare path is MLflow's folder store, which MLflow 3 refuses (in maintenance mode) at the first call
+        errors.append(
+            f"logging.mlflow.tracking_uri must be a URI (http(s)://host:port, sqlite:///path.db), got '{uri}'; for a "
+            f"local store use sqlite:///{uri.rstrip('/')}.db"
+        )
+    return errors
+
+
+def nonfinite_errors(cfg: Any) -> list[str]:
+    """Every number of the config (all sections, plug-ins' included, lists too) that is NaN or infinite, by dotted
+    key. Range checks let them through: ``lr > 0`` holds for inf, and optimizer.lr=inf trained a NaN loss from step 2
+    and ended "completed" with a NaN checkpoint. No shardlab setting means infinity (0 is "off" where one can be)."""
+    import math
+
+    errors: list[str] = []
+
+    def visit(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if f"{key}{k}" != "hydra":  # Hydra's own node: Hydra checks it
+                    visit(v, f"{key}{k}.")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                visit(v, f"{key[:-1]}[{i}].")
+        elif isinstance(value, float) and not math.isfinite(value):
+            errors.append(f"{key[:-1]} must be a finite number, got {value}; give a finite value")
+
+    visit(OmegaConf.to_container(cfg, resolve=False), "")  # an interpolation repeats a value checked where it is set
+    return errors
+
+
+def plan_device_errors(cfg: Any) -> list[str]:
+    """distributed.plan_device must name a device of shardlab.memory.devices; verify_plan needs a dry run."""
+    from shardlab.memory import devices
+
+    d, errors = cfg.distributed, []
+    if d.plan_device not in devices.known():
+        errors.append(devices.unknown_device_message(d.plan_device))
+    if d.verify_plan and not cfg.dry_run:
+        errors.append("distributed.verify_plan checks the plan of a dry run; add dry_run=true")
+    return errors
+
+
+# ---- the paths a run writes: checked by writing there --------------------------------------------------------------
+def path_errors(cfg: Any, run_dir: str | os.PathLike, keep_run_dir: bool = False) -> list[str]:
+    """The run directory and ``<run dir>/<checkpoint.dir>`` must be directories this process can create and write
+    in, so a bad path stops the run before its first step, not at its first save. Checked by doing it: each is
+    created (with its missing parents), a file is written and removed in it, and what the check created is removed
+    again - permission bits say nothing of read-only mounts, /proc, or a root user (who passes every access check).
+    ``keep_run_dir``: the run directory (and parents) the check made stay, for a rank of a job whose other ranks may
+    already be starting in it (removing it under them fails their log file's open)."""
+    checks = (
+        ("hydra.run.dir", Path(run_dir), keep_run_dir),
+        ("checkpoint.dir", Path(run_dir) / cfg.checkpoint.dir, False),
+    )
+    for key, path, keep in checks:
+        problem = writable_dir_problem(path.expanduser().absolute(), keep=keep)
+        if problem:
+            # The checkpoint directory usually lives inside the run directory: one message is enough.
+            return [f"{key}: cannot create or write {path} ({problem}); choose a writable directory"]
+    return []
+
+
+def writable_dir_problem(path: Path, attempts: int = 20, keep: bool = False) -> str | None:
+    """Why ``path`` cannot be created as a directory and written in, or None; leaves the filesystem as it was, unless
+    ``keep``: then the directories it made stay.
+
+    Every rank of a job checks the same run directory at once, and one rank's clean-up may remove a directory
+    another has just made or found: "no such file or directory" (under /proc the answer) and "file exists" are tried
+    again."""
+    problem = None
+    for _ in range(attempts):
+        problem, vanished = _writable_dir_problem(path, keep)
+        if not vanished:
+            break
+    return problem
+
+
+def _writable_dir_problem(path: Path, keep: bool) -> tuple[str | None, bool]:
+    """One try of writable_dir_problem: (the problem or None, whether a directory was missing that may come back)."""
+    missing = []
+    existing = path
+    while True:
+        try:  # one stat per path: an exists() then an is_dir() may see another rank remove and remake it between
+            mode = existing.stat().st_mode
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            missing.append(existing)
+            existing = existing.parent
+    if not stat.S_ISDIR(mode):
+        return f"{existing} is a file, not a directory", False
+    step = "creating it"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        step = "writing a file in it"
+        fd, probe = tempfile.mkstemp(prefix=".shardlab-write-test-", dir=path)  # a name no other rank uses
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        # Path.mkdir(exist_ok=True) says "exists" where the directory went between its mkdir and its is_dir
+        return f"{step} failed: {e.strerror or e}", isinstance(e, (FileNotFoundError, FileExistsError))
+    finally:
+        for created in [] if keep else missing:  # deepest first; one another process filled meanwhile stays
+            try:
+                created.rmdir()
+            except OSError:
+                break
+    return None, False
+
+
+# ---- keys and flag combinations ------------------------------------------------------------------------------------
+def unknown_key_errors(cfg: Any) -> list[str]:
+    """Keys the schemas do not declare. Hydra rejects a mistyped ``key=value`` itself, but a ``+key=value`` is added
+    to the config unchecked, and nothing would ever read it."""
+    from omegaconf import DictConfig, OmegaConf
+
+    errors: list[str] = []
+
+    def visit(node: DictConfig, prefix: str) -> None:
+        schema = OmegaConf.get_type(node)
+        fields = getattr(schema, "__dataclass_fields__", None)
+        for key in node:
+            dotted = f"{prefix}{key}"
+            if dotted == "hydra":  # Hydra's own node (in the config a Hydra callback checks): Hydra checks it
+                continue
+            if fields is not None and key not in fields:
+                known = ", ".join(name for name in fields if not name.startswith("_"))
+                errors.append(
+                    f"{dotted} is not a known key of {prefix.rstrip('.') or 'the config'} (known: {known}); drop "
+                    f"+{dotted}"
+                )
+                continue
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+                visit(child, f"{dotted}.")
+
+    visit(cfg, "")
+    return errors
+
+
+def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
+    """Flag combinations that cannot work (or silently would not do what they say)."""
+    d, errors = cfg.distributed, []
+    sharded = d.backend in ("fully_sharded", "auto")  # auto keeps fully_sharded knobs (and then shards)
+    if world > 1 and cfg.optimization.batch_size % world:
+        errors.append(
+            f"optimization.batch_size ({cfg.optimization.batch_size}) must be divisible by the world size "
+            f"({world}): it is the global micro-batch, split evenly over the ranks"
+        )
+    if world > 1 and cfg.validation.batch_size % world:
+        errors.append(
+            f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by the world size ({world})"
+        )
+    if sharded and d.sharding_degree != -1 and (d.sharding_degree < 1 or world % d.sharding_degree):
+        errors.append(
+            f"distributed.sharding_degree ({d.sharding_degree}) must divide the world size ({world}); "
+            "use -1 for all ranks"
+        )
+    defaults = DistributedConfig()
+    for key in ("sharding_degree", "prefetch_units", "reduce_scatter", "reshard_after_forward", "wrap_min_num_params"):
+        if not sharded and getattr(d, key) != getattr(defaults, key):
+            errors.append(
+                f"distributed.{key} applies to fully_sharded only (backend is {d.backend}); drop it or set "
+                "distributed.backend=fully_sharded"
+            )
+    if d.backend == "single" and d.reduce_dtype is not None:
+        errors.append("distributed.reduce_dtype: one process reduces no gradients; drop it or use ddp / fully_sharded")
+    if d.backend == "single" and not d.reduce_every_microbatch:
+        errors.append("distributed.reduce_every_microbatch: one process reduces no gradients; drop it")
+    if d.reduce_scatter == "all_reduce" and num_cuda_devices:
+        errors.append(
+            "distributed.reduce_scatter=all_reduce is a gloo (CPU) workaround; NCCL's reduce-scatter moves half an "
+            "all-reduce's bytes: use native"
+        )
+    if d.backend == "auto":
+        for key in ("sharding_degree", "reshard_after_forward", "cpu_offload", "activation_checkpointing"):
+            if getattr(d, key) != getattr(defaults, key):
+                errors.append(
+                    f"distributed.{key} is what distributed.backend=auto chooses; drop it or pick the backend yourself"
+                )
+    return errors + placement_errors(cfg, world, num_cuda_devices)
+
+
+def placement_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
+    """Where parameters, optimizer steps and activations go, and in which dtypes, against the backend and devices."""
+    d, errors = cfg.distributed, []
+    if d.cpu_offload and d.backend not in ("fully_sharded", "auto"):
+        errors.append(f"distributed.cpu_offload needs distributed.backend=fully_sharded (backend is {d.backend})")
+    if cfg.optimizer.name == "cpu_adam" and not d.cpu_offload and num_cuda_devices > 0:
+        errors.append(
+            "optimizer=cpu_adam steps parameters on the CPU, but they live on the GPU; set "
+            "distributed.cpu_offload=true or use optimizer=adamw"
+        )
+    if d.offload_activations and d.activation_checkpointing != "none":
+        errors.append(
+            f"distributed.offload_activations and activation_checkpointing={d.activation_checkpointing} both shrink "
+            "activation memory; choose one"
+        )
+    dtypes = {d.param_dtype or d.precision, d.reduce_dtype or d.precision}
+    if {"fp16", "bf16"} <= dtypes:
+        errors.append("distributed.param_dtype and reduce_dtype mix fp16 and bf16; use one low-precision format")
+    if num_cuda_devices and d.backend != "single" and world > num_cuda_devices and d.world_size > 1:
+        errors.append(f"distributed.world_size ({world}) exceeds the {num_cuda_devices} visible CUDA devices")
+    if d.backend == "single" and d.world_size > 1:
+        errors.append(f"distributed.world_size={d.world_size} needs distributed.backend=ddp or fully_sharded")
+    return errors

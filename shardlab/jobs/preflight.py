@@ -26,19 +26,13 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 import shardlab.optim  # noqa: F401  (registers the built-in optimizers and schedules with their schemas)
-from shardlab.config import (
-    CONF_DIR,
-    group_options,
-    option_package,
-    options_of,
-    path_errors,
-    register_schemas,
-    task_default_options,
-)
+from shardlab.config import CONF_DIR, register_schemas
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, ShardlabError
 from shardlab.jobs import checks, run_lock
-from shardlab.jobs.run_dir import checkpoint_dir_error
+from shardlab.jobs.checks import path_errors
+from shardlab.jobs.conf_options import group_options, option_package, options_of, task_default_options
+from shardlab.jobs.run_dir import checkpoint_dir_error, register_resolvers
 from shardlab.registry import load_plugins, unknown_name_message, user_dir
 
 GROUPS = ("task", "model", "data", "optimizer", "lr_scheduler", "distributed")
@@ -109,6 +103,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     """The config ``overrides`` compose to, outside Hydra's app (pre-flight, tools, tests): schemas, task plug-ins and
     a user_dir's registered first."""
     register_schemas()
+    register_resolvers()
     overrides = with_user_dir(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose(config_name="config", overrides=overrides)

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardlab.distributed.env import current_job
 from shardlab.errors import ConfigError, RunFolderInUse
 
 LOCK_FILE = "run.lock"
@@ -114,16 +115,6 @@ class HeartbeatWatch:
 
 
 # ---- who this job is -------------------------------------------------------------------------------------------------
-def current_job() -> str | None:
-    """The scheduler's id for this job, the same on every requeue: Slurm's (one per array task), submitit's local
-    one, or torchrun's rendezvous id (elastic restarts keep it; its default "none" names nothing)."""
-    for key in ("SLURM_JOB_ID", "SUBMITIT_LOCAL_JOB_ID"):
-        if os.environ.get(key):
-            return os.environ[key]
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return f"torchelastic-{run_id}" if run_id and run_id != "none" else None
-
-
 def current_restart() -> int:
     """Which incarnation of the job this is: Slurm counts requeues (unset before the first), torchrun its restarts."""
     for key in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
@@ -232,7 +223,7 @@ class RunLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            from shardlab.config import writable_dir_problem  # its words for why (the path checks' own)
+            from shardlab.jobs.checks import writable_dir_problem  # its words for why (the path checks' own)
 
             problem = writable_dir_problem(self.path.parent) or e.strerror or str(e)
             raise ConfigError(

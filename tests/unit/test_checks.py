@@ -20,7 +20,7 @@ COUNTED = """
 # asks nonfinite_errors first) leaves a line naming the check and its process
 import os as _os
 
-import shardlab.config as _config
+import shardlab.jobs.checks as _checks
 
 
 def _counted(name, check):
@@ -33,7 +33,7 @@ def _counted(name, check):
 
 
 SpiralsTask.config_errors = _counted("task", SpiralsTask.config_errors)
-_config.nonfinite_errors = _counted("validate", _config.nonfinite_errors)
+_checks.nonfinite_errors = _counted("validate", _checks.nonfinite_errors)
 """
 
 SPIRALS = [
@@ -94,15 +94,15 @@ def test_the_checks_run_once_per_start_in_the_starting_process_and_never_on_its_
 
 def test_the_run_finds_the_preflights_check_done_and_checks_a_config_it_was_not_given(tiny_lm, tmp_path, monkeypatch):
     """In-process, as the CLI's Hydra callback and task function run: the pre-flight checks, run_job reuses its task."""
-    from shardlab import config, runner
+    from shardlab import runner
     from shardlab.jobs import checks
     from shardlab.jobs.preflight import check_composed
     from tasks.lm.task import LanguageModelingTask
 
     calls, validated = [], []
-    own_checks, own_finite = LanguageModelingTask.config_errors, config.nonfinite_errors
+    own_checks, own_finite = LanguageModelingTask.config_errors, checks.nonfinite_errors
     monkeypatch.setattr(LanguageModelingTask, "config_errors", lambda self: calls.append(self) or own_checks(self))
-    monkeypatch.setattr(config, "nonfinite_errors", lambda cfg: validated.append(cfg) or own_finite(cfg))
+    monkeypatch.setattr(checks, "nonfinite_errors", lambda cfg: validated.append(cfg) or own_finite(cfg))
     cfg = tiny_lm("dry_run=true")
     check_composed(cfg, [], str(tmp_path / "run"))
     runner.run_job(cfg, tmp_path / "run", [])  # the plan of a dry run, from the checked task
@@ -198,7 +198,6 @@ one itself runs it a second time per start, or on a rank."""
 RAISES_CONFIG_ERROR = {
     # the pure checks, and what reads only the command line or the registries
     "shardlab/jobs/checks.py": "the checks",
-    "shardlab/config.py": "validate and its parts (called by the checks), the path probe",
     "shardlab/jobs/preflight.py": "the command line and its composition, before Hydra starts",
     "shardlab/registry/__init__.py": "unknown and clashing names (a lookup the checks make first)",
     "shardlab/registry/user_dir.py": "the user_dir folder and its imports, before the config composes",

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardlab.config import DistributedConfig, validate
-from shardlab.distributed import base
+from shardlab.config import DistributedConfig
+from shardlab.distributed import base, cpu_allocator
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.base import Backend, process_group_backend
-from shardlab.memory import meter
+from shardlab.jobs.checks import validate
 from shardlab.runner import run_rank
 from tests.conftest import compose_config
 
@@ -104,7 +104,7 @@ def unset(monkeypatch, *names: str) -> None:
 def test_cpu_only_workarounds_stay_off_on_cuda(fake_cuda, monkeypatch):
     unset(monkeypatch, "MALLOC_MMAP_THRESHOLD_", "OMP_NUM_THREADS")
     configured = []
-    monkeypatch.setattr(meter, "configure_cpu_allocator", configured.append)
+    monkeypatch.setattr(cpu_allocator, "configure_cpu_allocator", configured.append)
     dist_env.set_local_rank_defaults(2)
     backend = Backend(DistributedConfig(backend="ddp"), rank_env(1, 2))
     backend.name = "ddp"
@@ -120,7 +120,7 @@ def test_cpu_only_workarounds_stay_off_on_cuda(fake_cuda, monkeypatch):
 )
 def test_cpu_ranks_set_their_allocator_from_the_config(monkeypatch, setting, budget_gb, applied):
     configured = []
-    monkeypatch.setattr(meter, "configure_cpu_allocator", lambda mode: configured.append(mode) or True)
+    monkeypatch.setattr(cpu_allocator, "configure_cpu_allocator", lambda mode: configured.append(mode) or True)
     backend = Backend(DistributedConfig(cpu_allocator=setting, memory_budget_gb=budget_gb), rank_env(0, 1))
     backend.setup()
     assert configured == [applied] and backend.cpu_allocator == applied  # what the end-of-run memory line reports
@@ -130,7 +130,7 @@ def test_cpu_ranks_set_their_allocator_from_the_config(monkeypatch, setting, bud
 ALLOCATE_AND_FREE = """
 import resource, sys
 import torch
-from shardlab.memory.meter import configure_cpu_allocator
+from shardlab.distributed.cpu_allocator import configure_cpu_allocator
 assert configure_cpu_allocator(sys.argv[1])
 torch.ones(1 << 20).sum()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.config import path_errors, writable_dir_problem
+from shardlab.jobs.checks import path_errors, writable_dir_problem
 from shardlab.errors import ConfigError, DataError
 from shardlab.jobs.preflight import preflight
 from shardlab.runner import build_task, prepare_data

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.config import validate
+from shardlab.jobs.checks import validate
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.runner import run_rank
