@@ -42,8 +42,9 @@ from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import StopSignals, torchrun_agent_warning
 from shardlab.jobs.run_dir import run_key_differences
 from shardlab.logging import RunLogger
+from shardlab.memory.devices import GiB
 from shardlab.memory.meter import PeakMeter, memory_gib
-from shardlab.memory.plan import GiB, RunPlan, plan_run
+from shardlab.memory.plan import RunPlan, plan_run
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
 from shardlab.optim.ema import WeightAverage
 from shardlab.task import Task

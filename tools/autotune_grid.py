@@ -37,7 +37,8 @@ def grid(overrides: list[str]) -> tuple[list[dict], dict]:
     from shardlab.jobs.preflight import compose_config
     from shardlab.memory.autotune import _splits
     from shardlab.memory.budget import fitting, sharded_only
-    from shardlab.memory.plan import GiB, profile_config
+    from shardlab.memory.devices import GiB
+    from shardlab.memory.plan import profile_config
 
     cfg = compose_config([*overrides, "distributed.backend=auto"])
     task = runner.build_task(cfg, check_budget=False)

@@ -80,7 +80,9 @@ def predict(overrides: list[str], world_size: int) -> dict:
     """The memory plan of a run, as the run itself will print it (per rank), and the auto rule's need per machine."""
     from shardlab.jobs.preflight import compose_config
     from shardlab.memory import budget as memory_budget
-    from shardlab.memory.plan import estimate, layout_of, profile_config
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.layout import layout_of
+    from shardlab.memory.plan import profile_config
     from shardlab.runner import build_task
 
     cfg = compose_config(overrides)

@@ -144,7 +144,9 @@ def plan(p: dict[str, Any]) -> dict[str, Any]:
     """Plan one published run: the peak, the allocator's term, the reserved figure, with torchtitan's checkpointing
     and with the mode's defaults."""
     from shardlab.jobs.preflight import compose_config
-    from shardlab.memory.plan import estimate, layout_of, profile_config
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.layout import layout_of
+    from shardlab.memory.plan import profile_config
     from shardlab.runner import build_task
 
     world = p["world_size"]

@@ -46,7 +46,9 @@ from omegaconf import DictConfig, OmegaConf
 from shardlab.checkpoint.layout import complete_checkpoints, write_json_atomic
 from shardlab.errors import ConfigError
 from shardlab.memory.budget import Choice, apply_choice, fitting, sharded_only
-from shardlab.memory.plan import GiB, Layout, profile_config
+from shardlab.memory.devices import GiB
+from shardlab.memory.layout import Layout
+from shardlab.memory.plan import profile_config
 
 DECISION_FILE = "autotune.json"
 

@@ -14,17 +14,11 @@ import math
 from dataclasses import dataclass
 
 from shardlab.errors import ConfigError
-from shardlab.memory.plan import (
-    GiB,
-    Layout,
-    MemoryEstimate,
-    ModelProfile,
-    PlanContext,
-    alternatives,
-    estimate,
-    layout_of,
-    profile_config,
-)
+from shardlab.memory.devices import GiB
+from shardlab.memory.estimate import MemoryEstimate, PlanContext, estimate
+from shardlab.memory.layout import Layout, alternatives, layout_of
+from shardlab.memory.plan import profile_config
+from shardlab.memory.profile import ModelProfile
 
 RUNTIME_ALLOWANCE = int(1.0 * GiB)
 """What an idle rank already uses before the plan's bytes (torch, the process group, the data; a CPU plan's only

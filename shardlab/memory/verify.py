@@ -34,7 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardlab.errors import ConfigError, ShardlabError
-from shardlab.memory.plan import Collective, GiB, collectives, layout_of, profile_config, rank_state
+from shardlab.memory.devices import GiB
+from shardlab.memory.estimate import Collective, collectives, rank_state
+from shardlab.memory.layout import layout_of
+from shardlab.memory.plan import profile_config
 
 
 class PlanMismatch(ShardlabError):

@@ -101,7 +101,10 @@ STATE_HEAVY = [
 
 def test_auto_shards_a_model_ddp_cannot_fit_and_the_run_stays_within_the_budget(tiny_lm, tmp_path):
     from shardlab.memory import budget as memory_budget
-    from shardlab.memory.plan import GiB, Layout, estimate, profile_config
+    from shardlab.memory.devices import GiB
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.layout import Layout
+    from shardlab.memory.plan import profile_config
     from shardlab.runner import build_task
     from tests.unit.test_cli import run_cli
 
@@ -210,23 +213,23 @@ def test_plan_matches_the_real_fully_shard_on_a_fake_process_group(world, overri
 
 
 def test_a_plan_broken_on_purpose_fails_verification_in_one_line(monkeypatch):
-    from shardlab.memory import plan
+    from shardlab.memory import layout
     from shardlab.memory.verify import PlanMismatch
 
     # The plan forgets FSDP2's padding: ceil(rows / ranks) becomes rows // ranks.
-    monkeypatch.setattr(plan, "shard_rows", lambda rows, degree, rank=None: rows // degree)
+    monkeypatch.setattr(layout, "shard_rows", lambda rows, degree, rank=None: rows // degree)
     with pytest.raises(PlanMismatch) as e:
         verified(512)
     assert str(e.value).startswith("verify_plan: rank 0 of 512: fully_shard gives") and "\n" not in str(e.value)
 
 
 def test_a_plan_that_miscounts_one_collective_fails_verification(monkeypatch):
-    from shardlab.memory import plan
+    from shardlab.memory import estimate
     from shardlab.memory.verify import PlanMismatch
 
-    real = plan.collectives
-    monkeypatch.setattr(plan, "collectives", lambda *a: real(*a)[:-1])  # one reduce-scatter left out
-    monkeypatch.setattr("shardlab.memory.verify.collectives", plan.collectives)
+    real = estimate.collectives
+    monkeypatch.setattr(estimate, "collectives", lambda *a: real(*a)[:-1])  # one reduce-scatter left out
+    monkeypatch.setattr("shardlab.memory.verify.collectives", estimate.collectives)
     with pytest.raises(PlanMismatch, match="one step's collectives differ"):
         verified(8)
 

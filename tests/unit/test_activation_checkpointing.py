@@ -16,7 +16,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.activation_checkpointing import checkpoint_units, checkpointed_units
 from shardlab.errors import ConfigError
-from shardlab.memory.plan import estimate, layout_of, profile_config
+from shardlab.memory.estimate import estimate
+from shardlab.memory.layout import layout_of
+from shardlab.memory.plan import profile_config
 from shardlab.runner import build_task, run_rank
 from tests.conftest import compose_config
 

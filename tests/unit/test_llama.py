@@ -10,7 +10,8 @@ from torch import nn
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import count_params, meta_model
 from shardlab.errors import ConfigError
-from shardlab.memory.plan import profile_config, profile_model
+from shardlab.memory.plan import profile_config
+from shardlab.memory.profile import profile_model
 from shardlab.runner import build_task
 from tests.conftest import compose_config
 

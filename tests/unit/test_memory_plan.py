@@ -12,8 +12,11 @@ import torch
 
 from shardlab.errors import ConfigError
 from shardlab.memory import budget as memory_budget
+from shardlab.memory.devices import GiB
+from shardlab.memory.estimate import describe, estimate
+from shardlab.memory.layout import Layout, layout_of
 from shardlab.memory.meter import PeakMeter, memory_gib, process_peak
-from shardlab.memory.plan import GiB, Layout, describe, estimate, layout_of, profile_config
+from shardlab.memory.plan import profile_config
 from shardlab.runner import build_task
 from tests.conftest import compose_config
 
@@ -183,7 +186,8 @@ def test_peak_meter_sees_a_step_allocation_and_forgets_it_after_reset():
 def test_a_model_that_cannot_run_on_meta_is_planned_without_activations_and_keeps_its_dtypes():
     from torch import nn
 
-    from shardlab.memory.plan import describe, profile_model
+    from shardlab.memory.estimate import describe
+    from shardlab.memory.profile import profile_model
 
     class NoMetaTask:
         def example_batch(self, batch_size):
@@ -292,7 +296,7 @@ def test_a_named_gpu_is_planned_from_this_cpu_with_its_allocator_context_nccl_an
 
 
 def test_fsdp2_row_shards_are_padded_to_the_first_and_the_last_ranks_hold_less():
-    from shardlab.memory.plan import shard_numel, shard_rows
+    from shardlab.memory.layout import shard_numel, shard_rows
 
     assert [shard_rows(37, 8, r) for r in range(8)] == [5, 5, 5, 5, 5, 5, 5, 2]
     assert shard_rows(37, 8) == 5  # every rank allocates the padded shard
