@@ -6,6 +6,7 @@ counts and shapes. The bytes each layout holds are shardlab.memory.estimate's.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -220,6 +221,51 @@ class _MetaAutocast(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _SavedTensors:
+    """What autograd saves for backward during one forward (a saved-tensor hook's pack), each base tensor once, with
+    the unit it was saved in (-1: outside the units), and each unit's input bytes (what checkpointing keeps)."""
+
+    def __init__(self, model: nn.Module, units: list[nn.Module]) -> None:
+        self.units = units
+        self.param_ids = {id(p) for p in model.parameters()}
+        self.saved: dict[int, torch.Tensor] = {}  # by id of the base tensor: views of one tensor are kept once
+        self.owner: dict[int, int] = {}  # base id -> unit index (-1: outside the units)
+        self.inputs = [0] * len(units)
+        self.current = [-1]  # the unit running now; shared with _OpOutputs
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) not in self.param_ids and id(t) not in self.param_ids and id(base) not in self.saved:
+            self.saved[id(base)] = base
+            self.owner[id(base)] = self.current[0]
+        return t
+
+    def _enter(self, i: int):
+        def hook(module, args):
+            self.current[0] = i
+            first = args[0] if args else None
+            self.inputs[i] = _nbytes(first) if isinstance(first, torch.Tensor) else 0
+
+        return hook
+
+    def _leave(self, module, args, output) -> None:
+        self.current[0] = -1
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """Unit hooks that say which unit runs, and the saved-tensor hook, for the block."""
+        handles = []
+        for i, unit in enumerate(self.units):
+            handles.append(unit.register_forward_pre_hook(self._enter(i)))
+            handles.append(unit.register_forward_hook(self._leave))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
 def profile_model(
     model: nn.Module,
     units: list[nn.Module],
@@ -232,95 +278,64 @@ def profile_model(
     ``local_batch`` samples saves for backward with parameters in ``dtype``. ``model`` is on meta and is cast.
     ``autocast_device`` (cpu or cuda): instead keep the parameters in fp32 and cast as torch.autocast to ``dtype``
     does on that device, counting its weight copies."""
-    params = count_params(model)
-    unit_params = [count_params(u) for u in units]
+    params, unit_params = count_params(model), [count_params(u) for u in units]
     in_units = {id(p) for u in units for p in u.parameters()}
     shapes = {
         "unit_shapes": [param_shapes(u.parameters()) for u in units],
         "root_shapes": param_shapes(p for p in model.parameters() if id(p) not in in_units),
     }
+    empty = [0] * len(units)
     batch = task.example_batch(local_batch) if local_batch > 0 else None
     if batch is None:
-        return ModelProfile(params, unit_params, None, [0] * len(units), [0] * len(units), 0, local_batch, **shapes)
+        return ModelProfile(params, unit_params, None, empty, empty, 0, local_batch, **shapes)
     restore = _cast_floating(model, dtype) if autocast_device is None else (lambda: None)
     autocast = _MetaAutocast(dtype, autocast_device) if autocast_device is not None else contextlib.nullcontext()
-    param_ids = {id(p) for p in model.parameters()}
-    saved: dict[int, torch.Tensor] = {}  # by id of the base tensor: views of one tensor are kept once
-    owner: dict[int, int] = {}  # base id -> unit index (-1: outside the units)
-    inputs = [0] * len(units)
-    current = [-1]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if id(base) not in param_ids and id(t) not in param_ids and id(base) not in saved:
-            saved[id(base)] = base
-            owner[id(base)] = current[0]
-        return t
-
-    def enter(i: int):
-        def hook(module, args):
-            current[0] = i
-            first = args[0] if args else None
-            inputs[i] = _nbytes(first) if isinstance(first, torch.Tensor) else 0
-
-        return hook
-
-    def leave(module, args, output):
-        current[0] = -1
-
-    handles = []
-    for i, unit in enumerate(units):
-        handles.append(unit.register_forward_pre_hook(enter(i)))
-        handles.append(unit.register_forward_hook(leave))
-    ops = _OpOutputs(current)
+    saved = _SavedTensors(model, units)
+    ops = _OpOutputs(saved.current)
     try:
-        with _MetaAttention(), autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ops:
+        with _MetaAttention(), autocast, saved.tracing(), ops:
             model.train()
             task.loss(model, batch if autocast_device else _cast_inputs(batch, dtype), torch.device("meta"))
     except Exception as e:  # a model that cannot run on meta still trains; only its activations go unplanned
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        empty = [0] * len(units)
         return ModelProfile(params, unit_params, None, empty, empty, 0, local_batch, reason, **shapes)
     finally:
-        for h in handles:
-            h.remove()
         restore()
-    copy_ids = {id(c) for c in autocast.weight_copies.values()} if autocast_device is not None else set()
-    per_unit = [0] * len(units)
+    copies = list(autocast.weight_copies.values()) if autocast_device is not None else []
+    fields = _activation_fields(saved, ops, copies)
+    return ModelProfile(params, unit_params, local_batch=local_batch, **shapes, **fields)
+
+
+def _activation_fields(saved: _SavedTensors, ops: _OpOutputs, copies: list[torch.Tensor]) -> dict:
+    """The ModelProfile fields of one traced forward: the saved bytes in all, per unit and outside the units, and
+    what selective_op and autocast change of them. ``copies``: autocast's low-precision weight copies (an autocast
+    profile's)."""
+    copy_ids = {id(c) for c in copies}
+    num_units = len(saved.units)
+    per_unit = [0] * num_units
     outside: list[int] = [0]
-    for key, base in saved.items():
-        n = _nbytes(base)
+    for key, base in saved.saved.items():
         if key in copy_ids:
             continue  # autocast's cache holds every copy to the end of forward: no unit's recomputation drops one
-        if owner[key] >= 0:
-            per_unit[owner[key]] += n
+        if saved.owner[key] >= 0:
+            per_unit[saved.owner[key]] += _nbytes(base)
         else:
-            outside.append(n)
-    total = sum(_nbytes(b) for b in saved.values())
-    slack = sum(devices.allocator_bytes(_nbytes(b)) - _nbytes(b) for b in saved.values())
-    copies = 0
-    if autocast_device is not None:
-        # Every copy lives until the forward ends (autocast's cache), those the matmuls saved until backward.
-        copies = sum(_nbytes(c) for c in autocast.weight_copies.values())
-        total += sum(_nbytes(c) for c in autocast.weight_copies.values() if id(c) not in saved)
-    op_outputs, op_overlap = ops.per_unit(len(units), saved, owner)
-    return ModelProfile(
-        params,
-        unit_params,
-        total,
-        per_unit,
-        inputs,
-        max(outside),
-        local_batch,
-        None,
-        copies,
-        None,
-        **shapes,
-        activation_slack=slack,
-        unit_op_outputs=op_outputs,
-        unit_op_overlap=op_overlap,
-        unit_matmuls=ops.matmuls_per_unit(len(units), saved, owner),
-    )
+            outside.append(_nbytes(base))
+    total = sum(_nbytes(b) for b in saved.saved.values())
+    # Every copy lives until the forward ends (autocast's cache), those the matmuls saved until backward.
+    total += sum(_nbytes(c) for c in copies if id(c) not in saved.saved)
+    op_outputs, op_overlap = ops.per_unit(num_units, saved.saved, saved.owner)
+    return {
+        "activations": total,
+        "unit_activations": per_unit,
+        "unit_inputs": saved.inputs,
+        "largest_outside": max(outside),
+        "autocast_copies": sum(_nbytes(c) for c in copies),
+        "activation_slack": sum(devices.allocator_bytes(_nbytes(b)) - _nbytes(b) for b in saved.saved.values()),
+        "unit_op_outputs": op_outputs,
+        "unit_op_overlap": op_overlap,
+        "unit_matmuls": ops.matmuls_per_unit(num_units, saved.saved, saved.owner),
+    }
 
 
 def _cast_floating(model: nn.Module, dtype: torch.dtype):
