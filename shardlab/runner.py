@@ -20,6 +20,7 @@ import shardlab.optim  # noqa: F401  (the built-in optimizers, registered before
 from shardlab import errors
 from shardlab.config import path_errors
 from shardlab.distributed import env as dist_env
+from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError, DataError, HostLost, RankFailed, ShardlabError, one_line
 from shardlab.jobs import checks, run_lock, run_record
 from shardlab.jobs.checks import job_world_size
@@ -52,10 +53,10 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
 def choose_layout(cfg: DictConfig, task, world_size: int, planned: bool = True) -> None:
     """backend=auto becomes a layout by the memory plan alone (written into ``cfg``; with auto_tune, the ranks measure
     later and this only checks that one fits). ``planned=False``: only where the ranks will not tune (a rank given
-    backend=auto with auto_tune measures it itself, shardlab.memory.autotune). A choice, not a check: the checks
+    backend=auto with auto_tune measures it itself, shardlab.jobs.autotune). A choice, not a check: the checks
     (shardlab.jobs.checks) hold an explicit backend to the budget."""
     if cfg.distributed.backend == "auto" and (planned or not cfg.distributed.auto_tune):
-        chosen = memory_budget.resolve(cfg, task, world_size)
+        chosen = memory_budget.resolve(cfg, task, world_size, model_on_meta(task))
         if chosen and dist_env.detect().is_main:
             print(chosen, flush=True)
 
@@ -222,17 +223,20 @@ def prepare_data(task) -> str:
 
 def tune_layout(cfg: DictConfig, task, env: dist_env.DistEnv, run_dir: Path) -> None:
     """distributed.backend=auto with auto_tune: open the data and join the process group (as Backend.setup does), and
-    let the ranks measure the layouts that fit (shardlab.memory.autotune); the choice is written into ``cfg``."""
+    let the ranks measure the layouts that fit (shardlab.jobs.autotune); the choice is written into ``cfg``, and a
+    choice measured now into the run's status.json."""
     from shardlab.distributed.base import join_process_group, pick_device
-    from shardlab.memory import autotune
+    from shardlab.jobs import autotune
 
     join_process_group(
         env, pick_device(env.local_rank), cfg.distributed.timeout_s, lambda: prepare_data(task),
         cfg.distributed.init_timeout_s,
     )  # fmt: skip
-    report = autotune.tune(cfg, task, env, run_dir)
+    decision = autotune.tune(cfg, task, env, run_dir)
     if env.is_main:
-        print(report, flush=True)
+        if decision.measured:
+            run_record.update(run_dir, autotune=decision.measured)
+        print(decision.report, flush=True)
 
 
 def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int, result_file: str) -> None:
@@ -334,7 +338,6 @@ def print_plan(cfg: DictConfig, task) -> None:
     nothing."""
     import time
 
-    from shardlab.distributed.units import model_on_meta
     from shardlab.memory.plan import plan_run
 
     started = time.perf_counter()

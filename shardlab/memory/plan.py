@@ -15,19 +15,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardlab.distributed.units import describe_units, model_on_meta, wrapped_units
+from shardlab.distributed.units import describe_units, wrapped_units
 from shardlab.memory import devices
 from shardlab.memory.estimate import MemoryEstimate, PlanContext, describe, estimate
 from shardlab.memory.layout import layout_of
 from shardlab.memory.profile import ModelProfile, profile_model
 
 
-def profile_config(cfg, task, world_size: int, model=None, units=None) -> tuple[ModelProfile, PlanContext]:
-    """Profile the task's model (built on meta here unless given) for ``cfg`` at ``world_size`` ranks."""
+def profile_config(
+    cfg, task, world_size: int, model: nn.Module, units: list[nn.Module] | None = None
+) -> tuple[ModelProfile, PlanContext]:
+    """Profile ``model`` (the task's, on meta, built by the caller: shardlab.distributed.units.model_on_meta) for
+    ``cfg`` at ``world_size`` ranks. ``units``: the task's FSDP units of ``model`` (default: asked of the task)."""
     from shardlab.distributed.base import resolve_dtypes
 
-    if model is None:  # a plan-only caller (the budget, the tools); a run's plan is given its model (plan_run)
-        model = model_on_meta(task)
+    if units is None:
         units = task.fsdp_units(model)
     device, target, capacity, per_node = plan_target(cfg, world_size)
     ctx = PlanContext.from_config(cfg, world_size, per_node, device, target, capacity)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError, ShardlabError
 from shardlab.memory.devices import GiB
 from shardlab.memory.estimate import Collective, collectives, rank_state
@@ -74,7 +75,6 @@ def shard_on_fake_group(cfg, task, world_size: int, rank: int):
 
     from shardlab.distributed.env import DistEnv
     from shardlab.distributed.fully_sharded import FullyShardedBackend
-    from shardlab.distributed.units import model_on_meta
 
     model = model_on_meta(task)
     units = task.fsdp_units(model)
@@ -147,7 +147,7 @@ def verify_plan(cfg, task, world_size: int) -> list[str]:
                 "fully_sharded across ranks)"]  # fmt: skip
     cfg_plan = copy.deepcopy(cfg)
     cfg_plan.optimization.batch_size = 0  # the state and the collectives need no activations: no meta forward
-    profile, ctx = profile_config(cfg_plan, task, world_size)
+    profile, ctx = profile_config(cfg_plan, task, world_size, model_on_meta(task))
     f = layout.sharding_degree
     reductions = ctx.update_freq if ctx.reduce_every_microbatch else 1
     planned_collectives = collectives(profile, layout, ctx)

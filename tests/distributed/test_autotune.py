@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from shardlab.memory.autotune import DECISION_FILE, _splits
+from shardlab.jobs.autotune import DECISION_FILE, _splits
 from tests.distributed.harness import run_spawned
 
 # Seconds per step the fake clock gives each layout (by its label): fully_sharded without resharding is "fastest",

@@ -100,6 +100,7 @@ STATE_HEAVY = [
 
 
 def test_auto_shards_a_model_ddp_cannot_fit_and_the_run_stays_within_the_budget(tiny_lm, tmp_path):
+    from shardlab.distributed.units import model_on_meta
     from shardlab.memory import budget as memory_budget
     from shardlab.memory.devices import GiB
     from shardlab.memory.estimate import estimate
@@ -111,7 +112,8 @@ def test_auto_shards_a_model_ddp_cannot_fit_and_the_run_stays_within_the_budget(
     replaced = {o.split("=")[0] for o in STATE_HEAVY}
     overrides = [*(o for o in TINY_LM if o.split("=")[0] not in replaced), *STATE_HEAVY, "distributed.world_size=2"]
     cfg = tiny_lm(*STATE_HEAVY, "distributed=ddp")
-    profile, ctx = profile_config(cfg, build_task(cfg, world_size=2), 2)
+    task = build_task(cfg, world_size=2)
+    profile, ctx = profile_config(cfg, task, 2, model_on_meta(task))
     ddp_needs = memory_budget.needed(estimate(profile, Layout("ddp"), ctx)) / GiB
     sharded_needs = memory_budget.needed(estimate(profile, Layout("fully_sharded", 2, False), ctx)) / GiB
     budget = round((ddp_needs + sharded_needs) / 2, 2)  # between the two: ddp does not fit, sharding does

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError
 from shardlab.memory import budget as memory_budget
 from shardlab.memory.devices import GiB
@@ -25,7 +26,8 @@ GPT_125M = ["model=gpt_125m", "data.seq_len=512", "optimization.batch_size=32"]
 
 def planned(overrides: list[str], world: int):
     cfg = compose_config(overrides)
-    return cfg, profile_config(cfg, build_task(cfg, world_size=world), world)
+    task = build_task(cfg, world_size=world)
+    return cfg, profile_config(cfg, task, world, model_on_meta(task))
 
 
 def test_state_is_sixteen_bytes_per_parameter_divided_by_the_shard_group_and_ddp_adds_its_buckets():
@@ -48,7 +50,8 @@ def test_gathered_units_follow_reshard_and_prefetch():
     assert reshard.gathered == 4 * (profile.root_params + 4 * unit)
     assert keep.gathered == 4 * (profile.root_params + sum(profile.unit_params) + 3 * unit)
     cfg = compose_config([*GPT_125M, "distributed=fully_sharded", "distributed.prefetch_units=3"])
-    _, deeper = profile_config(cfg, build_task(cfg, world_size=4), 4)
+    task = build_task(cfg, world_size=4)
+    _, deeper = profile_config(cfg, task, 4, model_on_meta(task))
     assert estimate(profile, Layout("fully_sharded", 4), deeper).gathered == reshard.gathered + 2 * 4 * unit
 
 
@@ -260,7 +263,7 @@ def test_autocast_plan_counts_the_weight_copies_and_activations_a_real_autocast_
                           "validation.batch_size=8"])  # fmt: skip
     task = build_task(cfg, world_size=1)
     task.prepare_data()
-    profile, ctx = profile_config(cfg, task, 1)
+    profile, ctx = profile_config(cfg, task, 1, model_on_meta(task))
     kept, copies = measured_autocast_forward(task, cfg, 8)
     planned_autocast = profile.autocast
     assert copies > 0 and planned_autocast.autocast_copies == copies  # one low-precision copy per cast weight
