@@ -6,13 +6,21 @@ shardlab.memory.budget's.
 
 The plan is three parts, entered here: the model's profile on meta (shardlab.memory.profile), the layouts
 (shardlab.memory.layout), and each layout's bytes and the console's lines (shardlab.memory.estimate).
+
+A run profiles its model once: inside ``one_profile_per_run`` (a rank's run, shardlab.runner) everything that asks
+for the same model's profile again (backend=auto's budget and its trials, the run's own assembly) is handed the one
+already made; the layouts and their bytes are cheap arithmetic on it, made for each asker's config.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardlab.distributed.units import describe_units, wrapped_units
@@ -36,10 +44,56 @@ def profile_config(
     local_batch = cfg.optimization.batch_size // world_size
     units = wrapped_units(model, units, cfg.distributed)
     param_dtype = resolve_dtypes(cfg.distributed)[0]
+    made = _RUN_PROFILES.get()
+    if made is None:  # not inside a run: profiled for this caller alone
+        return _profile(model, units, task, local_batch, param_dtype, device), ctx
+    key = _profile_key(task, model, units, local_batch, param_dtype, device)
+    if key not in made:
+        made[key] = (task, _profile(model, units, task, local_batch, param_dtype, device))  # task kept: id not reused
+    return made[key][1], ctx
+
+
+def _profile(model: nn.Module, units, task, local_batch: int, param_dtype: torch.dtype, device: str) -> ModelProfile:
     profile = profile_model(model, units, task, local_batch, param_dtype)
     if param_dtype != torch.float32:  # single and ddp reach it through autocast: profiled as they run
         profile.autocast = profile_model(model, units, task, local_batch, param_dtype, autocast_device=device)
-    return profile, ctx
+    return profile
+
+
+_RUN_PROFILES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("run_profiles", default=None)
+"""The profiles made in the run open now (one_profile_per_run), by _profile_key; None outside a run."""
+
+
+@contextlib.contextmanager
+def one_profile_per_run() -> Iterator[None]:
+    """Within the block (a run), profile_config profiles each model once: asked again for the same task's model of
+    the same shape, units, micro-batch and dtype, it hands back the profile it made. A block inside another is the
+    outer run's."""
+    if _RUN_PROFILES.get() is not None:
+        yield
+        return
+    token = _RUN_PROFILES.set({})
+    try:
+        yield
+    finally:
+        _RUN_PROFILES.reset(token)
+
+
+def _profile_key(task, model: nn.Module, units, local_batch: int, dtype: torch.dtype, device: str) -> tuple:
+    """What a profile depends on: the task (its example batch and loss), the model's modules and parameter shapes
+    (a fresh model_on_meta of the same task gives the same), which modules are the units, the micro-batch, the dtype
+    the meta forward casts to, the device autocast is planned for, and the process group a loss's collectives see."""
+    names = {id(m): name for name, m in model.named_modules()}
+    return (
+        id(task),
+        tuple((name, type(m).__qualname__) for name, m in model.named_modules()),
+        tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()),
+        tuple(names.get(id(u), type(u).__qualname__) for u in units),
+        local_batch,
+        dtype,
+        device,
+        dist.get_world_size() if dist.is_initialized() else 1,
+    )
 
 
 def plan_target(cfg, world_size: int) -> tuple[str, str, int, int]:
