@@ -417,7 +417,7 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
 
 def attention_kernel(ctx: PlanContext) -> str:
     """Which fused attention the planned device runs and what it keeps: the plan counts q, k, v, the output and one
-    float per query row (no length x length scores) on every device (_FusedAttentionShapes)."""
+    float per query row (no length x length scores) on every device (shardlab.memory.profile._FusedAttentionShapes)."""
     if ctx.device == "cuda":
         kernel = "flash" if ctx.param_bytes == 2 else "memory-efficient (fp32: flash needs bf16/fp16)"
         return f"{kernel} SDPA on {ctx.target}: q, k, v, output and a logsumexp per row kept; no length x length scores"

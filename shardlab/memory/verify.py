@@ -8,10 +8,10 @@ dimension does not divide evenly. Nothing is allocated: the parameters stay on m
 - per rank, the bytes of the sharded parameters' storage (FSDP2 pads every shard to the first one's size), of their
   DTensor local shards, of the gradients FSDP2 will write (views of its padded reduce-scatter output when that is in
   the parameters' dtype, else cast copies of the local shards) and of the optimizer state (one fp32 tensor shaped like
-  the local shard per Adam moment, as torch.optim creates it) must equal shardlab.memory.plan.rank_state's;
+  the local shard per Adam moment, as torch.optim creates it) must equal shardlab.memory.estimate.rank_state's;
 - the collectives one step issues, read from FSDP2's parameter groups (all-gather input per rank, reduce-scatter
   output, the hybrid mesh's all-reduce; how often each runs from the group's reshard setting) must equal
-  shardlab.memory.plan.collectives', and so the plan's bytes sent per step.
+  shardlab.memory.estimate.collectives', and so the plan's bytes sent per step.
 
 FSDP2 refuses to run forward on meta parameters (it checks they were materialized), so the step's collectives are
 counted from its parameter groups rather than recorded as they run. A mismatch raises PlanMismatch: one line.
