@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 import shardlab.optim  # noqa: F401  (the built-in optimizers, registered before a user_dir's plug-ins)
 from shardlab import errors
 from shardlab.distributed import env as dist_env
+from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError, DataError, HostLost, RankFailed, ShardlabError, one_line
 from shardlab.jobs import checks, run_lock, run_record
 from shardlab.jobs.checks import job_world_size, path_errors
@@ -30,6 +31,7 @@ from shardlab.jobs.preemption import (
 )
 from shardlab.jobs.run_dir import former_run_name, run_name
 from shardlab.memory import budget as memory_budget
+from shardlab.memory.plan import one_profile_per_run, plan_run
 from shardlab.registry import BACKENDS, TASKS, load_plugins
 
 
@@ -51,10 +53,10 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
 def choose_layout(cfg: DictConfig, task, world_size: int, planned: bool = True) -> None:
     """backend=auto becomes a layout by the memory plan alone (written into ``cfg``; with auto_tune, the ranks measure
     later and this only checks that one fits). ``planned=False``: only where the ranks will not tune (a rank given
-    backend=auto with auto_tune measures it itself, shardlab.memory.autotune). A choice, not a check: the checks
+    backend=auto with auto_tune measures it itself, shardlab.jobs.autotune). A choice, not a check: the checks
     (shardlab.jobs.checks) hold an explicit backend to the budget."""
     if cfg.distributed.backend == "auto" and (planned or not cfg.distributed.auto_tune):
-        chosen = memory_budget.resolve(cfg, task, world_size)
+        chosen = memory_budget.resolve(cfg, task, world_size, model_on_meta(task))
         if chosen and dist_env.detect().is_main:
             print(chosen, flush=True)
 
@@ -79,23 +81,12 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
         run_lock.take(run_dir, cfg.checkpoint.dir)  # before status.json: a refused job leaves the running one's alone
         run_record.start(run_dir, overrides, cfg.optimization.max_steps)
         point_at_former_folder(run_dir, overrides, cfg.checkpoint.dir)
-    signals = None
     try:
-        world = job_world_size(cfg, env.world_size)
-        task = checks.checked(cfg, world)  # by the CLI's pre-flight, before anything was written
-        if task is None:  # a sweep point, or a config its caller composed: checked here, once
-            task = build_task(cfg, world, run_dir)
-        else:
-            choose_layout(cfg, task, world)
-        if cfg.dry_run:
-            print_plan(cfg, task)
+        with one_profile_per_run():  # the plan of backend=auto's choice and the run's own: one profile
+            ran = _run(cfg, run_dir, env)
+        if ran is None:  # dry_run: the plan printed
             return None
-        local_ranks = dist_env.ranks_to_spawn(cfg.distributed.world_size, env)
-        if local_ranks:
-            prepare_data(task)  # once, here, so the ranks find it cached and data errors come back as one line
-            result, signals = launch_local(cfg, run_dir, cfg.distributed.world_size, local_ranks)
-        else:
-            result = run_rank(cfg, run_dir, env, task=task)
+        result, signals = ran
         if record:
             run_record.finish(run_dir, result)
             if result["final"]:
@@ -104,25 +95,7 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             # the launcher of local ranks (on every node, the first node's): submitit's requeue, or Slurm's
             signals.forward(speaks_for_job=env.is_main)
     except BaseException as e:
-        # A broken connection to another host is a lost host only where no rank left an error of its own (a rank that
-        # raised ends its process too, and its error, not a requeue that would meet it again, is the job's outcome).
-        lost_host = isinstance(e, HostLost) and record and run_record.first_rank_error(run_dir) is None
-        if record and run_lock.taken_over(run_dir):
-            pass  # status.json is the job's that took the folder over now
-        elif record and (run_record.read(run_dir) or {}).get("status") == "running":  # not a stop that saved
-            # A RankFailed names the rank that failed and why: recorded at once, not after waiting for notes that
-            # will not come (the told ranks leave none), during which torchrun stops this rank for its neighbour's exit.
-            if isinstance(e, RankFailed) and (lost_host or not isinstance(e, HostLost)):
-                run_record.fail(run_dir, one_line(e))
-            else:
-                run_record.fail_with_first_cause(run_dir, one_line(e), env.world_size)
-        elif not record and not cfg.dry_run and not isinstance(e, (SystemExit, RankFailed)):
-            # rank 0 reports the first one. RankFailed is always another rank's failure, told to this one: no cause of
-            # its own, and a job refused a folder in use would leave it in the running job's folder.
-            run_record.note_rank_error(run_dir, env.rank, one_line(e))
-        if lost_host and lost_host_requeues(cfg.distributed.on_lost_host):
-            print(f"{one_line(e)}\n{requeue_slurm_job()}", flush=True)
-            raise SystemExit(STOPPED_EXIT_CODE) from e  # no result: the submitter follows the job through its requeue
+        _record_failure(e, cfg, run_dir, env, record)
         raise
     finally:
         if record:
@@ -132,6 +105,49 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
             print(f"stopped early on {result['stopped_by']}; rerun the same command to resume", flush=True)
         raise SystemExit(STOPPED_EXIT_CODE)
     return result["final"].get("loss") if result["final"] else None
+
+
+def _run(cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv) -> tuple[dict, StopSignals | None] | None:
+    """run_job's work: the checked task and its layout, then the plan (dry_run: returns None), the local ranks
+    spawned (their first one's result, and the stop signals this launcher received) or this rank's run."""
+    world = job_world_size(cfg, env.world_size)
+    task = checks.checked(cfg, world)  # by the CLI's pre-flight, before anything was written
+    if task is None:  # a sweep point, or a config its caller composed: checked here, once
+        task = build_task(cfg, world, run_dir)
+    else:
+        choose_layout(cfg, task, world)
+    if cfg.dry_run:
+        print_plan(cfg, task)
+        return None
+    local_ranks = dist_env.ranks_to_spawn(cfg.distributed.world_size, env)
+    if local_ranks:
+        prepare_data(task)  # once, here, so the ranks find it cached and data errors come back as one line
+        return launch_local(cfg, run_dir, cfg.distributed.world_size, local_ranks)
+    return run_rank(cfg, run_dir, env, task=task), None
+
+
+def _record_failure(e: BaseException, cfg: DictConfig, run_dir: Path, env: dist_env.DistEnv, record: bool) -> None:
+    """run_job's error ``e``, into status.json (``record``: rank 0's) or as this rank's note for rank 0; a lost host
+    under distributed.on_lost_host=requeue asks Slurm for the requeue and ends the job with SystemExit."""
+    # A broken connection to another host is a lost host only where no rank left an error of its own (a rank that
+    # raised ends its process too, and its error, not a requeue that would meet it again, is the job's outcome).
+    lost_host = isinstance(e, HostLost) and record and run_record.first_rank_error(run_dir) is None
+    if record and run_lock.taken_over(run_dir):
+        pass  # status.json is the job's that took the folder over now
+    elif record and (run_record.read(run_dir) or {}).get("status") == "running":  # not a stop that saved
+        # A RankFailed names the rank that failed and why: recorded at once, not after waiting for notes that
+        # will not come (the told ranks leave none), during which torchrun stops this rank for its neighbour's exit.
+        if isinstance(e, RankFailed) and (lost_host or not isinstance(e, HostLost)):
+            run_record.fail(run_dir, one_line(e))
+        else:
+            run_record.fail_with_first_cause(run_dir, one_line(e), env.world_size)
+    elif not record and not cfg.dry_run and not isinstance(e, (SystemExit, RankFailed)):
+        # rank 0 reports the first one. RankFailed is always another rank's failure, told to this one: no cause of
+        # its own, and a job refused a folder in use would leave it in the running job's folder.
+        run_record.note_rank_error(run_dir, env.rank, one_line(e))
+    if lost_host and lost_host_requeues(cfg.distributed.on_lost_host):
+        print(f"{one_line(e)}\n{requeue_slurm_job()}", flush=True)
+        raise SystemExit(STOPPED_EXIT_CODE) from e  # no result: the submitter follows the job through its requeue
 
 
 def lost_host_requeues(on_lost_host: str) -> bool:
@@ -157,7 +173,8 @@ def run_rank(
     signals = StopSignals(interrupt=cfg.checkpoint.save_on_error)
     signals.install(only=REQUEUE_SIGNALS)
     try:
-        return _run_rank(cfg, run_dir, env, after_fit, teardown, task, signals)
+        with one_profile_per_run():  # backend=auto's plan, its trials and the run's assembly share one profile
+            return _run_rank(cfg, run_dir, env, after_fit, teardown, task, signals)
     except BaseException:
         if signals.received in REQUEUE_SIGNALS:  # the warning still gets its requeue (submitit's, or Slurm's)
             signals.forward(speaks_for_job=env.is_main and not env.spawned)
@@ -221,17 +238,20 @@ def prepare_data(task) -> str:
 
 def tune_layout(cfg: DictConfig, task, env: dist_env.DistEnv, run_dir: Path) -> None:
     """distributed.backend=auto with auto_tune: open the data and join the process group (as Backend.setup does), and
-    let the ranks measure the layouts that fit (shardlab.memory.autotune); the choice is written into ``cfg``."""
+    let the ranks measure the layouts that fit (shardlab.jobs.autotune); the choice is written into ``cfg``, and a
+    choice measured now into the run's status.json."""
     from shardlab.distributed.base import join_process_group, pick_device
-    from shardlab.memory import autotune
+    from shardlab.jobs import autotune
 
     join_process_group(
         env, pick_device(env.local_rank), cfg.distributed.timeout_s, lambda: prepare_data(task),
         cfg.distributed.init_timeout_s,
     )  # fmt: skip
-    report = autotune.tune(cfg, task, env, run_dir)
+    decision = autotune.tune(cfg, task, env, run_dir)
     if env.is_main:
-        print(report, flush=True)
+        if decision.measured:
+            run_record.update(run_dir, autotune=decision.measured)
+        print(decision.report, flush=True)
 
 
 def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int, result_file: str) -> None:
@@ -332,9 +352,6 @@ def print_plan(cfg: DictConfig, task) -> None:
     """dry_run: build on meta, print the size, the unit plan and the memory plan with its alternatives; allocate
     nothing."""
     import time
-
-    from shardlab.distributed.units import model_on_meta
-    from shardlab.memory.plan import plan_run
 
     started = time.perf_counter()
     world = job_world_size(cfg, dist_env.detect().world_size)

@@ -34,20 +34,23 @@ from tools import bench_meta  # noqa: E402
 def grid(overrides: list[str]) -> tuple[list[dict], dict]:
     """Every (layout, split) the plan predicts to fit: the overrides that select it and its predicted peak."""
     from shardlab import runner
+    from shardlab.distributed.units import model_on_meta
+    from shardlab.jobs.autotune import _splits
     from shardlab.jobs.preflight import compose_config
-    from shardlab.memory.autotune import _splits
     from shardlab.memory.budget import fitting, sharded_only
-    from shardlab.memory.plan import GiB, profile_config
+    from shardlab.memory.devices import GiB
+    from shardlab.memory.plan import profile_config
 
     cfg = compose_config([*overrides, "distributed.backend=auto"])
     task = runner.build_task(cfg, check_budget=False)
     world = cfg.distributed.world_size
     o = cfg.optimization
+    model = model_on_meta(task)  # one meta model for every split: profiling casts it and puts it back
     points = []
     for batch, accumulate in [(o.batch_size, o.update_freq), *_splits(o.batch_size, o.update_freq, world)]:
         trial = copy.deepcopy(cfg)
         trial.optimization.batch_size = batch
-        profile, ctx = profile_config(trial, task, world)
+        profile, ctx = profile_config(trial, task, world, model)
         try:
             fits = fitting(profile, trial, ctx, sharded_only(cfg.distributed))
         except Exception:  # noqa: BLE001  (nothing fits at this split)

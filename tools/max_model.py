@@ -78,14 +78,17 @@ def run_overrides(opts, layout: str, k: int, batch: int) -> list[str]:
 # ---- prediction ------------------------------------------------------------------------------------------------------
 def predict(overrides: list[str], world_size: int) -> dict:
     """The memory plan of a run, as the run itself will print it (per rank), and the auto rule's need per machine."""
+    from shardlab.distributed.units import model_on_meta
     from shardlab.jobs.preflight import compose_config
     from shardlab.memory import budget as memory_budget
-    from shardlab.memory.plan import estimate, layout_of, profile_config
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.layout import layout_of
+    from shardlab.memory.plan import profile_config
     from shardlab.runner import build_task
 
     cfg = compose_config(overrides)
     task = build_task(cfg, world_size)
-    profile, ctx = profile_config(cfg, task, world_size)
+    profile, ctx = profile_config(cfg, task, world_size, model_on_meta(task))
     est = estimate(profile, layout_of(cfg.distributed, world_size), ctx)
     return {
         "params": profile.params,

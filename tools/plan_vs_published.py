@@ -143,13 +143,17 @@ def overrides(p: dict[str, Any], as_torchtitan: bool = True) -> list[str]:
 def plan(p: dict[str, Any]) -> dict[str, Any]:
     """Plan one published run: the peak, the allocator's term, the reserved figure, with torchtitan's checkpointing
     and with the mode's defaults."""
+    from shardlab.distributed.units import model_on_meta
     from shardlab.jobs.preflight import compose_config
-    from shardlab.memory.plan import estimate, layout_of, profile_config
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.layout import layout_of
+    from shardlab.memory.plan import profile_config
     from shardlab.runner import build_task
 
     world = p["world_size"]
     cfg = compose_config(overrides(p))
-    profile, ctx = profile_config(cfg, build_task(cfg, world_size=world), world)
+    task = build_task(cfg, world_size=world)
+    profile, ctx = profile_config(cfg, task, world, model_on_meta(task))
 
     def figures(as_torchtitan: bool) -> dict[str, int]:
         # Only the checkpointing keys differ between the two, so one profile serves both.

@@ -2,7 +2,7 @@
 (shardlab.memory.plan) predicts to fit it, for distributed.backend=auto.
 
 With distributed.auto_tune (the default) the ranks measure those layouts and keep the fastest
-(shardlab.memory.autotune); here it is only checked that one fits. With auto_tune=false auto takes the first that fits
+(shardlab.jobs.autotune); here it is only checked that one fits. With auto_tune=false auto takes the first that fits
 in a fixed order (cheap: nothing measured). Every rank resolves the same config with the same inputs (world size,
 ranks per machine, device type) and a fixed runtime allowance, so all of them make the same choice without a
 collective; a local launch resolves it once, before spawning, and hands the ranks the resolved config.
@@ -14,17 +14,11 @@ import math
 from dataclasses import dataclass
 
 from shardlab.errors import ConfigError
-from shardlab.memory.plan import (
-    GiB,
-    Layout,
-    MemoryEstimate,
-    ModelProfile,
-    PlanContext,
-    alternatives,
-    estimate,
-    layout_of,
-    profile_config,
-)
+from shardlab.memory.devices import GiB
+from shardlab.memory.estimate import MemoryEstimate, PlanContext, estimate
+from shardlab.memory.layout import Layout, alternatives, layout_of
+from shardlab.memory.plan import profile_config
+from shardlab.memory.profile import ModelProfile
 
 RUNTIME_ALLOWANCE = int(1.0 * GiB)
 """What an idle rank already uses before the plan's bytes (torch, the process group, the data; a CPU plan's only
@@ -121,15 +115,14 @@ def apply_choice(cfg, choice: Choice, world_size: int) -> None:
         cfg.optimizer.name = "cpu_adam"  # the same update, fused over the offloaded shards on the CPU
 
 
-def resolve(cfg, task, world_size: int, model=None) -> str | None:
+def resolve(cfg, task, world_size: int, model) -> str | None:
     """Apply distributed.memory_budget_gb to ``cfg``: backend=auto becomes the chosen layout (written into cfg), an
     explicit backend predicted over the budget is refused (ConfigError). Returns a line saying what was chosen.
-    ``model``: the task's model on meta where the caller built one already (else built here)."""
+    ``model``: the task's model on meta, built by the caller (shardlab.distributed.units.model_on_meta)."""
     d = cfg.distributed
     if d.memory_budget_gb <= 0:
         return None
-    units = task.fsdp_units(model) if model is not None else None
-    profile, ctx = profile_config(cfg, task, world_size, model=model, units=units)
+    profile, ctx = profile_config(cfg, task, world_size, model)
     if d.backend == "auto" and not ctx.local:  # another machine's device: nothing can be measured on it from here
         choice = choose(profile, cfg, ctx, sharded_only(d))
         apply_choice(cfg, choice, world_size)
@@ -138,7 +131,7 @@ def resolve(cfg, task, world_size: int, model=None) -> str | None:
             f"trial can run on a {ctx.target} from this machine, so distributed.auto_tune measured nothing): "
             f"{choice.reason}"
         )
-    if d.backend == "auto" and d.auto_tune:  # measured on the ranks (shardlab.memory.autotune); check a fit exists
+    if d.backend == "auto" and d.auto_tune:  # measured on the ranks (shardlab.jobs.autotune); check a fit exists
         fits = fitting(profile, cfg, ctx, sharded_only(d))
         return (
             f"distributed.backend=auto: {len(fits)} layout(s) fit {d.memory_budget_gb:g} GiB per "

@@ -8,10 +8,10 @@ dimension does not divide evenly. Nothing is allocated: the parameters stay on m
 - per rank, the bytes of the sharded parameters' storage (FSDP2 pads every shard to the first one's size), of their
   DTensor local shards, of the gradients FSDP2 will write (views of its padded reduce-scatter output when that is in
   the parameters' dtype, else cast copies of the local shards) and of the optimizer state (one fp32 tensor shaped like
-  the local shard per Adam moment, as torch.optim creates it) must equal shardlab.memory.plan.rank_state's;
+  the local shard per Adam moment, as torch.optim creates it) must equal shardlab.memory.estimate.rank_state's;
 - the collectives one step issues, read from FSDP2's parameter groups (all-gather input per rank, reduce-scatter
   output, the hybrid mesh's all-reduce; how often each runs from the group's reshard setting) must equal
-  shardlab.memory.plan.collectives', and so the plan's bytes sent per step.
+  shardlab.memory.estimate.collectives', and so the plan's bytes sent per step.
 
 FSDP2 refuses to run forward on meta parameters (it checks they were materialized), so the step's collectives are
 counted from its parameter groups rather than recorded as they run. A mismatch raises PlanMismatch: one line.
@@ -33,8 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError, ShardlabError
-from shardlab.memory.plan import Collective, GiB, collectives, layout_of, profile_config, rank_state
+from shardlab.memory.devices import GiB
+from shardlab.memory.estimate import Collective, collectives, rank_state
+from shardlab.memory.layout import layout_of
+from shardlab.memory.plan import profile_config
 
 
 class PlanMismatch(ShardlabError):
@@ -71,7 +75,6 @@ def shard_on_fake_group(cfg, task, world_size: int, rank: int):
 
     from shardlab.distributed.env import DistEnv
     from shardlab.distributed.fully_sharded import FullyShardedBackend
-    from shardlab.distributed.units import model_on_meta
 
     model = model_on_meta(task)
     units = task.fsdp_units(model)
@@ -144,7 +147,7 @@ def verify_plan(cfg, task, world_size: int) -> list[str]:
                 "fully_sharded across ranks)"]  # fmt: skip
     cfg_plan = copy.deepcopy(cfg)
     cfg_plan.optimization.batch_size = 0  # the state and the collectives need no activations: no meta forward
-    profile, ctx = profile_config(cfg_plan, task, world_size)
+    profile, ctx = profile_config(cfg_plan, task, world_size, model_on_meta(task))
     f = layout.sharding_degree
     reductions = ctx.update_freq if ctx.reduce_every_microbatch else 1
     planned_collectives = collectives(profile, layout, ctx)

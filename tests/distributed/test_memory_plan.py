@@ -100,15 +100,20 @@ STATE_HEAVY = [
 
 
 def test_auto_shards_a_model_ddp_cannot_fit_and_the_run_stays_within_the_budget(tiny_lm, tmp_path):
+    from shardlab.distributed.units import model_on_meta
     from shardlab.memory import budget as memory_budget
-    from shardlab.memory.plan import GiB, Layout, estimate, profile_config
+    from shardlab.memory.devices import GiB
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.layout import Layout
+    from shardlab.memory.plan import profile_config
     from shardlab.runner import build_task
     from tests.unit.test_cli import run_cli
 
     replaced = {o.split("=")[0] for o in STATE_HEAVY}
     overrides = [*(o for o in TINY_LM if o.split("=")[0] not in replaced), *STATE_HEAVY, "distributed.world_size=2"]
     cfg = tiny_lm(*STATE_HEAVY, "distributed=ddp")
-    profile, ctx = profile_config(cfg, build_task(cfg, world_size=2), 2)
+    task = build_task(cfg, world_size=2)
+    profile, ctx = profile_config(cfg, task, 2, model_on_meta(task))
     ddp_needs = memory_budget.needed(estimate(profile, Layout("ddp"), ctx)) / GiB
     sharded_needs = memory_budget.needed(estimate(profile, Layout("fully_sharded", 2, False), ctx)) / GiB
     budget = round((ddp_needs + sharded_needs) / 2, 2)  # between the two: ddp does not fit, sharding does
@@ -210,23 +215,23 @@ def test_plan_matches_the_real_fully_shard_on_a_fake_process_group(world, overri
 
 
 def test_a_plan_broken_on_purpose_fails_verification_in_one_line(monkeypatch):
-    from shardlab.memory import plan
+    from shardlab.memory import layout
     from shardlab.memory.verify import PlanMismatch
 
     # The plan forgets FSDP2's padding: ceil(rows / ranks) becomes rows // ranks.
-    monkeypatch.setattr(plan, "shard_rows", lambda rows, degree, rank=None: rows // degree)
+    monkeypatch.setattr(layout, "shard_rows", lambda rows, degree, rank=None: rows // degree)
     with pytest.raises(PlanMismatch) as e:
         verified(512)
     assert str(e.value).startswith("verify_plan: rank 0 of 512: fully_shard gives") and "\n" not in str(e.value)
 
 
 def test_a_plan_that_miscounts_one_collective_fails_verification(monkeypatch):
-    from shardlab.memory import plan
+    from shardlab.memory import estimate
     from shardlab.memory.verify import PlanMismatch
 
-    real = plan.collectives
-    monkeypatch.setattr(plan, "collectives", lambda *a: real(*a)[:-1])  # one reduce-scatter left out
-    monkeypatch.setattr("shardlab.memory.verify.collectives", plan.collectives)
+    real = estimate.collectives
+    monkeypatch.setattr(estimate, "collectives", lambda *a: real(*a)[:-1])  # one reduce-scatter left out
+    monkeypatch.setattr("shardlab.memory.verify.collectives", estimate.collectives)
     with pytest.raises(PlanMismatch, match="one step's collectives differ"):
         verified(8)
 

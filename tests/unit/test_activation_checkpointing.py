@@ -15,8 +15,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.activation_checkpointing import checkpoint_units, checkpointed_units
+from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError
-from shardlab.memory.plan import estimate, layout_of, profile_config
+from shardlab.memory.estimate import estimate
+from shardlab.memory.layout import layout_of
+from shardlab.memory.plan import profile_config
 from shardlab.runner import build_task, run_rank
 from tests.conftest import compose_config
 
@@ -155,7 +158,8 @@ def test_planned_peak_of_each_selective_mode_lies_between_none_and_full(model, b
     world = 1 if backend == "single" else 4
     overrides = [*model, f"distributed.backend={backend}", "optimization.batch_size=16", "data.seq_len=512"]
     cfg = compose_config(overrides)
-    profile, ctx = profile_config(cfg, build_task(cfg, world_size=world), world)
+    task = build_task(cfg, world_size=world)
+    profile, ctx = profile_config(cfg, task, world, model_on_meta(task))
 
     def peak(mode: str) -> int:
         cfg.distributed.activation_checkpointing = mode

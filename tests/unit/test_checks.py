@@ -217,7 +217,7 @@ RAISES_CONFIG_ERROR = {
     "shardlab/memory/plan.py": "the rank's machine's GPU for distributed.plan_device=cuda (the checks ask first)",
     "shardlab/distributed/activation_checkpointing.py": "the model's units for ac_skip_units (the checks ask first)",
     "shardlab/memory/budget.py": "the memory plan against distributed.memory_budget_gb (asked by the checks)",
-    "shardlab/memory/autotune.py": "the layouts measured on the ranks",
+    "shardlab/jobs/autotune.py": "the layouts measured on the ranks",
     "shardlab/memory/verify.py": "the real fully_shard against the plan (a dry run's)",
     "tasks/lm/tokenizer.py": "the tokenizer file the data names",
     "tasks/image_classification/task.py": "the classes the data holds",

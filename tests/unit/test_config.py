@@ -155,11 +155,14 @@ def test_invalid_combinations_are_rejected_before_launch(overrides, world, expec
 
 
 def test_plan_per_rank_state_divides_by_the_shard_group_under_hybrid_sharding():
-    from shardlab.memory.plan import estimate, layout_of, profile_config
+    from shardlab.distributed.units import model_on_meta
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.layout import layout_of
+    from shardlab.memory.plan import profile_config
 
     cfg = compose_config(["model=gpt_1_3b", "distributed=fully_sharded", "distributed.sharding_degree=2"])
     task = build_task(cfg, world_size=8)
-    profile, ctx = profile_config(cfg, task, world_size=8)
+    profile, ctx = profile_config(cfg, task, 8, model_on_meta(task))
     hybrid = estimate(profile, layout_of(cfg.distributed, 8), ctx)
     cfg.distributed.sharding_degree = -1
     full = estimate(profile, layout_of(cfg.distributed, 8), ctx)

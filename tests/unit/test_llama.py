@@ -8,9 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlab.distributed.materialize import materialize
-from shardlab.distributed.units import count_params, meta_model
+from shardlab.distributed.units import count_params, meta_model, model_on_meta
 from shardlab.errors import ConfigError
-from shardlab.memory.plan import profile_config, profile_model
+from shardlab.memory.plan import profile_config
+from shardlab.memory.profile import profile_model
 from shardlab.runner import build_task
 from tests.conftest import compose_config
 
@@ -167,6 +168,7 @@ def test_the_fused_attention_stand_in_counts_grouped_keys_unexpanded_like_the_ke
 
 def test_llama_1b_plans_on_eight_ranks_with_every_block_and_both_ends_sharded():
     cfg = compose_config(["model=llama_1b", "distributed=fully_sharded", "distributed.world_size=8"])
-    profile, _ = profile_config(cfg, build_task(cfg, world_size=8), world_size=8)
+    task = build_task(cfg, world_size=8)
+    profile, _ = profile_config(cfg, task, 8, model_on_meta(task))
     assert profile.activation_error is None and profile.activations > 0
     assert len(profile.unit_params) == 22 + 2 and profile.root_params == 0

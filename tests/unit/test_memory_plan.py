@@ -10,10 +10,14 @@ import re
 import pytest
 import torch
 
+from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError
 from shardlab.memory import budget as memory_budget
+from shardlab.memory.devices import GiB
+from shardlab.memory.estimate import describe, estimate
+from shardlab.memory.layout import Layout, layout_of
 from shardlab.memory.meter import PeakMeter, memory_gib, process_peak
-from shardlab.memory.plan import GiB, Layout, describe, estimate, layout_of, profile_config
+from shardlab.memory.plan import profile_config
 from shardlab.runner import build_task
 from tests.conftest import compose_config
 
@@ -22,7 +26,8 @@ GPT_125M = ["model=gpt_125m", "data.seq_len=512", "optimization.batch_size=32"]
 
 def planned(overrides: list[str], world: int):
     cfg = compose_config(overrides)
-    return cfg, profile_config(cfg, build_task(cfg, world_size=world), world)
+    task = build_task(cfg, world_size=world)
+    return cfg, profile_config(cfg, task, world, model_on_meta(task))
 
 
 def test_state_is_sixteen_bytes_per_parameter_divided_by_the_shard_group_and_ddp_adds_its_buckets():
@@ -45,7 +50,8 @@ def test_gathered_units_follow_reshard_and_prefetch():
     assert reshard.gathered == 4 * (profile.root_params + 4 * unit)
     assert keep.gathered == 4 * (profile.root_params + sum(profile.unit_params) + 3 * unit)
     cfg = compose_config([*GPT_125M, "distributed=fully_sharded", "distributed.prefetch_units=3"])
-    _, deeper = profile_config(cfg, build_task(cfg, world_size=4), 4)
+    task = build_task(cfg, world_size=4)
+    _, deeper = profile_config(cfg, task, 4, model_on_meta(task))
     assert estimate(profile, Layout("fully_sharded", 4), deeper).gathered == reshard.gathered + 2 * 4 * unit
 
 
@@ -183,7 +189,8 @@ def test_peak_meter_sees_a_step_allocation_and_forgets_it_after_reset():
 def test_a_model_that_cannot_run_on_meta_is_planned_without_activations_and_keeps_its_dtypes():
     from torch import nn
 
-    from shardlab.memory.plan import describe, profile_model
+    from shardlab.memory.estimate import describe
+    from shardlab.memory.profile import profile_model
 
     class NoMetaTask:
         def example_batch(self, batch_size):
@@ -256,7 +263,7 @@ def test_autocast_plan_counts_the_weight_copies_and_activations_a_real_autocast_
                           "validation.batch_size=8"])  # fmt: skip
     task = build_task(cfg, world_size=1)
     task.prepare_data()
-    profile, ctx = profile_config(cfg, task, 1)
+    profile, ctx = profile_config(cfg, task, 1, model_on_meta(task))
     kept, copies = measured_autocast_forward(task, cfg, 8)
     planned_autocast = profile.autocast
     assert copies > 0 and planned_autocast.autocast_copies == copies  # one low-precision copy per cast weight
@@ -292,7 +299,7 @@ def test_a_named_gpu_is_planned_from_this_cpu_with_its_allocator_context_nccl_an
 
 
 def test_fsdp2_row_shards_are_padded_to_the_first_and_the_last_ranks_hold_less():
-    from shardlab.memory.plan import shard_numel, shard_rows
+    from shardlab.memory.layout import shard_numel, shard_rows
 
     assert [shard_rows(37, 8, r) for r in range(8)] == [5, 5, 5, 5, 5, 5, 5, 2]
     assert shard_rows(37, 8) == 5  # every rank allocates the padded shard

@@ -13,6 +13,10 @@ What is measured, in order, at most ``auto_tune_max_trials`` candidates:
 A step's time is the median of the timed steps (the first is a warm-up) on the slowest rank: every rank gets the same
 numbers through one all-reduce and makes the same choice.
 
+A job beside the runner, not a part of the memory plan: the plan (shardlab.memory) says what fits, each trial is put
+together by the one assembly of a run (shardlab.trainer.assemble), and ``tune`` returns its decision for the runner,
+which records it in the run's status.json.
+
 The decision is part of the run: it is written to ``<run dir>/autotune.json`` (also when it came from the cache), so a
 requeue or resume of the run reuses it without measuring, and to ``distributed.auto_tune_cache`` under a key of what
 the speed depends on (model config, batch shapes, global batch, budget, world size, ranks per machine, device, torch
@@ -42,11 +46,20 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
+from shardlab.checkpoint.agreement import broadcast_text
 from shardlab.checkpoint.layout import complete_checkpoints, write_json_atomic
+from shardlab.distributed import env as dist_env
+from shardlab.distributed.base import pick_device
+from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError
 from shardlab.memory.budget import Choice, apply_choice, fitting, sharded_only
-from shardlab.memory.plan import GiB, Layout, profile_config
+from shardlab.memory.devices import GiB
+from shardlab.memory.layout import Layout
+from shardlab.memory.plan import profile_config
+from shardlab.registry import BACKENDS
+from shardlab.trainer import assemble
 
 DECISION_FILE = "autotune.json"
 
@@ -61,6 +74,17 @@ class Candidate:
 
     def label(self, world_size: int) -> str:
         return self.layout.label(world_size)
+
+
+@dataclass
+class Decision:
+    """What ``tune`` returns to the runner."""
+
+    report: str
+    """The line(s) saying what was chosen and how, for rank 0 to print."""
+    measured: dict | None = None
+    """Of a decision measured now, what the run's status.json records (label, choice, trials, tuning_s); None when
+    a decision was reused."""
 
 
 @dataclass
@@ -105,13 +129,10 @@ def key_hash(key: dict) -> str:
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def tune(cfg: DictConfig, task, env, run_dir: Path) -> str:
-    """Choose the layout (and micro-batch split) for ``cfg`` with backend=auto and write it into ``cfg``; returns the
-    line(s) saying what was chosen and how. Every rank calls it after joining the process group, with its data open."""
-    from shardlab.checkpoint.agreement import broadcast_text
-    from shardlab.distributed import env as dist_env
-    from shardlab.distributed.base import pick_device
-
+def tune(cfg: DictConfig, task, env, run_dir: Path) -> Decision:
+    """Choose the layout (and micro-batch split) for ``cfg`` with backend=auto and write it into ``cfg``; returns what
+    was chosen and how (the runner prints it and records it). Every rank calls it after joining the process group,
+    with its data open."""
     device = pick_device(env.local_rank)
     world, per_node = env.world_size, dist_env.ranks_per_node(env.world_size)
     key = decision_key(cfg, task, world, per_node, device)
@@ -122,7 +143,7 @@ def tune(cfg: DictConfig, task, env, run_dir: Path) -> str:
         if decision["from"] == "cache" and env.is_main:  # from now on the run's own, whatever the cache does
             _write(Path(run_dir) / DECISION_FILE, {k: v for k, v in decision.items() if k != "from"})
         where = "this run's" if decision["from"] == "run" else f"the cached ({decision.get('created', '?')})"
-        return f"distributed.backend=auto: {where} decision, {decision['label']} (not measured again)"
+        return Decision(f"distributed.backend=auto: {where} decision, {decision['label']} (not measured again)")
     if held:
         _hold(cfg, held, world)
     started = time.perf_counter()
@@ -143,7 +164,8 @@ def tune(cfg: DictConfig, task, env, run_dir: Path) -> str:
     _apply(cfg, best.overrides)
     if env.is_main:
         _record(cfg, run_dir, decision, cache=not held)
-    return "\n".join(_table(decision, task.unit, world))
+    measured = {k: decision[k] for k in ("label", "choice", "trials", "tuning_s")}
+    return Decision("\n".join(_table(decision, task.unit, world)), measured)
 
 
 def _measure(cfg: DictConfig, task, env, device: torch.device, run_dir: Path, held: dict | None) -> list[Trial]:
@@ -151,7 +173,8 @@ def _measure(cfg: DictConfig, task, env, device: torch.device, run_dir: Path, he
     optimizer) the run is bound to: only layouts are measured, and only those that keep its optimizer."""
     d, o = cfg.distributed, cfg.optimization
     world = env.world_size
-    profile, ctx = profile_config(cfg, task, world)
+    model = model_on_meta(task)  # the plan's, for every split: profiling casts it and puts it back
+    profile, ctx = profile_config(cfg, task, world, model)
     fits = fitting(profile, cfg, ctx, sharded_only(d))
     if held and "optimizer.name" in held:
         fits = [c for c in fits if _optimizer_with(cfg, c) == held["optimizer.name"]]
@@ -172,7 +195,7 @@ def _measure(cfg: DictConfig, task, env, device: torch.device, run_dir: Path, he
         for batch, accumulate in _splits(o.batch_size, o.update_freq, world):
             if len(trials) >= budget:
                 break
-            fits_split = _fits_at(cfg, task, world, choice.layout, batch)
+            fits_split = _fits_at(cfg, task, model, world, choice.layout, batch)
             if fits_split is not None:
                 trials.append(_trial(cfg, task, env, device, run_dir, fits_split, batch, accumulate))
     return trials
@@ -188,11 +211,12 @@ def _splits(batch: int, update_freq: int, world: int) -> list[tuple[int, int]]:
     return out
 
 
-def _fits_at(cfg: DictConfig, task, world: int, layout: Layout, batch: int) -> Choice | None:
-    """``layout`` at global micro-batch ``batch``, if the plan predicts it fits the budget."""
+def _fits_at(cfg: DictConfig, task, model: nn.Module, world: int, layout: Layout, batch: int) -> Choice | None:
+    """``layout`` at global micro-batch ``batch``, if the plan predicts it fits the budget (``model``: the task's,
+    on meta)."""
     trial_cfg = copy.deepcopy(cfg)
     trial_cfg.optimization.batch_size = batch
-    profile, ctx = profile_config(trial_cfg, task, world)
+    profile, ctx = profile_config(trial_cfg, task, world, model)
     try:
         fits = fitting(profile, trial_cfg, ctx, sharded_only(cfg.distributed))
     except ConfigError:  # nothing fits at this micro-batch
@@ -204,9 +228,6 @@ def _trial(cfg: DictConfig, task, env, device, run_dir: Path, choice: Choice, ba
     """Train ``auto_tune_steps`` steps of one candidate on every rank; the model is thrown away afterwards. The trial
     is assembled as the run would be (shardlab.trainer.assemble), as a trial: the seeded init, the run directory not
     touched."""
-    from shardlab.registry import BACKENDS
-    from shardlab.trainer import assemble
-
     world = env.world_size
     trial_cfg = copy.deepcopy(cfg)
     apply_choice(trial_cfg, choice, world)
@@ -308,17 +329,13 @@ def _find(cfg: DictConfig, run_dir: Path, key: dict) -> dict:
 
 
 def _record(cfg: DictConfig, run_dir: Path, decision: dict, cache: bool) -> None:
-    """Rank 0: the decision into the run directory, the cache (``cache``: unless the run's split was held, which
-    would make another run of this shape inherit it) and status.json."""
-    from shardlab.jobs import run_record
-
+    """Rank 0: the decision into the run directory and the cache (``cache``: unless the run's split was held, which
+    would make another run of this shape inherit it); status.json is the runner's to write."""
     targets = [Path(run_dir) / DECISION_FILE]
     if cfg.distributed.auto_tune_cache and cache:
         targets.append(Path(cfg.distributed.auto_tune_cache).expanduser() / f"{key_hash(decision['key'])}.json")
     for path in targets:
         _write(path, decision)
-    summary = {k: decision[k] for k in ("label", "choice", "trials", "tuning_s")}
-    run_record.update(run_dir, autotune=summary)
 
 
 def _write(path: Path, decision: dict) -> None:

@@ -1,0 +1,424 @@
+"""What each rank holds at the peak of a training step for one layout (``estimate``), the collectives it issues, and
+the lines the console shows: the chosen layout's breakdown and the table of the alternatives (``describe``).
+
+Parameters, gradients and optimizer state follow from parameter counts. Gathered units follow from the FSDP unit
+sizes and the reshard/prefetch settings. Activations come from the model's profile on meta
+(shardlab.memory.profile). Everything is in bytes per rank above an idle rank (torch imported, process group joined).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from shardlab.distributed.activation_checkpointing import checkpointed_units
+from shardlab.memory import devices
+from shardlab.memory.devices import GiB
+from shardlab.memory.layout import Layout, alternatives, shard_numel, shard_rows
+from shardlab.memory.profile import ModelProfile
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "cpu_adam": 8}
+"""fp32 bytes of optimizer state per parameter (two Adam moments); sgd and lars: their momentum buffer, when on."""
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """Everything besides the layout that the bytes depend on."""
+
+    world_size: int
+    ranks_per_node: int
+    device: str
+    """cpu or cuda: the kind of device planned for (on CPU, offloaded state shares the memory it was moved from)."""
+    param_bytes: int
+    """Bytes per gathered parameter and activation element (distributed.param_dtype)."""
+    reduce_bytes: int
+    optimizer_state_bytes: int
+    update_freq: int = 1
+    reduce_every_microbatch: bool = True
+    prefetch_units: int = 0
+    offload_activations: bool = False
+    target: str = "cpu"
+    """distributed.plan_device as resolved: cpu, cuda (this machine's GPU) or a name of devices.DEVICES."""
+    capacity: int = 0
+    """The target's memory per rank, bytes (0: unknown)."""
+    local: bool = True
+    """Whether the target is this machine's own device (else no trial can run on it: backend=auto plans only)."""
+
+    @classmethod
+    def from_config(
+        cls, cfg, world_size: int, ranks_per_node: int, device: str, target: str | None = None, capacity: int = 0
+    ) -> PlanContext:
+        """``device``: cpu or cuda; ``target``: the plan_device it stands for (default: ``device`` itself, here)."""
+        from shardlab.distributed.base import resolve_dtypes
+
+        d, opt = cfg.distributed, cfg.optimizer
+        param, reduce = resolve_dtypes(d)
+        if opt.name in ("sgd", "lars"):  # one momentum buffer
+            state = 4 if opt.momentum > 0 else 0
+        else:
+            state = OPTIMIZER_STATE_BYTES.get(opt.name, 8)
+        ema = cfg.optimization.get("ema")
+        if ema is not None and ema.enabled:  # optimization.ema: an fp32 average beside each local parameter shard
+            state += 4
+        return cls(
+            world_size=world_size,
+            ranks_per_node=max(1, min(ranks_per_node, world_size)),
+            device=device,
+            param_bytes=param.itemsize,
+            reduce_bytes=reduce.itemsize,
+            optimizer_state_bytes=state,
+            update_freq=cfg.optimization.update_freq,
+            reduce_every_microbatch=d.reduce_every_microbatch,
+            prefetch_units=d.prefetch_units,
+            offload_activations=d.offload_activations,
+            target=target or device,
+            capacity=capacity,
+            local=target is None or target in devices.LOCAL,
+        )
+
+
+@dataclass
+class MemoryEstimate:
+    layout: Layout
+    params: int
+    optimizer: int
+    grad_buffers: int
+    """Gradient memory kept between steps (DDP's buckets)."""
+    grads: int
+    """Gradients allocated during backward and freed by zero_grad (param.grad, or the local gradient shards)."""
+    gathered: int
+    """Unsharded parameters and unsharded gradients of the units in flight (fully_sharded)."""
+    activations: int | None
+    runtime: int
+    """What a CPU rank keeps after its first step besides the model: kernels' workspaces, thread pools, library
+    caches (0 on CUDA, where the allocator's peak, which the meter reads, leaves them out: see ``outside``)."""
+    host: int
+    """Bytes moved to host memory (cpu_offload, offload_activations) on CUDA; on CPU they stay counted above."""
+    comm_bytes: int
+    """Bytes each rank sends per optimizer step (ring collectives)."""
+    accumulating: bool = False
+    """update_freq > 1: an earlier micro-batch's gradients are held while the next one's activations build up."""
+    allocator: int = 0
+    """CUDA: what the caching allocator reserves beyond the tensors (block rounding and the fragmentation allowance)."""
+    outside: int = 0
+    """CUDA: device memory outside the allocator: the CUDA context and NCCL's buffers."""
+
+    @property
+    def state(self) -> int:
+        return self.params + self.optimizer + self.grad_buffers + self.grads
+
+    @property
+    def between_steps(self) -> int:
+        """What stays allocated between steps: parameters, optimizer state, gradient buffers and the runtime."""
+        return self.params + self.optimizer + self.grad_buffers + self.runtime
+
+    @property
+    def peak(self) -> int:
+        """The step's peak of live tensors (and a CPU rank's runtime): what the meter reads, the allocator's peak on
+        CUDA. Gradients fill in as backward frees activations, so it holds the larger of the two (both when gradients
+        accumulate over micro-batches)."""
+        activations = self.activations or 0
+        work = activations + self.grads if self.accumulating else max(activations, self.grads)
+        return self.between_steps + self.gathered + work
+
+    @property
+    def device_peak(self) -> int:
+        """What the device must have free for the step: the peak, the allocator's rounding and fragmentation, and
+        (CUDA) the context and NCCL's buffers. Equal to ``peak`` on CPU."""
+        return self.peak + self.allocator + self.outside
+
+
+CPU_RUNTIME_BYTES = 13 * 2**20
+"""A CPU rank's private resident growth over its first step that is neither model nor activations (kernel and
+thread-pool set-up; not traced further): measured on 13M-28M-parameter LMs at world sizes 2 and 4, every layout
+(tests/distributed/test_memory_plan.py; docs/memory-plan.md). The meter leaves out file-backed pages (library code
+mapped in as it first runs, 15 MiB more here, and dropped again under memory pressure), so neither counts them. On
+CUDA such memory lives outside the allocator, whose peak the plan predicts there; MemoryEstimate.outside counts the
+context and NCCL's buffers beside it."""
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Bytes of one rank's parameters, gradients and optimizer state, as FSDP2 allocates them."""
+
+    params: int
+    """The sharded parameters' storage: every rank allocates the padded shard (FSDP2 pads to the first shard)."""
+    local_params: int
+    """Of those, the DTensor local shards (unpadded): what this rank's optimizer state is shaped like."""
+    grads: int
+    """The sharded gradients: views of the padded reduce-scatter output when it is already in the parameters' dtype
+    (fp32), else a cast copy of the local shards."""
+    optimizer: int
+
+
+def rank_state(profile: ModelProfile, layout: Layout, ctx: PlanContext, rank: int = 0) -> RankState:
+    """What rank ``rank`` of the shard group holds (rank 0 holds the most: the first chunks are the full ones)."""
+    if layout.backend != "fully_sharded":
+        P = profile.params
+        return RankState(4 * P, 4 * P, 4 * P, ctx.optimizer_state_bytes * P)
+    f = layout.sharding_degree
+    groups = profile.groups()
+    padded = sum(shard_numel(g, f) for g in groups)
+    local = sum(shard_numel(g, f, rank) for g in groups)
+    grads = 4 * padded if ctx.reduce_bytes == 4 else 4 * local
+    return RankState(4 * padded, 4 * local, grads, ctx.optimizer_state_bytes * local)
+
+
+def communicators(layout: Layout, ctx: PlanContext) -> int:
+    """NCCL communicators a rank of ``layout`` holds: the default group, and each mesh dimension's."""
+    if ctx.world_size == 1 or layout.backend == "single":
+        return 0
+    hybrid = layout.backend == "fully_sharded" and layout.sharding_degree < ctx.world_size
+    return 1 + (2 if hybrid else 1 if layout.backend == "fully_sharded" else 0)
+
+
+def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryEstimate:
+    """Per-rank bytes of a training step of ``layout`` on the fullest rank: what is held between steps and what the
+    step adds."""
+    if layout.backend != "fully_sharded" and profile.autocast is not None:
+        profile = profile.autocast  # low precision through autocast, with its weight copies
+    P = profile.params
+    sharded = layout.backend == "fully_sharded"
+    ranked = rank_state(profile, layout, ctx)
+    params, optimizer, grads = ranked.params, ranked.optimizer, ranked.grads
+    # DDP copies gradients into bucket buffers of the same size that survive zero_grad (gradient_as_bucket_view off).
+    grad_buffers = 4 * P if layout.backend == "ddp" else 0
+    gathered = 0
+    if sharded:
+        f = layout.sharding_degree
+        groups = profile.groups()
+        # A unit's all-gather output is one flat buffer of f padded shards; its parameters are views of it.
+        unit_gathered = [f * shard_numel(g, f) for g in groups[:-1]]
+        biggest = max(unit_gathered, default=0)
+        biggest_grad = max(profile.unit_params, default=0)
+        root = f * shard_numel(groups[-1], f) if profile.root_params else 0
+        if layout.reshard_after_forward:
+            # Backward of the last unit: the root (never resharded) and that unit still gathered, the previous unit
+            # prefetched, plus the unit's unsharded gradient and its reduce-scatter buffer.
+            in_flight = 2 + max(ctx.prefetch_units - 1, 0)
+            gathered = ctx.param_bytes * (root + in_flight * biggest)
+        else:  # every unit stays gathered from its forward to its backward
+            gathered = ctx.param_bytes * (root + sum(unit_gathered) + biggest)
+        gathered += ctx.param_bytes * biggest_grad + ctx.reduce_bytes * biggest
+        if ctx.update_freq > 1 and not ctx.reduce_every_microbatch:
+            gathered += 4 * (P - -(-P // f))  # unsharded gradients kept across micro-batches (a trap the plan warns of)
+    activations = _activations(profile, layout)
+    host = 0
+    if ctx.device == "cuda":
+        if layout.cpu_offload:
+            host += params + grads + optimizer
+            params = grads = optimizer = 0
+        if ctx.offload_activations and activations is not None:
+            host += activations
+            activations = _transient(profile)
+    runtime = CPU_RUNTIME_BYTES if ctx.device == "cpu" else 0
+    comm = _comm_bytes(profile, layout, ctx)
+    est = MemoryEstimate(
+        layout, params, optimizer, grad_buffers, grads, gathered, activations, runtime, host, comm, ctx.update_freq > 1
+    )
+    if ctx.device == "cuda":
+        est.outside = devices.CUDA_CONTEXT + communicators(layout, ctx) * devices.NCCL_PER_COMMUNICATOR
+        est.allocator = _allocator_overhead(profile, layout, ctx, est)
+    return est
+
+
+def _allocator_overhead(profile: ModelProfile, layout: Layout, ctx: PlanContext, est: MemoryEstimate) -> int:
+    """CUDA: the caching allocator's block rounding of the state tensors (one per parameter and Adam moment; one flat
+    gradient buffer per unit) and of the saved activations, plus the fragmentation allowance on the whole peak."""
+    rounding = 0
+    if not layout.cpu_offload or ctx.device != "cuda":
+        f = layout.sharding_degree if layout.backend == "fully_sharded" else 1
+        tensors = [4 * shard_rows(rows, f) * width for g in profile.groups() for rows, width in g]
+        moments = ctx.optimizer_state_bytes // 4
+        rounding = (1 + moments) * sum(devices.allocator_bytes(n) - n for n in tensors)
+    if est.activations and profile.activations:
+        rounding += int(profile.activation_slack * est.activations / profile.activations)
+    return rounding + int(devices.FRAGMENTATION * (est.peak + rounding))
+
+
+def _transient(profile: ModelProfile) -> int:
+    # Backward starts with the loss gradient of the largest saved output (the logits) and its input's gradient.
+    return 2 * profile.largest_outside
+
+
+def _activations(profile: ModelProfile, layout: Layout) -> int | None:
+    if profile.activations is None:
+        return None
+    total = profile.activations
+    n = len(profile.unit_activations)
+    picked = checkpointed_units(n, layout.checkpointing, layout.ac_every_k_units, layout.ac_skip_units)
+    if picked:
+        # A checkpointed unit keeps its input (and under selective_op its kept ops' outputs) instead of what it saved;
+        # backward recomputes one unit at a time, saving again all but the kept outputs.
+        kept, reused = _kept_op_bytes(profile, layout)
+        acts, inputs = profile.unit_activations, profile.unit_inputs
+        total -= sum(acts[i] - inputs[i] - kept[i] for i in picked)
+        total += max(acts[i] - reused[i] for i in picked)
+    return total + _transient(profile)
+
+
+def _kept_op_bytes(profile: ModelProfile, layout: Layout) -> tuple[list[int], list[int]]:
+    """Per unit: the bytes selective_op keeps (its op groups' outputs), and the part of them the unit saved anyway."""
+    n = len(profile.unit_activations)
+    if not layout.ac_save_ops or profile.unit_op_outputs is None or profile.unit_op_overlap is None:
+        return [0] * n, [0] * n
+    groups = layout.ac_save_ops
+    kept = [sum(unit[g] for g in groups) for unit in profile.unit_op_outputs]
+    reused = [sum(unit[g] for g in groups) for unit in profile.unit_op_overlap]
+    every = layout.ac_matmul_save_every
+    if every > 1 and "matmul" in groups and profile.unit_matmuls is not None:
+        # Only the 1st, (every+1)-th, ... matmul of a unit is kept: the others' outputs leave what it keeps (and
+        # its recomputation saves them again where the unit saved them).
+        for i, matmuls in enumerate(profile.unit_matmuls):
+            dropped = [m for j, m in enumerate(matmuls) if j % every]
+            kept[i] -= sum(out for out, _ in dropped)
+            reused[i] -= sum(overlap for _, overlap in dropped)
+    return kept, reused
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step as a rank issues it: what FSDP2 (or DDP) calls, on how many ranks, how many times."""
+
+    op: str
+    """all_gather, reduce_scatter or all_reduce."""
+    group_size: int
+    bytes: int
+    """The per-rank buffer: an all-gather's input, a reduce-scatter's output, an all-reduce's tensor."""
+    count: int
+
+    @property
+    def sent(self) -> int:
+        """Bytes one rank sends for all ``count`` of them in a ring: (n-1) buffers for a gather or scatter, 2(n-1)/n
+        of the buffer for an all-reduce."""
+        n = self.group_size
+        per_call = 2 * (n - 1) * self.bytes // n if self.op == "all_reduce" else (n - 1) * self.bytes
+        return per_call * self.count
+
+
+def collectives(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> list[Collective]:
+    """The collectives of one optimizer step, per FSDP unit (then the root), as fully_sharded issues them: an
+    all-gather per micro-batch in forward and again in backward for each resharded unit (all but the last unit and
+    the root), a reduce-scatter per reduction, and on a hybrid mesh an all-reduce of each reduced shard across the
+    replicas. ddp: one all-reduce of the gradients per reduction."""
+    n, micro = ctx.world_size, ctx.update_freq
+    if n == 1 or layout.backend == "single":
+        return []
+    reductions = micro if ctx.reduce_every_microbatch else 1
+    if layout.backend == "ddp":
+        return [Collective("all_reduce", n, profile.params * ctx.reduce_bytes, reductions)]
+    f = layout.sharding_degree
+    r = n // f
+    groups = profile.groups()
+    out = []
+    for i, shapes in enumerate(groups):
+        shard = shard_numel(shapes, f)
+        if shard == 0:
+            continue  # no parameters: fully_shard makes no group
+        resharded = layout.reshard_after_forward and i < len(groups) - 2  # not the last unit, not the root
+        if f > 1:
+            out.append(Collective("all_gather", f, shard * ctx.param_bytes, micro * (2 if resharded else 1)))
+            out.append(Collective("reduce_scatter", f, shard * ctx.reduce_bytes, reductions))
+        if r > 1:
+            out.append(Collective("all_reduce", r, shard * ctx.reduce_bytes, reductions))
+    return out
+
+
+def _comm_bytes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> int:
+    return sum(c.sent for c in collectives(profile, layout, ctx))
+
+
+# ---- text for the console --------------------------------------------------------------------------------------------
+def warnings(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> Iterator[str]:
+    sharded = layout.backend == "fully_sharded"
+    P = profile.params
+    if sharded and not profile.unit_params:
+        yield (
+            "warning: fully_sharded without units gathers the whole model at once: no saving while it computes "
+            "(set distributed.wrap_min_num_params or give the task fsdp_units)"
+        )
+    elif sharded and max(profile.unit_params) > P / 3:
+        yield (
+            f"warning: one FSDP unit holds {max(profile.unit_params) / P:.0%} of the parameters: its gathered copy "
+            "is what every rank must fit; split it into smaller units"
+        )
+    if sharded and profile.root_params > P / 3 and ctx.world_size > 1:
+        yield (
+            f"warning: the root unit holds {profile.root_params / P:.0%} of the parameters (e.g. tied embeddings) "
+            "and stays gathered for the whole step"
+        )
+    if sharded and ctx.update_freq > 1 and not ctx.reduce_every_microbatch:
+        yield (
+            "warning: distributed.reduce_every_microbatch=false keeps unsharded gradients of the whole model between "
+            f"micro-batches (+{4 * P * (1 - 1 / layout.sharding_degree) / GiB:.2f} GiB per rank)"
+        )
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GiB:.2f}"
+
+
+def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: bool) -> list[str]:
+    """Lines for the console: the chosen layout's breakdown, then (``compare``) a table of the alternatives."""
+    est = estimate(profile, chosen, ctx)
+    autocast = chosen.backend != "fully_sharded" and profile.autocast is not None
+    copies = profile.autocast.autocast_copies if autocast else 0
+    lines = [
+        f"memory plan per rank ({chosen.label(ctx.world_size)}, {profile.local_batch} samples per micro-batch): "
+        f"peak ~{_gib(est.peak)} GiB = params {_gib(est.params)} + optimizer {_gib(est.optimizer)}"
+        + (f" + grad buckets {_gib(est.grad_buffers)}" if est.grad_buffers else "")
+        + f" + runtime {_gib(est.runtime)} + gathered {_gib(est.gathered)} + "
+        + ("" if est.accumulating else "max of ")
+        + f"activations {_gib(est.activations)}"
+        + (f" (autocast's weight copies {_gib(copies)})" if copies else "")
+        + f", grads {_gib(est.grads)}"
+        + (f"; host {_gib(est.host)} GiB" if est.host else "")
+        + f"; sends {est.comm_bytes / GiB:.2f} GiB per step"
+    ]
+    if profile.activation_error:
+        lines.append(f"activations not planned: the model's forward fails on meta ({profile.activation_error})")
+    lines += list(warnings(profile, chosen, ctx))
+    if ctx.device == "cuda":
+        lines.append(
+            f"  on {ctx.target}: + allocator rounding and fragmentation {_gib(est.allocator)} + CUDA context and "
+            f"NCCL buffers {_gib(est.outside)} = {_gib(est.device_peak)} GiB of {_gib(ctx.capacity)}"
+            f"{'' if est.device_peak <= ctx.capacity else ' (does not fit)'}"
+        )
+    if not compare:
+        return lines
+    lines.append(f"  attention: {attention_kernel(ctx)}")
+    layouts = alternatives(ctx.world_size, ctx.ranks_per_node)
+    if chosen not in layouts:
+        layouts.insert(0, chosen)
+    cap = f"of {ctx.capacity / GiB:.0f}" if ctx.capacity else "of ?"
+    lines.append(
+        f"  {'layout':<40} {'peak GiB':>9} {'state':>7} {'gathered':>9} {'activ.':>7} {'host':>6} {'sent/step':>10} "
+        f"{'device':>7} {cap:>7}"
+    )
+    for layout in layouts:
+        e = estimate(profile, layout, ctx)
+        mark = "*" if layout == chosen else " "
+        share = f"{e.device_peak / ctx.capacity:.0%}" if ctx.capacity else "?"
+        lines.append(
+            f"{mark} {layout.label(ctx.world_size):<40} {_gib(e.peak):>9} {_gib(e.state):>7} {_gib(e.gathered):>9} "
+            f"{_gib(e.activations):>7} {_gib(e.host):>6} {e.comm_bytes / GiB:>9.2f}G {_gib(e.device_peak):>7} "
+            f"{share:>7}"
+        )
+    if ctx.device == "cpu":
+        lines.append("  (planned for a CPU, where cpu_offload moves nothing; on GPUs it frees device memory)")
+    else:
+        lines.append(
+            f"  (planned for {ctx.target}, {ctx.ranks_per_node} ranks per machine; peak: the allocator's peak of "
+            "live tensors; device: what the GPU must have, with rounding, fragmentation, context and NCCL; host: "
+            "what cpu_offload keeps in each rank's host memory)"
+        )
+    return lines
+
+
+def attention_kernel(ctx: PlanContext) -> str:
+    """Which fused attention the planned device runs and what it keeps: the plan counts q, k, v, the output and one
+    float per query row (no length x length scores) on every device (shardlab.memory.profile._FusedAttentionShapes)."""
+    if ctx.device == "cuda":
+        kernel = "flash" if ctx.param_bytes == 2 else "memory-efficient (fp32: flash needs bf16/fp16)"
+        return f"{kernel} SDPA on {ctx.target}: q, k, v, output and a logsumexp per row kept; no length x length scores"
+    return "torch's CPU flash SDPA kernel: q, k, v, output and a logsumexp per row kept; no length x length scores"
