@@ -30,9 +30,9 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import pickle
 import pickletools
-import re
 import stat
 import struct
 import types
@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from shardlab.checkpoint.regular_file import describe_os_error, open_regular, read_at, read_into, read_regular
 from shardlab.errors import CheckpointError, UnsafeCheckpointError
 
 METADATA_FILE = ".metadata"
@@ -454,28 +455,47 @@ def _structure_defect(metadata: Metadata) -> str | None:
     return None
 
 
+METADATA_MAX_BYTES = 1 << 30
+"""A .metadata file larger than this is refused unread: about 5 million chunks' worth, more than any checkpoint of a
+model that fits a cluster writes (its unpickled objects take several times the file's size in memory)."""
+
+
 def read_metadata(path: Path, *, values: bool = True) -> Metadata:
     """The DCP index of step folder ``path``, read through MetadataUnpickler and checked against the folder's files;
-    ``values``: also unpickle the small values it holds, through ``weights_only`` (``SafeLoadPlanner`` does that
+    ``values``: also read the small values it holds, through saved_values' ValueUnpickler (``SafeReader`` does that
     inside a load). CheckpointError if it is missing, not DCP metadata or its files are cut short (a torn write);
-    UnsafeCheckpointError if it names anything DCP never writes."""
+    UnsafeCheckpointError if it names anything DCP never writes, or is no regular file of the folder."""
     path = Path(path)
     source = path / METADATA_FILE
     try:
-        data = source.read_bytes()
+        data = read_regular(source, max_bytes=METADATA_MAX_BYTES)
     except FileNotFoundError:
         raise CheckpointError(f"{path} has no DCP {METADATA_FILE}; is it a step_N checkpoint folder?") from None
-    except OSError as e:
-        raise CheckpointError(f"{source} is unreadable ({type(e).__name__}: {str(e)[:200]})") from e
     metadata = unpickle_metadata(data, source)
     check_index(path, metadata)
     if values:
+        from shardlab.checkpoint.saved_values import read_value
+
         for index, info in metadata.storage_data.items():
             if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-                with open(path / info.relative_path, "rb") as f:
-                    f.seek(info.offset)
-                    load_value(f.read(info.length), path, index.fqn)
+                read_value(_read_extent(path, info), f"{path}: its entry {index.fqn}")
     return metadata
+
+
+def _read_extent(path: Path, info: _StorageInfo) -> bytes:
+    """The bytes of one entry of step folder ``path``, its file opened as a regular file of the folder."""
+    fd, _ = _open_shard(path, info.relative_path)
+    try:
+        return read_at(fd, path / info.relative_path, info.offset, info.length)
+    finally:
+        os.close(fd)
+
+
+def _open_shard(path: Path, name: str) -> tuple[int, int]:
+    try:
+        return open_regular(path / name)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path / name} is missing (its index places entries there)") from None
 
 
 def _unsafe(source: Path, what: str) -> UnsafeCheckpointError:
@@ -486,36 +506,59 @@ def _unsafe(source: Path, what: str) -> UnsafeCheckpointError:
 
 
 def check_index(path: Path, metadata: Metadata) -> None:
-    """That ``metadata``'s entries lie inside the regular files of ``path`` and its tensors' chunks cover them."""
+    """That ``metadata``'s entries lie inside the regular files of ``path``, each in bytes of its own, and its
+    tensors' chunks tile them exactly."""
     source = path / METADATA_FILE
     storage, entries = metadata.storage_data, metadata.state_dict_metadata  # their types: _structure_defect
     sizes: dict[str, int] = {}
+    extents: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in storage.items():
         name = info.relative_path
         if name in ("", ".", "..") or "/" in name or "\\" in name:
-            raise _unsafe(source, f"places {index.fqn} in {name!r}, outside the step folder")
+            raise _unsafe(source, f"places {index.fqn} in {_shown(name)}, outside the step folder")
         if info.transform_descriptors:  # DCP's stream extensions (compression): shardlab writes none
             raise _unsafe(source, f"asks for stream transforms {list(info.transform_descriptors)} on {index.fqn}")
         if info.offset < 0 or info.length < 0:
             raise _unsafe(source, f"gives {index.fqn} the extent ({info.offset!r}, {info.length!r})")
         if name not in sizes:
-            try:
-                st = (path / name).stat()
-            except FileNotFoundError:
-                raise CheckpointError(f"{path / name} is missing (its index places {index.fqn} there)") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise _unsafe(source, f"places {index.fqn} in {path / name}, which is not a regular file")
-            sizes[name] = st.st_size
+            sizes[name] = _file_size(path, name, index.fqn)
         if info.offset + info.length > sizes[name]:
             raise CheckpointError(
                 f"{path / name} holds {sizes[name]} bytes but its index needs {info.offset + info.length} "
                 "(a write cut short)"
             )
+        if info.length:
+            extents.setdefault(name, []).append((info.offset, info.length, index.fqn))
+    _check_disjoint(source, extents)
     for fqn, entry in entries.items():
         if isinstance(entry, TensorStorageMetadata):
             _check_chunks(source, fqn, entry, storage)
         elif MetadataIndex(fqn) not in storage:  # DCP's reader would fail on it inside the collective load
             raise _unsafe(source, f"lists the value {fqn} but stores it nowhere")
+
+
+def _file_size(path: Path, name: str, fqn: str) -> int:
+    """The size of ``name`` in step folder ``path``: a regular file of the folder itself (a link is not followed)."""
+    try:
+        st = os.lstat(path / name)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path / name} is missing (its index places {fqn} there)") from None
+    except OSError as e:
+        raise CheckpointError(f"{_shown(str(path / name))} {describe_os_error(path / name, e)}") from None
+    if not stat.S_ISREG(st.st_mode):
+        link = " (a symbolic link)" if stat.S_ISLNK(st.st_mode) else ""
+        raise _unsafe(path / METADATA_FILE, f"places {fqn} in {path / name}, which is not a regular file{link}")
+    return st.st_size
+
+
+def _check_disjoint(source: Path, extents: dict[str, list[tuple[int, int, str]]]) -> None:
+    """No two entries share a byte of a file: each chunk is stored once, so a reader never writes out more than the
+    folder holds (16 tensors over the same 16 MiB made an 18 MB folder a 269 MB safetensors file)."""
+    for name, spans in extents.items():
+        spans.sort()
+        for (start, length, fqn), (after, _, other) in zip(spans, spans[1:]):
+            if start + length > after:
+                raise _unsafe(source, f"stores {fqn} and {other} in the same bytes of {name} (from byte {after})")
 
 
 def _check_chunks(source: Path, fqn: str, entry: TensorStorageMetadata, storage: dict) -> None:
@@ -540,92 +583,179 @@ def _check_chunks(source: Path, fqn: str, entry: TensorStorageMetadata, storage:
         covered += numel
         if numel:
             boxes.append((offsets, sizes))
-    if covered == math.prod(shape) and (pair := _overlapping(boxes)):
-        raise _unsafe(source, f"gives {fqn} {shape} overlapping chunks at {pair[0]} and {pair[1]}")
     if covered != math.prod(shape):
         raise _unsafe(source, f"gives {fqn} the shape {shape} but chunks holding {covered} of its elements")
+    try:
+        pair = _overlapping(boxes, shape)
+    except _TooFragmented:
+        raise _unsafe(
+            source, f"splits {fqn} {shape} into {len(boxes)} chunks along 3 or more dimensions, too many to check"
+        ) from None
+    if pair:
+        raise _unsafe(source, f"gives {fqn} {shape} overlapping chunks at {pair[0]} and {pair[1]}")
 
 
-def _overlapping(boxes: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int]] | None:
-    """The offsets of two boxes (offsets, sizes) that share an element, or None. A sweep along the first dimension:
-    each box is compared only with those whose rows it meets (FSDP's row shards: none; a column split: its
-    neighbours), not with every other box."""
-    if boxes and not boxes[0][0]:  # a 0-d tensor: every non-empty chunk is the whole of it
+Box = tuple[list[int], list[int]]
+
+
+class _TooFragmented(Exception):
+    """More pairs of chunks to compare than MAX_PAIRS."""
+
+
+MAX_PAIRS = 2_000_000
+"""Pairs of chunks compared for a tensor split along three or more dimensions (no FSDP or TP layout is): past this,
+the layout is refused rather than checked for minutes."""
+
+
+def _overlapping(boxes: list[Box], shape: list[int]) -> tuple[list[int], list[int]] | None:
+    """The offsets of two non-empty boxes (offsets, sizes) that share an element, or None, in O(n log n) for n boxes
+    split along at most two dimensions (every FSDP and TP layout: rows, or rows and columns). Dimensions every box
+    spans whole are set aside first: FSDP's row shards are then intervals, and a [1, n] tensor in n one-element chunks
+    is n intervals of a line, sorted once (it was a quadratic sweep: 75 s for n = 8,000)."""
+    split = [d for d in range(len(shape)) if any(s[d] != shape[d] for _, s in boxes)]
+    if not split:  # every box is the whole tensor
         return (boxes[0][0], boxes[1][0]) if len(boxes) > 1 else None
-    active: list[tuple[list[int], list[int]]] = []
-    for box in sorted(boxes, key=lambda b: b[0][0]):
-        active = [a for a in active if a[0][0] + a[1][0] > box[0][0]]
-        for other in active:
-            if all(o < b + n and b < o + m for o, m, b, n in zip(other[0], other[1], box[0], box[1], strict=True)):
-                return other[0], box[0]
-        active.append(box)
+    if len(split) == 1:
+        (d,) = split
+        ordered = sorted(boxes, key=lambda b: b[0][d])
+        for a, b in zip(ordered, ordered[1:]):
+            if a[0][d] + a[1][d] > b[0][d]:
+                return a[0], b[0]
+        return None
+    return _sweep(boxes, split[0], split[1], split[2:])
+
+
+def _sweep(boxes: list[Box], x: int, y: int, rest: list[int]) -> tuple[list[int], list[int]] | None:
+    """A sweep along dimension ``x``: the boxes that meet the sweep line are kept sorted by their start along ``y``,
+    where, with no ``rest``, they are disjoint, so a new box is compared with its two neighbours only (bisect)."""
+    import bisect
+    import heapq
+
+    starts: list[tuple[int, int]] = []  # (y start, box number) of the boxes the line meets, sorted
+    ending: list[tuple[int, int, int]] = []  # heap of (x end, y start, box number)
+    pairs = 0
+    for k in sorted(range(len(boxes)), key=lambda i: boxes[i][0][x]):
+        offsets, sizes = boxes[k]
+        while ending and ending[0][0] <= offsets[x]:
+            _, y0, gone = heapq.heappop(ending)
+            del starts[bisect.bisect_left(starts, (y0, gone))]
+        lo, hi = offsets[y], offsets[y] + sizes[y]
+        i = bisect.bisect_left(starts, (lo, -1))
+        if rest:  # boxes may overlap along y and still be apart along another dimension: compare, within a budget
+            i = 0
+            near = [j for _, j in starts if boxes[j][0][y] < hi and lo < boxes[j][0][y] + boxes[j][1][y]]
+        else:
+            near = [j for _, j in starts[max(i - 1, 0) : i + 1]]
+        pairs += len(near)
+        if pairs > MAX_PAIRS:
+            raise _TooFragmented
+        for j in near:
+            other = boxes[j]
+            if all(o < b + n and b < o + m for o, m, b, n in zip(other[0], other[1], offsets, sizes, strict=True)):
+                return other[0], offsets
+        starts.insert(bisect.bisect_left(starts, (lo, k)), (lo, k))
+        heapq.heappush(ending, (offsets[x] + sizes[x], lo, k))
     return None
-
-
-def _refusal(error: pickle.UnpicklingError) -> str:
-    """The gist of torch's many-line weights_only refusal: the global it names, else the unpickler's own reason."""
-    text = str(error)
-    named = re.search(r"GLOBAL (\S+)", text)
-    if named:
-        return f"it names {named.group(1)}"
-    reason = re.search(r"WeightsUnpickler error:\s*(.+)", text)
-    return reason.group(1).strip() if reason else text.strip().splitlines()[0][:200]
 
 
 def values_load_back(values: Any) -> str | None:
     """Why ``values`` (an optimizer's hyper-parameters, a task's state) would not read back from a checkpoint through
     ``load_value``, or None: a plug-in whose param groups hold, say, a numpy scalar would save, then be refused at
     its resume as a crafted file. Checked before training (Trainer.setup)."""
+    from shardlab.checkpoint.saved_values import read_value
+
     buffer = io.BytesIO()
-    torch.save(values, buffer)
-    buffer.seek(0)
+    torch.save(values, buffer)  # as DCP's planner writes each value
     try:
-        torch.load(buffer, weights_only=True)
-    except pickle.UnpicklingError as e:
-        return _refusal(e)
+        read_value(buffer.getvalue(), "it")
+    except CheckpointError as e:
+        return str(e).removeprefix("it ").split(", which DCP never writes")[0]
     return None
 
 
 def load_value(data: bytes, path: Path, fqn: str) -> Any:
-    """A small value DCP pickled beside the tensors (a learning rate, betas, a list of names), unpickled by torch's
-    ``weights_only`` unpickler: tensors, containers and numbers only."""
-    try:
-        return torch.load(io.BytesIO(data), weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UnsafeCheckpointError(
-            f"{path}: its entry {fqn} is a pickle that torch's weights_only unpickler refuses ({_refusal(e)}), which "
-            "DCP never writes: refused without running it (a crafted or foreign file); load checkpoints only from "
-            "sources you trust"
-        ) from None
-    except Exception as e:
-        raise CheckpointError(f"{path}: its entry {fqn} is unreadable ({type(e).__name__}: {str(e)[:200]})") from e
+    """A small value DCP pickled beside the tensors (a learning rate, betas, a list of names), read by
+    saved_values.ValueUnpickler: plain values and tensors only, dict keys strings or ints, bounded depth and size."""
+    from shardlab.checkpoint.saved_values import read_value
+
+    return read_value(data, f"{path}: its entry {fqn}")
 
 
 class SafeReader(FileSystemReader):
-    """torch's FileSystemReader, whose metadata goes through ``read_metadata`` above. Its signature takes no rank,
-    so DCP never falls back to per-rank metadata files (shardlab writes one global index)."""
+    """torch's FileSystemReader, whose metadata goes through ``read_metadata`` above and whose ``read_data`` opens
+    each shard file as a regular file of the step folder and reads every chunk and value through saved_values (no
+    ``torch.load``). Its signature takes no rank, so DCP never falls back to per-rank metadata files (shardlab
+    writes one global index)."""
 
     def read_metadata(self, *args: Any) -> Metadata:
-        metadata = read_metadata(Path(self.path), values=False)  # SafeLoadPlanner reads the values
+        metadata = read_metadata(Path(self.path), values=False)  # read_data reads the values
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
         return metadata
 
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.futures import Future
+
+        folder = Path(self.path)
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            fd, _ = _open_shard(folder, name)
+            try:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    if item.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(item, io.BytesIO(read_at(fd, folder / name, info.offset, info.length)))
+                    else:
+                        self._read_chunk(fd, folder / name, info, item, planner)
+            finally:
+                os.close(fd)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    @staticmethod
+    def _read_chunk(fd: int, file: Path, info: _StorageInfo, item: Any, planner: Any) -> None:
+        """One stored chunk into the part of its destination ``item`` asks for: read into a buffer of its own
+        length, a view of it checked against its bytes (saved_values), narrowed, copied."""
+        from shardlab.checkpoint.saved_values import read_tensor
+
+        buffer = bytearray(info.length)
+        read_into(fd, file, info.offset, buffer)
+        label = f"{file.parent}: its entry {item.storage_index.fqn}"
+        tensor = read_tensor(buffer, label)
+        offsets, lengths = list(item.storage_offsets), list(item.lengths)
+        if len(offsets) != tensor.dim() or any(o + n > d for o, n, d in zip(offsets, lengths, tensor.shape)):
+            raise _unsafe(file.parent / METADATA_FILE, f"reads {offsets} of {lengths} from {label}, a chunk "
+                          f"of shape {list(tensor.shape)}")  # fmt: skip
+        for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+            tensor = tensor.narrow(dim, offset, length)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(f"{label} has the shape {list(tensor.shape)} where {list(target.shape)} belongs")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's DefaultLoadPlanner, whose ``load_bytes`` unpickles with ``weights_only`` (``load_value``). The parent
-    then stores the value as it does everything: it is handed a pickle of it that torch.save just wrote."""
+    """DCP's DefaultLoadPlanner, whose ``load_bytes`` reads values through ``load_value`` (the parent's would
+    ``torch.load`` them with ``weights_only=False``) and puts them where the parent would."""
 
     def __init__(self, path: Path) -> None:
         super().__init__()
         self.path = path
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        safe = io.BytesIO()
-        torch.save(load_value(value.getvalue(), self.path, read_item.dest_index.fqn), safe)
-        safe.seek(0)
-        super().load_bytes(read_item, safe)
+        from torch.distributed.checkpoint._traverse import set_element  # DefaultLoadPlanner's own placement
+
+        loaded = load_value(value.getvalue(), self.path, read_item.dest_index.fqn)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 def load(state: dict[str, Any], path: Path, *, checked: bool = False, **kwargs: Any) -> None:
@@ -645,16 +775,18 @@ def integrity_defect(path: Path) -> str | None:
     unpickle, a shard file that is missing or shorter than the entries the index places in it. It reads sizes, not
     every shard byte, so it is quick on any model size. An I/O error is no clear defect (it may pass): a load that
     failed although nothing here is wrong is not an unreadable checkpoint."""
-    from shardlab.checkpoint.layout import META_FILE
+    from shardlab.checkpoint.layout import META_FILE, META_MAX_BYTES
 
     path = Path(path)
     raw: dict[str, bytes] = {}
-    for name in (META_FILE, METADATA_FILE):
+    for name, cap in ((META_FILE, META_MAX_BYTES), (METADATA_FILE, METADATA_MAX_BYTES)):
         try:
-            raw[name] = (path / name).read_bytes()
+            raw[name] = read_regular(path / name, max_bytes=cap)
         except FileNotFoundError:
             return f"{path} has no {name}"
-        except OSError:
+        except UnsafeCheckpointError:
+            raise
+        except (OSError, CheckpointError):
             return None
     try:
         json.loads(raw[META_FILE])
