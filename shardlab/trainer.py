@@ -538,8 +538,19 @@ class Trainer:
             raise TrainingDiverged(
                 f"the loss was not finite (NaN or inf) on {limit} steps in a row, the last step {self.state.step} "
                 f"(optimization.max_nonfinite_steps={limit}); nothing non-finite was saved, "
-                f"{self.checkpointer.kept()}; lower optimizer.lr or optimization.clip_norm, or look at that data"
+                f"{self.checkpointer.kept()}; {self._nonfinite_cause()}"
             )
+
+    def _nonfinite_cause(self) -> str:
+        """The advice for a diverged run, by the cause found: a learning rate that is not finite (a schedule, or
+        resumed state), else the weights, else the usual suspects."""
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        bad = next((lr for lr in lrs if not math.isfinite(float(lr))), None)
+        if bad is not None:
+            return f"the learning rate is {float(bad)} (set by lr_scheduler or a resumed checkpoint): fix that first"
+        if not self._weights_finite():
+            return "the weights themselves are not finite (a resumed or init_from checkpoint, or an earlier step)"
+        return "lower optimizer.lr or optimization.clip_norm, or look at that data"
 
     @torch.no_grad()
     def _weights_finite(self) -> bool:

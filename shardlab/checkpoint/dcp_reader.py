@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from shardlab.checkpoint.regular_file import describe_os_error, open_regular, read_at, read_into, read_regular
 from shardlab.errors import CheckpointError, UnsafeCheckpointError
+from shardlab.train_state import nonfinite
 
 METADATA_FILE = ".metadata"
 """The name DCP's FileSystemWriter gives the index (tests/unit/test_dcp_reader.py checks torch still writes it)."""
@@ -733,6 +734,9 @@ class SafeReader(FileSystemReader):
                           f"of shape {list(tensor.shape)}")  # fmt: skip
         for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
             tensor = tensor.narrow(dim, offset, length)
+        if item.storage_index.fqn.startswith("optim.") and tensor.is_floating_point():
+            if not bool(torch.isfinite(tensor).all()):  # the non-finite guard would stop the run, blaming the lr
+                raise CheckpointError(f"{label} holds values that are not finite; a run resumes only from finite state")
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
             raise CheckpointError(f"{label} has the shape {list(tensor.shape)} where {list(target.shape)} belongs")
@@ -751,11 +755,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element  # DefaultLoadPlanner's own placement
 
-        loaded = load_value(value.getvalue(), self.path, read_item.dest_index.fqn)
+        fqn = read_item.dest_index.fqn
+        loaded = load_value(value.getvalue(), self.path, fqn)
+        if fqn.startswith("optim.") and (found := nonfinite(loaded, fqn)) is not None:
+            raise CheckpointError(
+                f"{self.path}: its entry {found[0]} is {found[1]!r}, not a finite number; a run resumes only from "
+                "finite state: resume from another checkpoint"
+            )
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
+            self.state_dict[fqn] = loaded
 
 
 def load(state: dict[str, Any], path: Path, *, checked: bool = False, **kwargs: Any) -> None:
