@@ -150,6 +150,13 @@ GLOBALS: dict[str, Any] = {
 file never imports a module or looks up an attribute by a name the file gives."""
 
 _OPCODE_NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
+_METADATA_CLASS_BY_ID = {id(c): c for c in METADATA_CLASSES}
+_ARGUMENTS_BY_ID = {id(func): (func, check) for func, check in ARGUMENTS.items()}
+"""By id, so that finding what the file names costs one lookup, and never hashes an object the file made."""
+
+
+def _is_metadata_class(obj: Any) -> bool:
+    return _METADATA_CLASS_BY_ID.get(id(obj)) is obj
 
 
 class _Unreadable(Exception):
@@ -222,12 +229,16 @@ class MetadataUnpickler:
 
     def load(self) -> Any:
         """The unpickled object; UnsafeCheckpointError for what DCP never writes, CheckpointError if unreadable."""
+        data, ops, stop = self.data, self.ops, pickle.STOP[0]
         try:
-            while True:
-                code = self.read(1)[0]
-                if code == pickle.STOP[0]:
+            while True:  # the opcode read inline: this loop runs once per opcode (a million for 8,000 chunks)
+                if self.pos >= len(data):
+                    raise _Unreadable(f"cut short at byte {len(data)}")
+                code = data[self.pos]
+                self.pos += 1
+                if code == stop:
                     return self.stack.pop()
-                op = self.ops.get(code)
+                op = ops.get(code)
                 if op is None:
                     if code in _OPCODE_NAMES:
                         raise self.refuse(f"uses the pickle opcode {_OPCODE_NAMES[code]}")
@@ -336,13 +347,14 @@ class MetadataUnpickler:
 
     def newobj(self) -> None:
         cls, args = self.popn(2)
-        if not any(cls is allowed for allowed in METADATA_CLASSES) or type(args) is not tuple or args:
+        if not _is_metadata_class(cls) or type(args) is not tuple or args:
             raise self.refuse(f"creates {self.describe(cls)} by NEWOBJ")
         self.stack.append(self.make(cls.__new__(cls)))
 
     def reduce(self) -> None:
         func, args = self.popn(2)
-        takes = next((check for allowed, check in ARGUMENTS.items() if func is allowed), None)
+        allowed, takes = _ARGUMENTS_BY_ID.get(id(func), (None, None))
+        takes = takes if allowed is func else None
         if takes is None or type(args) is not tuple:
             raise self.refuse(f"calls {self.describe(func)}")
         if not takes(args):
@@ -359,7 +371,7 @@ class MetadataUnpickler:
         state = self.stack.pop()
         inst = self.stack[-1]
         cls = type(inst)
-        if id(inst) not in self.made or not any(cls is allowed for allowed in METADATA_CLASSES):
+        if id(inst) not in self.made or not _is_metadata_class(cls):
             raise self.refuse(f"would set attributes of {self.describe(inst)}")
         if cls is TensorProperties:
             if type(state) is not tuple or len(state) != 5 or type(state[3]) is not _MEM_FORMAT_ENCODING:
@@ -568,6 +580,8 @@ def _check_chunks(source: Path, fqn: str, entry: TensorStorageMetadata, storage:
     (``torch.empty``) unwritten, heap bytes that ``consolidate`` would then write out; sizes that add up do not rule
     that out when two chunks overlap ([0, 2048) and [1024, 3072) of 4096)."""
     shape = list(entry.size)
+    if any(d < 0 for d in shape):  # before anything is allocated: torch.empty([-2, 0]) fails in twenty lines
+        raise _unsafe(source, f"gives {fqn} the shape {shape}")
     itemsize = entry.properties.dtype.itemsize
     covered, boxes = 0, []
     for chunk in entry.chunks:
