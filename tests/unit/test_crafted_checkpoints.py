@@ -54,15 +54,16 @@ def torch_save_archive(pickled: bytes) -> bytes:
 
 
 def shared_tuple(depth: int) -> bytes:
-    """Opcodes leaving a tuple of ``depth`` levels whose two halves are one object: 2**depth leaves to hash."""
-    ops = b"\x29\x94"  # EMPTY_TUPLE, MEMOIZE
+    """Protocol-2 opcodes (the ones torch.save writes, which torch's weights_only unpickler reads) leaving a tuple of
+    ``depth`` levels whose two halves are one object: 2**depth leaves to hash."""
+    ops = b")q\x00"  # EMPTY_TUPLE, BINPUT 0
     for level in range(depth):
-        ops += b"h" + bytes([level]) + b"\x86\x94"  # BINGET, TUPLE2, MEMOIZE
+        ops += b"h" + bytes([level]) + b"\x86q" + bytes([level + 1])  # BINGET, TUPLE2, BINPUT
     return ops
 
 
 def hash_bomb() -> bytes:
-    """The issue's value: a dict whose key is a tuple nested 60 deep sharing its halves (132 bytes of pickle)."""
+    """The issue's value: a dict whose key is a tuple nested 60 deep sharing its halves (a few hundred bytes)."""
     return b"\x80\x02}" + shared_tuple(60) + b"G?\xf0\x00\x00\x00\x00\x00\x00s."  # EMPTY_DICT, key, 1.0, SETITEM
 
 
@@ -264,7 +265,7 @@ def test_the_hash_bomb_alone_is_refused_by_the_value_reader_in_under_a_second():
     from shardlab.checkpoint.saved_values import read_value
 
     payload = torch_save_archive(hash_bomb())
-    assert len(hash_bomb()) < 300
+    assert len(hash_bomb()) < 400
     code = (
         "import sys, time; from shardlab.checkpoint.saved_values import read_value\n"
         "start = time.perf_counter()\n"
@@ -278,3 +279,91 @@ def test_the_hash_bomb_alone_is_refused_by_the_value_reader_in_under_a_second():
     assert float(seconds) < 1.0
     with pytest.raises(CheckpointError, match="deeper than 32"):  # the same tuple as a value: walked with a bound
         read_value(torch_save_archive(b"\x80\x02" + shared_tuple(60) + b"."), "the value")
+
+
+def test_a_resume_from_non_finite_scheduler_state_is_refused_naming_the_key(tiny_lm, normal, tmp_path):
+    """JSON's Infinity in scheduler.base_lrs resumed at lr inf: refused before training, naming the key."""
+    crafted = tmp_path / "step_00000002"
+    shutil.copytree(normal, crafted)
+    meta = json.loads((crafted / "shardlab.json").read_text())
+    meta["scheduler"]["base_lrs"][0] = float("inf")
+    (crafted / "shardlab.json").write_text(json.dumps(meta))  # json writes Infinity
+    assert "Infinity" in (crafted / "shardlab.json").read_text()
+    with pytest.raises(CheckpointError, match=r"holds scheduler\.base_lrs\.0 = inf, not a finite number") as e:
+        run_rank(tiny_lm("optimization.max_steps=4", f"checkpoint.resume={crafted}"), tmp_path / "run", dist_env.detect())
+    assert "\n" not in str(e.value)
+
+
+def test_a_resume_from_a_non_finite_optimizer_value_is_refused_naming_the_entry(normal, tmp_path):
+    crafted = tmp_path / "step_00000002"
+    shutil.copytree(normal, crafted)
+    buffer = io.BytesIO()
+    torch.save(float("nan"), buffer)
+    (crafted / "__9_0.distcp").write_bytes(buffer.getvalue())
+    edit_index(crafted, lambda m: m.storage_data.__setitem__(
+        MetadataIndex("optim.param_groups.0.lr"), _StorageInfo("__9_0.distcp", 0, len(buffer.getvalue()))))  # fmt: skip
+    state = {"optim": {"param_groups": [{"lr": 0.0}]}}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardlab.errors import first_cause
+
+    with pytest.raises(CheckpointException) as e:  # DCP wraps a rank's error; shardlab's readers report its cause
+        dcp_reader.load(state, crafted, no_dist=True)
+
+    assert "optim.param_groups.0.lr is nan, not a finite number" in first_cause(e.value)
+
+
+def test_the_non_finite_advice_names_the_cause_it_found():
+    from types import SimpleNamespace
+
+    from shardlab.trainer import Trainer
+
+    def cause(lr: float, weights_finite: bool) -> str:
+        fake = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 1e-3}, {"lr": lr}]))
+        fake._weights_finite = lambda: weights_finite
+        return Trainer._nonfinite_cause(fake)
+
+    assert "the learning rate is inf" in cause(float("inf"), True)
+    assert "the weights themselves are not finite" in cause(1e-3, False)
+    assert "lower optimizer.lr" in cause(1e-3, True)
+
+
+def test_fuzzed_values_and_chunks_are_read_or_refused_in_one_line_in_bounded_time_and_memory(normal):
+    """Seeded byte changes of a real value (a param group's names) and a real tensor chunk, read by the readers a
+    load uses: each returns or raises a CheckpointError of one line, within 1 CPU s and 64 MiB of growth."""
+    import random
+    import re
+    import time
+
+    from shardlab.checkpoint.saved_values import read_tensor, read_value
+
+    metadata = dcp_reader.read_metadata(normal, values=False)
+
+    def extent(fqn: str) -> bytes:
+        info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+        with open(normal / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            return f.read(info.length)
+
+    fqn = max((k for k in metadata.state_dict_metadata if k.startswith("model.")), key=len)
+    originals = {"value": extent("optim.param_groups.0.params"), "tensor": extent(fqn)}
+    hwm = lambda: int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))  # noqa: E731
+    rng, outcomes = random.Random(41), {"read": 0, "refused": 0}
+    for i in range(300):
+        kind = ("value", "tensor")[i % 2]
+        data = bytearray(originals[kind])
+        for _ in range(rng.choice((1, 2, 4, 8))):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.1:
+            data = data[: rng.randrange(len(data))]
+        open("/proc/self/clear_refs", "w").write("5")
+        before, cpu = hwm(), time.process_time()
+        try:
+            read_value(bytes(data), "v") if kind == "value" else read_tensor(data, "t")
+            outcomes["read"] += 1
+        except CheckpointError as e:
+            assert "\n" not in str(e), str(e)
+            outcomes["refused"] += 1
+        assert time.process_time() - cpu < 1.0
+        assert hwm() - before < 64 * 1024, "more than 64 MiB"
+    assert outcomes["read"] > 20 and outcomes["refused"] > 20, outcomes  # both sides were reached
