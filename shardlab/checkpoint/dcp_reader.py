@@ -569,7 +569,7 @@ def _check_disjoint(source: Path, extents: dict[str, list[tuple[int, int, str]]]
     folder holds (16 tensors over the same 16 MiB made an 18 MB folder a 269 MB safetensors file)."""
     for name, spans in extents.items():
         spans.sort()
-        for (start, length, fqn), (after, _, other) in zip(spans, spans[1:]):
+        for (start, length, fqn), (after, _, other) in zip(spans, spans[1:], strict=False):
             if start + length > after:
                 raise _unsafe(source, f"stores {fqn} and {other} in the same bytes of {name} (from byte {after})")
 
@@ -633,7 +633,7 @@ def _overlapping(boxes: list[Box], shape: list[int]) -> tuple[list[int], list[in
     if len(split) == 1:
         (d,) = split
         ordered = sorted(boxes, key=lambda b: b[0][d])
-        for a, b in zip(ordered, ordered[1:]):
+        for a, b in zip(ordered, ordered[1:], strict=False):
             if a[0][d] + a[1][d] > b[0][d]:
                 return a[0], b[0]
         return None
@@ -743,9 +743,11 @@ class SafeReader(FileSystemReader):
         label = f"{file.parent}: its entry {item.storage_index.fqn}"
         tensor = read_tensor(buffer, label)
         offsets, lengths = list(item.storage_offsets), list(item.lengths)
-        if len(offsets) != tensor.dim() or any(o + n > d for o, n, d in zip(offsets, lengths, tensor.shape)):
-            raise _unsafe(file.parent / METADATA_FILE, f"reads {offsets} of {lengths} from {label}, a chunk "
-                          f"of shape {list(tensor.shape)}")  # fmt: skip
+        shape = list(tensor.shape)
+        if not len(offsets) == len(lengths) == len(shape) or any(
+            o + n > d for o, n, d in zip(offsets, lengths, shape, strict=True)
+        ):
+            raise _unsafe(file.parent / METADATA_FILE, f"reads {offsets} of {lengths} from {label} of shape {shape}")
         for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
             tensor = tensor.narrow(dim, offset, length)
         if item.storage_index.fqn.startswith("optim.") and tensor.is_floating_point():

@@ -176,7 +176,10 @@ CASES = {
     "FIFO .metadata": (_fifo_metadata, ".metadata is not a regular file (a FIFO)"),
     "shard linked outside": (_outside_shard, "__0_0.distcp, which is not a regular file (a symbolic link)"),
     "shared chunk bytes": (_shared_bytes, "in the same bytes of"),
-    "8000 one-element chunks": (_many_chunks, "gives model.crafted [1, 8000] overlapping chunks at [0, 7997] and [0, 7998]"),
+    "8000 one-element chunks": (
+        _many_chunks,
+        "gives model.crafted [1, 8000] overlapping chunks at [0, 7997] and [0, 7998]",
+    ),
     "shape [-2, 0]": (_negative_shape, "the shape [-2, 0]"),
     "300-character name": (_long_name, "has a name longer than the file system allows"),
     "symlink loop": (_symlink_loop, "loop, which is not a regular file (a symbolic link)"),
@@ -245,7 +248,11 @@ def test_a_crafted_model_config_is_refused_before_its_model_is_materialized(norm
     cache = tmp_path / "cache"
     jobs = [
         ("huge config", str(folder), "generate.load_model(path)"),
-        ("huge config", str(folder), f"__import__('tools.evaluate').evaluate.main([str(path), 'data.cache_dir={cache}'])"),
+        (
+            "huge config",
+            str(folder),
+            f"__import__('tools.evaluate').evaluate.main([str(path), 'data.cache_dir={cache}'])",
+        ),
     ]
     for result in run_child(jobs, normal, timeout=300):
         print(f"{result['reader'][:60]:60s} {result['s']:.3f} s ({result['cpu']:.3f} CPU)  +{result['mib']:.0f} MiB")
@@ -290,7 +297,9 @@ def test_a_resume_from_non_finite_scheduler_state_is_refused_naming_the_key(tiny
     (crafted / "shardlab.json").write_text(json.dumps(meta))  # json writes Infinity
     assert "Infinity" in (crafted / "shardlab.json").read_text()
     with pytest.raises(CheckpointError, match=r"holds scheduler\.base_lrs\.0 = inf, not a finite number") as e:
-        run_rank(tiny_lm("optimization.max_steps=4", f"checkpoint.resume={crafted}"), tmp_path / "run", dist_env.detect())
+        run_rank(
+            tiny_lm("optimization.max_steps=4", f"checkpoint.resume={crafted}"), tmp_path / "run", dist_env.detect()
+        )
     assert "\n" not in str(e.value)
 
 

@@ -314,7 +314,8 @@ def test_torchs_weights_only_unpickler_reads_dcp_metadata_at_protocol_2_and_stil
     member = dcp_metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
     build = (  # _MEM_FORMAT_ENCODING(0), then BUILD {'shardlab_probe': 1} on that shared member
         b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R}"
-        + _string("shardlab_probe") + b"K\x01sb."
+        + _string("shardlab_probe")
+        + b"K\x01sb."
     )
     try:
         with torch.serialization.safe_globals(list(NAMED)):
