@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from shardlab.checkpoint.dcp_reader import MetadataUnpickler, _shown
+from shardlab.checkpoint.metadata_pickle import MetadataUnpickler, _shown, _Unreadable
 from shardlab.errors import CheckpointError, UnsafeCheckpointError
 
 VALUE_MAX_BYTES = 64 * 2**20
@@ -260,8 +260,6 @@ def read_saved(buffer: bytearray | bytes, label: str) -> Any:
     """The object a torch.save archive in ``buffer`` holds (tensors are views of ``buffer``: keep it alive and do not
     reuse it); UnsafeCheckpointError for what torch.save of a value or tensor never writes, CheckpointError if it is
     no archive. ``label`` names the entry in messages ("<step folder>: its entry <fqn>")."""
-    from shardlab.checkpoint.dcp_reader import _Unreadable
-
     archive = _Archive(buffer, label)
     try:
         value = ValueUnpickler(archive.read(archive.prefix + "data.pkl") or b"", label, archive).load()
