@@ -13,8 +13,11 @@ A new resumable counter is one field below and, if it advances per step, one lin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from shardlab.errors import CheckpointError
 
 
 @dataclass
@@ -54,9 +57,31 @@ class TrainState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from ``state_dict()``'s keys; a counter an older checkpoint lacks takes its default."""
+        """Restore from ``state_dict()``'s keys; a counter an older checkpoint lacks takes its default. A component's
+        state holding a number that is not finite (JSON's ``Infinity`` in ``scheduler.base_lrs`` resumed at ``lr inf``)
+        is refused before anything is restored."""
+        for key in self.components:
+            if (found := nonfinite(state.get(key), key)) is not None:
+                raise CheckpointError(
+                    f"the checkpoint's training state holds {found[0]} = {found[1]!r}, not a finite number; a run "
+                    "resumes only from finite state: resume from another checkpoint"
+                )
         for f in self._counter_fields():
             setattr(self, f.name, int(state.get(f.name, f.default)))
         for key, obj in self.components.items():
             if obj is not None and state.get(key) is not None:
                 obj.load_state_dict(state[key])
+
+
+def nonfinite(value: Any, key: str) -> tuple[str, float] | None:
+    """The dotted key and value of the first float in ``value`` (nested dicts and lists) that is NaN or infinite."""
+    todo = [(value, key)]
+    while todo:
+        item, where = todo.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return where, item
+        if isinstance(item, dict):
+            todo.extend((v, f"{where}.{k}") for k, v in reversed(item.items()))
+        elif isinstance(item, (list, tuple)):
+            todo.extend((v, f"{where}.{i}") for i, v in reversed(list(enumerate(item))))
+    return None

@@ -36,7 +36,7 @@ from shardlab.logging.throughput import ThroughputWindow
 from shardlab.memory.meter import PeakMeter, beside_plan, memory_gib
 from shardlab.memory.plan import RunPlan, plan_run
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
-from shardlab.optim.divergence import NonfiniteStreak, require_finite_weights
+from shardlab.optim.divergence import NonfiniteStreak, nonfinite_cause, require_finite_weights, weights_finite
 from shardlab.optim.ema import WeightAverage
 from shardlab.task import Task
 from shardlab.train_state import TrainState
@@ -222,7 +222,7 @@ class Trainer:
                     self._lock_lost(),
                     not bool(self.loss_finite),
                 )
-            self.nonfinite.count(nonfinite, state.step, self.checkpointer.kept, log.info)
+            self.nonfinite.count(nonfinite, state.step, self.checkpointer.kept, log.info, self._nonfinite_cause)
             stop = stop or lock_lost  # another job holds the folder now: save this step, then stop (below)
             last = state.step == max_steps  # the loop's last step: what it holds is what the run holds
             if stop or last:  # bytes held right after a step: parameters, optimizer state, persistent buffers
@@ -410,6 +410,11 @@ class Trainer:
     def _record(self, split: str, metrics: dict[str, float], log: RunLogger) -> None:
         self.history.append({"split": split, "step": self.state.step, **metrics})
         log.log(split, self.state.step, metrics)
+
+    def _nonfinite_cause(self) -> str:
+        """The diverged run's advice, by what it found (shardlab.optim.divergence.nonfinite_cause)."""
+        rates = [group["lr"] for group in self.optimizer.param_groups]
+        return nonfinite_cause(rates, lambda: weights_finite(self.model, self.backend.any_rank))
 
     def _lock_lost(self) -> bool:
         """Whether rank 0 knows the run's lock is another job's now (shardlab.jobs.run_lock): agreed at the step's

@@ -75,12 +75,33 @@ def checkpoint_config(checkpoint: Path, overrides: list[str], user_dir: str | No
             f"{groups[0]}: a checkpoint brings its own {groups[0].partition('=')[0]}; give key=value overrides of "
             "its config (e.g. data.path=...), or --random-init without a checkpoint to choose an architecture"
         )
+    own_data_paths(cfg)
     OmegaConf.set_struct(cfg, True)  # a mistyped key is an error, not a new key nothing reads
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
     except Exception as e:
         raise ConfigError(f"{' '.join(overrides)}: {first_cause(e)} (keys of the checkpoint's config)") from None
     return cfg, info
+
+
+DATA_PATH_KEYS = ("path", "cache_dir")
+"""The data keys that name files to read or folders to write: a tool takes them from its own command line or the
+defaults, never from the checkpoint it is given (a shared checkpoint's data.path could name any file the user can
+read, which the evaluation would tokenize into the cache and decode back)."""
+
+
+def own_data_paths(cfg: DictConfig) -> None:
+    """Set cfg.data's DATA_PATH_KEYS to the defaults of the task's data schema (the command's overrides merge over
+    them afterwards)."""
+    from hydra.core.config_store import ConfigStore
+
+    try:
+        defaults = OmegaConf.to_container(ConfigStore.instance().load(f"schema/data/{cfg.task.name}.yaml").node)
+    except Exception:  # noqa: BLE001  (a plug-in task without a registered data schema: no default path)
+        defaults = {}
+    for key in DATA_PATH_KEYS:
+        if key in cfg.get("data", {}):
+            cfg.data[key] = defaults.get(key)
 
 
 def composed_config(overrides: list[str]) -> DictConfig:
@@ -107,6 +128,8 @@ def build_model(cfg: DictConfig, checkpoint: Path | None, ema: bool = False) -> 
             f"{e} (building {checkpoint}'s model reads the data it was trained on, e.g. to count classes; "
             "if that is gone, give the model key it derived, e.g. model.num_classes=N)"
         ) from None
+    if checkpoint is not None:  # before materializing: a crafted config must not allocate first
+        weights.check_shapes(checkpoint, model)
     materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
     if checkpoint is not None:
         try:

@@ -65,8 +65,11 @@ def load_model(checkpoint: Path, user_dir: str | None = None):
         raise ShardlabError(f"{checkpoint} is a {cfg.task.name} checkpoint; generate.py samples language models only")
     with torch.device("meta"):
         model = task.build_model()
-    materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
+    # Before materializing: shardlab.json's config is checked against the tensors the checkpoint stores, so a crafted
+    # one (64 layers x 16384) is refused rather than allocated.
     weights.check_compatible(checkpoint, info, cfg.task.name, OmegaConf.to_container(cfg.model, resolve=True))
+    weights.check_shapes(checkpoint, model)
+    materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
     weights.load_into(model, checkpoint)
     return model.eval(), task, cfg
 

@@ -21,6 +21,8 @@ from shardlab.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 META_FILE = "shardlab.json"
+META_MAX_BYTES = 64 * 2**20
+"""A shardlab.json larger than this is refused unread (a config and the training state's counters: kilobytes)."""
 TMP, PRUNING, REPLACED = ".tmp", ".pruning", ".replaced"
 """Suffixes of folders that are not checkpoints: being written, being deleted, being replaced (restored at start if
 the run died between the two renames of a replacement)."""
@@ -41,14 +43,16 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
+    from shardlab.checkpoint.regular_file import read_regular  # a regular file of the folder, capped (issue 41)
+
     meta_file = path / META_FILE
-    if not meta_file.is_file():
+    try:
+        return json.loads(read_regular(meta_file, max_bytes=META_MAX_BYTES))
+    except FileNotFoundError:
         raise CheckpointError(
             f"{path} is not a complete shardlab checkpoint (no {META_FILE}); "
             "point checkpoint.resume at a step_N directory that has one"
-        )
-    try:
-        return json.loads(meta_file.read_text())
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_file} is unreadable ({e}); delete that checkpoint or resume from another") from e
 

@@ -10,6 +10,7 @@ for metadata. Reused by tools/consolidate.py, tools/generate.py and exporters.
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from shardlab.checkpoint import dcp_reader
-from shardlab.checkpoint.layout import read_meta
+from shardlab.checkpoint.layout import META_MAX_BYTES, read_meta
+from shardlab.checkpoint.regular_file import describe_os_error, read_regular
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, first_cause
 
 MODEL_PREFIX = "model."
@@ -48,8 +50,9 @@ def describe(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a .safetensors file; give one written by tools/consolidate.py")
     described = config_file(path)
     try:
-        info = json.loads(described.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        _regular(described)
+        info = json.loads(read_regular(described.resolve(), max_bytes=META_MAX_BYTES))
+    except (OSError, CheckpointError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(
             f"{described} (the model description beside {path.name}) is missing or unreadable ({e}); "
             "tools/consolidate.py writes it next to the weights"
@@ -141,6 +144,56 @@ def check_compatible(
         )
 
 
+def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every model tensor ``path`` stores, by name, read from its index alone (a step folder's .metadata
+    or a safetensors file's header): nothing is allocated."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        metadata = dcp_reader.read_metadata(path, values=False)
+        return {
+            key.removeprefix(MODEL_PREFIX): tuple(item.size)
+            for key, item in metadata.state_dict_metadata.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata)
+        }
+    from safetensors import safe_open
+
+    _regular(path)
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+    except Exception as e:
+        raise CheckpointError(f"{path} could not be read as safetensors ({first_cause(e)})") from e
+
+
+def check_shapes(path: Path, model: nn.Module) -> None:
+    """Refuse ``model`` (built on the meta device from the config the checkpoint describes) unless every one of its
+    tensors is stored at ``path`` with the same shape: the config in shardlab.json or model.json is the file's word,
+    the index the tensors', and a model is materialized only once they agree."""
+    stored = stored_shapes(path)
+    for name, tensor in model.state_dict().items():
+        if name not in stored:
+            raise IncompatibleCheckpointError(
+                f"{path} stores no {name}, which the model its config describes has; the config and the weights of "
+                "this checkpoint disagree (a changed or foreign file)"
+            )
+        if tuple(tensor.shape) != stored[name]:
+            raise IncompatibleCheckpointError(
+                f"{path} stores {name} as {list(stored[name])} but the model its config describes has "
+                f"{list(tensor.shape)}; the config and the weights of this checkpoint disagree (a changed or foreign "
+                "file): refused before building the model"
+            )
+
+
+def _regular(path: Path) -> None:
+    """A file the user named (a link is theirs to give) must be a regular file: not a FIFO, a device or a socket."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise CheckpointError(f"{path} {describe_os_error(path, e)}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path} is not a regular file; give a .safetensors file written by tools/consolidate.py")
+
+
 def read_full(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     """The whole model state, unsharded, on the CPU, from a step_N folder (only the model.* entries of the DCP
     checkpoint are read: optimizer state never comes into memory) or a .safetensors file. ``ema``: the parameters are
@@ -161,6 +214,7 @@ def read_full(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     if not path.is_dir():
         from safetensors.torch import load_file
 
+        _regular(path)
         try:
             return load_file(str(path))
         except Exception as e:

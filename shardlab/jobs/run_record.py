@@ -14,15 +14,24 @@ from pathlib import Path
 from typing import Any
 
 from shardlab.checkpoint.layout import write_json_atomic
+from shardlab.checkpoint.regular_file import read_regular
+from shardlab.errors import ShardlabError
 
 STATUS_FILE = "status.json"
 
 
+STATUS_MAX_BYTES = 16 * 2**20
+"""A status.json larger than this is no status (its largest field, the overrides, is a command line)."""
+
+
 def read(run_dir: Path) -> dict[str, Any] | None:
+    """The run's status, or None if it has none or it is unreadable: only a regular file of the run folder is read
+    (not a link, a FIFO or a device), at most STATUS_MAX_BYTES of it."""
     try:
-        return json.loads((Path(run_dir) / STATUS_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+        status = json.loads(read_regular(Path(run_dir) / STATUS_FILE, max_bytes=STATUS_MAX_BYTES))
+    except (OSError, ShardlabError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+    return status if isinstance(status, dict) else None
 
 
 def update(run_dir: Path, **fields: Any) -> dict[str, Any]:

@@ -15,11 +15,15 @@ def kept() -> str:
     return "the newest checkpoint, step_00000004, is kept"
 
 
+def usual_suspects() -> str:
+    return "lower optimizer.lr or optimization.clip_norm, or look at that data"
+
+
 def test_a_finite_step_ends_the_streak_and_the_limit_in_a_row_ends_the_run():
     lines: list[str] = []
     streak = NonfiniteStreak(limit=3)
     for step, nonfinite in enumerate([True, True, False, True, True], start=1):
-        streak.count(nonfinite, step, kept, lines.append)
+        streak.count(nonfinite, step, kept, lines.append, usual_suspects)
     assert lines == [
         "[train] WARNING: the loss is not finite at step 1 (1 of 3 in a row)",
         "[train] WARNING: the loss is not finite at step 2 (2 of 3 in a row)",
@@ -27,7 +31,7 @@ def test_a_finite_step_ends_the_streak_and_the_limit_in_a_row_ends_the_run():
         "[train] WARNING: the loss is not finite at step 5 (2 of 3 in a row)",
     ]
     with pytest.raises(TrainingDiverged) as raised:
-        streak.count(True, 6, kept, lines.append)
+        streak.count(True, 6, kept, lines.append, usual_suspects)
     assert str(raised.value) == (
         "the loss was not finite (NaN or inf) on 3 steps in a row, the last step 6 "
         "(optimization.max_nonfinite_steps=3); nothing non-finite was saved, the newest checkpoint, step_00000004, "

@@ -3,6 +3,11 @@ checkpoint's perplexity, and one-line answers to mistakes."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import sys
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -337,3 +342,42 @@ def test_mistakes_are_answered_in_one_line(vision_checkpoint, lm_checkpoint, tmp
 def test_a_source_without_labels_is_refused():
     with pytest.raises(ConfigError, match="has no labels"):
         evaluate.labelled_data(OmegaConf.create({"data": {"source": "unlabelled_folder", "path": "/x"}}))
+
+
+# ---- a checkpoint's config steers no reads (issue 41) ----------------------------------------------------------------
+OPENED: list[str] = []
+"""Every path opened while a test records them (an audit hook cannot be removed, so it appends only when armed)."""
+_ARMED = {"on": False}
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _ARMED["on"] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        OPENED.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+def test_evaluate_never_reads_the_data_a_checkpoints_config_names(lm_checkpoint, tmp_path):
+    """A shared checkpoint whose config names a private file (data.path) and a cache (data.cache_dir): the tool
+    evaluates on the defaults and its own command line, opens neither, and writes nothing beside them."""
+    checkpoint, _ = lm_checkpoint
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "secret.txt").write_text("the user's secret " * 200)
+    (private / "secret.txt").chmod(0o600)
+    crafted = tmp_path / "step_00000004"
+    shutil.copytree(checkpoint, crafted)
+    meta = json.loads((crafted / "shardlab.json").read_text())
+    meta["config"]["data"].update(path=str(private / "secret.txt"), cache_dir=str(private / "cache"))
+    (crafted / "shardlab.json").write_text(json.dumps(meta))
+    own_cache = tmp_path / "own-cache"
+    OPENED.clear()
+    _ARMED["on"] = True
+    try:
+        results = evaluate.main([str(crafted), f"data.cache_dir={own_cache}", "--batch-size", "64"])
+    finally:
+        _ARMED["on"] = False
+    assert not [p for p in OPENED if str(private) in p], "the checkpoint's data.path or cache_dir was opened"
+    assert sorted(p.name for p in private.iterdir()) == ["secret.txt"], "nothing written beside the private file"
+    assert results["tokens"] > 0 and own_cache.is_dir()  # evaluated on the default corpus, in the cache it was told
