@@ -174,7 +174,10 @@ class Trainer:
         # From here on every trainer has its checkpointer (a trial's is never written to); constructing it touches
         # no file: the folder is listed by the restore and made by the first save.
         self.checkpointer = Checkpointer(
-            self.run_dir / cfg.checkpoint.dir, cfg.checkpoint, backend, folder_lost=lambda: run_lock.lost_now(self.run_dir)
+            self.run_dir / cfg.checkpoint.dir,
+            cfg.checkpoint,
+            backend,
+            folder_lost=lambda: run_lock.lost_now(self.run_dir),
         )
         self.resumed_from = self.initialized_from = None
         if restore:
@@ -199,7 +202,8 @@ class Trainer:
             log.finish(self.state.step, final, self.checkpointer.newest, stopped=bool(self.stopped_by))
             return final
         except BaseException as error:
-            if not is_main and not isinstance(error, (SystemExit, RunFolderInUse)):  # not into another job's folder  # first: rank 0 reports the rank that failed first
+            # first: rank 0 reports the rank that failed first; none into a folder another job holds now
+            if not is_main and not isinstance(error, (SystemExit, RunFolderInUse)):
                 run_record.note_rank_error(self.run_dir, self.backend.env.rank, one_line(error))
             self._save_after_error(error, log)
             raise

@@ -223,7 +223,7 @@ def system_folder_error(key: str, path: str | os.PathLike) -> str | None:
     for place in dict.fromkeys((named, named.resolve())):
         below = next((p for p in SYSTEM_PREFIXES if place.is_relative_to(p)), None)
         if below or str(place) in SYSTEM_FOLDERS or place == home:
-            what = f"inside the system folder {below}" if below else "a system folder itself"
+            what = f"inside the system folder {below}" if below and str(place) != below else "a system folder itself"
             if place == home and not below and str(place) not in SYSTEM_FOLDERS:
                 what = "the home folder itself"
             return (
@@ -243,5 +243,6 @@ def folder_errors(run_dir: str | os.PathLike, checkpoint_dir: str) -> list[str]:
             "run folder); write the folder out, e.g. checkpoint.dir=${oc.env:HOME}/ck"
         ]
     checkpoint = Path(run_dir) / checkpoint_dir
-    found = [system_folder_error("hydra.run.dir", run_dir), system_folder_error("checkpoint.dir", checkpoint)]
-    return [e for e in found if e]
+    # The checkpoint folder usually lies inside the run folder: one line is enough.
+    found = system_folder_error("hydra.run.dir", run_dir) or system_folder_error("checkpoint.dir", checkpoint)
+    return [found] if found else []

@@ -66,6 +66,8 @@ MISSING_BEATS = 3
 since keeps it): a lock renamed aside for a moment by a starter comparing it comes back by itself."""
 MAX_LOCK_BYTES = 4096
 """A lock is a few hundred bytes of JSON: more is not a lock, and is not read past this."""
+PID_MAX = 1 << 22
+"""Linux's largest pid (/proc/sys/kernel/pid_max at most): a lock naming another is no live process of this host."""
 GUARD_FILE = ".run.lock.guard"
 """Beside the lock while a starter changes it (creates it, or removes a stale one), flock'ed: starters change the lock
 one at a time (see ``_guard``)."""
@@ -336,7 +338,9 @@ class RunLock:
         pid = holder.get("pid")
         if holder.get("token") == self.me["token"] or self._earlier_incarnation(holder):
             return False, None  # this job's previous incarnation (a requeue), on whatever node
-        if holder.get("host") == self.me["host"] and isinstance(pid, int):
+        if holder.get("host") == self.me["host"] and type(pid) is int:
+            if not 0 < pid <= PID_MAX:  # no process of this host has it
+                return False, None
             if pid == self.me["pid"] or not process_alive(pid, holder.get("pid_start")):
                 return False, None
             return True, self._describe(holder, "alive on this host")
@@ -493,11 +497,9 @@ class RunLock:
             # "unreadable" or missing for a moment: touched again once it reads as ours
 
     def _describe(self, holder: dict[str, Any], detail: str) -> str:
-        job = f"job {holder['job']}" if holder.get("job") else "a job"
-        return (
-            f"{self.path.parent} is in use by {job} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
-            f"{detail}); {self._fix()}"
-        )
+        job = f"job {_field(holder, 'job')}" if holder.get("job") else "a job"
+        where = f"host {_field(holder, 'host')}, pid {_field(holder, 'pid')}"
+        return f"{self.path.parent} is in use by {job} ({where}, {detail}); {self._fix()}"
 
     def _fix(self) -> str:
         return (
@@ -522,7 +524,11 @@ def _who(holder: dict[str, Any]) -> str:
 def _lost_line(path: Path, holder: dict[str, Any]) -> str:
     """What happened, as the new holder's lock records it: who, and since when by that job's own host's clock (never
     compared with this host's)."""
-    since = f"since {_field(holder, 'since')} by its host's clock" if holder.get("since") else "since a time it does not record"
+    since = (
+        f"since {_field(holder, 'since')} by its host's clock"
+        if holder.get("since")
+        else "since a time it does not record"
+    )
     return (
         f"the lock of {path.parent} was taken over by {_who(holder)}, which holds it {since}; this job no longer "
         "writes, publishes or prunes there"

@@ -335,7 +335,9 @@ def test_losing_the_lock_stops_training_at_the_next_step_saving_nothing_with_one
 
     def another_job_takes_the_folder_during_step_3(self, *args):
         if self.state.step == 2:
-            take_over(tmp_path, job="999", host="node-c", pid=31, token="theirs", restart=1, since="2031-01-02 03:04:05")
+            take_over(
+                tmp_path, job="999", host="node-c", pid=31, token="theirs", restart=1, since="2031-01-02 03:04:05"
+            )
         return step(self, *args)
 
     monkeypatch.setattr(Trainer, "train_step", another_job_takes_the_folder_during_step_3)
@@ -574,8 +576,9 @@ def test_two_jobs_starting_in_one_folder_at_once_never_both_hold_it(tmp_path, fo
 def test_a_stale_lock_taken_over_by_another_job_since_it_was_judged_is_left_to_that_job(
     tmp_path, other_process, monkeypatch, links
 ):
-    """This job judged the lock stale; before it removed it, another job took it over. Removing by name would have
-    removed the other job's fresh lock: the file is checked to be the one judged, put back, and this job refused."""
+    """This job judged the lock stale; before it acted on it, another job took it over. Removing by name would have
+    removed the other job's fresh lock: under the guard, the lock is read again and is not the one judged, so this
+    job judges again and is refused."""
     if not links:
         monkeypatch.setattr(run_lock.os, "link", no_links)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -583,13 +586,15 @@ def test_a_stale_lock_taken_over_by_another_job_since_it_was_judged_is_left_to_t
     write_holder(tmp_path, pid=dead.pid)
     first, second = RunLock(tmp_path), RunLock(tmp_path)
     first.me = {**first.me, "pid": other_process.pid, "pid_start": run_lock.process_start(other_process.pid)}
-    remove = second._remove_if_unchanged
+    guard, taken = second._guard, []
 
-    def the_other_job_takes_over_first(judged):
-        first.acquire()
-        remove(judged)
+    def the_other_job_takes_over_first():
+        if not taken:
+            first.acquire()
+            taken.append(True)
+        return guard()
 
-    second._remove_if_unchanged = the_other_job_takes_over_first
+    second._guard = the_other_job_takes_over_first
     holder = f"in use by a job \\(host {socket.gethostname()}, pid {other_process.pid},"
     with pytest.raises(RunFolderInUse, match=holder):
         second.acquire()
