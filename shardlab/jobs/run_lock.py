@@ -21,17 +21,25 @@ the other job, unless the holder is known to be gone:
   whether its heartbeat moves, not by when.
 
 A new lock is created whole, holder and all (a hard link of a written file), so no job ever reads it empty, and only by
-that exclusive create. Taking over a stale lock removes it first, and only the very file judged stale (renamed aside,
-which keeps its mtime, and compared with the bytes and mtime judged): of two jobs that take over at once, however far
-apart, one removes it and the other moves nothing or puts back what it moved, and then only one creates the new lock;
-the other finds that job alive and refuses. A start that is refused writes nothing: it reads the lock, and creates files
-only when the lock is absent or stale.
+that exclusive create. A lock is judged without holding anything, and changed (created, a stale one removed, released)
+only under a flock'ed guard file beside it, and only if it is still the very lock judged (its bytes and mtime) or still
+absent; a stale one is renamed aside, compared again, and removed. Of any number of starters, one creates the lock and
+the others, each in its turn, find a lock other than the one they judged and judge again. A start that is refused
+writes nothing: it reads the lock, and creates files only when the lock is absent or stale.
+
+The lock file is read as a file: never through a symlink, never waiting on a FIFO, a regular file of at most
+MAX_LOCK_BYTES (``_read_lock``). A lock that is not one (such a path, or content naming no holder) is malformed: the
+start is refused naming the file and its content, and the file is left alone (shardlab cannot tell whose it is).
 
 Held by global rank 0 of a job (the launcher process of local ranks), from before Hydra writes the run's record
 (shardlab.jobs.preflight) until the job ends, when it is renamed aside and removed only if it still names this job. The
 heartbeat survives a lock it cannot read or find for a while (a passing NFS error, another starter renaming it aside to
-compare): it tries again, and gives the lock up only when the file names another holder. Then ``lost()`` says why, and
-the trainer stops at the next step with a save.
+compare): it tries again, and gives the lock up only when the file names another holder. Then ``lost()`` says why
+(who took the folder, and since when by that job's clock), and the trainer stops at the next step saving nothing;
+``lost_now()`` reads the files again, for the checkpoint manager to ask immediately before each publish and prune.
+
+A checkpoint folder outside the run is locked at its real path, and refused if it lies in another run's folder
+(``another_runs_folder``); system folders and ``~`` are refused by the pre-flight (shardlab.jobs.run_dir).
 
 The pid check, the heartbeat's touch and its watch are shared with the corpus cache's lock (tasks/lm/cache_lock.py).
 """
