@@ -624,8 +624,9 @@ def take(run_dir: Path, checkpoint_dir: str | None = None) -> list[RunLock]:
     outside = checkpoint_folder_outside(key, checkpoint_dir) if checkpoint_dir is not None else None
     if outside is not None:
         if theirs := another_runs_folder(outside):
+            real = "" if Path(checkpoint_dir) == outside else f" is {outside},"
             raise ConfigError(
-                f"checkpoint.dir={checkpoint_dir} is {outside}, inside another run's folder: {theirs}; its saves "
+                f"checkpoint.dir={checkpoint_dir}{real} inside another run's folder: {theirs}; its saves "
                 "would prune that run's checkpoints. Use a folder of this run's own (the default: "
                 "checkpoint.dir=checkpoints, or an absolute path no other run uses)"
             )

@@ -173,7 +173,8 @@ def test_a_checkpoint_folder_in_another_runs_folder_is_refused_naming_that_job(t
             run_lock.take(tmp_path / "runs" / "y", named)
         message = str(e.value)
         assert "\n" not in message
-        assert message.startswith(f"checkpoint.dir={named} is {(Path(named)).resolve()}, inside another run's folder: "
+        real = "" if Path(named) == Path(named).resolve() else f" is {Path(named).resolve()},"
+        assert message.startswith(f"checkpoint.dir={named}{real} inside another run's folder: "
                                   f"{x} is locked by job 4242 (host node-x, pid 9, restart 0)")  # fmt: skip
         assert not (tmp_path / "runs" / "y" / LOCK_FILE).exists(), "refused before any lock is taken"
     assert sorted(p.name for p in x.iterdir()) == ["checkpoints", "run.lock"]
@@ -187,21 +188,35 @@ def test_a_checkpoint_folder_in_a_finished_runs_folder_is_refused_too(tmp_path):
         run_lock.take(tmp_path / "y", str(x / "checkpoints"))
 
 
+HOLD = """
+import sys, time
+from pathlib import Path
+from shardlab.jobs import run_lock
+run_lock.HEARTBEAT_S = 3600
+run_lock.take(Path(sys.argv[1]), sys.argv[2])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
 def test_a_symlinked_checkpoint_folder_is_locked_where_it_really_is(tmp_path):
-    """Two runs naming one scratch folder by two paths (one a symlink) take the same lock: the second is refused."""
+    """Two runs naming one scratch folder by two paths (one a symlink) meet at one lock, at the real path: the second
+    is refused naming the folder where it really is."""
     scratch = tmp_path / "scratch" / "ck"
     scratch.mkdir(parents=True)
     (tmp_path / "alias").symlink_to(scratch)
-    first = run_lock.take(tmp_path / "a", str(scratch))
+    env = {**os.environ, "SLURM_JOB_ID": "5151"}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "a"), str(scratch)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        assert [lock.path for lock in first] == [tmp_path / "a" / LOCK_FILE, scratch / LOCK_FILE]
-        other = RunLock(tmp_path / "b")  # another live job on this host: its own pid
-        holder = json.loads((scratch / LOCK_FILE).read_text())
-        assert holder["pid"] == os.getpid()
-        assert run_lock.checkpoint_folder_outside(tmp_path / "b", str(tmp_path / "alias")) == scratch
-        del other
+        assert holder.stdout.readline().strip() == "held"
+        assert json.loads((scratch / LOCK_FILE).read_text())["pid"] == holder.pid
+        with pytest.raises(RunFolderInUse, match=f"^{scratch} is in use by job 5151"):
+            run_lock.take(tmp_path / "b", str(tmp_path / "alias"))
+        assert not (tmp_path / "b" / LOCK_FILE).exists(), "the run's own lock is given back"
     finally:
-        run_lock.release(tmp_path / "a")
+        holder.kill()
+        holder.wait()
 
 
 # ---- fuzz ------------------------------------------------------------------------------------------------------------
