@@ -20,7 +20,7 @@ import shardlab.optim  # noqa: F401  (the built-in optimizers, registered before
 from shardlab import errors
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.units import model_on_meta
-from shardlab.errors import ConfigError, DataError, HostLost, RankFailed, ShardlabError, one_line
+from shardlab.errors import ConfigError, DataError, HostLost, RankFailed, RunFolderInUse, ShardlabError, one_line
 from shardlab.jobs import checks, run_lock, run_record
 from shardlab.jobs.checks import job_world_size, path_errors
 from shardlab.jobs.preemption import (
@@ -141,7 +141,7 @@ def _record_failure(e: BaseException, cfg: DictConfig, run_dir: Path, env: dist_
             run_record.fail(run_dir, one_line(e))
         else:
             run_record.fail_with_first_cause(run_dir, one_line(e), env.world_size)
-    elif not record and not cfg.dry_run and not isinstance(e, (SystemExit, RankFailed)):
+    elif not record and not cfg.dry_run and not isinstance(e, (SystemExit, RankFailed, RunFolderInUse)):
         # rank 0 reports the first one. RankFailed is always another rank's failure, told to this one: no cause of
         # its own, and a job refused a folder in use would leave it in the running job's folder.
         run_record.note_rank_error(run_dir, env.rank, one_line(e))

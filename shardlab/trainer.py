@@ -162,7 +162,12 @@ class Trainer:
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
         # From here on every trainer has its checkpointer (a trial's is never written to); constructing it touches
         # no file: the folder is listed by the restore and made by the first save.
-        self.checkpointer = Checkpointer(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint, backend)
+        self.checkpointer = Checkpointer(
+            self.run_dir / cfg.checkpoint.dir,
+            cfg.checkpoint,
+            backend,
+            folder_lost=lambda: run_lock.lost_now(self.run_dir),
+        )
         self.resumed_from = self.initialized_from = None
         if restore:
             self._restore()
@@ -188,7 +193,8 @@ class Trainer:
             log.finish(self.state.step, final, self.checkpointer.newest, stopped=bool(self.stopped_by))
             return final
         except BaseException as error:
-            if not is_main and not isinstance(error, SystemExit):  # first: rank 0 reports the rank that failed first
+            # first: rank 0 reports the rank that failed first; none into a folder another job holds now
+            if not is_main and not isinstance(error, (SystemExit, RunFolderInUse)):
                 run_record.note_rank_error(self.run_dir, self.backend.env.rank, one_line(error))
             self._save_after_error(error, log)
             raise
@@ -222,8 +228,9 @@ class Trainer:
                     self._lock_lost(),
                     not bool(self.loss_finite),
                 )
+            if lock_lost:  # another job holds the folder now: hands off it, every rank at this step
+                raise RunFolderInUse(self._lost_lock_line())
             self.nonfinite.count(nonfinite, state.step, self.checkpointer.kept, log.info, self._nonfinite_cause)
-            stop = stop or lock_lost  # another job holds the folder now: save this step, then stop (below)
             last = state.step == max_steps  # the loop's last step: what it holds is what the run holds
             if stop or last:  # bytes held right after a step: parameters, optimizer state, persistent buffers
                 self.held = self.meter.held()
@@ -240,7 +247,7 @@ class Trainer:
                 self.meter.reset()  # the next step's peak starts here: validation and saves do not count
             window.paused += time.perf_counter() - paused_from
             if stop and not last:
-                self._stop(lock_lost, path if cfg.checkpoint.save else None, log)
+                self._stop(path if cfg.checkpoint.save else None, log)
                 break
         if not last_valid and not self.stopped_by:  # resumed at the end: still report the final quality
             last_valid = self.validate(log)
@@ -418,19 +425,20 @@ class Trainer:
 
     def _lock_lost(self) -> bool:
         """Whether rank 0 knows the run's lock is another job's now (shardlab.jobs.run_lock): agreed at the step's
-        end with the stop signals, so every rank saves and stops at the same step."""
+        end with the stop signals, so every rank stops at the same step, saving nothing (docs/checkpoints.md)."""
         return self.backend.env.is_main and run_lock.lost(self.run_dir) is not None
 
-    def _lost_lock_line(self, saved: Path | None) -> str:
+    def _lost_lock_line(self) -> str:
+        """Why the run stopped, and what it dropped: the folder is the new holder's, which goes on from its own
+        checkpoints; no save is kept elsewhere (docs/checkpoints.md, "Who may write a folder")."""
         reason = run_lock.lost_reason(self.run_dir)  # the same words on every rank, whichever one is reported
-        return f"{reason}; stopped at step {self.state.step}, " + (f"saved {saved}" if saved else "nothing saved")
+        newest = self.checkpointer.newest
+        since = f"since {newest.name}" if newest is not None else "of this run"
+        return f"{reason}; stopped at step {self.state.step} and saved nothing: its steps {since} are dropped"
 
-    def _stop(self, lock_lost: bool, path: Path | None, log: RunLogger) -> None:
-        """The loop stops before optimization.max_steps, after this step's save (``path``; None without
-        checkpoint.save): the run lock lost ends every rank with the reason, a stop signal sets ``stopped_by``."""
-        if lock_lost:  # not a stop signal: no requeue. Saved above; then every rank ends with the reason
-            self.checkpointer.finish()
-            raise RunFolderInUse(self._lost_lock_line(path))
+    def _stop(self, path: Path | None, log: RunLogger) -> None:
+        """The loop stops before optimization.max_steps on a stop signal, after this step's save (``path``; None
+        without checkpoint.save), and sets ``stopped_by``."""
         (signum,) = self.backend.max_over_ranks([float(self.stop_signals.received or 0)])  # which one, agreed
         self.stop_signals.agree(int(signum))
         self.stopped_by = self.stop_signals.name  # its own signal, or "<SIG> (on another rank)"

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from shardlab.checkpoint import agreement, dcp_reader
 from shardlab.checkpoint.layout import TMP, complete_checkpoints, fsync_path, publish, remove, step_name, to_prune
-from shardlab.errors import CheckpointError, IncompatibleCheckpointError, first_cause
+from shardlab.errors import CheckpointError, IncompatibleCheckpointError, RunFolderInUse, first_cause
 from shardlab.train_state import TrainState
 
 # DCP warns that it assumes a single process when no process group exists: that is exactly the single backend's case.
@@ -88,8 +88,19 @@ class Checkpointer:
     Backend (rank, any_rank, device); every public method is called by all ranks at the same point, and a failure in
     any of them is raised on every rank with the same one-line message (agreement.py)."""
 
-    def __init__(self, root: Path, cfg: Any, comm, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        root: Path,
+        cfg: Any,
+        comm,
+        log: Callable[[str], None] = print,
+        folder_lost: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self.root = root
+        self.folder_lost = folder_lost
+        """Why this job may no longer change the folder (another job took its lock over), or None: asked by rank 0
+        immediately before each change (a save's start, publish, prune, clean-up), so a job that lost the folder
+        between two heartbeats changes nothing the new holder owns. Passed in: the lock is the jobs layer's."""
         self.cfg = cfg
         self.comm = comm
         self.rank = comm.env.rank
@@ -128,12 +139,11 @@ class Checkpointer:
         self.finish()  # at most one save in flight
         final, tmp = self.root / step_name(step), self.root / (step_name(step) + TMP)
 
-        def prepare() -> str:
+        def prepare() -> None:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-            return ""
 
-        self._on_rank0(prepare, f"saving step {step}: creating {self.root}")
+        self._as_holder(prepare, f"saving step {step}: creating {self.root}", f"step {step} was not saved")
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
         state.update({key: obj.state_dict() for key, obj in train_state.tensors.items()})  # e.g. "task": a queue
         meta = {
@@ -184,6 +194,9 @@ class Checkpointer:
             return
         pending, error = self._async.wait(timeout_s)
         if self.rank == 0 and error is None and (pending.tmp / ".metadata").is_file():
+            if lost := self.folder_lost():
+                self.log(f"[ckpt] step {pending.meta['step']} not completed after the error: {lost}")
+                return
             try:
                 publish(pending.tmp, pending.final, pending.meta)
                 self.log(f"[ckpt] step {pending.meta['step']} saved (completed after the error)")
@@ -195,18 +208,23 @@ class Checkpointer:
         and prunes. A failed publish is everyone's error; a failed prune only leaves older checkpoints behind."""
 
         def name_and_prune() -> str:
+            if lost := self.folder_lost():
+                return f"{lost}; step {meta['step']} was not published (its {tmp.name} is left to that job)"
             try:
                 publish(tmp, final, meta)
             except OSError:
                 self._discard(tmp)
                 raise
+            if lost := self.folder_lost():  # published while the folder was this job's; pruning is not now
+                return f"{lost}; step {meta['step']} was published, nothing pruned"
             try:
                 self._prune(final)
             except OSError as e:
                 self.log(f"[ckpt] WARNING: pruning old checkpoints in {self.root} failed ({e}); they stay")
             return ""
 
-        self._on_rank0(name_and_prune, f"saving step {meta['step']}: naming {final}")
+        if lost := self._on_rank0(name_and_prune, f"saving step {meta['step']}: naming {final}"):
+            raise RunFolderInUse(lost)
         self.newest = final
         record = SaveRecord(meta["step"], blocked_s, time.perf_counter() - start)
         self.records.append(record)
@@ -220,9 +238,23 @@ class Checkpointer:
                 raise CheckpointError(f"{e}; {self.kept()}") from None
             raise
 
+    def _as_holder(self, action: Callable[[], None], what: str, undone: str) -> None:
+        """``action`` on rank 0 (``_on_rank0``) only if this job still holds the folder; else RunFolderInUse on every
+        rank, saying what was ``undone``."""
+
+        def guarded() -> str:
+            if lost := self.folder_lost():
+                return f"{lost}; {undone}"
+            action()
+            return ""
+
+        if lost := self._on_rank0(guarded, what):
+            raise RunFolderInUse(lost)
+
     def _discard(self, tmp: Path) -> None:
-        """Rank 0, after a failed save: remove its unfinished folder (freeing the space a full disk needs)."""
-        if self.rank == 0:
+        """Rank 0, after a failed save: remove its unfinished folder (freeing the space a full disk needs), unless
+        the folder is another job's now (which may be writing a folder of that name itself)."""
+        if self.rank == 0 and not self.folder_lost():
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _discard_everywhere(self, tmp: Path) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardlab.errors import TrainingDiverged, first_cause
+from shardlab.errors import RunFolderInUse, TrainingDiverged, first_cause
 
 if TYPE_CHECKING:
     from torch import nn
@@ -78,7 +78,7 @@ def save_after_error(
     None). Otherwise nothing is saved and the log says why; a save already in flight is completed where that needs
     no collective (``timeout_s``: how long to wait for it). (Ctrl-C never gets here with save_on_error: it is an
     agreed stop at the end of the step, at any world size.)"""
-    unsaved = policy.unsaved(step)
+    unsaved = policy.unsaved(step) and not isinstance(error, RunFolderInUse)  # the folder is another job's now
     reason = inconsistent() if c.save and c.save_on_error and unsaved else None
     if not (c.save and c.save_on_error and unsaved) or reason:
         if reason:

@@ -32,7 +32,7 @@ from shardlab.errors import ConfigError, ShardlabError
 from shardlab.jobs import checks, run_lock
 from shardlab.jobs.checks import path_errors
 from shardlab.jobs.conf_options import group_options, option_package, options_of, task_default_options
-from shardlab.jobs.run_dir import checkpoint_dir_error, register_resolvers
+from shardlab.jobs.run_dir import checkpoint_dir_error, folder_errors, register_resolvers
 from shardlab.registry import load_plugins, unknown_name_message, user_dir
 
 GROUPS = ("task", "model", "data", "optimizer", "lr_scheduler", "distributed")
@@ -165,9 +165,12 @@ def check_composed(
     escape = checkpoint_dir_error(cfg.checkpoint.dir)
     if escape:
         raise ConfigError(escape)
+    run_dir = run_dir or spelled
+    where = folder_errors(run_dir, cfg.checkpoint.dir) if "${" not in run_dir else []
+    if where:  # before the lock: a run refused a system folder writes nothing there
+        raise ConfigError("; ".join(where))
     if before_paths is not None:
         before_paths()
-    run_dir = run_dir or spelled
     # A rank of a job of several processes keeps the run directory the check made: another rank may have passed its
     # checks already and be opening its log file there, and Hydra makes the directory next anyway.
     several_ranks = dist_env.detect().world_size > 1

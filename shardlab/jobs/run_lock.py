@@ -21,17 +21,25 @@ the other job, unless the holder is known to be gone:
   whether its heartbeat moves, not by when.
 
 A new lock is created whole, holder and all (a hard link of a written file), so no job ever reads it empty, and only by
-that exclusive create. Taking over a stale lock removes it first, and only the very file judged stale (renamed aside,
-which keeps its mtime, and compared with the bytes and mtime judged): of two jobs that take over at once, however far
-apart, one removes it and the other moves nothing or puts back what it moved, and then only one creates the new lock;
-the other finds that job alive and refuses. A start that is refused writes nothing: it reads the lock, and creates files
-only when the lock is absent or stale.
+that exclusive create. A lock is judged without holding anything, and changed (created, a stale one removed, released)
+only under a flock'ed guard file beside it, and only if it is still the very lock judged (its bytes and mtime) or still
+absent; a stale one is renamed aside, compared again, and removed. Of any number of starters, one creates the lock and
+the others, each in its turn, find a lock other than the one they judged and judge again. A start that is refused
+writes nothing: it reads the lock, and creates files only when the lock is absent or stale.
+
+The lock file is read as a file: never through a symlink, never waiting on a FIFO, a regular file of at most
+MAX_LOCK_BYTES (``_read_lock``). A lock that is not one (such a path, or content naming no holder) is malformed: the
+start is refused naming the file and its content, and the file is left alone (shardlab cannot tell whose it is).
 
 Held by global rank 0 of a job (the launcher process of local ranks), from before Hydra writes the run's record
 (shardlab.jobs.preflight) until the job ends, when it is renamed aside and removed only if it still names this job. The
 heartbeat survives a lock it cannot read or find for a while (a passing NFS error, another starter renaming it aside to
-compare): it tries again, and gives the lock up only when the file names another holder. Then ``lost()`` says why, and
-the trainer stops at the next step with a save.
+compare): it tries again, and gives the lock up only when the file names another holder. Then ``lost()`` says why
+(who took the folder, and since when by that job's clock), and the trainer stops at the next step saving nothing;
+``lost_now()`` reads the files again, for the checkpoint manager to ask immediately before each publish and prune.
+
+A checkpoint folder outside the run is locked at its real path, and refused if it lies in another run's folder
+(``another_runs_folder``); system folders and ``~`` are refused by the pre-flight (shardlab.jobs.run_dir).
 
 The pid check, the heartbeat's touch and its watch are shared with the corpus cache's lock (tasks/lm/cache_lock.py).
 """
@@ -39,12 +47,15 @@ The pid check, the heartbeat's touch and its watch are shared with the corpus ca
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import socket
+import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +73,15 @@ UNREADABLE_WAIT_S = 0.2
 MISSING_BEATS = 3
 """Beats in a row that find the lock gone before the holder creates it again (exclusively: a job that took it over
 since keeps it): a lock renamed aside for a moment by a starter comparing it comes back by itself."""
+MAX_LOCK_BYTES = 4096
+"""A lock is a few hundred bytes of JSON: more is not a lock, and is not read past this."""
+PID_MAX = 1 << 22
+"""Linux's largest pid (/proc/sys/kernel/pid_max at most): a lock naming another is no live process of this host."""
+GUARD_FILE = ".run.lock.guard"
+"""Beside the lock while a starter changes it (creates it, or removes a stale one), flock'ed: starters change the lock
+one at a time (see ``_guard``)."""
+GUARD_WAIT_S = 60.0
+"""How long a starter waits for another starter's change of the lock (a few file operations) before it gives up."""
 HOLDER_ENV = "SHARDLAB_RUN_LOCKS"
 """Set by the holder for the ranks it spawns: the locks' paths and tokens, so rank 0 can tell whether they were lost."""
 
@@ -123,11 +143,38 @@ def current_restart() -> int:
     return 0
 
 
+class NotALock(OSError):
+    """A lock path that holds no lock file: a symlink, a FIFO, a device, a folder, or a file over MAX_LOCK_BYTES."""
+
+
 def _read_lock(path: Path) -> tuple[bytes, int]:
     """A lock's bytes and its heartbeat (its mtime), from one open file: the same file's both, however its name
-    moves, and fresh on NFS (opening a file revalidates the attributes that a stat by name may take from a cache)."""
-    with open(path, "rb") as f:
-        return f.read(), os.fstat(f.fileno()).st_mtime_ns
+    moves, and fresh on NFS (opening a file revalidates the attributes that a stat by name may take from a cache).
+    Opened as a file and nothing else: never through a symlink, never waiting on a FIFO's writer, a regular file only
+    (fstat), at most MAX_LOCK_BYTES read; anything else raises NotALock saying what it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a symlink
+            raise NotALock(errno.ELOOP, "a symlink, not a lock file") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotALock(errno.EINVAL, f"a {_kind(info.st_mode)}, not a lock file")
+        data = b""
+        while len(data) <= MAX_LOCK_BYTES and (chunk := os.read(fd, MAX_LOCK_BYTES + 1 - len(data))):
+            data += chunk
+        if len(data) > MAX_LOCK_BYTES:
+            raise NotALock(errno.EFBIG, f"over {MAX_LOCK_BYTES} bytes, not a lock file")
+        return data, info.st_mtime_ns
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    kinds = {stat.S_ISDIR: "folder", stat.S_ISFIFO: "FIFO", stat.S_ISCHR: "character device", stat.S_ISSOCK: "socket"}
+    return next((name for test, name in kinds.items() if test(mode)), "block device")
 
 
 def _read_lock_or_none(path: Path) -> tuple[bytes, int] | None:
@@ -135,6 +182,26 @@ def _read_lock_or_none(path: Path) -> tuple[bytes, int] | None:
         return _read_lock(path)
     except OSError:
         return None
+
+
+def _holder(data: bytes) -> dict[str, Any] | None:
+    """The holder a lock's bytes name, or None if they are not a lock (shardlab writes a JSON object with a string
+    token, whole: anything else was written by something else, or by a creator without hard links, mid-write)."""
+    try:
+        holder = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return holder if isinstance(holder, dict) and isinstance(holder.get("token"), str) else None
+
+
+def _malformed(path: Path, why: str, data: bytes = b"") -> str:
+    """The refusal of a lock that is not one: its path, what it is, the start of its content, the fix."""
+    excerpt = f": {data[:60]!r}{'...' if len(data) > 60 else ''}" if data or not why else ""
+    return (
+        f"{path} is malformed ({why or 'not a JSON object naming a holder'}{excerpt}); shardlab creates its locks "
+        f"whole, so this job cannot tell whose it is and leaves it alone: remove it if no job uses {path.parent}, "
+        "then start again"
+    )
 
 
 class RunLock:
@@ -162,15 +229,14 @@ class RunLock:
 
     # ---- acquire / release --------------------------------------------------------------------------------------
     def acquire(self) -> None:
-        """Hold the lock, taking over one whose holder is gone; RunFolderInUse naming the holder otherwise."""
+        """Hold the lock, taking over one whose holder is gone; RunFolderInUse naming the holder otherwise. The lock is
+        judged outside the guard (watching another host's heartbeat takes minutes) and changed inside it, only if it
+        is still the lock judged (or still absent)."""
         self._make_parents()
         watch, announced, takeovers = HeartbeatWatch(), False, 0
         while True:
             holder, judged = self._read_judged()
-            if judged is None:  # no lock: create ours (another job may create one first: then judge that one)
-                if self._create():
-                    break
-            else:
+            if judged is not None:
                 live, reason = self._judge(holder)
                 if live:
                     raise RunFolderInUse(reason) from None
@@ -184,7 +250,12 @@ class RunLock:
                             announced = True
                         time.sleep(min(1.0, LEASE_S / 20))
                         continue
-                self._remove_if_unchanged(judged)  # stale: away with it, then create ours
+            with self._guard():  # one starter at a time: the others find a lock other than the one they judged
+                if _read_lock_or_none(self.path) == judged:  # still the stale lock judged (or still none)
+                    if judged is not None:
+                        self._remove_if_unchanged(judged)
+                    if self._create():
+                        break
             takeovers += 1
             if takeovers > TAKEOVER_TRIES:  # something keeps writing dead holders' locks here
                 raise RunFolderInUse(f"{self.path} changed under each of {TAKEOVER_TRIES} takeovers; {self._fix()}")
@@ -198,7 +269,7 @@ class RunLock:
         # Renamed aside and checked there, not checked and then removed by name: a takeover that came between the check
         # and the removal would lose the job that took over its lock. A lock that cannot be moved now is left to the
         # next start, which judges it like any other (this process is gone by then).
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, RunFolderInUse), self._guard():
             self._remove_aside_if(lambda aside: _owner(aside, self.me["token"])[0] == "ours")
         for folder in reversed(self._made):  # a start refused later (a path check) leaves no empty folder behind
             with contextlib.suppress(OSError):
@@ -232,11 +303,12 @@ class RunLock:
         self._made = list(reversed(missing))
 
     def _read_judged(self) -> tuple[dict[str, Any], tuple[bytes, int] | None]:
-        """The lock's holder ({} if it does not parse) and what it is judged by: the bytes it was read from and its
-        mtime, the holder's heartbeat (None if the lock is gone). A
-        lock that does not parse is read again after a moment: where hard links are missing, a lock is written after
-        its exclusive create, and its creator may be writing it now; one that cannot be read is tried a few times,
-        then the start is refused (a live holder's lock is never removed unread)."""
+        """The lock's holder and what it is judged by: the bytes it was read from and its mtime, the holder's
+        heartbeat (({}, None) if there is no lock). The rule for a lock that is not one: a path that is not a regular
+        file (a symlink, a FIFO, ...) or over MAX_LOCK_BYTES, or content that names no holder still after two more
+        reads (0.4 s: where hard links are missing, a lock is written after its exclusive create, and its creator may
+        be writing it now), is refused as malformed in one line (``_malformed``), never judged nor removed: shardlab
+        cannot tell whose it is. One that cannot be read (an OSError) is tried a few times, then refused too."""
         error: OSError | None = None
         seen = (b"", 0)
         for pause in (UNREADABLE_WAIT_S, UNREADABLE_WAIT_S, 0.0):
@@ -244,19 +316,20 @@ class RunLock:
                 seen = _read_lock(self.path)
             except FileNotFoundError:
                 return {}, None
+            except NotALock as e:
+                raise RunFolderInUse(_malformed(self.path, e.strerror)) from None
             except OSError as e:
                 error = e
                 time.sleep(pause)
                 continue
-            try:
-                holder = json.loads(seen[0])
-                return (holder if isinstance(holder, dict) else {}), seen
-            except ValueError:
-                error = None
-                time.sleep(pause)
+            holder = _holder(seen[0])
+            if holder is not None:
+                return holder, seen
+            error = None
+            time.sleep(pause)
         if error is not None:
             raise RunFolderInUse(f"cannot read {self.path} ({error.strerror or error}); {self._fix()}")
-        return {}, seen
+        raise RunFolderInUse(_malformed(self.path, "", seen[0]))
 
     def _judge(self, holder: dict[str, Any]) -> tuple[bool, str | None]:
         """(True, the refusal) for a holder known alive; (False, None) for one known gone (or this process);
@@ -264,7 +337,9 @@ class RunLock:
         pid = holder.get("pid")
         if holder.get("token") == self.me["token"] or self._earlier_incarnation(holder):
             return False, None  # this job's previous incarnation (a requeue), on whatever node
-        if holder.get("host") == self.me["host"] and isinstance(pid, int):
+        if holder.get("host") == self.me["host"] and type(pid) is int:
+            if not 0 < pid <= PID_MAX:  # no process of this host has it
+                return False, None
             if pid == self.me["pid"] or not process_alive(pid, holder.get("pid_start")):
                 return False, None
             return True, self._describe(holder, "alive on this host")
@@ -315,6 +390,60 @@ class RunLock:
             if not self.path.exists():
                 os.rename(aside, self.path)
 
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Hold GUARD_FILE's flock while this process changes the lock (creates it, removes a stale one, releases
+        it). Of starters that judged the same stale lock, or found none, the first to get the guard changes it; each
+        of the others finds, in its turn, a lock other than the one it judged and judges again, however long it
+        paused between judging and acting. (With the rename-aside check alone, a third starter could create a lock
+        while a second's put-back was pending, and that put-back's clean-up removed the first's live lock.) flock
+        holds on local file systems, NFS (v4, and v3 with lockd: Linux maps flock onto its byte-range locks), Lustre
+        mounted with ``-o flock`` and GPFS; where a file system refuses it, this says so once and goes on with the
+        rename-aside check alone, which keeps two starters apart, not three. The kernel lets go of a dead process's
+        flock; the file is removed by the process holding it before it lets go (a waiter that then holds a removed
+        file's flock opens the file again), so it stays only where a process died inside the guard."""
+        guard = self.path.with_name(GUARD_FILE)
+        deadline = time.monotonic() + GUARD_WAIT_S
+        while True:
+            try:
+                fd = os.open(guard, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise RunFolderInUse(f"cannot open {guard} ({e.strerror or e}); {self._fix()}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    self._no_flock(e)
+                    break
+                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK) or time.monotonic() > deadline:
+                    raise RunFolderInUse(
+                        f"{self.path.parent}: another process has been changing its lock for {GUARD_WAIT_S:.0f} s "
+                        f"(it holds {guard}); {self._fix()}"
+                    ) from None
+                time.sleep(0.01)
+                continue
+            if _same_file(fd, guard):
+                try:
+                    yield
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.unlink(guard)
+                    os.close(fd)
+                return
+            os.close(fd)  # its holder removed it as it let go: open the one there now
+        yield  # no flock on this file system
+
+    def _no_flock(self, error: OSError) -> None:
+        if not getattr(self, "_said_no_flock", False):
+            self._said_no_flock = True
+            self.say(
+                f"[run] WARNING: {self.path.parent}'s file system has no flock ({error.strerror}): starters are kept "
+                "apart by the lock's exclusive create and rename-aside check alone, which is safe for two starting at "
+                "once, not three or more",
+                flush=True,
+            )
+
     def _create(self) -> bool:
         """Create the lock already holding this job's details, or return False if it exists. A hard link of a written
         file creates it whole in one step (atomic on local file systems and NFS): a lock created empty and written
@@ -360,17 +489,16 @@ class RunLock:
                 if state == "ours":
                     touch(self.path)
                 elif missing >= MISSING_BEATS:
-                    self._create()  # exclusively: the next beat reads whose it is
-            except OSError:
+                    with self._guard():
+                        self._create()  # exclusively: the next beat reads whose it is
+            except (OSError, RunFolderInUse):
                 pass  # a passing file-system error: the next beat tries again, well within the lease
             # "unreadable" or missing for a moment: touched again once it reads as ours
 
     def _describe(self, holder: dict[str, Any], detail: str) -> str:
-        job = f"job {holder['job']}" if holder.get("job") else "a job"
-        return (
-            f"{self.path.parent} is in use by {job} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
-            f"{detail}); {self._fix()}"
-        )
+        job = f"job {_field(holder, 'job')}" if holder.get("job") else "a job"
+        where = f"host {_field(holder, 'host')}, pid {_field(holder, 'pid')}"
+        return f"{self.path.parent} is in use by {job} ({where}, {detail}); {self._fix()}"
 
     def _fix(self) -> str:
         return (
@@ -379,30 +507,54 @@ class RunLock:
         )
 
 
+def _field(holder: dict[str, Any], key: str) -> str:
+    """A holder's field for a message: one line, at most 64 characters (a lock's content is not trusted)."""
+    value = holder.get(key)
+    text = "?" if value is None else "".join(c if c.isprintable() else "?" for c in str(value))
+    return text[:64]
+
+
 def _who(holder: dict[str, Any]) -> str:
-    job = f"job {holder['job']}" if holder.get("job") else "a job"
-    return f"{job} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')})"
+    job = f"job {_field(holder, 'job')}" if holder.get("job") else "a job"
+    restart = f", restart {holder['restart']}" if holder.get("job") and type(holder.get("restart")) is int else ""
+    return f"{job} (host {_field(holder, 'host')}, pid {_field(holder, 'pid')}{restart})"
 
 
 def _lost_line(path: Path, holder: dict[str, Any]) -> str:
-    return (
-        f"the lock of {path.parent} was taken over by {_who(holder)} while this job ran (its heartbeat did not "
-        f"reach the file for {LEASE_S:.0f} s, or the lock was deleted)"
+    """What happened, as the new holder's lock records it: who, and since when by that job's own host's clock (never
+    compared with this host's)."""
+    since = (
+        f"since {_field(holder, 'since')} by its host's clock"
+        if holder.get("since")
+        else "since a time it does not record"
     )
+    return (
+        f"the lock of {path.parent} was taken over by {_who(holder)}, which holds it {since}; this job no longer "
+        "writes, publishes or prunes there"
+    )
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _owner(path: Path, token: str) -> tuple[str, dict[str, Any] | None]:
     """("ours" | "theirs" | "missing" | "unreadable", the holder read): "theirs" only for a whole lock naming
-    another token, the one answer that means the lock is lost."""
+    another token, the one answer that means the lock is lost. Read as ``_read_lock`` reads: a symlink, a FIFO or
+    content that names no holder is "unreadable"."""
     try:
-        holder = json.loads(path.read_bytes())
+        data, _ = _read_lock(path)
     except FileNotFoundError:
         return "missing", None
-    except (OSError, ValueError):
+    except OSError:
         return "unreadable", None
-    if not isinstance(holder, dict):
+    holder = _holder(data)
+    if holder is None:
         return "unreadable", None
-    return ("ours" if holder.get("token") == token else "theirs"), holder
+    return ("ours" if holder["token"] == token else "theirs"), holder
 
 
 # ---- the locks of this process's runs --------------------------------------------------------------------------------
@@ -415,27 +567,60 @@ def _key(run_dir: Path) -> Path:
 
 
 def checkpoint_folder_outside(run_dir: Path, checkpoint_dir: str) -> Path | None:
-    """The checkpoint folder when it lies outside the run folder (an absolute path or a link elsewhere): it gets
-    its own lock, so two runs never share it. None when the run's lock covers it."""
-    run = _key(run_dir)
-    folder = run / Path(checkpoint_dir).expanduser()
-    try:
-        folder.resolve().relative_to(run.resolve())
-        return None
-    except ValueError:
-        return folder
+    """The checkpoint folder by its real path (symlinks followed) when that lies outside the run folder's real path
+    (an absolute path, or a link elsewhere): it gets its own lock there, so two runs never share it, whatever path
+    each names it by. None when the run's lock covers it. (``~`` is refused by the pre-flight, run_dir.folder_errors:
+    Hydra leaves it as it is, so the files and the lock would read it differently.)"""
+    run = _key(run_dir).resolve()
+    folder = (run / checkpoint_dir).resolve()
+    return None if folder.is_relative_to(run) else folder
+
+
+def another_runs_folder(folder: Path) -> str | None:
+    """Why checkpoint folder ``folder`` (a real path outside this run's folder) belongs to another run: it or a
+    folder above it is a run folder (``.hydra/`` or ``status.json``) or is locked by another job (a ``run.lock``
+    above it; its own is judged by ``acquire``, which takes a dead holder's or an earlier incarnation's over).
+    Refused in one line naming that job: its saves would prune that run's checkpoints, and that run's lock does not
+    cover a folder it never locks. None if no such folder is found."""
+    for place in [folder, *folder.parents]:
+        if place.parent == place:  # the file system's root: not a run folder (refused as one by the pre-flight)
+            return None
+        lock = place / LOCK_FILE
+        marks = [m for m in (".hydra", "status.json") if os.path.lexists(place / m)]
+        if place != folder and os.path.lexists(lock):
+            try:
+                holder = _holder(_read_lock(lock)[0])
+                who = _who(holder) if holder else "a malformed lock"
+            except OSError as e:
+                who = f"a lock that cannot be read ({e.strerror})"
+            return f"{place} is locked by {who} ({lock})"
+        if marks:
+            return f"{place} is another run's folder (it holds {' and '.join(marks)})"
+    return None
 
 
 def take(run_dir: Path, checkpoint_dir: str | None = None) -> list[RunLock]:
-    """The locks of a run (its folder's, and its checkpoint folder's when that lies outside), held by this
-    process: taken now, or the ones this process took already (the pre-flight takes them before Hydra writes the
-    run's record; run_job then finds them held)."""
+    """The locks of a run (its folder's, and its checkpoint folder's when that lies outside, by its real path),
+    held by this process: taken now, or the ones this process took already (the pre-flight takes them before Hydra
+    writes the run's record; run_job then finds them held). A checkpoint folder inside another run's folder, or in
+    one another job's lock covers, is refused (ConfigError) before any lock is taken."""
     key = _key(run_dir)
     if key in _held:
         return _held[key]
+    from shardlab.jobs.run_dir import folder_errors  # the pre-flight's rule, here for sweep points and callers
+
+    if where := folder_errors(key, checkpoint_dir if checkpoint_dir is not None else "."):
+        raise ConfigError("; ".join(where))
     locks = [RunLock(key)]
     outside = checkpoint_folder_outside(key, checkpoint_dir) if checkpoint_dir is not None else None
     if outside is not None:
+        if theirs := another_runs_folder(outside):
+            real = "" if Path(checkpoint_dir) == outside else f" is {outside},"
+            raise ConfigError(
+                f"checkpoint.dir={checkpoint_dir}{real} inside another run's folder: {theirs}; its saves "
+                "would prune that run's checkpoints. Use a folder of this run's own (the default: "
+                "checkpoint.dir=checkpoints, or an absolute path no other run uses)"
+            )
         locks.append(RunLock(outside, key="checkpoint.dir"))
     taken: list[RunLock] = []
     try:
@@ -480,6 +665,22 @@ def lost(run_dir: Path) -> str | None:
     if key not in _watched:
         _watched[key] = _Follower()
     return _watched[key].lost
+
+
+def lost_now(run_dir: Path) -> str | None:
+    """Why this process may no longer write into the run's folders, read from the lock files now (not from the last
+    beat): another job's lock is there. Asked immediately before every publish and prune (the checkpoint manager),
+    by rank 0: the holder reads its locks, a rank the holder spawned the files it named (HOLDER_ENV). None also
+    where no lock is held (a dry run, a tool, a test's bare trainer) and while a lock cannot be read or found for a
+    moment (an NFS error, a starter comparing it): only another holder's whole lock means the folder is lost."""
+    key = _key(run_dir)
+    if key in _held:
+        return next((lock.lost for lock in _held[key] if lock.taken_over()), None)
+    for path, token in _spawned_locks().items():
+        state, holder = _owner(Path(path), token)
+        if state == "theirs":
+            return _lost_line(Path(path), holder or {})
+    return None
 
 
 def lost_reason(run_dir: Path) -> str:

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
 from shardlab.config import CONF_DIR
-from shardlab.jobs.run_dir import MAX_NAME, checkpoint_dir_error, run_key_differences, run_name, sweep_dir_name
+from shardlab.jobs.run_dir import (
+    MAX_NAME,
+    checkpoint_dir_error,
+    folder_errors,
+    run_key_differences,
+    run_name,
+    sweep_dir_name,
+)
 
 
 def hydra_dirs(overrides: list[str]) -> tuple[str, str]:
@@ -127,3 +135,41 @@ def test_checkpoint_dir_error_refuses_only_paths_that_climb_out_of_the_run():
     for outside in ("..", "../x", "../../elsewhere", "a/../../b"):
         error = checkpoint_dir_error(outside)
         assert error.startswith(f"checkpoint.dir={outside} leaves the run folder") and "\n" not in error
+
+
+@pytest.mark.parametrize(
+    "run_dir, checkpoint_dir, key, found",
+    [
+        ("/etc", "checkpoints", "hydra.run.dir", "/etc, a system folder itself"),
+        ("/work/runs/x", "/", "checkpoint.dir", "/, a system folder itself"),
+        ("/work/runs/x", "/usr/share/ck", "checkpoint.dir", "/usr/share/ck, inside the system folder /usr"),
+        ("/var/run/x", "checkpoints", "hydra.run.dir", "inside the system folder /var/run"),
+        ("/tmp", "checkpoints", "hydra.run.dir", "/tmp, a system folder itself"),
+        ("/tmp/x", "/root", "checkpoint.dir", "/root, a system folder itself"),
+    ],
+)
+def test_system_folders_are_refused_as_run_or_checkpoint_folders(run_dir, checkpoint_dir, key, found):
+    (error,) = folder_errors(run_dir, checkpoint_dir)
+    assert error.startswith(f"{key}=") and found in error and "\n" not in error
+
+
+def test_the_home_folder_itself_is_refused_and_folders_below_it_are_not(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (error,) = folder_errors(tmp_path / "runs" / "x", str(tmp_path))
+    assert f"checkpoint.dir={tmp_path} is {tmp_path.resolve()}, the home folder itself" in error
+    assert folder_errors(tmp_path / "runs" / "x", "checkpoints") == []
+    assert folder_errors("/tmp/runs/x", "/scratch/ck") == []
+
+
+def test_a_checkpoint_dir_starting_with_a_tilde_is_refused_in_one_line():
+    """Hydra leaves ``~`` as it is: the lock went to $HOME/ck and the checkpoints to <run>/~/ck."""
+    (error,) = folder_errors("/work/runs/x", "~/ck")
+    assert error.startswith("checkpoint.dir=~/ck starts with '~'") and "${oc.env:HOME}/ck" in error
+
+
+def test_the_preflight_refuses_a_system_run_folder_before_anything_is_written():
+    from shardlab.errors import ConfigError
+    from shardlab.jobs.preflight import preflight
+
+    with pytest.raises(ConfigError, match=r"^hydra.run.dir=/etc is /etc, a system folder itself"):
+        preflight(["hydra.run.dir=/etc"])

@@ -324,7 +324,9 @@ def test_a_rank_its_launcher_spawned_learns_that_the_launchers_lock_was_lost(tmp
     assert run_lock.lost(tmp_path).startswith(f"the lock of {tmp_path} was taken over by job 999 (host node-c")
 
 
-def test_losing_the_lock_stops_training_at_the_next_step_with_a_save_and_one_line(tmp_path, tiny_lm, monkeypatch):
+def test_losing_the_lock_stops_training_at_the_next_step_saving_nothing_with_one_line(tmp_path, tiny_lm, monkeypatch):
+    """The heartbeat sees another job's lock: every rank stops at the step's end and nothing is written into the
+    folder, which is that job's now (it used to save this step there, publishing and pruning)."""
     from shardlab import runner
     from shardlab.trainer import Trainer
 
@@ -333,7 +335,9 @@ def test_losing_the_lock_stops_training_at_the_next_step_with_a_save_and_one_lin
 
     def another_job_takes_the_folder_during_step_3(self, *args):
         if self.state.step == 2:
-            take_over(tmp_path, job="999", host="node-c", pid=31, token="theirs")  # the holder's heartbeat sees it
+            take_over(
+                tmp_path, job="999", host="node-c", pid=31, token="theirs", restart=1, since="2031-01-02 03:04:05"
+            )
         return step(self, *args)
 
     monkeypatch.setattr(Trainer, "train_step", another_job_takes_the_folder_during_step_3)
@@ -341,11 +345,75 @@ def test_losing_the_lock_stops_training_at_the_next_step_with_a_save_and_one_lin
     with pytest.raises(RunFolderInUse) as e:
         runner.run_job(cfg, tmp_path, [])
     message = str(e.value)
-    assert "\n" not in message and message.startswith(f"the lock of {tmp_path} was taken over by job 999")
-    assert message.endswith(f"stopped at step 3, saved {tmp_path / 'checkpoints' / 'step_00000003'}")
-    assert (tmp_path / "checkpoints" / "step_00000003" / ".metadata").is_file()
+    assert "\n" not in message
+    assert message.startswith(
+        f"the lock of {tmp_path} was taken over by job 999 (host node-c, pid 31, restart 1), which holds it since "
+        "2031-01-02 03:04:05 by its host's clock; this job no longer writes, publishes or prunes there"
+    )
+    assert "did not reach" not in message
+    assert message.endswith("stopped at step 3 and saved nothing: its steps of this run are dropped")
+    assert not (tmp_path / "checkpoints").exists(), "nothing saved into the folder the other job holds"
     assert run_record.read(tmp_path)["status"] == "running", "status.json is the other job's now: not marked failed"
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "theirs"
+
+
+def plant_checkpoint(root: Path, step: int, marker: str) -> None:
+    folder = root / f"step_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "shardlab.json").write_text(json.dumps({"step": step, "save_index": 100 + step, "marker": marker}))
+    (folder / ".metadata").write_text(marker)
+
+
+@pytest.mark.parametrize("when", ["before the save", "during the save"])
+def test_a_save_after_the_folder_was_taken_over_changes_none_of_the_new_holders_checkpoints(
+    tmp_path, tiny_lm, monkeypatch, when
+):
+    """The takeover came between two heartbeats (none runs in this test): the lock's token is read again immediately
+    before the save starts, before it is published and before it prunes. The new holder's step 4 (the name this save
+    would publish, replacing it) and step 1 (which keep_last=1 would prune) stay byte for byte, and no rank leaves
+    anything of its own there. It used to remove step_4.tmp, replace step 4 and prune step 1."""
+    from shardlab import runner
+    from shardlab.checkpoint import manager
+    from shardlab.trainer import Trainer
+
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 3600.0)
+    ckpt = tmp_path / "checkpoints"
+
+    def take_over_now():
+        replace_with_another_jobs_lock(tmp_path, since="2031-01-02 03:04:05")
+        plant_checkpoint(ckpt, 1, "theirs-1")
+        plant_checkpoint(ckpt, 4, "theirs-4")
+
+    if when == "before the save":
+        step = Trainer.train_step
+
+        def another_job_takes_the_folder_during_step_3(self, *args):
+            if self.state.step == 2:
+                take_over_now()
+            return step(self, *args)
+
+        monkeypatch.setattr(Trainer, "train_step", another_job_takes_the_folder_during_step_3)
+    else:  # after the shards are written, before rank 0 publishes
+        monkeypatch.setattr(manager.Checkpointer, "_complete", _taking_over_before(manager.Checkpointer._complete,
+                                                                                   take_over_now))  # fmt: skip
+    cfg = tiny_lm("checkpoint.interval_steps=4", "checkpoint.keep_last=1", "validation.interval_steps=0")
+    with pytest.raises(RunFolderInUse, match=f"^the lock of {tmp_path} was taken over by job 999 \\(host node-c"):
+        runner.run_job(cfg, tmp_path, [])
+    for step, marker in ((1, "theirs-1"), (4, "theirs-4")):
+        folder = ckpt / f"step_{step:08d}"
+        assert sorted(p.name for p in folder.iterdir()) == [".metadata", "shardlab.json"]
+        assert json.loads((folder / "shardlab.json").read_text())["marker"] == marker
+    left = sorted(p.name for p in ckpt.iterdir())
+    expected = ["step_00000001", "step_00000004"] + (["step_00000004.tmp"] if when == "during the save" else [])
+    assert left == expected, "a save under way leaves its unfinished folder to the new holder, publishing nothing"
+
+
+def _taking_over_before(complete, take_over_now):
+    def taken_over_first(self, *args, **kwargs):
+        take_over_now()
+        return complete(self, *args, **kwargs)
+
+    return taken_over_first
 
 
 HOLD = """
@@ -508,8 +576,9 @@ def test_two_jobs_starting_in_one_folder_at_once_never_both_hold_it(tmp_path, fo
 def test_a_stale_lock_taken_over_by_another_job_since_it_was_judged_is_left_to_that_job(
     tmp_path, other_process, monkeypatch, links
 ):
-    """This job judged the lock stale; before it removed it, another job took it over. Removing by name would have
-    removed the other job's fresh lock: the file is checked to be the one judged, put back, and this job refused."""
+    """This job judged the lock stale; before it acted on it, another job took it over. Removing by name would have
+    removed the other job's fresh lock: under the guard, the lock is read again and is not the one judged, so this
+    job judges again and is refused."""
     if not links:
         monkeypatch.setattr(run_lock.os, "link", no_links)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -517,13 +586,15 @@ def test_a_stale_lock_taken_over_by_another_job_since_it_was_judged_is_left_to_t
     write_holder(tmp_path, pid=dead.pid)
     first, second = RunLock(tmp_path), RunLock(tmp_path)
     first.me = {**first.me, "pid": other_process.pid, "pid_start": run_lock.process_start(other_process.pid)}
-    remove = second._remove_if_unchanged
+    guard, taken = second._guard, []
 
-    def the_other_job_takes_over_first(judged):
-        first.acquire()
-        remove(judged)
+    def the_other_job_takes_over_first():
+        if not taken:
+            first.acquire()
+            taken.append(True)
+        return guard()
 
-    second._remove_if_unchanged = the_other_job_takes_over_first
+    second._guard = the_other_job_takes_over_first
     holder = f"in use by a job \\(host {socket.gethostname()}, pid {other_process.pid},"
     with pytest.raises(RunFolderInUse, match=holder):
         second.acquire()
