@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.jobs.checks import path_errors, writable_dir_problem
 from shardlab.errors import ConfigError, DataError
+from shardlab.jobs.checks import path_errors, writable_dir_problem
 from shardlab.jobs.preflight import preflight
 from shardlab.runner import build_task, prepare_data
 from tests.conftest import ROOT, TINY_LM, compose_config

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.jobs.checks import validate
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
+from shardlab.jobs.checks import validate
 from shardlab.runner import run_rank
 from tests.tracker_files import mlflow_history, mlflow_runs, wandb_offline_runs
 
