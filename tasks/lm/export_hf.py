@@ -94,7 +94,7 @@ def family(model_cfg: dict, source: dict | None = None) -> str:
     if model_cfg.get("qkv_bias") and not model_cfg.get("out_bias"):
         return "qwen2"
     named = (source or {}).get("model_type")
-    return named if named in ("llama", "mistral") else "llama"
+    return "mistral" if named == "mistral" and not model_cfg.get("qkv_bias") else "llama"  # Mistral has no biases
 
 
 def export_tensors(model_cfg: dict, shapes: dict[str, tuple]) -> list[ExportTensor]:
