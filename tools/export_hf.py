@@ -25,6 +25,7 @@ from pathlib import Path
 from shardlab.checkpoint import weights
 from shardlab.checkpoint.hf_folder import safetensors_reader, step_folder_reader
 from shardlab.errors import CheckpointError, ConfigError
+from shardlab.memory.meter import configure_cpu_allocator
 from shardlab.train import run_tool
 from tasks.lm.export_hf import DTYPES, export_hf, export_refusal
 from tasks.lm.tokenizer import load_tokenizer
@@ -40,7 +41,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the written weights")
     parser.add_argument("--max-shard-mb", type=float, default=5000, help="largest safetensors file (MB; default 5 GB)")
-    parser.add_argument("--buffer-mb", type=float, default=1024, help="tensors read at a time (MB, as stored)")
+    parser.add_argument("--buffer-mb", type=float, default=256, help="tensors read at a time (MB, as stored)")
     return parser.parse_args(argv)
 
 
@@ -91,4 +92,7 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
+    # Each freed tensor group goes back to the OS (glibc would keep it for reuse): the export's memory stays its
+    # bound, not the high-water mark of fragmented heaps (shardlab.memory.meter.configure_cpu_allocator).
+    configure_cpu_allocator("lean")
     run_tool(main)

@@ -234,7 +234,7 @@ def export_hf(
     out: Path,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 << 30,
-    buffer_bytes: int = 1 << 30,
+    buffer_bytes: int = 256 << 20,
 ) -> dict:
     """Write ``out`` (config.json, safetensors shards and index, tokenizer and generation files) for the Hugging
     Face family of ``model_cfg``, streaming the tensors ``read`` gives (``shapes``: name -> shape as stored) in groups
