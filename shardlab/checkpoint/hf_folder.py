@@ -9,6 +9,11 @@ The caller names the checkpoint tensor of each parameter (``names``: shardlab na
 a transposed one (GPT-2's Conv1D weights, stored (in, out)) is read into a transposed view of the local shard, so a
 rank holding rows of the parameter reads the matching columns of the file. The family-specific names live with the
 task (tasks/lm/hf_models.py); this module knows safetensors and DCP only.
+
+The other direction (``write_shards``): a checkpoint's tensors written as Hugging Face safetensors shards with their
+index, streamed in groups of bounded size from a step folder (``step_folder_reader``: DCP reads only the entries
+asked for) or a safetensors file, so one process exports a model of any size; into a staging folder that replaces the
+output only once complete (``staged_folder``).
 """
 
 from __future__ import annotations
