@@ -1,16 +1,20 @@
-"""Export an LM checkpoint as a Hugging Face directory (no custom code needed to load it): model.arch=gpt as a
-GPT2LMHeadModel, model.arch=llama as a LlamaForCausalLM.
+"""Export an LM checkpoint as a Hugging Face folder (no custom code needed to load it): model.arch=gpt as a
+GPT2LMHeadModel, model.arch=llama as a Llama, Qwen2, Qwen3 or Mistral ForCausalLM (tasks/lm/export_hf.py).
 
     python tools/export_hf.py runs/lm/default/checkpoints/step_00000300 --out hf-export
+    python tools/export_hf.py runs/lm/sft/checkpoints/step_00001000 --dtype bf16 --out hf-bf16  # half the bytes
     python tools/export_hf.py model.safetensors --out hf-export       # a file from tools/consolidate.py
     python tools/export_hf.py runs/lm/default/checkpoints/step_00000300 --ema --out hf-ema  # optimization.ema's weights
     python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; \
 AutoModelForCausalLM.from_pretrained('hf-export'); T.from_pretrained('hf-export')"
 
 Reads a sharded checkpoint of any world size (model weights only, never the optimizer) or a consolidated
-safetensors file (shardlab.checkpoint.weights) and writes config.json,
-generation_config.json, model.safetensors (fp32), tokenizer.json and tokenizer_config.json. The tokenizer is the one
-the run was trained with (its data.tokenizer), or --tokenizer for one that has moved.
+safetensors file, a group of tensors at a time (--buffer-mb), never the whole model: one process exports a model of
+any size in memory bounded by the group and the largest tensor. Writes config.json, safetensors shards of at most
+--max-shard-mb with model.safetensors.index.json, in fp32 or bf16 (--dtype), and the tokenizer: the files of the
+Hugging Face folder the run came from (model.pretrained: tokenizer, chat template, generation defaults) when it is
+still there, else the run's data.tokenizer, or --tokenizer for one that has moved. The folder is written beside
+--out and put in its place once complete: running again over an earlier export replaces it.
 """
 
 from __future__ import annotations
@@ -19,22 +23,51 @@ import argparse
 from pathlib import Path
 
 from shardlab.checkpoint import weights
-from shardlab.errors import ConfigError
+from shardlab.checkpoint.hf_folder import safetensors_reader, step_folder_reader
+from shardlab.errors import CheckpointError, ConfigError
+from shardlab.memory.meter import configure_cpu_allocator
 from shardlab.train import run_tool
-from tasks.lm.export_hf import export_hf, export_refusal
+from tasks.lm.export_hf import DTYPES, export_hf, export_refusal
 from tasks.lm.tokenizer import load_tokenizer
 
 
-def main(argv: list[str] | None = None) -> Path:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a step_N checkpoint directory or a consolidated .safetensors")
-    parser.add_argument("--out", type=Path, required=True, help="directory to write (created)")
+    parser.add_argument("--out", type=Path, required=True, help="directory to write (replaced if an earlier export)")
     parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json; default: the run's data.tokenizer")
     parser.add_argument(
         "--ema", action="store_true", help="export the run's moving average of the weights (optimization.ema)"
     )
-    args = parser.parse_args(argv)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the written weights")
+    parser.add_argument("--max-shard-mb", type=float, default=5000, help="largest safetensors file (MB; default 5 GB)")
+    parser.add_argument("--buffer-mb", type=float, default=256, help="tensors read at a time (MB, as stored)")
+    return parser.parse_args(argv)
 
+
+def reader(path: Path, ema: bool):
+    """The checkpoint's tensors by name and a reader of them; with ``ema`` the average stands in for each parameter."""
+    if not path.is_dir():
+        if ema:
+            raise CheckpointError(f"{path}: the EMA weights are in step_N checkpoint folders only; give one")
+        return safetensors_reader(path)
+    if not ema:
+        return step_folder_reader(path)
+    shapes, read = step_folder_reader(path, ("ema.", "model."))
+    average, _ = step_folder_reader(path, ("ema.",))
+    model, _ = step_folder_reader(path)
+    if not average:
+        raise CheckpointError(
+            f"{path} holds no EMA weights (ema.* entries): its run had optimization.ema.enabled=false; drop the EMA "
+            "option"
+        )
+    if unknown := sorted(set(average) - set(model)):
+        raise CheckpointError(f"{path}: EMA entry {unknown[0]!r} names no model parameter; is it a shardlab one?")
+    return shapes, read
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse(argv)
     config = weights.describe(args.checkpoint)["config"]
     if config["task"]["name"] != "lm":
         raise ConfigError(
@@ -48,11 +81,18 @@ def main(argv: list[str] | None = None) -> Path:
         tokenizer = load_tokenizer(spec, None if args.tokenizer else config["data"].get("eod_token"))
     except ConfigError as e:
         raise ConfigError(f"{e} (or pass the tokenizer the run used with --tokenizer)") from None
-    state = weights.read_full(args.checkpoint, ema=args.ema)
-    hf = export_hf(state, config["model"], tokenizer, args.out)
-    print(f"wrote {args.out} ({hf['architectures'][0]}, vocabulary {hf['vocab_size']}, tokenizer {spec})")
+    shapes, read = reader(Path(args.checkpoint).expanduser(), args.ema)
+    mb = 1 << 20
+    hf = export_hf(
+        shapes, read, config["model"], tokenizer, args.out, DTYPES[args.dtype],
+        max_shard_bytes=int(args.max_shard_mb * mb), buffer_bytes=int(args.buffer_mb * mb),
+    )  # fmt: skip
+    print(f"wrote {args.out} ({hf['architectures'][0]}, {args.dtype}, vocabulary {hf['vocab_size']}, tokenizer {spec})")
     return args.out
 
 
 if __name__ == "__main__":
+    # Each freed tensor group goes back to the OS (glibc would keep it for reuse): the export's memory stays its
+    # bound, not the high-water mark of fragmented heaps (shardlab.memory.meter.configure_cpu_allocator).
+    configure_cpu_allocator("lean")
     run_tool(main)

@@ -9,21 +9,35 @@ The caller names the checkpoint tensor of each parameter (``names``: shardlab na
 a transposed one (GPT-2's Conv1D weights, stored (in, out)) is read into a transposed view of the local shard, so a
 rank holding rows of the parameter reads the matching columns of the file. The family-specific names live with the
 task (tasks/lm/hf_models.py); this module knows safetensors and DCP only.
+
+The other direction (``write_shards``): a checkpoint's tensors written as Hugging Face safetensors shards with their
+index, streamed in groups of bounded size from a step folder (``step_folder_reader``: DCP reads only the entries
+asked for) or a safetensors file, so one process exports a model of any size; into a staging folder that replaces the
+output only once complete (``staged_folder``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
-from shardlab.checkpoint import agreement
+from shardlab.checkpoint import agreement, dcp_reader
+from shardlab.checkpoint.dcp_reader import SafeLoadPlanner, SafeReader
 from shardlab.distributed.materialize import clean_name
-from shardlab.errors import CheckpointError, first_cause
+from shardlab.errors import CheckpointError, ConfigError, first_cause
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -131,3 +145,178 @@ def load_hf_folder(
     except Exception as e:  # DCP wraps every rank's failure in its own exception types
         error = CheckpointError(f"model.pretrained: {folder} could not be read ({first_cause(e)})")
     agreement.agree(error, f"model.pretrained: loading {folder}", device)
+
+
+# ---- writing: a checkpoint's tensors as Hugging Face safetensors shards, one bounded buffer at a time ---------------
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+"""The dtypes an export writes, by their safetensors names."""
+
+
+class ExportTensor(NamedTuple):
+    key: str
+    """Its name in the Hugging Face checkpoint."""
+    source: str
+    """Its name where it is read from (the step folder's, without the DCP prefix)."""
+    shape: tuple[int, ...]
+    """Its shape as stored in the source (the written one is the transpose when ``transposed``)."""
+    transposed: bool = False
+
+
+Reader = Callable[[list[str]], dict[str, torch.Tensor]]
+"""Reads the named source tensors, whole, on the CPU: the only tensors an export holds at a time."""
+
+
+def shard_plan(tensors: list[ExportTensor], dtype: torch.dtype, max_shard_bytes: int) -> list[list[ExportTensor]]:
+    """The tensors split, in order, into files of at most ``max_shard_bytes`` (a larger tensor gets a file alone)."""
+    files: list[list[ExportTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        nbytes = math.prod(tensor.shape) * dtype.itemsize
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(tensor)
+        size += nbytes
+    return files
+
+
+def write_shards(
+    tensors: list[ExportTensor],
+    read: Reader,
+    out: Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    buffer_bytes: int,
+) -> dict[str, Any]:
+    """Write ``tensors`` into ``out`` as ``model-0000i-of-0000n.safetensors`` files and their
+    ``model.safetensors.index.json``; returns the index. Each file's header is written from the shapes first, then
+    its tensors are read (``read``) a group of at most ``buffer_bytes`` at a time (one tensor when larger), converted
+    and appended: a process never holds more than one group, whatever the model's size."""
+    files = shard_plan(tensors, dtype, max_shard_bytes)
+    weight_map, total = {}, 0
+    for i, group in enumerate(files, start=1):
+        name = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        total += _write_file(out / name, group, read, dtype, buffer_bytes)
+        weight_map |= {t.key: name for t in group}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return index
+
+
+def _write_file(path: Path, tensors: list[ExportTensor], read: Reader, dtype: torch.dtype, buffer_bytes: int) -> int:
+    """One safetensors file (header, then each tensor's bytes in order); returns the bytes of its tensors."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        nbytes = math.prod(t.shape) * dtype.itemsize
+        shape = list(t.shape[::-1] if t.transposed else t.shape)
+        header[t.key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes, padding the header with spaces
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for group in _groups(tensors, buffer_bytes):
+            state = read([t.source for t in group])
+            for t in group:
+                tensor = state.pop(t.source)
+                tensor = (tensor.t() if t.transposed else tensor).to(dtype).contiguous()
+                if tuple(tensor.shape[::-1] if t.transposed else tensor.shape) != t.shape:
+                    raise CheckpointError(f"{t.source} read as {list(tensor.shape)}, expected {list(t.shape)}")
+                f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+                del tensor
+            del state
+    return offset
+
+
+def _groups(tensors: list[ExportTensor], budget: int) -> list[list[ExportTensor]]:
+    """Consecutive tensors in groups of at most ``budget`` bytes as stored in fp32 (one tensor when larger)."""
+    return shard_plan(tensors, torch.float32, budget)
+
+
+class _IndexReadOnce(SafeReader):
+    """dcp_reader's SafeReader given the step folder's index, read and checked once for all the groups an export
+    reads: unpickling a checkpoint's .metadata (0.3 s for a 50 MB model's, more with its size) costs more than
+    reading a group's bytes."""
+
+    def __init__(self, step: Path, metadata: Metadata) -> None:
+        super().__init__(str(step))
+        self.metadata = metadata
+
+    def read_metadata(self, *args: Any) -> Metadata:
+        if self.metadata.storage_meta is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
+        return self.metadata
+
+
+def step_folder_reader(step: Path, prefixes: tuple[str, ...] = ("model.",)) -> tuple[dict[str, tuple], Reader]:
+    """The tensors of DCP step folder ``step`` by name (the first of ``prefixes`` under which each is stored wins:
+    ("ema.", "model.") reads the average where there is one), as {name: shape}, and a Reader of them that loads only
+    the entries asked for (DCP reads each chunk's bytes from its file, never a whole file)."""
+    metadata = dcp_reader.read_metadata(step)
+    entries = metadata.state_dict_metadata
+    stored: dict[str, tuple[str, Any]] = {}
+    for prefix in reversed(prefixes):  # the first prefix written last, so it wins
+        for key, item in entries.items():
+            if key.startswith(prefix) and isinstance(item, TensorStorageMetadata):
+                stored[key.removeprefix(prefix)] = (prefix, item)
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for name in names:
+            prefix, item = stored[name]
+            state.setdefault(prefix.rstrip("."), {})[name] = torch.empty(item.size, dtype=item.properties.dtype)
+        planner = SafeLoadPlanner(step)
+        try:
+            dcp.load(state, storage_reader=_IndexReadOnce(step, metadata), planner=planner, no_dist=True)
+        except Exception as e:  # DCP wraps every failure in its own exception types
+            raise CheckpointError(f"checkpoint {step} could not be read ({first_cause(e)})") from None
+        finally:
+            # DCP's load leaves the planner, which holds the state it filled, in reference cycles: left there, each
+            # group's tensors would stay alive until Python's cyclic GC happens to run, and the groups pile up.
+            planner.state_dict = planner.original_state_dict = {}
+        return {name: tensor for part in state.values() for name, tensor in part.items()}
+
+    return {name: tuple(item.size) for name, (_, item) in stored.items()}, read
+
+
+def safetensors_reader(file: Path) -> tuple[dict[str, tuple], Reader]:
+    """The tensors of one safetensors file (tools/consolidate.py's) by name, as {name: shape}, and a Reader of them
+    that reads each tensor alone."""
+    from safetensors import safe_open
+
+    files = [file]
+    shapes = {key: shape for key, (shape, _) in tensor_shapes(files).items()}
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        with safe_open(str(file), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in names}
+
+    return shapes, read
+
+
+@contextmanager
+def staged_folder(out: Path) -> Iterator[Path]:
+    """A fresh folder beside ``out`` to write into, put in ``out``'s place only once the block completes: an export
+    cut short leaves ``out`` as it was, and running it again over an earlier export replaces it whole. A folder that
+    holds files but no config.json is no earlier export and is refused, not replaced."""
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "config.json").is_file())):
+        raise ConfigError(
+            f"{out} exists and is not a Hugging Face folder (no config.json); give a new or empty folder to write"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging, old = (out.parent / f".{out.name}.{tag}-{os.getpid()}" for tag in ("partial", "replaced"))
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,5 +1,6 @@
-"""shardlab's LMs as Hugging Face models: config.json, model.safetensors, tokenizer files. arch=gpt becomes a GPT-2
-(``GPT2LMHeadModel``), arch=llama a ``LlamaForCausalLM``.
+"""shardlab's LMs as Hugging Face models: config.json, safetensors shards with their index, tokenizer files. arch=gpt
+becomes a GPT-2 (``GPT2LMHeadModel``); arch=llama a ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``
+or ``MistralForCausalLM``: the family the run was loaded from (model.pretrained), else the one its options need.
 
 GPT-2 and shardlab's GPT agree point by point, checked against tasks/lm/model.py:
   learned token + position embeddings (wte, wpe), pre-LayerNorm blocks, eps 1e-5 (nn.LayerNorm's default = GPT-2's);
@@ -8,12 +9,14 @@ GPT-2 and shardlab's GPT agree point by point, checked against tasks/lm/model.py
   tanh-approximated GELU (GPT-2's "gelu_new"); final LayerNorm; output projection without bias, tied or not.
 GPT-2's Conv1D stores weights as (in, out), the transpose of nn.Linear's (out, in).
 
-shardlab's Llama (tasks/lm/llama.py) follows LlamaForCausalLM's conventions, so its export renames and nothing more:
-q/k weights are stored in the rotate-half RoPE layout transformers uses (no permutation, unlike Meta's original
-checkpoints), head_dim = dim / num_heads, rope_theta and rms_norm_eps as configured, no biases, untied lm_head.
+shardlab's Llama (tasks/lm/llama.py) follows LlamaForCausalLM's conventions, so its export renames and nothing more
+(the names: tasks/lm/hf_models.py, the mapping loading reads too). Its options choose the family: q/k RMSNorm is
+Qwen3's, q/k/v biases without an output bias Qwen2's, the four biases together any family's ``attention_bias``; an
+output bias alone, or q/k norms with q/k/v biases but none on the output, no family expresses, and is refused.
 
-transformers is not imported: the files are written by hand, so exporting needs only safetensors (and tokenizers for
-the byte tokenizer's file).
+The weights are streamed (shardlab/checkpoint/hf_folder.py): a group of tensors at a time is read from the
+checkpoint, converted to the export's dtype and appended to its shard, so no process holds the model.
+transformers is not imported: the files are written by hand (safetensors' format, JSON).
 """
 
 from __future__ import annotations
@@ -24,33 +27,52 @@ from pathlib import Path
 
 import torch
 
+from shardlab.checkpoint.hf_folder import ExportTensor, Reader, staged_folder, write_shards
 from shardlab.errors import ConfigError
-from tasks.lm.hf_models import weight_names
+from tasks.lm.hf_models import read_config_json, weight_names
 from tasks.lm.llama import ffn_width
 from tasks.lm.tokenizer import ByteTokenizer, Tokenizer, byte_tokenizer_json
 
-HF_ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-"""model.arch -> the transformers class its export loads as."""
+HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+HF_ARCHITECTURES |= {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""config.json model_type -> the transformers class its export loads as."""
+
+EMBEDDINGS = ("transformer.wte.weight", "model.embed_tokens.weight")
+"""The token embedding's name in each family: its rows are the vocabulary."""
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""--dtype -> the dtype the shards are written in."""
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
+)  # fmt: skip
+"""Files of the folder a run came from (model.pretrained) that an export carries over as they are: the tokenizer, its
+chat template (in tokenizer_config.json or a file of its own) and the generation defaults."""
+
+SOURCE_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "sliding_window")
+SOURCE_KEYS += ("use_sliding_window", "max_window_layers", "layer_types")
+"""config.json fields an export keeps from the folder the run came from: token ids and attention-window settings that
+the model section reads but does not keep as they were (Mistral's window becomes model.max_seq_len)."""
 
 
 def export_refusal(model_cfg: dict) -> str | None:
     """Why no Hugging Face architecture can express this model config, or None when one can."""
     arch = model_cfg.get("arch", "gpt")
-    if arch not in HF_ARCHITECTURES:
-        known = ", ".join(f"{a} ({hf})" for a, hf in HF_ARCHITECTURES.items())
-        return f"model.arch={arch!r} has no Hugging Face counterpart; exported are {known}"
-    return gpt2_refusal(model_cfg) if arch == "gpt" else llama_refusal(model_cfg)
-
-
-LOAD_ONLY_OPTIONS = ("head_dim", "tie_embeddings", "qkv_bias", "out_bias", "qk_norm", "rope_scaling")
-"""Llama options of the families read from Hugging Face folders that the export does not write yet."""
+    if arch == "gpt":
+        return gpt2_refusal(model_cfg)
+    if arch != "llama":
+        return f"model.arch={arch!r} has no Hugging Face counterpart; exported are gpt (GPT-2) and llama"
+    return llama_refusal(model_cfg)
 
 
 def llama_refusal(model_cfg: dict) -> str | None:
-    """Why the export cannot write this Llama config yet, or None when it can."""
-    for key in LOAD_ONLY_OPTIONS:
-        if model_cfg.get(key):
-            return f"model.{key}={model_cfg[key]!r} is read from Hugging Face folders but not exported yet"
+    """Why no family's attention biases match this Llama config's, or None when one's do."""
+    qkv, out = bool(model_cfg.get("qkv_bias")), bool(model_cfg.get("out_bias"))
+    if out and not qkv:
+        return "model.out_bias=true without model.qkv_bias: no Hugging Face family has an output bias alone"
+    if qkv and not out and model_cfg.get("qk_norm"):
+        return "model.qk_norm with model.qkv_bias but no out_bias: Qwen3's attention_bias sets all four or none"
     return None
 
 
@@ -62,33 +84,44 @@ def gpt2_refusal(model_cfg: dict) -> str | None:
     return None
 
 
-def _check_names(state: dict[str, torch.Tensor], expected: set[str], optional: set[str], arch: str) -> None:
-    missing, extra = sorted(expected - set(state) - optional), sorted(set(state) - expected)
+def family(model_cfg: dict, source: dict | None = None) -> str:
+    """The config.json model_type the export writes: the source folder's when it expresses the model, else the one
+    the Llama's options need (Qwen3 for q/k norms, Qwen2 for q/k/v biases without an output bias, else Llama)."""
+    if model_cfg.get("arch", "gpt") == "gpt":
+        return "gpt2"
+    if model_cfg.get("qk_norm"):
+        return "qwen3"
+    if model_cfg.get("qkv_bias") and not model_cfg.get("out_bias"):
+        return "qwen2"
+    named = (source or {}).get("model_type")
+    return "mistral" if named == "mistral" and not model_cfg.get("qkv_bias") else "llama"  # Mistral has no biases
+
+
+def export_tensors(model_cfg: dict, shapes: dict[str, tuple]) -> list[ExportTensor]:
+    """What the export writes, in the Hugging Face checkpoint's order: each tensor's name there, its name in the
+    checkpoint (``shapes``: name -> shape as stored) and whether it is transposed; refused in one line when the
+    checkpoint is not the model its config describes."""
+    names = weight_names({**model_cfg, "arch": model_cfg.get("arch", "gpt")})
+    expected = set(names)
+    optional = {"head.out.weight"} if model_cfg.get("tie_embeddings") else set()  # a tied head: the embedding alone
+    missing, extra = sorted(expected - set(shapes)), sorted(set(shapes) - expected - optional)
     if missing or extra:
         raise ConfigError(
-            f"the checkpoint is not shardlab's {arch} as its config describes it (missing: "
+            f"the checkpoint is not shardlab's {model_cfg.get('arch', 'gpt')} as its config describes it (missing: "
             f"{', '.join(missing[:3]) or '-'}; no Hugging Face place for: {', '.join(extra[:3]) or '-'}); not exported"
         )
+    return [ExportTensor(hf.key, ours, tuple(shapes[ours]), hf.transposed) for ours, hf in names.items()]
 
 
-def hf_state_dict(state: dict[str, torch.Tensor], model_cfg: dict) -> dict[str, torch.Tensor]:
-    """shardlab parameter names and layouts -> the Hugging Face architecture's (tasks/lm/hf_models.py, the mapping
-    loading reads too), in fp32; a tied output projection is left to transformers."""
-    arch = model_cfg.get("arch", "gpt")
-    names = weight_names({**model_cfg, "arch": arch})
-    tied = bool(model_cfg.get("tie_embeddings"))
-    optional = {"head.out.weight"} if tied else set()  # a tied head may be stored under the embedding's name only
-    _check_names(state, set(names) | optional, optional, "GPT" if arch == "gpt" else "Llama")
-    out = {hf.key: state[ours].t() if hf.transposed else state[ours] for ours, hf in names.items()}
-    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
-
-
-def llama_config(model_cfg: dict, vocab_size: int, eod: int) -> dict:
-    head_dim = model_cfg["dim"] // model_cfg["num_heads"]
+def llama_config(model_cfg: dict, vocab_size: int, model_type: str) -> dict:
+    """config.json of the Llama family ``model_type`` that computes what ``model_cfg`` does."""
+    head_dim = model_cfg.get("head_dim") or model_cfg["dim"] // model_cfg["num_heads"]
     theta = float(model_cfg["rope_theta"])
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    scaling = model_cfg.get("rope_scaling")
+    rope = {"rope_type": "default", "rope_theta": theta} if not scaling else {**scaling, "rope_theta": theta}
+    config = {
+        "architectures": [HF_ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": model_cfg["dim"],
         "intermediate_size": ffn_width(model_cfg["dim"], model_cfg["ffn_dim"]),
@@ -99,22 +132,25 @@ def llama_config(model_cfg: dict, vocab_size: int, eod: int) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": model_cfg["max_seq_len"],
         "rms_norm_eps": model_cfg["norm_eps"],
-        # transformers 5 reads rope_parameters, 4.x reads rope_theta: both, saying the same.
+        # transformers 5 reads rope_parameters, 4.x reads rope_theta and rope_scaling: both, saying the same.
         "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "attention_bias": False,
+        "rope_scaling": dict(scaling) if scaling else None,
+        "rope_parameters": rope,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
+        "tie_word_embeddings": bool(model_cfg.get("tie_embeddings")),
         "initializer_range": model_cfg["init_std"],
-        "tie_word_embeddings": False,
-        "bos_token_id": eod,
-        "eos_token_id": eod,
-        "torch_dtype": "float32",
         "use_cache": True,
     }
+    if model_type != "qwen2":  # Qwen2's biases are fixed (q/k/v on, output off); the others' one switch sets all four
+        config["attention_bias"] = bool(model_cfg.get("qkv_bias"))
+    if model_type in ("llama", "mistral"):
+        config |= {"mlp_bias": False, "pretraining_tp": 1} if model_type == "llama" else {"sliding_window": None}
+    else:
+        config |= {"use_sliding_window": False, "sliding_window": None}
+    return config
 
 
-def gpt2_config(model_cfg: dict, vocab_size: int, eod: int) -> dict:
+def gpt2_config(model_cfg: dict, vocab_size: int) -> dict:
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -134,16 +170,28 @@ def gpt2_config(model_cfg: dict, vocab_size: int, eod: int) -> dict:
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
         "tie_word_embeddings": bool(model_cfg["tie_embeddings"]),
-        "bos_token_id": eod,
-        "eos_token_id": eod,
-        "torch_dtype": "float32",
         "use_cache": True,
     }
 
 
-def write_tokenizer(tokenizer: Tokenizer, vocab_size: int, max_seq_len: int, out: Path) -> str:
-    """tokenizer.json + tokenizer_config.json that AutoTokenizer loads as a PreTrainedTokenizerFast; returns the
-    end-of-document token's text."""
+def hf_config(model_cfg: dict, vocab_size: int, eod: int, dtype: torch.dtype, source: dict | None) -> dict:
+    """The config.json an export writes: the family's fields from the model section, and the source folder's token
+    ids and window settings (SOURCE_KEYS) where the run came from one of the same family."""
+    model_type = family(model_cfg, source)
+    if model_type == "gpt2":
+        config = gpt2_config(model_cfg, vocab_size)
+    else:
+        config = llama_config(model_cfg, vocab_size, model_type)
+    config |= {"bos_token_id": eod, "eos_token_id": eod}
+    if source and source.get("model_type") == model_type:
+        config |= {k: source[k] for k in SOURCE_KEYS if k in source}
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    return {**config, "dtype": name, "torch_dtype": name}  # transformers 5's name for it, and 4.x's
+
+
+def write_tokenizer(tokenizer: Tokenizer, vocab_size: int, max_seq_len: int, out: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and generation_config.json for the run's own tokenizer, which
+    AutoTokenizer loads as a PreTrainedTokenizerFast."""
     if isinstance(tokenizer, ByteTokenizer):
         (out / "tokenizer.json").write_text(byte_tokenizer_json(vocab_size))
         eod_text = "<|endoftext|>"
@@ -158,40 +206,58 @@ def write_tokenizer(tokenizer: Tokenizer, vocab_size: int, max_seq_len: int, out
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
-    return eod_text
-
-
-def export_hf(state: dict[str, torch.Tensor], model_cfg: dict, tokenizer: Tokenizer, out: Path) -> dict:
-    """Write ``out`` (config.json, generation_config.json, model.safetensors, tokenizer files) for the Hugging Face
-    architecture of ``model_cfg['arch']``; returns the config written."""
-    from safetensors.torch import save_file
-
-    reason = export_refusal(model_cfg)
-    if reason:
-        raise ConfigError(f"cannot export to Hugging Face: {reason}")
-    weights = hf_state_dict(state, model_cfg)
-    if model_cfg.get("arch", "gpt") == "llama":
-        vocab_size = weights["model.embed_tokens.weight"].shape[0]
-        config = llama_config(model_cfg, vocab_size, tokenizer.eod)
-    else:
-        vocab_size = weights["transformer.wte.weight"].shape[0]
-        config = gpt2_config(model_cfg, vocab_size, tokenizer.eod)
-    if vocab_size < tokenizer.vocab_size:
-        raise ConfigError(
-            f"the checkpoint's vocabulary ({vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size}); "
-            "pass the tokenizer the model was trained with (--tokenizer)"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=1))
     # shardlab's sampler never picks the padding ids above the tokenizer's vocabulary; tell generate() the same.
     generation = {
         "bos_token_id": tokenizer.eod,
         "eos_token_id": tokenizer.eod,
         "suppress_tokens": list(range(tokenizer.vocab_size, vocab_size)) or None,
     }
-    (out / "generation_config.json").write_text(
-        json.dumps({k: v for k, v in generation.items() if v is not None}, indent=1)
-    )
-    write_tokenizer(tokenizer, vocab_size, model_cfg["max_seq_len"], out)
+    text = json.dumps({k: v for k, v in generation.items() if v is not None}, indent=1)
+    (out / "generation_config.json").write_text(text)
+
+
+def source_folder(model_cfg: dict, tokenizer: Tokenizer) -> Path | None:
+    """The Hugging Face folder the run came from (model.pretrained), when it is still there and the run used its
+    tokenizer: its tokenizer files and config.json are then carried over."""
+    folder = model_cfg.get("pretrained")
+    if not folder or not (Path(folder) / "config.json").is_file():
+        return None
+    used = Path(getattr(tokenizer, "path", "") or "")
+    return Path(folder) if used == (Path(folder) / "tokenizer.json").resolve() else None
+
+
+def export_hf(
+    shapes: dict[str, tuple],
+    read: Reader,
+    model_cfg: dict,
+    tokenizer: Tokenizer,
+    out: Path,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 << 30,
+    buffer_bytes: int = 256 << 20,
+) -> dict:
+    """Write ``out`` (config.json, safetensors shards and index, tokenizer and generation files) for the Hugging
+    Face family of ``model_cfg``, streaming the tensors ``read`` gives (``shapes``: name -> shape as stored) in groups
+    of at most ``buffer_bytes``; written into a staging folder that replaces ``out`` once complete. Returns the
+    config written."""
+    if reason := export_refusal(model_cfg):
+        raise ConfigError(f"cannot export to Hugging Face: {reason}")
+    tensors = export_tensors(model_cfg, shapes)
+    vocab_size = next(t.shape[0] for t in tensors if t.key in EMBEDDINGS)
+    if vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"the checkpoint's vocabulary ({vocab_size}) is smaller than the tokenizer's ({tokenizer.vocab_size}); "
+            "pass the tokenizer the model was trained with (--tokenizer)"
+        )
+    source = source_folder(model_cfg, tokenizer)
+    config = hf_config(model_cfg, vocab_size, tokenizer.eod, dtype, read_config_json(source) if source else None)
+    with staged_folder(out) as staging:
+        write_shards(tensors, read, staging, dtype, max_shard_bytes, buffer_bytes)
+        (staging / "config.json").write_text(json.dumps(config, indent=1))
+        if source is None:
+            write_tokenizer(tokenizer, vocab_size, model_cfg["max_seq_len"], staging)
+        else:
+            for name in TOKENIZER_FILES:
+                if (source / name).is_file():
+                    shutil.copyfile(source / name, staging / name)
     return config
