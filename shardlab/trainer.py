@@ -162,7 +162,9 @@ class Trainer:
         self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
         # From here on every trainer has its checkpointer (a trial's is never written to); constructing it touches
         # no file: the folder is listed by the restore and made by the first save.
-        self.checkpointer = Checkpointer(self.run_dir / cfg.checkpoint.dir, cfg.checkpoint, backend)
+        self.checkpointer = Checkpointer(
+            self.run_dir / cfg.checkpoint.dir, cfg.checkpoint, backend, model_keys=self.task.checkpointed_keys()
+        )
         self.resumed_from = self.initialized_from = None
         if restore:
             self._restore()

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -88,8 +89,18 @@ class Checkpointer:
     Backend (rank, any_rank, device); every public method is called by all ranks at the same point, and a failure in
     any of them is raised on every rank with the same one-line message (agreement.py)."""
 
-    def __init__(self, root: Path, cfg: Any, comm, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        root: Path,
+        cfg: Any,
+        comm,
+        log: Callable[[str], None] = print,
+        model_keys: Callable[[str], bool] | None = None,
+    ) -> None:
         self.root = root
+        self.model_keys = model_keys
+        """Which model state-dict keys a step folder holds (Task.checkpointed); None: all. The rest is never changed
+        by the run and comes back from its source at every start (a LoRA run's frozen base)."""
         self.cfg = cfg
         self.comm = comm
         self.rank = comm.env.rank
@@ -134,7 +145,7 @@ class Checkpointer:
             return ""
 
         self._on_rank0(prepare, f"saving step {step}: creating {self.root}")
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        state = {"model": self._model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
         state.update({key: obj.state_dict() for key, obj in train_state.tensors.items()})  # e.g. "task": a queue
         meta = {
             **train_state.state_dict(),
@@ -246,12 +257,18 @@ class Checkpointer:
         if doomed:
             fsync_path(self.root)
 
+    def _model_state(self, model: nn.Module) -> dict[str, Any]:
+        """The model state a step folder holds: all of it, or the keys ``model_keys`` keeps."""
+        state = get_model_state_dict(model)
+        return state if self.model_keys is None else {k: v for k, v in state.items() if self.model_keys(k)}
+
     # ---- load ------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def load_shards(path: Path, model: nn.Module, optimizer: Optimizer | None, tensors: dict | None = None) -> None:
+    def load_shards(
+        self, path: Path, model: nn.Module, optimizer: Optimizer | None, tensors: dict | None = None
+    ) -> None:
         """Model (and optimizer, and TrainState.tensors) state from ``path``'s shards into the (sharded) model, on any
         world size."""
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": self._model_state(model)}
         never_stepped: list[str] = []
         if optimizer is not None:
             optim = get_optimizer_state_dict(model, optimizer)  # every parameter's state, made by a zero-lr step
@@ -267,7 +284,7 @@ class Checkpointer:
                 )
         state.update({key: obj.state_dict() for key, obj in tensors.items()})
         dcp_reader.load(state, path, checked=True)  # its metadata was checked (resume.py)
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=self.model_keys is None))
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, optim)  # loaded in place into optim's tensors
             # DCP lists each group's parameter names in the optimizer's order (whatever wraps the model: DDP,
