@@ -180,3 +180,14 @@ def merge_lora(state: Mapping[str, torch.Tensor], model_cfg: Any) -> dict[str, t
             a, b, w = state[key], state[f"{layer}.lora_B.weight"], state[f"{layer}.weight"]
             merged[f"{layer}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
     return merged
+
+
+def adapter_from_checkpoint(checkpoint: Path, out: Path) -> Path:
+    """A LoRA run's step folder (its adapters only: small, read whole on the CPU) as a peft adapter folder."""
+    from shardlab.checkpoint import weights
+    from shardlab.errors import CheckpointError
+
+    model_cfg = weights.describe(checkpoint)["model_config"]
+    if not lora_on(model_cfg):
+        raise CheckpointError(f"{checkpoint} is not of a LoRA run (its model.lora.rank is 0); it has no adapter")
+    return write_peft_adapter(weights.read_full(checkpoint), model_cfg, out)
