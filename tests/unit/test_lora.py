@@ -129,3 +129,34 @@ def test_a_lora_model_starts_as_its_base_and_only_adapters_get_gradients_and_opt
 def test_lora_config_mistakes_are_refused_in_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         task_of(None, *overrides)
+
+
+LLAMA31_8B = Path(__file__).parents[1] / "data" / "llama3_1_8b"
+H100_8 = [
+    "distributed=fully_sharded", "distributed.world_size=8", "distributed.plan_device=h100_80gb",
+    "distributed.precision=bf16", "data.seq_len=4096", "optimization.batch_size=8", "validation.batch_size=8",
+    "dry_run=true",
+]  # fmt: skip
+
+
+def test_llama_3_1_8b_plans_for_8_h100s_with_lora_and_counts_grads_and_optimizer_of_the_adapters_only(capsys):
+    from shardlab.memory.plan import plan_run
+    from shardlab.runner import print_plan
+
+    lora = ["model.lora.rank=16", "model.lora.target_modules=[attn.*,mlp.*]"]
+    plans = {}
+    for name, extra in (("full", []), ("lora", lora)):
+        task = task_of(LLAMA31_8B, *H100_8, *extra)
+        plans[name] = plan_run(task.cfg, task, 8, model_on_meta(task)).estimate
+    print_plan(task.cfg, task)
+    assert "h100_80gb" in capsys.readouterr().out
+    full, lora_plan = plans["full"], plans["lora"]
+    # 8.03B base; per layer, rank 16 times (in + out) of q, o (4096, 4096), k, v (4096, 1024), gate, up, down (4096,
+    # 14336): 1,310,720 adapter parameters, 32 layers.
+    adapters = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+    assert adapters == 41_943_040
+    assert lora_plan.params > full.params  # the base is all there, sharded, plus the adapters
+    assert lora_plan.optimizer == pytest.approx(8 * adapters / 8, rel=0.01)  # two fp32 Adam moments, 1/8 per rank
+    assert lora_plan.grads == pytest.approx(4 * adapters / 8, rel=0.01)
+    assert full.optimizer > 100 * lora_plan.optimizer and full.grads > 100 * lora_plan.grads
+    assert lora_plan.peak < full.peak - (full.optimizer + full.grads) // 2
