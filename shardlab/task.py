@@ -6,6 +6,7 @@ A task plug-in (tasks/<name>/) subclasses Task and registers a factory in TASKS 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,6 +83,12 @@ class Task(ABC):
         """Load the weights the task's config starts from (the LM's model.pretrained) into the wrapped, materialized
         model, on every rank; returns where they came from, or None: the seeded init stands. Asked by the restore
         when the run resumes nothing and has no checkpoint.init_from."""
+        return None
+
+    def checkpointed_keys(self) -> Callable[[str], bool] | None:
+        """Which model state-dict keys step folders hold, or None: all. A task that freezes weights it reads at every
+        start (the LM's LoRA: its base, from model.pretrained or checkpoint.init_from) keeps them out of checkpoints;
+        the restore reads them again from their source."""
         return None
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:

@@ -167,6 +167,7 @@ class Trainer:
             cfg.checkpoint,
             backend,
             folder_lost=lambda: run_lock.lost_now(self.run_dir),
+            model_keys=self.task.checkpointed_keys(),
         )
         self.resumed_from = self.initialized_from = None
         if restore:

@@ -76,15 +76,22 @@ def tensor_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     return shapes
 
 
-def fit_errors(model: nn.Module, folder: Path, names: Names, ignored: tuple[str, ...] = ()) -> list[str]:
+def fit_errors(
+    model: nn.Module,
+    folder: Path,
+    names: Names,
+    ignored: tuple[str, ...] = (),
+    keys: Callable[[str], bool] | None = None,
+) -> list[str]:
     """Why the folder's tensors cannot fill ``model`` (missing, of another shape, or unused); [] when they can. Reads
-    headers only. ``ignored``: suffixes of checkpoint keys that may be present and unused (buffers)."""
+    headers only. ``ignored``: suffixes of checkpoint keys that may be present and unused (buffers); ``keys``: the
+    parameters to fill (None: all; a LoRA model's adapters are not in the folder)."""
     files = weight_files(folder)
     if not files:
         return [f"{folder} holds no .safetensors weights (only a config.json plans: add dry_run=true)"]
     shapes = tensor_shapes(files)
     errors = []
-    for name, param in _parameters(model).items():
+    for name, param in _parameters(model, keys).items():
         if name not in names:
             errors.append(f"parameter {name} has no checkpoint name (a mapping that does not match the model)")
             continue
@@ -101,9 +108,11 @@ def fit_errors(model: nn.Module, folder: Path, names: Names, ignored: tuple[str,
     return errors
 
 
-def _parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters by their unwrapped names, each once (a tied one under its first name)."""
-    return {clean_name(name): param for name, param in model.named_parameters()}
+def _parameters(model: nn.Module, keys: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """The model's parameters by their unwrapped names, each once (a tied one under its first name); only those
+    ``keys`` selects, when given."""
+    named = {clean_name(name): param for name, param in model.named_parameters()}
+    return named if keys is None else {name: p for name, p in named.items() if keys(name)}
 
 
 def _target(param: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -124,7 +133,12 @@ def _target(param: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 @torch.no_grad()
 def load_hf_folder(
-    model: nn.Module, folder: Path, names: Names, device: torch.device, ignored: tuple[str, ...] = ()
+    model: nn.Module,
+    folder: Path,
+    names: Names,
+    device: torch.device,
+    ignored: tuple[str, ...] = (),
+    keys: Callable[[str], bool] | None = None,
 ) -> None:
     """Fill every parameter of ``model`` (plain, DDP or FSDP2-sharded; any world size; call on every rank) from the
     safetensors of ``folder``; refused in one line, the same on every rank, before any tensor is read if the folder
@@ -134,12 +148,12 @@ def load_hf_folder(
 
     error: BaseException | None = None
     try:
-        if problems := fit_errors(model, folder, names, ignored):
+        if problems := fit_errors(model, folder, names, ignored, keys):
             raise CheckpointError(f"model.pretrained: {problems[0]}")
     except CheckpointError as e:
         error = e
     agreement.agree(error, f"model.pretrained: reading {folder}", device)
-    state = {names[name][0]: _target(p, names[name][1]) for name, p in _parameters(model).items()}
+    state = {names[name][0]: _target(p, names[name][1]) for name, p in _parameters(model, keys).items()}
     try:
         dcp_load(state, storage_reader=HuggingFaceStorageReader(str(folder)))
     except Exception as e:  # DCP wraps every rank's failure in its own exception types

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -95,12 +96,16 @@ class Checkpointer:
         comm,
         log: Callable[[str], None] = print,
         folder_lost: Callable[[], str | None] = lambda: None,
+        model_keys: Callable[[str], bool] | None = None,
     ) -> None:
         self.root = root
         self.folder_lost = folder_lost
         """Why this job may no longer change the folder (another job took its lock over), or None: asked by rank 0
         immediately before each change (a save's start, publish, prune, clean-up), so a job that lost the folder
         between two heartbeats changes nothing the new holder owns. Passed in: the lock is the jobs layer's."""
+        self.model_keys = model_keys
+        """Which model state-dict keys a step folder holds (Task.checkpointed); None: all. The rest is never changed
+        by the run and comes back from its source at every start (a LoRA run's frozen base)."""
         self.cfg = cfg
         self.comm = comm
         self.rank = comm.env.rank
@@ -144,7 +149,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
 
         self._as_holder(prepare, f"saving step {step}: creating {self.root}", f"step {step} was not saved")
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        state = {"model": self._model_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
         state.update({key: obj.state_dict() for key, obj in train_state.tensors.items()})  # e.g. "task": a queue
         meta = {
             **train_state.state_dict(),
@@ -278,12 +283,18 @@ class Checkpointer:
         if doomed:
             fsync_path(self.root)
 
+    def _model_state(self, model: nn.Module) -> dict[str, Any]:
+        """The model state a step folder holds: all of it, or the keys ``model_keys`` keeps."""
+        state = get_model_state_dict(model)
+        return state if self.model_keys is None else {k: v for k, v in state.items() if self.model_keys(k)}
+
     # ---- load ------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def load_shards(path: Path, model: nn.Module, optimizer: Optimizer | None, tensors: dict | None = None) -> None:
+    def load_shards(
+        self, path: Path, model: nn.Module, optimizer: Optimizer | None, tensors: dict | None = None
+    ) -> None:
         """Model (and optimizer, and TrainState.tensors) state from ``path``'s shards into the (sharded) model, on any
         world size."""
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": self._model_state(model)}
         never_stepped: list[str] = []
         if optimizer is not None:
             optim = get_optimizer_state_dict(model, optimizer)  # every parameter's state, made by a zero-lr step
@@ -299,7 +310,7 @@ class Checkpointer:
                 )
         state.update({key: obj.state_dict() for key, obj in tensors.items()})
         dcp_reader.load(state, path, checked=True)  # its metadata was checked (resume.py)
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=self.model_keys is None))
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, optim)  # loaded in place into optim's tensors
             # DCP lists each group's parameter names in the optimizer's order (whatever wraps the model: DDP,

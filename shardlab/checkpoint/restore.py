@@ -54,12 +54,21 @@ def restore_training(
     # wait up to checkpoint.timeout_s, the last of them an agreement, so all ranks leave this together.
     with backend.long_timeout(cfg.checkpoint.timeout_s):
         resumed_from = restore(ckpt, cfg.checkpoint.resume, start, check, model, optimizer, state)
-        if resumed_from is None and cfg.checkpoint.init_from:
-            source = Path(cfg.checkpoint.init_from).expanduser()
-            initialized_from = init_from(source, model, cfg.task.name, model_config, resumable_changes, backend.device)
-        elif resumed_from is None:
-            initialized_from = load_pretrained()
-    if resumed_from is not None and cfg.checkpoint.init_from and start.kind == "weights":
+        # A step folder that holds part of the model (Checkpointer.model_keys: a LoRA run's adapters) is completed by
+        # the weights the run began from, read again: the frozen rest was never saved.
+        base = resumed_from is None or ckpt.model_keys is not None
+        source = None
+        if base and cfg.checkpoint.init_from:
+            others = None if ckpt.model_keys is None else (lambda key: not ckpt.model_keys(key))
+            path = Path(cfg.checkpoint.init_from).expanduser()
+            source = init_from(path, model, cfg.task.name, model_config, resumable_changes, backend.device, others)
+        elif base:
+            source = load_pretrained()
+        if resumed_from is None:
+            initialized_from = source
+        elif source is not None:
+            ckpt.log(f"[ckpt] the frozen weights that {resumed_from.name} does not hold: read from {source}")
+    if resumed_from is not None and cfg.checkpoint.init_from and start.kind == "weights" and ckpt.model_keys is None:
         ckpt.log(f"[ckpt] checkpoint.init_from is not used: resuming {resumed_from}")
     return resumed_from, initialized_from
 
@@ -88,8 +97,17 @@ def _checker(
     return check
 
 
-def init_from(path: Path, model: nn.Module, task_name: str, model_config: dict, resumable_changes, device) -> Path:
-    """checkpoint.init_from: weights only, refused in one line if another task or model shape; agreed over ranks."""
+def init_from(
+    path: Path,
+    model: nn.Module,
+    task_name: str,
+    model_config: dict,
+    resumable_changes,
+    device,
+    keys: Callable[[str], bool] | None = None,
+) -> Path:
+    """checkpoint.init_from: weights only, refused in one line if another task or model shape; agreed over ranks.
+    ``keys``: the model state keys to read (None: all; a LoRA run reads its base, not its adapters)."""
     error: BaseException | None = None
     try:
         info = weights.describe(path)
@@ -100,7 +118,7 @@ def init_from(path: Path, model: nn.Module, task_name: str, model_config: dict, 
         error = e
     agreement.agree(error, f"checkpoint.init_from: reading {path}", device)
     try:
-        weights.load_into(model, path, checked=True)  # read_metadata above, agreed by every rank
+        weights.load_into(model, path, checked=True, keys=keys)  # read_metadata above, agreed by every rank
     except UnsafeCheckpointError as e:
         error = e
     except Exception as e:

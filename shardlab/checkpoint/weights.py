@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -256,24 +257,28 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, info: dict[str,
     return out
 
 
-def load_into(model: nn.Module, path: Path, checked: bool = False) -> None:
+def load_into(model: nn.Module, path: Path, checked: bool = False, keys: Callable[[str], bool] | None = None) -> None:
     """Load ``path``'s weights into ``model`` (plain, DDP or FSDP2-sharded, any world size; call on every rank).
 
     A step folder goes through DCP into the local shards (``checked``: its index was read through
     dcp_reader.read_metadata already); a safetensors file is read whole on every rank and each rank keeps its slice
-    (set_model_state_dict with a full state dict)."""
+    (set_model_state_dict with a full state dict). ``keys``: the model state keys to load (None: all; a LoRA run
+    loads its frozen base, and its adapters keep their init)."""
     path = Path(path).expanduser()
+    strict = keys is None
     if path.is_dir():
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": {k: v for k, v in get_model_state_dict(model).items() if strict or keys(k)}}
         dcp_reader.load(state, path, checked=checked)
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
         return
     full = read_full(path)
-    expected = set(get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)))
+    expected = {
+        k for k in get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)) if strict or keys(k)
+    }
     missing, unexpected = sorted(expected - set(full)), sorted(set(full) - expected)
     if missing or unexpected:
         raise CheckpointError(
             f"{path} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}; "
             "consolidate a checkpoint of the same model"
         )
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=strict))

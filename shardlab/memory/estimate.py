@@ -154,14 +154,16 @@ class RankState:
 def rank_state(profile: ModelProfile, layout: Layout, ctx: PlanContext, rank: int = 0) -> RankState:
     """What rank ``rank`` of the shard group holds (rank 0 holds the most: the first chunks are the full ones)."""
     if layout.backend != "fully_sharded":
-        P = profile.params
-        return RankState(4 * P, 4 * P, 4 * P, ctx.optimizer_state_bytes * P)
+        P, T = profile.params, profile.trainable_params
+        return RankState(4 * P, 4 * P, 4 * T, ctx.optimizer_state_bytes * T)
     f = layout.sharding_degree
-    groups = profile.groups()
+    groups, trained = profile.groups(), profile.trainable()
     padded = sum(shard_numel(g, f) for g in groups)
     local = sum(shard_numel(g, f, rank) for g in groups)
-    grads = 4 * padded if ctx.reduce_bytes == 4 else 4 * local
-    return RankState(4 * padded, 4 * local, grads, ctx.optimizer_state_bytes * local)
+    # Gradients and optimizer state: of the trainable parameters only (a LoRA run's adapters).
+    grads_padded, grads_local = sum(shard_numel(g, f) for g in trained), sum(shard_numel(g, f, rank) for g in trained)
+    grads = 4 * grads_padded if ctx.reduce_bytes == 4 else 4 * grads_local
+    return RankState(4 * padded, 4 * local, grads, ctx.optimizer_state_bytes * grads_local)
 
 
 def communicators(layout: Layout, ctx: PlanContext) -> int:
@@ -177,12 +179,11 @@ def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryE
     step adds."""
     if layout.backend != "fully_sharded" and profile.autocast is not None:
         profile = profile.autocast  # low precision through autocast, with its weight copies
-    P = profile.params
     sharded = layout.backend == "fully_sharded"
     ranked = rank_state(profile, layout, ctx)
     params, optimizer, grads = ranked.params, ranked.optimizer, ranked.grads
     # DDP copies gradients into bucket buffers of the same size that survive zero_grad (gradient_as_bucket_view off).
-    grad_buffers = 4 * P if layout.backend == "ddp" else 0
+    grad_buffers = 4 * profile.trainable_params if layout.backend == "ddp" else 0
     gathered = 0
     if sharded:
         f = layout.sharding_degree
@@ -190,7 +191,7 @@ def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryE
         # A unit's all-gather output is one flat buffer of f padded shards; its parameters are views of it.
         unit_gathered = [f * shard_numel(g, f) for g in groups[:-1]]
         biggest = max(unit_gathered, default=0)
-        biggest_grad = max(profile.unit_params, default=0)
+        biggest_grad = max((sum(r * w for r, w in g) for g in profile.trainable()[:-1]), default=0)
         root = f * shard_numel(groups[-1], f) if profile.root_params else 0
         if layout.reshard_after_forward:
             # Backward of the last unit: the root (never resharded) and that unit still gathered, the previous unit
@@ -201,7 +202,8 @@ def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryE
             gathered = ctx.param_bytes * (root + sum(unit_gathered) + biggest)
         gathered += ctx.param_bytes * biggest_grad + ctx.reduce_bytes * biggest
         if ctx.update_freq > 1 and not ctx.reduce_every_microbatch:
-            gathered += 4 * (P - -(-P // f))  # unsharded gradients kept across micro-batches (a trap the plan warns of)
+            T = profile.trainable_params  # unsharded gradients kept across micro-batches (a trap the plan warns of)
+            gathered += 4 * (T - -(-T // f))
     activations = _activations(profile, layout)
     host = 0
     if ctx.device == "cuda":

@@ -61,10 +61,21 @@ class ModelProfile:
     unit_matmuls: list[list[tuple[int, int]]] | None = None
     """Per unit, each matmul it runs, in forward order: (bytes of its output, bytes of the unit's saved tensors that
     are that output), for selective_op keeping only every n-th matmul (distributed.ac_matmul_save_every)."""
+    trainable_shapes: list[list[tuple[int, int]]] | None = None
+    """groups() of the parameters that train (requires_grad), when some are frozen (LoRA's base): only they have
+    gradients and optimizer state; None: all train."""
 
     @property
     def root_params(self) -> int:
         return self.params - sum(self.unit_params)
+
+    def trainable(self) -> list[list[tuple[int, int]]]:
+        """groups() of the parameters that get gradients and optimizer state."""
+        return self.groups() if self.trainable_shapes is None else self.trainable_shapes
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(rows * width for g in self.trainable() for rows, width in g)
 
     def groups(self) -> list[list[tuple[int, int]]]:
         """The parameter shapes of each FSDP unit, then the root's (the order fully_shard is applied in)."""
@@ -284,6 +295,10 @@ def profile_model(
         "unit_shapes": [param_shapes(u.parameters()) for u in units],
         "root_shapes": param_shapes(p for p in model.parameters() if id(p) not in in_units),
     }
+    if not all(p.requires_grad for p in model.parameters()):  # frozen weights: no gradients, no optimizer state
+        trained = [[p for p in u.parameters() if p.requires_grad] for u in units]
+        root = [p for p in model.parameters() if id(p) not in in_units and p.requires_grad]
+        shapes["trainable_shapes"] = [param_shapes(g) for g in [*trained, root]]
     empty = [0] * len(units)
     batch = task.example_batch(local_batch) if local_batch > 0 else None
     if batch is None:

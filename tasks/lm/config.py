@@ -4,9 +4,23 @@ imported at start-up for every run (the task and model modules load when first b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardlab.registry import MODELS, TASKS
+
+
+# ---- LoRA (issue 40): one section, model.lora, read by both architectures (tasks/lm/lora.py) ------------------------
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    """Rank r of each low-rank adapter (A: in -> r, B: r -> out, peft's r); 0 = LoRA off: every weight trains."""
+    alpha: float = 16.0
+    """The adapter's output is scaled by alpha / rank (peft's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input, in training only (peft's lora_dropout)."""
+    target_modules: list[str] = field(default_factory=lambda: ["attn.*"])
+    """Name patterns (fnmatch, matched against a module's name or its dotted tail) of the nn.Linear layers to adapt:
+    attn.* = every attention projection (Llama's q, k, v, o; GPT's qkv, proj); mlp.* the MLP; blocks.0.attn.q one."""
 
 
 @dataclass
@@ -33,6 +47,8 @@ class GPTConfig:
     """Std of the normal init of weights; residual projections are scaled by 1/sqrt(2 * num_layers)."""
     pretrained: str | None = None
     """A Hugging Face model folder (config.json, safetensors, tokenizer.json) to start from; docs/finetuning.md."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters: with lora.rank > 0 only they train, the rest is frozen (docs/finetuning.md, LoRA)."""
 
 
 @dataclass
@@ -87,6 +103,8 @@ class LlamaConfig:
     """Rotary frequency scaling for long context (Llama 3.1+: rope_type llama3); null = none."""
     pretrained: str | None = None
     """A Hugging Face model folder (config.json, safetensors, tokenizer.json) to start from; docs/finetuning.md."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters: with lora.rank > 0 only they train, the rest is frozen (docs/finetuning.md, LoRA)."""
 
 
 @dataclass

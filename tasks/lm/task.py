@@ -33,6 +33,9 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 class LanguageModelingTask(Task):
     unit = "tokens"
+    resumable_model_changes = ("dropout", "lora")
+    """model.lora may differ from the weights a run begins from (checkpoint.init_from a run without LoRA); a resume of
+    the same run still compares the whole config (shardlab.jobs.run_dir)."""
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -91,7 +94,7 @@ class LanguageModelingTask(Task):
             errors.append(
                 f"data.num_preprocess_workers must be >= -1 (-1 = one per core), got {d.num_preprocess_workers}"
             )
-        errors += self.pretrained_errors()
+        errors += self.pretrained_errors() + self.lora_errors()
         if d.path is not None:  # a path with no corpus is refused before the run folder is written (listed, not read)
             try:
                 corpus_sources(d.path)
@@ -120,14 +123,34 @@ class LanguageModelingTask(Task):
                 )
         return errors
 
+    def lora_errors(self) -> list[str]:
+        """model.lora: a valid rank, alpha and dropout, and target patterns that each select a linear layer."""
+        if not self.cfg.model.get("lora"):
+            return []
+        from tasks.lm.lora import lora_errors
+
+        with torch.device("meta"):  # shapes only: cheap at any size
+            model = self.architecture(self.cfg.model, self.vocab_size)
+        return lora_errors(self.cfg.model, [n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
+
+    def checkpointed_keys(self):
+        """With LoRA on, only the adapters: the frozen base comes back from model.pretrained or checkpoint.init_from
+        (or the seeded init) at every start."""
+        from tasks.lm.lora import is_adapter, lora_on
+
+        return is_adapter if lora_on(self.cfg.model) else None
+
     def load_pretrained(self, model: nn.Module, device: torch.device) -> Path | None:
         """model.pretrained's weights into the wrapped, materialized model, each rank reading only its slices."""
         if self.pretrained is None:
             return None
         from shardlab.checkpoint.hf_folder import load_hf_folder
+        from tasks.lm.lora import is_adapter
 
         names = weight_names(self.cfg.model)
-        load_hf_folder(model, self.pretrained, names, device, ignored=IGNORED_CHECKPOINT_KEYS)
+        # A LoRA model's adapters are not in the folder: they keep their init (B = 0, so the model starts as the base).
+        ignored = IGNORED_CHECKPOINT_KEYS
+        load_hf_folder(model, self.pretrained, names, device, ignored, keys=lambda name: not is_adapter(name))
         return self.pretrained
 
     def prepare_data(self) -> None:
@@ -165,10 +188,20 @@ class LanguageModelingTask(Task):
         return f"{self.meta['train_tokens']:,} train / {self.meta['valid_tokens']:,} valid tokens ({content})"
 
     def build_model(self) -> nn.Module:
-        return self.architecture(self.cfg.model, self.vocab_size)
+        model = self.architecture(self.cfg.model, self.vocab_size)
+        from tasks.lm.lora import apply_lora, lora_on
+
+        if lora_on(self.cfg.model):  # adapters swapped in on meta, before sharding; the rest frozen
+            apply_lora(model, self.cfg.model.lora)
+        return model
 
     def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        self.architecture.init_tensor(self.cfg.model, name, tensor, generator)
+        from tasks.lm.lora import init_adapter, is_adapter
+
+        if is_adapter(name):
+            init_adapter(name, tensor, generator)
+        else:
+            self.architecture.init_tensor(self.cfg.model, name, tensor, generator)
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         return model.fsdp_units()

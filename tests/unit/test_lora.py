@@ -1,0 +1,162 @@
+"""model.lora: shardlab's LoRA layers compute what peft computes on the transformers model, only the adapters train,
+and the adapters leave as a peft folder or merged into the weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardlab.distributed.materialize import materialize
+from shardlab.distributed.units import model_on_meta
+from shardlab.errors import ConfigError
+from shardlab.jobs.preflight import compose_config
+from shardlab.optim import OPTIMIZERS
+from shardlab.runner import build_task
+from tasks.lm.lora import LoRALinear, is_adapter, merge_lora, write_peft_adapter
+from tests.hf_folders import make_folder
+
+SEQ = 16
+LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {family: make_folder(family, root / family) for family in ("llama3", "qwen2", "gpt2")}
+
+
+def task_of(folder: Path | None, *overrides: str):
+    source = [f"model.pretrained={folder}"] if folder else ["model=llama_tiny"]
+    cfg = compose_config([*source, f"data.seq_len={SEQ}", *overrides])
+    return build_task(cfg, world_size=1)
+
+
+def loaded(task, seed: int = 0) -> torch.nn.Module:
+    """Built on meta, materialized, the folder read in; then the adapters set to random values (B = 0 at init would
+    make any adapter computation look right)."""
+    model = model_on_meta(task)
+    materialize(model, torch.device("cpu"), task.init_tensor, seed=0)
+    task.load_pretrained(model, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if is_adapter(name):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+def adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters() if is_adapter(n)}
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 257, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [("llama3", "[attn.*,mlp.down]"), ("qwen2", "[attn.q,attn.v]"), ("gpt2", "[attn.*,mlp.fc]")],
+)
+def test_saved_adapter_loads_in_peft_on_the_transformers_model_with_equal_logits(folders, tmp_path, family, targets):
+    import peft
+    import transformers
+
+    task = task_of(folders[family], *LORA, f"model.lora.target_modules={targets}")
+    model = loaded(task)
+    assert any(isinstance(m, LoRALinear) for m in model.modules())
+    folder = write_peft_adapter(adapters(model), task.cfg.model, tmp_path / "adapter")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folders[family], dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(base, folder).eval()
+    x = tokens()
+    with torch.no_grad():
+        ours, expected = model(x), theirs(input_ids=x).logits
+    assert not torch.allclose(ours, reference_without_adapters(task, x), atol=1e-3)  # the adapters do something
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+
+
+def reference_without_adapters(task, x: torch.Tensor) -> torch.Tensor:
+    """The same folder's model with model.lora.rank=0: the base alone."""
+    base = task_of(Path(task.cfg.model.pretrained))
+    with torch.no_grad():
+        return loaded(base)(x)
+
+
+@pytest.mark.parametrize("family", ["llama3", "gpt2"])
+def test_merged_weights_compute_what_the_adapted_model_computes(folders, family):
+    task = task_of(folders[family], *LORA, "model.lora.target_modules=[attn.*,mlp.*]")
+    model = loaded(task)
+    merged = merge_lora(model.state_dict(), task.cfg.model)
+    assert not any(is_adapter(k) for k in merged)
+    plain = model_on_meta(task_of(folders[family]))
+    plain.load_state_dict(merged, assign=True)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_lora_model_starts_as_its_base_and_only_adapters_get_gradients_and_optimizer_state(folders):
+    task = task_of(folders["llama3"], *LORA)
+    model = model_on_meta(task)
+    materialize(model, torch.device("cpu"), task.init_tensor, seed=0)
+    task.load_pretrained(model, torch.device("cpu"))
+    x = tokens()
+    with torch.no_grad():  # B = 0 at init (peft's init): the adapted model is the base
+        torch.testing.assert_close(model(x), reference_without_adapters(task, x), rtol=0, atol=0)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter(n) for n in trainable)
+    assert {n.rsplit(".", 2)[0] for n in trainable} == {f"blocks.{i}.attn.{p}" for i in (0, 1) for p in "qkvo"}
+    optimizer = OPTIMIZERS.build("adamw", model, task.cfg.optimizer)
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert held == {id(p) for n, p in model.named_parameters() if is_adapter(n)}
+    task.loss(model, torch.cat([x, x[:, :1]], 1), torch.device("cpu"))[0].backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == trainable
+    assert task.checkpointed_keys()("blocks.0.attn.q.lora_A.weight")
+    assert not task.checkpointed_keys()("blocks.0.attn.q.weight")
+    assert task_of(folders["llama3"]).checkpointed_keys() is None  # LoRA off: checkpoints hold everything
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.lora.rank=-1"], r"model.lora.rank must be >= 0 \(0 = LoRA off\), got -1"),
+        (["model.lora.rank=4", "model.lora.target_modules=[attn.qkv]"], r"'attn.qkv' matches no linear layer"),
+        (["model.lora.rank=4", "model.lora.alpha=0"], r"model.lora.alpha must be > 0"),
+        (["model.lora.rank=4", "model.lora.dropout=1.0"], r"model.lora.dropout must be in \[0, 1\)"),
+    ],
+)
+def test_lora_config_mistakes_are_refused_in_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        task_of(None, *overrides)
+
+
+LLAMA31_8B = Path(__file__).parents[1] / "data" / "llama3_1_8b"
+H100_8 = [
+    "distributed=fully_sharded", "distributed.world_size=8", "distributed.plan_device=h100_80gb",
+    "distributed.precision=bf16", "data.seq_len=4096", "optimization.batch_size=8", "validation.batch_size=8",
+    "dry_run=true",
+]  # fmt: skip
+
+
+def test_llama_3_1_8b_plans_for_8_h100s_with_lora_and_counts_grads_and_optimizer_of_the_adapters_only(capsys):
+    from shardlab.memory.plan import plan_run
+    from shardlab.runner import print_plan
+
+    lora = ["model.lora.rank=16", "model.lora.target_modules=[attn.*,mlp.*]"]
+    plans = {}
+    for name, extra in (("full", []), ("lora", lora)):
+        task = task_of(LLAMA31_8B, *H100_8, *extra)
+        plans[name] = plan_run(task.cfg, task, 8, model_on_meta(task)).estimate
+    print_plan(task.cfg, task)
+    assert "h100_80gb" in capsys.readouterr().out
+    full, lora_plan = plans["full"], plans["lora"]
+    # 8.03B base; per layer, rank 16 times (in + out) of q, o (4096, 4096), k, v (4096, 1024), gate, up, down (4096,
+    # 14336): 1,310,720 adapter parameters, 32 layers.
+    adapters = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+    assert adapters == 41_943_040
+    assert lora_plan.params > full.params  # the base is all there, sharded, plus the adapters
+    assert lora_plan.optimizer == pytest.approx(8 * adapters / 8, rel=0.01)  # two fp32 Adam moments, 1/8 per rank
+    assert lora_plan.grads == pytest.approx(4 * adapters / 8, rel=0.01)
+    assert full.optimizer > 100 * lora_plan.optimizer and full.grads > 100 * lora_plan.grads
+    assert lora_plan.peak < full.peak - (full.optimizer + full.grads) // 2
