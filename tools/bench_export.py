@@ -62,7 +62,8 @@ def measure(argv: list[str]) -> dict:
     import torch
     import torch.distributed.checkpoint  # noqa: F401
 
-    from shardlab.memory.meter import PeakMeter, configure_cpu_allocator
+    from shardlab.distributed.cpu_allocator import configure_cpu_allocator
+    from shardlab.memory.meter import PeakMeter
     from tools import export_hf
 
     configure_cpu_allocator("lean")  # as the command line runs it

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from shardlab.checkpoint import weights
 from shardlab.checkpoint.hf_folder import safetensors_reader, step_folder_reader
+from shardlab.distributed.cpu_allocator import configure_cpu_allocator
 from shardlab.errors import CheckpointError, ConfigError
-from shardlab.memory.meter import configure_cpu_allocator
 from shardlab.train import run_tool
 from tasks.lm.export_hf import DTYPES, export_hf, export_refusal
 from tasks.lm.tokenizer import load_tokenizer
@@ -93,6 +93,6 @@ def main(argv: list[str] | None = None) -> Path:
 
 if __name__ == "__main__":
     # Each freed tensor group goes back to the OS (glibc would keep it for reuse): the export's memory stays its
-    # bound, not the high-water mark of fragmented heaps (shardlab.memory.meter.configure_cpu_allocator).
+    # bound, not the high-water mark of fragmented heaps (shardlab.distributed.cpu_allocator.configure_cpu_allocator).
     configure_cpu_allocator("lean")
     run_tool(main)
