@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, DataError
@@ -230,9 +231,11 @@ def test_records_of_jsonl_and_parquet_give_the_same_samples_and_a_stable_split(t
 def test_the_demo_is_stdlib_functions_with_their_docstring_as_prompt_and_body_as_answer():
     records = dict(demo_records())
     assert len(records) > 300
-    quote = records["stdlib/shlex.quote"]
-    assert quote["prompt"].startswith("def quote(s):\n") and '"""Return a shell-escaped' in quote["prompt"]
-    assert quote["completion"].lstrip().startswith("if not s:") and "return" in quote["completion"]
+    assert records["stdlib/calendar.isleap"] == {
+        "prompt": 'def isleap(year):\n    """Return True for leap years, False for non-leap years."""\n',
+        "completion": "    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)\n",
+    }
+    assert not any(key.rsplit(".", 1)[-1].startswith("_") for key in records)  # public functions and methods only
     assert list(records) == [key for key, _ in demo_records()]  # the same order every time
 
 
@@ -251,12 +254,13 @@ def test_the_demo_answer_token_loss_falls_in_a_short_run(tmp_path):
 
 
 def test_splits_are_deterministic_and_hold_packed_rows_of_answer_samples(tmp_path):
-    task = sft_task(tmp_path, "data.seq_len=128")
+    task = sft_task(tmp_path, "data.seq_len=256")
     d = task.cfg.data
     first = open_sft_splits(d, task.tokenizer, None, packed=True)
     again = open_sft_splits(d, task.tokenizer, None, packed=True)
     assert len(first.train) == len(again.train) and torch.equal(first.train[3], again.train[3])
-    assert first.truncated > 0 and len(first.valid) > 0
-    row = first.train[0]
-    assert row.shape == (3, 128) and (row[1] != IGNORE).any()
-    assert len(first.train) < len(first.train.samples)  # packing: fewer rows than samples
+    assert len(first.train) < len(first.train.samples) and len(first.valid) > 0  # packing: fewer rows than samples
+    assert first.truncated == first.dropped == 0  # the demo's samples fit the default LM's context
+    short = open_sft_splits(OmegaConf.merge(d, {"seq_len": 64}), task.tokenizer, None, packed=True)
+    assert short.truncated > 0 and short.dropped > 0  # cut to 65 tokens; those whose prompt fills them left out
+    assert all(short.train[i].shape == (3, 64) and (short.train[i][1] != IGNORE).any() for i in range(len(short.train)))
