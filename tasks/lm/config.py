@@ -128,6 +128,21 @@ class LMDataConfig:
     """Cap on text read at preprocessing, in MB (0 = all)."""
     num_preprocess_workers: int = -1
     """Tokenizing processes at preprocessing; -1 = one per CPU core (none for corpora under 16 MB), 0 = in-process."""
+    # Supervised fine-tuning (tasks/lm/sft.py, docs/finetuning.md#supervised-fine-tuning)
+    format: str = "text"
+    """text (documents, pretraining), chat (records of role/content messages) or prompt_completion (records of a
+    prompt and its answer); the last two train on answer tokens only; with data.path=null, the stdlib demo."""
+    messages_field: str = "messages"
+    """data.format=chat: the record's key (or Parquet column) holding its list of {role, content} messages."""
+    prompt_field: str = "prompt"
+    """data.format=prompt_completion: the record's key (or Parquet column) holding the prompt."""
+    completion_field: str = "completion"
+    """data.format=prompt_completion: the record's key (or Parquet column) holding the answer."""
+    chat_template: str | None = None
+    """A tokenizer_config.json with a chat_template, or a .jinja file; null = the tokenizer_config.json beside
+    data.tokenizer if it has one, else none (prompt_completion is then joined: prompt + completion + end-of-text)."""
+    pack: bool = True
+    """Pack several samples into each row of data.seq_len, attention kept within each; false = one sample a row."""
 
 
 TASKS.register_lazy("lm", "tasks.lm.task:LanguageModelingTask", data=LMDataConfig)

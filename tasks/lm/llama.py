@@ -19,6 +19,7 @@ from torch import nn
 
 from tasks.lm.architecture import LMArchitecture, below_one
 from tasks.lm.config import LlamaConfig
+from tasks.lm.sft_packing import document_mask, segment_positions
 
 
 def ffn_width(dim: int, ffn_dim: int | None) -> int:
@@ -91,7 +92,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k(x).view(b, t, self.num_kv_heads, self.head_dim)
@@ -106,7 +109,9 @@ class Attention(nn.Module):
             # what a fused kernel keeps, which is what the memory plan counts.
             group = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # A packed row's mask (tasks/lm/sft_packing.py) keeps attention within each sample; without one, the causal
+        # kernel of pretraining, untouched.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.o(y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -130,8 +135,10 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -159,13 +166,20 @@ class Llama(LMArchitecture):
         if cfg.tie_embeddings:
             self.head.out.weight = self.embed.weight
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``idx`` (batch, length); ``segments`` (batch, length), for packed rows: which sample each
+        position belongs to (tasks/lm/sft_packing.py): positions restart and attention stays within each."""
         x = self.embed(idx)
         cos, sin = rotary_tables(
             idx.shape[1], head_width(self.cfg), self.cfg.rope_theta, x.device, x.dtype, self.cfg.rope_scaling
         )
+        mask = None
+        if segments is not None:
+            positions = segment_positions(segments)
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (batch, 1, length, head_dim)
+            mask = document_mask(segments)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask)
         return self.head(x)
 
     def fsdp_units(self) -> list[nn.Module]:

@@ -10,6 +10,7 @@ from torch import nn
 
 from tasks.lm.architecture import LMArchitecture, below_one
 from tasks.lm.config import GPTConfig
+from tasks.lm.sft_packing import document_mask, segment_positions
 
 
 class CausalSelfAttention(nn.Module):
@@ -20,10 +21,13 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        # A packed row's mask (tasks/lm/sft_packing.py) keeps attention within each sample; without one, the causal
+        # kernel of pretraining, untouched.
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -47,8 +51,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x), mask))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -59,8 +63,9 @@ class Embeddings(nn.Module):
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
         return self.drop(self.tok(idx) + self.pos(positions))
 
 
@@ -88,10 +93,15 @@ class GPT(LMArchitecture):
         if cfg.tie_embeddings:
             self.head.out.weight = self.embed.tok.weight
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
+    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``idx`` (batch, length); ``segments`` (batch, length), for packed rows: which sample each
+        position belongs to (tasks/lm/sft_packing.py): positions restart and attention stays within each."""
+        if segments is None:
+            x, mask = self.embed(idx), None
+        else:
+            x, mask = self.embed(idx, segment_positions(segments)), document_mask(segments)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(x)
 
     def fsdp_units(self) -> list[nn.Module]:

@@ -1,7 +1,10 @@
-"""Causal language modelling: next-token cross-entropy on fixed-length blocks of a preprocessed corpus."""
+"""Causal language modelling: next-token cross-entropy on fixed-length blocks of a preprocessed corpus, or, with
+data.format=chat or prompt_completion, supervised fine-tuning on the answer tokens of packed records
+(tasks/lm/sft.py)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from pathlib import Path
@@ -18,6 +21,8 @@ from tasks.lm.architecture import LMArchitecture
 from tasks.lm.cache import corpus_sources
 from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
+from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
+from tasks.lm.sft_template import find_chat_template
 from tasks.lm.tokenizer import load_tokenizer
 
 
@@ -46,6 +51,9 @@ class LanguageModelingTask(Task):
         # .get: configs stored in checkpoints written before data.eod_token existed lack the key.
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
         self.vocab_size = cfg.model.get("vocab_size") or padded_vocab(self.tokenizer.vocab_size)
+        # Fine-tuning records (data.format); .get: configs stored by older checkpoints lack the keys.
+        self.sft = cfg.data.get("format", "text") != "text"
+        self.chat_template = find_chat_template(cfg.data.chat_template, cfg.data.tokenizer) if self.sft else None
 
     @property
     def architecture(self) -> type[LMArchitecture]:
@@ -94,7 +102,7 @@ class LanguageModelingTask(Task):
             errors.append(
                 f"data.num_preprocess_workers must be >= -1 (-1 = one per core), got {d.num_preprocess_workers}"
             )
-        errors += self.pretrained_errors() + self.lora_errors()
+        errors += self.pretrained_errors() + self.lora_errors() + self.sft_errors()
         if d.path is not None:  # a path with no corpus is refused before the run folder is written (listed, not read)
             try:
                 corpus_sources(d.path)
@@ -140,6 +148,28 @@ class LanguageModelingTask(Task):
 
         return is_adapter if lora_on(self.cfg.model) else None
 
+    def sft_errors(self) -> list[str]:
+        """data.format and what fine-tuning records need: a chat template for chat, a model that takes segments for
+        packed rows."""
+        d = self.cfg.data
+        if d.get("format", "text") not in FORMATS:
+            return [f"data.format={d.format!r} is not a data format; known: {', '.join(FORMATS)}"]
+        if not self.sft:
+            return []
+        errors = []
+        if d.format == "chat" and self.chat_template is None:
+            errors.append(
+                "data.format=chat needs a chat template: set data.chat_template (a tokenizer_config.json or .jinja "
+                "file), or use data.format=prompt_completion"
+            )
+        arch = self.architecture
+        if d.pack and "segments" not in inspect.signature(arch.forward).parameters:
+            errors.append(
+                f"data.pack: model.arch={self.cfg.model.arch} takes no segments (a packed row's sample ids), so "
+                "samples would attend to each other; set data.pack=false"
+            )
+        return errors
+
     def load_pretrained(self, model: nn.Module, device: torch.device) -> Path | None:
         """model.pretrained's weights into the wrapped, materialized model, each rank reading only its slices."""
         if self.pretrained is None:
@@ -154,6 +184,11 @@ class LanguageModelingTask(Task):
         return self.pretrained
 
     def prepare_data(self) -> None:
+        if self.sft:
+            d = self.cfg.data
+            self.sft_splits = open_sft_splits(d, self.tokenizer, self.chat_template, d.pack)
+            self.train_dataset, self.valid_dataset = self.sft_splits.train, self.sft_splits.valid
+            return
         self.corpus_dir = corpus = self.corpus()
         self.meta = json.loads((corpus / "meta.json").read_text())
         self.train_dataset, self.valid_dataset = open_splits(corpus, self.cfg.data.seq_len)
@@ -175,13 +210,24 @@ class LanguageModelingTask(Task):
 
     @property
     def sample_name(self) -> str:
+        if self.sft:
+            return f"rows of data.seq_len={self.cfg.data.seq_len} tokens (packed samples)"
         return f"blocks of data.seq_len={self.cfg.data.seq_len} tokens"
 
     def more_samples_hint(self, split: str) -> str:
+        if self.sft:
+            return f"{'raise data.valid_percent, ' if split == 'validation' else ''}or add records to data.path"
         more = "raise data.valid_percent, " if split == "validation" else ""
         return f"{more}lower data.seq_len, or add text to data.path"
 
     def data_identity(self) -> str:
+        if self.sft:
+            s = self.sft_splits
+            return (
+                f"{len(s.train)} train / {len(s.valid)} valid rows of {len(s.train.samples)} / "
+                f"{len(s.valid.samples)} samples, {s.train.answer_tokens:,} answer tokens to train on "
+                f"({s.truncated} cut to data.seq_len, {s.dropped} without an answer token left out)"
+            )
         # The tokens' own hash where the cache has one, so node-local copies of one corpus (other paths or mtimes,
         # hence another cache name) agree; caches written before it existed compare by their name.
         content = self.meta.get("content_digest") or f"cache {self.corpus_dir.name}"
@@ -207,9 +253,13 @@ class LanguageModelingTask(Task):
         return model.fsdp_units()
 
     def example_batch(self, batch_size: int) -> torch.Tensor:
+        if self.sft:  # rows of (inputs, targets, segments): tasks/lm/sft_packing.py
+            return torch.zeros(batch_size, 3, self.cfg.data.seq_len, dtype=torch.long, device="meta")
         return torch.zeros(batch_size, self.cfg.data.seq_len + 1, dtype=torch.long, device="meta")
 
     def loss(self, model: nn.Module, batch: torch.Tensor, device: torch.device):
+        if self.sft:
+            return answer_token_loss(model, batch, device, self.cfg.data.pack)
         batch = batch.to(device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         logits = model(inputs)
@@ -225,4 +275,6 @@ class LanguageModelingTask(Task):
         return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
 
     def num_units(self, batch: torch.Tensor) -> int:
+        if self.sft:
+            return batch.shape[0] * batch.shape[-1]
         return batch.shape[0] * (batch.shape[1] - 1)

@@ -1,0 +1,251 @@
+"""Supervised fine-tuning data: instruction and chat records as token ids with an answer mask, packed into rows.
+
+Records come from JSONL files (.gz and .zst too) or Parquet files (data.path: a file, directory or glob), or, with
+data.path=null, from the embedded demo: one record per documented function of a few standard-library modules (its
+signature and docstring the prompt, its body the answer). Two formats (data.format):
+- ``chat``: a list of {role, content} messages (data.messages_field), rendered with the model's chat template
+  (tasks/lm/sft_template.py); the assistant turns are the answer;
+- ``prompt_completion``: a prompt and its answer (data.prompt_field, data.completion_field), rendered as a user and
+  an assistant turn when there is a chat template, else joined as prompt + completion + end-of-text.
+Only answer tokens are targets. A record goes to the validation split when a hash of its file and record number
+falls in data.valid_percent (as the pretraining corpus splits documents). Samples longer than data.seq_len + 1 tokens
+are cut; one left without an answer token is dropped. Rows are packed in record order (tasks/lm/sft_packing.py), so
+the dataset, a list of rows, is the same on every rank and world size, and the run's global sample offset counts
+rows. Tokenized in memory at start (no cache): fine up to some 10^5 records.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from shardlab.errors import DataError
+from tasks.lm.binarize import is_valid_document
+from tasks.lm.sft_packing import IGNORE, pack, packed_row
+from tasks.lm.sft_template import ChatTemplate
+
+FORMATS = ("text", "chat", "prompt_completion")
+"""data.format values: text is pretraining on documents; the others are fine-tuning records."""
+
+DEMO_MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "ntpath", "genericpath", "string", "colorsys", "heapq",
+                "bisect", "calendar", "base64", "json.encoder", "json.decoder", "html", "statistics", "difflib",
+                "glob", "quopri", "csv", "copy", "keyword", "operator", "locale", "gettext", "ipaddress",
+                "urllib.parse", "email.utils", "argparse", "configparser", "pathlib", "dataclasses", "functools",
+                "inspect", "pprint", "random", "tokenize", "traceback", "uuid", "zipfile", "tarfile", "shutil",
+                "logging", "fractions", "os", "linecache", "mimetypes", "plistlib", "queue", "sched", "selectors",
+                "shelve", "tempfile", "threading", "timeit", "types", "typing", "warnings", "weakref", "ast", "dis",
+                "enum", "collections", "abc", "codecs", "contextlib", "email.message", "http.client",
+                "urllib.request", "unittest.case", "imaplib", "ftplib", "pydoc", "asyncio.base_events",
+                "asyncio.events", "subprocess", "cmd", "bz2", "lzma", "platform", "poplib", "smtplib", "socketserver",
+                "ssl", "symtable", "urllib.robotparser")  # fmt: skip
+"""Standard-library modules whose documented functions and methods make the embedded demo (~410 on Python 3.11)."""
+
+DEMO_MAX_CHARS = 250
+"""Longest prompt + body the demo keeps: a sample fits in 256 byte tokens (the default LM's context) and several pack
+into a row."""
+
+
+@dataclass
+class Sample:
+    ids: list[int]
+    answer: list[bool]
+    """Whether each token is an answer token (a target of the loss)."""
+
+
+# ---- records ---------------------------------------------------------------------------------------------------
+def demo_records() -> Iterator[tuple[str, dict[str, str]]]:
+    """(split key, {prompt, completion}) for each documented public function and method of DEMO_MODULES whose source
+    this Python has: the prompt is its ``def`` line and docstring, the completion the body after them.
+    Deterministic for a Python version."""
+    for module_name in DEMO_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for qualname, fn in _public_functions(module):
+            pair = _function_pair(fn)
+            if pair is not None:
+                yield f"stdlib/{module_name}.{qualname}", {"prompt": pair[0], "completion": pair[1]}
+
+
+def _public_functions(module) -> Iterator[tuple[str, Any]]:
+    """(qualified name, function) of the module's own public functions and its classes' methods, sorted by name."""
+    for name, value in sorted(vars(module).items()):
+        if name.startswith("_") or getattr(value, "__module__", None) != module.__name__:
+            continue
+        if inspect.isfunction(value):
+            yield name, value
+        elif inspect.isclass(value):
+            for method_name, method in sorted(vars(value).items()):
+                if inspect.isfunction(method) and not method_name.startswith("_"):
+                    yield f"{name}.{method_name}", method
+
+
+def _function_pair(fn) -> tuple[str, str] | None:
+    """(signature and docstring, body) of a function's source, or None without a docstring, body or source."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+        node = ast.parse(source).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(node, ast.FunctionDef) or len(node.body) < 2 or ast.get_docstring(node) is None:
+        return None
+    lines = source.splitlines(keepends=True)
+    prompt = "".join(lines[node.lineno - 1 : node.body[0].end_lineno])  # decorators left out: the def on
+    body = "".join(lines[node.body[1].lineno - 1 : node.end_lineno])
+    if len(prompt) + len(body) > DEMO_MAX_CHARS:
+        return None
+    return prompt, body
+
+
+def file_records(path: str) -> Iterator[tuple[str, str, dict]]:
+    """(split key, where, record) for each record of the JSONL and Parquet files under data.path, in file order."""
+    from tasks.lm.corpus import find_sources, read_blocks
+
+    for source in find_sources(Path(path).expanduser()):
+        if source.format == "parquet":
+            yield from _parquet_records(source)
+        elif source.format == "jsonl":
+            for block in read_blocks(source):
+                for n, line in enumerate(block.data.splitlines(), start=block.first_line):
+                    if line.strip():
+                        yield f"{source.split_key}:{n}", f"{source.path}:{n}", _json_record(line, source.path, n)
+        else:
+            raise DataError(
+                f"data.path: {source.path} is not JSONL or Parquet; fine-tuning records (data.format) are read from "
+                ".jsonl (.gz, .zst) and .parquet files"
+            )
+
+
+def _json_record(line: bytes, path: Path, n: int) -> dict:
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise DataError(f"{path}:{n}: not a JSON object ({e}); fix or delete the line") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}:{n}: a JSON {type(record).__name__}, not an object; fix or delete the line")
+    return record
+
+
+def _parquet_records(source) -> Iterator[tuple[str, str, dict]]:
+    from tasks.lm import columnar
+
+    pq = columnar.require("pyarrow.parquet", f"{source.path} (a Parquet file)")
+    for n, record in enumerate(pq.read_table(source.path).to_pylist(), start=1):
+        yield f"{source.split_key}:{n}", f"{source.path} row {n}", record
+
+
+# ---- samples -----------------------------------------------------------------------------------------------------
+def encode_with_starts(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """(token ids of ``text``, the character where each token starts), as apply_chat_template tokenizes: the whole
+    text, no special tokens added."""
+    if getattr(tokenizer, "tok", None) is None:  # the byte tokenizer: a token per UTF-8 byte
+        starts = [i for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
+        return list(text.encode("utf-8")), starts
+    encoding = tokenizer.tok.encode(text, add_special_tokens=False)
+    return list(encoding.ids), [start for start, _ in encoding.offsets]
+
+
+def chat_sample(template: ChatTemplate, tokenizer, messages: Any, where: str) -> Sample:
+    """The rendered conversation's tokens; answer tokens are those starting inside an assistant turn."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise DataError(f"{where}: messages must be a list of {{role, content}} objects; name the field with "
+                        "data.messages_field")  # fmt: skip
+    text, spans = template.assistant_spans(messages, where)
+    ids, starts = encode_with_starts(tokenizer, text)
+    return Sample(ids, [any(a <= s < b for a, b in spans) for s in starts])
+
+
+def record_sample(record: dict, where: str, d: Any, tokenizer, template: ChatTemplate | None) -> Sample:
+    """A record of data.format as a sample."""
+    if d.format == "chat":
+        if d.messages_field not in record:
+            raise DataError(f"{where}: no {d.messages_field!r} field (found: {', '.join(record)}); name it with "
+                            "data.messages_field")  # fmt: skip
+        return chat_sample(template, tokenizer, record[d.messages_field], where)
+    for key in (d.prompt_field, d.completion_field):
+        if not isinstance(record.get(key), str):
+            raise DataError(f"{where}: no {key!r} text field (found: {', '.join(record)}); name the fields with "
+                            "data.prompt_field and data.completion_field")  # fmt: skip
+    prompt, completion = record[d.prompt_field], record[d.completion_field]
+    if template is not None:
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        return chat_sample(template, tokenizer, messages, where)
+    p, c = tokenizer.encode(prompt), tokenizer.encode(completion) + [tokenizer.eod]
+    return Sample(p + c, [False] * len(p) + [True] * len(c))
+
+
+# ---- the splits ----------------------------------------------------------------------------------------------------
+class PackedRows(Dataset):
+    """Rows of data.seq_len positions, each a (3, seq_len) tensor (tasks/lm/sft_packing.py); sample i is row i."""
+
+    def __init__(self, samples: list[Sample], seq_len: int, pad_id: int, packed: bool) -> None:
+        self.samples, self.seq_len, self.pad_id = samples, seq_len, pad_id
+        lengths = [len(s.ids) - 1 for s in samples]
+        self.rows = pack(lengths, seq_len) if packed else [[i] for i in range(len(samples))]
+        self.answer_tokens = sum(sum(s.answer[1:]) for s in samples)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return packed_row([(self.samples[j].ids, self.samples[j].answer) for j in self.rows[i]], self.seq_len,
+                          self.pad_id)  # fmt: skip
+
+
+@dataclass
+class SFTSplits:
+    train: PackedRows
+    valid: PackedRows
+    truncated: int
+    """Samples cut to data.seq_len + 1 tokens."""
+    dropped: int
+    """Samples left without an answer token (their prompt fills data.seq_len), not trained on."""
+
+
+def open_sft_splits(d: Any, tokenizer, template: ChatTemplate | None, packed: bool) -> SFTSplits:
+    """The train and validation rows of data.* (data.path's records, or the demo's)."""
+    if d.path is None:
+        records = ((key, key, record) for key, record in demo_records())
+    else:
+        records = file_records(d.path)
+    splits: dict[str, list[Sample]] = {"train": [], "valid": []}
+    truncated = dropped = 0
+    for key, where, record in records:
+        sample = record_sample(record, where, d, tokenizer, template)
+        if len(sample.ids) > d.seq_len + 1:
+            sample, truncated = Sample(sample.ids[: d.seq_len + 1], sample.answer[: d.seq_len + 1]), truncated + 1
+        if not any(sample.answer[1:]):
+            dropped += 1
+            continue
+        splits["valid" if is_valid_document(key, d.valid_percent) else "train"].append(sample)
+    if not splits["train"]:
+        raise DataError(f"data.path: {d.path} gives no training sample with an answer token; check data.format "
+                        "and its fields, or raise data.seq_len")  # fmt: skip
+    train, valid = (PackedRows(splits[s], d.seq_len, tokenizer.eod, packed) for s in ("train", "valid"))
+    return SFTSplits(train, valid, truncated, dropped)
+
+
+# ---- the loss ------------------------------------------------------------------------------------------------------
+def answer_token_loss(model, batch: torch.Tensor, device: torch.device, packed: bool):
+    """Mean cross-entropy over the answer tokens of a batch of rows (batch, 3, seq_len), in fp32; (loss, sums of the
+    loss and of the answer tokens). A packed row passes its segments, so no sample sees another; rows of one sample
+    each need none (their padding follows the sample) and take the causal kernel of pretraining."""
+    batch = batch.to(device, non_blocking=True)
+    inputs, targets, segments = batch.unbind(1)
+    logits = model(inputs, segments) if packed else model(inputs)
+    flat = targets.reshape(-1)
+    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), flat, ignore_index=IGNORE, reduction="sum")
+    count = (flat != IGNORE).sum()
+    return loss_sum / count.clamp(min=1), {"loss_sum": loss_sum.detach(), "count": count.float()}

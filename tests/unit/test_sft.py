@@ -1,0 +1,266 @@
+"""Supervised fine-tuning (data.format=chat / prompt_completion): the model's chat template rendered as transformers
+renders it, answer tokens as the only targets, packed rows computing what unpacked ones do, the demo learning."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from shardlab.distributed import env as dist_env
+from shardlab.errors import ConfigError, DataError
+from shardlab.jobs.preflight import compose_config
+from shardlab.runner import build_task, run_rank
+from tasks.lm.sft import PackedRows, Sample, answer_token_loss, demo_records, open_sft_splits, record_sample
+from tasks.lm.sft_packing import IGNORE, document_mask, pack, segment_positions
+from tasks.lm.sft_template import load_chat_template
+from tests.hf_folders import write_tokenizer
+
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+"""Meta-Llama-3-8B-Instruct's chat_template."""
+
+QWEN2_TEMPLATE = """{%- for message in messages %}
+    {%- if loop.first and messages[0]['role'] != 'system' %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+    {%- if message['role'] not in ('system', 'user', 'assistant') %}
+        {{- raise_exception('roles are system, user or assistant, not ' + message['role']) }}
+    {%- endif %}
+    {{- '<|im_start|>' + message['role'] + '\n' }}
+    {%- if message['role'] == 'assistant' %}
+        {%- generation %}{{- message['content'] + '<|im_end|>' + '\n' }}{%- endgeneration %}
+    {%- else %}
+        {{- message['content'] + '<|im_end|>' + '\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+"""Qwen2's chat_template written over lines (trim_blocks and lstrip_blocks decide its whitespace), with the
+``{% generation %}`` marks transformers' return_assistant_tokens_mask reads: the reference for the answer mask."""
+
+SPECIAL = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT = [
+    {"role": "system", "content": "Answer in one word."},
+    {"role": "user", "content": "Capital of France? "},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy, «in Italian»?"},
+    {"role": "assistant", "content": "Roma."},
+]
+
+
+def untagged(template: str) -> str:
+    """The template without transformers' generation marks (shardlab finds answers by rendering prefixes)."""
+    return template.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
+
+
+def chat_folder(folder: Path, template: str, bos: str = "<|begin_of_text|>") -> Path:
+    """A tokenizer folder: the byte-level tokenizer.json plus the chat special tokens, and a tokenizer_config.json
+    with ``template``."""
+    from tokenizers import Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(folder)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(SPECIAL)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": "<|endoftext|>",
+        "chat_template": template,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def sft_task(tmp_path: Path, *overrides: str):
+    cfg = compose_config(["model=gpt_tiny", "model.num_layers=1", "model.dim=32", "model.num_heads=2",
+                          "data.format=prompt_completion", "data.seq_len=64", *overrides])  # fmt: skip
+    return build_task(cfg, world_size=1)
+
+
+@pytest.mark.parametrize("template", [LLAMA3_TEMPLATE, QWEN2_TEMPLATE], ids=["llama3", "qwen2"])
+def test_chat_template_renders_the_tokens_and_answer_mask_of_transformers(tmp_path, template):
+    transformers = pytest.importorskip("transformers")
+    reference_folder = chat_folder(tmp_path / "reference", template)
+    ours_folder = chat_folder(tmp_path / "ours", untagged(template))
+    reference = transformers.AutoTokenizer.from_pretrained(reference_folder)
+    task = sft_task(tmp_path, f"data.tokenizer={ours_folder / 'tokenizer.json'}", "data.format=chat")
+    for messages in (CHAT, CHAT[1:3]):
+        sample = record_sample({"messages": messages}, "test", task.cfg.data, task.tokenizer, task.chat_template)
+        expected = reference.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        assert sample.ids == list(expected)
+        text = reference.apply_chat_template(messages, tokenize=False)
+        assert task.chat_template.render(messages) == text
+        answers = task.tokenizer.decode([t for t, a in zip(sample.ids, sample.answer, strict=True) if a])
+        end = "<|eot_id|>" if template is LLAMA3_TEMPLATE else "<|im_end|>\n"
+        assert answers == "".join(m["content"] + end for m in messages if m["role"] == "assistant")
+        if template is QWEN2_TEMPLATE:  # the {% generation %} spans transformers finds: the same tokens
+            tagged = reference.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            assert sample.answer == [bool(m) for m in tagged["assistant_masks"]]
+    generation = task.chat_template.render(CHAT[1:2], add_generation_prompt=True)
+    assert generation == reference.apply_chat_template(CHAT[1:2], tokenize=False, add_generation_prompt=True)
+
+
+def test_a_template_error_names_the_record_and_a_chat_without_template_is_refused(tmp_path):
+    folder = chat_folder(tmp_path / "qwen", untagged(QWEN2_TEMPLATE))
+    task = sft_task(tmp_path, f"data.tokenizer={folder / 'tokenizer.json'}", "data.format=chat")
+    with pytest.raises(DataError, match=r"data.jsonl:7: the chat template .* failed to render it \(roles are"):
+        record_sample({"messages": [{"role": "tool", "content": "x"}]}, "data.jsonl:7", task.cfg.data,
+                      task.tokenizer, task.chat_template)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^data.format=chat needs a chat template: set data.chat_template"):
+        sft_task(tmp_path, "data.format=chat")
+    with pytest.raises(ConfigError, match=r"^data.format='cht' is not a data format; known: text, chat, prompt_comp"):
+        sft_task(tmp_path, "data.format=cht")
+    with pytest.raises(ConfigError, match="no chat_template string"):
+        write_tokenizer(tmp_path)  # a tokenizer_config.json without a chat_template
+        load_chat_template(tmp_path / "tokenizer_config.json")
+
+
+def test_prompt_tokens_carry_no_loss(tmp_path):
+    task = sft_task(tmp_path)  # byte tokenizer, no template: prompt + completion + end-of-text
+    sample = record_sample({"prompt": "def f(x):\n", "completion": "    return x\n"}, "t", task.cfg.data,
+                           task.tokenizer, None)  # fmt: skip
+    n_prompt = len("def f(x):\n")
+    assert sample.answer == [False] * n_prompt + [True] * (len("    return x\n") + 1)
+    assert sample.ids[-1] == task.tokenizer.eod
+    rows = PackedRows([sample, sample], 64, task.tokenizer.eod, packed=True)
+    batch = rows[0][None]
+    model = task.build_model()  # the modules' default init: random enough for gradients
+    logits = {}
+
+    def keep_logits(module, args, out):
+        out.retain_grad()
+        logits["x"] = out
+
+    model.head.register_forward_hook(keep_logits)
+    loss, stats = answer_token_loss(model, batch, torch.device("cpu"), packed=True)
+    loss.backward()
+    assert stats["count"] == 2 * (len("    return x\n") + 1)
+    # A position's logits get a gradient exactly when its next token is an answer token: the prompt's carry none.
+    trained = (logits["x"].grad[0].abs().sum(-1) > 0).tolist()
+    targets = batch[0, 1].tolist()
+    assert trained == [t != IGNORE for t in targets]
+    assert trained[: n_prompt - 1] == [False] * (n_prompt - 1)
+
+
+def test_segments_restart_positions_and_keep_attention_within_each_sample():
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2]])
+    assert segment_positions(segments).tolist() == [[0, 1, 2, 0, 1, 0]]
+    mask = document_mask(segments)[0, 0]
+    assert mask[4].tolist() == [False, False, False, True, True, False]
+    assert mask[2].tolist() == [True, True, True, False, False, False]
+    assert pack([3, 3, 2, 5, 1], 6) == [[0, 1], [2], [3, 4]]
+
+
+def random_samples(n: int, generator: torch.Generator) -> list[Sample]:
+    samples = []
+    for _ in range(n):
+        length = int(torch.randint(4, 20, (1,), generator=generator))
+        prompt = int(torch.randint(1, length - 1, (1,), generator=generator))
+        ids = torch.randint(0, 257, (length,), generator=generator).tolist()
+        samples.append(Sample(ids, [False] * prompt + [True] * (length - prompt)))
+    return samples
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_packed_rows_give_the_loss_and_gradients_of_the_same_samples_unpacked(tmp_path, arch):
+    model_args = ["model=llama_tiny", "model.num_kv_heads=1"] if arch == "llama" else ["model=gpt_tiny"]
+    cfg = compose_config([*model_args, "model.num_layers=2", "model.dim=32", "model.num_heads=2",
+                          "data.format=prompt_completion", "data.seq_len=40"])  # fmt: skip
+    task = build_task(cfg, world_size=1)
+    samples = random_samples(9, torch.Generator().manual_seed(0))
+    packed, unpacked = (PackedRows(samples, 40, 256, packed=p) for p in (True, False))
+    assert len(packed) < len(unpacked) == 9  # several samples share a row
+    torch.manual_seed(0)
+    model = task.build_model()
+
+    def loss_and_grads(rows: PackedRows, use_segments: bool):
+        model.zero_grad()
+        batch = torch.stack([rows[i] for i in range(len(rows))])
+        loss, stats = answer_token_loss(model, batch, torch.device("cpu"), use_segments)
+        loss.backward()
+        return loss.detach(), stats["count"], [p.grad.clone() for p in model.parameters()]
+
+    loss, count, grads = loss_and_grads(packed, True)
+    loss_u, count_u, grads_u = loss_and_grads(unpacked, False)
+    assert count == count_u == sum(sum(s.answer[1:]) for s in samples)
+    torch.testing.assert_close(loss, loss_u, rtol=1e-5, atol=1e-6)
+    for g, g_u in zip(grads, grads_u, strict=True):
+        torch.testing.assert_close(g, g_u, rtol=1e-4, atol=1e-6)
+    leaky, _, _ = loss_and_grads(packed, False)  # packed without the segments: samples see each other
+    assert not torch.allclose(leaky, loss_u, rtol=1e-4)
+
+
+def test_records_of_jsonl_and_parquet_give_the_same_samples_and_a_stable_split(tmp_path):
+    records = [{"q": f"question {i}?", "a": f"answer {i}."} for i in range(200)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "pq" / "data.parquet")
+    fields = ["data.prompt_field=q", "data.completion_field=a", "data.valid_percent=20"]
+    jsonl = sft_task(tmp_path, f"data.path={tmp_path / 'data.jsonl'}", *fields)
+    parquet = sft_task(tmp_path, f"data.path={tmp_path / 'pq'}", *fields)
+    jsonl.prepare_data()
+    parquet.prepare_data()
+    a, b = jsonl.sft_splits, parquet.sft_splits
+    assert 20 < len(a.valid.samples) < 60 and len(a.train.samples) + len(a.valid.samples) == 200
+    assert [s.ids for s in a.valid.samples] == [s.ids for s in b.valid.samples]  # the same records held out
+    assert all(torch.equal(a.train[i], b.train[i]) for i in range(len(a.train)))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"q": "x", "a": "y"}\n{"question": "x"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: no 'q' text field \(found: question\); name the fields"):
+        sft_task(tmp_path, f"data.path={bad}", *fields).prepare_data()
+
+
+def test_the_demo_is_stdlib_functions_with_their_docstring_as_prompt_and_body_as_answer():
+    records = dict(demo_records())
+    assert len(records) > 300
+    assert records["stdlib/calendar.isleap"] == {
+        "prompt": 'def isleap(year):\n    """Return True for leap years, False for non-leap years."""\n',
+        "completion": "    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)\n",
+    }
+    assert not any(key.rsplit(".", 1)[-1].startswith("_") for key in records)  # public functions and methods only
+    assert list(records) == [key for key, _ in demo_records()]  # the same order every time
+
+
+def test_the_demo_answer_token_loss_falls_in_a_short_run(tmp_path):
+    cfg = compose_config([
+        "task=sft", "model.num_layers=2", "model.dim=64", "model.num_heads=4", "data.seq_len=128",
+        "optimization.max_steps=30", "optimization.batch_size=8", "optimizer.lr=3e-3", "validation.interval_steps=30",
+        "validation.num_batches=4", "validation.batch_size=8", "checkpoint.interval_steps=0",
+        "logging.progress_bar=false", "logging.tensorboard=false", "logging.interval_steps=1",
+    ])  # fmt: skip
+    assert cfg.task.name == "lm" and cfg.data.format == "prompt_completion"
+    result = run_rank(cfg, tmp_path, dist_env.detect())
+    train = [r["loss"] for r in result["history"] if r["split"] == "train"]
+    assert sum(train[-5:]) / 5 < 0.6 * sum(train[:5]) / 5, train
+    assert result["final"]["loss"] < 0.6 * train[0]
+
+
+def test_splits_are_deterministic_and_hold_packed_rows_of_answer_samples(tmp_path):
+    task = sft_task(tmp_path, "data.seq_len=256")
+    d = task.cfg.data
+    first = open_sft_splits(d, task.tokenizer, None, packed=True)
+    again = open_sft_splits(d, task.tokenizer, None, packed=True)
+    assert len(first.train) == len(again.train) and torch.equal(first.train[3], again.train[3])
+    assert len(first.train) < len(first.train.samples) and len(first.valid) > 0  # packing: fewer rows than samples
+    assert first.truncated == first.dropped == 0  # the demo's samples fit the default LM's context
+    short = open_sft_splits(OmegaConf.merge(d, {"seq_len": 64}), task.tokenizer, None, packed=True)
+    assert short.truncated > 0 and short.dropped > 0  # cut to 65 tokens; those whose prompt fills them left out
+    assert all(short.train[i].shape == (3, 64) and (short.train[i][1] != IGNORE).any() for i in range(len(short.train)))
