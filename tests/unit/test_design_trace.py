@@ -166,12 +166,12 @@ def row_index(lines: list[str], function: str) -> int:
 @pytest.mark.parametrize(
     ("old", "new", "problem"),
     [
-        ("9     shardlab/memory/plan.py    ", "9     shardlab/memory/plans.py   ", "memory/plans.py does not exist"),
+        ("10    shardlab/memory/plan.py    ", "10    shardlab/memory/plans.py   ", "memory/plans.py does not exist"),
         ("FullyShardedBackend.parallelize()", "FullyShardedBackend.shard()     ", "no FullyShardedBackend.shard()"),
         ("trainer.py                        assemble()  ", "trainer.py                        Trainer.fit()",
-         "row 9: Trainer.fit() does not call"),
+         "row 10: Trainer.fit() does not call"),
         ("run_job()          ", "run_job() -> main()", "row 3 names 2 functions"),
-        ("launch_local()     ", "[launch_local()]   ", "row 4 names 1 functions ([launch_local()])"),
+        ("launch_local()     ", "[launch_local()]   ", "row 5 names 1 functions ([launch_local()])"),
     ],
 )  # fmt: skip
 def test_a_trace_that_is_not_true_is_caught(old, new, problem):
