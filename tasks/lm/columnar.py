@@ -123,7 +123,13 @@ def read_blocks(source: Source, field: str, block_bytes: int) -> Iterator[Block]
             take = min(int(np.searchsorted(filled, block_bytes - size)) + 1, len(column) - start)
             if not texts:
                 first = row + start + 1
-            texts += column.slice(start, take).to_pylist()
+            try:
+                texts += column.slice(start, take).to_pylist()
+            except UnicodeDecodeError:  # writers check UTF-8, so a damaged page: say where, as for unreadable rows
+                at = row + start + 1
+                raise DataError(
+                    f"{source.path}: rows {at}-{at + take - 1} hold text that is not UTF-8; {FIX_DAMAGED}"
+                ) from None
             size += int(filled[take - 1])
             start += take
             if size >= block_bytes:

@@ -18,6 +18,7 @@ import gzip
 import io
 import json
 import os
+import re
 import stat
 import zlib
 from collections.abc import Iterator
@@ -361,19 +362,32 @@ def read_blocks(
         yield pending
 
 
+SURROGATES = re.compile("[\ud800-\udfff]")
+"""What JSON's \\ud800-\\udfff escapes decode to when unpaired: no UTF-8 has them, so no tokenizer encodes them."""
+
+
+def _names(keys) -> str:
+    """A record's keys for an error line: the first ten, each on one line."""
+    keys = list(keys)
+    names = ", ".join(SURROGATES.sub("\ufffd", json.dumps(k, ensure_ascii=False)[1:-1][:80]) for k in keys[:10])
+    return names + (f" and {len(keys) - 10:,} more" if len(keys) > 10 else "")
+
+
 def jsonl_text(line: bytes, path: Path, n: int, field: str) -> str:
-    """The text of one JSONL record; a line that is not JSON or lacks the field is a DataError naming file:line."""
+    """The text of one JSONL record; a line that is not JSON or lacks the field is a DataError naming file:line. An
+    unpaired surrogate escape becomes U+FFFD, as a byte that is not UTF-8 does in a text file."""
     try:
         record = json.loads(line)
-    except ValueError as e:
-        raise DataError(f"{path}:{n}: not a JSON object ({e}); fix or delete the line") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{path}:{n}: not a JSON object ({why}); fix or delete the line") from None
     if not isinstance(record, dict) or field not in record:
-        keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+        keys = _names(record) if isinstance(record, dict) else type(record).__name__
         raise DataError(f"{path}:{n}: no {field!r} field (found: {keys}); {FIX_FIELD}")
     text = record[field]
     if not isinstance(text, str):
         raise DataError(f"{path}:{n}: field {field!r} is a {type(text).__name__}, not a string; fix the line")
-    return text
+    return text if text.isascii() or not SURROGATES.search(text) else SURROGATES.sub("\ufffd", text)
 
 
 def iter_texts(sources: list[Source], text_field: str, max_bytes: int) -> Iterator[str]:
