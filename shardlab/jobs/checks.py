@@ -46,6 +46,7 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
 
     from shardlab.distributed import load_backends
     from shardlab.distributed.compile import compile_errors
+    from shardlab.logging.trackers import tracker_uri_errors
     from shardlab.task import Task
 
     load_plugins(cfg.get("user_dir"))  # .get: configs recorded before user_dir existed lack it
@@ -68,6 +69,7 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
     problems += task.config_errors()
     problems += task.world_errors(world_size)
     problems += compile_errors(cfg.distributed, num_cuda_devices)
+    problems += tracker_uri_errors(cfg.logging)
     if cfg.distributed.wrap_min_num_params > 0 and type(task).fsdp_units is not Task.fsdp_units:
         problems.append(
             f"distributed.wrap_min_num_params applies to models without a unit plan, but task {cfg.task.name} "

@@ -25,7 +25,8 @@ import numpy as np
 from shardlab.checkpoint.layout import fsync_path
 from shardlab.errors import DataError
 from tasks.lm.cache_lock import temp_prefix
-from tasks.lm.corpus import Block, Source, check_sources, jsonl_text, read_blocks
+from tasks.lm.corpus import check_sources, jsonl_text, read_blocks
+from tasks.lm.sources import Block, Source
 from tasks.lm.tokenizer import Tokenizer, load_tokenizer, token_dtype
 
 FORMAT_VERSION = 2
@@ -174,12 +175,13 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
     def blocks() -> Iterator[Block]:
         nonlocal read
         for s in sources:
-            for b in read_blocks(s, text_field=field):
+            for b in read_blocks(s, text_field=field, budget=max_bytes - read if max_bytes else 0):
                 read += b.size
                 progress.update(b.size)
                 capped = bool(max_bytes) and read >= max_bytes
                 b.last = b.last or capped  # the document ends at the cap
-                yield b
+                if b.data or b.texts is not None:  # not the empty end of a record the cap cut (read, left out)
+                    yield b
                 if capped:
                     return
 
@@ -197,13 +199,7 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
             f.close()
         progress.close()
     if counts["valid"] == 0 and counts["train"]:  # tiny corpora: hold out the last block rather than nothing
-        _move_tail(tmp / "train.bin", tmp / "valid.bin", last_train, dtype)
-        counts["train"] -= last_train
-        counts["valid"] = last_train
-        tail = np.fromfile(tmp / "valid.bin", dtype=dtype)
-        moved = int((tail == tokenizer.eod).sum())
-        docs["train"] -= moved
-        docs["valid"] += moved
+        _hold_out_tail(tmp, last_train, tokenizer.eod, dtype, counts, docs)
     seconds = time.perf_counter() - start
     print(
         f"  read {read / 1e6:,.1f} MB in {seconds:.1f} s ({read / 1e6 / max(seconds, 1e-9):,.1f} MB/s, "
@@ -223,6 +219,16 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
         "bytes_read": read,
         "seconds": round(seconds, 3),
     }
+
+
+def _hold_out_tail(tmp: Path, num_tokens: int, eod: int, dtype, counts: dict, docs: dict) -> None:
+    """Move the last ``num_tokens`` train tokens (the last block's) to valid, and their counts with them."""
+    _move_tail(tmp / "train.bin", tmp / "valid.bin", num_tokens, dtype)
+    counts["train"] -= num_tokens
+    counts["valid"] = num_tokens
+    moved = int((np.fromfile(tmp / "valid.bin", dtype=dtype) == eod).sum())
+    docs["train"] -= moved
+    docs["valid"] += moved
 
 
 def _move_tail(src: Path, dst: Path, num_tokens: int, dtype) -> None:

@@ -22,7 +22,8 @@ import numpy as np
 from shardlab.errors import DataError
 from tasks.lm.binarize import FORMAT_VERSION, binarize
 from tasks.lm.cache_lock import build_once
-from tasks.lm.corpus import Source, find_sources, glob_root
+from tasks.lm.corpus import find_sources, glob_root
+from tasks.lm.sources import Source
 from tasks.lm.tokenizer import Tokenizer, load_tokenizer
 
 

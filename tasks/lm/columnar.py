@@ -2,37 +2,24 @@
 
 A row is one document, its text in the column ``data.text_field``. Only that column is read, a record batch at a
 time (Parquet: row group by row group; Arrow: memory-mapped), so memory follows one row group, not the file.
-pyarrow is an optional extra (``pip install 'shardlab[corpora]'``), imported only when such a file is read: this
-module is imported by the corpus reader only then, and worker processes never read files.
+pyarrow is an optional extra (``pip install 'shardlab[corpora]'``), imported only when such a file is read; worker
+processes never read files. This module imports the corpus reader's shared pieces from tasks/lm/sources.py, never
+tasks/lm/corpus.py (which imports this one).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from shardlab.errors import DataError
+from tasks.lm.sources import Block, Source, read_small, regular_path, require
 
-if TYPE_CHECKING:
-    from tasks.lm.corpus import Block, Source
-
-EXTRA = "pip install 'shardlab[corpora]'"
 ROWS_PER_BATCH = 256
 """Rows decoded at once from a Parquet row group: a transient ~MBs for documents of KBs (the batch is then cut into
 blocks of ~1 MB of text, as few or many rows as that takes)."""
 FIX_FIELD = "name the text column with data.text_field (tools/preprocess_lm.py: --text-field)"
 FIX_DAMAGED = "the file is damaged: download or write it again, or remove it from data.path"
-
-
-def require(module: str, what: str):
-    """``module`` imported, or a one-line DataError naming the files that need it and the extra that installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        package = module.split(".")[0]
-        raise DataError(f"data.path: {what} needs the {package} package, which is not installed: {EXTRA}") from None
 
 
 def _pyarrow():
@@ -52,7 +39,7 @@ def _check_column(source: Source, schema, field: str) -> None:
 def _parquet_batches(source: Source, field: str, check_only: bool) -> Iterator[tuple[int, object]]:
     pq = require("pyarrow.parquet", "Parquet files")
     try:
-        pf = pq.ParquetFile(source.path)
+        pf = pq.ParquetFile(regular_path(source.path, source.root))
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, its IOError an OSError
         raise DataError(f"{source.path}: not a readable Parquet file ({_first_line(e)}); {FIX_DAMAGED}") from None
     _check_column(source, pf.schema_arrow, field)
@@ -75,8 +62,9 @@ def _parquet_batches(source: Source, field: str, check_only: bool) -> Iterator[t
 
 def _arrow_batches(source: Source, field: str, check_only: bool) -> Iterator[tuple[int, object]]:
     pa = _pyarrow()
+    real = regular_path(source.path, source.root)
     try:
-        mapped = pa.memory_map(str(source.path))
+        mapped = pa.memory_map(str(real))
         try:
             reader = pa.ipc.open_stream(mapped)  # datasets' save_to_disk writes the streaming format
             batches = iter(reader)
@@ -119,8 +107,6 @@ def read_blocks(source: Source, field: str, block_bytes: int) -> Iterator[Block]
     1-based number of a block's first row."""
     import numpy as np
 
-    from tasks.lm.corpus import Block
-
     pc = require("pyarrow.compute", "Parquet and Arrow files")
     texts: list[str] = []
     size, first, index = 0, 1, 0
@@ -137,7 +123,13 @@ def read_blocks(source: Source, field: str, block_bytes: int) -> Iterator[Block]
             take = min(int(np.searchsorted(filled, block_bytes - size)) + 1, len(column) - start)
             if not texts:
                 first = row + start + 1
-            texts += column.slice(start, take).to_pylist()
+            try:
+                texts += column.slice(start, take).to_pylist()
+            except UnicodeDecodeError:  # writers check UTF-8, so a damaged page: say where, as for unreadable rows
+                at = row + start + 1
+                raise DataError(
+                    f"{source.path}: rows {at}-{at + take - 1} hold text that is not UTF-8; {FIX_DAMAGED}"
+                ) from None
             size += int(filled[take - 1])
             start += take
             if size >= block_bytes:
@@ -151,15 +143,21 @@ def _first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def dataset_files(folder: Path) -> list[Path] | None:
+STATE_BYTES = 1 << 20
+"""The most a dataset's state.json or dataset_dict.json may hold: datasets writes a few hundred bytes per file."""
+
+
+def dataset_files(folder: Path, root: Path | None = None) -> list[Path] | None:
     """The Arrow files of a dataset saved by ``datasets``' save_to_disk in ``folder`` (listed by its state.json), or
-    None when the folder holds no such dataset; a DatasetDict (several splits) is refused: one split is a corpus."""
+    None when the folder holds no such dataset; a DatasetDict (several splits) is refused: one split is a corpus.
+    ``root``: the corpus folder, which the JSON files (and, when read, the files they list) may not lead out of."""
     import json
 
     if (folder / "dataset_dict.json").is_file():
         try:
-            splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits") or []
-        except ValueError:
+            splits = json.loads(read_small(folder / "dataset_dict.json", root, STATE_BYTES)).get("splits") or []
+            splits = [str(s) for s in splits] if isinstance(splits, list) else []
+        except (ValueError, AttributeError):
             splits = []
         example = folder / (splits[0] if splits else "train")
         raise DataError(
@@ -170,7 +168,7 @@ def dataset_files(folder: Path) -> list[Path] | None:
     if not state.is_file():
         return None
     try:
-        files = [folder / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+        files = [folder / f["filename"] for f in json.loads(read_small(state, root, STATE_BYTES))["_data_files"]]
     except (ValueError, KeyError, TypeError):
         return None  # a state.json of something else
     missing = [f.name for f in files if not f.is_file()]

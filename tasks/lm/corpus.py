@@ -4,80 +4,43 @@ of them, text and JSONL compressed with gzip or zstd.
 A text file is one document; it is read in blocks cut at line ends, so one 50 GB file streams like many small ones.
 A JSONL file holds one document per line (the ``text_field`` of each JSON object); its blocks hold whole lines.
 A Parquet or Arrow file (tasks/lm/columnar.py) holds one document per row (the column ``text_field``).
-Nothing here imports torch or tokenizers: worker processes import this module and stay light; pyarrow and
-zstandard (the ``corpora`` extra) are imported only when a corpus has such files.
+What the readers share (Source, Block, how a file is opened) is in tasks/lm/sources.py; docs/corpora.md says what a
+corpus reader refuses ("What a corpus reader refuses"). Nothing here imports torch or tokenizers: worker processes
+import this module and stay light; pyarrow and zstandard (the ``corpora`` extra) are imported only when a corpus has
+such files.
 """
 
 from __future__ import annotations
 
-import glob
+import fnmatch
+import functools
 import gzip
 import io
 import json
+import os
+import re
+import stat
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from shardlab.errors import DataError
+from tasks.lm import columnar
+from tasks.lm.sources import COLUMNAR_SUFFIXES, Block, Source, inside, not_regular, open_file, require
+
+__all__ = ["Block", "Source", "check_sources", "find_sources", "glob_root", "iter_texts", "jsonl_text", "read_blocks"]
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text", ".json", ".csv", ".tex", ".html", ".c", ".h", ""}
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
-COLUMNAR_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow"}
 COMPRESSIONS = {".gz": "gz", ".zst": "zst", ".zstd": "zst"}
 GLOB_CHARS = "*?["
 BLOCK_BYTES = 1 << 20
 """Bytes read per block: large enough to amortize a worker round trip, small enough that blocks in flight stay MBs."""
+MAX_RECORD_BYTES = 1 << 28
+"""The longest record (JSONL line) a reader holds, 256 MiB: a longer one is refused naming its file and line, since
+it is held whole to be parsed (a 4 MB .jsonl.gz can hold a 4 GiB line); data.max_corpus_mb, when lower, ends it
+first."""
 FIX_FIELD = "name the text field with data.text_field (tools/preprocess_lm.py: --text-field)"
-
-
-@dataclass(frozen=True)
-class Source:
-    path: Path
-    rel: str
-    """Path relative to the corpus root: what the train/valid split hashes, so it survives moving the corpus."""
-    format: str = "text"
-    """text (the file is one document), jsonl (a line is one), parquet or arrow (a row is one)."""
-    compression: str = ""
-    """gz or zst for a compressed text or JSONL file ('' otherwise; Parquet and Arrow compress inside)."""
-
-    @property
-    def records(self) -> bool:
-        """Whether the file holds one document per line or row (not one document in all)."""
-        return self.format != "text"
-
-    @property
-    def columnar(self) -> bool:
-        return self.format in COLUMNAR_SUFFIXES.values()
-
-    @property
-    def split_key(self) -> str:
-        """What the train/valid split hashes (with the line or row number of a record): the relative path less a
-        compression suffix, so compressing a file keeps its split; a Parquet or Arrow file's as if it were the JSONL
-        file of the same name, so a corpus converted between those formats keeps its validation documents."""
-        rel = self.rel[: self.rel.rfind(".")] if self.compression else self.rel
-        return rel[: rel.rfind(".")] + ".jsonl" if self.columnar else rel
-
-
-@dataclass
-class Block:
-    source: Source
-    index: int
-    """Block number within its file (0 first)."""
-    first_line: int
-    """1-based number of the block's first line (a Parquet or Arrow file's: first row), for split keys and errors."""
-    data: bytes
-    """The block's bytes (text, or JSONL lines); empty for Parquet and Arrow, whose documents are in ``texts``."""
-    last: bool = False
-    """The file's final block: a text file's document ends here."""
-    texts: list[str] | None = None
-    """The documents of a Parquet or Arrow block, one per row."""
-    size: int = -1
-    """Bytes of text the block holds (-1: len(data))."""
-
-    def __post_init__(self) -> None:
-        if self.size < 0:
-            self.size = len(self.data)
 
 
 def _kind(path: Path) -> tuple[str, str] | None:
@@ -102,53 +65,110 @@ def glob_root(path: Path) -> Path:
 
 def _candidates(path: Path) -> tuple[Path, list[Path]]:
     """(the corpus root, the files under data.path, sorted): a file, a directory's files, or a glob's matches."""
-    if not path.exists() and any(c in str(path) for c in GLOB_CHARS):
-        matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
+    if not path.exists() and not path.is_symlink() and any(c in str(path) for c in GLOB_CHARS):
+        root = glob_root(path)
+        matches = _glob(root, path.relative_to(root).parts)
         if not matches:
             raise DataError(f"data.path: {path} matches no file; check the pattern (** matches folders at any depth)")
-        files = [f for m in matches for f in ([m] if m.is_file() else _files_under(m))]
-        return glob_root(path), sorted(dict.fromkeys(files))
+        files = [f for m, folder in matches for f in (_files_under(m, root) if folder else [m])]
+        return root, sorted(dict.fromkeys(files))
     if not path.exists():
         raise DataError(
             f"data.path: {path} does not exist; give a text, JSONL, Parquet or Arrow file,"
             " or a directory or glob of them"
         )
-    return (path, _files_under(path)) if path.is_dir() else (path.parent, [path])
+    return (path, _files_under(path, path)) if path.is_dir() else (path.parent, [path])
 
 
-def _files_under(folder: Path) -> list[Path]:
+def _entries(folder: Path, depth: int = -1) -> Iterator[tuple[Path, bool]]:
+    """(path, whether it is a folder) of everything below ``folder`` down to ``depth`` more levels (-1: all). A link
+    to a folder is neither listed nor followed, so a link loop or a link to a parent folder reads no file twice."""
+    stack = [(folder, depth)]
+    while stack:
+        current, left = stack.pop()
+        try:
+            with os.scandir(current) as listing:
+                entries = [(Path(e.path), e.is_dir(follow_symlinks=False), e.is_symlink()) for e in listing]
+        except OSError as e:
+            raise DataError(
+                f"{current}: cannot be listed ({e.strerror or e}); check it, or remove it from data.path"
+            ) from None
+        for entry, is_folder, is_link in entries:
+            if is_link and os.path.isdir(entry):
+                continue  # a link to a folder: not followed (docs/corpora.md, "What a corpus reader refuses")
+            yield entry, is_folder
+            if is_folder and left != 0:
+                stack.append((entry, left - 1))
+
+
+def _glob(root: Path, pattern: tuple[str, ...]) -> list[tuple[Path, bool]]:
+    """(match, whether it is a folder) for a glob pattern of path parts below ``root``, sorted, as ``glob.glob`` with
+    recursive ``**`` finds them (wildcards skip names that start with a dot), but never through a link to a folder."""
+
+    def component(name: str, part: str) -> bool:
+        return (part.startswith(".") or not name.startswith(".")) and fnmatch.fnmatchcase(name, part)
+
+    def matches(parts: tuple[str, ...]) -> bool:
+        @functools.cache
+        def at(i: int, j: int) -> bool:  # parts[i:] match pattern[j:]
+            if j == len(pattern):
+                return i == len(parts)
+            if pattern[j] == "**":
+                return at(i, j + 1) or (i < len(parts) and not parts[i].startswith(".") and at(i + 1, j))
+            return i < len(parts) and component(parts[i], pattern[j]) and at(i + 1, j + 1)
+
+        return at(0, 0)
+
+    depth = -1 if "**" in pattern else len(pattern) - 1  # without **, no match lies deeper than the pattern
+    return sorted((p, folder) for p, folder in _entries(root, depth) if matches(p.relative_to(root).parts))
+
+
+def _files_under(folder: Path, root: Path) -> list[Path]:
     """A folder's files, sorted; in a folder holding a dataset saved by ``datasets``, only its Arrow files (its
     state.json and dataset_info.json describe it and are no text to train on)."""
-    from tasks.lm import columnar
-
     datasets: dict[Path, list[Path] | None] = {}
     files = []
-    for p in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+    for p in sorted(p for p, is_folder in _entries(folder) if not is_folder and not p.name.startswith(".")):
         if p.parent not in datasets:
-            datasets[p.parent] = columnar.dataset_files(p.parent)
+            datasets[p.parent] = columnar.dataset_files(p.parent, root)
         if datasets[p.parent] is None or p in datasets[p.parent]:
             files.append(p)
     return files
 
 
+def _identity(path: Path, root: Path | None) -> tuple[int, int]:
+    """(device, inode) of a corpus file, which must be a regular file (a link to one inside ``root``): a FIFO would
+    block the reader for ever and a device never end, so either is refused in one line, as a dangling link is."""
+    try:
+        st = os.stat(inside(path, root))
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e}); check it, or remove it from data.path") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise not_regular(path, st.st_mode)
+    return st.st_dev, st.st_ino
+
+
 def find_sources(path: Path) -> list[Source]:
     """Corpus files under ``path`` (a file, a directory or a glob), sorted; raises DataError naming the path if there
-    are none, or naming the extra to install when they need a package that is not installed."""
+    are none, or naming the extra to install when they need a package that is not installed. A file reached twice
+    (a link to another corpus file, a hard link) is read once, where it comes first."""
     root, candidates = _candidates(path)
-    sources = []
+    sources, seen = [], set()
     for p in candidates:
-        kind = _kind(p)
-        if kind is None and p == path:
-            kind = ("text", "")  # a file named explicitly is read as text whatever its name
+        explicit = p == path  # a file named explicitly is read as text whatever its name, and where its link leads
+        kind = _kind(p) or (("text", "") if explicit else None)
         if kind is None:
             continue
-        if kind[0] in COLUMNAR_SUFFIXES.values():
-            from tasks.lm import columnar
-
-            columnar.require("pyarrow", f"{p} (a {kind[0].capitalize()} file)")  # here: before any reading
-            sources.append(Source(p, str(p.relative_to(root)), *kind))
-        elif _looks_like_text(p, kind[1]):
-            sources.append(Source(p, str(p.relative_to(root)), *kind))
+        source = Source(p, str(p.relative_to(root)), *kind, root=None if explicit else root)
+        identity = _identity(p, source.root)
+        if identity in seen:
+            continue
+        seen.add(identity)
+        if source.columnar:
+            require("pyarrow", f"{p} (a {kind[0].capitalize()} file)")  # here: before any reading
+            sources.append(source)
+        elif _looks_like_text(source):
+            sources.append(source)
     if not sources:
         raise DataError(
             f"data.path: {path} holds no text files (looked for {', '.join(sorted(TEXT_SUFFIXES - {''}))}, "
@@ -161,8 +181,6 @@ def find_sources(path: Path) -> list[Source]:
 def check_sources(sources: list[Source], field: str) -> None:
     """Refuse, in one line naming the file, a Parquet or Arrow file that cannot be opened or lacks the text column:
     before preprocessing starts, not hours into it (a damaged page inside a file is found when it is read)."""
-    from tasks.lm import columnar
-
     for source in sources:
         if source.columnar:
             columnar.check(source, field)
@@ -176,11 +194,9 @@ class ZstdReader:
     CHUNK = 1 << 16
     """Compressed bytes fed at once: text expands ~3-10x, so each step decompresses well under a block."""
 
-    def __init__(self, path: Path) -> None:
-        from tasks.lm.columnar import require
-
-        self.zstd = require("zstandard", f"{path} (a zstd file)")
-        self.file = open(path, "rb")  # noqa: SIM115 (closed in close())
+    def __init__(self, file, zstd) -> None:
+        """``file``: the .zst file, opened (closed with this reader); ``zstd``: the zstandard module."""
+        self.zstd, self.file = zstd, file
         self.dctx = self.zstd.ZstdDecompressor()
         self.frame = None  # the decompressobj of the frame being read; None between frames
         self.pending = b""  # compressed bytes past the end of the last frame, fed next
@@ -229,20 +245,26 @@ class ZstdReader:
         self.close()
 
 
-def _open(path: Path, compression: str) -> io.BufferedIOBase | ZstdReader:
-    if compression == "zst":
-        return ZstdReader(path)
-    return gzip.open(path, "rb") if compression else open(path, "rb")  # noqa: SIM115 (closed by the caller)
+def _open(source: Source) -> io.BufferedIOBase | gzip.GzipFile | ZstdReader:
+    """The file's bytes, decompressed, from a file opened as a file (tasks/lm/sources.py: no FIFO, device or link
+    out of the corpus folder); closed by the caller."""
+    zstd = require("zstandard", f"{source.path} (a zstd file)") if source.compression == "zst" else None
+    f = open_file(source.path, source.root)
+    if zstd is not None:
+        return ZstdReader(f, zstd)
+    if not source.compression:
+        return f
+    unzipped = gzip.GzipFile(fileobj=f, mode="rb")
+    unzipped.myfileobj = f  # what GzipFile closes with itself when it opened the file by name
+    return unzipped
 
 
-def _looks_like_text(path: Path, compression: str) -> bool:
-    try:
-        with _open(path, compression) as f:
+def _looks_like_text(source: Source) -> bool:
+    with _open(source) as f:
+        try:
             head = f.read(4096)
-    except (OSError, EOFError, zlib.error) as e:
-        if compression:  # its name says corpus: a damaged archive is an error, not a file to skip in silence
-            raise DataError(f"{path}: {_damage(e, compression, 0)}; {FIX_DAMAGED}") from None
-        return False
+        except (OSError, EOFError, zlib.error) as e:
+            raise DataError(f"{source.path}: {_damage(e, source.compression, 0)}; {FIX_DAMAGED}") from None
     if not head.strip() or b"\0" in head:
         return False
     try:
@@ -271,73 +293,108 @@ FIX_DAMAGED = "download or compress it again, or remove it from data.path"
 def _damage(error: BaseException, compression: str, whole_lines: int) -> str:
     """What is wrong with a compressed file, from the error its reader raised, and where."""
     where = f"after line {whole_lines:,} of its text" if whole_lines else "before the end of its first line"
+    if not compression:
+        return f"cannot be read ({getattr(error, 'strerror', None) or error}), {where}"
     if isinstance(error, EOFError):
         return f"the file is cut short: it ends inside a compressed stream, {where}"
     return f"damaged: not readable as {'gzip' if compression == 'gz' else 'zstd'} ({error}), {where}"
 
 
-def read_blocks(source: Source, block_bytes: int = BLOCK_BYTES, text_field: str = "text") -> Iterator[Block]:
-    """The file's blocks, each ending at a line end (text without line ends: at a character boundary); a Parquet or
-    Arrow file's hold whole rows (``text_field``: their text column)."""
-    if source.columnar:
-        from tasks.lm import columnar
+def _read(f, source: Source, size: int, whole_lines: int) -> bytes:
+    try:
+        return f.read(size)
+    except (OSError, EOFError, zlib.error) as e:  # gzip's BadGzipFile is an OSError
+        raise DataError(f"{source.path}: {_damage(e, source.compression, whole_lines)}; {FIX_DAMAGED}") from None
 
+
+def _pieces(f, source: Source, block_bytes: int, budget: int) -> Iterator[bytes | int]:
+    """The file's bytes in pieces of about ``block_bytes`` cut at line ends (text without line ends: between
+    characters), each byte copied a bounded number of times however long a line is; or, last, the number of bytes
+    read into a record that ``budget`` (> 0: the most the caller reads) ends inside, so it is not read to its end."""
+    line, read, held, parts = 1, 0, 0, []  # parts: what was read of a line not yet ended (held bytes)
+    while True:
+        data = _read(f, source, block_bytes, line - 1)
+        if data and source.records and b"\n" not in data:  # inside a long record: kept apart, joined when it ends
+            parts.append(data)
+            held += len(data)
+            if budget and read + held > budget:
+                yield held
+                return
+            if held > MAX_RECORD_BYTES:
+                raise DataError(
+                    f"{source.path}:{line}: a record longer than {MAX_RECORD_BYTES >> 20} MiB, the longest a corpus "
+                    "reader holds; split it into documents, or set data.max_corpus_mb to stop before it"
+                )
+            continue
+        buf = b"".join([*parts, data])
+        cut = len(buf) if not data else (buf.rfind(b"\n") + 1 or _utf8_cut(buf))
+        if cut:
+            yield buf[:cut]
+            read += cut
+            line += buf.count(b"\n", 0, cut)
+        parts, held = ([buf[cut:]], len(buf) - cut) if cut < len(buf) else ([], 0)
+        if not data:
+            return
+
+
+def read_blocks(
+    source: Source, block_bytes: int = BLOCK_BYTES, text_field: str = "text", budget: int = 0
+) -> Iterator[Block]:
+    """The file's blocks, each ending at a line end (text without line ends: at a character boundary); a Parquet or
+    Arrow file's hold whole rows (``text_field``: their text column). ``budget`` > 0: the most bytes the caller will
+    read (data.max_corpus_mb less what it read before); where it ends inside a record, the file ends with an empty
+    block whose ``size`` is what was read of that record (left out: half a JSON line is no document)."""
+    if source.columnar:
         yield from columnar.read_blocks(source, text_field, block_bytes)
         return
-    index, line, carry, pending = 0, 1, b"", None
-    with _open(source.path, source.compression) as f:
-        while True:
-            try:
-                data = f.read(block_bytes)
-            except (OSError, EOFError, zlib.error) as e:  # gzip's BadGzipFile is an OSError
-                whole_lines = line - 1 + carry.count(b"\n")
-                raise DataError(
-                    f"{source.path}: {_damage(e, source.compression, whole_lines)}; {FIX_DAMAGED}"
-                ) from None
-            buf = carry + data
-            if not data:
-                cut = len(buf)
+    index, line, pending = 0, 1, None
+    with _open(source) as f:
+        for piece in _pieces(f, source, block_bytes, budget):
+            if pending is not None:
+                yield pending
+            if isinstance(piece, int):
+                pending = Block(source, index, line, b"", size=piece)
             else:
-                cut = buf.rfind(b"\n") + 1
-                if cut == 0:
-                    if source.records:  # a record is never split: keep reading to the end of its line
-                        carry = buf
-                        continue
-                    cut = _utf8_cut(buf)
-            if cut:
-                if pending is not None:
-                    yield pending
-                pending = Block(source, index, line, buf[:cut])
-                index += 1
-                line += buf.count(b"\n", 0, cut)
-            carry = buf[cut:]
-            if not data:
-                break
+                pending = Block(source, index, line, piece)
+                index, line = index + 1, line + piece.count(b"\n")
     if pending is not None:
         pending.last = True
         yield pending
 
 
+SURROGATES = re.compile("[\ud800-\udfff]")
+"""What JSON's \\ud800-\\udfff escapes decode to when unpaired: no UTF-8 has them, so no tokenizer encodes them."""
+
+
+def _names(keys) -> str:
+    """A record's keys for an error line: the first ten, each on one line."""
+    keys = list(keys)
+    names = ", ".join(SURROGATES.sub("\ufffd", json.dumps(k, ensure_ascii=False)[1:-1][:80]) for k in keys[:10])
+    return names + (f" and {len(keys) - 10:,} more" if len(keys) > 10 else "")
+
+
 def jsonl_text(line: bytes, path: Path, n: int, field: str) -> str:
-    """The text of one JSONL record; a line that is not JSON or lacks the field is a DataError naming file:line."""
+    """The text of one JSONL record; a line that is not JSON or lacks the field is a DataError naming file:line. An
+    unpaired surrogate escape becomes U+FFFD, as a byte that is not UTF-8 does in a text file."""
     try:
         record = json.loads(line)
-    except ValueError as e:
-        raise DataError(f"{path}:{n}: not a JSON object ({e}); fix or delete the line") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{path}:{n}: not a JSON object ({why}); fix or delete the line") from None
     if not isinstance(record, dict) or field not in record:
-        keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+        keys = _names(record) if isinstance(record, dict) else type(record).__name__
         raise DataError(f"{path}:{n}: no {field!r} field (found: {keys}); {FIX_FIELD}")
     text = record[field]
     if not isinstance(text, str):
         raise DataError(f"{path}:{n}: field {field!r} is a {type(text).__name__}, not a string; fix the line")
-    return text
+    return text if text.isascii() or not SURROGATES.search(text) else SURROGATES.sub("\ufffd", text)
 
 
 def iter_texts(sources: list[Source], text_field: str, max_bytes: int) -> Iterator[str]:
     """Document texts (a text file's in ~1 MB blocks) from the start of the corpus, up to ``max_bytes`` of input."""
     read = 0
     for source in sources:
-        for block in read_blocks(source, text_field=text_field):
+        for block in read_blocks(source, text_field=text_field, budget=max_bytes - read):
             if block.texts is not None:
                 yield from block.texts
             elif source.records:

@@ -183,9 +183,42 @@ def test_a_tracking_uri_that_is_a_folder_is_refused_with_the_sqlite_uri_to_use(t
     )
 
 
-def test_a_tracking_uri_mlflow_does_not_take_leaves_training_alone(tiny_lm, tmp_path):
-    cfg = tiny_lm("logging.mlflow.enabled=true", "logging.mlflow.tracking_uri=foo://bar", "optimization.max_steps=2")
-    result = run_rank(cfg, tmp_path, dist_env.detect())
+NO_STORE = (
+    "{key} is nosuchscheme://x, whose scheme 'nosuchscheme' MLflow has no store for (it takes: file, databricks, "
+    "databricks-uc, uc, http, https, postgresql, mysql, sqlite, mssql); give http(s)://host:port for a server or "
+    "sqlite:///path.db for a local store"
+)
 
-    assert result["stopped_by"] is None and (tmp_path / "checkpoints" / "step_00000002").is_dir()
-    assert (tmp_path / "train.log").read_text().count("[track] mlflow: cannot start (") == 1
+
+def test_a_tracking_uri_mlflow_has_no_store_for_is_refused_at_the_preflight(tiny_lm, monkeypatch):
+    from shardlab.jobs.checks import check
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(ConfigError) as refused:
+        check(tiny_lm("logging.mlflow.enabled=true", "logging.mlflow.tracking_uri=nosuchscheme://x"), 1, 0)
+    assert str(refused.value) == NO_STORE.format(key="logging.mlflow.tracking_uri")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://x")  # what the client takes when the config names none
+    with pytest.raises(ConfigError) as refused:
+        check(tiny_lm("logging.mlflow.enabled=true"), 1, 0)
+    assert str(refused.value) == NO_STORE.format(key="MLFLOW_TRACKING_URI")
+    check(tiny_lm("logging.mlflow.enabled=false"), 1, 0)  # a tracker that is off is not asked
+    for uri in ("http://127.0.0.1:9", f"sqlite:///{ROOT}/never-created.db"):  # taken; nothing connected or created
+        check(tiny_lm("logging.mlflow.enabled=true", f"logging.mlflow.tracking_uri={uri}"), 1, 0)
+    assert not (ROOT / "never-created.db").exists()
+
+
+def test_the_cli_refuses_a_tracking_uri_mlflow_has_no_store_for_before_anything_is_written(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = ["logging.mlflow.enabled=true", "logging.mlflow.tracking_uri=nosuchscheme://x"]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    done = subprocess.run(
+        [sys.executable, "-m", "shardlab.train", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 2  # it trained to the end and exited 0
+    assert done.stderr.strip().splitlines() == ["error: " + NO_STORE.format(key="logging.mlflow.tracking_uri")]
+    assert not run_dir.exists()
