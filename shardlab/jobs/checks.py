@@ -46,7 +46,6 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
 
     from shardlab.distributed import load_backends
     from shardlab.distributed.compile import compile_errors
-    from shardlab.logging.trackers import tracker_uri_errors
     from shardlab.task import Task
 
     load_plugins(cfg.get("user_dir"))  # .get: configs recorded before user_dir existed lack it
@@ -69,7 +68,6 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
     problems += task.config_errors()
     problems += task.world_errors(world_size)
     problems += compile_errors(cfg.distributed, num_cuda_devices)
-    problems += tracker_uri_errors(cfg.logging)
     if cfg.distributed.wrap_min_num_params > 0 and type(task).fsdp_units is not Task.fsdp_units:
         problems.append(
             f"distributed.wrap_min_num_params applies to models without a unit plan, but task {cfg.task.name} "
@@ -221,6 +219,7 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
         *checkpointing_errors(d),
         *plan_device_errors(cfg),
         *tracker_errors(cfg.logging),
+        *tracker_uri_errors(cfg.logging),
         *distributed_errors(cfg, world_size or d.world_size, num_cuda_devices),
         *unknown_key_errors(cfg),
     ]
@@ -613,3 +612,33 @@ def placement_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
     if d.backend == "single" and d.world_size > 1:
         errors.append(f"distributed.world_size={d.world_size} needs distributed.backend=ddp or fully_sharded")
     return errors
+
+
+def tracker_uri_errors(log_cfg: Any) -> list[str]:
+    """The pre-flight's check of the MLflow tracking URI (the configured one, else MLFLOW_TRACKING_URI): a scheme that
+    MLflow's store registry has no store for (``nosuchscheme://x``) can never work, so it is refused before training,
+    by the registry the client asks (plug-in schemes included); nothing is connected to or created. A server that
+    does not answer is another matter: it may come back, so the run only says so (MlflowTracker)."""
+    section = log_cfg.get("mlflow")  # .get: configs recorded before the trackers existed lack it
+    if section is None or not section.enabled:
+        return []
+    key, uri = "logging.mlflow.tracking_uri", section.get("tracking_uri")
+    if not uri:
+        key, uri = "MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return []  # MLflow's own default store
+    try:  # the registry MlflowClient builds its store from; not a public name, so a future MLflow only skips this
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
+        from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException as Unsupported
+    except ImportError:
+        return []  # mlflow missing: tracker_errors says so
+    try:
+        registry.get_store_builder(uri)
+    except Unsupported as e:
+        known = ", ".join(s for s in e.supported_uri_schemes if s)
+        scheme = uri.split(":", 1)[0]
+        return [
+            f"{key} is {uri}, whose scheme '{scheme}' MLflow has no store for (it takes: {known}); give "
+            "http(s)://host:port for a server or sqlite:///path.db for a local store"
+        ]
+    return []

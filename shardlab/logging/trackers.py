@@ -172,36 +172,6 @@ class WandbTracker:
 
 
 # ---- MLflow ----------------------------------------------------------------------------------------------------------
-def tracker_uri_errors(log_cfg: Any) -> list[str]:
-    """The pre-flight's check of the MLflow tracking URI (the configured one, else MLFLOW_TRACKING_URI): a scheme that
-    MLflow's store registry has no store for (``nosuchscheme://x``) can never work, so it is refused before training,
-    by the registry the client asks (plug-in schemes included); nothing is connected to or created. A server that
-    does not answer is another matter: it may come back, so the run only says so (MlflowTracker)."""
-    section = log_cfg.get("mlflow")  # .get: configs recorded before the trackers existed lack it
-    if section is None or not section.enabled:
-        return []
-    key, uri = "logging.mlflow.tracking_uri", section.get("tracking_uri")
-    if not uri:
-        key, uri = "MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
-        return []  # MLflow's own default store
-    try:  # the registry MlflowClient builds its store from; not a public name, so a future MLflow only skips this
-        from mlflow.tracking._tracking_service.utils import _tracking_store_registry as registry
-        from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException as Unsupported
-    except ImportError:
-        return []  # mlflow missing: shardlab.config.tracker_errors says so
-    try:
-        registry.get_store_builder(uri)
-    except Unsupported as e:
-        known = ", ".join(s for s in e.supported_uri_schemes if s)
-        scheme = uri.split(":", 1)[0]
-        return [
-            f"{key} is {uri}, whose scheme '{scheme}' MLflow has no store for (it takes: {known}); give "
-            "http(s)://host:port for a server or sqlite:///path.db for a local store"
-        ]
-    return []
-
-
 class MlflowTracker:
     """An MLflow run through ``MlflowClient`` (no global active run). A store that cannot be reached is reported once;
     its points are kept and sent with the next log line that reaches it."""

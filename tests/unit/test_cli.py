@@ -75,7 +75,8 @@ BAD_INPUTS = {
     "run dir cannot be created": (["hydra.run.dir={root}/afile/run"], r"^error: hydra.run.dir: cannot create or write"),
     "checkpoint dir under /proc": (
         ["hydra.run.dir={root}/run3", "checkpoint.dir=/proc/shardlab-ckpt", *TINY_LM],
-        r"^error: checkpoint.dir: cannot create or write /proc/shardlab-ckpt \(creating it failed: .+\); choose a",
+        r"^error: checkpoint.dir=/proc/shardlab-ckpt is /proc/shardlab-ckpt, inside the system folder /proc: .+; "
+        r"choose a folder of its own",
     ),
     "validation split smaller than one batch": (
         ["hydra.run.dir={root}/run4", *TINY_LM, "validation.batch_size=100000"],

@@ -30,12 +30,6 @@ LAYERS: list[tuple[str, ...]] = [
 package ``shardlab`` itself only to its own __init__). A module may import its own floor and those below it, at
 module level or inside a function alike; within a floor, no two names may import each other."""
 
-PENDING: set[tuple[str, str]] = {
-    ("tasks.lm.columnar", "tasks.lm.corpus"),  # the circle is broken in the corpora branch
-    ("tasks.lm.corpus", "tasks.lm.columnar"),
-}
-"""Imports (importer, imported module) being removed on other branches right now; the lead empties this at merge."""
-
 
 def module_name(path: Path, root: Path = ROOT) -> str:
     parts = path.relative_to(root).with_suffix("").parts
@@ -70,8 +64,8 @@ def repo_imports() -> dict[str, dict[str, int]]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """``repo_imports`` without the lines and without the PENDING imports."""
-    return {m: {t for t in targets if (m, t) not in PENDING} for m, targets in repo_imports().items()}
+    """``repo_imports`` without the lines."""
+    return {m: set(targets) for m, targets in repo_imports().items()}
 
 
 def unit_of(module: str) -> str | None:
@@ -91,8 +85,6 @@ def upward_imports(graph: dict[str, dict[str, int]], root: Path = ROOT) -> list[
     found = []
     for module, targets in sorted(graph.items()):
         for target, line in sorted(targets.items()):
-            if (module, target) in PENDING:
-                continue
             if floor_of(unit_of(target)) < floor_of(unit_of(module)):
                 path = Path(*module.split(".")).with_suffix(".py")
                 if not (root / path).is_file():
@@ -144,12 +136,6 @@ def test_no_module_imports_from_a_floor_above_its_own():
     assert not upward, "imports from a higher floor (pass a value or a callable in, or move the code):\n" + "\n".join(
         upward
     )
-
-
-def test_every_pending_import_is_still_there():
-    """PENDING hides nothing that was fixed: each entry is an import the code still makes."""
-    graph = repo_imports()
-    assert not [(a, b) for a, b in PENDING if b not in graph.get(a, {})], "fixed: drop it from PENDING"
 
 
 def test_no_modules_import_each_other():
