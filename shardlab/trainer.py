@@ -207,7 +207,7 @@ class Trainer:
         cfg, backend, state = self.cfg, self.backend, self.state
         max_steps = cfg.optimization.max_steps
         self._announce_start(log)
-        loader = self._train_loader()
+        loader = self.train_loader()
         window, last_valid = ThroughputWindow(), {}
         compiling = cfg.distributed.compile and state.step < max_steps
         first_steps = FirstSteps(cfg.distributed, backend.process_groups()) if compiling else None
@@ -226,11 +226,11 @@ class Trainer:
                 stop, overdue, lock_lost, nonfinite = backend.any_rank(
                     self.stop_signals.received is not None,
                     self.save_policy.overdue(backend.env.is_main),
-                    self._lock_lost(),
+                    backend.env.is_main and run_lock.lost(self.run_dir) is not None,  # rank 0 knows: another job's
                     not bool(self.loss_finite),
                 )
             if lock_lost:  # another job holds the folder now: hands off it, every rank at this step
-                raise RunFolderInUse(self._lost_lock_line())
+                raise RunFolderInUse(run_lock.hands_off_line(self.run_dir, state.step, self.checkpointer.newest))
             self.nonfinite.count(nonfinite, state.step, self.checkpointer.kept, log.info, self._nonfinite_cause)
             last = state.step == max_steps  # the loop's last step: what it holds is what the run holds
             if stop or last:  # bytes held right after a step: parameters, optimizer state, persistent buffers
@@ -310,31 +310,7 @@ class Trainer:
         self.phase = "between"
         return lr, grad_norm
 
-    def time_steps(self, num_steps: int) -> tuple[list[float], float]:
-        """Train ``num_steps`` steps from the current state; (each step's seconds on this rank, the first including
-        warm-up; the throughput units this rank processed per step). The peak meter sees them. For measurements whose
-        model is thrown away afterwards (backend=auto's trials): nothing is logged, validated or saved."""
-        loader, sums, seconds = self._train_loader(), {}, []
-        # A compiled trial compiles in its first step, as a run does: under compile_timeout_s, ended by a barrier.
-        d = self.cfg.distributed
-        first_steps = FirstSteps(d, self.backend.process_groups()) if d.compile else None
-        self.meter.reset()
-        try:
-            for _ in range(num_steps):
-                started = time.perf_counter()
-                self.train_step(loader, sums)
-                if self.backend.device.type == "cuda":
-                    torch.cuda.synchronize(self.backend.device)
-                seconds.append(time.perf_counter() - started)
-                if first_steps is not None:
-                    first_steps.ended(seconds[-1])
-                self.meter.sample()
-        finally:
-            if first_steps is not None:
-                first_steps.close()
-        return seconds, float(sums["units"]) / num_steps
-
-    def _train_loader(self):
+    def train_loader(self):
         """This rank's training batches from the run's data position on (shardlab.data)."""
         return iter(self._loader(self.task.train_dataset, self.train_order, self.state.samples_seen, self.global_batch))
 
@@ -423,19 +399,6 @@ class Trainer:
         """The diverged run's advice, by what it found (shardlab.optim.divergence.nonfinite_cause)."""
         rates = [group["lr"] for group in self.optimizer.param_groups]
         return nonfinite_cause(rates, lambda: weights_finite(self.model, self.backend.any_rank))
-
-    def _lock_lost(self) -> bool:
-        """Whether rank 0 knows the run's lock is another job's now (shardlab.jobs.run_lock): agreed at the step's
-        end with the stop signals, so every rank stops at the same step, saving nothing (docs/checkpoints.md)."""
-        return self.backend.env.is_main and run_lock.lost(self.run_dir) is not None
-
-    def _lost_lock_line(self) -> str:
-        """Why the run stopped, and what it dropped: the folder is the new holder's, which goes on from its own
-        checkpoints; no save is kept elsewhere (docs/checkpoints.md, "Who may write a folder")."""
-        reason = run_lock.lost_reason(self.run_dir)  # the same words on every rank, whichever one is reported
-        newest = self.checkpointer.newest
-        since = f"since {newest.name}" if newest is not None else "of this run"
-        return f"{reason}; stopped at step {self.state.step} and saved nothing: its steps {since} are dropped"
 
     def _stop(self, path: Path | None, log: RunLogger) -> None:
         """The loop stops before optimization.max_steps on a stop signal, after this step's save (``path``; None

@@ -52,6 +52,7 @@ from shardlab.checkpoint.agreement import broadcast_text
 from shardlab.checkpoint.layout import complete_checkpoints, write_json_atomic
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.base import pick_device
+from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError
 from shardlab.memory.budget import Choice, apply_choice, fitting, sharded_only
@@ -59,7 +60,7 @@ from shardlab.memory.devices import GiB
 from shardlab.memory.layout import Layout
 from shardlab.memory.plan import profile_config
 from shardlab.registry import BACKENDS
-from shardlab.trainer import assemble
+from shardlab.trainer import Trainer, assemble
 
 DECISION_FILE = "autotune.json"
 
@@ -245,7 +246,7 @@ def _trial(cfg: DictConfig, task, env, device, run_dir: Path, choice: Choice, ba
     error, seconds, units, peak = None, [float("inf")], 0.0, 0
     try:
         trainer = assemble(trial_cfg, task, backend, run_dir, trial=True)  # the group and the data exist already
-        seconds, units = trainer.time_steps(trial_cfg.distributed.auto_tune_steps)
+        seconds, units = time_steps(trainer, trial_cfg.distributed.auto_tune_steps)
         peak = trainer.meter.peak_above_baseline
         del trainer
     except Exception as e:  # noqa: BLE001  (a candidate that cannot run is reported, not fatal)
@@ -365,3 +366,28 @@ def _table(decision: dict, unit: str, world: int) -> list[str]:
             f"{t['predicted_peak_gib']:>9.2f} {t['measured_peak_gib']:>9.2f}"
         )
     return lines
+
+
+def time_steps(trainer: Trainer, num_steps: int) -> tuple[list[float], float]:
+    """Train ``trainer`` ``num_steps`` steps from its current state; (each step's seconds on this rank, the first
+    including warm-up; the throughput units this rank processed per step). The peak meter sees them. A trial's
+    measurement, whose model is thrown away afterwards: nothing is logged, validated or saved."""
+    loader, sums, seconds = trainer.train_loader(), {}, []
+    # A compiled trial compiles in its first step, as a run does: under compile_timeout_s, ended by a barrier.
+    d = trainer.cfg.distributed
+    first_steps = FirstSteps(d, trainer.backend.process_groups()) if d.compile else None
+    trainer.meter.reset()
+    try:
+        for _ in range(num_steps):
+            started = time.perf_counter()
+            trainer.train_step(loader, sums)
+            if trainer.backend.device.type == "cuda":
+                torch.cuda.synchronize(trainer.backend.device)
+            seconds.append(time.perf_counter() - started)
+            if first_steps is not None:
+                first_steps.ended(seconds[-1])
+            trainer.meter.sample()
+    finally:
+        if first_steps is not None:
+            first_steps.close()
+    return seconds, float(sums["units"]) / num_steps

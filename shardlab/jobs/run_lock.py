@@ -683,6 +683,14 @@ def lost_now(run_dir: Path) -> str | None:
     return None
 
 
+def hands_off_line(run_dir: Path, step: int, newest: Path | None) -> str:
+    """Why a run that lost its folder stopped at ``step``, and what it dropped: the folder is the new holder's, which
+    goes on from its own checkpoints (``newest`` is this run's last); no save is kept elsewhere (docs/checkpoints.md,
+    "Who may write a folder"). The same words on every rank, whichever one is reported."""
+    since = f"since {newest.name}" if newest is not None else "of this run"
+    return f"{lost_reason(run_dir)}; stopped at step {step} and saved nothing: its steps {since} are dropped"
+
+
 def lost_reason(run_dir: Path) -> str:
     """Why the run lost its lock, in the same words on every rank once the ranks agreed it did: rank 0 (or the
     holder that spawned it) knows; another rank reads whom the lock file names now (the run folder is shared: every

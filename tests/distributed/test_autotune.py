@@ -22,12 +22,12 @@ CALLS = {"trials": 0}
 def fake_clock() -> None:
     """Each rank: trials run their real steps, then report FAKE_SECONDS for their layout (x0.5 for micro-batch 4;
     for micro-batch 8 instead under auto_tune_steps=3, a machine on which the other split has become faster)."""
-    from shardlab import trainer as trainer_module
+    from shardlab.jobs import autotune
     from shardlab.memory.layout import layout_of
 
-    real = trainer_module.Trainer.time_steps
+    real = autotune.time_steps
 
-    def timed(self, num_steps):
+    def timed(self, num_steps):  # self: the trial's trainer
         seconds, units = real(self, num_steps)
         CALLS["trials"] += 1
         label = layout_of(self.cfg.distributed, self.backend.env.world_size).label(self.backend.env.world_size)
@@ -35,7 +35,7 @@ def fake_clock() -> None:
         scale = 0.5 if self.cfg.optimization.batch_size == faster_batch else 1.0
         return [FAKE_SECONDS.get(label, 9.0) * scale] * num_steps, units
 
-    trainer_module.Trainer.time_steps = timed
+    autotune.time_steps = timed
 
 
 def chosen(trainer) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from shardlab.checkpoint.manager import Checkpointer
 from shardlab.distributed import env as dist_env
+from shardlab.jobs.autotune import time_steps
 from shardlab.registry import BACKENDS
 from shardlab.runner import prepare_data, rank_task
 from shardlab.trainer import assemble
@@ -24,7 +25,7 @@ def test_a_trial_is_assembled_whole_and_leaves_the_run_folder_alone(tiny_lm, tmp
         assert trainer.checkpointer.root == tmp_path / cfg.checkpoint.dir
         assert trainer.checkpointer._async is None  # a trainer that never saves makes no saver's process group
         assert trainer.resumed_from is None and trainer.initialized_from is None
-        seconds, units = trainer.time_steps(2)
+        seconds, units = time_steps(trainer, 2)
         assert len(seconds) == 2 and units > 0 and trainer.state.step == 2
         assert list(tmp_path.iterdir()) == []
     finally:
