@@ -11,7 +11,7 @@ import contextlib
 import importlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -289,15 +289,15 @@ class Trainer:
         with record_function("shardlab.seed"):
             torch.manual_seed(sample_seed(cfg.seed + 1, first_sample))
         self.phase = "forward"  # what save_on_error may save depends on where an error came (_save_after_error)
+        micro_batches = self._micro_batches(loader)
         for micro in range(o.update_freq):
-            with record_function("shardlab.data"):
-                batch = next(loader)
+            batch, weight = next(micro_batches)
             with backend.grad_sync(self.model, micro == o.update_freq - 1):
                 with backend.forward_context():
                     loss, stats = self.task.loss(self.model, batch, backend.device)
                 finite = torch.isfinite(loss.detach()).all()
                 self.loss_finite = finite if micro == 0 else self.loss_finite & finite
-                scaled = loss / o.update_freq
+                scaled = loss / o.update_freq if weight is None else loss * weight
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             with record_function("shardlab.metrics"):
                 for k, v in stats.items():
@@ -309,6 +309,30 @@ class Trainer:
         self.state.end_step(self.global_batch * o.update_freq, skipped)
         self.phase = "between"
         return lr, grad_norm
+
+    def _micro_batches(self, loader) -> Iterator[tuple[Any, torch.Tensor | None]]:
+        """The step's micro-batches, each with the weight of its mean loss. None (the mean divided by update_freq)
+        where every micro-batch holds as many loss terms (Task.loss_count); else its count times the data-parallel
+        ranks over the step's count on all ranks (the backends average gradients over the ranks), so the step's
+        gradient is that of the mean over all its terms, however they are split over ranks and micro-batches. Counted
+        ones are read ahead for the sum (token ids: kilobytes); the weights stay on the device, so nothing waits."""
+        n, backend = self.cfg.optimization.update_freq, self.backend
+        with record_function("shardlab.data"):
+            first = next(loader)
+        if self.task.loss_count(first) is None:
+            yield first, None
+            for _ in range(n - 1):
+                with record_function("shardlab.data"):
+                    batch = next(loader)
+                yield batch, None
+            return
+        with record_function("shardlab.data"):
+            batches = [first, *(next(loader) for _ in range(n - 1))]
+        counts = [self.task.loss_count(batch) for batch in batches]
+        local = torch.tensor(sum(counts), dtype=torch.float64, device=backend.device)
+        per_term = backend.dp_world_size / backend.all_reduce_sum(local).clamp(min=1)
+        for batch, count in zip(batches, counts, strict=True):
+            yield batch, (per_term * count).float()
 
     def time_steps(self, num_steps: int) -> tuple[list[float], float]:
         """Train ``num_steps`` steps from the current state; (each step's seconds on this rank, the first including

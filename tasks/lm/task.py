@@ -22,6 +22,7 @@ from tasks.lm.cache import corpus_sources
 from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
 from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
+from tasks.lm.sft_packing import IGNORE
 from tasks.lm.sft_template import find_chat_template
 from tasks.lm.tokenizer import load_tokenizer
 
@@ -269,6 +270,14 @@ class LanguageModelingTask(Task):
         loss = (compiled(next_token_loss) if fuse else next_token_loss)(logits, targets)
         n = targets.numel()
         return loss, {"loss_sum": loss.detach() * n, "count": torch.tensor(float(n))}
+
+    def loss_count(self, batch: torch.Tensor) -> float | None:
+        """Fine-tuning: the answer tokens of the rows, which differ from batch to batch, so a step's gradient is the
+        mean over all answer tokens of its global batch (Task.loss_count). Pretraining: None, every block holds
+        data.seq_len targets and every rank's micro-batch as many blocks, so the means weigh alike already."""
+        if not self.sft:
+            return None
+        return float((batch[:, 1] != IGNORE).sum())
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         loss = sums["loss_sum"] / max(sums["count"], 1)

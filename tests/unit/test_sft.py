@@ -264,3 +264,33 @@ def test_splits_are_deterministic_and_hold_packed_rows_of_answer_samples(tmp_pat
     short = open_sft_splits(OmegaConf.merge(d, {"seq_len": 64}), task.tokenizer, None, packed=True)
     assert short.truncated > 0 and short.dropped > 0  # cut to 65 tokens; those whose prompt fills them left out
     assert all(short.train[i].shape == (3, 64) and (short.train[i][1] != IGNORE).any() for i in range(len(short.train)))
+
+
+SFT_TINY = [
+    "task=sft", "model.num_layers=1", "model.dim=32", "model.num_heads=2", "model.max_seq_len=128",
+    "data.seq_len=128", "optimization.max_steps=4", "optimizer.lr=3e-3", "lr_scheduler.warmup_steps=0",
+    "validation.interval_steps=0", "validation.batch_size=4", "checkpoint.interval_steps=0",
+    "logging.progress_bar=false", "logging.tensorboard=false", "logging.interval_steps=1",
+]  # fmt: skip
+"""task=sft on the demo, small enough for a few steps in a second or two."""
+
+
+def keep_params(trainer) -> dict:
+    return {"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}
+
+
+def test_gradients_are_the_global_answer_token_mean_whatever_the_update_freq(tmp_path):
+    """Rows hold different numbers of answer tokens, so the mean of two micro-batch means is not the step's mean;
+    the trainer weighs each micro-batch by its share of the step's answer tokens (LanguageModelingTask.loss_count)."""
+    whole, split = (
+        run_rank(compose_config([*SFT_TINY, *overrides]), tmp_path / name, dist_env.detect(), after_fit=keep_params)
+        for name, overrides in (
+            ("whole", ["optimization.batch_size=8"]),
+            ("split", ["optimization.batch_size=4", "optimization.update_freq=2"]),
+        )
+    )
+    losses = [[r["loss"] for r in result["history"] if r["split"] == "train"] for result in (whole, split)]
+    assert len(losses[0]) == 4
+    torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)
+    for key, value in whole["params"].items():
+        torch.testing.assert_close(split["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
