@@ -73,6 +73,8 @@ def assemble(
     env = backend.env
     speaks = env.is_main and not trial
     backend.setup(prepare_data=prepare_data)
+    if speaks and (summary := task.data_summary()):
+        print(summary, flush=True)
     if (line := settle_precision(cfg.distributed, backend)) and speaks:  # precision=auto: one dtype for all ranks
         print(line, flush=True)
     if backend.network.spans_hosts and not trial:

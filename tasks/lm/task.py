@@ -234,6 +234,13 @@ class LanguageModelingTask(Task):
         content = self.meta.get("content_digest") or f"cache {self.corpus_dir.name}"
         return f"{self.meta['train_tokens']:,} train / {self.meta['valid_tokens']:,} valid tokens ({content})"
 
+    def data_summary(self) -> str | None:
+        """Fine-tuning records are read at every start (no cache to print it once): what became of them."""
+        if not self.sft:
+            return None
+        d = self.cfg.data
+        return self.sft_splits.summary(d.path or "the embedded demo (this Python's standard library)", d.seq_len)
+
     def build_model(self) -> nn.Module:
         model = self.architecture(self.cfg.model, self.vocab_size)
         from tasks.lm.lora import apply_lora, lora_on

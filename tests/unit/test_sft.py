@@ -279,7 +279,7 @@ def keep_params(trainer) -> dict:
     return {"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}
 
 
-def test_gradients_are_the_global_answer_token_mean_whatever_the_update_freq(tmp_path):
+def test_gradients_are_the_global_answer_token_mean_whatever_the_update_freq(tmp_path, capsys):
     """Rows hold different numbers of answer tokens, so the mean of two micro-batch means is not the step's mean;
     the trainer weighs each micro-batch by its share of the step's answer tokens (LanguageModelingTask.loss_count)."""
     whole, split = (
@@ -290,7 +290,28 @@ def test_gradients_are_the_global_answer_token_mean_whatever_the_update_freq(tmp
         )
     )
     losses = [[r["loss"] for r in result["history"] if r["split"] == "train"] for result in (whole, split)]
+    assert capsys.readouterr().out.count("fine-tuning records from the embedded demo") == 2  # one line per run
     assert len(losses[0]) == 4
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)
     for key, value in whole["params"].items():
         torch.testing.assert_close(split["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_the_start_line_counts_records_read_held_out_cut_and_dropped(tmp_path, capsys):
+    records = [{"prompt": "p" * 10, "completion": "a" * 5}] * 30  # 16 tokens: fit
+    records += [{"prompt": "p" * 20, "completion": "a" * 30}] * 7  # 51 tokens: cut, answer tokens left
+    records += [{"prompt": "p" * 40, "completion": "a"}] * 5  # the prompt fills the row: dropped
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    task = sft_task(tmp_path, f"data.path={tmp_path / 'r.jsonl'}", "data.seq_len=32", "data.valid_percent=20")
+    task.prepare_data()
+    s = task.sft_splits
+    assert (s.records, s.truncated, s.dropped) == (42, 12, 5)
+    held_out = len(s.valid.samples)
+    assert 0 < held_out < 37 and len(s.train.samples) == 37 - held_out
+    assert task.data_summary() == (
+        f"fine-tuning records from {tmp_path / 'r.jsonl'}: 42 read, {held_out} held out for validation, 12 cut "
+        f"(longer than data.seq_len=32), 5 dropped (no answer token within it)\n  {37 - held_out} train samples in "
+        f"{len(s.train)} rows ({s.train.answer_tokens:,} answer tokens), {held_out} valid in {len(s.valid)} rows "
+        f"({s.valid.answer_tokens:,})"
+    )
+    assert sft_task(tmp_path, "data.format=text").data_summary() is None  # the corpus cache prints its own
