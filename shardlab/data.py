@@ -11,7 +11,8 @@ number of workers, nor where a run was resumed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -150,3 +151,37 @@ def rank_loader(
         generator=torch.Generator().manual_seed(order.seed),
         pin_memory=torch.cuda.is_available(),
     )
+
+
+def weighted_micro_batches(
+    loader: Iterator[Any],
+    update_freq: int,
+    loss_count: Callable[[Any], int | None],
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+    dp_world_size: int,
+    device: torch.device,
+) -> Iterator[tuple[Any, torch.Tensor | None]]:
+    """A step's ``update_freq`` micro-batches from ``loader``, each with the weight of its mean loss. None (the mean
+    divided by update_freq) where every micro-batch holds as many loss terms (``loss_count``: Task.loss_count gives
+    None); else its count times the data-parallel ranks over the step's count on all ranks (the backends average
+    gradients over the ranks), so the step's gradient is that of the mean over all its terms, however they are split
+    over ranks and micro-batches. Counted ones are read ahead for the sum (token ids: kilobytes); the weights stay on
+    the device, so nothing waits."""
+    from torch.profiler import record_function
+
+    with record_function("shardlab.data"):
+        first = next(loader)
+    if loss_count(first) is None:
+        yield first, None
+        for _ in range(update_freq - 1):
+            with record_function("shardlab.data"):
+                batch = next(loader)
+            yield batch, None
+        return
+    with record_function("shardlab.data"):
+        batches = [first, *(next(loader) for _ in range(update_freq - 1))]
+    counts = [loss_count(batch) for batch in batches]
+    local = torch.tensor(sum(counts), dtype=torch.float64, device=device)
+    per_term = dp_world_size / all_reduce_sum(local).clamp(min=1)
+    for batch, count in zip(batches, counts, strict=True):
+        yield batch, (per_term * count).float()

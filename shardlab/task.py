@@ -71,6 +71,12 @@ class Task(ABC):
         them before training): by default the sizes of the splits."""
         return f"{len(self.train_dataset)} train / {len(self.valid_dataset)} valid samples"
 
+    def data_summary(self) -> str | None:
+        """What the opened data holds, printed once by rank 0 before the model is built, for data opened in memory at
+        every start (the LM's fine-tuning records: read, held out, cut, dropped); None where the data says it when it
+        is built (the LM's corpus cache prints its counts once, as it preprocesses)."""
+        return None
+
     @abstractmethod
     def build_model(self) -> nn.Module:
         """The model with shapes only (called under the meta device)."""
@@ -112,6 +118,14 @@ class Task(ABC):
     @abstractmethod
     def loss(self, model: nn.Module, batch: Any, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(mean loss to backpropagate, sums to aggregate over ranks and batches for ``summarize``)."""
+
+    def loss_count(self, batch: Any) -> float | None:
+        """How many terms the mean loss of ``batch`` (read, not yet on the device) averages, where that differs from
+        batch to batch (the LM's fine-tuning: the answer tokens of its rows). The trainer then weighs each micro-batch
+        by its share of the step's count over all micro-batches and ranks (one all-reduce per step), so the step's
+        gradient is the mean over every term of the global batch, whatever the world size and update_freq. None (the
+        default): every micro-batch holds as many terms, and their means weigh alike."""
+        return None
 
     @abstractmethod
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:

@@ -23,7 +23,7 @@ from shardlab.checkpoint import dcp_reader
 from shardlab.checkpoint.manager import Checkpointer
 from shardlab.checkpoint.policy import SavePolicy, inconsistent_state, save_after_error, save_on_error_notice
 from shardlab.checkpoint.restore import restore_training
-from shardlab.data import GlobalOrder, rank_loader, sample_seed
+from shardlab.data import GlobalOrder, rank_loader, sample_seed, weighted_micro_batches
 from shardlab.distributed.base import Backend
 from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.materialize import materialize
@@ -73,6 +73,8 @@ def assemble(
     env = backend.env
     speaks = env.is_main and not trial
     backend.setup(prepare_data=prepare_data)
+    if speaks and (summary := task.data_summary()):
+        print(summary, flush=True)
     if (line := settle_precision(cfg.distributed, backend)) and speaks:  # precision=auto: one dtype for all ranks
         print(line, flush=True)
     if backend.network.spans_hosts and not trial:
@@ -289,15 +291,17 @@ class Trainer:
         with record_function("shardlab.seed"):
             torch.manual_seed(sample_seed(cfg.seed + 1, first_sample))
         self.phase = "forward"  # what save_on_error may save depends on where an error came (_save_after_error)
+        micro_batches = weighted_micro_batches(
+            loader, o.update_freq, self.task.loss_count, backend.all_reduce_sum, backend.dp_world_size, backend.device
+        )
         for micro in range(o.update_freq):
-            with record_function("shardlab.data"):
-                batch = next(loader)
+            batch, weight = next(micro_batches)
             with backend.grad_sync(self.model, micro == o.update_freq - 1):
                 with backend.forward_context():
                     loss, stats = self.task.loss(self.model, batch, backend.device)
                 finite = torch.isfinite(loss.detach()).all()
                 self.loss_finite = finite if micro == 0 else self.loss_finite & finite
-                scaled = loss / o.update_freq
+                scaled = loss / o.update_freq if weight is None else loss * weight
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             with record_function("shardlab.metrics"):
                 for k, v in stats.items():

@@ -212,6 +212,19 @@ class SFTSplits:
     """Samples cut to data.seq_len + 1 tokens."""
     dropped: int
     """Samples left without an answer token (their prompt fills data.seq_len), not trained on."""
+    records: int = 0
+    """Records read (every one: held out, cut and dropped ones too)."""
+
+    def summary(self, source: str, seq_len: int) -> str:
+        """The line a run starts with: what was read and what became of it, as the corpus cache's lines say."""
+        train, valid = self.train, self.valid
+        return (
+            f"fine-tuning records from {source}: {self.records:,} read, {len(valid.samples):,} held out for "
+            f"validation, {self.truncated:,} cut (longer than data.seq_len={seq_len}), {self.dropped:,} dropped (no "
+            f"answer token within it)\n  {len(train.samples):,} train samples in {len(train):,} rows "
+            f"({train.answer_tokens:,} answer tokens), {len(valid.samples):,} valid in {len(valid):,} rows "
+            f"({valid.answer_tokens:,})"
+        )
 
 
 def open_sft_splits(d: Any, tokenizer, template: ChatTemplate | None, packed: bool) -> SFTSplits:
@@ -221,8 +234,9 @@ def open_sft_splits(d: Any, tokenizer, template: ChatTemplate | None, packed: bo
     else:
         records = file_records(d.path)
     splits: dict[str, list[Sample]] = {"train": [], "valid": []}
-    truncated = dropped = 0
+    truncated = dropped = read = 0
     for key, where, record in records:
+        read += 1
         sample = record_sample(record, where, d, tokenizer, template)
         if len(sample.ids) > d.seq_len + 1:
             sample, truncated = Sample(sample.ids[: d.seq_len + 1], sample.answer[: d.seq_len + 1]), truncated + 1
@@ -234,7 +248,7 @@ def open_sft_splits(d: Any, tokenizer, template: ChatTemplate | None, packed: bo
         raise DataError(f"data.path: {d.path} gives no training sample with an answer token; check data.format "
                         "and its fields, or raise data.seq_len")  # fmt: skip
     train, valid = (PackedRows(splits[s], d.seq_len, tokenizer.eod, packed) for s in ("train", "valid"))
-    return SFTSplits(train, valid, truncated, dropped)
+    return SFTSplits(train, valid, truncated, dropped, read)
 
 
 # ---- the loss ------------------------------------------------------------------------------------------------------

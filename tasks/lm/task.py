@@ -22,6 +22,7 @@ from tasks.lm.cache import corpus_sources
 from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
 from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
+from tasks.lm.sft_packing import IGNORE
 from tasks.lm.sft_template import find_chat_template
 from tasks.lm.tokenizer import load_tokenizer
 
@@ -233,6 +234,13 @@ class LanguageModelingTask(Task):
         content = self.meta.get("content_digest") or f"cache {self.corpus_dir.name}"
         return f"{self.meta['train_tokens']:,} train / {self.meta['valid_tokens']:,} valid tokens ({content})"
 
+    def data_summary(self) -> str | None:
+        """Fine-tuning records are read at every start (no cache to print it once): what became of them."""
+        if not self.sft:
+            return None
+        d = self.cfg.data
+        return self.sft_splits.summary(d.path or "the embedded demo (this Python's standard library)", d.seq_len)
+
     def build_model(self) -> nn.Module:
         model = self.architecture(self.cfg.model, self.vocab_size)
         from tasks.lm.lora import apply_lora, lora_on
@@ -269,6 +277,14 @@ class LanguageModelingTask(Task):
         loss = (compiled(next_token_loss) if fuse else next_token_loss)(logits, targets)
         n = targets.numel()
         return loss, {"loss_sum": loss.detach() * n, "count": torch.tensor(float(n))}
+
+    def loss_count(self, batch: torch.Tensor) -> float | None:
+        """Fine-tuning: the answer tokens of the rows, which differ from batch to batch, so a step's gradient is the
+        mean over all answer tokens of its global batch (Task.loss_count). Pretraining: None, every block holds
+        data.seq_len targets and every rank's micro-batch as many blocks, so the means weigh alike already."""
+        if not self.sft:
+            return None
+        return float((batch[:, 1] != IGNORE).sum())
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         loss = sums["loss_sum"] / max(sums["count"], 1)

@@ -264,3 +264,55 @@ def test_splits_are_deterministic_and_hold_packed_rows_of_answer_samples(tmp_pat
     short = open_sft_splits(OmegaConf.merge(d, {"seq_len": 64}), task.tokenizer, None, packed=True)
     assert short.truncated > 0 and short.dropped > 0  # cut to 65 tokens; those whose prompt fills them left out
     assert all(short.train[i].shape == (3, 64) and (short.train[i][1] != IGNORE).any() for i in range(len(short.train)))
+
+
+SFT_TINY = [
+    "task=sft", "model.num_layers=1", "model.dim=32", "model.num_heads=2", "model.max_seq_len=128",
+    "data.seq_len=128", "optimization.max_steps=4", "optimizer.lr=3e-3", "lr_scheduler.warmup_steps=0",
+    "validation.interval_steps=0", "validation.batch_size=4", "checkpoint.interval_steps=0",
+    "logging.progress_bar=false", "logging.tensorboard=false", "logging.interval_steps=1",
+]  # fmt: skip
+"""task=sft on the demo, small enough for a few steps in a second or two."""
+
+
+def keep_params(trainer) -> dict:
+    return {"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}
+
+
+def test_gradients_are_the_global_answer_token_mean_whatever_the_update_freq(tmp_path, capsys):
+    """Rows hold different numbers of answer tokens, so the mean of two micro-batch means is not the step's mean;
+    the trainer weighs each micro-batch by its share of the step's answer tokens (LanguageModelingTask.loss_count)."""
+    whole, split = (
+        run_rank(compose_config([*SFT_TINY, *overrides]), tmp_path / name, dist_env.detect(), after_fit=keep_params)
+        for name, overrides in (
+            ("whole", ["optimization.batch_size=8"]),
+            ("split", ["optimization.batch_size=4", "optimization.update_freq=2"]),
+        )
+    )
+    assert capsys.readouterr().out.count("fine-tuning records from the embedded demo") == 2  # one line per run
+    for metric in ("loss", "gnorm"):  # gnorm: before clipping, so a wrong scale shows even where Adam hides it
+        got, expected = ([r[metric] for r in res["history"] if r["split"] == "train"] for res in (split, whole))
+        assert len(expected) == 4
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+    for key, value in whole["params"].items():
+        torch.testing.assert_close(split["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_the_start_line_counts_records_read_held_out_cut_and_dropped(tmp_path, capsys):
+    records = [{"prompt": "p" * 10, "completion": "a" * 5}] * 30  # 16 tokens: fit
+    records += [{"prompt": "p" * 20, "completion": "a" * 30}] * 7  # 51 tokens: cut, answer tokens left
+    records += [{"prompt": "p" * 40, "completion": "a"}] * 5  # the prompt fills the row: dropped
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    task = sft_task(tmp_path, f"data.path={tmp_path / 'r.jsonl'}", "data.seq_len=32", "data.valid_percent=20")
+    task.prepare_data()
+    s = task.sft_splits
+    assert (s.records, s.truncated, s.dropped) == (42, 12, 5)
+    held_out = len(s.valid.samples)
+    assert 0 < held_out < 37 and len(s.train.samples) == 37 - held_out
+    assert task.data_summary() == (
+        f"fine-tuning records from {tmp_path / 'r.jsonl'}: 42 read, {held_out} held out for validation, 12 cut "
+        f"(longer than data.seq_len=32), 5 dropped (no answer token within it)\n  {37 - held_out} train samples in "
+        f"{len(s.train)} rows ({s.train.answer_tokens:,} answer tokens), {held_out} valid in {len(s.valid)} rows "
+        f"({s.valid.answer_tokens:,})"
+    )
+    assert sft_task(tmp_path, "data.format=text").data_summary() is None  # the corpus cache prints its own
