@@ -104,6 +104,46 @@ def lora_errors(model_cfg: Any, linear_names: list[str]) -> list[str]:
     return errors
 
 
+def _settings(model_cfg: Mapping) -> str:
+    lora = model_cfg["lora"]
+    return f"model.lora.rank={lora['rank']} 'model.lora.target_modules=[{','.join(lora['target_modules'])}]'"
+
+
+def checkpoint_refusal(path: Path, saved: Mapping, current: Mapping, use: str) -> str | None:
+    """Why the checkpoint ``path`` (saved with model section ``saved``) cannot start the run of model section
+    ``current`` as ``use`` ("resume" or "init_from") because of model.lora; None when it can. A LoRA step folder
+    holds the adapters alone: resuming it needs the same adapters (rank, target_modules; alpha and dropout may
+    change), beginning from it needs a base it does not hold, and a folder without adapters resumes no LoRA run."""
+    was, now = lora_on(saved), lora_on(current)
+    merged = f"its merged export (python tools/export_hf.py {path} --out DIR, then model.pretrained=DIR)"
+    if was and use == "init_from":
+        return (
+            f"checkpoint.init_from: {path} holds a LoRA run's adapters only, not a model's weights; begin from "
+            f"{merged}, or continue its adapters with checkpoint.resume={path} and {_settings(saved)}"
+        )
+    if use != "resume" or not (was or now):
+        return None
+    if was and not now:
+        return (
+            f"{path} holds a LoRA run's adapters only ({_settings(saved)}), but this run has model.lora.rank=0: set "
+            f"{_settings(saved)} to resume it, or train the whole model from {merged}"
+        )
+    if now and not was:
+        return (
+            f"{path} was saved without LoRA (model.lora.rank=0) and holds no adapters, but this run has "
+            f"model.lora.rank={current['lora']['rank']}: put new adapters on its weights with "
+            f"checkpoint.init_from={path} instead, or set model.lora.rank=0 to resume it"
+        )
+    for key in ("rank", "target_modules"):
+        if saved["lora"][key] != current["lora"][key]:
+            return (
+                f"{path} holds adapters of model.lora.{key}={saved['lora'][key]!r}, but this run has "
+                f"model.lora.{key}={current['lora'][key]!r}: set {_settings(saved)} to resume it (alpha and dropout "
+                f"may change), or train new adapters on {merged}"
+            )
+    return None
+
+
 def init_adapter(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
     """peft's default init: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform, a=sqrt(5)), B = 0, so the adapted
     model starts as the base."""

@@ -241,7 +241,8 @@ def test_lora_export_options_and_a_missing_base_are_refused_in_one_line(lora_run
         export_hf.main([step, "--adapter-only", "--base", str(folders["llama3"]), "--out", str(tmp_path / "b")])
     with pytest.raises(
         CheckpointError,
-        match=r"the adapters of blocks.0.attn.k \(\[4, 64\], \[32, 4\]\) do not fit blocks.0.attn.k.weight \[64, 64\] in .*qwen3; is that the run's base",
+        match=r"the adapters of blocks.0.attn.k \(\[4, 64\], \[32, 4\]\) do not fit blocks.0.attn.k.weight \[64, 64\] "
+        r"in .*qwen3; is that the run's base",
     ):
         export_hf.main([step, "--base", str(folders["qwen3"]), "--out", str(tmp_path / "c")])  # another shape
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
@@ -259,3 +260,43 @@ def test_lora_base_refuses_the_seeded_init_and_adapter_only_a_run_without_lora(l
         lora_base({"model": {"pretrained": None}, "checkpoint": {"init_from": None}}, None)
     with pytest.raises(ConfigError, match=r"model.pretrained=.*nowhere, the frozen base .* pass --base"):
         lora_base({"model": {"pretrained": str(tmp_path / "nowhere")}, "checkpoint": {"init_from": None}}, None)
+
+
+# ---- a step folder used with other LoRA settings: refused before any tensor is read, naming model.lora.* -----------
+def start(run_dir: Path, corpus_cache: str, *overrides: str) -> None:
+    from shardlab.distributed import env as dist_env
+    from shardlab.runner import run_rank
+    from tests.conftest import TINY_LM
+
+    run = [*TINY_LM, f"data.cache_dir={corpus_cache}", "optimization.max_steps=1", "checkpoint.interval_steps=1"]
+    run_rank(compose_config([*run, "validation.interval_steps=0", *overrides]), run_dir, dist_env.detect())
+
+
+def test_a_step_folder_with_other_lora_settings_is_refused_in_one_line_naming_the_key(
+    lora_runs, folders, tmp_path, corpus_cache
+):
+    lora_step, pretrained = lora_runs["llama3"], f"model.pretrained={folders['llama3']}"
+    adapters = r"model.lora.rank=4 'model.lora.target_modules=\[attn.\*,mlp.\*\]'"
+    cases = [
+        ([pretrained, f"checkpoint.resume={lora_step}"], rf"holds a LoRA run's adapters only \({adapters}\), but this "
+         rf"run has model.lora.rank=0: set {adapters} to resume it, or train the whole model from its merged export"),
+        ([pretrained, f"checkpoint.resume={lora_step}", *LORA, "model.lora.rank=8", "model.lora.target_modules=[*]"],
+         r"holds adapters of model.lora.rank=4, but this run has model.lora.rank=8: set model.lora.rank=4 "),
+        ([pretrained, f"checkpoint.resume={lora_step}", *LORA, "model.lora.target_modules=[attn.*]"],
+         r"holds adapters of model.lora.target_modules=\['attn.\*', 'mlp.\*'\], but this run has "),
+    ]  # fmt: skip
+    start(tmp_path / "seeded_lora", corpus_cache, *LORA)
+    start(tmp_path / "full", corpus_cache)
+    seeded_lora, full = (tmp_path / name / "checkpoints" / "step_00000001" for name in ("seeded_lora", "full"))
+    cases += [
+        ([f"checkpoint.init_from={seeded_lora}"], r"checkpoint.init_from: .* holds a LoRA run's adapters only, not a "
+         r"model's weights; begin from its merged export \(python tools/export_hf.py .* --out DIR"),
+        ([f"checkpoint.resume={full}", *LORA], r"was saved without LoRA \(model.lora.rank=0\) and holds no adapters, "
+         r"but this run has model.lora.rank=4: put new adapters on its weights with checkpoint.init_from="),
+    ]  # fmt: skip
+    for i, (overrides, message) in enumerate(cases):
+        with pytest.raises(CheckpointError, match=message):
+            start(tmp_path / f"refused{i}", corpus_cache, *overrides)
+    start(tmp_path / "alpha", corpus_cache, pretrained, f"checkpoint.resume={lora_step}", *LORA,
+          "model.lora.target_modules=[attn.*,mlp.*]", "model.lora.alpha=2", "optimization.max_steps=3")  # fmt: skip
+    assert (tmp_path / "alpha" / "checkpoints" / "step_00000003").is_dir()  # alpha may change: resumed
