@@ -140,14 +140,19 @@ H100_8 = [
 
 
 def test_llama_3_1_8b_plans_for_8_h100s_with_lora_and_counts_grads_and_optimizer_of_the_adapters_only(capsys):
-    from shardlab.memory.plan import plan_run
+    from shardlab.memory.estimate import collectives
+    from shardlab.memory.layout import layout_of
+    from shardlab.memory.plan import plan_run, profile_config
     from shardlab.runner import print_plan
 
     lora = ["model.lora.rank=16", "model.lora.target_modules=[attn.*,mlp.*]"]
-    plans = {}
+    plans, sent, ctx = {}, {}, None
     for name, extra in (("full", []), ("lora", lora)):
         task = task_of(LLAMA31_8B, *H100_8, *extra)
         plans[name] = plan_run(task.cfg, task, 8, model_on_meta(task)).estimate
+        profile, ctx = profile_config(task.cfg, task, 8, model_on_meta(task))
+        for c in collectives(profile, layout_of(task.cfg.distributed, 8), ctx):  # each op's input over the 8 ranks
+            sent[name, c.op] = sent.get((name, c.op), 0) + c.bytes * c.group_size * c.count
     print_plan(task.cfg, task)
     assert "h100_80gb" in capsys.readouterr().out
     full, lora_plan = plans["full"], plans["lora"]
@@ -160,6 +165,16 @@ def test_llama_3_1_8b_plans_for_8_h100s_with_lora_and_counts_grads_and_optimizer
     assert lora_plan.grads == pytest.approx(4 * adapters / 8, rel=0.01)
     assert full.optimizer > 100 * lora_plan.optimizer and full.grads > 100 * lora_plan.grads
     assert lora_plan.peak < full.peak - (full.optimizer + full.grads) // 2
+    # The all-gathers carry every parameter (the base and the adapters); the reduce-scatters the adapters' gradients
+    # alone, in the reduce dtype (FSDP2 reduces the gradients it has).
+    assert sent["lora", "all_gather"] == pytest.approx(sent["full", "all_gather"] * (1 + adapters / 8.03e9), rel=1e-3)
+    assert sent["lora", "reduce_scatter"] == pytest.approx(adapters * ctx.reduce_bytes, rel=0.01)
+    assert lora_plan.comm_bytes < 0.7 * full.comm_bytes
+    # gathered: the largest unsharded gradient and reduce-scatter buffer, the token embedding's unit's (128256 x 4096)
+    # for full fine-tuning, become a layer's adapters' (all else equal but the adapters' all-gathered copies)
+    biggest, layer_adapters = 128_256 * 4096, adapters // 32
+    saved = (ctx.param_bytes + ctx.reduce_bytes) * (biggest - layer_adapters)
+    assert full.gathered - lora_plan.gathered == pytest.approx(saved, rel=0.01)
 
 
 # ---- the merged export of a LoRA step folder: streamed, base from model.pretrained, adapters folded in --------------
