@@ -24,7 +24,7 @@ from shardlab.train_state import TrainState
 if TYPE_CHECKING:
     from shardlab.checkpoint.manager import Checkpointer
 
-Refusal = Callable[[Path, dict, str], "str | None"]
+Refusal = Callable[[Path, dict, str], str | None]
 """(checkpoint, its saved model section, "resume" or "init_from") -> why the task cannot use it so, or None
 (Task.checkpoint_refusal)."""
 
