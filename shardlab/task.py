@@ -97,6 +97,13 @@ class Task(ABC):
         the restore reads them again from their source."""
         return None
 
+    def checkpoint_refusal(self, path: Any, saved_model_config: dict, use: str) -> str | None:
+        """Why the checkpoint ``path``, saved with the model section ``saved_model_config``, cannot serve this run as
+        ``use`` ("resume": its training state; "init_from": its weights) beyond what shardlab compares (task, model
+        keys outside resumable_model_changes): one line naming the key and the fix, or None. Asked by the restore
+        before any tensor is read (the LM's LoRA step folders hold adapters only)."""
+        return None
+
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         """Submodules to shard as separate FSDP units, in forward order; the root is wrapped last by the backend.
         Empty means: let the backend's generic policy decide."""

@@ -382,6 +382,7 @@ class Trainer:
             cfg, self.checkpointer, self.model, self.optimizer, self.state, backend, model_config=self.model_config,
             resumable_changes=self.task.resumable_model_changes, run_key_differences=run_key_differences,
             load_pretrained=lambda: self.task.load_pretrained(self.model, backend.device),
+            refusal=self.task.checkpoint_refusal,
         )  # fmt: skip
         if self.checkpointer.rollback is not None and backend.env.is_main:
             run_record.update(self.run_dir, rollback=self.checkpointer.rollback)

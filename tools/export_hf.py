@@ -5,6 +5,8 @@ GPT2LMHeadModel, model.arch=llama as a Llama, Qwen2, Qwen3 or Mistral ForCausalL
     python tools/export_hf.py runs/lm/sft/checkpoints/step_00001000 --dtype bf16 --out hf-bf16  # half the bytes
     python tools/export_hf.py model.safetensors --out hf-export       # a file from tools/consolidate.py
     python tools/export_hf.py runs/lm/default/checkpoints/step_00000300 --ema --out hf-ema  # optimization.ema's weights
+    python tools/export_hf.py runs/lm/lora/checkpoints/step_00000300 --out hf-merged  # LoRA: base + adapters merged
+    python tools/export_hf.py runs/lm/lora/checkpoints/step_00000300 --adapter-only --out adapter  # a peft folder
     python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; \
 AutoModelForCausalLM.from_pretrained('hf-export'); T.from_pretrained('hf-export')"
 
@@ -15,6 +17,11 @@ any size in memory bounded by the group and the largest tensor. Writes config.js
 Hugging Face folder the run came from (model.pretrained: tokenizer, chat template, generation defaults) when it is
 still there, else the run's data.tokenizer, or --tokenizer for one that has moved. The folder is written beside
 --out and put in its place once complete: running again over an earlier export replaces it.
+
+A LoRA run's step folder holds its adapters only. Its export is the merged model (W + alpha / rank * B @ A): each
+base tensor is read from where the run began (model.pretrained's folder, else checkpoint.init_from; --base for one
+that has moved), the adapters merged in as it streams by. --adapter-only writes the adapters alone as a peft folder
+(adapter_config.json, adapter_model.safetensors) for peft.PeftModel.from_pretrained on the base model.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from shardlab.checkpoint.hf_folder import safetensors_reader, step_folder_reader
 from shardlab.distributed.cpu_allocator import configure_cpu_allocator
 from shardlab.errors import CheckpointError, ConfigError
 from shardlab.train import run_tool
-from tasks.lm.export_hf import DTYPES, export_hf, export_refusal
+from tasks.lm.export_hf import DTYPES, export_hf, export_refusal, lora_base
+from tasks.lm.lora import adapter_from_checkpoint, lora_on, merged_reader
 from tasks.lm.tokenizer import load_tokenizer
 
 
@@ -42,6 +50,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the written weights")
     parser.add_argument("--max-shard-mb", type=float, default=5000, help="largest safetensors file (MB; default 5 GB)")
     parser.add_argument("--buffer-mb", type=float, default=256, help="tensors read at a time (MB, as stored)")
+    parser.add_argument(
+        "--adapter-only", action="store_true", help="a LoRA run: write its adapters as a peft folder, not merged"
+    )
+    parser.add_argument(
+        "--base", type=Path, help="a LoRA run: its frozen base, if no longer at its model.pretrained or init_from"
+    )
     return parser.parse_args(argv)
 
 
@@ -66,6 +80,23 @@ def reader(path: Path, ema: bool):
     return shapes, read
 
 
+def lora_export(args: argparse.Namespace, config: dict) -> Path | None:
+    """A LoRA run's --adapter-only export (its out folder), None otherwise; the LoRA options refused elsewhere."""
+    lora = lora_on(config["model"])
+    if not lora and (args.adapter_only or args.base):
+        option = "--adapter-only" if args.adapter_only else "--base"
+        raise ConfigError(f"{option}: {args.checkpoint} is not of a LoRA run (its model.lora.rank is 0); drop it")
+    if not args.adapter_only:
+        return None
+    if args.ema or args.base:
+        raise ConfigError(
+            f"--adapter-only writes the step folder's adapters as saved; drop {'--ema' if args.ema else '--base'}"
+        )
+    out = adapter_from_checkpoint(Path(args.checkpoint).expanduser(), args.out)
+    print(f"wrote {out / 'adapter_config.json'} and {out / 'adapter_model.safetensors'}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> Path:
     args = parse(argv)
     config = weights.describe(args.checkpoint)["config"]
@@ -73,6 +104,8 @@ def main(argv: list[str] | None = None) -> Path:
         raise ConfigError(
             f"{args.checkpoint} is a {config['task']['name']} checkpoint; only lm exports to Hugging Face"
         )
+    if (adapter := lora_export(args, config)) is not None:
+        return adapter
     reason = export_refusal(config["model"])  # before reading any weights
     if reason:
         raise ConfigError(f"cannot export {args.checkpoint} to Hugging Face: {reason}")
@@ -82,6 +115,9 @@ def main(argv: list[str] | None = None) -> Path:
     except ConfigError as e:
         raise ConfigError(f"{e} (or pass the tokenizer the run used with --tokenizer)") from None
     shapes, read = reader(Path(args.checkpoint).expanduser(), args.ema)
+    if lora_on(config["model"]):  # the step folder holds the adapters: merged into the base as it streams by
+        base, source = lora_base(config, args.base)
+        shapes, read = merged_reader(base, (shapes, read), config["model"], str(source))
     mb = 1 << 20
     hf = export_hf(
         shapes, read, config["model"], tokenizer, args.out, DTYPES[args.dtype],

@@ -24,6 +24,10 @@ from shardlab.train_state import TrainState
 if TYPE_CHECKING:
     from shardlab.checkpoint.manager import Checkpointer
 
+Refusal = Callable[[Path, dict, str], str | None]
+"""(checkpoint, its saved model section, "resume" or "init_from") -> why the task cannot use it so, or None
+(Task.checkpoint_refusal)."""
+
 KeyDifferences = Callable[[Mapping[str, Any], Mapping[str, Any]], list[tuple[str, Any, Any]]]
 """(saved config, this run's config) -> (key, saved, current) for each key that names the run and differs
 (shardlab.jobs.run_dir.run_key_differences)."""
@@ -41,13 +45,15 @@ def restore_training(
     resumable_changes: tuple[str, ...] | list[str],
     run_key_differences: KeyDifferences,
     load_pretrained: Callable[[], Path | None] = lambda: None,
+    refusal: Refusal = lambda *_: None,
 ) -> tuple[Path | None, Path | None]:
     """Continue the folder's run, or begin one per checkpoint.resume (a checkpoint path), checkpoint.init_from
     (weights) or the seeded init (shardlab.checkpoint.run_line: what each setting means on a requeue); (the
     checkpoint resumed, the init_from weights loaded), at most one of them set. ``resumable_changes``: the model
     keys a resume may change (the task's); ``load_pretrained`` loads the task's own starting weights
-    (model.pretrained) into the sharded model when neither a checkpoint nor init_from gives them, and names them."""
-    check = _checker(cfg, model_config, resumable_changes, run_key_differences)
+    (model.pretrained) into the sharded model when neither a checkpoint nor init_from gives them, and names them;
+    ``refusal`` the task's own reason not to use a checkpoint, asked before any tensor is read."""
+    check = _checker(cfg, model_config, resumable_changes, run_key_differences, refusal)
     start = start_of(cfg.checkpoint.resume, cfg.checkpoint.init_from)
     initialized_from = None
     # Rank 0 cleans and lists the folder, every rank reads its shards (or the whole init_from file): collectives
@@ -61,7 +67,9 @@ def restore_training(
         if base and cfg.checkpoint.init_from:
             others = None if ckpt.model_keys is None else (lambda key: not ckpt.model_keys(key))
             path = Path(cfg.checkpoint.init_from).expanduser()
-            source = init_from(path, model, cfg.task.name, model_config, resumable_changes, backend.device, others)
+            source = init_from(
+                path, model, cfg.task.name, model_config, resumable_changes, backend.device, others, refusal
+            )
         elif base:
             source = load_pretrained()
         if resumed_from is None:
@@ -74,7 +82,7 @@ def restore_training(
 
 
 def _checker(
-    cfg: Any, model_config: dict, resumable_changes, run_key_differences: KeyDifferences
+    cfg: Any, model_config: dict, resumable_changes, run_key_differences: KeyDifferences, refusal: Refusal
 ) -> Callable[[Path, bool], dict]:
     """``check(path, continuing) -> meta`` for resume.restore: a checkpoint of this task and model shape, and when
     continuing, of this very run."""
@@ -83,6 +91,8 @@ def _checker(
     def check(path: Path, continuing: bool) -> dict:
         meta = weights.describe(path)  # reads shardlab.json: an unreadable one is a torn checkpoint
         weights.check_compatible(path, meta, cfg.task.name, model_config, resumable_changes)
+        if reason := refusal(path, meta.get("model_config") or {}, "resume"):
+            raise IncompatibleCheckpointError(reason)
         if continuing:  # the same run: every key that names it must match, not only the model's shape
             differences = run_key_differences(meta.get("config") or {}, full_config)
             if differences:
@@ -105,13 +115,17 @@ def init_from(
     resumable_changes,
     device,
     keys: Callable[[str], bool] | None = None,
+    refusal: Refusal = lambda *_: None,
 ) -> Path:
     """checkpoint.init_from: weights only, refused in one line if another task or model shape; agreed over ranks.
-    ``keys``: the model state keys to read (None: all; a LoRA run reads its base, not its adapters)."""
+    ``keys``: the model state keys to read (None: all; a LoRA run reads its base, not its adapters); ``refusal``: the
+    task's reason not to begin from these weights, asked before any is read."""
     error: BaseException | None = None
     try:
         info = weights.describe(path)
         weights.check_compatible(path, info, task_name, model_config, resumable_changes)
+        if reason := refusal(path, info.get("model_config") or {}, "init_from"):
+            raise IncompatibleCheckpointError(reason)
         if path.is_dir():
             dcp_reader.read_metadata(path)  # refused or unreadable here, not inside the collective load
     except Exception as e:

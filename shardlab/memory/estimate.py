@@ -192,6 +192,9 @@ def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryE
         unit_gathered = [f * shard_numel(g, f) for g in groups[:-1]]
         biggest = max(unit_gathered, default=0)
         biggest_grad = max((sum(r * w for r, w in g) for g in profile.trainable()[:-1]), default=0)
+        # The reduce-scatter's input holds the gradients of the unit's trainable parameters only (FSDP2 reduces those
+        # with a gradient: a LoRA run's adapters), padded as their shards are.
+        biggest_reduced = max((f * shard_numel(g, f) for g in profile.trainable()[:-1]), default=0)
         root = f * shard_numel(groups[-1], f) if profile.root_params else 0
         if layout.reshard_after_forward:
             # Backward of the last unit: the root (never resharded) and that unit still gathered, the previous unit
@@ -200,7 +203,7 @@ def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryE
             gathered = ctx.param_bytes * (root + in_flight * biggest)
         else:  # every unit stays gathered from its forward to its backward
             gathered = ctx.param_bytes * (root + sum(unit_gathered) + biggest)
-        gathered += ctx.param_bytes * biggest_grad + ctx.reduce_bytes * biggest
+        gathered += ctx.param_bytes * biggest_grad + ctx.reduce_bytes * biggest_reduced
         if ctx.update_freq > 1 and not ctx.reduce_every_microbatch:
             T = profile.trainable_params  # unsharded gradients kept across micro-batches (a trap the plan warns of)
             gathered += 4 * (T - -(-T // f))
@@ -302,27 +305,29 @@ def collectives(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> list
     """The collectives of one optimizer step, per FSDP unit (then the root), as fully_sharded issues them: an
     all-gather per micro-batch in forward and again in backward for each resharded unit (all but the last unit and
     the root), a reduce-scatter per reduction, and on a hybrid mesh an all-reduce of each reduced shard across the
-    replicas. ddp: one all-reduce of the gradients per reduction."""
+    replicas. ddp: one all-reduce of the gradients per reduction. The all-gathers carry every parameter; the
+    reductions only the trainable ones' gradients (frozen weights have none: a LoRA run reduces its adapters)."""
     n, micro = ctx.world_size, ctx.update_freq
     if n == 1 or layout.backend == "single":
         return []
     reductions = micro if ctx.reduce_every_microbatch else 1
     if layout.backend == "ddp":
-        return [Collective("all_reduce", n, profile.params * ctx.reduce_bytes, reductions)]
+        return [Collective("all_reduce", n, profile.trainable_params * ctx.reduce_bytes, reductions)]
     f = layout.sharding_degree
     r = n // f
     groups = profile.groups()
     out = []
-    for i, shapes in enumerate(groups):
-        shard = shard_numel(shapes, f)
+    for i, (shapes, trained) in enumerate(zip(groups, profile.trainable(), strict=True)):
+        shard, reduced = shard_numel(shapes, f), shard_numel(trained, f)
         if shard == 0:
             continue  # no parameters: fully_shard makes no group
         resharded = layout.reshard_after_forward and i < len(groups) - 2  # not the last unit, not the root
         if f > 1:
             out.append(Collective("all_gather", f, shard * ctx.param_bytes, micro * (2 if resharded else 1)))
-            out.append(Collective("reduce_scatter", f, shard * ctx.reduce_bytes, reductions))
-        if r > 1:
-            out.append(Collective("all_reduce", r, shard * ctx.reduce_bytes, reductions))
+        if f > 1 and reduced:
+            out.append(Collective("reduce_scatter", f, reduced * ctx.reduce_bytes, reductions))
+        if r > 1 and reduced:
+            out.append(Collective("all_reduce", r, reduced * ctx.reduce_bytes, reductions))
     return out
 
 

@@ -107,6 +107,8 @@ def measured_state(fsdp_modules: list[nn.Module], optimizer_state_bytes: int) ->
             local = fp.sharded_param.to_local()
             out["params"] += storage.numel() * storage.element_size()
             out["local_params"] += local.numel() * local.element_size()
+            if not fp.sharded_param.requires_grad:  # frozen (a LoRA base): no gradient, not in the optimizer
+                continue
             same_dtype = reduce_dtype in (None, local.dtype)
             out["grads"] += (storage.numel() if same_dtype else local.numel()) * local.element_size()
             for _ in range(optimizer_state_bytes // 4):  # torch.optim: zeros_like(param) per moment
@@ -124,16 +126,19 @@ def measured_collectives(fsdp_modules: list[nn.Module], update_freq: int, reduct
             continue
         info = group.mesh_info
         shard = sum(fp._sharded_param_data.numel() for fp in group.fsdp_params)
+        # FSDP2 reduces the gradients it has: those of the trainable parameters (a LoRA run's adapters)
+        reduced = sum(fp._sharded_param_data.numel() for fp in group.fsdp_params if fp.sharded_param.requires_grad)
         orig = group.fsdp_params[0].sharded_param.dtype
         param_dtype = group.mp_policy.param_dtype or orig
         reduce_dtype = group.mp_policy.reduce_dtype or param_dtype
         gathers = update_freq * (2 if group.post_forward_mesh_info is not None else 1)
         if info.shard_mesh_size > 1:
             out.append(Collective("all_gather", info.shard_mesh_size, shard * param_dtype.itemsize, gathers))
-            out.append(Collective("reduce_scatter", info.shard_mesh_size, shard * reduce_dtype.itemsize, reductions))
+        if info.shard_mesh_size > 1 and reduced:
+            out.append(Collective("reduce_scatter", info.shard_mesh_size, reduced * reduce_dtype.itemsize, reductions))
         replicas = getattr(info, "replicate_mesh_size", 1)
-        if replicas > 1:
-            out.append(Collective("all_reduce", replicas, shard * reduce_dtype.itemsize, reductions))
+        if replicas > 1 and reduced:
+            out.append(Collective("all_reduce", replicas, reduced * reduce_dtype.itemsize, reductions))
     return out
 
 

@@ -15,7 +15,10 @@ Qwen3's, q/k/v biases without an output bias Qwen2's, the four biases together a
 output bias alone, or q/k norms with q/k/v biases but none on the output, no family expresses, and is refused.
 
 The weights are streamed (shardlab/checkpoint/hf_folder.py): a group of tensors at a time is read from the
-checkpoint, converted to the export's dtype and appended to its shard, so no process holds the model.
+checkpoint, converted to the export's dtype and appended to its shard, so no process holds the model. A LoRA run's
+step folder holds its adapters only: its export reads each base tensor from where the run began (``lora_base``:
+model.pretrained's folder or checkpoint.init_from) and merges the adapters into it on the way
+(tasks.lm.lora.merged_reader), tensor by tensor, the same streaming.
 transformers is not imported: the files are written by hand (safetensors' format, JSON).
 """
 
@@ -27,8 +30,17 @@ from pathlib import Path
 
 import torch
 
-from shardlab.checkpoint.hf_folder import ExportTensor, Reader, staged_folder, write_shards
-from shardlab.errors import ConfigError
+from shardlab.checkpoint.hf_folder import (
+    ExportTensor,
+    Reader,
+    safetensors_reader,
+    staged_folder,
+    step_folder_reader,
+    tensor_shapes,
+    weight_files,
+    write_shards,
+)
+from shardlab.errors import CheckpointError, ConfigError
 from tasks.lm.hf_models import read_config_json, weight_names
 from tasks.lm.llama import ffn_width
 from tasks.lm.tokenizer import ByteTokenizer, Tokenizer, byte_tokenizer_json
@@ -261,3 +273,55 @@ def export_hf(
                 if (source / name).is_file():
                     shutil.copyfile(source / name, staging / name)
     return config
+
+
+# ---- a LoRA run's frozen base, read again for its merged export -----------------------------------------------------
+def hf_folder_reader(folder: Path, model_cfg: dict) -> tuple[dict[str, tuple], Reader]:
+    """The tensors of the model ``model_cfg`` in the Hugging Face folder ``folder``, by shardlab name and in
+    shardlab's layout (GPT-2's Conv1D weights transposed back), as {name: shape}, and a Reader that reads each
+    tensor alone from its file (safetensors' safe_open: that tensor's bytes only)."""
+    from safetensors import safe_open
+
+    names = weight_names({**model_cfg, "arch": model_cfg.get("arch", "gpt")})
+    stored = {key: (file, shape) for file in weight_files(folder) for key, (shape, _) in tensor_shapes([file]).items()}
+    if missing := [hf.key for hf in names.values() if hf.key not in stored]:
+        raise CheckpointError(f"{folder} lacks tensor {missing[0]} ({len(missing)} such); is it the run's base?")
+    shapes = {ours: tuple(stored[hf.key][1][:: -1 if hf.transposed else 1]) for ours, hf in names.items()}
+
+    def read(wanted: list[str]) -> dict[str, torch.Tensor]:
+        by_file: dict[Path, list[str]] = {}
+        for name in wanted:
+            by_file.setdefault(stored[names[name].key][0], []).append(name)
+        out = {}
+        for file, group in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for name in group:
+                    tensor = f.get_tensor(names[name].key)
+                    out[name] = tensor.t() if names[name].transposed else tensor
+        return out
+
+    return shapes, read
+
+
+def lora_base(config: dict, base: Path | None) -> tuple[tuple[dict[str, tuple], Reader], Path]:
+    """Where a LoRA run's frozen base is read from for its merged export, as ((shapes, reader), path): ``base`` when
+    given, else the run's model.pretrained folder, else its checkpoint.init_from (a step_N folder or a consolidated
+    .safetensors). Refused in one line when it is not there, or when the base was the seeded init."""
+    pretrained, init_from = config["model"].get("pretrained"), config["checkpoint"].get("init_from")
+    if base is None and not (pretrained or init_from):
+        raise ConfigError(
+            "this LoRA run's frozen base is the seeded init (it has no model.pretrained or checkpoint.init_from), "
+            "which the merged export does not rebuild; export the adapters alone with --adapter-only"
+        )
+    key = "--base" if base is not None else "model.pretrained" if pretrained else "checkpoint.init_from"
+    path = Path(base or pretrained or init_from).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"{key}={path}, the frozen base of this LoRA run that the merged export reads, is not there; pass "
+            "--base <where it is now>, or --adapter-only to export the adapters alone"
+        )
+    if path.is_file():
+        return safetensors_reader(path), path
+    if (path / "config.json").is_file() and not (path / "shardlab.json").is_file():
+        return hf_folder_reader(path, config["model"]), path
+    return step_folder_reader(path), path

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shardlab.errors import CheckpointError
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
 """The adapter submodules of a LoRALinear (peft's names): A projects down to the rank, B back up."""
@@ -102,6 +104,46 @@ def lora_errors(model_cfg: Any, linear_names: list[str]) -> list[str]:
     return errors
 
 
+def _settings(model_cfg: Mapping) -> str:
+    lora = model_cfg["lora"]
+    return f"model.lora.rank={lora['rank']} 'model.lora.target_modules=[{','.join(lora['target_modules'])}]'"
+
+
+def checkpoint_refusal(path: Path, saved: Mapping, current: Mapping, use: str) -> str | None:
+    """Why the checkpoint ``path`` (saved with model section ``saved``) cannot start the run of model section
+    ``current`` as ``use`` ("resume" or "init_from") because of model.lora; None when it can. A LoRA step folder
+    holds the adapters alone: resuming it needs the same adapters (rank, target_modules; alpha and dropout may
+    change), beginning from it needs a base it does not hold, and a folder without adapters resumes no LoRA run."""
+    was, now = lora_on(saved), lora_on(current)
+    merged = f"its merged export (python tools/export_hf.py {path} --out DIR, then model.pretrained=DIR)"
+    if was and use == "init_from":
+        return (
+            f"checkpoint.init_from: {path} holds a LoRA run's adapters only, not a model's weights; begin from "
+            f"{merged}, or continue its adapters with checkpoint.resume={path} and {_settings(saved)}"
+        )
+    if use != "resume" or not (was or now):
+        return None
+    if was and not now:
+        return (
+            f"{path} holds a LoRA run's adapters only ({_settings(saved)}), but this run has model.lora.rank=0: set "
+            f"{_settings(saved)} to resume it, or train the whole model from {merged}"
+        )
+    if now and not was:
+        return (
+            f"{path} was saved without LoRA (model.lora.rank=0) and holds no adapters, but this run has "
+            f"model.lora.rank={current['lora']['rank']}: put new adapters on its weights with "
+            f"checkpoint.init_from={path} instead, or set model.lora.rank=0 to resume it"
+        )
+    for key in ("rank", "target_modules"):
+        if saved["lora"][key] != current["lora"][key]:
+            return (
+                f"{path} holds adapters of model.lora.{key}={saved['lora'][key]!r}, but this run has "
+                f"model.lora.{key}={current['lora'][key]!r}: set {_settings(saved)} to resume it (alpha and dropout "
+                f"may change), or train new adapters on {merged}"
+            )
+    return None
+
+
 def init_adapter(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
     """peft's default init: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform, a=sqrt(5)), B = 0, so the adapted
     model starts as the base."""
@@ -165,27 +207,79 @@ def write_peft_adapter(state: Mapping[str, torch.Tensor], model_cfg: Any, folder
     return folder
 
 
+def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One adapted layer's weight with its adapter folded in, in fp32: W + scaling * B @ A (W (out, in), A (rank,
+    in), B (out, rank)): the plain layer that computes what the LoRALinear computes."""
+    with torch.no_grad():
+        return weight.float() + scaling * (b.float() @ a.float())
+
+
+def scaling_of(model_cfg: Any) -> float:
+    """alpha / rank of model.lora: the factor each adapter's output is scaled by."""
+    return model_cfg["lora"]["alpha"] / model_cfg["lora"]["rank"]
+
+
 @torch.no_grad()
 def merge_lora(state: Mapping[str, torch.Tensor], model_cfg: Any) -> dict[str, torch.Tensor]:
-    """The model state with every adapter merged into its layer's weight (W + alpha / rank * B @ A, in fp32, cast
-    back to W's dtype) and the adapter keys gone: the state of the plain model that computes the same. Full tensors,
-    shardlab names (what tasks/lm/export_hf.py maps to Hugging Face names); without adapters: returned as is."""
+    """The model state with every adapter merged into its layer's weight (``merge_weight``, cast back to W's dtype)
+    and the adapter keys gone: the state of the plain model that computes the same. Full tensors, shardlab names
+    (what tasks/lm/export_hf.py maps to Hugging Face names); without adapters: returned as is. The export streams
+    the same merge a tensor at a time (``merged_reader``)."""
     if not lora_on(model_cfg):
         return dict(state)
-    scaling = model_cfg["lora"]["alpha"] / model_cfg["lora"]["rank"]
     merged = {k: v for k, v in state.items() if not is_adapter(k)}
     for key in state:
         if key.endswith(".lora_A.weight"):
             layer = key.removesuffix(".lora_A.weight")
             a, b, w = state[key], state[f"{layer}.lora_B.weight"], state[f"{layer}.weight"]
-            merged[f"{layer}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+            merged[f"{layer}.weight"] = merge_weight(w, a, b, scaling_of(model_cfg)).to(w.dtype)
     return merged
+
+
+Reader = Callable[[list[str]], dict[str, torch.Tensor]]
+"""Reads the named tensors, whole, on the CPU (shardlab.checkpoint.hf_folder.Reader)."""
+
+
+def merged_reader(
+    base: tuple[dict[str, tuple], Reader], adapters: tuple[dict[str, tuple], Reader], model_cfg: Any, source: str
+) -> tuple[dict[str, tuple], Reader]:
+    """The plain model's tensors (shapes by name, and a Reader) from the frozen base's and the adapters' (each
+    (shapes, reader), shardlab names): an adapted layer's weight is read with its two adapters and merged
+    (``merge_weight``, fp32), every other tensor read as the base stores it. A tensor at a time: nothing more is
+    held than the tensors asked for and their adapters. Refused in one line, before any tensor is read, when the
+    adapters do not fit the base (``source`` names it)."""
+    (base_shapes, read_base), (adapter_shapes, read_adapters) = base, adapters
+    scaling = scaling_of(model_cfg)
+    layers = sorted({k.removesuffix(".lora_A.weight") for k in adapter_shapes if k.endswith(".lora_A.weight")})
+    if not layers:
+        raise CheckpointError("the step folder holds no LoRA adapters (lora_A, lora_B) though its model.lora.rank > 0")
+    for layer in layers:
+        weight, a, b = (f"{layer}.{part}weight" for part in ("", "lora_A.", "lora_B."))
+        if weight not in base_shapes:
+            raise CheckpointError(f"{source} has no {weight} for the adapter {layer}.lora_A; is that the run's base?")
+        out, into = base_shapes[weight]
+        if adapter_shapes.get(b, (None,))[0] != out or adapter_shapes[a][1] != into:
+            raise CheckpointError(
+                f"the adapters of {layer} ({list(adapter_shapes[a])}, {list(adapter_shapes.get(b, ()))}) do not fit "
+                f"{weight} {[out, into]} in {source}; is that the run's base?"
+            )
+    adapted = set(layers)
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        state = read_base(names)
+        wanted = [n.removesuffix(".weight") for n in names if n.removesuffix(".weight") in adapted]
+        pairs = read_adapters([f"{layer}.{part}.weight" for layer in wanted for part in ADAPTER_PARTS])
+        for layer in wanted:
+            a, b = pairs.pop(f"{layer}.lora_A.weight"), pairs.pop(f"{layer}.lora_B.weight")
+            state[f"{layer}.weight"] = merge_weight(state[f"{layer}.weight"], a, b, scaling)
+        return state
+
+    return {k: v for k, v in base_shapes.items() if not is_adapter(k)}, read
 
 
 def adapter_from_checkpoint(checkpoint: Path, out: Path) -> Path:
     """A LoRA run's step folder (its adapters only: small, read whole on the CPU) as a peft adapter folder."""
     from shardlab.checkpoint import weights
-    from shardlab.errors import CheckpointError
 
     model_cfg = weights.describe(checkpoint)["model_config"]
     if not lora_on(model_cfg):

@@ -149,6 +149,15 @@ class LanguageModelingTask(Task):
 
         return is_adapter if lora_on(self.cfg.model) else None
 
+    def checkpoint_refusal(self, path: Path, saved_model_config: dict, use: str) -> str | None:
+        """model.lora: a LoRA step folder holds its adapters alone (tasks.lm.lora.checkpoint_refusal)."""
+        from omegaconf import OmegaConf
+
+        from tasks.lm.lora import checkpoint_refusal
+
+        current = OmegaConf.to_container(self.cfg.model, resolve=True)
+        return checkpoint_refusal(path, saved_model_config, current, use)
+
     def sft_errors(self) -> list[str]:
         """data.format and what fine-tuning records need: a chat template for chat, a model that takes segments for
         packed rows."""

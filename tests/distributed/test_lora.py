@@ -1,6 +1,6 @@
 """LoRA on 2 fully_sharded ranks (CPU, gloo), from a Hugging Face folder: only the adapters are reduced, stepped and
 saved; a resume reads the frozen base again from the folder and continues the same curve; the saved adapter loads in
-peft on the transformers model with the trained model's logits."""
+peft on the transformers model, and its merged export in transformers alone, with the trained model's logits."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from shardlab.checkpoint import dcp_reader
-from tasks.lm.lora import adapter_from_checkpoint, is_adapter
+from tasks.lm.lora import is_adapter
 from tests.distributed.harness import run_spawned
 from tests.hf_folders import make_folder
+from tools import export_hf
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[attn.*,mlp.*]"]
 
@@ -90,8 +91,15 @@ def test_lora_on_two_sharded_ranks_steps_saves_and_resumes_only_the_adapters(tin
     assert loss["resumed"][-1] == loss["straight"][-1]  # the base re-read exactly: the same step 3
     torch.testing.assert_close(resumed["logits"], straight["logits"], rtol=0, atol=0)
 
-    adapter = adapter_from_checkpoint(step, tmp_path / "adapter")
+    adapter = export_hf.main([str(step), "--adapter-only", "--out", str(tmp_path / "adapter")])
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         theirs = peft.PeftModel.from_pretrained(base, adapter).eval()(input_ids=first["tokens"][:, :-1]).logits
     torch.testing.assert_close(first["logits"], theirs, rtol=1e-4, atol=1e-5)
+    # the merged export (base from model.pretrained, adapters folded in as it streams): a plain transformers model
+    merged = export_hf.main([str(step), "--out", str(tmp_path / "merged"), "--buffer-mb", "0.05"])
+    plain = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            plain(input_ids=first["tokens"][:, :-1]).logits, first["logits"], rtol=1e-4, atol=1e-5
+        )

@@ -203,8 +203,19 @@ def verified(world: int, *overrides: str) -> list[str]:
         (1024, ["distributed.precision=bf16", "distributed.cpu_offload=true", "optimizer=cpu_adam"]),
         (512, ["distributed.sharding_degree=8"]),  # hybrid 64 x 8
         (1024, ["distributed.sharding_degree=8", "distributed.precision=bf16"]),  # hybrid 128 x 8
+        (8, ["model.lora.rank=4", "model.lora.target_modules=[attn.*,mlp.down]"]),  # frozen base: adapters reduced
+        (64, ["model.lora.rank=4", "distributed.sharding_degree=8", "distributed.precision=bf16"]),  # hybrid 8 x 8
     ],
-    ids=["8", "64-no-reshard", "512-accumulating", "1024-offload", "hybrid-64x8", "hybrid-128x8"],
+    ids=[
+        "8",
+        "64-no-reshard",
+        "512-accumulating",
+        "1024-offload",
+        "hybrid-64x8",
+        "hybrid-128x8",
+        "lora-8",
+        "lora-hybrid",
+    ],
 )
 def test_plan_matches_the_real_fully_shard_on_a_fake_process_group(world, overrides):
     (line,) = verified(world, *overrides)
