@@ -70,13 +70,7 @@ def reader(path: Path, ema: bool):
     shapes, read = step_folder_reader(path, ("ema.", "model."))
     average, _ = step_folder_reader(path, ("ema.",))
     model, _ = step_folder_reader(path)
-    if not average:
-        raise CheckpointError(
-            f"{path} holds no EMA weights (ema.* entries): its run had optimization.ema.enabled=false; drop the EMA "
-            "option"
-        )
-    if unknown := sorted(set(average) - set(model)):
-        raise CheckpointError(f"{path}: EMA entry {unknown[0]!r} names no model parameter; is it a shardlab one?")
+    weights.check_ema_entries(path, average, model)
     return shapes, read
 
 

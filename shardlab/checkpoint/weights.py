@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +195,19 @@ def _regular(path: Path) -> None:
         raise CheckpointError(f"{path} is not a regular file; give a .safetensors file written by tools/consolidate.py")
 
 
+def check_ema_entries(path: Path, average: Iterable[str], model: Iterable[str]) -> None:
+    """A step folder's EMA entries (``average``: their names without the ema. prefix) must exist and each name a
+    model parameter (``model``: the model.* names), or the EMA weights cannot stand in for the model's."""
+    average = set(average)
+    if not average:
+        raise CheckpointError(
+            f"{path} holds no EMA weights (ema.* entries): its run had optimization.ema.enabled=false; drop the EMA "
+            "option"
+        )
+    if unknown := sorted(average - set(model)):
+        raise CheckpointError(f"{path}: EMA entry {unknown[0]!r} names no model parameter; is it a shardlab one?")
+
+
 def read_full(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
     """The whole model state, unsharded, on the CPU, from a step_N folder (only the model.* entries of the DCP
     checkpoint are read: optimizer state never comes into memory) or a .safetensors file. ``ema``: the parameters are
@@ -204,13 +217,7 @@ def read_full(path: Path, ema: bool = False) -> dict[str, torch.Tensor]:
         if not path.is_dir():
             raise CheckpointError(f"{path}: the EMA weights are in step_N checkpoint folders only; give one")
         state, average = _read_prefixed(path, MODEL_PREFIX), _read_prefixed(path, EMA_PREFIX)
-        if not average:
-            raise CheckpointError(
-                f"{path} holds no EMA weights (ema.* entries): its run had optimization.ema.enabled=false; drop the "
-                "EMA option"
-            )
-        if unknown := sorted(set(average) - set(state)):
-            raise CheckpointError(f"{path}: EMA entry {unknown[0]!r} names no model parameter; is it a shardlab one?")
+        check_ema_entries(path, average, state)
         return {**state, **average}
     if not path.is_dir():
         from safetensors.torch import load_file
