@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from shardlab.data import GlobalOrder
+
 
 class Task(ABC):
     unit = "samples"
@@ -70,6 +72,15 @@ class Task(ABC):
         """What this rank opened, in a line that every rank must produce alike (shardlab.distributed.join compares
         them before training): by default the sizes of the splits."""
         return f"{len(self.train_dataset)} train / {len(self.valid_dataset)} valid samples"
+
+    def train_order(self, seed: int) -> GlobalOrder:
+        """The order training reads train_dataset in, by global sample offset (shardlab.data): a seeded permutation
+        each epoch; a task that mixes datasets by weight orders them itself (the LM's data.sources)."""
+        return GlobalOrder(len(self.train_dataset), seed, shuffle=True)
+
+    def plan_lines(self) -> list[str]:
+        """Lines of the task's own in dry_run's plan (the LM's mixture: each source's tokens, weight and epochs)."""
+        return []
 
     @abstractmethod
     def build_model(self) -> nn.Module:
