@@ -358,6 +358,7 @@ def print_plan(cfg: DictConfig, task) -> None:
     if precision_line := plan_precision(cfg):
         print(precision_line, flush=True)
     lines = plan_run(cfg, task, world, model_on_meta(task), compare=True).lines  # it says which device it is for
+    lines += task.plan_lines()
     lines.append(f"planned in {time.perf_counter() - started:.2f} s on the meta device (nothing allocated)")
     print("\n".join(lines), flush=True)
     if cfg.distributed.get("verify_plan"):  # the real fully_shard on a fake process group; a mismatch raises

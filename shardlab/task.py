@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from shardlab.data import GlobalOrder
+
 
 class Task(ABC):
     unit = "samples"
@@ -76,6 +78,15 @@ class Task(ABC):
         every start (the LM's fine-tuning records: read, held out, cut, dropped); None where the data says it when it
         is built (the LM's corpus cache prints its counts once, as it preprocesses)."""
         return None
+
+    def train_order(self, seed: int) -> GlobalOrder:
+        """The order training reads train_dataset in, by global sample offset (shardlab.data): a seeded permutation
+        each epoch; a task that mixes datasets by weight orders them itself (the LM's data.sources)."""
+        return GlobalOrder(len(self.train_dataset), seed, shuffle=True)
+
+    def plan_lines(self) -> list[str]:
+        """Lines of the task's own in dry_run's plan (the LM's mixture: each source's tokens, weight and epochs)."""
+        return []
 
     @abstractmethod
     def build_model(self) -> nn.Module:

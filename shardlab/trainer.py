@@ -178,7 +178,7 @@ class Trainer:
             self.ema.reset()
         self.save_policy = SavePolicy.from_config(cfg.checkpoint, self.state.step)
         self.global_batch = cfg.optimization.batch_size
-        self.train_order = GlobalOrder(len(self.task.train_dataset), cfg.seed, shuffle=True)
+        self.train_order = self.task.train_order(cfg.seed)
 
     # ---- loop ----------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:

@@ -107,6 +107,17 @@ class LlamaConfig:
     """Low-rank adapters: with lora.rank > 0 only they train, the rest is frozen (docs/finetuning.md, LoRA)."""
 
 
+# ---- Mixtures (issue 42): data.sources, read by tasks/lm/mixture.py -----------------------------------------------
+@dataclass
+class LMSourceConfig:
+    path: str | None = None
+    """The corpus, as data.path takes it (a file, a directory, a glob); null = the embedded corpus."""
+    weight: float = 1.0
+    """Its share of the training samples, relative to the other sources' weights (0.8 and 0.2, or 4 and 1)."""
+    text_field: str | None = None
+    """Its JSONL key or Parquet/Arrow column holding the text; null = data.text_field."""
+
+
 @dataclass
 class LMDataConfig:
     path: str | None = None
@@ -128,6 +139,9 @@ class LMDataConfig:
     """Cap on text read at preprocessing, in MB (0 = all)."""
     num_preprocess_workers: int = -1
     """Tokenizing processes at preprocessing; -1 = one per CPU core (none for corpora under 16 MB), 0 = in-process."""
+    sources: dict[str, LMSourceConfig] = field(default_factory=dict)
+    """A weighted mixture instead of data.path: name -> {path, weight, text_field}, each corpus its own cache
+    (docs/corpora.md#mixtures); data.sources='{web: {path: /a, weight: 0.8}, code: {path: /b, weight: 0.2}}'."""
     # Supervised fine-tuning (tasks/lm/sft.py, docs/finetuning.md#supervised-fine-tuning)
     format: str = "text"
     """text (documents, pretraining), chat (records of role/content messages) or prompt_completion (records of a

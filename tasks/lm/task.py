@@ -17,6 +17,7 @@ from shardlab.distributed.compile import compiled
 from shardlab.errors import ConfigError, DataError
 from shardlab.registry import MODELS
 from shardlab.task import Task
+from tasks.lm import mixture
 from tasks.lm.architecture import LMArchitecture
 from tasks.lm.cache import corpus_sources
 from tasks.lm.data import open_splits, prepare_corpus
@@ -55,6 +56,8 @@ class LanguageModelingTask(Task):
         # Fine-tuning records (data.format); .get: configs stored by older checkpoints lack the keys.
         self.sft = cfg.data.get("format", "text") != "text"
         self.chat_template = find_chat_template(cfg.data.chat_template, cfg.data.tokenizer) if self.sft else None
+        self.mixture: mixture.Mixture | None = None
+        """data.sources' corpora once prepare_data opened them (tasks/lm/mixture.py); None: one corpus."""
 
     @property
     def architecture(self) -> type[LMArchitecture]:
@@ -103,7 +106,7 @@ class LanguageModelingTask(Task):
             errors.append(
                 f"data.num_preprocess_workers must be >= -1 (-1 = one per core), got {d.num_preprocess_workers}"
             )
-        errors += self.pretrained_errors() + self.lora_errors() + self.sft_errors()
+        errors += self.pretrained_errors() + self.lora_errors() + self.sft_errors() + mixture.mixture_errors(d)
         if d.path is not None:  # a path with no corpus is refused before the run folder is written (listed, not read)
             try:
                 corpus_sources(d.path)
@@ -199,6 +202,10 @@ class LanguageModelingTask(Task):
             self.sft_splits = open_sft_splits(d, self.tokenizer, self.chat_template, d.pack)
             self.train_dataset, self.valid_dataset = self.sft_splits.train, self.sft_splits.valid
             return
+        if self.cfg.data.get("sources"):  # a weighted mixture: each corpus its own cache, mixed by the data order
+            self.mixture = mixture.open_mixture(self.cfg.data, self.tokenizer)
+            self.train_dataset, self.valid_dataset = self.mixture.train, self.mixture.valid
+            return
         self.corpus_dir = corpus = self.corpus()
         self.meta = json.loads((corpus / "meta.json").read_text())
         self.train_dataset, self.valid_dataset = open_splits(corpus, self.cfg.data.seq_len)
@@ -238,6 +245,8 @@ class LanguageModelingTask(Task):
                 f"{len(s.valid.samples)} samples, {s.train.answer_tokens:,} answer tokens to train on "
                 f"({s.truncated} cut to data.seq_len, {s.dropped} without an answer token left out)"
             )
+        if self.mixture is not None:
+            return self.mixture.identity()
         # The tokens' own hash where the cache has one, so node-local copies of one corpus (other paths or mtimes,
         # hence another cache name) agree; caches written before it existed compare by their name.
         content = self.meta.get("content_digest") or f"cache {self.corpus_dir.name}"
@@ -277,6 +286,8 @@ class LanguageModelingTask(Task):
     def loss(self, model: nn.Module, batch: torch.Tensor, device: torch.device):
         if self.sft:
             return answer_token_loss(model, batch, device, self.cfg.data.pack)
+        if isinstance(batch, list):  # a mixture's validation batch: [tokens, each row's source]
+            return mixture.mixture_valid_loss(model, batch, device, self.mixture.names)
         batch = batch.to(device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         logits = model(inputs)
@@ -296,8 +307,18 @@ class LanguageModelingTask(Task):
         return float((batch[:, 1] != IGNORE).sum())
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        if self.mixture is not None and any(k.startswith("count/") for k in sums):  # validation of a mixture
+            return mixture.summarize_sources(sums, self.mixture.names, self.mixture.weights)
         loss = sums["loss_sum"] / max(sums["count"], 1)
         return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
+
+    def train_order(self, seed: int):
+        if self.mixture is not None:  # each global sample offset -> a source and a block of it (tasks/lm/mixture.py)
+            return self.mixture.order(seed)
+        return super().train_order(seed)
+
+    def plan_lines(self) -> list[str]:
+        return mixture.plan_lines(self.cfg, self.tokenizer) if self.cfg.data.get("sources") else []
 
     def num_units(self, batch: torch.Tensor) -> int:
         if self.sft:
