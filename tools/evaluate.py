@@ -510,7 +510,7 @@ def cache_key(args, cfg: DictConfig, info: dict | None) -> str:
     init's seed), the model, the data settings, the split and whether BatchNorm statistics were re-estimated."""
     key = {
         "checkpoint": None if args.random_init or args.checkpoint is None else str(args.checkpoint.resolve()),
-        "pretrained": None if args.random_init else file_identity(args.pretrained),
+        "pretrained": None if args.random_init else file_identity(getattr(args, "pretrained", None)),
         "step": (info or {}).get("step"),
         "ema": bool(args.ema) and not args.random_init,
         "seed": cfg.seed if args.random_init else None,
