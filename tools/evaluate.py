@@ -7,6 +7,7 @@ language model by its perplexity on a corpus (fairseq's eval-lm).
     python tools/evaluate.py CHECKPOINT --random-init                             # same architecture, random weights
     python tools/evaluate.py CHECKPOINT --ema                                     # the EMA weights (DINO's teacher)
     python tools/evaluate.py --random-init task=image_classification model=regnet_cifar model.depth=8
+    python tools/evaluate.py task=image_classification model=regnet_y_400mf model.pretrained=regnet_y_400mf.pth
     python tools/evaluate.py runs/lm/default/checkpoints/step_00000300                     # validation perplexity
     python tools/evaluate.py model.safetensors data.path=held_out.txt --split all          # a whole other corpus
     python tools/evaluate.py CHECKPOINT --lm-eval hellaswag,arc_easy                     # lm-evaluation-harness
@@ -17,6 +18,8 @@ model is rebuilt from the checkpoint's own description (task and training config
 loaded in one process, in eval mode. Arguments without a leading ``--`` are overrides: of the checkpoint's config
 (``data.*`` picks the evaluation data: data.path, data.source, data.num_workers, data.image_size, ...), or, with
 --random-init and no checkpoint, the Hydra overrides that name the architecture as for ``python -m shardlab.train``.
+Without a checkpoint, ``model.pretrained=FILE`` among those overrides gives the weights a training run would start
+from (torchvision's RegNet weights as the trunk, docs/vision.md), loaded by the task as the trainer loads them.
 
 Vision (--linear, --knn; both by default): the trunk's pooled features (``Task.features``) of the train split and of the
 split judged on (--split: test by default, which nothing is tuned on; valid, which recipes are chosen on) of a labelled
@@ -76,12 +79,24 @@ def checkpoint_config(checkpoint: Path, overrides: list[str], user_dir: str | No
             "its config (e.g. data.path=...), or --random-init without a checkpoint to choose an architecture"
         )
     own_data_paths(cfg)
+    if holds_its_trunk_file(cfg):
+        cfg.model.pretrained = None  # the checkpoint holds those weights now: the file need not exist any more
     OmegaConf.set_struct(cfg, True)  # a mistyped key is an error, not a new key nothing reads
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
     except Exception as e:
         raise ConfigError(f"{' '.join(overrides)}: {first_cause(e)} (keys of the checkpoint's config)") from None
     return cfg, info
+
+
+def holds_its_trunk_file(cfg: DictConfig) -> bool:
+    """Whether ``cfg`` (a checkpoint's) names the torchvision weights file its vision run started from in
+    model.pretrained; a language model's model.pretrained folder gives its architecture too, and stays."""
+    from shardlab.registry import MODELS
+
+    arch = cfg.get("model", {}).get("arch")
+    vision = arch in MODELS.names() and MODELS.module_of(arch) == "tasks.image_classification.model"
+    return vision and bool(cfg.model.get("pretrained"))
 
 
 DATA_PATH_KEYS = ("path", "cache_dir")
@@ -113,10 +128,13 @@ def composed_config(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"{' '.join(overrides)}: {first_cause(e)}") from None
 
 
-def build_model(cfg: DictConfig, checkpoint: Path | None, ema: bool = False) -> tuple[Task, torch.nn.Module]:
+def build_model(
+    cfg: DictConfig, checkpoint: Path | None, ema: bool = False, pretrained: bool = False
+) -> tuple[Task, torch.nn.Module]:
     """The task and its model in this process: seeded init (cfg.seed), then the checkpoint's weights if given (their
     keys and shapes must fit the model the config describes); ``ema``: its optimization.ema average instead (DINO's
-    teacher)."""
+    teacher); ``pretrained``: without a checkpoint, the weights model.pretrained names, as a run starts from them
+    (Task.load_pretrained: the trunk read, the head seeded)."""
     try:
         task = build_task(cfg, world_size=1, check_budget=False)
         with torch.device("meta"):
@@ -131,6 +149,8 @@ def build_model(cfg: DictConfig, checkpoint: Path | None, ema: bool = False) -> 
     if checkpoint is not None:  # before materializing: a crafted config must not allocate first
         weights.check_shapes(checkpoint, model)
     materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
+    if pretrained and checkpoint is None:
+        task.load_pretrained(model, torch.device("cpu"))
     if checkpoint is not None:
         try:
             if ema:
@@ -387,10 +407,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if len(paths) > 1:
         raise ConfigError(f"one checkpoint at a time, got {len(paths)}: {' '.join(paths)}")
     args.checkpoint = Path(paths[0]).expanduser() if paths else None
-    if args.checkpoint is None and not args.random_init:
+    args.pretrained = next((o.partition("=")[2] for o in args.overrides if o.startswith("model.pretrained=")), None)
+    if args.checkpoint is None and not args.random_init and not args.pretrained:
         raise ConfigError(
-            "give a checkpoint (a step_N folder or a .safetensors file), or --random-init with the overrides of an "
-            "architecture (e.g. task=image_classification model=regnet_cifar)"
+            "give a checkpoint (a step_N folder or a .safetensors file), or the overrides of an architecture with "
+            "model.pretrained=FILE (its weights) or --random-init (e.g. task=image_classification model=regnet_cifar)"
+        )
+    if args.checkpoint is not None and args.pretrained:
+        raise ConfigError(
+            "model.pretrained: the checkpoint's weights are evaluated, not the file its run started from; give one"
         )
     if args.lm_eval is not None and (args.checkpoint is None or args.random_init):
         raise ConfigError("--lm-eval evaluates a trained checkpoint's export; give a checkpoint, without --random-init")
@@ -443,7 +468,7 @@ def resolve_split(args, modes: list[str]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     meta = bench_meta.collect(__file__, argv) if args.out is not None else None
-    where = str(args.checkpoint) if args.checkpoint else "the randomly initialised model"
+    where = str(args.checkpoint or args.pretrained or "the randomly initialised model")
     if args.checkpoint is not None:
         # data.* choose what to evaluate on; the model is built as it was trained (e.g. its classes from its data)
         cfg, info = checkpoint_config(args.checkpoint, args.overrides, args.user_dir)
@@ -464,7 +489,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.out is not None:
             write_report(args, cfg, info, {k: v for k, v in results.items() if k != "lm_eval_samples"}, meta)
         return results
-    task, model = build_model(model_cfg, None if args.random_init else args.checkpoint, ema=args.ema)
+    pretrained = bool(args.pretrained) and not args.random_init  # --random-init: the seeded init, nothing read
+    task, model = build_model(model_cfg, None if args.random_init else args.checkpoint, args.ema, pretrained)
     modes = chosen_modes(args, task, where)
     described = f"{where} (task {cfg.task.name}" + (f", step {info.get('step')}" if info else "")
     print(f"evaluating {described}{', random init seed ' + str(cfg.seed) if args.random_init else ''})", flush=True)
@@ -483,7 +509,8 @@ def cache_key(args, cfg: DictConfig, info: dict | None) -> str:
     """What the features depend on: the weights (checkpoint path and step, its EMA average or not, or the random
     init's seed), the model, the data settings, the split and whether BatchNorm statistics were re-estimated."""
     key = {
-        "checkpoint": None if args.random_init else str(args.checkpoint.resolve()),
+        "checkpoint": None if args.random_init or args.checkpoint is None else str(args.checkpoint.resolve()),
+        "pretrained": None if args.random_init else file_identity(getattr(args, "pretrained", None)),
         "step": (info or {}).get("step"),
         "ema": bool(args.ema) and not args.random_init,
         "seed": cfg.seed if args.random_init else None,
@@ -494,6 +521,15 @@ def cache_key(args, cfg: DictConfig, info: dict | None) -> str:
         "recompute_bn": bool(args.recompute_bn),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def file_identity(path: str | None) -> list | None:
+    """A weights file as the features depend on it: where it is, its size and when it last changed."""
+    if not path:
+        return None
+    resolved = Path(path).expanduser().resolve()
+    st = resolved.stat()
+    return [str(resolved), st.st_size, st.st_mtime_ns]
 
 
 def write_report(args, cfg: DictConfig, info: dict | None, results: dict, meta: dict) -> None:

@@ -41,6 +41,9 @@ class RegNetConfig:
     """regnet_cifar: squeeze-excitation width as a fraction of the block input (RegNetY); null = none (RegNetX)."""
     stem_width: int = 16
     """regnet_cifar: channels of the 3x3 stem, which keeps the input resolution (stride 1, unlike ImageNet's 2)."""
+    pretrained: str | None = None
+    """torchvision RegNet weights to start the trunk from: a state-dict file, torch.save(model.state_dict()) as
+    torchvision publishes them; the head is new (docs/vision.md#starting-from-torchvisions-weights)."""
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -9,10 +11,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from shardlab.distributed.sync_bn import convert_sync_batchnorm
-from shardlab.errors import ConfigError
+from shardlab.errors import CheckpointError, ConfigError
 from shardlab.registry import MODELS, unknown_name_message
 from shardlab.task import Task
 from tasks.image_classification import model as regnet
+from tasks.image_classification import pretrained
 from tasks.image_classification.config import RegNetConfig
 from tasks.image_classification.data import (
     SOURCES,
@@ -49,7 +52,10 @@ def ignored_model_keys(m) -> list[str]:
 
 class ImageClassificationTask(Task):
     unit = "images"
-    resumable_model_changes = ("dropout", "sync_bn", "sync_bn_group_size")  # how BN syncs, not what it holds
+    # how BN syncs and where the first weights came from, not what the model holds
+    resumable_model_changes = ("dropout", "sync_bn", "sync_bn_group_size", "pretrained")
+    trunk_prefix = ""
+    """Where the model holds the trunk that model.pretrained fills (the self-supervised model's: ``trunk.``)."""
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -101,7 +107,31 @@ class ImageClassificationTask(Task):
                 errors.append(
                     f"data.num_valid ({d.num_valid}) must hold at least one validation.batch_size ({vb}) of images"
                 )
-        return errors
+        return errors or self.pretrained_errors()  # the trunk is built to check the file only from valid keys
+
+    def pretrained_errors(self) -> list[str]:
+        """model.pretrained: a state-dict file whose tensors fit the trunk (read from its index, mapped, not loaded)."""
+        m = self.cfg.model
+        if not m.get("pretrained"):
+            return []
+        if self.cfg.checkpoint.init_from:
+            return ["model.pretrained and checkpoint.init_from both give the starting weights; keep one"]
+        path = Path(m.pretrained).expanduser()
+        try:
+            stored = pretrained.read_state_dict(path)
+        except CheckpointError as e:
+            return [str(e)]
+        with torch.device("meta"):
+            trunk = MODELS.build(m.arch, m, 1, key="model.arch")  # the classifier is not compared: any width
+        errors = pretrained.fit_errors(stored, pretrained.trunk_shapes(trunk))
+        return [pretrained.refusal(path, stored, errors)] if errors else []
+
+    def load_pretrained(self, model: nn.Module, device: torch.device) -> Path | None:
+        """model.pretrained's trunk into the wrapped, materialized model, each rank copying its shards' slices; the
+        head keeps its seeded init."""
+        if not self.cfg.model.get("pretrained"):
+            return None
+        return pretrained.load_trunk(model, Path(self.cfg.model.pretrained).expanduser(), self.trunk_prefix, device)
 
     def world_errors(self, world_size: int) -> list[str]:
         group = self.cfg.model.sync_bn_group_size

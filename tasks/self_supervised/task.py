@@ -36,7 +36,9 @@ def unwrapped(model: nn.Module) -> ssl_model.SelfSupervisedModel:
 
 
 class SelfSupervisedTask(ImageClassificationTask):
-    resumable_model_changes = ("sync_bn", "sync_bn_group_size")  # how BN syncs, not what it holds
+    # how BN syncs and where the first weights came from, not what the model holds
+    resumable_model_changes = ("sync_bn", "sync_bn_group_size", "pretrained")
+    trunk_prefix = ssl_model.TRUNK_PREFIX  # model.pretrained fills trunk.*; the projection head stays seeded
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
