@@ -64,18 +64,22 @@ def write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def make_folder(family: str, folder: Path, seed: int = 0) -> Path:
-    """A model of ``family`` saved by transformers in bf16 as >= 3 shards, with the tokenizer files."""
+def make_folder(
+    family: str, folder: Path, seed: int = 0, *, shape: dict | None = None, max_shard_size: str = "40KB"
+) -> Path:
+    """A model of ``family`` saved by transformers in bf16 as >= 3 shards, with the tokenizer files; ``shape``:
+    config arguments that replace the family's small ones (a larger model), ``max_shard_size`` transformers'."""
     import transformers
 
     config_class, kwargs = FAMILIES[family]
+    kwargs = {**kwargs, **(shape or {})}
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kwargs))
     with torch.no_grad():  # transformers zeroes biases and sets norms to 1: random ones test that they are read
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name or "ln_" in name:
                 p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
-    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size="40KB")
+    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size=max_shard_size)
     write_tokenizer(folder)
     return folder
 

@@ -214,6 +214,11 @@ class MetadataUnpickler:
             raise
         except Exception as e:  # noqa: BLE001  (a stack or memo underflow, a bad argument to a constructor, ...)
             raise _Unreadable(f"{type(e).__name__}: {' '.join(str(e)[:200].split())}") from None
+        finally:
+            # The table's closures and bound methods refer back to the unpickler: left in place, it and all it holds
+            # (saved_values' archive: a chunk's whole buffer) wait in a cycle for Python's cyclic GC, and an export
+            # or a resume piled up ~10 MB of chunks that way. One load per unpickler, so the table is done with.
+            self.ops.clear()
 
     def refuse(self, what: str) -> UnsafeCheckpointError:
         return UnsafeCheckpointError(

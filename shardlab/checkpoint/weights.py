@@ -90,8 +90,7 @@ def with_new_keys(cfg):
     and data's by the names ``cfg`` gives). Values it holds are kept; keys it holds that are gone stay for the
     caller's checks to name. The built-in optimizers and schedules need no registration here: their schemas are
     TrainConfig's own OptimizerConfig and LRSchedulerConfig (and optim/ is not checkpoint/'s to import)."""
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import MISSING, OmegaConf
+    from omegaconf import OmegaConf
 
     from shardlab.config import TrainConfig, register_schemas
     from shardlab.registry import load_plugins
@@ -106,35 +105,67 @@ def with_new_keys(cfg):
         "lr_scheduler": cfg.lr_scheduler.get("name"),
         "data": cfg.task.get("name"),
     }
-    store = ConfigStore.instance()
     for section, name in names.items():
-        try:
-            defaults[section] = OmegaConf.to_container(store.load(f"schema/{section}/{name}.yaml").node)
-        except Exception:  # noqa: BLE001  (no schema of that name, e.g. a plug-in gone: the section stays as it is)
-            continue
+        schema = _schema_defaults(section, name)
+        if schema is not None:
+            defaults[section] = schema
+    return OmegaConf.create(_fill(OmegaConf.to_container(cfg), defaults))
 
-    def fill(recorded: dict, default: dict) -> dict:
-        for key, value in default.items():
-            if key not in recorded and value != MISSING:
-                recorded[key] = value
-            elif isinstance(value, dict) and isinstance(recorded.get(key), dict):
-                fill(recorded[key], value)
-        return recorded
 
-    return OmegaConf.create(fill(OmegaConf.to_container(cfg), defaults))
+def _schema_defaults(section: str, name: str | None) -> dict | None:
+    """The defaults of the schema registered as ``schema/<section>/<name>`` (a task's, a model's, ...), or None when
+    there is none of that name (a plug-in gone: the recorded section is then taken as it is)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(ConfigStore.instance().load(f"schema/{section}/{name}.yaml").node)
+    except Exception:  # noqa: BLE001  (ConfigStore raises ConfigLoadError or its own lookup errors)
+        return None
+
+
+def _fill(recorded: dict, default: dict) -> dict:
+    """``recorded`` with every key of ``default`` it lacks, at its default (nested sections too); MISSING stays out."""
+    from omegaconf import MISSING
+
+    for key, value in default.items():
+        if key not in recorded and value != MISSING:
+            recorded[key] = value
+        elif isinstance(value, dict) and isinstance(recorded.get(key), dict):
+            _fill(recorded[key], value)
+    return recorded
+
+
+def saved_model_config(info: dict) -> dict:
+    """The model section a checkpoint recorded (``info``: ``describe``'s), with the keys its model's schema gained
+    since at their defaults, which give the old behaviour (a Llama saved before ``qkv_bias`` or ``tie_embeddings``
+    existed had neither): compared as recorded, None would differ from False and refuse a checkpoint of this very
+    model. The installed plug-ins' schemas are looked up (a user_dir's are there when this run imported it: a
+    checkpoint's recorded user_dir is never imported here)."""
+    import copy
+
+    from shardlab.registry import load_plugins
+
+    saved = copy.deepcopy(info.get("model_config") or {})
+    if "arch" not in saved:
+        return saved
+    load_plugins()
+    schema = _schema_defaults("model", saved["arch"])
+    return saved if schema is None else _fill(saved, schema)
 
 
 def check_compatible(
     source: Path, info: dict, task_name: str, model_config: dict, ignore_keys: tuple[str, ...] = ()
 ) -> None:
-    """Refuse weights of another task or model shape, naming the first key that differs."""
+    """Refuse weights of another task or model shape, naming the first key that differs; a key the checkpoint's
+    model section predates counts as its default (``saved_model_config``)."""
     saved_task = info.get("task")
     if saved_task is not None and saved_task != task_name:
         raise IncompatibleCheckpointError(
             f"{source} was saved by task.name={saved_task!r} but this run has task.name={task_name!r}; "
             "use a checkpoint of this task, or run task.name={saved_task}"
         )
-    saved = info.get("model_config", {})
+    saved = saved_model_config(info)
     keys = sorted((set(saved) | set(model_config)) - set(ignore_keys))
     diffs = [k for k in keys if saved.get(k) != model_config.get(k)]
     if diffs:
