@@ -119,7 +119,7 @@ def test_an_interrupted_binarization_leaves_no_complete_looking_cache(tmp_path, 
     from tasks.lm import binarize
 
     (tmp_path / "a.txt").write_text("some text\n" * 1000)
-    monkeypatch.setattr(binarize, "_move_tail", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(binarize, "_hold_out", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         prepare_corpus(str(tmp_path / "a.txt"), str(tmp_path / "cache"), "byte", 0.0, 0)
     assert list((tmp_path / "cache").iterdir()) == []
