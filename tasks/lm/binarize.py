@@ -1,9 +1,11 @@
-"""Stream a corpus into train.bin / valid.bin token files over worker processes, in bounded memory, atomically.
+"""Stream a corpus into train.bin / valid.bin token files, in bounded memory, atomically.
 
-The main process reads ~1 MB blocks (decompressing, and decoding Parquet and Arrow record batches) and writes tokens
-in order; workers decode, parse JSONL and tokenize. At most a
-few blocks per worker are in flight, so memory does not grow with the corpus. Output goes to a temporary directory,
-is fsynced, and is renamed into place only when complete: a killed run never leaves a cache that looks finished.
+The main process reads ~1 MB blocks (decompressing, and decoding Parquet and Arrow record batches), tokenizes each
+block's documents in one call (a tokenizer file spreads it over the tokenizers library's threads) and writes tokens in
+order; worker processes parse and tokenize instead only where the library's threads are turned off
+(TOKENIZERS_PARALLELISM=false), at most a few blocks per worker in flight. Memory does not grow with the corpus.
+Output goes to a temporary directory, is fsynced, and is renamed into place only when complete: a killed run never
+leaves a cache that looks finished.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from shardlab.errors import DataError
 from tasks.lm.cache_lock import temp_prefix
 from tasks.lm.corpus import check_sources, jsonl_text, read_blocks
 from tasks.lm.sources import Block, Source
-from tasks.lm.tokenizer import Tokenizer, load_tokenizer, token_dtype
+from tasks.lm.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
 
 FORMAT_VERSION = 2
 """2: meta.json records the token dtype (uint16 or uint32) and the tokenizer's fingerprint. 1 (uint16) still reads."""
@@ -116,21 +119,47 @@ def _work(block: Block) -> Encoded:
     return encode_units(_worker["tok"], block, _worker["vp"], _worker["field"], _worker["dtype"])
 
 
+def processes_for(tokenizer: Tokenizer, workers: int) -> int:
+    """Worker processes worth starting for ``workers``: none for the byte tokenizer (a lookup: sending a block to a
+    process and its tokens back costs more CPU than tokenizing it, measured 7.3 against 17.3 MB per CPU-second) nor
+    for a tokenizer file, whose library threads over each block's batch were measured faster per CPU-second and in
+    wall time than as many processes (docs/corpora.md); processes only where the user turned those threads off."""
+    if isinstance(tokenizer, ByteTokenizer) or os.environ.get("TOKENIZERS_PARALLELISM", "").lower() != "false":
+        return 0
+    return workers
+
+
 def _encoded(blocks: Iterable[Block], tokenizer: Tokenizer, vp: float, field: str, dtype, workers: int):
     """Each block encoded, in input order, with at most a few blocks per worker in memory."""
-    if workers <= 0:
-        for b in blocks:
-            yield encode_units(tokenizer, b, vp, field, dtype)
+    processes = processes_for(tokenizer, workers)
+    if processes <= 0:
+        with _library_threads(workers):
+            for b in blocks:
+                yield encode_units(tokenizer, b, vp, field, dtype)
         return
     ctx = mp.get_context("spawn")  # not fork: the parent may hold torch's and the tokenizers' threads
-    with ctx.Pool(workers, _init_worker, (tokenizer.name, tokenizer.eod_token, vp, field, dtype.str)) as pool:
+    with ctx.Pool(processes, _init_worker, (tokenizer.name, tokenizer.eod_token, vp, field, dtype.str)) as pool:
         pending: deque = deque()
         for b in blocks:
             pending.append(pool.apply_async(_work, (b,)))
-            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+            if len(pending) >= IN_FLIGHT_PER_WORKER * processes:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+@contextmanager
+def _library_threads(workers: int) -> Iterator[None]:
+    """The tokenizers library's thread pool sized to ``workers`` (when > 0), if it has not started yet in this
+    process (it starts once, at its first parallel call; an earlier one, such as training the BPE, keeps its size)."""
+    if workers <= 0 or "RAYON_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["RAYON_NUM_THREADS"] = str(workers)
+    try:
+        yield
+    finally:
+        del os.environ["RAYON_NUM_THREADS"]
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
@@ -233,22 +262,24 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
     seconds = time.perf_counter() - start
     print(
         f"  read {read / 1e6:,.1f} MB in {seconds:.1f} s ({read / 1e6 / max(seconds, 1e-9):,.1f} MB/s, "
-        f"{max(workers, 1)} worker{'s' if workers > 1 else ''}){held_out}",
+        f"{_how(tokenizer, workers)}){held_out}",
         flush=True,
     )
-    return {
-        "format": FORMAT_VERSION,
-        "tokenizer": tokenizer.name,
-        "tokenizer_fingerprint": tokenizer.fingerprint,
-        "vocab_size": tokenizer.vocab_size,
-        "eod": tokenizer.eod,
-        "dtype": dtype.name,
-        "documents": docs,
-        "train_tokens": counts["train"],
-        "valid_tokens": counts["valid"],
-        "bytes_read": read,
-        "seconds": round(seconds, 3),
-    }
+    return {**_tokenizer_meta(tokenizer, dtype), "documents": docs, "train_tokens": counts["train"],
+            "valid_tokens": counts["valid"], "bytes_read": read, "seconds": round(seconds, 3)}  # fmt: skip
+
+
+def _tokenizer_meta(tokenizer: Tokenizer, dtype) -> dict:
+    return {"format": FORMAT_VERSION, "tokenizer": tokenizer.name, "tokenizer_fingerprint": tokenizer.fingerprint,
+            "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "dtype": dtype.name}  # fmt: skip
+
+
+def _how(tokenizer: Tokenizer, workers: int) -> str:
+    if processes_for(tokenizer, workers):
+        return f"{workers} worker processes"
+    if isinstance(tokenizer, ByteTokenizer) or workers <= 0:
+        return "in-process"
+    return f"in-process, tokenizers' {os.environ.get('RAYON_NUM_THREADS', workers)} threads"
 
 
 def held_out_count(num_units: int, valid_percent: float) -> int:
