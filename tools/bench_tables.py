@@ -272,11 +272,15 @@ def preprocess(sources: list[Source]) -> list[str]:
         "end to end",
         "per CPU-second",
         "peak RSS (PSS) of the process tree",
-        "tokenizers alone, per CPU-second",
+        "tokenizers alone, per CPU-second (its threads / one thread)",
+        "tool / library",
     )
     for _, d in sources:
         args = " ".join((d.get("meta") or {}).get("settings", {}).get("preprocess_args") or []) or "(defaults)"
-        reference = d.get("reference", {}).get("encode_batch_fast_mb_per_cpu_s")
+        ref = d.get("reference", {})
+        reference = ref.get("encode_batch_fast_mb_per_cpu_s")
+        one = ref.get("encode_batch_fast_one_thread_mb_per_cpu_s")
+        share = d.get("share_of_library")
         lines.append(
             row(
                 f"`{args}`",
@@ -286,7 +290,8 @@ def preprocess(sources: list[Source]) -> list[str]:
                 f"{d['mb_per_s_end_to_end']:.2f} MB/s",
                 f"{d['mb_per_cpu_s']:.2f} MB",
                 f"{d['peak_rss_tree_mib']:.0f} ({d['peak_pss_tree_mib']:.0f}) MiB",
-                f"{reference:.2f} MB" if reference else "-",
+                (f"{reference:.2f} MB" + (f" / {one:.2f} MB" if one else "")) if reference else "-",
+                f"{share:.0%}" if share else "-",
             )
         )
     return lines

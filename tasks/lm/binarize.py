@@ -1,15 +1,18 @@
-"""Stream a corpus into train.bin / valid.bin token files over worker processes, in bounded memory, atomically.
+"""Stream a corpus into train.bin / valid.bin token files, in bounded memory, atomically.
 
-The main process reads ~1 MB blocks (decompressing, and decoding Parquet and Arrow record batches) and writes tokens
-in order; workers decode, parse JSONL and tokenize. At most a
-few blocks per worker are in flight, so memory does not grow with the corpus. Output goes to a temporary directory,
-is fsynced, and is renamed into place only when complete: a killed run never leaves a cache that looks finished.
+The main process reads ~1 MB blocks (decompressing, and decoding Parquet and Arrow record batches), tokenizes each
+block's documents in one call (a tokenizer file spreads it over the tokenizers library's threads) and writes tokens in
+order; worker processes parse and tokenize instead only where the library's threads are turned off
+(TOKENIZERS_PARALLELISM=false), at most a few blocks per worker in flight. Memory does not grow with the corpus.
+Output goes to a temporary directory, is fsynced, and is renamed into place only when complete: a killed run never
+leaves a cache that looks finished.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -18,6 +21,8 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,56 +32,78 @@ from shardlab.errors import DataError
 from tasks.lm.cache_lock import temp_prefix
 from tasks.lm.corpus import check_sources, jsonl_text, read_blocks
 from tasks.lm.sources import Block, Source
-from tasks.lm.tokenizer import Tokenizer, load_tokenizer, token_dtype
+from tasks.lm.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
 
 FORMAT_VERSION = 2
 """2: meta.json records the token dtype (uint16 or uint32) and the tokenizer's fingerprint. 1 (uint16) still reads."""
-SEGMENT_CHARS = 1 << 16
-"""Tokenize text in ~64 KB pieces cut at line ends: the tokenizers library encodes those ~40% faster than 1 MB."""
 IN_FLIGHT_PER_WORKER = 3
 
 
+def split_rank(key: str) -> int:
+    """Where a document falls in the hash order of the split, 0..9,999: valid below ``valid_percent * 100``."""
+    return int.from_bytes(hashlib.sha1(key.encode()).digest()[:4], "little") % 10_000
+
+
 def is_valid_document(relative_path: str, valid_percent: float) -> bool:
-    digest = int.from_bytes(hashlib.sha1(relative_path.encode()).digest()[:4], "little")
-    return digest % 10_000 < valid_percent * 100
+    return split_rank(relative_path) < valid_percent * 100
 
 
-def _segments(text: str) -> Iterator[str]:
-    start = 0
-    while start < len(text):
-        end = text.rfind("\n", start, start + SEGMENT_CHARS) + 1 if len(text) - start > SEGMENT_CHARS else len(text)
-        end = end if end > start else min(start + SEGMENT_CHARS, len(text))
-        yield text[start:end]
-        start = end
+@dataclass
+class Encoded:
+    """One block's tokens by split, its documents by split, and its train units for the small-corpus hold-out."""
+
+    train: np.ndarray
+    valid: np.ndarray
+    documents: tuple[int, int]
+    """Documents that end in this block (train, valid): a text file's ends in its last block only."""
+    train_units: np.ndarray
+    """One row per train unit (a record, or a text block): its hash rank, its tokens (end-of-document included),
+    and 1 where it ends a document. The order the hold-out of a small corpus picks units in."""
 
 
-def _encode_text(tokenizer: Tokenizer, text: str) -> np.ndarray:
-    return tokenizer.encode_array(list(_segments(text)) if tokenizer.splits_cleanly else [text])
+def _units(block: Block, text_field: str) -> tuple[list[str], list[str], bool]:
+    """(split keys, texts, whether each ends a document) of a block's units: its records, or the block itself."""
+    src = block.source
+    if block.texts is not None:  # Parquet or Arrow rows: split by row number, as the same JSONL file's lines
+        keys = [f"{src.split_key}:{n}" for n in range(block.first_line, block.first_line + len(block.texts))]
+        return keys, block.texts, True
+    if not src.records:
+        key = src.split_key if block.index == 0 else f"{src.split_key}#{block.index}"
+        return [key], [block.data.decode("utf-8", errors="replace")], block.last
+    keys, texts = [], []
+    for n, line in enumerate(block.data.splitlines(), start=block.first_line):
+        if line.strip():
+            texts.append(jsonl_text(line, src.path, n, text_field))
+            keys.append(f"{src.split_key}:{n}")
+    return keys, texts, True
+
+
+def encode_units(tokenizer: Tokenizer, block: Block, valid_percent: float, text_field: str, dtype) -> Encoded:
+    """A block tokenized in one call of the tokenizer; each unit's end-of-document token goes with its last tokens."""
+    keys, texts, ends = _units(block, text_field)
+    ranks = np.fromiter((split_rank(k) for k in keys), np.int64, len(keys))
+    valid = ranks < valid_percent * 100
+    ids, lengths = tokenizer.encode_documents(texts)
+    lengths = lengths + ends  # room for each unit's end-of-document token
+    out = np.empty(int(lengths.sum()), dtype)
+    if ends:
+        eod_at = np.cumsum(lengths) - 1
+        is_text = np.ones(out.size, bool)
+        is_text[eod_at] = False
+        out[is_text] = ids
+        out[eod_at] = tokenizer.eod
+    else:
+        out[:] = ids
+    in_valid = np.repeat(valid, lengths)
+    documents = (int((~valid).sum()) * ends, int(valid.sum()) * ends)
+    units = np.stack([ranks[~valid], lengths[~valid], np.full((~valid).sum(), int(ends))], axis=1)
+    return Encoded(out[~in_valid], out[in_valid], documents, units)
 
 
 def encode_block(tokenizer: Tokenizer, block: Block, valid_percent: float, text_field: str, dtype) -> tuple:
     """(train tokens, valid tokens) of one block; a document's end-of-document token goes with its last tokens."""
-    eod = np.array([tokenizer.eod], dtype=dtype)
-    parts: dict[str, list[np.ndarray]] = {"train": [], "valid": []}
-    src = block.source
-    if block.texts is not None:  # Parquet or Arrow rows: split by row number, as the same JSONL file's lines
-        for n, text in enumerate(block.texts, start=block.first_line):
-            split = "valid" if is_valid_document(f"{src.split_key}:{n}", valid_percent) else "train"
-            parts[split] += [_encode_text(tokenizer, text), eod]
-    elif not src.records:
-        key = src.split_key if block.index == 0 else f"{src.split_key}#{block.index}"
-        split = "valid" if is_valid_document(key, valid_percent) else "train"
-        parts[split].append(_encode_text(tokenizer, block.data.decode("utf-8", errors="replace")))
-        if block.last:
-            parts[split].append(eod)
-    else:
-        for n, line in enumerate(block.data.splitlines(), start=block.first_line):
-            if not line.strip():
-                continue
-            text = jsonl_text(line, src.path, n, text_field)
-            split = "valid" if is_valid_document(f"{src.split_key}:{n}", valid_percent) else "train"
-            parts[split] += [_encode_text(tokenizer, text), eod]
-    return tuple(np.concatenate(p).astype(dtype, copy=False) if p else np.zeros(0, dtype) for p in parts.values())
+    encoded = encode_units(tokenizer, block, valid_percent, text_field, dtype)
+    return encoded.train, encoded.valid
 
 
 # ---- worker processes --------------------------------------------------------------------------------------------
@@ -88,25 +115,51 @@ def _init_worker(tokenizer_spec: str, eod_token: str | None, valid_percent: floa
     _worker.update(tok=load_tokenizer(tokenizer_spec, eod_token), vp=valid_percent, field=field, dtype=np.dtype(dtype))
 
 
-def _work(block: Block) -> tuple:
-    return encode_block(_worker["tok"], block, _worker["vp"], _worker["field"], _worker["dtype"])
+def _work(block: Block) -> Encoded:
+    return encode_units(_worker["tok"], block, _worker["vp"], _worker["field"], _worker["dtype"])
+
+
+def processes_for(tokenizer: Tokenizer, workers: int) -> int:
+    """Worker processes worth starting for ``workers``: none for the byte tokenizer (a lookup: sending a block to a
+    process and its tokens back costs more CPU than tokenizing it, measured 7.3 against 17.3 MB per CPU-second) nor
+    for a tokenizer file, whose library threads over each block's batch were measured faster per CPU-second and in
+    wall time than as many processes (docs/corpora.md); processes only where the user turned those threads off."""
+    if isinstance(tokenizer, ByteTokenizer) or os.environ.get("TOKENIZERS_PARALLELISM", "").lower() != "false":
+        return 0
+    return workers
 
 
 def _encoded(blocks: Iterable[Block], tokenizer: Tokenizer, vp: float, field: str, dtype, workers: int):
-    """(train, valid) tokens of each block in input order, with at most a few blocks per worker in memory."""
-    if workers <= 0:
-        for b in blocks:
-            yield encode_block(tokenizer, b, vp, field, dtype)
+    """Each block encoded, in input order, with at most a few blocks per worker in memory."""
+    processes = processes_for(tokenizer, workers)
+    if processes <= 0:
+        with _library_threads(workers):
+            for b in blocks:
+                yield encode_units(tokenizer, b, vp, field, dtype)
         return
     ctx = mp.get_context("spawn")  # not fork: the parent may hold torch's and the tokenizers' threads
-    with ctx.Pool(workers, _init_worker, (tokenizer.name, tokenizer.eod_token, vp, field, dtype.str)) as pool:
+    with ctx.Pool(processes, _init_worker, (tokenizer.name, tokenizer.eod_token, vp, field, dtype.str)) as pool:
         pending: deque = deque()
         for b in blocks:
             pending.append(pool.apply_async(_work, (b,)))
-            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+            if len(pending) >= IN_FLIGHT_PER_WORKER * processes:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+@contextmanager
+def _library_threads(workers: int) -> Iterator[None]:
+    """The tokenizers library's thread pool sized to ``workers`` (when > 0), if it has not started yet in this
+    process (it starts once, at its first parallel call; an earlier one, such as training the BPE, keeps its size)."""
+    if workers <= 0 or "RAYON_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["RAYON_NUM_THREADS"] = str(workers)
+    try:
+        yield
+    finally:
+        del os.environ["RAYON_NUM_THREADS"]
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
@@ -167,7 +220,6 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
     total = None if any(s.compression or s.columnar for s in sources) else sum(s.path.stat().st_size for s in sources)
     counts = {"train": 0, "valid": 0}
     docs = {"train": 0, "valid": 0}
-    last_train = 0
     read = 0
     start = time.perf_counter()
     progress = _progress(total)
@@ -185,59 +237,87 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
                 if capped:
                     return
 
+    # Train units seen while no document has hashed into valid (rank, offset, tokens, ends a document); dropped at the
+    # first valid document, so only a corpus that may need the hold-out below keeps them.
+    units: list[np.ndarray] | None = []
     files = {split: open(tmp / f"{split}.bin", "wb") for split in counts}  # noqa: SIM115
     try:
         for encoded in _encoded(blocks(), tokenizer, valid_percent, field, dtype, workers):
-            for split, tokens in zip(counts, encoded, strict=True):
-                if tokens.size:
-                    tokens.tofile(files[split])
-                    counts[split] += tokens.size
-                    docs[split] += int((tokens == tokenizer.eod).sum())
-            last_train = encoded[0].size
+            if units is not None and encoded.valid.size == 0:
+                offsets = counts["train"] + np.cumsum(encoded.train_units[:, 1]) - encoded.train_units[:, 1]
+                units.append(np.insert(encoded.train_units, 1, offsets, axis=1))
+            else:
+                units = None
+            for split, tokens, n in zip(counts, (encoded.train, encoded.valid), encoded.documents, strict=True):
+                tokens.tofile(files[split])
+                counts[split] += tokens.size
+                docs[split] += n
     finally:
         for f in files.values():
             f.close()
         progress.close()
-    if counts["valid"] == 0 and counts["train"]:  # tiny corpora: hold out the last block rather than nothing
-        _hold_out_tail(tmp, last_train, tokenizer.eod, dtype, counts, docs)
+    held_out = ""
+    if units is not None and counts["train"]:  # no document hashed into valid: hold out the fewest that make it
+        held_out = _hold_out(tmp, np.concatenate(units), valid_percent, dtype, counts, docs)
     seconds = time.perf_counter() - start
     print(
         f"  read {read / 1e6:,.1f} MB in {seconds:.1f} s ({read / 1e6 / max(seconds, 1e-9):,.1f} MB/s, "
-        f"{max(workers, 1)} worker{'s' if workers > 1 else ''})",
+        f"{_how(tokenizer, workers)}){held_out}",
         flush=True,
     )
-    return {
-        "format": FORMAT_VERSION,
-        "tokenizer": tokenizer.name,
-        "tokenizer_fingerprint": tokenizer.fingerprint,
-        "vocab_size": tokenizer.vocab_size,
-        "eod": tokenizer.eod,
-        "dtype": dtype.name,
-        "documents": docs,
-        "train_tokens": counts["train"],
-        "valid_tokens": counts["valid"],
-        "bytes_read": read,
-        "seconds": round(seconds, 3),
-    }
+    return {**_tokenizer_meta(tokenizer, dtype), "documents": docs, "train_tokens": counts["train"],
+            "valid_tokens": counts["valid"], "bytes_read": read, "seconds": round(seconds, 3)}  # fmt: skip
 
 
-def _hold_out_tail(tmp: Path, num_tokens: int, eod: int, dtype, counts: dict, docs: dict) -> None:
-    """Move the last ``num_tokens`` train tokens (the last block's) to valid, and their counts with them."""
-    _move_tail(tmp / "train.bin", tmp / "valid.bin", num_tokens, dtype)
-    counts["train"] -= num_tokens
-    counts["valid"] = num_tokens
-    moved = int((np.fromfile(tmp / "valid.bin", dtype=dtype) == eod).sum())
-    docs["train"] -= moved
-    docs["valid"] += moved
+def _tokenizer_meta(tokenizer: Tokenizer, dtype) -> dict:
+    return {"format": FORMAT_VERSION, "tokenizer": tokenizer.name, "tokenizer_fingerprint": tokenizer.fingerprint,
+            "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "dtype": dtype.name}  # fmt: skip
 
 
-def _move_tail(src: Path, dst: Path, num_tokens: int, dtype) -> None:
-    size = src.stat().st_size
-    keep = size - num_tokens * dtype.itemsize
-    with open(src, "rb") as f:
-        f.seek(keep)
-        dst.write_bytes(f.read())
-    os.truncate(src, keep)
+def _how(tokenizer: Tokenizer, workers: int) -> str:
+    if processes_for(tokenizer, workers):
+        return f"{workers} worker processes"
+    if isinstance(tokenizer, ByteTokenizer) or workers <= 0:
+        return "in-process"
+    return f"in-process, tokenizers' {os.environ.get('RAYON_NUM_THREADS', workers)} threads"
+
+
+def held_out_count(num_units: int, valid_percent: float) -> int:
+    """How many units the hold-out takes from ``num_units`` when the hash gave valid none: the fewest that make
+    ``valid_percent`` (at least one), leaving train at least one where there are two."""
+    wanted = max(1, math.ceil(num_units * valid_percent / 100 - 1e-9))
+    return min(wanted, num_units - 1) if num_units > 1 else num_units
+
+
+def _hold_out(tmp: Path, units: np.ndarray, valid_percent: float, dtype, counts: dict, docs: dict) -> str:
+    """Move whole units (records, or a text file's blocks) from train to valid: the fewest that make valid_percent,
+    those nearest to hashing into valid (lowest rank; the position breaks ties), so the choice depends on the
+    documents' keys and not on the order their files are read in. Returns what the summary line says of it."""
+    k = held_out_count(len(units), valid_percent)
+    order = np.lexsort((units[:, 1], units[:, 0]))  # by rank, then by offset
+    chosen = units[np.sort(order[:k])]
+    train = tmp / "train.bin"
+    tokens = np.memmap(train, dtype=dtype, mode="r")
+    kept = tmp / "train.bin.tmp"
+    with open(kept, "wb") as t, open(tmp / "valid.bin", "wb") as v:
+        at = 0
+        for _, offset, length, _ in chosen:
+            tokens[at:offset].tofile(t)
+            tokens[offset : offset + length].tofile(v)
+            at = offset + length
+        tokens[at:].tofile(t)
+    del tokens
+    os.replace(kept, train)
+    moved, moved_docs = int(chosen[:, 2].sum()), int(chosen[:, 3].sum())
+    counts["train"] -= moved
+    counts["valid"] += moved
+    docs["train"] -= moved_docs
+    docs["valid"] += moved_docs
+    return (
+        f"; no document hashed into the validation split, so the {k} of {len(units)} "
+        f"{'documents' if units[:, 3].all() else 'documents and blocks'} nearest to it by hash "
+        f"({moved:,} tokens) were held out for it (data.valid_percent={valid_percent:g})"
+    )
 
 
 def _progress(total: int | None):

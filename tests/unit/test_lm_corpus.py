@@ -119,7 +119,7 @@ def test_an_interrupted_binarization_leaves_no_complete_looking_cache(tmp_path, 
     from tasks.lm import binarize
 
     (tmp_path / "a.txt").write_text("some text\n" * 1000)
-    monkeypatch.setattr(binarize, "_move_tail", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(binarize, "_hold_out", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         prepare_corpus(str(tmp_path / "a.txt"), str(tmp_path / "cache"), "byte", 0.0, 0)
     assert list((tmp_path / "cache").iterdir()) == []
@@ -314,12 +314,14 @@ def test_a_tokenizer_that_marks_each_text_start_encodes_each_document_whole(tmp_
     assert all_tokens(out).tolist() == tok.encode(doc) + [1]
 
 
-def test_a_bad_jsonl_line_found_by_a_worker_process_is_the_same_one_line_error(tmp_path):
+def test_a_bad_jsonl_line_found_by_a_worker_process_is_the_same_one_line_error(tmp_path, monkeypatch):
     root = tmp_path / "corpus"
     root.mkdir()
     (root / "docs.jsonl").write_text('{"text": "a"}\n' * 5000 + '{"title": "x"}\n')
+    tok = train_bpe(["a b c"] * 10, 300, tmp_path / "tok" / "tokenizer.json")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the library's threads off: worker processes tokenize
     with pytest.raises(DataError, match=r"docs.jsonl:5001: no 'text' field \(found: title\)"):
-        prepare_corpus(str(root), str(tmp_path / "cache"), "byte", 10.0, 0, num_workers=2)
+        prepare_corpus(str(root), str(tmp_path / "cache"), str(tok), 10.0, 0, num_workers=2)
     names, errors = after_a_failed_build(tmp_path / "cache")
     assert names == [] and len(errors) == 1 and "docs.jsonl:5001: no 'text' field" in errors[0]
 
