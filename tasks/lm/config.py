@@ -128,6 +128,9 @@ class LMDataConfig:
     """Cap on text read at preprocessing, in MB (0 = all)."""
     num_preprocess_workers: int = -1
     """Tokenizing processes at preprocessing; -1 = one per CPU core (none for corpora under 16 MB), 0 = in-process."""
+    build_cache_max_mb: float = 512.0
+    """A corpus larger than this (MB) with no finished cache is not preprocessed by the training job: it stops with
+    the tools/preprocess_lm.py command that builds it as many tasks; 0 = build any size here."""
     # Supervised fine-tuning (tasks/lm/sft.py, docs/finetuning.md#supervised-fine-tuning)
     format: str = "text"
     """text (documents, pretraining), chat (records of role/content messages) or prompt_completion (records of a

@@ -48,17 +48,21 @@ def shard_name(k: int) -> str:
 
 
 def plan_shards(sources: list[Source], num_shards: int) -> list[list[Source]]:
-    """The files cut into at most ``num_shards`` contiguous runs of about equal bytes (never an empty one): a file is
-    never split, so a shard boundary is always a document boundary."""
+    """The files cut into min(num_shards, files) contiguous runs of about equal bytes, none empty: a file is never
+    split, so a shard boundary is always a document boundary."""
     sizes = [s.path.stat().st_size for s in sources]
-    total = max(sum(sizes), 1)
-    groups: list[list[Source]] = [[] for _ in range(max(1, min(num_shards, len(sources))))]
+    n, total = max(1, min(num_shards, len(sources))), max(sum(sizes), 1)
+    groups: list[list[Source]] = [[]]
     before = 0
-    for s, size in zip(sources, sizes, strict=True):
-        # a file goes where its middle byte falls: ids never decrease along the files, so each run is contiguous
-        groups[min(len(groups) - 1, int(len(groups) * (before + size / 2) / total))].append(s)
+    for i, (s, size) in enumerate(zip(sources, sizes, strict=True)):
+        # a new run starts where a file's middle byte passes the next boundary, or where every file left must start
+        # one for the runs still to come to be non-empty
+        crosses = before + size / 2 > len(groups) * total / n
+        if groups[-1] and len(groups) < n and (crosses or len(sources) - i <= n - len(groups)):
+            groups.append([])
+        groups[-1].append(s)
         before += size
-    return [g for g in groups if g]
+    return groups
 
 
 def file_identity(source: Source) -> dict:
