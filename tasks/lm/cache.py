@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from shardlab.errors import DataError
+from tasks.lm import shards
 from tasks.lm.binarize import FORMAT_VERSION, binarize
 from tasks.lm.cache_lock import build_once
 from tasks.lm.corpus import find_sources, glob_root
@@ -74,16 +75,21 @@ def prepare_corpus(
     text_field: str = "text",
     num_workers: int = -1,
     extra_files: dict[str, Path] | None = None,
+    build_max_mb: float = 0.0,
 ) -> Path:
     """The preprocessed directory for a corpus (built on first use, reused after).
 
     ``tokenizer``: 'byte', a tokenizer.json path, or a loaded tokenizer; ``text_field``: the JSONL key or Parquet
-    and Arrow column of the text; ``num_workers`` -1 = chosen by size.
+    and Arrow column of the text; ``num_workers`` -1 = chosen by size; ``build_max_mb`` > 0: a corpus larger than
+    this without a finished cache is refused with the command that builds it (data.build_cache_max_mb), not built.
     """
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     sources, name = corpus_sources(path)
     max_bytes = int(max_mb * 2**20)
     out = Path(cache_dir).expanduser() / f"{name}-{cache_key(sources, tok, valid_percent, max_bytes, text_field)}"
+    if not (out / "meta.json").is_file():
+        _refuse_to_build(out, sources, build_max_mb, shards.preprocess_command(
+            path, cache_dir, tok.name, valid_percent, text_field))  # fmt: skip
 
     def build() -> None:
         workers = default_workers(sources) if num_workers < 0 else num_workers
@@ -96,6 +102,61 @@ def prepare_corpus(
     # for its meta.json - never in a collective, so preprocessing takes as long as it needs.
     build_once(out, build, lambda line: print(line, flush=True))
     return out
+
+
+def _refuse_to_build(out: Path, sources: list[Source], build_max_mb: float, command: str) -> None:
+    """A training job does not become the one writer of a corpus that takes hours (every node would wait on it), nor
+    of one being preprocessed as shards: it stops, before training, with the command that builds or finishes it."""
+    started = shards.progress(out)
+    if started is not None:
+        done, planned = started
+        raise DataError(
+            f"{out} is being preprocessed as {planned} shards ({done} finished, no manifest yet); finish it with: "
+            f"{command} --shards {planned} (a rerun redoes only the unfinished shards), then train again"
+        )
+    size_mb = sum(s.path.stat().st_size for s in sources) / 2**20
+    if build_max_mb > 0 and size_mb > build_max_mb:
+        raise DataError(
+            f"data.path holds {size_mb:,.0f} MB, above data.build_cache_max_mb={build_max_mb:g}, and has no finished "
+            f"cache ({out}); build it first, as many tasks: {command} --tasks 4 (or a Slurm array: "
+            f"docs/corpora.md#preprocessing-as-shards), or raise data.build_cache_max_mb to build it in this job"
+        )
+
+
+def preprocess_shards(
+    path: str | None,
+    cache_dir: str,
+    tok: Tokenizer,
+    valid_percent: float,
+    text_field: str,
+    num_shards: int,
+    task: tuple[int, int] = (0, 1),
+    num_workers: int = 0,
+) -> tuple[Path, dict | None]:
+    """Task ``task[0]`` of ``task[1]``: build the unfinished shards k with k % task[1] == task[0] of a corpus cut
+    into ``num_shards``, then write the manifest if every shard is finished. Returns (the cache directory, the
+    manifest or None while shards remain)."""
+    sources, name = corpus_sources(path)
+    out = Path(cache_dir).expanduser() / f"{name}-{cache_key(sources, tok, valid_percent, 0, text_field)}"
+    if (out / "meta.json").is_file():
+        print(f"{out} is finished; nothing to do", flush=True)
+        return out, read_corpus_meta(out)
+    groups = shards.plan_shards(sources, num_shards)
+    shards.write_plan(out, groups, num_shards)
+    index, count = task
+    done = shards.finished_shards(out, groups)
+    for k in range(index, len(groups), count):
+        if done[k]:
+            print(f"shard {k} of {len(groups)}: finished before, kept", flush=True)
+            continue
+        record = shards.build_shard(out, k, groups[k], tok, valid_percent, text_field, num_workers)
+        print(
+            f"shard {k} of {len(groups)}: {len(groups[k])} files, {record['train_tokens']:,} train / "
+            f"{record['valid_tokens']:,} valid tokens in {record['seconds']:.1f} s",
+            flush=True,
+        )
+    extra = {"source": str(path or "embedded"), "text_field": text_field}
+    return out, shards.write_manifest(out, groups, tok, extra)
 
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -122,6 +183,11 @@ def read_corpus_meta(corpus: Path) -> dict:
             f"({' or '.join(TOKEN_DTYPES)}); delete {corpus} to preprocess again"
         )
     itemsize = np.dtype(meta["dtype"]).itemsize
+    if "shards" in meta:  # a manifest: each shard's files against the tokens it records
+        wrong = shards.shard_sizes_ok(corpus, meta, itemsize)
+        if wrong:
+            raise DataError(f"{wrong}; delete {corpus} to preprocess again")
+        return meta
     for split in ("train", "valid"):
         recorded = meta.get(f"{split}_tokens")
         size = (corpus / f"{split}.bin").stat().st_size if (corpus / f"{split}.bin").exists() else None

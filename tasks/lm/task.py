@@ -223,6 +223,7 @@ class LanguageModelingTask(Task):
             # reloads those).
             d.get("text_field", d.get("jsonl_field", "text")),
             d.get("num_preprocess_workers", -1),
+            build_max_mb=d.get("build_cache_max_mb", 0.0),  # absent from older checkpoints' configs: no limit
         )
 
     @property
