@@ -220,6 +220,7 @@ RAISES_CONFIG_ERROR = {
     "shardlab/jobs/autotune.py": "the layouts measured on the ranks",
     "shardlab/memory/verify.py": "the real fully_shard against the plan (a dry run's)",
     "tasks/lm/tokenizer.py": "the tokenizer file the data names",
+    "tasks/lm/shards.py": "the shard plan a cache being preprocessed already follows (tools/preprocess_lm.py --shards)",
     "tasks/lm/sft_template.py": "the chat template file data.chat_template names (or the tokenizer's folder holds)",
     "shardlab/checkpoint/hf_folder.py": "the safetensors headers of model.pretrained's folder against the model built",
     "tasks/image_classification/task.py": "the classes the data holds",
