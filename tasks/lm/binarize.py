@@ -34,8 +34,10 @@ from tasks.lm.corpus import check_sources, jsonl_text, read_blocks
 from tasks.lm.sources import Block, Source
 from tasks.lm.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
 
-FORMAT_VERSION = 2
-"""2: meta.json records the token dtype (uint16 or uint32) and the tokenizer's fingerprint. 1 (uint16) still reads."""
+FORMAT_VERSION = 3
+"""3: a corpus whose hash gives valid no document holds out whole documents, not its last block (the cache key
+changes, so such a corpus's old cache is not reused); 2: meta.json records the token dtype (uint16 or uint32) and the
+tokenizer's fingerprint. 1 and 2 still read."""
 IN_FLIGHT_PER_WORKER = 3
 
 
@@ -257,7 +259,7 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
             f.close()
         progress.close()
     held_out = ""
-    if units is not None and counts["train"]:  # no document hashed into valid: hold out the fewest that make it
+    if units is not None and counts["train"] and valid_percent > 0:  # no document hashed into valid: hold out some
         held_out = _hold_out(tmp, np.concatenate(units), valid_percent, dtype, counts, docs)
     seconds = time.perf_counter() - start
     print(

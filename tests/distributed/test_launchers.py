@@ -105,18 +105,18 @@ def test_a_node_whose_checks_fail_stops_the_whole_job_at_once_with_its_reason(tm
     instead of waiting ten minutes for ranks its torchrun never knew had stopped."""
     args = ["distributed.backend=fully_sharded", *TINY_LM, f"data.cache_dir={corpus_cache}",
             "checkpoint.dir=${oc.env:CKPT_DIR}", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    (tmp_path / "afile").write_text("")  # node 1's checkpoint folder would be inside a file: it cannot be made
+    unwritable = tmp_path / "afile" / "ckpt"
     started = time.monotonic()
     nodes = two_torchrun_nodes(
         tmp_path,
         args,
-        node_env=lambda node: {"CKPT_DIR": "/proc/nodelocal/ckpt" if node else "checkpoints"},
+        node_env=lambda node: {"CKPT_DIR": str(unwritable) if node else "checkpoints"},
         timeout=120,
     )
     assert time.monotonic() - started < 90
     assert [code for code, _, _ in nodes] == [1, 1]
-    reason = (
-        "checkpoint.dir: cannot create or write /proc/nodelocal/ckpt (creating it failed: No such file or directory)"
-    )
+    reason = f"checkpoint.dir: cannot create or write {unwritable} ({unwritable.parent} is a file, not a directory)"
     assert f"error: {reason}" in nodes[1][2]
     assert re.search(rf"error: rank [23] failed before joining: {re.escape(reason)}", nodes[0][2]), nodes[0][2][-3000:]
     status = json.loads((tmp_path / "run" / "status.json").read_text())

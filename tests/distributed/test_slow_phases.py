@@ -31,10 +31,11 @@ STALLED: set[str] = set()
 def slow_phases() -> None:
     """Each rank, before the configs: rank 1 writes its first checkpoint slowly and reads the resumed one slowly, and
     materializes the resumed run's model slowly; rank 0 prunes slowly (removing an old checkpoint on a busy NFS)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     from shardlab import trainer as trainer_module
     from shardlab.checkpoint import manager
+    from shardlab.checkpoint.dcp_reader import SafeReader  # a resume reads through shardlab's reader, not DCP's
 
     def slowed(name: str, rank: int, fn, when=lambda: True):
         def run(*args, **kwargs):
@@ -45,7 +46,7 @@ def slow_phases() -> None:
         return run
 
     FileSystemWriter.write_data = slowed("write", 1, FileSystemWriter.write_data)
-    FileSystemReader.read_data = slowed("read", 1, FileSystemReader.read_data)
+    SafeReader.read_data = slowed("read", 1, SafeReader.read_data)
     manager.remove = slowed("prune", 0, manager.remove)
     calls = {"n": 0}
 

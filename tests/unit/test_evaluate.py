@@ -52,7 +52,8 @@ def lm_checkpoint(tmp_path_factory, corpus_cache):
     overrides += ["validation.num_batches=0", "validation.batch_size=1", "checkpoint.interval_steps=4"]
     overrides += [f"data.cache_dir={corpus_cache}"]
     result = run_rank(compose_config([*TINY_LM, *overrides]), run_dir, dist_env.detect())
-    return run_dir / "checkpoints" / "step_00000004", result["final"]
+    # evaluate reads data from its own command line (never the checkpoint's config): it names the same cache
+    return run_dir / "checkpoints" / "step_00000004", result["final"], f"data.cache_dir={corpus_cache}"
 
 
 # ---- the probes on features ------------------------------------------------------------------------------------------
@@ -280,24 +281,24 @@ def test_the_feature_cache_is_keyed_by_split_batchnorm_statistics_and_ema_weight
 
 # ---- the command on LM checkpoints -----------------------------------------------------------------------------------
 def test_lm_perplexity_equals_the_trainers_validation_perplexity(lm_checkpoint, capsys):
-    checkpoint, final = lm_checkpoint
-    results = evaluate.main([str(checkpoint), "--batch-size", "16"])
+    checkpoint, final, cache = lm_checkpoint
+    results = evaluate.main([str(checkpoint), "--batch-size", "16", cache])
     torch.testing.assert_close(results["ppl"], final["ppl"], rtol=1e-5, atol=0)
     torch.testing.assert_close(results["loss"], final["loss"], rtol=1e-5, atol=0)
     assert "perplexity:" in capsys.readouterr().out
 
 
 def test_lm_perplexity_of_the_whole_corpus_covers_both_splits(lm_checkpoint):
-    checkpoint, _ = lm_checkpoint
-    valid = evaluate.main([str(checkpoint), "--perplexity", "--batch-size", "64"])
-    train = evaluate.main([str(checkpoint), "--split", "train", "--batch-size", "64"])
-    whole = evaluate.main([str(checkpoint), "--split", "all", "--batch-size", "64"])
+    checkpoint, _, cache = lm_checkpoint
+    valid = evaluate.main([str(checkpoint), "--perplexity", "--batch-size", "64", cache])
+    train = evaluate.main([str(checkpoint), "--split", "train", "--batch-size", "64", cache])
+    whole = evaluate.main([str(checkpoint), "--split", "all", "--batch-size", "64", cache])
     assert whole["tokens"] == train["tokens"] + valid["tokens"]
     assert min(train["ppl"], valid["ppl"]) <= whole["ppl"] <= max(train["ppl"], valid["ppl"])
 
 
 def test_lm_perplexity_of_another_corpus_counts_every_token_of_it(lm_checkpoint, tmp_path):
-    checkpoint, _ = lm_checkpoint
+    checkpoint, _, _ = lm_checkpoint
     text = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(60))
     (tmp_path / "held_out.txt").write_text(text)
     results = evaluate.main([str(checkpoint), f"data.path={tmp_path / 'held_out.txt'}", "--split", "all"])
@@ -318,7 +319,7 @@ def answer(argv: list[str], capsys) -> str:
 
 
 def test_mistakes_are_answered_in_one_line(vision_checkpoint, lm_checkpoint, tmp_path, capsys):
-    lm, _ = lm_checkpoint
+    lm, _, _ = lm_checkpoint
     (tmp_path / "not_a_checkpoint").mkdir()
     (tmp_path / "notes.txt").write_text("hello")
     (tmp_path / "images" / "train").mkdir(parents=True)
@@ -361,7 +362,7 @@ sys.addaudithook(_audit)
 def test_evaluate_never_reads_the_data_a_checkpoints_config_names(lm_checkpoint, tmp_path):
     """A shared checkpoint whose config names a private file (data.path) and a cache (data.cache_dir): the tool
     evaluates on the defaults and its own command line, opens neither, and writes nothing beside them."""
-    checkpoint, _ = lm_checkpoint
+    checkpoint, _, _ = lm_checkpoint
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
     (private / "secret.txt").write_text("the user's secret " * 200)
