@@ -48,6 +48,26 @@ def test_a_run_started_by_run_rank_profiles_its_model_once(tiny_lm, tmp_path, me
     assert result["estimate"] == planned_as_new(cfg)
 
 
+def test_a_run_started_by_run_rank_enters_profile_config_once(tiny_lm, tmp_path, monkeypatch):
+    """Every module that asks for a profile (the plan's entry, the budget, autotune, the plan's verification) is
+    counted: a run with an explicit backend walks through the plan in one pass."""
+    from shardlab.jobs import autotune
+    from shardlab.memory import budget, verify
+
+    entered: list[str] = []
+    real = plan.profile_config
+
+    def counted(cfg, task, world_size, model, units=None):
+        entered.append(cfg.distributed.backend)
+        return real(cfg, task, world_size, model, units)
+
+    for module in (plan, budget, autotune, verify):
+        monkeypatch.setattr(module, "profile_config", counted)
+    cfg = tiny_lm("optimization.max_steps=1", "validation.num_batches=1")
+    run_rank(cfg, tmp_path, dist_env.detect())
+    assert entered == [cfg.distributed.backend], entered
+
+
 def test_backend_auto_its_trial_and_the_run_share_one_profile(tiny_lm, tmp_path, meta_profiles):
     """The budget's fit, the one trial's assembly and the run's assembly: three asks, one profile."""
     cfg = tiny_lm(
