@@ -85,7 +85,8 @@ def prepare_and_agree(
     ``appear_s``: how long rank 0 waits for a rank that never connected (distributed.init_timeout_s)."""
     global _joins_in_process
     _joins_in_process += 1
-    keys = _Keys(prefix or _arrive(store, _joins_in_process, rank))
+    number = _joins_in_process
+    keys = _Keys(prefix or _arrive(store, number, rank))
     if rank > 0 and store.check([keys.verdict]):  # rank 0 failed before joining: no need to prepare anything
         _raise_if_failed(_read_verdict(store, keys))
     stop = threading.Event()
@@ -126,13 +127,14 @@ def tell_peers_before_joining(env, message: str) -> None:
     if env.world_size <= 1 or env.launcher in ("none", "local") or _joins_in_process:
         return
     _joins_in_process += 1
+    number = _joins_in_process  # this join's number, read once: the global may move on while the store starts
     hosts = env.rank == 0 and not agent_hosts_store(env)
     try:
         store = TCPStore(
             env.master_addr, env.master_port, world_size=env.world_size, is_master=hosts,
             timeout=timedelta(seconds=EARLY_CONNECT_S), wait_for_workers=False, multi_tenant=True,
         )  # fmt: skip
-        keys = _Keys(_arrive(store, _joins_in_process, env.rank))
+        keys = _Keys(_arrive(store, number, env.rank))
         _post_failure(store, keys, env.rank, f"rank {env.rank} failed before joining: {message}")
         if hosts:  # the store ends with this process: keep it until the others have read the verdict (or failed)
             deadline = time.monotonic() + EARLY_LINGER_S
