@@ -297,6 +297,50 @@ def preprocess(sources: list[Source]) -> list[str]:
     return lines
 
 
+def _scaling_label(r: dict[str, Any]) -> str:
+    if r.get("slurm"):
+        hosts = sorted({t["host"] for t in r["array_tasks"]})
+        return f"Slurm array, {r['tasks']} tasks on {len(hosts)} hosts ({', '.join(hosts)})"
+    return f"{r['tasks']} local task{'s' if r['tasks'] > 1 else ''}"
+
+
+def preprocess_scaling(sources: list[Source]) -> list[str]:
+    """tools/bench_preprocess_scaling.py: one row per run (local tasks, then the Slurm array) of each corpus."""
+    lines = header("tokenizer", "how", "shards", "corpus", "wall", "CPU", "per CPU-second", "peak RSS of one task",
+                   "speedup (wall)", "same tokens", "load average at start")  # fmt: skip
+    for _, d in sources:
+        for r in d["runs"]:
+            lines.append(
+                row(
+                    r["tokenizer"] if r["tokenizer"] == "byte" else "BPE (`tokenizer.json`)",
+                    _scaling_label(r),
+                    r["shards"],
+                    f"{r['corpus_mb'] / 1e3:.2f} GB JSONL",
+                    f"{r['wall_s']:.1f} s",
+                    f"{r['cpu_s']:.1f} s",
+                    f"{r['mb_per_cpu_s']:.2f} MB",
+                    f"{r['peak_rss_one_process_mib']:.0f} MiB",
+                    f"{r['speedup']:.2f}x",
+                    "yes" if d["same_tokens"] else "**no**",
+                    f"{r['load_average_at_start']:.1f}",
+                )
+            )
+    return lines
+
+
+def preprocess_projection(sources: list[Source]) -> list[str]:
+    """The hours to preprocess 1 TB at 1, 16 and 256 cores from each scaling JSON's 1-task rate per CPU-second."""
+    cores = list(sources[0][1]["projected_hours_1tb_by_cores"])
+    lines = header("tokenizer (rate per core: the 1-task run)", *[f"{c} core{'s' if c != '1' else ''}" for c in cores])
+    for path, d in sources:
+        base = d["runs"][0]
+        name = "byte" if base["tokenizer"] == "byte" else "BPE"
+        hours = d["projected_hours_1tb_by_cores"]
+        lines.append(row(f"{name} ({base['mb_per_cpu_s']:.2f} MB per CPU-second, `{path}`)",
+                         *[f"{hours[c]:.1f} h" for c in cores]))  # fmt: skip
+    return lines
+
+
 def _search_settings(d: dict[str, Any]) -> str:
     return (
         f"{d['budget_gib']:g} GiB per machine, {d['world_size']} local CPU ranks, {d['steps']}-step runs of "
@@ -644,6 +688,8 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "cpu_adam": cpu_adam,
     "checkpoint": checkpoint,
     "preprocess": preprocess,
+    "preprocess_scaling": preprocess_scaling,
+    "preprocess_projection": preprocess_projection,
     "max_model": max_model,
     "max_batch": max_batch,
     "ssl_probe": ssl_probe,
