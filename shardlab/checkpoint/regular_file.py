@@ -49,7 +49,7 @@ class NotAFile(Exception):
 
 
 def kind_of(mode: int) -> str:
-    """What a path that is no regular file is, in words, from its ``st_mode`` (an lstat's names a link)."""
+    """What a path is, in words, from its ``st_mode`` (an lstat's: a link is named too): the one namer of a kind."""
     kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, LINK), (stat.S_ISDIR, "a folder"),
              (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
              (stat.S_ISBLK, "a block device"))  # fmt: skip
