@@ -31,7 +31,6 @@ import io
 import json
 import math
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,15 @@ from shardlab.checkpoint.metadata_pickle import (  # noqa: F401  (re-exported: d
     _unsafe,
     unpickle_metadata,
 )
-from shardlab.checkpoint.regular_file import describe_os_error, open_regular, read_at, read_into, read_regular
+from shardlab.checkpoint.regular_file import (
+    NotAFile,
+    describe_os_error,
+    open_regular,
+    read_at,
+    read_into,
+    read_regular,
+    stat_file,
+)
 from shardlab.errors import CheckpointError, UnsafeCheckpointError
 from shardlab.train_state import nonfinite
 
@@ -143,15 +150,14 @@ def check_index(path: Path, metadata: Metadata) -> None:
 def _file_size(path: Path, name: str, fqn: str) -> int:
     """The size of ``name`` in step folder ``path``: a regular file of the folder itself (a link is not followed)."""
     try:
-        st = os.lstat(path / name)
+        return stat_file(path / name).st_size
     except FileNotFoundError:
         raise CheckpointError(f"{path / name} is missing (its index places {fqn} there)") from None
+    except NotAFile as e:
+        where = f"places {fqn} in {path / name}, which is not a regular file ({e.kind})"
+        raise _unsafe(path / METADATA_FILE, where) from None
     except OSError as e:
         raise CheckpointError(f"{_shown(str(path / name))} {describe_os_error(path / name, e)}") from None
-    if not stat.S_ISREG(st.st_mode):
-        link = " (a symbolic link)" if stat.S_ISLNK(st.st_mode) else ""
-        raise _unsafe(path / METADATA_FILE, f"places {fqn} in {path / name}, which is not a regular file{link}")
-    return st.st_size
 
 
 def _check_disjoint(source: Path, extents: dict[str, list[tuple[int, int, str]]]) -> None:

@@ -1,11 +1,18 @@
-"""Files of a step folder or a run folder, opened as files: a regular file named in its folder, or refused.
+"""Untrusted files opened as files: a regular file, or a one-line refusal saying what the path is instead.
 
-A step folder someone shared (or a damaged one) may hold anything under a file's name: a symbolic link out of the
-folder (``.metadata -> /dev/zero`` grew a reader to 2.5 GB in 12 s), a FIFO (a reader blocks in ``open`` for ever), a
-name the file system refuses (300 characters, a link loop). Here a file is opened without following a link
-(``O_NOFOLLOW``) and without blocking (``O_NONBLOCK``: a FIFO opens at once), then ``fstat`` on the open descriptor
-says what it is: a regular file no larger than the cap its format implies, or a one-line refusal naming it. Every
-``OSError`` becomes one line naming the file. Torch-free (layout and the jobs' status.json use it).
+The project's rule for a file someone else may have put there (a step folder someone shared, a run's lock, a corpus,
+a model.pretrained file): read it as a file, no symlink out of its folder, no FIFO or device, bounded size, linear
+time. Such a path may hold anything under a file's name: a symbolic link out of the folder (``.metadata ->
+/dev/zero`` grew a reader to 2.5 GB in 12 s), a FIFO (a reader blocks in ``open`` for ever), a socket, a name the file
+system refuses (300 characters, a link loop). ``open_file`` is the one place that opens such a path: without following
+a link (``O_NOFOLLOW``) and without blocking (``O_NONBLOCK``: a FIFO opens at once), then ``fstat`` on the open
+descriptor says what it is: a regular file no larger than the caller's cap, or ``NotAFile`` naming what it is
+(``kind_of``, the one namer of a file's kind). A file the user named outright may be reached through a link
+(``follow_links``): the link is resolved first, optionally kept inside a ``root`` folder (a corpus), and the real
+path opened the same way. Callers word the refusal in their own error type (the run lock's NotALock, the corpus's
+DataError, model.pretrained's CheckpointError); a step folder's files use the CheckpointError API below it
+(``open_regular``, ``read_regular``, ``read_at``). Torch-free: layout, the jobs' lock and status.json and the corpus
+workers import it. It lives in checkpoint/, the lowest floor of its callers (shardlab's top level is full).
 """
 
 from __future__ import annotations
@@ -18,12 +25,100 @@ from pathlib import Path
 from shardlab.errors import CheckpointError, UnsafeCheckpointError
 
 MiB = 2**20
+LINK = "a symbolic link"
+"""``NotAFile.kind`` of a link that was not followed (or that leads out of its root)."""
+
+
+class NotAFile(Exception):
+    """``path`` was not opened as a file: ``kind`` says what it is ("a FIFO", "a folder", LINK); ``size`` (with
+    ``cap``) is set for a regular file past the cap, ``real`` (with ``root``) for a link leading out of its root.
+    ``str()`` is a one-line reason, the end of a sentence that starts with the path."""
+
+    def __init__(self, path: Path, kind: str, *, size: int | None = None, cap: int | None = None,
+                 real: Path | None = None, root: Path | None = None) -> None:  # fmt: skip
+        self.path, self.kind, self.size, self.cap, self.real, self.root = Path(path), kind, size, cap, real, root
+        super().__init__(self.reason)
+
+    @property
+    def reason(self) -> str:
+        if self.real is not None:
+            return f"is a link to {self.real}, outside {self.root}"
+        if self.size is not None:
+            return f"holds {self.size} bytes, more than the {self.cap} allowed"
+        return f"is {self.kind}, not a regular file"
+
+
+def kind_of(mode: int) -> str:
+    """What a path is, in words, from its ``st_mode`` (an lstat's: a link is named too): the one namer of a kind."""
+    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, LINK), (stat.S_ISDIR, "a folder"),
+             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def real_path(path: Path, root: Path | None = None) -> Path:
+    """``path`` with its links resolved, which must lie inside ``root`` when one is given (the rule for a link among a
+    corpus's files: followed while it stays in the folder); NotAFile (``real`` set) when it leads out."""
+    real = Path(os.path.realpath(path))
+    if root is not None and not real.is_relative_to(os.path.realpath(root)):
+        raise NotAFile(path, LINK, real=real, root=root)
+    return real
+
+
+def open_file(
+    path: Path, *, max_bytes: int | None = None, follow_links: bool = False, root: Path | None = None
+) -> tuple[int, os.stat_result]:
+    """An open read-only descriptor of the regular file ``path`` and its fstat; the caller closes it. A link is not
+    followed (NotAFile, LINK), unless ``follow_links`` or ``root``: then it is resolved first (``real_path``) and the
+    real path opened, so a loop or a link put there since is an OSError. A path that is something else, or a file
+    over ``max_bytes``, raises NotAFile; an OSError the path's kind does not explain (missing, unreadable, a name too
+    long) passes through for the caller to word."""
+    follow = follow_links or root is not None
+    target = real_path(path, root) if follow else Path(path)
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        kind = _kind_by_name(target)  # a socket cannot be opened at all, a link not without following it
+        if kind is not None and not (follow and kind == LINK):
+            raise NotAFile(path, kind) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotAFile(path, kind_of(st.st_mode))
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise NotAFile(path, kind_of(st.st_mode), size=st.st_size, cap=max_bytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def stat_file(path: Path, **how) -> os.stat_result:
+    """The fstat of ``path`` opened as ``open_file`` opens it (same keywords, same refusals), closed again: a probe
+    for a reader that opens the file by name itself (safetensors, pyarrow) or later (a shard's size)."""
+    fd, st = open_file(path, **how)
+    os.close(fd)
+    return st
+
+
+def _kind_by_name(path: Path) -> str | None:
+    """The kind of what ``path`` names itself (not followed), if it is no regular file; None if it cannot be told."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) else kind_of(mode)
+
+
+# ---- a step folder's files: CheckpointError on any refusal -----------------------------------------------------------
+LINK_IN_FOLDER = "is a symbolic link (or a loop of them), not a regular file of its folder"
 
 
 def describe_os_error(path: Path, error: OSError) -> str:
     """An OSError on ``path`` as the end of one line: what happened, never the raw traceback's repr."""
     if error.errno == errno.ELOOP:
-        return "is a symbolic link (or a loop of them), not a regular file of its folder"
+        return LINK_IN_FOLDER
     if error.errno == errno.ENAMETOOLONG:
         return "has a name longer than the file system allows"
     reason = error.strerror or type(error).__name__
@@ -31,29 +126,27 @@ def describe_os_error(path: Path, error: OSError) -> str:
 
 
 def open_regular(path: Path, *, max_bytes: int | None = None) -> tuple[int, int]:
-    """An open descriptor of ``path`` and its size: a regular file, not a link, at most ``max_bytes`` long.
-    FileNotFoundError passes through (callers name what was missing); anything else is a CheckpointError, or an
-    UnsafeCheckpointError for a link, a device, a FIFO or a file past its format's cap."""
-    path = Path(path)
+    """An open descriptor of ``path`` and its size, as ``open_file`` opens it (no link followed). FileNotFoundError
+    passes through (callers name what was missing); anything else is a CheckpointError, or an UnsafeCheckpointError
+    for a link, a device, a FIFO or a file past its format's cap."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, st = open_file(path, max_bytes=max_bytes)
     except FileNotFoundError:
         raise
+    except NotAFile as e:
+        raise UnsafeCheckpointError(f"{_shown(path)} {_refusal(e)}; refused") from None
     except OSError as e:
         kind = UnsafeCheckpointError if e.errno == errno.ELOOP else CheckpointError
         raise kind(f"{_shown(path)} {describe_os_error(path, e)}; refused") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafeCheckpointError(f"{_shown(path)} is not a regular file ({_kind(st.st_mode)}); refused")
-        if max_bytes is not None and st.st_size > max_bytes:
-            raise UnsafeCheckpointError(
-                f"{_shown(path)} holds {st.st_size} bytes, more than the {max_bytes} its format allows; refused"
-            )
-        return fd, st.st_size
-    except BaseException:
-        os.close(fd)
-        raise
+    return fd, st.st_size
+
+
+def _refusal(e: NotAFile) -> str:
+    if e.size is not None:
+        return f"holds {e.size} bytes, more than the {e.cap} its format allows"
+    if e.kind == LINK:
+        return LINK_IN_FOLDER
+    return f"is not a regular file ({e.kind})"
 
 
 def read_regular(path: Path, *, max_bytes: int) -> bytes:
@@ -94,14 +187,6 @@ def read_into(fd: int, path: Path, offset: int, buffer: bytearray) -> None:
             done += n
     except OSError as e:
         raise CheckpointError(f"{_shown(path)} {describe_os_error(path, e)}") from None
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):  # fmt: skip
-        if test(mode):
-            return name
-    return "not a file"
 
 
 def _shown(path: Path) -> str:

@@ -10,7 +10,6 @@ for metadata. Reused by tools/consolidate.py, tools/generate.py and exporters.
 from __future__ import annotations
 
 import json
-import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from shardlab.checkpoint import dcp_reader
 from shardlab.checkpoint.layout import META_MAX_BYTES, read_meta
-from shardlab.checkpoint.regular_file import describe_os_error, read_regular
+from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_regular, stat_file
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, first_cause
 
 MODEL_PREFIX = "model."
@@ -219,11 +218,13 @@ def check_shapes(path: Path, model: nn.Module) -> None:
 def _regular(path: Path) -> None:
     """A file the user named (a link is theirs to give) must be a regular file: not a FIFO, a device or a socket."""
     try:
-        st = path.stat()
+        stat_file(path, follow_links=True)
+    except NotAFile:
+        raise CheckpointError(
+            f"{path} is not a regular file; give a .safetensors file written by tools/consolidate.py"
+        ) from None
     except OSError as e:
         raise CheckpointError(f"{path} {describe_os_error(path, e)}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path} is not a regular file; give a .safetensors file written by tools/consolidate.py")
 
 
 def check_ema_entries(path: Path, average: Iterable[str], model: Iterable[str]) -> None:

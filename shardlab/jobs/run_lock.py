@@ -52,13 +52,13 @@ import fcntl
 import json
 import os
 import socket
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from shardlab.checkpoint.regular_file import LINK, NotAFile, open_file
 from shardlab.distributed.env import current_job
 from shardlab.errors import ConfigError, RunFolderInUse
 
@@ -150,18 +150,15 @@ class NotALock(OSError):
 def _read_lock(path: Path) -> tuple[bytes, int]:
     """A lock's bytes and its heartbeat (its mtime), from one open file: the same file's both, however its name
     moves, and fresh on NFS (opening a file revalidates the attributes that a stat by name may take from a cache).
-    Opened as a file and nothing else: never through a symlink, never waiting on a FIFO's writer, a regular file only
-    (fstat), at most MAX_LOCK_BYTES read; anything else raises NotALock saying what it is."""
+    Opened as a file and nothing else (shardlab.checkpoint.regular_file): never through a symlink, never waiting on a
+    FIFO's writer, a regular file only, at most MAX_LOCK_BYTES read (however it grows after its fstat); anything
+    else raises NotALock saying what it is."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a symlink
-            raise NotALock(errno.ELOOP, "a symlink, not a lock file") from None
-        raise
+        fd, info = open_file(path, max_bytes=MAX_LOCK_BYTES)
+    except NotAFile as e:
+        code = errno.EFBIG if e.size is not None else errno.ELOOP if e.kind == LINK else errno.EINVAL
+        raise NotALock(code, f"{_what(e)}, not a lock file") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise NotALock(errno.EINVAL, f"a {_kind(info.st_mode)}, not a lock file")
         data = b""
         while len(data) <= MAX_LOCK_BYTES and (chunk := os.read(fd, MAX_LOCK_BYTES + 1 - len(data))):
             data += chunk
@@ -172,9 +169,8 @@ def _read_lock(path: Path) -> tuple[bytes, int]:
         os.close(fd)
 
 
-def _kind(mode: int) -> str:
-    kinds = {stat.S_ISDIR: "folder", stat.S_ISFIFO: "FIFO", stat.S_ISCHR: "character device", stat.S_ISSOCK: "socket"}
-    return next((name for test, name in kinds.items() if test(mode)), "block device")
+def _what(refused: NotAFile) -> str:
+    return f"over {MAX_LOCK_BYTES} bytes" if refused.size is not None else refused.kind
 
 
 def _read_lock_or_none(path: Path) -> tuple[bytes, int] | None:

@@ -17,7 +17,6 @@ the model was built on meta, sharded and materialized, as every other source of 
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from shardlab.checkpoint import agreement
+from shardlab.checkpoint.regular_file import NotAFile, open_file
 from shardlab.distributed.materialize import clean_name
 from shardlab.errors import CheckpointError, first_cause
 
@@ -40,19 +40,19 @@ ZIP_MAGIC = b"PK\x03\x04"
 def read_state_dict(path: Path) -> dict[str, Tensor]:
     """The tensors of the state-dict file ``path`` by name, mapped from the file (on the CPU, nothing copied yet); a
     CheckpointError naming the file if it is not a regular file of at most MAX_BYTES holding a flat state dict."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once, and is refused below
+    try:  # the user named it: a link is theirs to give; a FIFO opens at once and is refused
+        fd, _ = open_file(path, max_bytes=MAX_BYTES, follow_links=True)
+    except NotAFile as e:
+        if e.size is not None:
+            raise CheckpointError(
+                f"model.pretrained: {path} holds {e.size} bytes, more than the {MAX_BYTES} of any torchvision "
+                "RegNet's weights; give the trunk's state dict"
+            ) from None
+        what = f"is not a regular file ({e.kind})"
+        raise CheckpointError(f"model.pretrained: {path} {what}; give a .pth state dict") from None
     except OSError as e:
         raise CheckpointError(f"model.pretrained: {path} cannot be opened ({e.strerror}); give a .pth file") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"model.pretrained: {path} is not a regular file; give a .pth state dict")
-        if st.st_size > MAX_BYTES:
-            raise CheckpointError(
-                f"model.pretrained: {path} holds {st.st_size} bytes, more than the {MAX_BYTES} of any torchvision "
-                "RegNet's weights; give the trunk's state dict"
-            )
         return _load(fd, path)
     finally:
         os.close(fd)

@@ -19,14 +19,13 @@ import io
 import json
 import os
 import re
-import stat
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 from shardlab.errors import DataError
 from tasks.lm import columnar
-from tasks.lm.sources import COLUMNAR_SUFFIXES, Block, Source, inside, not_regular, open_file, require
+from tasks.lm.sources import COLUMNAR_SUFFIXES, Block, Source, identity_of, open_file, require
 
 __all__ = ["Block", "Source", "check_sources", "find_sources", "glob_root", "iter_texts", "jsonl_text", "read_blocks"]
 
@@ -43,7 +42,7 @@ first."""
 FIX_FIELD = "name the text field with data.text_field (tools/preprocess_lm.py: --text-field)"
 
 
-def _kind(path: Path) -> tuple[str, str] | None:
+def _format_of(path: Path) -> tuple[str, str] | None:
     """(format, compression) for a corpus file name, or None when it is no corpus file."""
     compression = COMPRESSIONS.get(path.suffix.lower(), "")
     suffix = Path(path.stem).suffix.lower() if compression else path.suffix.lower()
@@ -136,18 +135,6 @@ def _files_under(folder: Path, root: Path) -> list[Path]:
     return files
 
 
-def _identity(path: Path, root: Path | None) -> tuple[int, int]:
-    """(device, inode) of a corpus file, which must be a regular file (a link to one inside ``root``): a FIFO would
-    block the reader for ever and a device never end, so either is refused in one line, as a dangling link is."""
-    try:
-        st = os.stat(inside(path, root))
-    except OSError as e:
-        raise DataError(f"{path}: cannot be read ({e.strerror or e}); check it, or remove it from data.path") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise not_regular(path, st.st_mode)
-    return st.st_dev, st.st_ino
-
-
 def find_sources(path: Path) -> list[Source]:
     """Corpus files under ``path`` (a file, a directory or a glob), sorted; raises DataError naming the path if there
     are none, or naming the extra to install when they need a package that is not installed. A file reached twice
@@ -156,11 +143,11 @@ def find_sources(path: Path) -> list[Source]:
     sources, seen = [], set()
     for p in candidates:
         explicit = p == path  # a file named explicitly is read as text whatever its name, and where its link leads
-        kind = _kind(p) or (("text", "") if explicit else None)
+        kind = _format_of(p) or (("text", "") if explicit else None)
         if kind is None:
             continue
         source = Source(p, str(p.relative_to(root)), *kind, root=None if explicit else root)
-        identity = _identity(p, source.root)
+        identity = identity_of(p, source.root)
         if identity in seen:
             continue
         seen.add(identity)

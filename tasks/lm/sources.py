@@ -4,19 +4,21 @@ asked for by name (``require``), and the one way a corpus file is opened (``open
 A leaf: tasks/lm/corpus.py (text and JSONL, and finding the files) and tasks/lm/columnar.py (Parquet and Arrow) both
 import it, and it imports neither, so the two readers never need each other. Nothing here imports torch.
 
-A corpus file is opened as a file, never as whatever the name points at: the link it may be is resolved and must stay
-inside the corpus folder (``Source.root``), it is opened without blocking (a FIFO would wait for a writer for ever)
-and must then be a regular file (``/dev/zero`` would never end), and every OSError becomes one line naming it.
+A corpus file is opened as a file, never as whatever the name points at (shardlab.checkpoint.regular_file, the one
+place that opens an untrusted file): the link it may be is resolved and must stay inside the corpus folder
+(``Source.root``), it is opened without blocking (a FIFO would wait for a writer for ever) and must then be a regular
+file (``/dev/zero`` would never end); here every refusal and OSError becomes one DataError line naming it.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardlab.checkpoint import regular_file
+from shardlab.checkpoint.regular_file import NotAFile
 from shardlab.errors import DataError
 
 COLUMNAR_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow"}
@@ -84,47 +86,36 @@ def require(module: str, what: str):
         raise DataError(f"data.path: {what} needs the {package} package, which is not installed: {EXTRA}") from None
 
 
-def kind_of(mode: int) -> str:
-    """What a file that is no regular file is, in words, from its ``st_mode``."""
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))  # fmt: skip
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
+def refused(path: Path, refusal: NotAFile) -> DataError:
+    """A corpus file that shardlab.checkpoint.regular_file would not open, as the one line that names it."""
+    if refusal.real is not None:
+        return DataError(f"{path} is a link to {refusal.real}, outside the corpus folder {refusal.root}; {FIX_LINK}")
+    return DataError(f"{path} is {refusal.kind}, not a regular file; a corpus holds files: remove it from data.path")
 
 
-def not_regular(path: Path, mode: int) -> DataError:
-    return DataError(f"{path} is {kind_of(mode)}, not a regular file; a corpus holds files: remove it from data.path")
-
-
-def inside(path: Path, root: Path | None) -> Path:
-    """``path`` with its links resolved, which must lie inside ``root`` (the rule for a link among the corpus files:
-    followed while it stays in the corpus folder, refused when it leads out of it)."""
-    real = Path(os.path.realpath(path))
-    if root is not None and not real.is_relative_to(os.path.realpath(root)):
-        raise DataError(f"{path} is a link to {real}, outside the corpus folder {root}; {FIX_LINK}")
-    return real
+def identity_of(path: Path, root: Path | None) -> tuple[int, int]:
+    """(device, inode) of a corpus file, checked as ``open_regular`` opens it (a link in it resolved, and kept
+    inside ``root``): a file reached by two names is one file."""
+    try:
+        st = regular_file.stat_file(path, root=root, follow_links=True)
+    except NotAFile as e:
+        raise refused(path, e) from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e}); check it, or remove it from data.path") from None
+    return st.st_dev, st.st_ino
 
 
 def open_regular(path: Path, root: Path | None = None) -> int:
     """A file descriptor of the regular file ``path`` (a link in it resolved, and kept inside ``root``), opened
     without blocking: anything else is a one-line DataError naming it. The caller closes it."""
-    real = inside(path, root)
-    try:  # O_NOFOLLOW: the file checked above is the one opened, not a link put there since
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return regular_file.open_file(path, root=root, follow_links=True)[0]
+    except NotAFile as e:
+        raise refused(path, e) from None
     except OSError as e:
-        try:  # a socket cannot be opened at all: say what it is rather than "no such device"
-            mode = os.stat(real).st_mode
-        except OSError:
-            mode = stat.S_IFREG
-        if not stat.S_ISREG(mode):
-            raise not_regular(path, mode) from None
         raise DataError(
             f"{path}: cannot be opened ({e.strerror or e}); check it, or remove it from data.path"
         ) from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise not_regular(path, mode)
-    return fd
 
 
 def open_file(path: Path, root: Path | None = None):
@@ -136,7 +127,7 @@ def regular_path(path: Path, root: Path | None = None) -> Path:
     """The real path of ``path`` once ``open_regular`` accepts it: for readers that open a path themselves (pyarrow,
     to memory-map it)."""
     os.close(open_regular(path, root))
-    return inside(path, root)
+    return regular_file.real_path(path, root)
 
 
 def read_small(path: Path, root: Path | None, cap: int) -> str:

@@ -128,7 +128,7 @@ def test_a_glob_matches_as_glob_does_without_links(tmp_path):
 def test_a_fifo_as_data_path_or_in_it_is_refused_in_one_line(tmp_path):
     os.mkfifo(tmp_path / "pipe")
     assert refusals(tmp_path / "pipe") == [
-        f"shardlab.errors.DataError: {tmp_path / 'pipe'} is a FIFO (named pipe), not a regular file; a corpus holds "
+        f"shardlab.errors.DataError: {tmp_path / 'pipe'} is a FIFO, not a regular file; a corpus holds "
         "files: remove it from data.path"
     ]
     (tmp_path / "a.txt").write_text("text\n")

@@ -68,7 +68,7 @@ def test_a_lock_that_is_not_a_regular_file_is_refused_at_once_in_one_line(tmp_pa
     seconds, _, message = line.removeprefix("refused in ").partition(" s: ")
     assert float(seconds) < 2
     assert message.startswith(f"{lock} is malformed (")
-    assert {"symlink to /dev/zero": "a symlink", "FIFO": "a FIFO", "folder": "a folder",
+    assert {"symlink to /dev/zero": "a symbolic link", "FIFO": "a FIFO", "folder": "a folder",
             "over 4 KiB": "over 4096 bytes"}[kind] in message  # fmt: skip
     assert f"remove it if no job uses {tmp_path}" in message
     assert os.path.lexists(lock), "left as it was: shardlab cannot tell whose it is"
@@ -91,14 +91,13 @@ def test_a_lock_that_names_no_holder_is_refused_as_malformed_naming_its_content(
 
 
 THREE_STARTERS = """
-import json, multiprocessing as mp, random, subprocess, sys, time
+import json, random, sys, time
 from pathlib import Path
-from shardlab.errors import RunFolderInUse
 from shardlab.jobs import run_lock
+from tests import lock_starters
 
-def job(root, barrier, held, who, trials):
-    run_lock.HEARTBEAT_S = 3600
-    judge = run_lock.RunLock._judge
+def pause_between_judging_and_acting(who):
+    judge, put_back = run_lock.RunLock._judge, run_lock.RunLock._put_back
     pauses = random.Random(1000 + who)
 
     def paused_judge(self, holder):  # a descheduled process or a slow file system between judging and acting
@@ -106,39 +105,20 @@ def job(root, barrier, held, who, trials):
         time.sleep(pauses.choice([0.0, 0.01, 0.03, 0.06, 0.1]))
         return verdict
 
-    put_back = run_lock.RunLock._put_back
-
     def paused_put_back(self, aside):  # a slow file system while a lock another starter made is set aside
         time.sleep(pauses.choice([0.0, 0.02, 0.05]))
         return put_back(self, aside)
 
     run_lock.RunLock._judge = paused_judge
     run_lock.RunLock._put_back = paused_put_back
-    for i in range(trials):
-        barrier.wait()
-        try:
-            run_lock.RunLock(Path(root) / f"run{i}").acquire()
-            held[(who, i)] = True
-        except RunFolderInUse:
-            held[(who, i)] = False
-    barrier.wait()  # no one exits while another may still judge its lock
 
 if __name__ == "__main__":
-    root, starters, trials = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    for i in range(trials):  # every folder holds the lock of a job that died
-        (Path(root) / f"run{i}").mkdir()
-        (Path(root) / f"run{i}" / run_lock.LOCK_FILE).write_text(json.dumps(
-            {"job": None, "host": run_lock.socket.gethostname(), "pid": dead.pid, "token": "dead"}))
-    ctx = mp.get_context("fork")
-    barrier, held = ctx.Barrier(starters), ctx.Manager().dict()
-    jobs = [ctx.Process(target=job, args=(root, barrier, held, who, trials)) for who in range(starters)]
-    [j.start() for j in jobs]
-    [j.join() for j in jobs]
+    root, starters, trials = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    lock_starters.dead_holders(root, trials)  # every folder holds the lock of a job that died
+    held = lock_starters.race(root, starters, trials, pause_between_judging_and_acting)
     holders = [sum(held[(who, i)] for who in range(starters)) for i in range(trials)]
-    owners = [json.loads((Path(root) / f"run{i}" / run_lock.LOCK_FILE).read_text())["pid"] for i in range(trials)]
-    print(json.dumps({"holders": holders, "files": [sorted(p.name for p in (Path(root) / f"run{i}").iterdir())
+    owners = [json.loads((root / f"run{i}" / run_lock.LOCK_FILE).read_text())["pid"] for i in range(trials)]
+    print(json.dumps({"holders": holders, "files": [sorted(p.name for p in (root / f"run{i}").iterdir())
                                                     for i in range(trials)], "owners": len(set(owners))}))
 """
 

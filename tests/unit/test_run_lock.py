@@ -513,46 +513,28 @@ def test_a_checkpoint_folder_outside_the_run_is_locked_too(tmp_path):
 
 
 TWO_JOBS_AT_ONCE = """
-import json, multiprocessing as mp, subprocess, sys, time
+import sys, time
 from pathlib import Path
-from shardlab.errors import RunFolderInUse
 from shardlab.jobs import run_lock
+from tests import lock_starters
 
-def job(root, barrier, held, who, stale):
-    run_lock.HEARTBEAT_S = 3600
+def second_job_slow(who):
     judge = run_lock.RunLock._judge
 
     def slow_judge(self, holder):  # the second job acts up to 90 ms after judging (a loaded node, a slow NFS)
         verdict = judge(self, holder)
-        time.sleep(0.03 * (i % 4))
+        time.sleep(0.03 * (lock_starters.folder % 4))
         return verdict
 
-    if stale and who == 1:
+    if who == 1:
         run_lock.RunLock._judge = slow_judge
-    for i in range(FOLDERS):
-        barrier.wait()
-        try:
-            run_lock.RunLock(Path(root) / f"run{i}").acquire()
-            held[(who, i)] = True
-        except RunFolderInUse:
-            held[(who, i)] = False
-    barrier.wait()  # neither exits while the other may still read its lock: a dead holder's lock is rightly stale
 
 if __name__ == "__main__":
-    root, stale = sys.argv[1], sys.argv[2] == "stale"
+    root, stale = Path(sys.argv[1]), sys.argv[2] == "stale"
     FOLDERS = 100 if stale else 300
     if stale:  # every folder holds the lock of a job that died
-        dead = subprocess.Popen([sys.executable, "-c", "pass"])
-        dead.wait()
-        for i in range(FOLDERS):
-            (Path(root) / f"run{i}").mkdir()
-            (Path(root) / f"run{i}" / run_lock.LOCK_FILE).write_text(json.dumps(
-                {"job": None, "host": run_lock.socket.gethostname(), "pid": dead.pid, "token": "dead"}))
-    ctx = mp.get_context("fork")
-    barrier, held = ctx.Barrier(2), ctx.Manager().dict()
-    jobs = [ctx.Process(target=job, args=(root, barrier, held, who, stale)) for who in (0, 1)]
-    [j.start() for j in jobs]
-    [j.join() for j in jobs]
+        lock_starters.dead_holders(root, FOLDERS)
+    held = lock_starters.race(root, 2, FOLDERS, second_job_slow if stale else None)
     both = sum(held[(0, i)] and held[(1, i)] for i in range(FOLDERS))
     print(both, sum(held[(0, i)] or held[(1, i)] for i in range(FOLDERS)), FOLDERS)
 """
