@@ -10,6 +10,7 @@ language model by its perplexity on a corpus (fairseq's eval-lm).
     python tools/evaluate.py task=image_classification model=regnet_y_400mf model.pretrained=regnet_y_400mf.pth
     python tools/evaluate.py runs/lm/default/checkpoints/step_00000300                     # validation perplexity
     python tools/evaluate.py model.safetensors data.path=held_out.txt --split all          # a whole other corpus
+    python tools/evaluate.py CHECKPOINT +data.sources='{web: {path: /a}, code: {path: /b}}'  # a mixture, by source
     python tools/evaluate.py CHECKPOINT --lm-eval hellaswag,arc_easy                     # lm-evaluation-harness
     python tools/evaluate.py CHECKPOINT --lm-eval my_task --lm-eval-include my_tasks/    # task YAMLs of your own
 
@@ -31,7 +32,10 @@ trunk (--random-init) and averaged weights (--ema) have their BatchNorm statisti
 over every block of data.seq_len tokens of the chosen split, as the trainer's validation computes it. --lm-eval TASKS
 (comma-separated) exports the checkpoint to Hugging Face (tools/export_hf.py; --export-dir keeps it) and runs
 EleutherAI's lm-evaluation-harness on it with a context window of data.seq_len (tasks/lm/harness.py says when its
-rolling log-likelihood equals the perplexity here). Everything is seeded; the same command gives the same figures.
+rolling log-likelihood equals the perplexity here). A run trained on a mixture is given its sources again as
+``data.sources`` (a checkpoint's paths are never read; each source's weight and text_field default to the run's): each
+source's loss and ppl, and the mixture's (the weighted mean of the sources' losses), as its validation logged them.
+Everything is seeded; the same command gives the same figures.
 ``--out FILE`` writes them as JSON with the settings beside them.
 """
 
@@ -78,14 +82,19 @@ def checkpoint_config(checkpoint: Path, overrides: list[str], user_dir: str | No
             f"{groups[0]}: a checkpoint brings its own {groups[0].partition('=')[0]}; give key=value overrides of "
             "its config (e.g. data.path=...), or --random-init without a checkpoint to choose an architecture"
         )
-    own_data_paths(cfg)
+    trained_sources = own_data_paths(cfg)
     if holds_its_trunk_file(cfg):
         cfg.model.pretrained = None  # the checkpoint holds those weights now: the file need not exist any more
     OmegaConf.set_struct(cfg, True)  # a mistyped key is an error, not a new key nothing reads
+    if "sources" in cfg.get("data", {}):
+        OmegaConf.set_struct(cfg.data.sources, False)  # its names are the user's; complete_sources checks the keys
+    # +data.sources=... as training spells it (the + adds to the schema's empty mapping there; here it is emptied)
+    overrides = [o.lstrip("+") for o in overrides]
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
     except Exception as e:
         raise ConfigError(f"{' '.join(overrides)}: {first_cause(e)} (keys of the checkpoint's config)") from None
+    complete_sources(cfg, trained_sources)
     return cfg, info
 
 
@@ -99,24 +108,51 @@ def holds_its_trunk_file(cfg: DictConfig) -> bool:
     return vision and bool(cfg.model.get("pretrained"))
 
 
-DATA_PATH_KEYS = ("path", "cache_dir")
-"""The data keys that name files to read or folders to write: a tool takes them from its own command line or the
-defaults, never from the checkpoint it is given (a shared checkpoint's data.path could name any file the user can
-read, which the evaluation would tokenize into the cache and decode back)."""
+DATA_PATH_KEYS = ("path", "cache_dir", "sources")
+"""The data keys that name files to read or folders to write (data.sources: a mixture's corpora, each with its path):
+a tool takes them from its own command line or the defaults, never from the checkpoint it is given (a shared
+checkpoint's data.path could name any file the user can read, which the evaluation would tokenize into the cache and
+decode back)."""
 
 
-def own_data_paths(cfg: DictConfig) -> None:
+def own_data_paths(cfg: DictConfig) -> dict[str, dict]:
     """Set cfg.data's DATA_PATH_KEYS to the defaults of the task's data schema (the command's overrides merge over
-    them afterwards)."""
+    them afterwards). Returns the checkpoint's data.sources less their paths (name -> weight, text_field): what a
+    source the command line names again, by its path, keeps of its training (complete_sources)."""
     from hydra.core.config_store import ConfigStore
 
     try:
         defaults = OmegaConf.to_container(ConfigStore.instance().load(f"schema/data/{cfg.task.name}.yaml").node)
     except Exception:  # noqa: BLE001  (a plug-in task without a registered data schema: no default path)
         defaults = {}
+    data = cfg.get("data", {})
+    trained = data.get("sources")
+    trained = OmegaConf.to_container(trained) if isinstance(trained, DictConfig) else {}
     for key in DATA_PATH_KEYS:
-        if key in cfg.get("data", {}):
+        if key in data:
             cfg.data[key] = defaults.get(key)
+    return {name: {k: v for k, v in source.items() if k != "path"} for name, source in trained.items()}
+
+
+def complete_sources(cfg: DictConfig, trained: dict[str, dict]) -> None:
+    """Give each source of the command line's data.sources the keys it leaves out: its training's (weight, text_field:
+    the mixture is weighed as it was trained) for a name the checkpoint had, else the schema's; refuse a key no
+    source has (training's schema would)."""
+    sources = cfg.get("data", {}).get("sources")
+    if not sources:
+        return
+    from tasks.lm.config import LMSourceConfig
+
+    schema = dataclasses.asdict(LMSourceConfig())
+    for name, source in sources.items():
+        if not isinstance(source, DictConfig):
+            raise ConfigError(f"data.sources.{name}: expected {{path: ..., weight: ...}}, got {source!r}")
+        unknown = sorted(set(source) - set(schema))
+        if unknown:
+            raise ConfigError(f"data.sources.{name}.{unknown[0]} is not a key of a source; known: {', '.join(schema)}")
+        for key, default in schema.items():
+            if key not in source:
+                source[key] = trained.get(name, {}).get(key, default)
 
 
 def composed_config(overrides: list[str]) -> DictConfig:
@@ -294,18 +330,21 @@ def evaluate_trunk(task, model, cfg, args, modes: list[str], device, info: dict 
 # ---- language models: perplexity -------------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate_perplexity(task, model, cfg, args, device) -> dict[str, float]:
-    """The task's loss summed over every block of the split, then its metrics (loss, ppl) from the totals."""
-    from torch.utils.data import ConcatDataset, DataLoader
+    """The task's loss summed over every block of the split, then its metrics (loss, ppl) from the totals. A mixture
+    (data.sources): each source's blocks in turn with their source's number, so its metrics are those training's
+    validation logs for it (tasks/lm/mixture.py: each source's loss and ppl, and the mixture's, weighed)."""
+    from torch.utils.data import DataLoader
 
-    from tasks.lm.cache import read_corpus_meta
-    from tasks.lm.data import open_split
+    from tasks.lm.mixture import MixtureValid
 
-    corpus = task.corpus()
-    splits = [args.split]
-    if args.split == "all":  # every document: both splits, less one too short for a block (a one-file corpus)
-        tokens = read_corpus_meta(corpus)
-        splits = [s for s in ("train", "valid") if tokens.get(f"{s}_tokens", 1 << 62) > cfg.data.seq_len] or ["train"]
-    dataset = ConcatDataset([open_split(corpus, s, cfg.data.seq_len) for s in splits])
+    seq_len = cfg.data.seq_len
+    if cfg.data.get("sources"):
+        task.prepare_data()  # every source's cache, built first as data.path's is (task.mixture: names, weights)
+        dataset = MixtureValid([split_blocks(corpus, args.split, seq_len) for corpus in task.mixture.corpora])
+    else:
+        dataset = split_blocks(task.corpus(), args.split, seq_len)
+    if len(dataset) == 0:
+        raise DataError(f"the {args.split} split holds no block of data.seq_len={seq_len} tokens; lower data.seq_len")
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False, collate_fn=task.collate)
     model.to(device)
     sums: dict[str, float] = {}
@@ -315,12 +354,49 @@ def evaluate_perplexity(task, model, cfg, args, device) -> dict[str, float]:
             sums[key] = sums.get(key, 0.0) + float(value)
     metrics = task.summarize(sums)
     metrics["tokens"] = int(sums["count"])
+    print_perplexity(metrics, sums, task, cfg, args)
+    return metrics
+
+
+def split_blocks(corpus: Path, split: str, seq_len: int):
+    """The blocks of one split of a preprocessed corpus; all: every document, both splits less one too short for a
+    block (a one-file corpus)."""
+    from torch.utils.data import ConcatDataset
+
+    from tasks.lm.cache import read_corpus_meta
+    from tasks.lm.data import open_split
+
+    splits = [split]
+    if split == "all":
+        tokens = read_corpus_meta(corpus)
+        splits = [s for s in ("train", "valid") if tokens.get(f"{s}_tokens", 1 << 62) > seq_len] or ["train"]
+    return ConcatDataset([open_split(corpus, s, seq_len) for s in splits])
+
+
+def print_perplexity(metrics: dict, sums: dict[str, float], task, cfg, args) -> None:
+    """A line of the figures; a mixture's, then one per source (with its tokens added to ``metrics``)."""
+    mixture = getattr(task, "mixture", None) if cfg.data.get("sources") else None
+    shown = (
+        "the mixture " + ", ".join(f"{n} x{w:.3g}" for n, w in zip(mixture.names, mixture.weights, strict=True))
+        if mixture is not None
+        else cfg.data.path or "the embedded corpus"
+    )
     print(
         f"perplexity: {metrics['ppl']:.4f}  loss {metrics['loss']:.4f}  ({metrics['tokens']} tokens of the "
-        f"{args.split} split of {cfg.data.path or 'the embedded corpus'}, blocks of {cfg.data.seq_len})",
+        f"{args.split} split of {shown}, blocks of {cfg.data.seq_len})",
         flush=True,
     )
-    return metrics
+    for name in mixture.names if mixture is not None else []:
+        metrics[f"{name}/tokens"] = int(sums.get(f"count/{name}", 0))
+        if f"{name}/loss" not in metrics:
+            print(f"  {name}: no block in its {args.split} split", flush=True)
+            continue
+        path = cfg.data.sources[name].path or "the embedded corpus"
+        print(
+            f"  {name}: perplexity {metrics[f'{name}/ppl']:.4f}  loss {metrics[f'{name}/loss']:.4f}  "
+            f"({metrics[f'{name}/tokens']} tokens of {path})",
+            flush=True,
+        )
 
 
 # ---- language models: lm-evaluation-harness --------------------------------------------------------------------------
@@ -474,6 +550,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg, info = checkpoint_config(args.checkpoint, args.overrides, args.user_dir)
         model_overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("data.")]
         model_cfg, _ = checkpoint_config(args.checkpoint, model_overrides, args.user_dir)
+        note_trained_mixture(cfg, info)
     else:
         cfg, info = composed_config(args.overrides), None
         model_cfg = cfg
@@ -503,6 +580,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out is not None:
         write_report(args, cfg, info, results, meta)
     return results
+
+
+def note_trained_mixture(cfg: DictConfig, info: dict) -> None:
+    """A run trained on data.sources, evaluated on no corpus of the command line's: say what is evaluated instead,
+    and how to evaluate its sources (their paths are never read from the checkpoint)."""
+    trained = ((info.get("config") or {}).get("data") or {}).get("sources") or {}
+    if trained and not cfg.data.get("sources") and cfg.data.get("path") is None:
+        print(
+            f"note: {', '.join(trained)} (the run's data.sources) are not read from its checkpoint: evaluating on the "
+            "embedded corpus; give +data.sources='{name: {path: ...}, ...}' (weights default to the run's) for each "
+            "source's figures and the mixture's",
+            flush=True,
+        )
 
 
 def cache_key(args, cfg: DictConfig, info: dict | None) -> str:
