@@ -64,7 +64,9 @@ def test_materialize_draws_every_name_it_is_not_told_a_file_fills(tiny_lm):
 
 
 @pytest.mark.parametrize("lora", [[], LORA], ids=["full", "lora"])
-def test_a_pretrained_run_draws_only_what_its_folder_lacks_and_starts_with_todays_weights(tiny_lm, folder, tmp_path, lora):
+def test_a_pretrained_run_draws_only_what_its_folder_lacks_and_starts_with_todays_weights(
+    tiny_lm, folder, tmp_path, lora
+):
     cfg = tiny_lm(f"model.pretrained={folder}", "data.seq_len=32", *lora)
     task = rank_task(cfg)
     drawn = recording(task)

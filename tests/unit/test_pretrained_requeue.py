@@ -4,8 +4,6 @@ the folder back at its path, the same command resumes the run's checkpoint."""
 
 from __future__ import annotations
 
-import shutil
-
 from tests.conftest import TINY_LM
 from tests.hf_folders import make_folder
 from tests.unit.test_cli import run_cli
