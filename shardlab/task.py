@@ -102,6 +102,14 @@ class Task(ABC):
         when the run resumes nothing and has no checkpoint.init_from."""
         return None
 
+    def pretrained_keys(self) -> Callable[[str], bool] | None:
+        """The parameter and buffer names that every start of a run fills from a file before anything reads them: a
+        fresh start through load_pretrained, a resume from its checkpoint (and, for keys checkpointed_keys leaves out,
+        load_pretrained again). The trainer does not draw their seeded init (shardlab.distributed.materialize). None:
+        every tensor is initialised. A name the file may lack (an adapter, a new head, a buffer it does not hold)
+        must not be in it."""
+        return None
+
     def checkpointed_keys(self) -> Callable[[str], bool] | None:
         """Which model state-dict keys step folders hold, or None: all. A task that freezes weights it reads at every
         start (the LM's LoRA: its base, from model.pretrained or checkpoint.init_from) keeps them out of checkpoints;

@@ -137,10 +137,12 @@ class Trainer:
         """Bytes above the baseline after the last step of fit (measured once, when the loop ends)."""
         self.memory: dict[str, float] = {}
         """Measured and predicted GiB per rank (the fullest rank's), set at the end of fit."""
+        # Weights the restore will read from a file are not drawn first (a trial, restore=False, keeps the seeded init).
+        loaded = self.task.pretrained_keys() if restore else None
         self.model = backend.parallelize(
             plan.model,
             plan.units,
-            lambda m: materialize(m, backend.param_device, self.task.init_tensor, cfg.seed),
+            lambda m: materialize(m, backend.param_device, self.task.init_tensor, cfg.seed, loaded),
             full_precision_modules=self.task.full_precision_modules(plan.model),
         )
         self.optimizer = OPTIMIZERS.build(cfg.optimizer.name, self.model, cfg.optimizer, key="optimizer.name")

@@ -25,8 +25,13 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, init_fn: InitFn, seed: int) -> None:
-    """``to_empty`` on ``device`` then fill every parameter and buffer through ``init_fn``."""
+def materialize(
+    model: nn.Module, device: torch.device, init_fn: InitFn, seed: int, loaded: Callable[[str], bool] | None = None
+) -> None:
+    """``to_empty`` on ``device`` then fill every parameter and buffer through ``init_fn``, except those ``loaded``
+    names: weights a file will overwrite before anything reads them (Task.pretrained_keys), left as allocated, since
+    drawing them would cost time that grows with the model (minutes at 8B on a CPU) for values never used. Each name
+    has its own generator, so skipping some leaves the others' values as they were."""
     shared = _shared_parameter_slots(model)
     model.to_empty(device=device)
     # to_empty gives every module its own new tensor, silently untying shared weights (tied embeddings): re-tie.
@@ -36,6 +41,8 @@ def materialize(model: nn.Module, device: torch.device, init_fn: InitFn, seed: i
             module._parameters[name] = first_module._parameters[first_name]
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         name = clean_name(name)
+        if loaded is not None and loaded(name):
+            continue
         if isinstance(tensor, DTensor):
             full = torch.empty(tensor.shape, dtype=tensor.dtype)
             init_fn(name, full, _generator(seed, name))

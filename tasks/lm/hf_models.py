@@ -220,7 +220,14 @@ def apply_pretrained(cfg: Any) -> Path:
 
     folder = Path(cfg.model.pretrained).expanduser().resolve()
     if not folder.is_dir():
-        raise HFConfigError(f"model.pretrained: {folder} is not a folder; give a Hugging Face model folder")
+        # A requeue reruns the command that named the folder, so this is also where a deleted folder surfaces: say
+        # that a resume needs it too (the checkpoint holds weights, not config.json, the tokenizer or a LoRA base).
+        found = "is not a folder" if folder.exists() else "does not exist"
+        raise HFConfigError(
+            f"model.pretrained: {folder} {found}; every start of a run reads the model's config.json and tokenizer "
+            "(with LoRA, its frozen base) from it, a resume from a checkpoint too: give the Hugging Face model folder "
+            "at this path"
+        )
     section = model_section(read_config_json(folder), folder / "config.json")
     schema = {"gpt": GPTConfig, "llama": LlamaConfig}[section["arch"]]
     kept = {

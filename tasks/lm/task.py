@@ -183,6 +183,14 @@ class LanguageModelingTask(Task):
             )
         return errors
 
+    def pretrained_keys(self):
+        """With model.pretrained: every parameter the folder fills (all but LoRA adapters, which keep their seeded
+        init); load_pretrained refuses a folder that lacks one, so none is left as allocated."""
+        if self.pretrained is None or self.cfg.get("dry_run"):
+            return None
+        names = weight_names(self.cfg.model)  # the base's parameters: a LoRA adapter has no name here
+        return lambda name: name in names
+
     def load_pretrained(self, model: nn.Module, device: torch.device) -> Path | None:
         """model.pretrained's weights into the wrapped, materialized model, each rank reading only its slices."""
         if self.pretrained is None:
