@@ -91,6 +91,7 @@ def measure_the_load() -> None:
     reads a step (the mapped pages counted at their peak), then the whole folder read into memory under PrivatePeak
     (the control: every tensor copied, as a loader that builds the full model on a rank would)."""
     import safetensors
+    import torch
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     from shardlab.checkpoint import hf_folder
@@ -119,7 +120,13 @@ def measure_the_load() -> None:
         return peak.peak
 
     def measured(model, folder, names, device, *args, **kwargs):
-        shard = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters())
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        shard = sum(t.nbytes for t in local)
+        # The weights a folder fills are not drawn first (Task.pretrained_keys), so to_empty's pages are untouched
+        # until the load writes them; touched here, the peak is the load's own above a resident shard, as it was.
+        with torch.no_grad():
+            for t in local:
+                t.zero_()
         before = private_resident_bytes()
         load_peak = private_peak(model, folder, names, device, *args, **kwargs)
         MEASURED.update(shard=shard, before=before, load_peak=load_peak)
