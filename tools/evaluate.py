@@ -433,6 +433,24 @@ def evaluate_lm_eval(checkpoint: Path, cfg: DictConfig, args) -> dict:
 
 # ---- the command -----------------------------------------------------------------------------------------------------
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line as arguments: the options, the checkpoint and the overrides apart, each combination that
+    cannot be evaluated refused in one line."""
+    args = command_parser().parse_intermixed_args(argv)  # overrides may come before or after the options
+    args.split_asked = args.split is not None
+    args.split = "valid" if args.split == "val" else args.split
+    paths = [item for item in args.items if "=" not in item]
+    args.overrides = [item for item in args.items if "=" in item]
+    if len(paths) > 1:
+        raise ConfigError(f"one checkpoint at a time, got {len(paths)}: {' '.join(paths)}")
+    args.checkpoint = Path(paths[0]).expanduser() if paths else None
+    args.pretrained = next((o.partition("=")[2] for o in args.overrides if o.startswith("model.pretrained=")), None)
+    refuse_unusable(args)
+    return args
+
+
+def command_parser() -> argparse.ArgumentParser:
+    """The options: what is evaluated and where, then the probes' and the harness's own (probe_options,
+    harness_options)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("items", nargs="*", metavar="CHECKPOINT | key=value", help="a checkpoint, then overrides")
     parser.add_argument("--linear", action="store_true", help="linear probe on frozen features (vision)")
@@ -452,7 +470,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=None, help="write the figures and settings as JSON")
     parser.add_argument("--user-dir", help="the plug-in folder of a run trained with user_dir= (imported: trust it)")
-    vision = parser.add_argument_group("linear probe and kNN")
+    probe_options(parser.add_argument_group("linear probe and kNN"))
+    harness_options(parser.add_argument_group("lm-evaluation-harness (pip install -e '.[lm-eval]')"))
+    return parser
+
+
+def probe_options(vision: argparse._ArgumentGroup) -> None:
     vision.add_argument("--epochs", type=int, default=100, help="linear probe: passes over the cached features")
     vision.add_argument("--lr", type=float, default=0.1, help="linear probe: peak learning rate (cosine decay)")
     vision.add_argument("--weight-decay", type=float, default=5e-4, help="linear probe: weight decay")
@@ -468,22 +491,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(default: on with --random-init, whose statistics are its init's, and with --ema, whose are the student's; "
         "off for a trained trunk)",
     )
-    harness = parser.add_argument_group("lm-evaluation-harness (pip install -e '.[lm-eval]')")
+
+
+def harness_options(harness: argparse._ArgumentGroup) -> None:
     harness.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-eval task names, e.g. hellaswag,piqa")
     harness.add_argument("--lm-eval-include", type=Path, action="append", default=[], help="a folder of task YAMLs")
     harness.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if < 1)")
     harness.add_argument("--num-fewshot", type=int, default=None, help="examples in each prompt; default the task's")
     harness.add_argument("--bootstrap-iters", type=int, default=100_000, help="resamples for stderr; 0: none")
     harness.add_argument("--export-dir", type=Path, default=None, help="keep the Hugging Face export here")
-    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
-    args.split_asked = args.split is not None
-    args.split = "valid" if args.split == "val" else args.split
-    paths = [item for item in args.items if "=" not in item]
-    args.overrides = [item for item in args.items if "=" in item]
-    if len(paths) > 1:
-        raise ConfigError(f"one checkpoint at a time, got {len(paths)}: {' '.join(paths)}")
-    args.checkpoint = Path(paths[0]).expanduser() if paths else None
-    args.pretrained = next((o.partition("=")[2] for o in args.overrides if o.startswith("model.pretrained=")), None)
+
+
+def refuse_unusable(args: argparse.Namespace) -> None:
+    """A ConfigError for the first combination of parsed arguments that names nothing to evaluate, two sources of
+    weights, or a count below one."""
     if args.checkpoint is None and not args.random_init and not args.pretrained:
         raise ConfigError(
             "give a checkpoint (a step_N folder or a .safetensors file), or the overrides of an architecture with "
@@ -498,7 +519,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("batch_size", "epochs", "probe_batch_size", "k"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    return args
 
 
 def chosen_modes(args, task: Task, where: str) -> list[str]:

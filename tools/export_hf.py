@@ -91,9 +91,30 @@ def lora_export(args: argparse.Namespace, config: dict) -> Path | None:
     return out
 
 
+def init_from_as_read(info: dict, checkpoint: Path) -> dict:
+    """The run's config with a relative checkpoint.init_from made the path the run read. The config keeps the text
+    the user wrote (as for data.path and the run's folder name), which the run resolved from the folder it was
+    started in; each checkpoint records that path made absolute at the run's start (its ``line``: run_line.py), so
+    the export reads the same base wherever it runs. Refused in one line where the checkpoint has no such record,
+    since this process's folder could hold another file of that name."""
+    config = info["config"]
+    init_from = config["checkpoint"].get("init_from")
+    if not init_from or Path(init_from).expanduser().is_absolute():
+        return config
+    line, relative = info.get("line") or {}, Path(init_from).expanduser().parts
+    written = Path(line.get("as_written") or "/") if line.get("start") == "weights" else Path("/")
+    if written.is_absolute() and len(written.parts) > len(relative) and written.parts[-len(relative) :] == relative:
+        return {**config, "checkpoint": {**config["checkpoint"], "init_from": str(written)}}
+    raise ConfigError(
+        f"checkpoint.init_from={init_from} in {checkpoint}'s config is relative to the folder the run was started in, "
+        "which the checkpoint does not record; pass --base <the absolute path of that step folder or .safetensors>"
+    )
+
+
 def main(argv: list[str] | None = None) -> Path:
     args = parse(argv)
-    config = weights.describe(args.checkpoint)["config"]
+    info = weights.describe(args.checkpoint)
+    config = info["config"]
     if config["task"]["name"] != "lm":
         raise ConfigError(
             f"{args.checkpoint} is a {config['task']['name']} checkpoint; only lm exports to Hugging Face"
@@ -110,7 +131,7 @@ def main(argv: list[str] | None = None) -> Path:
         raise ConfigError(f"{e} (or pass the tokenizer the run used with --tokenizer)") from None
     shapes, read = reader(Path(args.checkpoint).expanduser(), args.ema)
     if lora_on(config["model"]):  # the step folder holds the adapters: merged into the base as it streams by
-        base, source = lora_base(config, args.base)
+        base, source = lora_base(config if args.base else init_from_as_read(info, args.checkpoint), args.base)
         shapes, read = merged_reader(base, (shapes, read), config["model"], str(source))
     mb = 1 << 20
     hf = export_hf(

@@ -113,9 +113,15 @@ def trunk_entries(model: nn.Module, prefix: str = "") -> dict[str, tuple[str, Te
     entries = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         name = clean_name(name)
-        if name.startswith(prefix) and not name[len(prefix) :].startswith(HEAD_PREFIX):
+        if is_trunk(name, prefix):
             entries[name[len(prefix) :]] = (name, tensor)
     return entries
+
+
+def is_trunk(name: str, prefix: str = "") -> bool:
+    """Whether the model's (unwrapped) tensor ``name`` is one the file fills: under ``prefix``, not the classifier. The
+    one rule for what load_trunk copies and what the trainer therefore need not draw (Task.pretrained_keys)."""
+    return name.startswith(prefix) and not name[len(prefix) :].startswith(HEAD_PREFIX)
 
 
 def fitting_flavor(stored: Mapping[str, Tensor]) -> str | None:

@@ -133,6 +133,15 @@ class ImageClassificationTask(Task):
             return None
         return pretrained.load_trunk(model, Path(self.cfg.model.pretrained).expanduser(), self.trunk_prefix, device)
 
+    def pretrained_keys(self):
+        """With model.pretrained: the trunk's parameters and buffers, which load_trunk fills (it refuses, before any
+        copy, a file that lacks one, so none is left as allocated); the head (classifier, projection, prototypes)
+        keeps its seeded init. A dry run reads no file, so it draws everything."""
+        if not self.cfg.model.get("pretrained") or self.cfg.get("dry_run"):
+            return None
+        prefix = self.trunk_prefix
+        return lambda name: pretrained.is_trunk(name, prefix)
+
     def world_errors(self, world_size: int) -> list[str]:
         group = self.cfg.model.sync_bn_group_size
         if self.cfg.model.sync_bn and world_size > 1 and group > 0 and (group > world_size or world_size % group):

@@ -1,0 +1,105 @@
+"""model.pretrained for the vision tasks skips the seeded init of the trunk its file fills (Task.pretrained_keys): the
+trainer draws only the head (classifier, projection, prototypes), ends with the weights the full init followed by
+the load gives, and still refuses a file that lacks a trunk tensor. The LM's twin is test_pretrained_init.py; the
+2-rank fully_sharded start is tests/distributed/test_vision_pretrained.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlab.distributed import env as dist_env
+from shardlab.distributed.materialize import materialize
+from shardlab.distributed.units import model_on_meta
+from shardlab.errors import CheckpointError
+from shardlab.registry import BACKENDS
+from shardlab.runner import build_task, prepare_data, rank_task
+from shardlab.trainer import assemble
+from tests.conftest import compose_config
+from tests.ssl_configs import TINY_REGNET, TINY_SSL
+from tests.vision_weights import tiny_file
+
+VISION = ["task=image_classification", *TINY_REGNET, "data.num_train=64", "data.num_valid=32"]
+VISION += ["validation.batch_size=16", "optimization.batch_size=8"]
+CONFIGS = {"image_classification": (VISION, ""), "swav": (["task=swav", *TINY_SSL], "trunk.")}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_file(tmp_path_factory.mktemp("tv") / "tiny.pth")[1]
+
+
+def recording(task) -> list[str]:
+    """Names the task's init_tensor is asked to fill (the instance's method is replaced)."""
+    drawn: list[str] = []
+    init = task.init_tensor
+
+    def record(name, tensor, generator):
+        drawn.append(name)
+        init(name, tensor, generator)
+
+    task.init_tensor = record
+    return drawn
+
+
+def started(cfg, tmp_path, trial: bool = False):
+    """(the trainer's model state after assemble, the names drawn from the seed, its initialized_from)."""
+    task = rank_task(cfg)
+    drawn = recording(task)
+    backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, dist_env.detect(), key="distributed.backend")
+    try:
+        trainer = assemble(cfg, task, backend, tmp_path, prepare_data=lambda: prepare_data(task), trial=trial)
+        state = {n: t.detach().clone() for n, t in trainer.model.state_dict().items()}
+    finally:
+        backend.teardown()
+    return state, drawn, trainer.initialized_from
+
+
+def before_the_skip(cfg) -> dict[str, torch.Tensor]:
+    """Every tensor drawn from (seed, name), then the file read over the trunk: the start before pretrained_keys."""
+    task = build_task(cfg, world_size=1)
+    model = model_on_meta(task)
+    materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
+    task.load_pretrained(model, torch.device("cpu"))
+    return {n: t.detach() for n, t in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_pretrained_run_draws_only_the_head_and_starts_with_the_weights_of_the_full_init_then_load(
+    tiny, tmp_path, name
+):
+    overrides, prefix = CONFIGS[name]
+    cfg = compose_config([*overrides, f"model.pretrained={tiny}"])
+    state, drawn, initialized_from = started(cfg, tmp_path)
+    assert initialized_from == tiny
+    # what was not drawn is exactly what the file fills: its tensors but the classifier it keeps for ImageNet
+    held = {prefix + key for key in torch.load(tiny, weights_only=True) if not key.startswith("fc.")}
+    assert set(state) - set(drawn) == held and set(drawn) == set(state) - held
+    assert drawn and all(not n.startswith(prefix) or n.startswith("fc.") for n in drawn)  # the head alone
+    expected = before_the_skip(cfg)
+    assert state.keys() == expected.keys()
+    for key, value in state.items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_a_file_that_lacks_a_trunk_tensor_at_the_start_is_still_refused_not_left_as_allocated(tiny, tmp_path):
+    """The file checked by the pre-flight loses a tensor before the rank reads it: load_trunk refuses it before any
+    copy, so no skipped (never drawn) weight is trained from."""
+    kept = tmp_path / "kept.pth"
+    kept.write_bytes(tiny.read_bytes())
+    cfg = compose_config([*VISION, f"model.pretrained={kept}"])
+    build_task(cfg, world_size=1)  # the pre-flight passes: the file fits
+    state = torch.load(kept, weights_only=True)
+    del state["stem.1.running_var"]  # a buffer: skipped like the parameters, so it must be read as well
+    torch.save(state, kept)
+    with pytest.raises(CheckpointError, match="has no stem.1.running_var, which the trunk has"):
+        started(cfg, tmp_path / "run")
+
+
+def test_a_trial_or_a_dry_run_draws_every_weight_since_neither_reads_the_file(tiny, tmp_path):
+    cfg = compose_config([*VISION, f"model.pretrained={tiny}"])
+    state, drawn, initialized_from = started(cfg, tmp_path, trial=True)
+    assert initialized_from is None and sorted(drawn) == sorted(state)
+    planning = build_task(compose_config([*VISION, f"model.pretrained={tiny}", "dry_run=true"]), world_size=1)
+    assert planning.pretrained_keys() is None and rank_task(cfg).pretrained_keys() is not None
+    assert build_task(compose_config(VISION), world_size=1).pretrained_keys() is None  # no file: all drawn
