@@ -150,11 +150,19 @@ def _task_argv(args, num_shards: int) -> list[str]:
     return argv
 
 
+def task_workers(workers: int, tasks: int, cores: int) -> int:
+    """--workers for each of ``tasks`` local tasks: as given, or (-1) the machine's cores shared out, at least one
+    each. A tokenizer file's library threads over every core unless told (--workers 0): N tasks so would run N x cores
+    threads, and 4 BPE tasks on 2 cores lost a quarter of the rate per CPU-second (docs/corpora.md#scaling)."""
+    return workers if workers >= 0 else max(1, cores // tasks)
+
+
 def _local_tasks(args) -> Path:
-    """--tasks N: N processes of this tool on this machine, one in-process tokenizer each (--workers 0 unless
-    given); a task that fails is named, and the rerun redoes only its shards."""
+    """--tasks N: N processes of this tool on this machine, one in-process tokenizer each, the cores shared out
+    among them (task_workers); a task that fails is named, and the rerun redoes only its shards."""
     num_shards = args.shards or args.tasks
-    argv = _task_argv(args, num_shards) + ["--workers", str(max(args.workers, 0)), "--num-tasks", str(args.tasks)]
+    workers = task_workers(args.workers, args.tasks, len(os.sched_getaffinity(0)))
+    argv = _task_argv(args, num_shards) + ["--workers", str(workers), "--num-tasks", str(args.tasks)]
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--task-index", str(t)]) for t in range(args.tasks)]
     failed = [(t, p.wait()) for t, p in enumerate(procs)]
     failed = [(t, rc) for t, rc in failed if rc != 0]

@@ -182,3 +182,18 @@ def test_training_above_build_cache_max_mb_names_the_command_and_reads_what_it_b
     small = compose_config([*overrides[:1], f"data.cache_dir={tmp_path / 'built'}", *overrides[2:]])
     prepare_data(build_task(small, 1))
     assert list((tmp_path / "built").glob("corpus-*/train.bin"))
+
+
+def test_local_tasks_share_the_machines_cores_out_unless_workers_is_given(corpus, tmp_path, monkeypatch):
+    """A BPE task threads over every core unless told: --tasks N gives each task cores // N (at least 1)."""
+    assert [preprocess_lm.task_workers(-1, n, 8) for n in (1, 2, 4, 16)] == [8, 4, 2, 1]
+    assert preprocess_lm.task_workers(0, 4, 8) == 0 and preprocess_lm.task_workers(3, 4, 8) == 3  # as given
+    started, popen = [], subprocess.Popen
+
+    def recording(argv, *a, **k):
+        started.append(argv[argv.index("--workers") + 1])
+        return popen(argv, *a, **k)
+
+    monkeypatch.setattr(preprocess_lm.subprocess, "Popen", recording)
+    preprocess_lm.main([str(corpus), "--cache-dir", str(tmp_path), "--tasks", "2"])
+    assert started == [str(max(1, len(os.sched_getaffinity(0)) // 2))] * 2
