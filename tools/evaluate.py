@@ -82,7 +82,7 @@ def checkpoint_config(checkpoint: Path, overrides: list[str], user_dir: str | No
             f"{groups[0]}: a checkpoint brings its own {groups[0].partition('=')[0]}; give key=value overrides of "
             "its config (e.g. data.path=...), or --random-init without a checkpoint to choose an architecture"
         )
-    trained_sources = own_data_paths(cfg)
+    trained_sources = own_data_paths(cfg, checkpoint)
     if holds_its_trunk_file(cfg):
         cfg.model.pretrained = None  # the checkpoint holds those weights now: the file need not exist any more
     OmegaConf.set_struct(cfg, True)  # a mistyped key is an error, not a new key nothing reads
@@ -115,10 +115,15 @@ checkpoint's data.path could name any file the user can read, which the evaluati
 decode back)."""
 
 
-def own_data_paths(cfg: DictConfig) -> dict[str, dict]:
+HAD_PATH = "had_path"
+"""In own_data_paths' answer: whether the run's source had a path of its own (its value is never kept)."""
+
+
+def own_data_paths(cfg: DictConfig, checkpoint: Path) -> dict[str, dict]:
     """Set cfg.data's DATA_PATH_KEYS to the defaults of the task's data schema (the command's overrides merge over
-    them afterwards). Returns the checkpoint's data.sources less their paths (name -> weight, text_field): what a
-    source the command line names again, by its path, keeps of its training (complete_sources)."""
+    them afterwards). Returns the checkpoint's data.sources less their paths (name -> weight, text_field, and
+    HAD_PATH: whether it had one): what a source the command line names again keeps of its training
+    (complete_sources). A source that is no mapping is a CheckpointError naming ``checkpoint``'s description."""
     from hydra.core.config_store import ConfigStore
 
     try:
@@ -131,13 +136,24 @@ def own_data_paths(cfg: DictConfig) -> dict[str, dict]:
     for key in DATA_PATH_KEYS:
         if key in data:
             cfg.data[key] = defaults.get(key)
-    return {name: {k: v for k, v in source.items() if k != "path"} for name, source in trained.items()}
+    for name, source in trained.items():
+        if not isinstance(source, dict):  # training's schema would have refused it: the file was edited since
+            described = checkpoint / "shardlab.json" if checkpoint.is_dir() else weights.config_file(checkpoint)
+            raise CheckpointError(
+                f"{described}: config.data.sources.{name} is {source!r}, not a source ({{path, weight, text_field}}); "
+                "the file was changed after training: restore it"
+            )
+    return {
+        name: {**{k: v for k, v in source.items() if k != "path"}, HAD_PATH: bool(source.get("path"))}
+        for name, source in trained.items()
+    }
 
 
 def complete_sources(cfg: DictConfig, trained: dict[str, dict]) -> None:
     """Give each source of the command line's data.sources the keys it leaves out: its training's (weight, text_field:
     the mixture is weighed as it was trained) for a name the checkpoint had, else the schema's; refuse a key no
-    source has (training's schema would)."""
+    source has (training's schema would), and a source without a path that the run read from a corpus of its own
+    (else it would be scored on the embedded corpus under that source's name)."""
     sources = cfg.get("data", {}).get("sources")
     if not sources:
         return
@@ -153,6 +169,11 @@ def complete_sources(cfg: DictConfig, trained: dict[str, dict]) -> None:
         for key, default in schema.items():
             if key not in source:
                 source[key] = trained.get(name, {}).get(key, default)
+        if not source.path and trained.get(name, {}).get(HAD_PATH):
+            raise ConfigError(
+                f"data.sources.{name}.path: the run trained {name} on a corpus of its own (its path is never read "
+                f"from the checkpoint); give data.sources.{name}.path=..."
+            )
 
 
 def composed_config(overrides: list[str]) -> DictConfig:

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardlab.checkpoint import agreement, dcp_reader
 from shardlab.checkpoint.dcp_reader import SafeLoadPlanner, SafeReader
+from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_small_file
 from shardlab.distributed.materialize import clean_name
 from shardlab.errors import CheckpointError, ConfigError, first_cause
 
@@ -48,16 +49,22 @@ Names = Mapping[str, tuple[str, bool]]
 def weight_files(folder: Path) -> list[Path]:
     """The folder's safetensors files: those its index names, else every ``*.safetensors`` in it."""
     index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a safetensors index ({first_cause(e)})") from None
+    try:
+        text = read_small_file(index)
+    except (FileNotFoundError, NotADirectoryError):
+        return sorted(folder.glob("*.safetensors"))
+    except NotAFile as e:  # a FIFO hung the reader, a link to /dev/zero grew it: refused, never read past its cap
+        raise CheckpointError(f"{index} {e.reason}; give the safetensors index as the model's folder has it") from None
+    except OSError as e:
+        raise CheckpointError(f"{index} {describe_os_error(index, e)}") from None
+    try:
+        weight_map = json.loads(text)["weight_map"]
         files = [folder / name for name in sorted(set(weight_map.values()))]
-        if missing := [f.name for f in files if not f.is_file()]:
-            raise CheckpointError(f"{index} names {missing[0]}, which is not in {folder}; download the whole folder")
-        return files
-    return sorted(folder.glob("*.safetensors"))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index} is not a safetensors index ({first_cause(e)})") from None
+    if missing := [f.name for f in files if not f.is_file()]:
+        raise CheckpointError(f"{index} names {missing[0]}, which is not in {folder}; download the whole folder")
+    return files
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:

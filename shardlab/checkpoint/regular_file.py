@@ -8,11 +8,13 @@ system refuses (300 characters, a link loop). ``open_file`` is the one place tha
 a link (``O_NOFOLLOW``) and without blocking (``O_NONBLOCK``: a FIFO opens at once), then ``fstat`` on the open
 descriptor says what it is: a regular file no larger than the caller's cap, or ``NotAFile`` naming what it is
 (``kind_of``, the one namer of a file's kind). A file the user named outright may be reached through a link
-(``follow_links``): the link is resolved first, optionally kept inside a ``root`` folder (a corpus), and the real
-path opened the same way. Callers word the refusal in their own error type (the run lock's NotALock, the corpus's
-DataError, model.pretrained's CheckpointError); a step folder's files use the CheckpointError API below it
-(``open_regular``, ``read_regular``, ``read_at``). Torch-free: layout, the jobs' lock and status.json and the corpus
-workers import it. It lives in checkpoint/, the lowest floor of its callers (shardlab's top level is full).
+(``follow_links``): the link is resolved first, optionally kept inside a ``root`` folder (a corpus), and the real path
+opened the same way; ``read_small_file`` reads a small file of such a folder whole (a Hugging Face model folder's JSON),
+capped. ``stat_file`` probes a path with the same refusals without opening it. Callers word the refusal in their own
+error type (the run lock's NotALock, the corpus's DataError, model.pretrained's CheckpointError); a step folder's files
+use the CheckpointError API below it (``open_regular``, ``read_regular``, ``read_at``). Torch-free: layout, the jobs'
+lock and status.json and the corpus workers import it. It lives in checkpoint/, the lowest floor of its callers
+(shardlab's top level is full).
 """
 
 from __future__ import annotations
@@ -94,12 +96,45 @@ def open_file(
     return fd, st
 
 
-def stat_file(path: Path, **how) -> os.stat_result:
-    """The fstat of ``path`` opened as ``open_file`` opens it (same keywords, same refusals), closed again: a probe
-    for a reader that opens the file by name itself (safetensors, pyarrow) or later (a shard's size)."""
-    fd, st = open_file(path, **how)
-    os.close(fd)
+def stat_file(
+    path: Path, *, max_bytes: int | None = None, follow_links: bool = False, root: Path | None = None
+) -> os.stat_result:
+    """The lstat of the regular file ``path``, with ``open_file``'s keywords and refusals, WITHOUT opening it: a probe
+    for a reader that opens the file by name itself (safetensors, pyarrow) or later (a shard's size). Opening costs
+    ~3x an lstat locally and more round trips on NFS/Lustre, and would open what a shared folder names before it is
+    refused; the real read goes through ``open_file``, whose fstat checks again what the file has become since."""
+    follow = follow_links or root is not None
+    target = real_path(path, root) if follow else Path(path)
+    st = os.lstat(target)
+    if follow and stat.S_ISLNK(st.st_mode):  # realpath leaves a link only in a loop (or one made since): as O_NOFOLLOW
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(path))
+    if not stat.S_ISREG(st.st_mode):
+        raise NotAFile(path, kind_of(st.st_mode))
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise NotAFile(path, kind_of(st.st_mode), size=st.st_size, cap=max_bytes)
     return st
+
+
+SMALL_FILE_MAX_BYTES = 16 * MiB
+"""The cap of ``read_small_file``: a model folder's JSON (config.json, tokenizer_config.json, a safetensors index)."""
+
+
+def read_small_file(path: Path, *, max_bytes: int = SMALL_FILE_MAX_BYTES) -> bytes:
+    """The whole of a small file of a folder the user named (a Hugging Face model folder): links followed, as a
+    Hugging Face cache's snapshots/ link into its blobs/ (a sibling folder: no root), but the target must be a regular
+    file of at most ``max_bytes``, opened without blocking and read no further than the cap (a file grown since its
+    fstat is refused too). NotAFile and OSError pass through for the caller to word."""
+    fd, st = open_file(path, max_bytes=max_bytes, follow_links=True)
+    try:
+        chunks, held = [], 0
+        while chunk := os.read(fd, max_bytes + 1 - held):
+            chunks.append(chunk)
+            held += len(chunk)
+            if held > max_bytes:
+                raise NotAFile(path, kind_of(st.st_mode), size=held, cap=max_bytes)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _kind_by_name(path: Path) -> str | None:

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from shardlab.checkpoint.regular_file import NotAFile, read_small_file
 from shardlab.errors import ConfigError
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -97,10 +98,14 @@ def _llama_names(m: Any) -> dict[str, HFName]:
 def read_config_json(folder: Path) -> dict[str, Any]:
     """The folder's config.json, or one line saying what is wrong with it."""
     path = folder / "config.json"
-    if not path.is_file():
-        raise HFConfigError(f"model.pretrained: {folder} has no config.json; give a Hugging Face model folder")
     try:
-        hf = json.loads(path.read_text())
+        hf = json.loads(read_small_file(path))
+    except (FileNotFoundError, NotADirectoryError):
+        raise HFConfigError(
+            f"model.pretrained: {folder} has no config.json; give a Hugging Face model folder"
+        ) from None
+    except NotAFile as e:  # a link to /dev/zero, a FIFO: what it is, not "no config.json"
+        raise HFConfigError(f"model.pretrained: {path} {e.reason}; give a Hugging Face model folder") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HFConfigError(f"model.pretrained: {path} is not readable JSON ({e})") from None
     if not isinstance(hf, dict):
@@ -246,8 +251,11 @@ def apply_pretrained(cfg: Any) -> Path:
 
 def eos_token(folder: Path) -> str | None:
     """The end-of-text token tokenizer_config.json names (eos_token), or None to let the tokenizer's be found."""
+    path = folder / "tokenizer_config.json"
     try:
-        eos = json.loads((folder / "tokenizer_config.json").read_text()).get("eos_token")
+        eos = json.loads(read_small_file(path)).get("eos_token")
+    except NotAFile as e:  # a FIFO there hung pre-flight for ever; a device or a huge file is no tokenizer config
+        raise HFConfigError(f"model.pretrained: {path} {e.reason}; give a Hugging Face model folder") from None
     except (OSError, ValueError, AttributeError):
         return None
     return eos.get("content") if isinstance(eos, dict) else eos

@@ -127,7 +127,10 @@ def regular_path(path: Path, root: Path | None = None) -> Path:
     """The real path of ``path`` once ``open_regular`` accepts it: for readers that open a path themselves (pyarrow,
     to memory-map it)."""
     os.close(open_regular(path, root))
-    return regular_file.real_path(path, root)
+    try:
+        return regular_file.real_path(path, root)
+    except NotAFile as e:  # a link in it re-pointed out of the folder since it was opened: the same one line
+        raise refused(path, e) from None
 
 
 def read_small(path: Path, root: Path | None, cap: int) -> str:

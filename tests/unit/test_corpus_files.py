@@ -177,3 +177,26 @@ def test_a_link_loop_or_a_dangling_link_is_one_line_naming_it(tmp_path):
     (tmp_path / "loop.txt").unlink()
     with pytest.raises(DataError, match=r"loop2.txt: cannot be read \(No such file or directory\)"):
         find_sources(tmp_path)
+
+
+def test_a_link_repointed_out_of_the_folder_after_its_open_is_the_same_one_line(tmp_path, monkeypatch):
+    from shardlab.checkpoint import regular_file
+    from tasks.lm import sources
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.parquet").write_bytes(b"x")
+    secret = tmp_path / "secret"
+
+    calls, resolve = [], regular_file.real_path
+
+    def flipped(path, root=None):  # opened inside the folder (first call), the link leads out of it at the second
+        calls.append(path)
+        if len(calls) == 1:
+            return resolve(path, root)
+        raise regular_file.NotAFile(path, regular_file.LINK, real=secret, root=root)
+
+    monkeypatch.setattr(regular_file, "real_path", flipped)
+    with pytest.raises(DataError) as refused:
+        sources.regular_path(tmp_path / "c" / "a.parquet", tmp_path / "c")
+    assert str(refused.value).startswith(f"{tmp_path / 'c' / 'a.parquet'} is a link to {secret}, outside the corpus")
+    assert len(calls) == 2

@@ -115,3 +115,31 @@ def test_evaluate_never_reads_the_sources_a_checkpoints_config_names(mixture_run
     assert not [p for p in OPENED if str(private) in p], "the checkpoint's data.sources path or cache_dir was opened"
     assert sorted(p.name for p in private.iterdir()) == ["secret.jsonl"]
     assert alone["tokens"] > 0 and given["notes/tokens"] == given["tokens"] > 0
+
+
+def test_a_source_the_run_read_from_its_own_corpus_is_refused_without_a_path(mixture_run, capsys):
+    """notes had a path in training: given again without one it would be scored on the embedded corpus under its name
+    (notes/loss == web/loss); web had none, so it may be given bare."""
+    checkpoint, _, notes, cache = mixture_run
+    bare = answer([str(checkpoint), cache, "+data.sources={web: {}, notes: {}}"], capsys)
+    assert bare == (
+        "error: data.sources.notes.path: the run trained notes on a corpus of its own (its path is never read from "
+        "the checkpoint); give data.sources.notes.path=..."
+    )
+    assert str(notes) not in bare
+    null = answer([str(checkpoint), cache, "+data.sources={notes: {path: null, weight: 1}}"], capsys)
+    assert null.startswith("error: data.sources.notes.path: the run trained notes on a corpus of its own")
+
+
+def test_a_checkpoint_whose_saved_source_is_no_mapping_is_refused_naming_its_file(mixture_run, tmp_path, capsys):
+    checkpoint, _, _, cache = mixture_run
+    crafted = tmp_path / "step_00000004"
+    shutil.copytree(checkpoint, crafted)
+    meta = json.loads((crafted / "shardlab.json").read_text())
+    meta["config"]["data"]["sources"]["web"] = "oops"
+    (crafted / "shardlab.json").write_text(json.dumps(meta))
+    err = answer([str(crafted), cache, "--batch-size", "64"], capsys)  # no sources of the command line's either
+    assert err == (
+        f"error: {crafted / 'shardlab.json'}: config.data.sources.web is 'oops', not a source ({{path, weight, "
+        "text_field}); the file was changed after training: restore it"
+    )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.checkpoint.regular_file import LINK, NotAFile, kind_of, open_file, stat_file
+from shardlab.checkpoint.regular_file import LINK, NotAFile, kind_of, open_file, read_small_file, stat_file
 
 ROOT = Path(__file__).resolve().parents[2]
 HOME = Path("shardlab/checkpoint/regular_file.py")
@@ -149,3 +149,54 @@ def test_the_twin_finder_finds_a_planted_twin(tmp_path):
     (tmp_path / "tasks" / "reader.py").write_text("import os\n\ndef f(p):\n    return os.open(p, os.O_NONBLOCK)\n")
     (tmp_path / "shardlab" / "kinds.py").write_text("import stat\nstat.S_ISFIFO(0)\n")
     assert twins(tmp_path) == ["shardlab/kinds.py:2", "tasks/reader.py:4"]
+
+
+# ---- stat_file: the same refusals, without opening ----------------------------------------------------------------
+def outcome_of(probe, path: Path, **how) -> tuple:
+    """What ``probe`` says of ``path``: the size of a file, or the refusal's type and words."""
+    try:
+        result = probe(path, **how)
+    except NotAFile as e:
+        return ("NotAFile", e.kind, e.reason)
+    except OSError as e:
+        return (type(e).__name__, e.errno)
+    if isinstance(result, os.stat_result):
+        return ("file", result.st_size)
+    os.close(result[0])  # open_file's descriptor
+    return ("file", result[1].st_size)
+
+
+def test_stat_file_refuses_what_open_file_refuses_without_opening_anything(tmp_path, monkeypatch):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "a").write_bytes(b"12345")
+    (tmp_path / "corpus" / "link").symlink_to(tmp_path / "a")
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    (tmp_path / "loop").symlink_to("loop")
+    os.mkfifo(tmp_path / "fifo")
+    cases = [("a", {}), ("a", {"max_bytes": 4}), ("zero", {}), ("zero", {"follow_links": True}), ("fifo", {}),
+             ("corpus", {}), ("loop", {"follow_links": True}), ("gone", {}), ("corpus/link", {}),
+             ("corpus/link", {"follow_links": True}), ("corpus/link", {"root": tmp_path / "corpus"})]  # fmt: skip
+    expected = [outcome_of(open_file, tmp_path / name, **how) for name, how in cases]
+    opens: list[str] = []
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opens.append(str(path)) or pytest.fail(f"opened {path}"))
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tmp_path / "sock"))
+        assert outcome_of(stat_file, tmp_path / "sock") == ("NotAFile", "a socket", "is a socket, not a regular file")
+    assert [outcome_of(stat_file, tmp_path / name, **how) for name, how in cases] == expected
+    assert opens == []
+    assert expected[4] == ("NotAFile", "a FIFO", "is a FIFO, not a regular file")  # the FIFO: refused, never opened
+    assert expected[1][2] == "holds 5 bytes, more than the 4 allowed" and expected[0] == ("file", 5)
+
+
+def test_read_small_file_follows_links_out_of_the_folder_to_a_regular_file_within_its_cap(tmp_path):
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "blobs" / "abc").write_bytes(b"{}" * 50)
+    (tmp_path / "snapshot" / "config.json").symlink_to("../blobs/abc")  # a Hugging Face cache's layout
+    (tmp_path / "snapshot" / "zero.json").symlink_to("/dev/zero")
+    assert read_small_file(tmp_path / "snapshot" / "config.json", max_bytes=100) == b"{}" * 50
+    big = pytest.raises(NotAFile, read_small_file, tmp_path / "snapshot" / "config.json", max_bytes=99).value
+    assert big.reason == "holds 100 bytes, more than the 99 allowed"
+    assert pytest.raises(NotAFile, read_small_file, tmp_path / "snapshot" / "zero.json").value.kind == (
+        "a character device"
+    )
