@@ -205,8 +205,10 @@ def build_model(
         ) from None
     if checkpoint is not None:  # before materializing: a crafted config must not allocate first
         weights.check_shapes(checkpoint, model)
-    materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
-    if pretrained and checkpoint is None:
+    from_folder = pretrained and checkpoint is None
+    # What the folder fills is not drawn first, as a run starting from it does (Task.pretrained_keys).
+    materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed, task.pretrained_keys() if from_folder else None)
+    if from_folder:
         task.load_pretrained(model, torch.device("cpu"))
     if checkpoint is not None:
         try:

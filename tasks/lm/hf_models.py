@@ -242,7 +242,9 @@ def apply_pretrained(cfg: Any) -> Path:
     with open_dict(cfg):
         cfg.model = model
     tokenizer = folder / "tokenizer.json"
-    if cfg.data.tokenizer == "byte" and tokenizer.is_file():
+    # Whatever is there (a FIFO, a dangling link) becomes data.tokenizer, for FileTokenizer to refuse in one line:
+    # taken for "no tokenizer", the run would fall back to bytes against the folder's vocabulary.
+    if cfg.data.tokenizer == "byte" and (tokenizer.exists() or tokenizer.is_symlink()):
         cfg.data.tokenizer = str(tokenizer)
         if cfg.data.get("eod_token") is None:
             cfg.data.eod_token = eos_token(folder)

@@ -12,7 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
+from shardlab.checkpoint.regular_file import NotAFile, read_small_file
 from shardlab.errors import ConfigError, DataError
+
+TOKENIZER_MAX_BYTES = 1 << 30
+"""A tokenizer.json larger than this is refused (the largest published ones hold tens of MB)."""
 
 SEGMENT_CHARS = 1 << 16
 """Tokenize text in ~64 KB pieces cut at line ends: the tokenizers library encodes those ~40% faster than 1 MB."""
@@ -56,12 +60,16 @@ class FileTokenizer:
         self.path = Path(path).expanduser().resolve()
         self.name = str(self.path)
         self.eod_token = eod_token
-        if not self.path.is_file():
+        try:  # as a file: a FIFO would hang the tokenizers library's own open, a device feed it for ever
+            raw = read_small_file(self.path, max_bytes=TOKENIZER_MAX_BYTES)
+        except FileNotFoundError:
             raise ConfigError(
                 f"data.tokenizer: {self.path} does not exist; give 'byte' or the path of a tokenizer.json "
                 "(tools/preprocess_lm.py --train-tokenizer bpe writes one)"
-            )
-        raw = self.path.read_bytes()
+            ) from None
+        except (NotAFile, OSError) as e:
+            reason = e.reason if isinstance(e, NotAFile) else f"is unreadable ({e.strerror or type(e).__name__})"
+            raise ConfigError(f"data.tokenizer: {self.path} {reason}; give the path of a tokenizer.json") from None
         try:
             self.tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # the Rust parser's errors have no common type

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardlab.checkpoint.hf_folder import INDEX_FILE, weight_files
-from shardlab.errors import CheckpointError
+from shardlab.errors import CheckpointError, ConfigError
 from tasks.lm.hf_models import HFConfigError, eos_token, read_config_json
 from tests.hf_folders import make_folder
 from tests.unit.test_hf_pretrained import loaded, task_of
@@ -63,6 +63,22 @@ def test_a_fifo_tokenizer_config_is_refused_at_once_in_one_line(folder, tmp_path
         os.close(os.open(copy / "tokenizer_config.json", os.O_WRONLY | os.O_NONBLOCK))  # end a reader that blocked
     except OSError:
         pass  # no reader: none blocked
+
+
+def test_a_fifo_or_device_tokenizer_json_is_refused_at_once_not_taken_for_no_tokenizer(folder, tmp_path):
+    """A folder's tokenizer.json that is no file is refused (it used to be skipped: the run fell back to bytes), and
+    the tokenizers library is never handed a FIFO to open by name."""
+    from tasks.lm.tokenizer import FileTokenizer
+
+    copy = copy_with(folder, tmp_path, "tokenizer.json", os.mkfifo)
+    refused = within(10, lambda: task_of(copy))
+    assert isinstance(refused, ConfigError), refused
+    assert str(refused) == f"data.tokenizer: {copy / 'tokenizer.json'} is a FIFO, not a regular file; give the path " \
+        "of a tokenizer.json"  # fmt: skip
+    (copy / "tokenizer.json").unlink()
+    (copy / "tokenizer.json").symlink_to("/dev/zero")
+    refused = within(10, lambda: FileTokenizer(copy / "tokenizer.json"))
+    assert isinstance(refused, ConfigError) and "a character device" in str(refused), refused
 
 
 def test_a_config_json_linked_to_dev_zero_is_refused_naming_what_it_is(folder, tmp_path):

@@ -103,3 +103,24 @@ def test_a_trial_or_a_dry_run_draws_every_weight_since_neither_reads_the_file(ti
     planning = build_task(compose_config([*VISION, f"model.pretrained={tiny}", "dry_run=true"]), world_size=1)
     assert planning.pretrained_keys() is None and rank_task(cfg).pretrained_keys() is not None
     assert build_task(compose_config(VISION), world_size=1).pretrained_keys() is None  # no file: all drawn
+
+
+def test_evaluate_builds_a_pretrained_model_without_drawing_the_trunk_and_with_the_same_weights(tiny):
+    """tools/evaluate.py without a checkpoint (a probe of the file's trunk) starts as a run does."""
+    from tools import evaluate
+
+    cfg = compose_config([*VISION, f"model.pretrained={tiny}"])
+    drawn: list[str] = []
+    init = type(build_task(cfg, world_size=1)).init_tensor
+
+    def record(self, name, tensor, generator):
+        drawn.append(name)
+        init(self, name, tensor, generator)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(build_task(cfg, world_size=1)), "init_tensor", record)
+        _, model = evaluate.build_model(cfg, None, pretrained=True)
+    assert drawn and all(n.startswith("fc.") for n in drawn)  # the head alone
+    expected = before_the_skip(cfg)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
