@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardlab.checkpoint import agreement, dcp_reader
 from shardlab.checkpoint.dcp_reader import SafeLoadPlanner, SafeReader
-from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_small_file
+from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_small_file, stat_file
 from shardlab.distributed.materialize import clean_name
 from shardlab.errors import CheckpointError, ConfigError, first_cause
 
@@ -52,7 +52,7 @@ def weight_files(folder: Path) -> list[Path]:
     try:
         text = read_small_file(index)
     except (FileNotFoundError, NotADirectoryError):
-        return sorted(folder.glob("*.safetensors"))
+        return _as_files(sorted(folder.glob("*.safetensors")))
     except NotAFile as e:  # a FIFO hung the reader, a link to /dev/zero grew it: refused, never read past its cap
         raise CheckpointError(f"{index} {e.reason}; give the safetensors index as the model's folder has it") from None
     except OSError as e:
@@ -62,8 +62,21 @@ def weight_files(folder: Path) -> list[Path]:
         files = [folder / name for name in sorted(set(weight_map.values()))]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{index} is not a safetensors index ({first_cause(e)})") from None
-    if missing := [f.name for f in files if not f.is_file()]:
+    if missing := [f.name for f in files if not (f.exists() or f.is_symlink())]:
         raise CheckpointError(f"{index} names {missing[0]}, which is not in {folder}; download the whole folder")
+    return _as_files(files)
+
+
+def _as_files(files: list[Path]) -> list[Path]:
+    """``files``, each a regular file (a link followed, as an HF cache's into its blobs/): safetensors opens them by
+    name, and a FIFO there would hang its open for ever."""
+    for f in files:
+        try:
+            stat_file(f, follow_links=True)
+        except NotAFile as e:
+            raise CheckpointError(f"{f} {e.reason}; give the model's safetensors files as files") from None
+        except OSError as e:
+            raise CheckpointError(f"{f} {describe_os_error(f, e)}") from None
     return files
 
 

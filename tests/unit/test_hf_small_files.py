@@ -108,6 +108,21 @@ def test_an_index_that_is_a_fifo_or_a_device_is_refused_and_a_missing_one_globs(
     assert weight_files(copy) == sorted(copy.glob("*.safetensors")) and len(weight_files(copy)) >= 3
 
 
+def test_a_weights_file_that_is_a_fifo_is_refused_before_safetensors_opens_it(folder, tmp_path):
+    """safetensors opens its files by name: a FIFO among them (globbed, or named by the index) would hang it."""
+    copy = copy_with(folder, tmp_path, INDEX_FILE, lambda p: None)  # no index: every *.safetensors is read
+    os.mkfifo(copy / "model-extra.safetensors")
+    refused = within(10, lambda: weight_files(copy))
+    assert isinstance(refused, CheckpointError), refused
+    assert str(refused).startswith(f"{copy / 'model-extra.safetensors'} is a FIFO, not a regular file"), refused
+    shutil.copy(folder / INDEX_FILE, copy / INDEX_FILE)
+    named = sorted(copy.glob("model-0*.safetensors"))[0]
+    named.unlink()
+    os.mkfifo(named)
+    refused = within(10, lambda: weight_files(copy))
+    assert isinstance(refused, CheckpointError) and str(refused).startswith(f"{named} is a FIFO"), refused
+
+
 def test_a_hugging_face_cache_snapshot_of_links_into_blobs_loads_as_its_folder(folder, tmp_path):
     """models--org--name/snapshots/REV/* are relative links to ../../blobs/HASH, a sibling folder: followed."""
     cache = tmp_path / "models--org--tiny"
