@@ -9,14 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardlab.distributed import env as dist_env
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
-from shardlab.registry import BACKENDS
-from shardlab.runner import build_task, prepare_data, rank_task
-from shardlab.trainer import assemble
+from shardlab.runner import build_task
 from tasks.lm.lora import is_adapter
 from tests.hf_folders import make_folder
+from tests.pretrained_starts import full_init_then_load, recording, started
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[attn.q,mlp.down]"]
 
@@ -24,28 +22,6 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[a
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     return make_folder("llama3_tied", tmp_path_factory.mktemp("hf") / "llama3_tied")
-
-
-def recording(task) -> list[str]:
-    """Names the task's init_tensor is asked to fill, in order (the instance's method is replaced)."""
-    drawn: list[str] = []
-    init = task.init_tensor
-
-    def record(name, tensor, generator):
-        drawn.append(name)
-        init(name, tensor, generator)
-
-    task.init_tensor = record
-    return drawn
-
-
-def todays_weights(cfg) -> dict[str, torch.Tensor]:
-    """Every tensor drawn from (seed, name), then the folder read over the ones it holds: the start without the skip."""
-    task = build_task(cfg, world_size=1)
-    model = model_on_meta(task)
-    materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
-    task.load_pretrained(model, torch.device("cpu"))
-    return {n: t.detach() for n, t in model.state_dict().items()}
 
 
 def test_materialize_draws_every_name_it_is_not_told_a_file_fills(tiny_lm):
@@ -68,33 +44,19 @@ def test_a_pretrained_run_draws_only_what_its_folder_lacks_and_starts_with_today
     tiny_lm, folder, tmp_path, lora
 ):
     cfg = tiny_lm(f"model.pretrained={folder}", "data.seq_len=32", *lora)
-    task = rank_task(cfg)
-    drawn = recording(task)
-    backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, dist_env.detect(), key="distributed.backend")
-    try:
-        trainer = assemble(cfg, task, backend, tmp_path, prepare_data=lambda: prepare_data(task), trial=False)
-        state = {n: t.detach() for n, t in trainer.model.state_dict().items()}
-    finally:
-        backend.teardown()
-    assert trainer.initialized_from == task.pretrained
-    assert sorted(drawn) == sorted(n for n in state if is_adapter(n))  # the adapters: seeded, as before
-    assert bool(lora) == bool(drawn)
-    expected = todays_weights(cfg)
-    assert state.keys() == expected.keys()
-    for name, value in state.items():
+    start = started(cfg, tmp_path)
+    assert start.initialized_from == start.task.pretrained
+    assert sorted(start.drawn) == sorted(n for n in start.state if is_adapter(n))  # the adapters: seeded, as before
+    assert bool(lora) == bool(start.drawn)
+    expected = full_init_then_load(cfg)
+    assert start.state.keys() == expected.keys()
+    for name, value in start.state.items():
         assert torch.equal(value, expected[name]), name
 
 
 def test_a_backend_auto_trial_draws_every_weight_since_it_reads_no_folder(tiny_lm, folder, tmp_path):
     cfg = tiny_lm(f"model.pretrained={folder}", "data.seq_len=32", *LORA)
-    task = rank_task(cfg)
-    drawn = recording(task)
-    backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, dist_env.detect(), key="distributed.backend")
-    try:
-        trainer = assemble(cfg, task, backend, tmp_path, prepare_data=lambda: prepare_data(task), trial=True)
-        names = [n for n, _ in trainer.model.named_parameters()]
-    finally:
-        backend.teardown()
-    assert trainer.initialized_from is None and sorted(drawn) == sorted(names)
+    start = started(cfg, tmp_path, trial=True)
+    assert start.initialized_from is None and sorted(start.drawn) == sorted(start.parameters)
     planning = build_task(tiny_lm(f"model.pretrained={folder}", "data.seq_len=32", "dry_run=true"), world_size=1)
-    assert planning.pretrained_keys() is None and task.pretrained_keys() is not None
+    assert planning.pretrained_keys() is None and start.task.pretrained_keys() is not None

@@ -8,14 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardlab.distributed import env as dist_env
-from shardlab.distributed.materialize import materialize
-from shardlab.distributed.units import model_on_meta
 from shardlab.errors import CheckpointError
-from shardlab.registry import BACKENDS
-from shardlab.runner import build_task, prepare_data, rank_task
-from shardlab.trainer import assemble
+from shardlab.runner import build_task, rank_task
 from tests.conftest import compose_config
+from tests.pretrained_starts import full_init_then_load, started
 from tests.ssl_configs import TINY_REGNET, TINY_SSL
 from tests.vision_weights import tiny_file
 
@@ -29,54 +25,20 @@ def tiny(tmp_path_factory):
     return tiny_file(tmp_path_factory.mktemp("tv") / "tiny.pth")[1]
 
 
-def recording(task) -> list[str]:
-    """Names the task's init_tensor is asked to fill (the instance's method is replaced)."""
-    drawn: list[str] = []
-    init = task.init_tensor
-
-    def record(name, tensor, generator):
-        drawn.append(name)
-        init(name, tensor, generator)
-
-    task.init_tensor = record
-    return drawn
-
-
-def started(cfg, tmp_path, trial: bool = False):
-    """(the trainer's model state after assemble, the names drawn from the seed, its initialized_from)."""
-    task = rank_task(cfg)
-    drawn = recording(task)
-    backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, dist_env.detect(), key="distributed.backend")
-    try:
-        trainer = assemble(cfg, task, backend, tmp_path, prepare_data=lambda: prepare_data(task), trial=trial)
-        state = {n: t.detach().clone() for n, t in trainer.model.state_dict().items()}
-    finally:
-        backend.teardown()
-    return state, drawn, trainer.initialized_from
-
-
-def before_the_skip(cfg) -> dict[str, torch.Tensor]:
-    """Every tensor drawn from (seed, name), then the file read over the trunk: the start before pretrained_keys."""
-    task = build_task(cfg, world_size=1)
-    model = model_on_meta(task)
-    materialize(model, torch.device("cpu"), task.init_tensor, cfg.seed)
-    task.load_pretrained(model, torch.device("cpu"))
-    return {n: t.detach() for n, t in model.state_dict().items()}
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_pretrained_run_draws_only_the_head_and_starts_with_the_weights_of_the_full_init_then_load(
     tiny, tmp_path, name
 ):
     overrides, prefix = CONFIGS[name]
     cfg = compose_config([*overrides, f"model.pretrained={tiny}"])
-    state, drawn, initialized_from = started(cfg, tmp_path)
+    start = started(cfg, tmp_path)
+    state, drawn, initialized_from = start.state, start.drawn, start.initialized_from
     assert initialized_from == tiny
     # what was not drawn is exactly what the file fills: its tensors but the classifier it keeps for ImageNet
     held = {prefix + key for key in torch.load(tiny, weights_only=True) if not key.startswith("fc.")}
     assert set(state) - set(drawn) == held and set(drawn) == set(state) - held
     assert drawn and all(not n.startswith(prefix) or n.startswith("fc.") for n in drawn)  # the head alone
-    expected = before_the_skip(cfg)
+    expected = full_init_then_load(cfg)
     assert state.keys() == expected.keys()
     for key, value in state.items():
         assert torch.equal(value, expected[key]), key
@@ -98,7 +60,8 @@ def test_a_file_that_lacks_a_trunk_tensor_at_the_start_is_still_refused_not_left
 
 def test_a_trial_or_a_dry_run_draws_every_weight_since_neither_reads_the_file(tiny, tmp_path):
     cfg = compose_config([*VISION, f"model.pretrained={tiny}"])
-    state, drawn, initialized_from = started(cfg, tmp_path, trial=True)
+    start = started(cfg, tmp_path, trial=True)
+    state, drawn, initialized_from = start.state, start.drawn, start.initialized_from
     assert initialized_from is None and sorted(drawn) == sorted(state)
     planning = build_task(compose_config([*VISION, f"model.pretrained={tiny}", "dry_run=true"]), world_size=1)
     assert planning.pretrained_keys() is None and rank_task(cfg).pretrained_keys() is not None
@@ -121,6 +84,6 @@ def test_evaluate_builds_a_pretrained_model_without_drawing_the_trunk_and_with_t
         patch.setattr(type(build_task(cfg, world_size=1)), "init_tensor", record)
         _, model = evaluate.build_model(cfg, None, pretrained=True)
     assert drawn and all(n.startswith("fc.") for n in drawn)  # the head alone
-    expected = before_the_skip(cfg)
+    expected = full_init_then_load(cfg)
     for name, value in model.state_dict().items():
         assert torch.equal(value, expected[name]), name
