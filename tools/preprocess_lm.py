@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -77,8 +79,8 @@ def main(argv: list[str] | None = None) -> Path:
         f"{out}: {meta['train_tokens']:,} train / {meta['valid_tokens']:,} valid tokens "
         f"({meta['documents']['train']} / {meta['documents']['valid']} documents, {meta['dtype']})"
     )
-    if args.train_tokenizer:
-        print(f"train with: python -m shardlab.train data.tokenizer={out / 'tokenizer.json'}{_data_overrides(args)}")
+    tokenizer = str(out / "tokenizer.json") if args.train_tokenizer else None
+    print(f"train with: python -m shardlab.train{_data_overrides(args, tokenizer)}")
     return out
 
 
@@ -206,17 +208,38 @@ def _submit(args) -> Path:
     return _finished(args, num_shards)
 
 
-def _data_overrides(args) -> str:
-    """The data.* overrides that make training find this cache (the ones that differ from the defaults)."""
+def _data_overrides(args, tokenizer: str | None = None) -> str:
+    """The data.* overrides that make training find this cache (the ones that differ from the defaults): without its
+    tokenizer, training would key, and build, another cache. ``tokenizer``: the one trained here, else --tokenizer."""
     d = LMDataConfig()
+    if tokenizer is None and args.tokenizer != d.tokenizer:
+        tokenizer = str(Path(args.tokenizer).expanduser().resolve())
     pairs = [
         ("path", str(Path(args.path).expanduser().resolve()) if args.path else None, d.path),
+        ("tokenizer", tokenizer, d.tokenizer),
+        ("eod_token", args.eod_token, d.eod_token),
         ("cache_dir", args.cache_dir, d.cache_dir),
         ("text_field", args.text_field, d.text_field),
         ("valid_percent", args.valid_percent, d.valid_percent),
         ("max_corpus_mb", args.max_corpus_mb, d.max_corpus_mb),
     ]
-    return "".join(f" data.{key}={value}" for key, value, default in pairs if value != default)
+    return "".join(" " + _shell_word(f"data.{key}={_hydra_value(value)}") for key, value, default in pairs
+                   if value != default)  # fmt: skip
+
+
+def _shell_word(text: str) -> str:
+    """``text`` as one shell word: bare where it can be, in double quotes around Hydra's single ones where that is
+    safe (no $, `, \\, ! or "), else shlex's quoting."""
+    if shlex.quote(text) == text or re.search(r'[$`\\!"]', text):
+        return shlex.quote(text)
+    return f'"{text}"'
+
+
+def _hydra_value(value) -> str:
+    """``value`` as Hydra's override grammar reads it back: quoted unless plainly a word, number or path (an end of
+    document token such as <|endoftext|> is none of those)."""
+    text = str(value)
+    return text if re.fullmatch(r"[\w./+-]+", text) else "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _prepare(args, tokenizer, extra_files) -> Path:

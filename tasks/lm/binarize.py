@@ -164,6 +164,27 @@ def _library_threads(workers: int) -> Iterator[None]:
         del os.environ["RAYON_NUM_THREADS"]
 
 
+def temp_folder(prefix: str, parent: Path) -> Path:
+    """A new folder to build in, renamed into place once complete, with the mode a plain mkdir gives (the umask's):
+    mkdtemp's 0700 made a cache shared on a cluster unreadable to everyone but the user who built it."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, for every thread) where Linux says it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 # ---- writing -----------------------------------------------------------------------------------------------------
 def binarize(
     sources: list[Source],
@@ -180,7 +201,7 @@ def binarize(
     check_sources(sources, text_field)  # a shard without the text column fails now, not hours in
     dtype = token_dtype(tokenizer.vocab_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
+    tmp = temp_folder(temp_prefix(out_dir), out_dir.parent)
     try:
         meta = _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, text_field, workers, dtype)
         meta.update(source=source_name, text_field=text_field, content_digest=content_digest(tmp))

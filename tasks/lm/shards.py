@@ -25,14 +25,13 @@ import os
 import shlex
 import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from shardlab.checkpoint.layout import fsync_path, write_json_atomic
 from shardlab.errors import ConfigError, DataError
-from tasks.lm.binarize import FORMAT_VERSION, _encoded
+from tasks.lm.binarize import FORMAT_VERSION, _encoded, temp_folder
 from tasks.lm.corpus import check_sources, read_blocks
 from tasks.lm.sources import Block, Source
 from tasks.lm.tokenizer import Tokenizer, token_dtype
@@ -102,7 +101,7 @@ def build_shard(out: Path, k: int, group: list[Source], tok: Tokenizer, vp: floa
     shards = out / SHARDS
     final = shards / shard_name(k)
     _remove_dead_temps(shards, k)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP}{shard_name(k)}-{socket.gethostname()}-{os.getpid()}-", dir=shards))
+    tmp = temp_folder(f"{TMP}{shard_name(k)}-{socket.gethostname()}-{os.getpid()}-", shards)
     try:
         record = {"shard": k, "files": [file_identity(s) for s in group], "host": socket.gethostname()}
         record.update(_write_shard(group, tmp, tok, vp, field, workers))
@@ -171,7 +170,8 @@ def write_manifest(out: Path, groups: list[list[Source]], tok: Tokenizer, meta_e
     if total["valid"] == 0:
         raise DataError(
             f"{out}: no document of the corpus hashed into the validation split; a corpus this small is preprocessed "
-            "by one task (tools/preprocess_lm.py without --shards), which holds documents out for it"
+            f"by one task, which holds documents out for it: delete the shards (rm -r {out}), then run "
+            "tools/preprocess_lm.py without --shards/--tasks"
         )
     meta = {
         "format": FORMAT_VERSION,

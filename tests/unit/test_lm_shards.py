@@ -7,6 +7,8 @@ import json
 import os
 import random
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,3 +199,55 @@ def test_local_tasks_share_the_machines_cores_out_unless_workers_is_given(corpus
     monkeypatch.setattr(preprocess_lm.subprocess, "Popen", recording)
     preprocess_lm.main([str(corpus), "--cache-dir", str(tmp_path), "--tasks", "2"])
     assert started == [str(max(1, len(os.sched_getaffinity(0)) // 2))] * 2
+
+
+@pytest.mark.parametrize("tasks", [1, 2])
+def test_the_train_with_line_finds_this_cache_with_its_tokenizer(corpus, tmp_path, capfd, tasks):
+    """The summary's overrides, pasted as they are printed, make training read this very cache: without its
+    tokenizer (and end-of-document token) training keyed, and built, a byte-level one instead."""
+    from tasks.lm.corpus import iter_texts
+    from tasks.lm.tokenizer import train_bpe
+
+    tok = train_bpe(iter_texts(find_sources(corpus), "text", 2**20), 300, tmp_path / "tok" / "tokenizer.json")
+    cache = tmp_path / "cache"
+    out = preprocess_lm.main([str(corpus), "--cache-dir", str(cache), "--tokenizer", str(tok), "--eod-token",
+                              "<|endoftext|>", "--valid-percent", "10", "--tasks", str(tasks)])  # fmt: skip
+    line = [x for x in capfd.readouterr().out.splitlines() if "train with" in x][-1]  # a task prints it
+    overrides = shlex.split(line.split("train with", 1)[1].removeprefix(":").replace("python -m shardlab.train", ""))
+    assert f"data.tokenizer={tok}" in overrides and "data.eod_token='<|endoftext|>'" in overrides, overrides
+    task = build_task(compose_config([*overrides, "data.seq_len=64"]), 1)
+    assert task.corpus() == out and [p.name for p in cache.iterdir() if not p.name.startswith(".")] == [out.name]
+
+
+def test_a_sharded_corpus_without_a_validation_document_names_the_way_out_and_it_works(tmp_path):
+    """Few documents, a tiny held-out share: no document hashes into the validation split, so the manifest is
+    refused; the message's two steps (delete the shards, one task) give a cache that holds one document out."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for k in range(4):
+        (corpus / f"doc{k}.txt").write_text(" ".join(WORDS * (50 + k)))
+    cache = tmp_path / "cache"
+    preprocess_shards(str(corpus), str(cache), ByteTokenizer(), 0.001, "text", 2, (0, 2))
+    with pytest.raises(DataError) as caught:
+        preprocess_shards(str(corpus), str(cache), ByteTokenizer(), 0.001, "text", 2, (1, 2))
+    message = str(caught.value)
+    out = re.search(r"rm -r (\S+)\)", message)
+    assert out and "without --shards/--tasks" in message, message
+    shutil.rmtree(out[1])
+    one = prepare_corpus(str(corpus), str(cache), "byte", 0.001, 0, num_workers=0)
+    assert json.loads((one / "meta.json").read_text())["documents"]["valid"] == 1
+
+
+def test_caches_are_readable_by_whoever_the_umask_lets_read_them(corpus, tmp_path):
+    """A cache shared on a cluster: its folders get a plain mkdir's mode, not mkdtemp's 0700."""
+    old = os.umask(0o022)
+    try:
+        one = prepare_corpus(str(corpus), str(tmp_path / "one"), "byte", 10.0, 0, num_workers=0)
+        sharded, _ = preprocess_shards(str(corpus), str(tmp_path / "two"), ByteTokenizer(), 10.0, "text", 2)
+        os.umask(0o077)
+        private = prepare_corpus(str(corpus), str(tmp_path / "private"), "byte", 10.0, 0, num_workers=0)
+    finally:
+        os.umask(old)
+    folders = [one, sharded, *sorted(p for p in (sharded / "shards").iterdir() if p.is_dir())]
+    assert [oct(p.stat().st_mode & 0o777) for p in folders] == [oct(0o755)] * len(folders)
+    assert private.stat().st_mode & 0o777 == 0o700  # the user's umask still rules
