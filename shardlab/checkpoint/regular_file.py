@@ -1,20 +1,20 @@
 """Untrusted files opened as files: a regular file, or a one-line refusal saying what the path is instead.
 
-The project's rule for a file someone else may have put there (a step folder someone shared, a run's lock, a corpus,
-a model.pretrained file): read it as a file, no symlink out of its folder, no FIFO or device, bounded size, linear
-time. Such a path may hold anything under a file's name: a symbolic link out of the folder (``.metadata ->
-/dev/zero`` grew a reader to 2.5 GB in 12 s), a FIFO (a reader blocks in ``open`` for ever), a socket, a name the file
-system refuses (300 characters, a link loop). ``open_file`` is the one place that opens such a path: without following
-a link (``O_NOFOLLOW``) and without blocking (``O_NONBLOCK``: a FIFO opens at once), then ``fstat`` on the open
-descriptor says what it is: a regular file no larger than the caller's cap, or ``NotAFile`` naming what it is
-(``kind_of``, the one namer of a file's kind). A file the user named outright may be reached through a link
-(``follow_links``): the link is resolved first, optionally kept inside a ``root`` folder (a corpus), and the real path
-opened the same way; ``read_small_file`` reads a small file of such a folder whole (a Hugging Face model folder's JSON),
-capped. ``stat_file`` probes a path with the same refusals without opening it. Callers word the refusal in their own
-error type (the run lock's NotALock, the corpus's DataError, model.pretrained's CheckpointError); a step folder's files
-use the CheckpointError API below it (``open_regular``, ``read_regular``, ``read_at``). Torch-free: layout, the jobs'
-lock and status.json and the corpus workers import it. It lives in checkpoint/, the lowest floor of its callers
-(shardlab's top level is full).
+The project's rule for a file someone else may have put there (a step folder someone shared, a run's lock, a corpus, a
+model.pretrained file): read it as a file, no symlink out of its folder, no FIFO or device, bounded size, linear time.
+Such a path may hold anything under a file's name: a symbolic link out of the folder (``.metadata -> /dev/zero`` grew
+a reader to 2.5 GB in 12 s), a FIFO (a reader blocks in ``open`` for ever), a socket, a name the file system refuses
+(300 characters, a link loop). ``open_file`` is the one place that opens such a path: without following a link
+(``O_NOFOLLOW``) and without blocking (``O_NONBLOCK``: a FIFO opens at once), then ``fstat`` on the open descriptor
+says what it is: a regular file no larger than the caller's cap, or ``NotAFile`` naming what it is (``kind_of``, the
+one namer of a file's kind). A file the user named outright may be reached through a link (``follow_links``): the link
+is resolved first, optionally kept inside a ``root`` folder (a corpus), and the real path opened the same way;
+``read_file`` reads a file whole, capped (the run lock), ``read_small_file`` a small file of such a folder (a Hugging
+Face model folder's JSON). ``stat_file`` probes a path with the same refusals without opening it. Callers word the
+refusal in their own error type (the run lock's NotALock, the corpus's DataError, model.pretrained's CheckpointError);
+a step folder's files use the CheckpointError API below it (``open_regular``, ``read_regular``, ``read_at``).
+Torch-free: layout, the jobs' lock and status.json and the corpus workers import it. It lives in checkpoint/, the
+lowest floor of its callers (shardlab's top level is full).
 """
 
 from __future__ import annotations
@@ -119,12 +119,11 @@ SMALL_FILE_MAX_BYTES = 16 * MiB
 """The cap of ``read_small_file``: a model folder's JSON (config.json, tokenizer_config.json, a safetensors index)."""
 
 
-def read_small_file(path: Path, *, max_bytes: int = SMALL_FILE_MAX_BYTES) -> bytes:
-    """The whole of a small file of a folder the user named (a Hugging Face model folder): links followed, as a
-    Hugging Face cache's snapshots/ link into its blobs/ (a sibling folder: no root), but the target must be a regular
-    file of at most ``max_bytes``, opened without blocking and read no further than the cap (a file grown since its
-    fstat is refused too). NotAFile and OSError pass through for the caller to word."""
-    fd, st = open_file(path, max_bytes=max_bytes, follow_links=True)
+def read_file(path: Path, *, max_bytes: int, follow_links: bool = False) -> tuple[bytes, os.stat_result]:
+    """The whole of the regular file ``path`` and its fstat, opened as ``open_file`` opens it and read no further than
+    ``max_bytes`` (a file grown past the cap since its fstat is refused too, NotAFile with ``size``). NotAFile and
+    OSError pass through for the caller to word."""
+    fd, st = open_file(path, max_bytes=max_bytes, follow_links=follow_links)
     try:
         chunks, held = [], 0
         while chunk := os.read(fd, max_bytes + 1 - held):
@@ -132,9 +131,16 @@ def read_small_file(path: Path, *, max_bytes: int = SMALL_FILE_MAX_BYTES) -> byt
             held += len(chunk)
             if held > max_bytes:
                 raise NotAFile(path, kind_of(st.st_mode), size=held, cap=max_bytes)
-        return b"".join(chunks)
+        return b"".join(chunks), st
     finally:
         os.close(fd)
+
+
+def read_small_file(path: Path, *, max_bytes: int = SMALL_FILE_MAX_BYTES) -> bytes:
+    """The whole of a small file of a folder the user named (a Hugging Face model folder), as ``read_file`` reads it:
+    links followed, as a Hugging Face cache's snapshots/ link into its blobs/ (a sibling folder: no root), but the
+    target must be a regular file of at most ``max_bytes``."""
+    return read_file(path, max_bytes=max_bytes, follow_links=True)[0]
 
 
 def _kind_by_name(path: Path) -> str | None:

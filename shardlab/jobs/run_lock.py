@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from shardlab.checkpoint.regular_file import LINK, NotAFile, open_file
+from shardlab.checkpoint.regular_file import LINK, NotAFile, read_file
 from shardlab.distributed.env import current_job
 from shardlab.errors import ConfigError, RunFolderInUse
 
@@ -154,19 +154,11 @@ def _read_lock(path: Path) -> tuple[bytes, int]:
     FIFO's writer, a regular file only, at most MAX_LOCK_BYTES read (however it grows after its fstat); anything
     else raises NotALock saying what it is."""
     try:
-        fd, info = open_file(path, max_bytes=MAX_LOCK_BYTES)
+        data, info = read_file(path, max_bytes=MAX_LOCK_BYTES)
     except NotAFile as e:
         code = errno.EFBIG if e.size is not None else errno.ELOOP if e.kind == LINK else errno.EINVAL
         raise NotALock(code, f"{_what(e)}, not a lock file") from None
-    try:
-        data = b""
-        while len(data) <= MAX_LOCK_BYTES and (chunk := os.read(fd, MAX_LOCK_BYTES + 1 - len(data))):
-            data += chunk
-        if len(data) > MAX_LOCK_BYTES:
-            raise NotALock(errno.EFBIG, f"over {MAX_LOCK_BYTES} bytes, not a lock file")
-        return data, info.st_mtime_ns
-    finally:
-        os.close(fd)
+    return data, info.st_mtime_ns
 
 
 def _what(refused: NotAFile) -> str:
