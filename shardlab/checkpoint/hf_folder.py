@@ -62,17 +62,21 @@ def weight_files(folder: Path) -> list[Path]:
         files = [folder / name for name in sorted(set(weight_map.values()))]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{index} is not a safetensors index ({first_cause(e)})") from None
-    if missing := [f.name for f in files if not (f.exists() or f.is_symlink())]:
-        raise CheckpointError(f"{index} names {missing[0]}, which is not in {folder}; download the whole folder")
-    return _as_files(files)
+    return _as_files(files, index)
 
 
-def _as_files(files: list[Path]) -> list[Path]:
+def _as_files(files: list[Path], index: Path | None = None) -> list[Path]:
     """``files``, each a regular file (a link followed, as an HF cache's into its blobs/): safetensors opens them by
-    name, and a FIFO there would hang its open for ever."""
+    name, and a FIFO there would hang its open for ever. One the ``index`` names but the folder lacks is said so."""
     for f in files:
         try:
             stat_file(f, follow_links=True)
+        except FileNotFoundError as e:
+            if index is not None:  # a file of the index not downloaded (or a cache's link to a blob that is not)
+                raise CheckpointError(
+                    f"{index} names {f.name}, which is not in {f.parent}; download the whole folder"
+                ) from None
+            raise CheckpointError(f"{f} {describe_os_error(f, e)}") from None
         except NotAFile as e:
             raise CheckpointError(f"{f} {e.reason}; give the model's safetensors files as files") from None
         except OSError as e:

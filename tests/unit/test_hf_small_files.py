@@ -121,6 +121,11 @@ def test_a_weights_file_that_is_a_fifo_is_refused_before_safetensors_opens_it(fo
     os.mkfifo(named)
     refused = within(10, lambda: weight_files(copy))
     assert isinstance(refused, CheckpointError) and str(refused).startswith(f"{named} is a FIFO"), refused
+    named.unlink()  # not downloaded: the index names it, the folder lacks it (a dangling link alike)
+    for make in (lambda p: None, lambda p: p.symlink_to(tmp_path / "blobs" / "never-fetched")):
+        make(named)
+        with pytest.raises(CheckpointError, match=f"names {named.name}, which is not in {copy}; download the whole"):
+            weight_files(copy)
 
 
 def test_a_hugging_face_cache_snapshot_of_links_into_blobs_loads_as_its_folder(folder, tmp_path):
