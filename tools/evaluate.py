@@ -377,7 +377,10 @@ def evaluate_perplexity(task, model, cfg, args, device) -> dict[str, float]:
             sums[key] = sums.get(key, 0.0) + float(value)
     metrics = task.summarize(sums)
     metrics["tokens"] = int(sums["count"])
-    print_perplexity(metrics, sums, task, cfg, args)
+    mixture = task.mixture if cfg.data.get("sources") else None
+    for name in mixture.names if mixture is not None else []:
+        metrics[f"{name}/tokens"] = int(sums.get(f"count/{name}", 0))
+    print_perplexity(metrics, mixture, cfg, args)
     return metrics
 
 
@@ -396,9 +399,8 @@ def split_blocks(corpus: Path, split: str, seq_len: int):
     return ConcatDataset([open_split(corpus, s, seq_len) for s in splits])
 
 
-def print_perplexity(metrics: dict, sums: dict[str, float], task, cfg, args) -> None:
-    """A line of the figures; a mixture's, then one per source (with its tokens added to ``metrics``)."""
-    mixture = getattr(task, "mixture", None) if cfg.data.get("sources") else None
+def print_perplexity(metrics: dict, mixture, cfg, args) -> None:
+    """A line of the figures; a mixture's, then one per source."""
     shown = (
         "the mixture " + ", ".join(f"{n} x{w:.3g}" for n, w in zip(mixture.names, mixture.weights, strict=True))
         if mixture is not None
@@ -410,7 +412,6 @@ def print_perplexity(metrics: dict, sums: dict[str, float], task, cfg, args) -> 
         flush=True,
     )
     for name in mixture.names if mixture is not None else []:
-        metrics[f"{name}/tokens"] = int(sums.get(f"count/{name}", 0))
         if f"{name}/loss" not in metrics:
             print(f"  {name}: no block in its {args.split} split", flush=True)
             continue
