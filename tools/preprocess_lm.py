@@ -75,13 +75,15 @@ def main(argv: list[str] | None = None) -> Path:
     else:
         out = _prepare(args, load_tokenizer(args.tokenizer, args.eod_token), None)
     meta = json.loads((out / "meta.json").read_text())
-    print(
-        f"{out}: {meta['train_tokens']:,} train / {meta['valid_tokens']:,} valid tokens "
-        f"({meta['documents']['train']} / {meta['documents']['valid']} documents, {meta['dtype']})"
-    )
+    print(_summary(out, meta, f"{meta['documents']['train']} / {meta['documents']['valid']} documents"))
     tokenizer = str(out / "tokenizer.json") if args.train_tokenizer else None
     print(f"train with: python -m shardlab.train{_data_overrides(args, tokenizer)}")
     return out
+
+
+def _summary(out: Path, meta: dict, what: str) -> str:
+    """The line that says what a finished cache holds: its tokens of each split, ``what`` (documents or shards)."""
+    return f"{out}: {meta['train_tokens']:,} train / {meta['valid_tokens']:,} valid tokens ({what}, {meta['dtype']})"
 
 
 def _shard_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,10 +130,9 @@ def _sharded(args) -> Path:
     )
     if meta is None:
         print(f"task {index} of {count} done; the manifest comes with the last shard ({out})", flush=True)
-    else:
-        overrides = _data_overrides(args) or " the defaults"
-        print(f"{out}: {meta['train_tokens']:,} train / {meta['valid_tokens']:,} valid tokens in "
-              f"{len(meta['shards'])} shards ({meta['dtype']}); train with{overrides}")  # fmt: skip
+    else:  # this task wrote the manifest: its log (an array task's, on another node) says how to train
+        shards = f"{len(meta['shards'])} shards"
+        print(f"{_summary(out, meta, shards)}; train with{_data_overrides(args) or ' the defaults'}")
     return out
 
 
@@ -181,8 +182,7 @@ def _finished(args, num_shards: int) -> Path:
     )  # fmt: skip  # every shard is finished: this only checks and reports
     if meta is None:
         raise DataError(f"{out}: shards are missing after every task ended; rerun the same command")
-    print(f"{out}: {meta['train_tokens']:,} train / {meta['valid_tokens']:,} valid tokens in {len(meta['shards'])} "
-          f"shards ({meta['dtype']})")  # fmt: skip
+    print(_summary(out, meta, f"{len(meta['shards'])} shards"))
     return out
 
 
