@@ -66,7 +66,24 @@ class DistributedConfig:
     Slurm job with fewer tasks than this (one task per node, each starting world_size / tasks ranks). torchrun, and a
     Slurm job of one task per rank, set the world themselves."""
     sharding_degree: int = -1
-    """fully_sharded: ranks a parameter is sharded over (FSDP paper's F). -1 = all ranks; 1 <= F < world = hybrid."""
+    """fully_sharded: ranks a parameter is sharded over (FSDP paper's F). -1 = all data-parallel ranks (world size
+    / (tensor x pipeline x context degrees)); 1 <= F < those = hybrid."""
+    tensor_parallel_degree: int = 1
+    """Ranks each layer's matrices are split over (Megatron-style column/row-wise linears with sequence-parallel norms,
+    through torch's parallelize_module); 1 = off. Must divide the heads, KV heads, FFN width and vocabulary. The
+    innermost mesh dimension: kept inside one host by default (shardlab/distributed/mesh.py)."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline stages (groups of consecutive layers), each on its own ranks (torch.distributed.pipelining); 1 = off.
+    The outermost mesh dimension."""
+    pipeline_schedule: str = "1f1b"
+    """pipeline_parallel_degree > 1: the schedule torch ships: gpipe, 1f1b, interleaved_1f1b (needs
+    pipeline_stages_per_rank >= 2), and the zero-bubble ones where they run."""
+    pipeline_stages_per_rank: int = 1
+    """pipeline_parallel_degree > 1: model stages each pipeline rank holds (2+ for the interleaved schedules)."""
+    context_parallel_degree: int = 1
+    """Ranks one sequence is split over for attention (torch's context_parallel; CUDA only); 1 = off."""
+    async_tensor_parallel: bool = False
+    """tensor_parallel_degree > 1 on CUDA: overlap TP's collectives with the matmuls (torch's async TP)."""
     reshard_after_forward: bool = True
     """fully_sharded: free gathered params after forward (ZeRO-3); false keeps them until backward (ZeRO-2-like)."""
     precision: str = "fp32"

@@ -1,0 +1,119 @@
+"""The device mesh: how the world's ranks split into pipeline, data, context and tensor parallel groups.
+
+One small value (ParallelDims) holds the degrees, as torchtitan's ParallelDims does; everything that samples data,
+reduces a loss, clips gradients, counts tokens or shards parameters asks it which ranks it is with, instead of assuming
+that a data-parallel rank is every rank. The dimensions run outermost to innermost in torchtitan's order
+
+    pp, dp_replicate, dp_shard, cp, tp
+
+so the ranks of one tensor-parallel group are consecutive: with one task (or one torchrun agent) per host starting its
+ranks in order, TP stays inside a host and the data axes cross hosts, the placement TP's per-layer collectives need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardlab.config import DistributedConfig
+
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The mesh's dimensions, outermost first."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degree of each mesh dimension; their product is the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: DistributedConfig, world_size: int) -> ParallelDims:
+        """The degrees a config asks for at ``world_size``: the data axes take what TP, PP and CP leave. DDP replicates
+        over all of them; fully_sharded shards over ``sharding_degree`` (-1: all) and replicates across the groups
+        (hybrid). A config whose degrees do not fit the world gives a value whose ``errors`` say why."""
+        tp, pp, cp = cfg.tensor_parallel_degree, cfg.pipeline_parallel_degree, cfg.context_parallel_degree
+        model_ranks = max(tp, 1) * max(pp, 1) * max(cp, 1)
+        dp = max(world_size // model_ranks, 1)
+        if cfg.backend == "fully_sharded":
+            shard = dp if cfg.sharding_degree == -1 else cfg.sharding_degree
+            replicate = max(dp // max(shard, 1), 1)
+        else:
+            shard, replicate = 1, dp
+        return cls(pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in DIM_NAMES)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Ranks that read different samples (the data axes): batch_size is split over these."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def multi_axis(self) -> bool:
+        """Whether any axis beyond the data ones is in use."""
+        return self.tp > 1 or self.pp > 1 or self.cp > 1
+
+    def errors(self, world_size: int) -> list[str]:
+        """One line per degree that cannot hold at ``world_size``, naming the key."""
+        problems = []
+        for key, value in (("tensor_parallel_degree", self.tp), ("pipeline_parallel_degree", self.pp),
+                           ("context_parallel_degree", self.cp)):  # fmt: skip
+            if value < 1:
+                problems.append(f"distributed.{key} ({value}) must be at least 1 (1 = off)")
+        if problems:
+            return problems
+        if self.world_size != world_size:
+            problems.append(
+                f"the mesh's degrees multiply to {self.describe()} = {self.world_size} ranks, but the world size is "
+                f"{world_size}: distributed.tensor_parallel_degree x pipeline_parallel_degree x context_parallel_degree"
+                " must divide distributed.world_size, and distributed.sharding_degree the ranks left"
+            )
+        return problems
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along each dimension (row-major over DIM_NAMES, the innermost varying fastest)."""
+        coords = {}
+        for name, size in reversed(list(zip(DIM_NAMES, self.sizes))):
+            coords[name] = rank % size
+            rank //= size
+        return {name: coords[name] for name in DIM_NAMES}
+
+    def dp_rank(self, rank: int) -> int:
+        """``rank``'s index among the data-parallel ranks: which slice of each batch it reads."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def rank_grid(self) -> torch.Tensor:
+        """The world's ranks laid out along the dimensions (the mesh's ``mesh`` tensor)."""
+        return torch.arange(self.world_size).reshape(self.sizes)
+
+    def describe(self) -> str:
+        """E.g. 'pp 2 x dp_shard 2 x tp 2' (dimensions of size 1 left out; 'dp_shard 1' when all are)."""
+        parts = [f"{name} {size}" for name, size in zip(DIM_NAMES, self.sizes) if size > 1]
+        return " x ".join(parts) or "dp_shard 1"
+
+    def enabled(self) -> tuple[str, ...]:
+        """The dimensions of size above 1, outermost first ('dp_shard' alone when every degree is 1)."""
+        names = tuple(name for name, size in zip(DIM_NAMES, self.sizes) if size > 1)
+        return names or ("dp_shard",)
+
+    def build(self, device_type: str) -> DeviceMesh:
+        """The mesh over every rank with a named dimension for each degree above 1 (as torchtitan's: a dimension of
+        size 1 would only cost process groups of one rank); slice it by name. Every rank must call it: it makes each
+        dimension's process groups."""
+        names = self.enabled()
+        grid = self.rank_grid().reshape([getattr(self, name) for name in names])
+        return DeviceMesh(device_type, grid, mesh_dim_names=names)
