@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -70,10 +71,28 @@ def check_group_choices(overrides: list[str]) -> None:
             raise ConfigError(unknown_name_message(value, f"{key} option (conf/{key}/*.yaml{where})", options, key))
 
 
+HOME_PREFIX = re.compile(r"(?:(?<=^)|(?<=,))~(?=/|,|$)")
+"""A ``~`` that begins a value, or one of a sweep's comma-separated values, and names the home folder."""
+
+
+def with_home_expanded(overrides: list[str]) -> list[str]:
+    """The overrides with each value's leading ``~`` (``model.pretrained=~/models/x``) made the home folder, as the
+    shell does for ``--flag ~/x`` but not after ``key=``; Hydra's grammar would refuse the ``~`` there
+    (LexerNoViableAltException). A leading ``~`` of the key itself is Hydra's delete override and is kept."""
+    expanded = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and not item.startswith("-") and value.startswith("~"):
+            item = key + sep + HOME_PREFIX.sub(lambda _: os.path.expanduser("~"), value)
+        expanded.append(item)
+    return expanded
+
+
 def with_user_dir(overrides: list[str]) -> list[str]:
-    """The overrides with user_dir absolute, after importing its modules (beside the built-in plug-ins, registered
-    first) and putting its conf/ on the search path of the Hydra that composes next; unchanged without a user_dir."""
-    overrides = user_dir.absolute(overrides)
+    """The overrides with ``~`` expanded (``with_home_expanded``) and user_dir absolute, after importing its modules
+    (beside the built-in plug-ins, registered first) and putting its conf/ on the search path of the Hydra that
+    composes next."""
+    overrides = user_dir.absolute(with_home_expanded(overrides))
     user_dir.put_conf_on_search_path(user_dir.find(overrides), CONF_DIR)
     load_plugins(user_dir.find(overrides))
     return overrides
