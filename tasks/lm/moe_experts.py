@@ -98,6 +98,17 @@ def swiglu_loop(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, do
     return torch.cat(outputs) if outputs else x.new_zeros(0, down.shape[1])
 
 
+def run_experts(
+    rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, impl: str
+) -> torch.Tensor:
+    """Each expert's SwiGLU on its contiguous group of ``rows`` (``counts`` per expert), by ``impl``: auto takes
+    grouped_mm where grouped_mm_usable says the device and dtype have it, else the loop."""
+    grouped = impl == "grouped_mm" or (impl == "auto" and grouped_mm_usable(rows, gate_up))
+    if grouped and rows.shape[0]:
+        return swiglu_grouped_mm(rows, counts, gate_up, down)
+    return swiglu_loop(rows, counts, gate_up, down)
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts of width ``ffn_dim`` over ``dim``, as transformers 5 holds them."""
 
@@ -111,11 +122,6 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, route: Dispatch) -> torch.Tensor:
         """(tokens, dim) ``x`` -> (tokens, dim): the sum over each token's kept assignments of weight * expert(x)."""
-        rows = x[route.token]
-        grouped = self.impl == "grouped_mm" or (self.impl == "auto" and grouped_mm_usable(x, self.gate_up_proj))
-        if grouped and rows.shape[0]:
-            expert_out = swiglu_grouped_mm(rows, route.counts, self.gate_up_proj, self.down_proj)
-        else:
-            expert_out = swiglu_loop(rows, route.counts, self.gate_up_proj, self.down_proj)
+        expert_out = run_experts(x[route.token], route.counts, self.gate_up_proj, self.down_proj, self.impl)
         expert_out = expert_out * route.weight.unsqueeze(-1).to(expert_out.dtype)
         return torch.zeros_like(x).index_add_(0, route.token, expert_out.to(x.dtype))
