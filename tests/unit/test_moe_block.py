@@ -19,7 +19,7 @@ from tasks.lm.moe import (
     load_summary,
     moe_config_errors,
 )
-from tasks.lm.moe_experts import dispatch, grouped_mm_function, swiglu_loop
+from tasks.lm.moe_experts import dispatch, grouped_mm_function, grouped_mm_usable, swiglu_loop
 
 transformers = pytest.importorskip("transformers")
 
@@ -174,6 +174,8 @@ def test_torch_grouped_mm_is_public_and_computes_each_groups_product():
     looped = torch.cat([x[:4] @ gate_up[0].T, x[4:] @ gate_up[2].T])
     torch.testing.assert_close(grouped, looped, **TOLERANCE)
     assert swiglu_loop(x, counts, gate_up, down).shape == (10, 8)
+    # auto picks it on this CPU in fp32; float64 (no kernel) takes the loop
+    assert grouped_mm_usable(x, gate_up) and not grouped_mm_usable(x.double(), gate_up.double())
 
 
 def test_capacity_factor_drops_the_later_tokens_of_an_overloaded_expert_and_counts_them():
