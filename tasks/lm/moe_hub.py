@@ -1,0 +1,109 @@
+"""The Hugging Face side of the MoE block (tasks/lm/moe.py), ready for tasks/lm/hf_models.py to call: a config.json's
+MoE fields as a ``model.moe`` section, and where each hub tensor of a layer lands in the block's grouped weights.
+
+Hub files hold one tensor per expert; the block holds them stacked. For MoE layer N, F = ffn_dim, and the hub prefix
+``model.layers.N.mlp.`` (Mixtral: ``model.layers.N.block_sparse_moe.``), block tensors under ``blocks.N.mlp.``:
+
+- ``router.weight`` <- ``gate.weight``
+- ``experts.gate_up_proj[E, :F]`` <- ``experts.E.gate_proj.weight`` (Mixtral ``experts.E.w1.weight``)
+- ``experts.gate_up_proj[E, F:]`` <- ``experts.E.up_proj.weight`` (Mixtral ``w3``)
+- ``experts.down_proj[E]`` <- ``experts.E.down_proj.weight`` (Mixtral ``w2``)
+- ``shared.{gate,up,down}.weight`` <- ``shared_expert.*_proj.weight`` (Qwen2-MoE), ``shared_experts.*`` (DeepSeek-V3)
+- ``shared.output_gate.weight`` <- ``shared_expert_gate.weight`` (Qwen2-MoE)
+- ``router.score_bias`` <- ``gate.e_score_correction_bias`` (DeepSeek-V3)
+
+Each placement is a slice of one expert's rows: a rank that holds experts [a, b) (expert parallelism) reads only the
+hub tensors of those experts, and the export writes each slice back under its hub name, bit-exact (no arithmetic:
+views of the grouped tensor). No transformers import: config.json is JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from tasks.lm.hf_models import HFConfigError
+from tasks.lm.moe import family_config
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+class Placement(NamedTuple):
+    hub_key: str
+    """The tensor's name in the Hugging Face checkpoint."""
+    ours: str
+    """The block tensor it lands in (under blocks.N.mlp.)."""
+    index: tuple
+    """Where in that tensor: () for all of it, (E,) one expert, (E, slice) part of one expert's rows."""
+    expert: int | None
+    """The routed expert it belongs to (None: router, shared expert): what expert parallelism shards by."""
+
+
+def moe_section(hf: dict[str, Any], path: str) -> dict[str, Any]:
+    """The ``model.moe`` fields of a config.json of an MoE family, or one line naming what cannot be expressed."""
+    model_type = hf.get("model_type")
+    if model_type not in MOE_FAMILIES:
+        raise HFConfigError(f"{path}: model_type={model_type!r} is not an MoE family; known: {MOE_FAMILIES}")
+    if hf.get("router_jitter_noise"):
+        raise HFConfigError(f"{path}: router_jitter_noise={hf['router_jitter_noise']} is not implemented; set 0")
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise HFConfigError(f"{path}: decoder_sparse_step/mlp_only_layers (dense layers between MoE ones) unsupported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFConfigError(f"{path}: hidden_act={hf['hidden_act']!r} is not supported; the experts gate with silu")
+    section = {"top_k": hf["num_experts_per_tok"], "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0))}
+    if model_type == "mixtral":
+        section |= {"num_experts": hf["num_local_experts"], "ffn_dim": hf["intermediate_size"]}
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        # Released Qwen checkpoints say num_experts; transformers 5 writes num_local_experts. Both default
+        # norm_topk_prob to false (transformers' default; Qwen3-30B-A3B's config.json sets it true).
+        experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+        section |= {"num_experts": experts, "ffn_dim": hf["moe_intermediate_size"]}
+        section["norm_topk_prob"] = bool(hf.get("norm_topk_prob", False))
+        if model_type == "qwen2_moe":
+            section["shared_ffn_dim"] = hf["shared_expert_intermediate_size"]
+    else:
+        section |= _deepseek_section(hf, path)
+    cfg = family_config(model_type, **section)
+    return {"family": model_type, **{key: getattr(cfg, key) for key in section}, **_family_defaults(model_type)}
+
+
+def _deepseek_section(hf: dict[str, Any], path: str) -> dict[str, Any]:
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise HFConfigError(f"{path}: DeepSeek routing other than sigmoid + noaux_tc (V3's) is not supported")
+    return {
+        "num_experts": hf["n_routed_experts"],
+        "ffn_dim": hf["moe_intermediate_size"],
+        "shared_ffn_dim": hf.get("n_shared_experts", 0) * hf["moe_intermediate_size"],
+        "num_groups": hf.get("n_group", 1),
+        "topk_groups": hf.get("topk_group", 1),
+        "routed_scaling": float(hf.get("routed_scaling_factor", 1.0)),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+    }
+
+
+def _family_defaults(model_type: str) -> dict[str, Any]:
+    """The family's fixed routing traits (not read from config.json)."""
+    cfg = family_config(model_type)
+    return {"score_func": cfg.score_func, "shared_expert_gate": cfg.shared_expert_gate, "score_bias": cfg.score_bias}
+
+
+def layer_placements(model_type: str, layer: int, moe: dict[str, Any]) -> list[Placement]:
+    """Every hub tensor of MoE layer ``layer`` and where it lands (``moe`` as moe_section returns it)."""
+    mixtral = model_type == "mixtral"
+    base = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    ffn = moe["ffn_dim"]
+    out = [Placement(f"{base}.gate.weight", "router.weight", (), None)]
+    for e in range(moe["num_experts"]):
+        out += [
+            Placement(f"{base}.experts.{e}.{names[0]}.weight", "experts.gate_up_proj", (e, slice(0, ffn)), e),
+            Placement(f"{base}.experts.{e}.{names[1]}.weight", "experts.gate_up_proj", (e, slice(ffn, 2 * ffn)), e),
+            Placement(f"{base}.experts.{e}.{names[2]}.weight", "experts.down_proj", (e,), e),
+        ]
+    if moe.get("shared_ffn_dim"):
+        shared = f"{base}.shared_expert" if model_type == "qwen2_moe" else f"{base}.shared_experts"
+        out += [Placement(f"{shared}.{p}_proj.weight", f"shared.{p}.weight", (), None) for p in ("gate", "up", "down")]
+    if moe.get("shared_expert_gate"):
+        out.append(Placement(f"{base}.shared_expert_gate.weight", "shared.output_gate.weight", (), None))
+    if moe.get("score_bias"):
+        out.append(Placement(f"{base}.gate.e_score_correction_bias", "router.score_bias", (), None))
+    return out

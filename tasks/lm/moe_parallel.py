@@ -1,0 +1,57 @@
+"""Expert parallelism for the MoE block (issue 49, item 3, its first piece): the experts' dim sharded over a group
+of ranks, each rank holding ``num_experts / degree`` consecutive experts; a rank's assignment rows travel to the
+ranks holding their experts and their outputs travel back, by ``all_to_all_single`` of uneven sizes.
+
+``expert_parallel_run`` takes the place of ``moe_experts.run_experts`` between the dispatch (sort by expert, gather)
+and the combine (weight, ``index_add_``), which stay on the token's own rank. Two exchanges each way: first the
+per-expert counts (equal splits: one count per expert), then the rows with the split sizes the counts give. The
+rows a rank receives are ordered by (source rank, expert); a stable sort by expert groups them for the local
+experts, and the inverse order puts the outputs back before the return exchange. Autograd runs both exchanges in
+reverse (torch.distributed.nn.functional.all_to_all_single), so gradients reach the rows and the local experts.
+
+Deterministic: a token's experts are chosen on its own rank from the replicated router, so the same tokens reach
+the same experts at any expert-parallel degree; each row's output is the same SwiGLU of the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_autograd
+
+from tasks.lm.moe_experts import run_experts
+
+
+def expert_parallel_run(
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """The routed experts' outputs for this rank's ``rows`` (sorted by global expert, ``counts`` per expert over all
+    ``num_experts``), computed by the ranks of ``group`` that hold them; ``gate_up`` and ``down`` are this rank's
+    ``num_experts / group size`` experts (rank r holds experts r*L .. r*L + L - 1)."""
+    world, local = dist.get_world_size(group), gate_up.shape[0]
+    assert counts.numel() == world * local, "counts must cover every expert of the group"
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)  # [source rank, local expert]
+    by_source = received_counts.view(world, local)
+    send_splits = counts.view(world, local).sum(dim=1).tolist()
+    receive_splits = by_source.sum(dim=1).tolist()
+    received = _exchange(rows, receive_splits, send_splits, group)
+    expert_of = torch.arange(local, device=rows.device).repeat(world).repeat_interleave(received_counts)
+    order = torch.argsort(expert_of, stable=True)
+    outputs = run_experts(received[order], by_source.sum(dim=0), gate_up, down, impl)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return _exchange(outputs[inverse], send_splits, receive_splits, group)
+
+
+def _exchange(
+    rows: torch.Tensor, receive_splits: list[int], send_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """all_to_all_single of uneven sizes along dim 0, differentiable."""
+    output = rows.new_empty(sum(receive_splits), *rows.shape[1:])
+    return dist_autograd.all_to_all_single(output, rows.contiguous(), receive_splits, send_splits, group=group)
