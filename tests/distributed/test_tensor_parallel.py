@@ -37,6 +37,10 @@ def train_records(result: dict, key: str) -> torch.Tensor:
 
 def assert_trains_as_one_process(result: dict, reference: dict) -> None:
     assert len(train_records(result, "loss")) == 10
+    # Tokens counted once per data-parallel rank, not once per tensor-parallel rank (which read the same samples):
+    # each logged step (logging.interval_steps=1) processed batch_size x seq_len = 8 x 32.
+    tokens = train_records(result, "tokens_per_s") * train_records(result, "ms_per_step") / 1000
+    torch.testing.assert_close(tokens, torch.full_like(tokens, 8 * 32), rtol=1e-6, atol=0)
     torch.testing.assert_close(train_records(result, "loss"), train_records(reference, "loss"), rtol=LOSS_RTOL, atol=0)
     torch.testing.assert_close(
         train_records(result, "gnorm"), train_records(reference, "gnorm"), rtol=1e-4, atol=0
@@ -78,3 +82,57 @@ def test_tensor_parallel_ranks_train_as_one_process(name, two_rank_results, tiny
     assert tp["blocks.0.attn.o.weight"] == tp["blocks.0.mlp.down.weight"] == "S(1)", tp
     assert tp["blocks.0.attn_norm.weight"] == "R", tp
     assert_trains_as_one_process(result, reference)
+
+
+CKPT = ["checkpoint.interval_steps=5"]
+FSDP2_TP2 = [*TP2, "distributed.sharding_degree=2"]
+HYBRID2_TP2 = [*TP2, "distributed.sharding_degree=1"]  # 2 replicas, each split over 2 tensor-parallel ranks
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(tiny_lm, tmp_path_factory):
+    """On 4 ranks: FSDP 2 x TP 2 (saving at step 5), hybrid 2 x TP 2, and FSDP 2 x TP 2 resuming one process's step
+    5; then one process resuming the FSDP 2 x TP 2 step 5. The reference: one process, uninterrupted."""
+    single_dir, fsdp_dir = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("fsdp2_tp2")
+    reference = single(tiny_lm(*LLAMA, *CKPT), single_dir)
+    single_step5 = single_dir / "checkpoints" / "step_00000005"
+    cfgs = {
+        "fsdp2_tp2": tiny_lm(*LLAMA, *FSDP2_TP2, *CKPT),
+        "hybrid2_tp2": tiny_lm(*LLAMA, *HYBRID2_TP2),
+        "fsdp2_tp2_from_single": tiny_lm(*LLAMA, *FSDP2_TP2, f"checkpoint.resume={single_step5}"),
+    }
+    run_dirs = [fsdp_dir, tmp_path_factory.mktemp("hybrid"), tmp_path_factory.mktemp("from_single")]
+    results = dict(zip(cfgs, run_spawned(list(cfgs.values()), 4, run_dirs=run_dirs, inspect=inspect), strict=True))
+    fsdp_step5 = fsdp_dir / "checkpoints" / "step_00000005"
+    results["single_from_fsdp2_tp2"] = single(
+        tiny_lm(*LLAMA, f"checkpoint.resume={fsdp_step5}"), tmp_path_factory.mktemp("single_from")
+    )
+    return {**results, "reference": reference}
+
+
+@pytest.mark.parametrize(("name", "dp", "mesh"), [("fsdp2_tp2", 2, 2), ("hybrid2_tp2", 2, 3)])
+def test_data_and_tensor_parallel_ranks_train_as_one_process(name, dp, mesh, four_rank_results):
+    """FSDP 2 x TP 2: every parameter is placed on the 2-D mesh (data shard, tensor); hybrid: 3-D (replicate, shard
+    of 1, tensor). The two data-parallel groups each read half of every batch."""
+    result = four_rank_results[name]
+    assert result["dp"] == dp
+    assert {len(p) for p in result["placements"].values()} == {mesh}, result["placements"]
+    assert_trains_as_one_process(result, four_rank_results["reference"])
+
+
+def continued_losses(result: dict, reference: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    got = {r["step"]: r["loss"] for r in result["history"] if r["split"] == "train"}
+    expected = {r["step"]: r["loss"] for r in reference["history"] if r["split"] == "train"}
+    assert sorted(got) == list(range(6, 11)), "a resumed run starts after its checkpoint's step"
+    return (torch.tensor([got[s] for s in sorted(got)], dtype=torch.float64),
+            torch.tensor([expected[s] for s in sorted(got)], dtype=torch.float64))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["fsdp2_tp2_from_single", "single_from_fsdp2_tp2"])
+def test_checkpoints_move_between_one_process_and_fsdp2_x_tp2(name, four_rank_results):
+    """DCP reshards the step folder's DTensors to the other layout: the resumed run continues the uninterrupted
+    curve, and ends on its weights."""
+    result, reference = four_rank_results[name], four_rank_results["reference"]
+    torch.testing.assert_close(*continued_losses(result, reference), rtol=LOSS_RTOL, atol=0)
+    for key, value in reference["params"].items():
+        torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
