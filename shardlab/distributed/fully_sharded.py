@@ -117,8 +117,9 @@ class FullyShardedBackend(Backend):
         from shardlab.distributed.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
 
         apply_tensor_parallel(model, plan, self.mesh["tp"])
-        if self.cfg.async_tensor_parallel and self.device.type == "cuda":
-            enable_async_tensor_parallel(self.mesh["tp"])
+        self.async_tensor_parallel = (
+            self.cfg.async_tensor_parallel and self.device.type == "cuda" and enable_async_tensor_parallel(self.mesh["tp"])
+        )
 
     def shard_kwargs(self) -> dict:
         return {
@@ -189,3 +190,7 @@ class FullyShardedBackend(Backend):
             f"reduce-scatter {'as overlapped all-reduce' if self.reduce_comm is not None else 'native'}, "
             f"prefetch_units={self.cfg.prefetch_units}{' (async unshard)' if self.unshard_async else ''}"
         )
+        if self.dims.tp > 1:
+            overlap = "async (overlapped in compiled graphs)" if getattr(self, "async_tensor_parallel", False) else "sync"
+            yield (f"tensor parallel: {self.dims.describe()}; each layer split over {self.dims.tp} ranks, sequence-"
+                   f"parallel between blocks, collectives {overlap}")  # fmt: skip

@@ -9,11 +9,11 @@ materialization (shardlab.distributed.materialize) fills its shard from the same
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from shardlab.distributed import torch_internals
 from shardlab.distributed.materialize import shared_parameter_slots
 
 
@@ -38,11 +38,15 @@ def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> 
     return model
 
 
-def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
+def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> bool:
     """distributed.async_tensor_parallel (CUDA, with distributed.compile): compiled graphs overlap the tensor-parallel
     all-gathers and reduce-scatters with the matmuls that use them (torch's micro-pipeline TP, as torchtitan enables
-    it: inductor's pass and symmetric memory for the tp group)."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    torch._inductor.config._micro_pipeline_tp = True
+    it: inductor's pass and symmetric memory for the tp group; private names, torch_internals). Whether it is on: a
+    torch where those names moved runs TP synchronously."""
+    switches = torch_internals.micro_pipeline_tp_switches()
+    if switches is None:
+        return False
+    inductor_config, enable_symm_mem_for_group = switches
+    inductor_config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    return True
