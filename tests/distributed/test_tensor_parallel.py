@@ -60,6 +60,7 @@ def hf_folders(tmp_path_factory):
 def two_rank_results(tiny_lm, hf_folders):
     cfgs = {
         "llama_tp2": tiny_lm(*LLAMA, *TP2),
+        "llama_tp2_bf16": tiny_lm(*LLAMA, *TP2, "distributed.precision=bf16"),
         **{f"{f}_tp2": tiny_lm(*TP2, *HF, f"model.pretrained={folder}") for f, folder in hf_folders.items()},
     }
     return dict(zip(cfgs, run_spawned(list(cfgs.values()), world_size=2, inspect=inspect), strict=True))
@@ -84,7 +85,22 @@ def test_tensor_parallel_ranks_train_as_one_process(name, two_rank_results, tiny
     assert_trains_as_one_process(result, reference)
 
 
+def test_bf16_under_tensor_parallelism_stays_finite_and_tracks_fp32(two_rank_results, tiny_lm, tmp_path):
+    """FSDP2's bf16 parameters on the tensor-parallel shards, fp32 reduction: within 2% of one fp32 process (bf16
+    keeps ~3 significant digits)."""
+    low, fp32 = train_records(two_rank_results["llama_tp2_bf16"], "loss"), train_records(
+        single(tiny_lm(*LLAMA), tmp_path), "loss"
+    )
+    assert torch.isfinite(low).all()
+    torch.testing.assert_close(low, fp32, rtol=0.02, atol=0)
+
+
 CKPT = ["checkpoint.interval_steps=5"]
+TORCHTITAN_AC = [  # selective op checkpointing (every other matmul kept), the embedding and head units unwrapped
+    "distributed.activation_checkpointing=selective_op",
+    "distributed.ac_matmul_save_every=2",
+    "distributed.ac_skip_units=[0,-1]",
+]
 FSDP2_TP2 = [*TP2, "distributed.sharding_degree=2"]
 HYBRID2_TP2 = [*TP2, "distributed.sharding_degree=1"]  # 2 replicas, each split over 2 tensor-parallel ranks
 
@@ -99,21 +115,23 @@ def four_rank_results(tiny_lm, tmp_path_factory):
     cfgs = {
         "fsdp2_tp2": tiny_lm(*LLAMA, *FSDP2_TP2, *CKPT),
         "hybrid2_tp2": tiny_lm(*LLAMA, *HYBRID2_TP2),
+        "fsdp2_tp2_ac": tiny_lm(*LLAMA, *FSDP2_TP2, *TORCHTITAN_AC),
         "fsdp2_tp2_from_single": tiny_lm(*LLAMA, *FSDP2_TP2, f"checkpoint.resume={single_step5}"),
     }
-    run_dirs = [fsdp_dir, tmp_path_factory.mktemp("hybrid"), tmp_path_factory.mktemp("from_single")]
+    run_dirs = [fsdp_dir, *(tmp_path_factory.mktemp(name) for name in ("hybrid", "ac", "from_single"))]
     results = dict(zip(cfgs, run_spawned(list(cfgs.values()), 4, run_dirs=run_dirs, inspect=inspect), strict=True))
     fsdp_step5 = fsdp_dir / "checkpoints" / "step_00000005"
     results["single_from_fsdp2_tp2"] = single(
         tiny_lm(*LLAMA, f"checkpoint.resume={fsdp_step5}"), tmp_path_factory.mktemp("single_from")
     )
-    return {**results, "reference": reference}
+    return {**results, "reference": reference, "reference_dir": single_dir, "fsdp2_tp2_dir": fsdp_dir}
 
 
-@pytest.mark.parametrize(("name", "dp", "mesh"), [("fsdp2_tp2", 2, 2), ("hybrid2_tp2", 2, 3)])
+@pytest.mark.parametrize(("name", "dp", "mesh"), [("fsdp2_tp2", 2, 2), ("hybrid2_tp2", 2, 3), ("fsdp2_tp2_ac", 2, 2)])
 def test_data_and_tensor_parallel_ranks_train_as_one_process(name, dp, mesh, four_rank_results):
     """FSDP 2 x TP 2: every parameter is placed on the 2-D mesh (data shard, tensor); hybrid: 3-D (replicate, shard
-    of 1, tensor). The two data-parallel groups each read half of every batch."""
+    of 1, tensor); torchtitan's selective checkpointing, applied after TP, recomputes the same math. The two
+    data-parallel groups each read half of every batch."""
     result = four_rank_results[name]
     assert result["dp"] == dp
     assert {len(p) for p in result["placements"].values()} == {mesh}, result["placements"]
@@ -136,3 +154,20 @@ def test_checkpoints_move_between_one_process_and_fsdp2_x_tp2(name, four_rank_re
     torch.testing.assert_close(*continued_losses(result, reference), rtol=LOSS_RTOL, atol=0)
     for key, value in reference["params"].items():
         torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_a_tensor_parallel_step_folder_exports_the_weights_one_process_exports(four_rank_results, tmp_path):
+    """tools/export_hf.py reads a step folder of FSDP 2 x TP 2 (DTensors split two ways) into the same Hugging Face
+    folder as one process's step folder of the same training."""
+    from safetensors.torch import load_file
+
+    from tools import export_hf
+
+    exported = {}
+    for name in ("fsdp2_tp2", "reference"):
+        out = export_hf.main([str(four_rank_results[f"{name}_dir"] / "checkpoints" / "step_00000010"), "--out",
+                              str(tmp_path / name)])  # fmt: skip
+        exported[name] = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert exported["fsdp2_tp2"].keys() == exported["reference"].keys() and exported["reference"]
+    for key, value in exported["reference"].items():
+        torch.testing.assert_close(exported["fsdp2_tp2"][key], value, rtol=1e-5, atol=1e-5, msg=key)
