@@ -43,7 +43,7 @@ def assert_trains_as_one_process(result: dict, reference: dict) -> None:
     torch.testing.assert_close(tokens, torch.full_like(tokens, 8 * 32), rtol=1e-6, atol=0)
     torch.testing.assert_close(train_records(result, "loss"), train_records(reference, "loss"), rtol=LOSS_RTOL, atol=0)
     torch.testing.assert_close(
-        train_records(result, "gnorm"), train_records(reference, "gnorm"), rtol=1e-4, atol=0
+        train_records(result, "gnorm"), train_records(reference, "gnorm"), rtol=1e-5, atol=0
     )
     assert result["params"].keys() == reference["params"].keys()
     for key, value in reference["params"].items():  # atol: Adam scales rounding noise of a ~0 gradient up
