@@ -563,9 +563,7 @@ def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]
             f"({readers}): it is the global micro-batch, split evenly over the ranks"
         )
     if readers > 1 and cfg.validation.batch_size % readers:
-        errors.append(
-            f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by {among} ({readers})"
-        )
+        errors.append(f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by {among} ({readers})")
     if sharded and d.sharding_degree != -1 and (d.sharding_degree < 1 or world % d.sharding_degree):
         errors.append(
             f"distributed.sharding_degree ({d.sharding_degree}) must divide the world size ({world}); "

@@ -42,9 +42,7 @@ def assert_trains_as_one_process(result: dict, reference: dict) -> None:
     tokens = train_records(result, "tokens_per_s") * train_records(result, "ms_per_step") / 1000
     torch.testing.assert_close(tokens, torch.full_like(tokens, 8 * 32), rtol=1e-6, atol=0)
     torch.testing.assert_close(train_records(result, "loss"), train_records(reference, "loss"), rtol=LOSS_RTOL, atol=0)
-    torch.testing.assert_close(
-        train_records(result, "gnorm"), train_records(reference, "gnorm"), rtol=1e-5, atol=0
-    )
+    torch.testing.assert_close(train_records(result, "gnorm"), train_records(reference, "gnorm"), rtol=1e-5, atol=0)
     assert result["params"].keys() == reference["params"].keys()
     for key, value in reference["params"].items():  # atol: Adam scales rounding noise of a ~0 gradient up
         torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
@@ -88,8 +86,9 @@ def test_tensor_parallel_ranks_train_as_one_process(name, two_rank_results, tiny
 def test_bf16_under_tensor_parallelism_stays_finite_and_tracks_fp32(two_rank_results, tiny_lm, tmp_path):
     """FSDP2's bf16 parameters on the tensor-parallel shards, fp32 reduction: within 2% of one fp32 process (bf16
     keeps ~3 significant digits)."""
-    low, fp32 = train_records(two_rank_results["llama_tp2_bf16"], "loss"), train_records(
-        single(tiny_lm(*LLAMA), tmp_path), "loss"
+    low, fp32 = (
+        train_records(two_rank_results["llama_tp2_bf16"], "loss"),
+        train_records(single(tiny_lm(*LLAMA), tmp_path), "loss"),
     )
     assert torch.isfinite(low).all()
     torch.testing.assert_close(low, fp32, rtol=0.02, atol=0)
