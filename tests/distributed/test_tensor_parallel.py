@@ -1,7 +1,8 @@
 """Tensor parallelism (with sequence parallelism) trains exactly like one process on the same global batch (CPU, gloo):
-TP 2 alone, FSDP 2 x TP 2 and hybrid (2 replicas) x TP 2 on 4 ranks, for a Llama built from its config and for a
-Llama with tied embeddings and a Qwen3 (q/k norms) read from Hugging Face folders made by transformers. Losses, the
-gradient norm of every step and the final weights are compared."""
+TP 2 alone, FSDP 2 x TP 2 and hybrid (2 replicas) x TP 2 on 4 ranks, for a Llama built from its config; TP 2 for a
+Llama with tied embeddings, a Qwen2 (biases), a Qwen3 (q/k norms) and a Mistral read from Hugging Face folders made by
+transformers, and for fine-tuning on packed rows. Losses, the gradient norm of every step, the tokens counted and the
+final weights are compared; step folders move between FSDP 2 x TP 2 and one process."""
 
 from __future__ import annotations
 
@@ -11,13 +12,32 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from shardlab.distributed import env as dist_env
+from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
 from tests.distributed.harness import run_spawned
 from tests.hf_folders import make_folder
+from tests.unit.test_sft import SFT_TINY
 
 LLAMA = ["model=llama_tiny", "model.num_kv_heads=2", "model.ffn_dim=null"]
 TP2 = ["distributed.backend=fully_sharded", "distributed.tensor_parallel_degree=2"]
 HF = ["optimizer.lr=1e-3", "lr_scheduler.warmup_steps=0"]
+FAMILIES = ("llama3_tied", "qwen2", "qwen3", "mistral")
+"""Tied embeddings (one weight split by vocabulary rows for the embedding and the head), q/k/v biases split with their
+outputs (Qwen2, tied too), q/k norms over each rank's heads (Qwen3, head_dim 32), Mistral."""
+SFT = [
+    *SFT_TINY,
+    "model=llama_tiny",
+    "model.dim=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_dim=64",
+    "model.max_seq_len=128",
+    "optimization.max_steps=10",
+    "optimization.batch_size=4",
+    "optimization.update_freq=2",
+]
+"""Fine-tuning on packed rows (each sample's attention kept to itself by a mask, positions restarting), with micro-
+batches weighted by their answer tokens."""
 LOSS_RTOL = 1e-5
 """One process and the split ranks add the same products in another order (row-wise partial sums, the vocabulary
 split in two): rounding only."""
@@ -35,12 +55,15 @@ def train_records(result: dict, key: str) -> torch.Tensor:
     return torch.tensor([r[key] for r in result["history"] if r["split"] == "train"], dtype=torch.float64)
 
 
+def tokens_per_step(result: dict) -> torch.Tensor:
+    return train_records(result, "tokens_per_s") * train_records(result, "ms_per_step") / 1000
+
+
 def assert_trains_as_one_process(result: dict, reference: dict) -> None:
     assert len(train_records(result, "loss")) == 10
     # Tokens counted once per data-parallel rank, not once per tensor-parallel rank (which read the same samples):
-    # each logged step (logging.interval_steps=1) processed batch_size x seq_len = 8 x 32.
-    tokens = train_records(result, "tokens_per_s") * train_records(result, "ms_per_step") / 1000
-    torch.testing.assert_close(tokens, torch.full_like(tokens, 8 * 32), rtol=1e-6, atol=0)
+    # each logged step (logging.interval_steps=1) processed what one process did (pretraining: 8 x 32).
+    torch.testing.assert_close(tokens_per_step(result), tokens_per_step(reference), rtol=1e-6, atol=0)
     torch.testing.assert_close(train_records(result, "loss"), train_records(reference, "loss"), rtol=LOSS_RTOL, atol=0)
     torch.testing.assert_close(train_records(result, "gnorm"), train_records(reference, "gnorm"), rtol=1e-5, atol=0)
     assert result["params"].keys() == reference["params"].keys()
@@ -51,7 +74,7 @@ def assert_trains_as_one_process(result: dict, reference: dict) -> None:
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {family: make_folder(family, root / family) for family in ("llama3_tied", "qwen3")}
+    return {family: make_folder(family, root / family) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +83,7 @@ def two_rank_results(tiny_lm, hf_folders):
         "llama_tp2": tiny_lm(*LLAMA, *TP2),
         "llama_tp2_bf16": tiny_lm(*LLAMA, *TP2, "distributed.precision=bf16"),
         **{f"{f}_tp2": tiny_lm(*TP2, *HF, f"model.pretrained={folder}") for f, folder in hf_folders.items()},
+        "sft_tp2": compose_config([*SFT, *TP2]),
     }
     return dict(zip(cfgs, run_spawned(list(cfgs.values()), world_size=2, inspect=inspect), strict=True))
 
@@ -68,12 +92,15 @@ def single(cfg, tmp_path) -> dict:
     return run_rank(cfg, tmp_path, dist_env.detect(), after_fit=inspect)
 
 
-@pytest.mark.parametrize("name", ["llama_tp2", "llama3_tied_tp2", "qwen3_tp2"])
+@pytest.mark.parametrize("name", ["llama_tp2", *(f"{family}_tp2" for family in FAMILIES), "sft_tp2"])
 def test_tensor_parallel_ranks_train_as_one_process(name, two_rank_results, tiny_lm, hf_folders, tmp_path):
     result = two_rank_results[name]
     family = name.removesuffix("_tp2")
-    overrides = LLAMA if family == "llama" else [*HF, f"model.pretrained={hf_folders[family]}"]
-    reference = single(tiny_lm(*overrides), tmp_path)
+    if family == "sft":
+        reference = single(compose_config(SFT), tmp_path)
+    else:
+        overrides = LLAMA if family == "llama" else [*HF, f"model.pretrained={hf_folders[family]}"]
+        reference = single(tiny_lm(*overrides), tmp_path)
     assert result["dp"] == 1  # both ranks read the same samples
     assert result["placements"], "no parameter was split"
     tp = {name: placements[-1] for name, placements in result["placements"].items()}  # the mesh's last axis
