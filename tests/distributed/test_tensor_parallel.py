@@ -88,19 +88,29 @@ def two_rank_results(tiny_lm, hf_folders):
     return dict(zip(cfgs, run_spawned(list(cfgs.values()), world_size=2, inspect=inspect), strict=True))
 
 
+@pytest.fixture(scope="module")
+def llama_reference(tiny_lm, tmp_path_factory) -> tuple[dict, object]:
+    """One process training the Llama 10 steps, saving at steps 5 and 10: (its result, its run folder)."""
+    run_dir = tmp_path_factory.mktemp("single")
+    return single(tiny_lm(*LLAMA, *CKPT), run_dir), run_dir
+
+
 def single(cfg, tmp_path) -> dict:
     return run_rank(cfg, tmp_path, dist_env.detect(), after_fit=inspect)
 
 
 @pytest.mark.parametrize("name", ["llama_tp2", *(f"{family}_tp2" for family in FAMILIES), "sft_tp2"])
-def test_tensor_parallel_ranks_train_as_one_process(name, two_rank_results, tiny_lm, hf_folders, tmp_path):
+def test_tensor_parallel_ranks_train_as_one_process(
+    name, two_rank_results, llama_reference, tiny_lm, hf_folders, tmp_path
+):
     result = two_rank_results[name]
     family = name.removesuffix("_tp2")
     if family == "sft":
         reference = single(compose_config(SFT), tmp_path)
+    elif family == "llama":
+        reference = llama_reference[0]
     else:
-        overrides = LLAMA if family == "llama" else [*HF, f"model.pretrained={hf_folders[family]}"]
-        reference = single(tiny_lm(*overrides), tmp_path)
+        reference = single(tiny_lm(*HF, f"model.pretrained={hf_folders[family]}"), tmp_path)
     assert result["dp"] == 1  # both ranks read the same samples
     assert result["placements"], "no parameter was split"
     tp = {name: placements[-1] for name, placements in result["placements"].items()}  # the mesh's last axis
@@ -110,12 +120,12 @@ def test_tensor_parallel_ranks_train_as_one_process(name, two_rank_results, tiny
     assert_trains_as_one_process(result, reference)
 
 
-def test_bf16_under_tensor_parallelism_stays_finite_and_tracks_fp32(two_rank_results, tiny_lm, tmp_path):
+def test_bf16_under_tensor_parallelism_stays_finite_and_tracks_fp32(two_rank_results, llama_reference):
     """FSDP2's bf16 parameters on the tensor-parallel shards, fp32 reduction: within 2% of one fp32 process (bf16
     keeps ~3 significant digits)."""
     low, fp32 = (
         train_records(two_rank_results["llama_tp2_bf16"], "loss"),
-        train_records(single(tiny_lm(*LLAMA), tmp_path), "loss"),
+        train_records(llama_reference[0], "loss"),
     )
     assert torch.isfinite(low).all()
     torch.testing.assert_close(low, fp32, rtol=0.02, atol=0)
@@ -132,11 +142,11 @@ HYBRID2_TP2 = [*TP2, "distributed.sharding_degree=1"]  # 2 replicas, each split 
 
 
 @pytest.fixture(scope="module")
-def four_rank_results(tiny_lm, tmp_path_factory):
+def four_rank_results(tiny_lm, tmp_path_factory, llama_reference):
     """On 4 ranks: FSDP 2 x TP 2 (saving at step 5), hybrid 2 x TP 2, and FSDP 2 x TP 2 resuming one process's step
     5; then one process resuming the FSDP 2 x TP 2 step 5. The reference: one process, uninterrupted."""
-    single_dir, fsdp_dir = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("fsdp2_tp2")
-    reference = single(tiny_lm(*LLAMA, *CKPT), single_dir)
+    reference, single_dir = llama_reference
+    fsdp_dir = tmp_path_factory.mktemp("fsdp2_tp2")
     single_step5 = single_dir / "checkpoints" / "step_00000005"
     cfgs = {
         "fsdp2_tp2": tiny_lm(*LLAMA, *FSDP2_TP2, *CKPT),
