@@ -24,6 +24,9 @@ HF = ["optimizer.lr=1e-3", "lr_scheduler.warmup_steps=0"]
 FAMILIES = ("llama3_tied", "qwen2", "qwen3", "mistral")
 """Tied embeddings (one weight split by vocabulary rows for the embedding and the head), q/k/v biases split with their
 outputs (Qwen2, tied too), q/k norms over each rank's heads (Qwen3, head_dim 32), Mistral."""
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[attn.*,mlp.*]"]
+"""LoRA on every linear of the blocks of a Qwen3: adapters split with their layers (A whole for column-wise layers,
+B whole for row-wise ones), the frozen base read from the folder into its tensor-parallel shards."""
 SFT = [
     *SFT_TINY,
     "model=llama_tiny",
@@ -84,6 +87,7 @@ def two_rank_results(tiny_lm, hf_folders):
         "llama_tp2_bf16": tiny_lm(*LLAMA, *TP2, "distributed.precision=bf16"),
         **{f"{f}_tp2": tiny_lm(*TP2, *HF, f"model.pretrained={folder}") for f, folder in hf_folders.items()},
         "sft_tp2": compose_config([*SFT, *TP2]),
+        "lora_tp2": tiny_lm(*TP2, *HF, *LORA, f"model.pretrained={hf_folders['qwen3']}"),
     }
     return dict(zip(cfgs, run_spawned(list(cfgs.values()), world_size=2, inspect=inspect), strict=True))
 
@@ -99,7 +103,7 @@ def single(cfg, tmp_path) -> dict:
     return run_rank(cfg, tmp_path, dist_env.detect(), after_fit=inspect)
 
 
-@pytest.mark.parametrize("name", ["llama_tp2", *(f"{family}_tp2" for family in FAMILIES), "sft_tp2"])
+@pytest.mark.parametrize("name", ["llama_tp2", *(f"{family}_tp2" for family in FAMILIES), "sft_tp2", "lora_tp2"])
 def test_tensor_parallel_ranks_train_as_one_process(
     name, two_rank_results, llama_reference, tiny_lm, hf_folders, tmp_path
 ):
@@ -107,6 +111,8 @@ def test_tensor_parallel_ranks_train_as_one_process(
     family = name.removesuffix("_tp2")
     if family == "sft":
         reference = single(compose_config(SFT), tmp_path)
+    elif family == "lora":
+        reference = single(tiny_lm(*HF, *LORA, f"model.pretrained={hf_folders['qwen3']}"), tmp_path)
     elif family == "llama":
         reference = llama_reference[0]
     else:
@@ -117,6 +123,9 @@ def test_tensor_parallel_ranks_train_as_one_process(
     assert tp["blocks.0.attn.q.weight"] == tp["blocks.0.mlp.up.weight"] == tp["embed.weight"] == "S(0)", tp
     assert tp["blocks.0.attn.o.weight"] == tp["blocks.0.mlp.down.weight"] == "S(1)", tp
     assert tp["blocks.0.attn_norm.weight"] == "R", tp
+    if family == "lora":  # column-wise: A whole, B by rows; row-wise: A by columns, B whole
+        assert (tp["blocks.0.attn.q.lora_A.weight"], tp["blocks.0.attn.q.lora_B.weight"]) == ("R", "S(0)"), tp
+        assert (tp["blocks.0.mlp.down.lora_A.weight"], tp["blocks.0.mlp.down.lora_B.weight"]) == ("S(1)", "R"), tp
     assert_trains_as_one_process(result, reference)
 
 
