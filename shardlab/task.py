@@ -21,6 +21,9 @@ class Task(ABC):
     """What throughput counts (tokens for the LM, images for vision)."""
     num_workers = 0
     """DataLoader worker processes per rank; 0 reads in the training process (enough for memory-mapped tokens)."""
+    model_parallel_axes: tuple[str, ...] = ()
+    """The mesh axes beyond data parallelism this task's models can split over ("tp", "pp", "cp"); the pre-flight
+    refuses a degree above 1 on any other (vision models stay data-parallel)."""
     resumable_model_changes: tuple[str, ...] = ("dropout",)
     """Model config keys that may differ between a checkpoint and the run resuming it (no effect on shapes)."""
 
@@ -126,6 +129,20 @@ class Task(ABC):
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         """Submodules to shard as separate FSDP units, in forward order; the root is wrapped last by the backend.
         Empty means: let the backend's generic policy decide."""
+        return []
+
+    def tensor_parallel_plan(self, model: nn.Module) -> dict | None:
+        """How ``model`` (built on meta) splits over distributed.tensor_parallel_degree ranks, as data: module paths
+        (``*`` for any one name) to torch ParallelStyles (ColwiseParallel, RowwiseParallel, SequenceParallel,
+        PrepareModuleInput), which the fully_sharded backend applies before activation checkpointing, compile and
+        FSDP (shardlab.distributed.tensor_parallel). None (the default): the task cannot use tensor parallelism, and
+        the pre-flight refuses a degree above 1."""
+        return None
+
+    def tensor_parallel_errors(self, degree: int) -> list[str]:
+        """Why the model cannot split over ``degree`` tensor-parallel ranks (a head count, a width or the vocabulary
+        it does not divide), each line naming the key; asked by the pre-flight when the degree is above 1 and the
+        task has a plan."""
         return []
 
     def full_precision_modules(self, model: nn.Module) -> list[nn.Module]:

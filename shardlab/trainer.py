@@ -144,6 +144,7 @@ class Trainer:
             plan.units,
             lambda m: materialize(m, backend.param_device, self.task.init_tensor, cfg.seed, loaded),
             full_precision_modules=self.task.full_precision_modules(plan.model),
+            tensor_parallel_plan=self.task.tensor_parallel_plan(plan.model) if backend.dims.tp > 1 else None,
         )
         self.optimizer = OPTIMIZERS.build(cfg.optimizer.name, self.model, cfg.optimizer, key="optimizer.name")
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]

@@ -46,6 +46,7 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
 
     from shardlab.distributed import load_backends
     from shardlab.distributed.compile import compile_errors
+    from shardlab.jobs.axis_checks import axis_errors
     from shardlab.task import Task
 
     load_plugins(cfg.get("user_dir"))  # .get: configs recorded before user_dir existed lack it
@@ -67,6 +68,7 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
     problems += registered_name_errors(cfg)
     problems += task.config_errors()
     problems += task.world_errors(world_size)
+    problems += axis_errors(cfg, task, world_size, num_cuda_devices)
     problems += compile_errors(cfg.distributed, num_cuda_devices)
     if cfg.distributed.wrap_min_num_params > 0 and type(task).fsdp_units is not Task.fsdp_units:
         problems.append(
@@ -550,15 +552,18 @@ def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]
     """Flag combinations that cannot work (or silently would not do what they say)."""
     d, errors = cfg.distributed, []
     sharded = d.backend in ("fully_sharded", "auto")  # auto keeps fully_sharded knobs (and then shards)
-    if world > 1 and cfg.optimization.batch_size % world:
+    from shardlab.distributed.mesh import ParallelDims
+
+    dims = ParallelDims.from_config(d, world)
+    readers = dims.dp if dims.multi_axis and dims.world_size == world else world  # ranks that read different samples
+    among = "the world size" if readers == world else "the data-parallel ranks (world / tensor x pipeline x context)"
+    if readers > 1 and cfg.optimization.batch_size % readers:
         errors.append(
-            f"optimization.batch_size ({cfg.optimization.batch_size}) must be divisible by the world size "
-            f"({world}): it is the global micro-batch, split evenly over the ranks"
+            f"optimization.batch_size ({cfg.optimization.batch_size}) must be divisible by {among} "
+            f"({readers}): it is the global micro-batch, split evenly over the ranks"
         )
-    if world > 1 and cfg.validation.batch_size % world:
-        errors.append(
-            f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by the world size ({world})"
-        )
+    if readers > 1 and cfg.validation.batch_size % readers:
+        errors.append(f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by {among} ({readers})")
     if sharded and d.sharding_degree != -1 and (d.sharding_degree < 1 or world % d.sharding_degree):
         errors.append(
             f"distributed.sharding_degree ({d.sharding_degree}) must divide the world size ({world}); "
