@@ -29,6 +29,7 @@ import numpy as np
 
 from shardlab.checkpoint.layout import fsync_path
 from shardlab.errors import DataError
+from tasks.lm.cache_files import open_cache_file, read_cache_json
 from tasks.lm.cache_lock import temp_prefix
 from tasks.lm.corpus import check_sources, jsonl_text, read_blocks
 from tasks.lm.sources import Block, Source
@@ -223,7 +224,7 @@ def binarize(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted run leaves nothing behind
         raise
-    return json.loads((out_dir / "meta.json").read_text())
+    return read_cache_json(out_dir / "meta.json", out_dir)
 
 
 def content_digest(corpus: Path) -> str:
@@ -231,7 +232,7 @@ def content_digest(corpus: Path) -> str:
     and timestamps that named their cache (node-local copies of one corpus agree)."""
     h = hashlib.blake2b(digest_size=12)
     for split in ("train", "valid"):
-        with open(corpus / f"{split}.bin", "rb") as f:
+        with open_cache_file(corpus / f"{split}.bin", corpus) as f:
             while chunk := f.read(1 << 24):
                 h.update(chunk)
         h.update(b"|")

@@ -16,10 +16,12 @@ jinja2 comes with torch; nothing here imports transformers.
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_small_file
 from shardlab.errors import ConfigError, DataError
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -90,32 +92,56 @@ class ChatTemplate:
         return text, spans
 
 
-def load_chat_template(path: str | Path) -> ChatTemplate:
-    """The template of a tokenizer_config.json (its ``chat_template``: a string, or a list of named templates of
-    which ``default`` is used) with its special tokens, or of a .jinja file (no special tokens)."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"data.chat_template: {path} does not exist; give a tokenizer_config.json or a .jinja file")
-    if path.suffix != ".json":
-        return ChatTemplate(path.read_text(), {}, str(path))
+def _read_template_file(path: Path, key: str) -> str:
+    """The text of a template file (a .jinja or a tokenizer_config.json) through the one reader: a regular file of at
+    most SMALL_FILE_MAX_BYTES (a 4 GB tokenizer_config.json was once read whole), links followed as in a Hugging Face
+    cache; a ConfigError naming ``key`` and the file otherwise."""
+    fix = "give a tokenizer_config.json or a .jinja file"
     try:
-        config = json.loads(path.read_text())
+        return read_small_file(path).decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: {path} does not exist; {fix}") from None
+    except NotAFile as e:
+        raise ConfigError(f"{key}: {path} {e.reason}; {fix}") from None
+    except OSError as e:
+        raise ConfigError(f"{key}: {path} {describe_os_error(path, e)}; {fix}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: {path} is not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from None
+
+
+def load_chat_template(path: str | Path, key: str = "data.chat_template") -> ChatTemplate:
+    """The template of a tokenizer_config.json (its ``chat_template``: a string, or a list of named templates of
+    which ``default`` is used) with its special tokens, or of a .jinja file (no special tokens). ``key`` names the
+    setting the path came from in errors."""
+    path = Path(path).expanduser()
+    text = _read_template_file(path, key)
+    if path.suffix != ".json":
+        return ChatTemplate(text, {}, str(path))
+    try:
+        config = json.loads(text)
     except ValueError as e:
-        raise ConfigError(f"data.chat_template: {path} is not JSON ({e})") from None
+        raise ConfigError(f"{key}: {path} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{key}: {path} holds a JSON {type(config).__name__}, not an object")
+    return _from_config(config, path, key)
+
+
+def _from_config(config: dict, path: Path, key: str) -> ChatTemplate:
+    """The template of a tokenizer_config.json's object, with the special tokens it names."""
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str):
         raise ConfigError(
-            f"data.chat_template: {path} has no chat_template string; give a .jinja file, or use "
+            f"{key}: {path} has no chat_template string; give a .jinja file, or use "
             "data.format=prompt_completion (joined without a template)"
         )
     special = {}
-    for key in SPECIAL_TOKENS:
-        token = config.get(key)
+    for name in SPECIAL_TOKENS:
+        token = config.get(name)
         token = token.get("content") if isinstance(token, dict) else token
         if isinstance(token, str):
-            special[key] = token
+            special[name] = token
     return ChatTemplate(source, special, str(path))
 
 
@@ -127,8 +153,12 @@ def find_chat_template(setting: str | None, tokenizer: str) -> ChatTemplate | No
     if tokenizer == "byte":
         return None
     beside = Path(tokenizer).expanduser().parent / "tokenizer_config.json"
-    try:
-        has_template = beside.is_file() and "chat_template" in json.loads(beside.read_text())
+    if not os.path.lexists(beside):
+        return None
+    try:  # read once, through the one reader, as data.chat_template's file
+        config = json.loads(_read_template_file(beside, "data.tokenizer"))
     except ValueError:
         return None
-    return load_chat_template(beside) if has_template else None
+    if not isinstance(config, dict) or "chat_template" not in config:
+        return None
+    return _from_config(config, beside, "data.tokenizer")
