@@ -51,6 +51,10 @@ DEMO_MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "ntpath", "genericp
                 "ssl", "symtable", "urllib.robotparser")  # fmt: skip
 """Standard-library modules whose documented functions and methods make the embedded demo (~410 on Python 3.11)."""
 
+RECORD_MAX_CHARS = 4 * 2**20
+"""The most characters a chat record's messages may hold (~1M tokens, past any context trained on): a record is
+rendered and tokenized whole at every start, on every rank."""
+
 DEMO_MAX_CHARS = 250
 """Longest prompt + body the demo keeps: a sample fits in 256 byte tokens (the default LM's context) and several pack
 into a row."""
@@ -162,6 +166,12 @@ def chat_sample(template: ChatTemplate, tokenizer, messages: Any, where: str) ->
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise DataError(f"{where}: messages must be a list of {{role, content}} objects; name the field with "
                         "data.messages_field")  # fmt: skip
+    size = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    if size > RECORD_MAX_CHARS:
+        raise DataError(
+            f"{where}: the record's messages hold {size:,} characters, more than the {RECORD_MAX_CHARS:,} a "
+            "fine-tuning record may hold (longer than any data.seq_len trains on); split it or delete the line"
+        )
     text, spans = template.assistant_spans(messages, where)
     ids, starts = encode_with_starts(tokenizer, text)
     return Sample(ids, [any(a <= s < b for a, b in spans) for s in starts])

@@ -10,6 +10,12 @@ Assistant spans, prefix by prefix: for the assistant message i, the conversation
 prompt ends where its answer starts, and the conversation through it rendered without ends where the answer (with its
 end-of-turn tokens) ends. Both renders must be prefixes of the whole conversation's render: a template that rewrites
 earlier turns (one that drops past reasoning, say) is refused for that record rather than trained on a wrong mask.
+Rendering every turn's prefixes costs the square of the turns (12,000 turns: 4 minutes at every start), so only the
+first answer is found that way; the others come from one more render, with each message's content between numbered
+markers (private-use characters): the first answer tells what lies between the generation prompt and the content and
+after the content to the end of the turn, and every other answer must show the same. A template the markers cannot
+follow (one that trims a content, say) falls back to every turn's prefixes, for records of at most
+PREFIX_RENDER_MAX_TURNS answers.
 jinja2 comes with torch; nothing here imports transformers.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -69,27 +76,118 @@ class ChatTemplate:
 
     def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """(the conversation's text, the [start, end) character span of each assistant turn in it); ``where`` names
-        the record in errors."""
+        the record in errors. Linear in the turns (module docstring): the record rendered once plain and once
+        marked, and the first assistant turn's two prefixes; only a template the markers cannot follow renders the
+        prefixes of every turn, for at most PREFIX_RENDER_MAX_TURNS of them."""
         try:
             text = self.render(messages)
-            spans = []
-            for i, message in enumerate(messages):
-                if message.get("role") != "assistant":
-                    continue
-                prompt = self.render(messages[:i], add_generation_prompt=True)
-                through = self.render(messages[: i + 1])
-                if not (text.startswith(prompt) and text.startswith(through) and len(prompt) <= len(through)):
+            assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+            if not assistants:
+                return text, []
+            first = self._prefix_span(messages, assistants[0], text, where)
+            spans = self._marked_spans(messages, assistants, text, first)
+            if spans is None:
+                if len(assistants) > PREFIX_RENDER_MAX_TURNS:
                     raise DataError(
-                        f"{where}: the chat template of {self.origin} renders turn {i} differently once later turns "
-                        "follow, so its answer tokens cannot be found; give data.chat_template a template that "
-                        "renders each turn the same whatever follows"
+                        f"{where}: the chat template of {self.origin} changes the text of a turn (trims it, say), so "
+                        f"its {len(assistants)} answers could only be found by rendering each turn's prefixes, which "
+                        f"costs the square of the turns; records of more than {PREFIX_RENDER_MAX_TURNS} answers are "
+                        "refused with it: split the record"
                     )
-                spans.append((len(prompt), len(through)))
+                spans = [self._prefix_span(messages, i, text, where) for i in assistants]
         except DataError:
             raise
         except Exception as e:  # raise_exception in the template, a missing key, ...
             raise DataError(f"{where}: the chat template of {self.origin} failed to render it ({e})") from None
         return text, spans
+
+    def _prefix_span(self, messages: list[dict], i: int, text: str, where: str) -> tuple[int, int]:
+        """Assistant turn ``i``'s span by its prefixes: the conversation before it with the generation prompt ends
+        where its answer starts, the conversation through it ends where the answer (and its end of turn) ends."""
+        prompt = self.render(messages[:i], add_generation_prompt=True)
+        through = self.render(messages[: i + 1])
+        if not (text.startswith(prompt) and text.startswith(through) and len(prompt) <= len(through)):
+            raise DataError(
+                f"{where}: the chat template of {self.origin} renders turn {i} differently once later turns "
+                "follow, so its answer tokens cannot be found; give data.chat_template a template that "
+                "renders each turn the same whatever follows"
+            )
+        return len(prompt), len(through)
+
+    def _marked_spans(
+        self, messages: list[dict], assistants: list[int], text: str, first: tuple[int, int]
+    ) -> list[tuple[int, int]] | None:
+        """Every assistant span from one render with each content wrapped in markers, the first turn's span telling
+        what lies between the generation prompt and the content, and after the content to the end of the turn;
+        None where the markers do not show that (a template that trims or rewrites a content)."""
+        marked = _marked(messages)
+        bounds = None if marked is None else _content_bounds(self.render(marked), text, len(messages))
+        if bounds is None or any(i not in bounds for i in assistants):
+            return None
+        start0, end0 = bounds[assistants[0]]
+        if not (first[0] <= start0 <= end0 <= first[1]):
+            return None
+        lead, trail = text[first[0] : start0], text[end0 : first[1]]
+        spans, done = [], 0
+        for i in assistants:
+            start, end = bounds[i]
+            span = (start - len(lead), end + len(trail))
+            if span[0] < done or text[span[0] : start] != lead or text[end : span[1]] != trail:
+                return None
+            spans.append(span)
+            done = span[1]
+        return spans
+
+
+PREFIX_RENDER_MAX_TURNS = 64
+"""The most assistant turns found by rendering each turn's prefixes (quadratic: 12,000 turns took 4 minutes at every
+start, on every rank), for a template whose output the markers cannot follow."""
+
+_START, _END = "\ue000", "\ue001"
+"""Markers around each message's content (private-use characters, which no template or case filter changes), each
+followed by the message's number as one private-use character of planes 15 and 16."""
+_NUMBERED = 2 * 65534
+
+
+def _marked(messages: list[dict]) -> list[dict] | None:
+    """``messages`` with each string content between numbered markers; None when one cannot be marked (not a string,
+    holding a marker already, more messages than numbers)."""
+    if len(messages) > _NUMBERED:
+        return None
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, str) or _START in content or _END in content:
+            return None
+        number = chr(0xF0000 + i if i < 65534 else 0x100000 + i - 65534)
+        out.append({**m, "content": f"{_START}{number}{content}{_END}{number}"})
+    return out
+
+
+def _number(ch: str) -> int:
+    code = ord(ch)
+    return code - 0xF0000 if code < 0x100000 else code - 0x100000 + 65534
+
+
+_MARKS = re.compile(f"[{_START}{_END}][\U000f0000-\U000ffffd\U00100000-\U0010fffd]")
+
+
+def _content_bounds(marked: str, text: str, count: int) -> dict[int, tuple[int, int]] | None:
+    """Message number -> [start, end) of its content in ``text``, from the marked render; None unless the marked
+    render is ``text`` with markers, each message's pair once and in order."""
+    starts: dict[int, int] = {}
+    bounds: dict[int, tuple[int, int]] = {}
+    for k, m in enumerate(_MARKS.finditer(marked)):
+        i, at = _number(m.group()[1]), m.start() - 2 * k  # where it is in the render without markers
+        if i >= count or i in bounds or (m.group()[0] == _START) == (i in starts):
+            return None
+        if m.group()[0] == _START:
+            starts[i] = at
+        else:
+            bounds[i] = (starts[i], at)
+    if len(bounds) != len(starts) or _MARKS.sub("", marked) != text:
+        return None
+    return bounds
 
 
 def _read_template_file(path: Path, key: str) -> str:
