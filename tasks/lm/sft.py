@@ -17,6 +17,7 @@ rows. Tokenized in memory at start (no cache): fine up to some 10^5 records.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import json
@@ -33,6 +34,7 @@ from torch.utils.data import Dataset
 from shardlab.errors import DataError
 from tasks.lm.binarize import is_valid_document
 from tasks.lm.sft_packing import IGNORE, pack, packed_row
+from tasks.lm.sft_render import BoundedRenderer
 from tasks.lm.sft_template import ChatTemplate
 
 FORMATS = ("text", "chat", "prompt_completion")
@@ -245,15 +247,17 @@ def open_sft_splits(d: Any, tokenizer, template: ChatTemplate | None, packed: bo
         records = file_records(d.path)
     splits: dict[str, list[Sample]] = {"train": [], "valid": []}
     truncated = dropped = read = 0
-    for key, where, record in records:
-        read += 1
-        sample = record_sample(record, where, d, tokenizer, template)
-        if len(sample.ids) > d.seq_len + 1:
-            sample, truncated = Sample(sample.ids[: d.seq_len + 1], sample.answer[: d.seq_len + 1]), truncated + 1
-        if not any(sample.answer[1:]):
-            dropped += 1
-            continue
-        splits["valid" if is_valid_document(key, d.valid_percent) else "train"].append(sample)
+    # a model folder's template is someone else's code: rendered in a child process with limits (sft_render.py)
+    with BoundedRenderer(template) if template is not None else contextlib.nullcontext() as renderer:
+        for key, where, record in records:
+            read += 1
+            sample = record_sample(record, where, d, tokenizer, renderer)
+            if len(sample.ids) > d.seq_len + 1:
+                sample, truncated = Sample(sample.ids[: d.seq_len + 1], sample.answer[: d.seq_len + 1]), truncated + 1
+            if not any(sample.answer[1:]):
+                dropped += 1
+                continue
+            splits["valid" if is_valid_document(key, d.valid_percent) else "train"].append(sample)
     if not splits["train"]:
         raise DataError(f"data.path: {d.path} gives no training sample with an answer token; check data.format "
                         "and its fields, or raise data.seq_len")  # fmt: skip

@@ -45,17 +45,59 @@ def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
 
+FOLDABLE_BINOPS = frozenset({"+", "-", "*", "/", "//", "%", "**"})
+"""Operators jinja2 would compute while compiling when both sides are constants (``'a'*10**10``: 10 GB in the process
+that merely compiles the template); intercepted, they are computed when rendering, in the bounded child."""
+
+
+def _unfolded(func):
+    """``func`` as a filter or test jinja2 never calls while compiling (it folds calls with constant arguments:
+    ``'a'|center(10**10)`` would run in the compiling process): marked to take the context, which it hands on as
+    the original asks."""
+    import jinja2
+    from jinja2.utils import _PassArg
+
+    passed = _PassArg.from_obj(func)
+    if passed is _PassArg.context:
+        return func
+
+    @jinja2.pass_context
+    def call(context, *args, **kwargs):
+        first = {_PassArg.environment: (context.environment,), _PassArg.eval_context: (context.eval_ctx,)}
+        return func(*first.get(passed, ()), *args, **kwargs)
+
+    return call
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str):
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = FOLDABLE_BINOPS
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: _unfolded(f) for name, f in env.filters.items()}
+    env.tests = {name: _unfolded(f) for name, f in env.tests.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+RENDER_MAX_CHARS = 64 * 2**20
+"""The most characters one render may output: a record's messages hold at most 4 Mi (tasks/lm/sft.py), the template's
+own text around them is far less."""
+
+
+class RenderTooLarge(Exception):
+    """A render passed RENDER_MAX_CHARS (``size``: the characters output when it stopped)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
 
 
 class ChatTemplate:
@@ -69,10 +111,17 @@ class ChatTemplate:
             raise ConfigError(f"data.chat_template: {origin} is not a Jinja2 template jinja2 compiles ({e})") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.template.render(
+        """The template's output, streamed and refused past RENDER_MAX_CHARS (RenderTooLarge)."""
+        pieces, size = [], 0
+        for piece in self.template.generate(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
             **self.special_tokens,
-        )  # fmt: skip
+        ):  # fmt: skip
+            size += len(piece)
+            if size > RENDER_MAX_CHARS:
+                raise RenderTooLarge(size)
+            pieces.append(piece)
+        return "".join(pieces)
 
     def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """(the conversation's text, the [start, end) character span of each assistant turn in it); ``where`` names
@@ -95,8 +144,13 @@ class ChatTemplate:
                         "refused with it: split the record"
                     )
                 spans = [self._prefix_span(messages, i, text, where) for i in assistants]
-        except DataError:
+        except (DataError, MemoryError):
             raise
+        except RenderTooLarge as e:
+            raise DataError(
+                f"{where}: the chat template of {self.origin} rendered more than {RENDER_MAX_CHARS:,} characters of "
+                f"it ({e.size:,} so far); refused: fix the template or delete the record"
+            ) from None
         except Exception as e:  # raise_exception in the template, a missing key, ...
             raise DataError(f"{where}: the chat template of {self.origin} failed to render it ({e})") from None
         return text, spans
