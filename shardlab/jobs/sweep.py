@@ -21,7 +21,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from shardlab.checkpoint.regular_file import SMALL_FILE_MAX_BYTES, NotAFile, read_json_file
-from shardlab.errors import ConfigError, one_line
+from shardlab.errors import ShardlabError, one_line
 from shardlab.jobs import run_record
 
 MANIFEST = "sweep.json"
@@ -39,15 +39,15 @@ def write_manifest(sweep_dir: Path, jobs: list[dict[str, Any]]) -> None:
 
 def read_manifest(path: Path) -> list[dict[str, Any]]:
     """The jobs of a sweep's manifest ([] while none was written), through the one reader: a FIFO, a device or a link
-    under its name, or a file that is not the list of jobs shardlab writes, is a ConfigError naming it."""
+    under its name, or a file that is not the list of jobs shardlab writes, is a ShardlabError naming it."""
     try:
         jobs = read_json_file(path, max_bytes=SMALL_FILE_MAX_BYTES)
     except FileNotFoundError:
         return []
     except (NotAFile, OSError, ValueError) as e:
-        raise ConfigError(f"{path} is not a sweep manifest shardlab can read ({one_line(e)}); delete it") from None
+        raise ShardlabError(f"{path} is not a sweep manifest shardlab can read ({one_line(e)}); delete it") from None
     if not isinstance(jobs, list) or not all(isinstance(j, dict) and "num" in j for j in jobs):
-        raise ConfigError(f"{path} is not the list of jobs a sweep manifest holds; delete it")
+        raise ShardlabError(f"{path} is not the list of jobs a sweep manifest holds; delete it")
     return jobs
 
 
