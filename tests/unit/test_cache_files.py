@@ -137,3 +137,26 @@ def test_a_tokenizer_config_without_a_template_still_means_no_template(tmp_path)
     assert find_chat_template(None, str(tmp_path / "absent" / "tokenizer.json")) is None
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages[0].content }}"}')
     assert find_chat_template(None, str(tmp_path / "tokenizer.json")).render([{"content": "hi"}]) == "hi"
+
+
+@pytest.mark.parametrize("plant", ["fifo", "link-out"])
+def test_an_image_that_is_a_fifo_or_a_link_out_of_the_folder_is_refused_as_undecodable(tmp_path, plant):
+    """An image is a file of the folder the user named: a FIFO under an image's name blocked a DataLoader worker for
+    ever; a link out of the folder is not followed. Both are undecodable images (skipped with data.skip_corrupt)."""
+    from PIL import Image
+
+    from tasks.image_classification.data import ImageFiles
+
+    (tmp_path / "data" / "cat").mkdir(parents=True)
+    Image.new("RGB", (4, 4)).save(tmp_path / "data" / "cat" / "a.png")
+    bad = tmp_path / "data" / "cat" / "b.png"
+    if plant == "fifo":
+        os.mkfifo(bad)
+    else:
+        Image.new("RGB", (4, 4)).save(tmp_path / "outside.png")
+        os.symlink(tmp_path / "outside.png", bad)
+    images = ImageFiles(tmp_path / "data", transform=lambda x: x, skip_corrupt=False)
+    error = finished(lambda: images[1])
+    assert isinstance(error, DataError) and str(error).startswith(f"data: cannot decode image {bad} ("), error
+    skipping = ImageFiles(tmp_path / "data", transform=lambda x: x, skip_corrupt=True)
+    assert finished(lambda: skipping[1]) is None  # passed over for the next decodable image

@@ -246,9 +246,16 @@ def test_a_cache_of_the_earlier_rule_is_not_found_by_the_new_key(tmp_path, monke
     assert cache.cache_key(sources, tok, 5.0, 0, "text") != new
 
 
-@pytest.mark.parametrize("size", [48_000, 1_100_000])
-def test_one_text_file_trains_and_validates(tmp_path, tiny_lm, size):
-    """Must-show 2: `python -m shardlab.train data.path=<one text file>` (here through run_rank, a tiny model)."""
-    run = train_lm(tiny_lm, text_file(tmp_path / "input.txt", size), tmp_path / "run")
+@pytest.mark.parametrize("corpus", ["48 KB file", "1.1 MB file", "folder of 3 files"])
+def test_one_text_file_or_a_few_train_and_validate(tmp_path, tiny_lm, corpus):
+    """Must-show 2: `python -m shardlab.train data.path=<one text file>` (here through run_rank, a tiny model), and so
+    do a 1.1 MB file and a folder of files."""
+    if corpus == "folder of 3 files":
+        path = tmp_path / "texts"
+        for k in range(3):
+            text_file(path / f"part-{k}.txt", 20_000, seed=k)
+    else:
+        path = text_file(tmp_path / "input.txt", 48_000 if corpus == "48 KB file" else 1_100_000)
+    run = train_lm(tiny_lm, path, tmp_path / "run")
     assert np.isfinite(run["final"]["loss"])
     assert run["task"].meta["valid_tokens"] > 0 and run["task"].meta["train_tokens"] > 0
