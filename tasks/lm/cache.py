@@ -168,7 +168,9 @@ def read_corpus_meta(corpus: Path) -> dict:
     token dtype binarize never writes or token files whose size is not the token counts it records (a shared cache
     someone edited: numpy would map an object dtype's bytes as pointers)."""
     meta = read_cache_json(corpus / "meta.json", corpus)
-    if not isinstance(meta.get("format", 1), int) or meta.get("format", 1) > FORMAT_VERSION:
+    if not isinstance(meta.get("format", 1), int):
+        raise DataError(f"{corpus / 'meta.json'} gives no format number; delete {corpus} to preprocess again")
+    if meta.get("format", 1) > FORMAT_VERSION:
         raise DataError(
             f"{corpus} was written by a newer shardlab (format {meta['format']} > {FORMAT_VERSION}); "
             "upgrade shardlab or delete that directory to preprocess again"
