@@ -267,10 +267,10 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
                     return
 
     # Train units seen while no document has hashed into valid (rank, offset, tokens, ends a document); dropped at the
-    # first valid document, so only a corpus that may need the hold-out below keeps them. And every unit placed (its
-    # split, offset in it, tokens, ends a document) while the corpus has too few for whole ones to be held out.
+    # first valid document, so only a corpus that may need the hold-out below keeps them. And every unit placed (went to
+    # valid, offset in its split, tokens, ends a document) while the corpus has too few for whole ones to be held out.
     units: list[np.ndarray] | None = []
-    placed: list[np.ndarray] | None = []
+    placed: list[tuple[int, int, int, int]] | None = []
     files = {split: open(tmp / f"{split}.bin", "wb") for split in counts}  # noqa: SIM115
     try:
         for encoded in _encoded(blocks(), tokenizer, valid_percent, field, dtype, workers):
