@@ -21,7 +21,6 @@ rerunning the same command redoes only those. The tokens are those one process w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from shardlab.errors import ConfigError, DataError
 from shardlab.train import run_tool
-from tasks.lm.cache import corpus_sources, prepare_corpus, preprocess_shards
+from tasks.lm.cache import corpus_sources, prepare_corpus, preprocess_shards, read_corpus_meta
 from tasks.lm.config import LMDataConfig
 from tasks.lm.corpus import iter_texts
 from tasks.lm.tokenizer import FileTokenizer, load_tokenizer, train_bpe
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> Path:
             out = _prepare(args, FileTokenizer(tok_file), {"tokenizer.json": tok_file})
     else:
         out = _prepare(args, load_tokenizer(args.tokenizer, args.eod_token), None)
-    meta = json.loads((out / "meta.json").read_text())
+    meta = read_corpus_meta(out)  # through the one reader, as training reads it
     print(_summary(out, meta, f"{meta['documents']['train']} / {meta['documents']['valid']} documents"))
     tokenizer = str(out / "tokenizer.json") if args.train_tokenizer else None
     print(f"train with: python -m shardlab.train{_data_overrides(args, tokenizer)}")

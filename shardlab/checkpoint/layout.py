@@ -155,9 +155,12 @@ def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
 
 def save_index(path: Path) -> int:
     """The save counter of a checkpoint (0 for ones written before it existed, or with an unreadable shardlab.json)."""
+    from shardlab.checkpoint.regular_file import read_json_or_none
+
+    meta = read_json_or_none(path / META_FILE)
     try:
-        return int(json.loads((path / META_FILE).read_text()).get("save_index", 0))
-    except (OSError, ValueError, TypeError):
+        return int(meta.get("save_index", 0)) if isinstance(meta, dict) else 0
+    except (ValueError, TypeError, OverflowError):
         return 0
 
 

@@ -20,6 +20,7 @@ lowest floor of its callers (shardlab's top level is full).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from pathlib import Path
@@ -141,6 +142,24 @@ def read_small_file(path: Path, *, max_bytes: int = SMALL_FILE_MAX_BYTES) -> byt
     links followed, as a Hugging Face cache's snapshots/ link into its blobs/ (a sibling folder: no root), but the
     target must be a regular file of at most ``max_bytes``."""
     return read_file(path, max_bytes=max_bytes, follow_links=True)[0]
+
+
+def read_json_file(path: Path, *, max_bytes: int, follow_links: bool = False) -> object:
+    """The JSON value of the regular file ``path``, read as ``read_file`` reads it (a cache's plan, record or manifest,
+    a tokenizer_config.json): NotAFile, OSError and ValueError (not JSON, not UTF-8) pass through for the caller to
+    word."""
+    return json.loads(read_file(path, max_bytes=max_bytes, follow_links=follow_links)[0])
+
+
+def read_json_or_none(path: Path, *, max_bytes: int = SMALL_FILE_MAX_BYTES) -> object | None:
+    """The JSON value of a small file an earlier shardlab process wrote (a run folder's tracker ids, a rank's error
+    note, an autotune decision, a cache of measured rates), or None when it cannot be read as one: missing, not a
+    regular file (a FIFO is not waited on, a link is not followed), past ``max_bytes``, or not JSON. For readers whose
+    answer to a damaged file is "as if absent"."""
+    try:
+        return read_json_file(path, max_bytes=max_bytes)
+    except (NotAFile, OSError, ValueError):
+        return None
 
 
 def _kind_by_name(path: Path) -> str | None:

@@ -50,6 +50,7 @@ from torch import nn
 
 from shardlab.checkpoint.agreement import broadcast_text
 from shardlab.checkpoint.layout import complete_checkpoints, write_json_atomic
+from shardlab.checkpoint.regular_file import read_json_or_none
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.base import pick_device
 from shardlab.distributed.compile import FirstSteps
@@ -297,10 +298,7 @@ def _apply(cfg: DictConfig, overrides: dict[str, Any]) -> None:
 def _read(path: Path) -> dict | None:
     """A decision file, its choice limited to the keys a decision sets (a file is data: it cannot set, say,
     checkpoint.init_from); None if it is missing or unreadable."""
-    try:
-        decision = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    decision = read_json_or_none(path)
     if not isinstance(decision, dict) or not isinstance(decision.get("choice"), dict):
         return None
     choice = {k: v for k, v in decision["choice"].items() if k in HELD or k.startswith("distributed.")}

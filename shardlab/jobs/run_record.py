@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlab.checkpoint.layout import write_json_atomic
-from shardlab.checkpoint.regular_file import read_regular
+from shardlab.checkpoint.regular_file import read_json_or_none, read_regular
 from shardlab.errors import ShardlabError
 
 STATUS_FILE = "status.json"
@@ -114,9 +114,8 @@ def first_rank_error(run_dir: Path, wait_s: float = 3.0) -> dict[str, Any] | Non
     while True:
         notes = []
         for path in (Path(run_dir) / RANK_ERRORS).glob("rank*.json"):
-            try:
-                note = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
+            note = read_json_or_none(path)
+            if not isinstance(note, dict):
                 continue
             # A rank of this attempt started about when this one did. Its time of failure would not tell: torchrun
             # restarts the workers within seconds of the last attempt's notes. (Notes without "started": older code.)

@@ -20,6 +20,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from shardlab.checkpoint.regular_file import SMALL_FILE_MAX_BYTES, NotAFile, read_json_file
+from shardlab.errors import ShardlabError, one_line
 from shardlab.jobs import run_record
 
 MANIFEST = "sweep.json"
@@ -30,9 +32,23 @@ def write_manifest(sweep_dir: Path, jobs: list[dict[str, Any]]) -> None:
     """``jobs``: one dict per point with at least ``num``, ``overrides``, ``run_dir``; submitit adds ``job_id`` and
     ``log``. Merged with an existing manifest (a sweep submitted in several batches)."""
     path = sweep_dir / MANIFEST
-    known = {j["num"]: j for j in (json.loads(path.read_text()) if path.is_file() else [])}
+    known = {j["num"]: j for j in read_manifest(path)}
     known.update({j["num"]: j for j in jobs})
     path.write_text(json.dumps([known[k] for k in sorted(known)], indent=1))
+
+
+def read_manifest(path: Path) -> list[dict[str, Any]]:
+    """The jobs of a sweep's manifest ([] while none was written), through the one reader: a FIFO, a device or a link
+    under its name, or a file that is not the list of jobs shardlab writes, is a ShardlabError naming it."""
+    try:
+        jobs = read_json_file(path, max_bytes=SMALL_FILE_MAX_BYTES)
+    except FileNotFoundError:
+        return []
+    except (NotAFile, OSError, ValueError) as e:
+        raise ShardlabError(f"{path} is not a sweep manifest shardlab can read ({one_line(e)}); delete it") from None
+    if not isinstance(jobs, list) or not all(isinstance(j, dict) and "num" in j for j in jobs):
+        raise ShardlabError(f"{path} is not the list of jobs a sweep manifest holds; delete it")
+    return jobs
 
 
 def _slurm_states(job_ids: list[str]) -> dict[str, str]:
@@ -54,7 +70,7 @@ def _slurm_states(job_ids: list[str]) -> dict[str, str]:
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per point of the sweep in ``sweep_dir``, in job order."""
     sweep_dir = Path(sweep_dir)
-    manifest = json.loads((sweep_dir / MANIFEST).read_text()) if (sweep_dir / MANIFEST).is_file() else []
+    manifest = read_manifest(sweep_dir / MANIFEST)
     entries = {str(Path(j["run_dir"]).resolve()): j for j in manifest}
     for overrides_file in sorted(sweep_dir.glob("*/.hydra/overrides.yaml")):  # points of a local (basic) sweep
         run_dir = str(overrides_file.parent.parent.resolve())

@@ -12,7 +12,6 @@ the behaviour.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import string
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 from omegaconf import OmegaConf
 
 from shardlab.checkpoint.layout import write_json_atomic
+from shardlab.checkpoint.regular_file import read_json_or_none
 from shardlab.errors import one_line
 
 IDS_FILE = "trackers.json"
@@ -79,10 +79,8 @@ def sweep_name(run_dir: Path) -> str | None:
 
 
 def recorded_ids(run_dir: Path) -> dict[str, Any]:
-    try:
-        return json.loads((run_dir / IDS_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+    ids = read_json_or_none(run_dir / IDS_FILE)
+    return ids if isinstance(ids, dict) else {}
 
 
 def record_id(run_dir: Path, tracker: str, ids: dict[str, Any]) -> None:

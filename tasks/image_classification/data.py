@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
+from shardlab.checkpoint.regular_file import MiB, NotAFile, open_file
 from shardlab.errors import DataError
 from tasks.image_classification.config import ImageDataConfig
 
@@ -151,6 +153,18 @@ def reflect_pad(images: Tensor, pad: int) -> Tensor:
 
 
 # ---- folder: an ImageFolder tree ----------------------------------------------------------------------------------
+IMAGE_MAX_BYTES = 1024 * MiB
+"""The largest image file read (a 16k x 16k TIFF is ~770 MB): past it, an image is refused as undecodable."""
+
+
+def _open_image(path: Path, root: Path):
+    """An image file of the folder, opened through the one reader: a regular file of at most IMAGE_MAX_BYTES, links
+    followed while they stay inside ``root`` (a FIFO under an image's name blocked a DataLoader worker for ever).
+    NotAFile or OSError otherwise, which the caller treats as an undecodable image."""
+    fd, _ = open_file(path, max_bytes=IMAGE_MAX_BYTES, root=root)
+    return os.fdopen(fd, "rb")
+
+
 class ImageFiles(Dataset):
     """torchvision's ImageFolder with one-line errors: a file that fails to decode raises a DataError naming it, or,
     with skip_corrupt, is passed over for the next decodable file (so every batch keeps its size and every rank its
@@ -180,9 +194,9 @@ class ImageFiles(Dataset):
         for skipped in range(n):
             path, label = self.folder.samples[(i + skipped) % n]
             try:
-                with open(path, "rb") as f:
+                with _open_image(Path(path), self.root) as f:
                     image = Image.open(f).convert("RGB")
-            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # PIL's decode failures
+            except (NotAFile, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # and PIL's
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 if not self.skip_corrupt:
                     raise DataError(

@@ -29,15 +29,17 @@ import numpy as np
 
 from shardlab.checkpoint.layout import fsync_path
 from shardlab.errors import DataError
+from tasks.lm.cache_files import open_cache_file, read_cache_json
 from tasks.lm.cache_lock import temp_prefix
 from tasks.lm.corpus import check_sources, jsonl_text, read_blocks
 from tasks.lm.sources import Block, Source
 from tasks.lm.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
 
-FORMAT_VERSION = 3
-"""3: a corpus whose hash gives valid no document holds out whole documents, not its last block (the cache key
-changes, so such a corpus's old cache is not reused); 2: meta.json records the token dtype (uint16 or uint32) and the
-tokenizer's fingerprint. 1 and 2 still read."""
+FORMAT_VERSION = 4
+"""4: a corpus with too few documents for whole ones to make data.valid_percent (one text file) holds out the last
+valid_percent of its tokens, not a whole file or block (the key changes: such a corpus's old cache, all or half of it
+held out, is not reused); 3: a corpus whose hash gives valid no document holds out whole documents, not its last
+block; 2: meta.json records the token dtype (uint16 or uint32) and the tokenizer's fingerprint. 1 to 3 still read."""
 IN_FLIGHT_PER_WORKER = 3
 
 
@@ -61,6 +63,9 @@ class Encoded:
     train_units: np.ndarray
     """One row per train unit (a record, or a text block): its hash rank, its tokens (end-of-document included),
     and 1 where it ends a document. The order the hold-out of a small corpus picks units in."""
+    all_units: np.ndarray
+    """One row per unit in stream order: its tokens, 1 where it ends a document, 1 where it went to valid (the tail
+    hold-out of a corpus of too few units puts the stream back in order)."""
 
 
 def _units(block: Block, text_field: str) -> tuple[list[str], list[str], bool]:
@@ -99,7 +104,8 @@ def encode_units(tokenizer: Tokenizer, block: Block, valid_percent: float, text_
     in_valid = np.repeat(valid, lengths)
     documents = (int((~valid).sum()) * ends, int(valid.sum()) * ends)
     units = np.stack([ranks[~valid], lengths[~valid], np.full((~valid).sum(), int(ends))], axis=1)
-    return Encoded(out[~in_valid], out[in_valid], documents, units)
+    in_order = np.stack([lengths, np.full(len(keys), int(ends)), valid.astype(np.int64)], axis=1)
+    return Encoded(out[~in_valid], out[in_valid], documents, units, in_order)
 
 
 def encode_block(tokenizer: Tokenizer, block: Block, valid_percent: float, text_field: str, dtype) -> tuple:
@@ -223,7 +229,7 @@ def binarize(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed or interrupted run leaves nothing behind
         raise
-    return json.loads((out_dir / "meta.json").read_text())
+    return read_cache_json(out_dir / "meta.json", out_dir)
 
 
 def content_digest(corpus: Path) -> str:
@@ -231,7 +237,7 @@ def content_digest(corpus: Path) -> str:
     and timestamps that named their cache (node-local copies of one corpus agree)."""
     h = hashlib.blake2b(digest_size=12)
     for split in ("train", "valid"):
-        with open(corpus / f"{split}.bin", "rb") as f:
+        with open_cache_file(corpus / f"{split}.bin", corpus) as f:
             while chunk := f.read(1 << 24):
                 h.update(chunk)
         h.update(b"|")
@@ -261,8 +267,10 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
                     return
 
     # Train units seen while no document has hashed into valid (rank, offset, tokens, ends a document); dropped at the
-    # first valid document, so only a corpus that may need the hold-out below keeps them.
+    # first valid document, so only a corpus that may need the hold-out below keeps them. And every unit placed (went to
+    # valid, offset in its split, tokens, ends a document) while the corpus has too few for whole ones to be held out.
     units: list[np.ndarray] | None = []
+    placed: list[tuple[int, int, int, int]] | None = []
     files = {split: open(tmp / f"{split}.bin", "wb") for split in counts}  # noqa: SIM115
     try:
         for encoded in _encoded(blocks(), tokenizer, valid_percent, field, dtype, workers):
@@ -271,6 +279,7 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
                 units.append(np.insert(encoded.train_units, 1, offsets, axis=1))
             else:
                 units = None
+            placed = _place(placed, encoded.all_units, counts, valid_percent)
             for split, tokens, n in zip(counts, (encoded.train, encoded.valid), encoded.documents, strict=True):
                 tokens.tofile(files[split])
                 counts[split] += tokens.size
@@ -280,7 +289,9 @@ def _write_splits(sources, tmp, tokenizer, valid_percent, max_bytes, field, work
             f.close()
         progress.close()
     held_out = ""
-    if units is not None and counts["train"] and valid_percent > 0:  # no document hashed into valid: hold out some
+    if placed is not None and valid_percent > 0 and counts["train"] + counts["valid"] > 1:
+        held_out = _hold_out_tail(tmp, np.array(placed, dtype=np.int64), valid_percent, dtype, counts, docs)
+    elif units is not None and counts["train"] and valid_percent > 0:  # no document hashed into valid: hold out some
         held_out = _hold_out(tmp, np.concatenate(units), valid_percent, dtype, counts, docs)
     seconds = time.perf_counter() - start
     print(
@@ -310,6 +321,75 @@ def held_out_count(num_units: int, valid_percent: float) -> int:
     ``valid_percent`` (at least one), leaving train at least one where there are two."""
     wanted = max(1, math.ceil(num_units * valid_percent / 100 - 1e-9))
     return min(wanted, num_units - 1) if num_units > 1 else num_units
+
+
+def too_few_units(num_units: int, valid_percent: float) -> bool:
+    """Whether a corpus has too few units (documents, or a text file's ~1 MB blocks) for whole ones to make the
+    validation split: fewer than two, or fewer than 50 / ``valid_percent`` (10 at 5%, 5 at 10%), below which the one
+    unit held out would be more than twice ``valid_percent`` of them (one text file: all of it; 1.1 MB: half)."""
+    return num_units < max(2, 50 / valid_percent) if valid_percent > 0 else False
+
+
+def _place(placed: list | None, in_order: np.ndarray, counts: dict, valid_percent: float) -> list | None:
+    """``placed`` with a block's units added as (went to valid, offset in its split, tokens, ends a document), given
+    the tokens written so far (``counts``); None once the corpus has enough units for whole ones to be held out."""
+    if placed is None:
+        return None
+    at = {0: counts["train"], 1: counts["valid"]}
+    for length, ends, valid in in_order.tolist():
+        placed.append((valid, at[valid], length, ends))
+        at[valid] += length
+    return placed if too_few_units(len(placed), valid_percent) else None
+
+
+TAIL_MIN_TOKENS = 32 * 128 + 1
+"""The fewest tokens the tail hold-out gives valid (while train keeps at least as many): one validation batch of the
+LM's default config (validation.batch_size=32 blocks of data.seq_len=128, and the last block's target), so a 48 KB
+text file, whose 5% is 18 blocks, validates as `python -m shardlab.train data.path=input.txt` runs it."""
+
+
+def tail_count(num_tokens: int, valid_percent: float) -> int:
+    """Tokens the tail hold-out gives valid: ``valid_percent`` of them rounded up, raised to TAIL_MIN_TOKENS where
+    that leaves train at least half, and always leaving train at least one."""
+    share = math.ceil(num_tokens * valid_percent / 100 - 1e-9)
+    return max(0, min(max(share, min(TAIL_MIN_TOKENS, num_tokens // 2)), num_tokens - 1))
+
+
+def _hold_out_tail(tmp: Path, placed: np.ndarray, valid_percent: float, dtype, counts: dict, docs: dict) -> str:
+    """A corpus of too few units: its token stream, put back in the order of its units (the hash may have sent some
+    to valid), is split at ``tail_count`` tokens from its end, inside a document: train the head, valid the tail.
+    ``docs`` counts documents by the part they start in. Returns what the summary line says of it."""
+    total = counts["train"] + counts["valid"]
+    moved = tail_count(total, valid_percent)
+    keep = total - moved
+    maps = {
+        v: np.memmap(tmp / f"{s}.bin", dtype=dtype, mode="r") if counts[s] else None
+        for v, s in ((0, "train"), (1, "valid"))
+    }  # fmt: skip  (both written by this process, above)
+    at = 0
+    with open(tmp / "train.bin.tmp", "wb") as t, open(tmp / "valid.bin.tmp", "wb") as v:
+        for valid, offset, length, _ in placed.tolist():
+            if not length:
+                continue
+            piece = maps[valid][offset : offset + length]
+            cut = min(max(keep - at, 0), length)
+            piece[:cut].tofile(t)
+            piece[cut:].tofile(v)
+            at += length
+    del maps
+    for split in ("train", "valid"):
+        os.replace(tmp / f"{split}.bin.tmp", tmp / f"{split}.bin")
+    ends = np.cumsum(placed[:, 2])[placed[:, 3] == 1]
+    starts = np.concatenate([[0], ends[:-1]])
+    counts["train"], counts["valid"] = keep, moved
+    docs["valid"] = int((starts >= keep).sum())
+    docs["train"] = len(starts) - docs["valid"]
+    what = "1 document" if len(placed) == 1 else f"{len(placed)} documents and blocks"
+    return (
+        f"; the corpus has too few documents to hold whole ones out ({what}), so its last {moved:,} tokens "
+        f"({100 * moved / total:.1f}%; data.valid_percent={valid_percent:g}, at least {TAIL_MIN_TOKENS:,} where that "
+        "leaves train half) were held out for validation, cut inside a document"
+    )
 
 
 def _hold_out(tmp: Path, units: np.ndarray, valid_percent: float, dtype, counts: dict, docs: dict) -> str:

@@ -11,7 +11,6 @@ and its workers stay small (importing torch alone is ~650 MB RSS).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import sysconfig
@@ -22,6 +21,7 @@ import numpy as np
 from shardlab.errors import DataError
 from tasks.lm import shards
 from tasks.lm.binarize import FORMAT_VERSION, binarize
+from tasks.lm.cache_files import read_cache_json, token_file_size
 from tasks.lm.cache_lock import build_once
 from tasks.lm.corpus import find_sources, glob_root
 from tasks.lm.sources import Source
@@ -167,10 +167,9 @@ def read_corpus_meta(corpus: Path) -> dict:
     """meta.json of a preprocessed corpus; formats 1 (uint16 only) and 2 read, newer ones are refused, and so is a
     token dtype binarize never writes or token files whose size is not the token counts it records (a shared cache
     someone edited: numpy would map an object dtype's bytes as pointers)."""
-    try:
-        meta = json.loads((corpus / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(f"{corpus / 'meta.json'} is unreadable ({e}); delete {corpus} to preprocess again") from None
+    meta = read_cache_json(corpus / "meta.json", corpus)
+    if not isinstance(meta.get("format", 1), int):
+        raise DataError(f"{corpus / 'meta.json'} gives no format number; delete {corpus} to preprocess again")
     if meta.get("format", 1) > FORMAT_VERSION:
         raise DataError(
             f"{corpus} was written by a newer shardlab (format {meta['format']} > {FORMAT_VERSION}); "
@@ -190,7 +189,7 @@ def read_corpus_meta(corpus: Path) -> dict:
         return meta
     for split in ("train", "valid"):
         recorded = meta.get(f"{split}_tokens")
-        size = (corpus / f"{split}.bin").stat().st_size if (corpus / f"{split}.bin").exists() else None
+        size = token_file_size(corpus / f"{split}.bin", corpus)
         if recorded is not None and size != recorded * itemsize:
             raise DataError(
                 f"{corpus / (split + '.bin')} holds {size} bytes, not the {recorded:,} {meta['dtype']} tokens its "

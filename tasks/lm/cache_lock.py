@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from shardlab.checkpoint.layout import write_json_atomic
+from shardlab.checkpoint.regular_file import MiB, NotAFile, read_json_file
 from shardlab.errors import DataError
 from shardlab.jobs.run_lock import HeartbeatWatch, process_alive, process_start, touch
 
@@ -116,11 +117,20 @@ def _heartbeat(lock: Path, stop: threading.Event) -> None:
             touch(lock)
 
 
+LOCK_MAX_BYTES = MiB
+"""A lock or failure note is a line of JSON (host, pid, a message); more is not one shardlab wrote."""
+
+
 def _read(lock: Path) -> dict | None:
+    """The lock's (or failure note's) JSON object through the one reader; None when gone or still being written by
+    its creator. A FIFO, a device, a link or a file past the cap under its name is refused (a FIFO blocked the reader
+    for ever): DataError, naming it."""
     try:
-        owner = json.loads(lock.read_text())
+        owner = read_json_file(lock, max_bytes=LOCK_MAX_BYTES)
+    except NotAFile as e:
+        raise DataError(f"{lock} {e.reason}; delete it (it is no lock shardlab wrote)") from None
     except (OSError, ValueError):
-        return None  # gone, or still being written by its creator
+        return None
     return owner if isinstance(owner, dict) else None
 
 

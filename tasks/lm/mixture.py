@@ -34,8 +34,14 @@ PERIOD = 4096
 
 def chunk_counts(weights: list[float], period: int = PERIOD) -> list[int]:
     """Each source's samples per chunk: weight x period rounded by largest remainders (they sum to period), and at
-    least one, so a small weight is never rounded away."""
+    least one, so a small weight is never rounded away. More sources than ``period`` cannot each have one (the
+    largest would be taken down to 0 and never read): a DataError, which mixture_errors says before any preprocessing;
+    so are weights that are not finite and positive with a finite sum (1e308 twice sums to inf: shares of 0)."""
+    if len(weights) > period:
+        raise DataError(too_many_sources(len(weights), period))
     total = sum(weights)
+    if not weights or not all(math.isfinite(w) and w > 0 for w in weights) or not math.isfinite(total):
+        raise DataError(f"mixture weights must be finite numbers > 0 with a finite sum, got {weights[:8]}")
     exact = [w / total * period for w in weights]
     counts = [max(1, math.floor(x)) for x in exact]
     by_remainder = sorted(range(len(weights)), key=lambda s: exact[s] - math.floor(exact[s]), reverse=True)
@@ -44,6 +50,14 @@ def chunk_counts(weights: list[float], period: int = PERIOD) -> list[int]:
     while sum(counts) > period:  # the minimum of one pushed the total over: take from the largest
         counts[max(range(len(counts)), key=lambda s: counts[s])] -= 1
     return counts
+
+
+def too_many_sources(count: int, period: int = PERIOD) -> str:
+    """The refusal of a mixture with more sources than a chunk has samples (each source needs one per chunk)."""
+    return (
+        f"data.sources names {count} corpora; a mixture reads at most {period} (each source takes at least one of the "
+        f"{period} samples of every chunk): merge small sources into one corpus folder"
+    )
 
 
 def source_seed(seed: int, name: str) -> int:
@@ -258,7 +272,7 @@ def mixture_errors(d) -> list[str]:
     sources = d.get("sources") or {}
     if not sources:
         return []
-    errors = []
+    errors = [] if len(sources) <= PERIOD else [too_many_sources(len(sources))]
     if d.path is not None:
         errors.append(
             "data.path and data.sources both name the training corpus; keep one (a mixture names each corpus in "
@@ -272,15 +286,28 @@ def mixture_errors(d) -> list[str]:
         weight = source.get("weight")
         if not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
             errors.append(
-                f"data.sources.{name}.weight must be a number > 0 (weights are relative: 0.8 and 0.2, or 4 and 1), "
-                f"got {weight}"
+                f"data.sources.{name}.weight must be a number > 0, finite (weights are relative: 0.8 and 0.2, or 4 "
+                f"and 1), got {weight}"
             )
         if source.get("path") is not None:
             try:
                 corpus_sources(source.path)
             except DataError as e:
                 errors.append(f"data.sources.{name}.path: {e}")
-    return errors
+    return errors + _weight_sum_errors(sources)
+
+
+def _weight_sum_errors(sources) -> list[str]:
+    """Weights each finite can still sum past a float (1e308 twice: inf), and every share would then be 0."""
+    weights = [s.get("weight") for s in sources.values()]
+    if not all(isinstance(w, int | float) and math.isfinite(w) for w in weights):
+        return []  # each bad weight is named above
+    if math.isfinite(sum(float(w) for w in weights)):
+        return []
+    return [
+        f"data.sources' weights sum past the largest float ({max(weights):.3g} is one); weights are relative: "
+        "scale them down (0.8 and 0.2, or 4 and 1)"
+    ]
 
 
 def cached_meta(d, source, tokenizer) -> dict | None:

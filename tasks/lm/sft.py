@@ -17,6 +17,7 @@ rows. Tokenized in memory at start (no cache): fine up to some 10^5 records.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import json
@@ -33,6 +34,7 @@ from torch.utils.data import Dataset
 from shardlab.errors import DataError
 from tasks.lm.binarize import is_valid_document
 from tasks.lm.sft_packing import IGNORE, pack, packed_row
+from tasks.lm.sft_render import BoundedRenderer
 from tasks.lm.sft_template import ChatTemplate
 
 FORMATS = ("text", "chat", "prompt_completion")
@@ -50,6 +52,10 @@ DEMO_MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "ntpath", "genericp
                 "asyncio.events", "subprocess", "cmd", "bz2", "lzma", "platform", "poplib", "smtplib", "socketserver",
                 "ssl", "symtable", "urllib.robotparser")  # fmt: skip
 """Standard-library modules whose documented functions and methods make the embedded demo (~410 on Python 3.11)."""
+
+RECORD_MAX_CHARS = 4 * 2**20
+"""The most characters a chat record's messages may hold (~1M tokens, past any context trained on): a record is
+rendered and tokenized whole at every start, on every rank."""
 
 DEMO_MAX_CHARS = 250
 """Longest prompt + body the demo keeps: a sample fits in 256 byte tokens (the default LM's context) and several pack
@@ -162,6 +168,12 @@ def chat_sample(template: ChatTemplate, tokenizer, messages: Any, where: str) ->
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise DataError(f"{where}: messages must be a list of {{role, content}} objects; name the field with "
                         "data.messages_field")  # fmt: skip
+    size = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    if size > RECORD_MAX_CHARS:
+        raise DataError(
+            f"{where}: the record's messages hold {size:,} characters, more than the {RECORD_MAX_CHARS:,} a "
+            "fine-tuning record may hold (longer than any data.seq_len trains on); split it or delete the line"
+        )
     text, spans = template.assistant_spans(messages, where)
     ids, starts = encode_with_starts(tokenizer, text)
     return Sample(ids, [any(a <= s < b for a, b in spans) for s in starts])
@@ -235,15 +247,17 @@ def open_sft_splits(d: Any, tokenizer, template: ChatTemplate | None, packed: bo
         records = file_records(d.path)
     splits: dict[str, list[Sample]] = {"train": [], "valid": []}
     truncated = dropped = read = 0
-    for key, where, record in records:
-        read += 1
-        sample = record_sample(record, where, d, tokenizer, template)
-        if len(sample.ids) > d.seq_len + 1:
-            sample, truncated = Sample(sample.ids[: d.seq_len + 1], sample.answer[: d.seq_len + 1]), truncated + 1
-        if not any(sample.answer[1:]):
-            dropped += 1
-            continue
-        splits["valid" if is_valid_document(key, d.valid_percent) else "train"].append(sample)
+    # a model folder's template is someone else's code: rendered in a child process with limits (sft_render.py)
+    with BoundedRenderer(template) if template is not None else contextlib.nullcontext() as renderer:
+        for key, where, record in records:
+            read += 1
+            sample = record_sample(record, where, d, tokenizer, renderer)
+            if len(sample.ids) > d.seq_len + 1:
+                sample, truncated = Sample(sample.ids[: d.seq_len + 1], sample.answer[: d.seq_len + 1]), truncated + 1
+            if not any(sample.answer[1:]):
+                dropped += 1
+                continue
+            splits["valid" if is_valid_document(key, d.valid_percent) else "train"].append(sample)
     if not splits["train"]:
         raise DataError(f"data.path: {d.path} gives no training sample with an answer token; check data.format "
                         "and its fields, or raise data.seq_len")  # fmt: skip

@@ -10,16 +10,25 @@ Assistant spans, prefix by prefix: for the assistant message i, the conversation
 prompt ends where its answer starts, and the conversation through it rendered without ends where the answer (with its
 end-of-turn tokens) ends. Both renders must be prefixes of the whole conversation's render: a template that rewrites
 earlier turns (one that drops past reasoning, say) is refused for that record rather than trained on a wrong mask.
+Rendering every turn's prefixes costs the square of the turns (12,000 turns: 4 minutes at every start), so only the
+first answer is found that way; the others come from one more render, with each message's content between numbered
+markers (private-use characters): the first answer tells what lies between the generation prompt and the content and
+after the content to the end of the turn, and every other answer must show the same. A template the markers cannot
+follow (one that trims a content, say) falls back to every turn's prefixes, for records of at most
+PREFIX_RENDER_MAX_TURNS answers.
 jinja2 comes with torch; nothing here imports transformers.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_small_file
 from shardlab.errors import ConfigError, DataError
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -36,17 +45,59 @@ def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
 
+FOLDABLE_BINOPS = frozenset({"+", "-", "*", "/", "//", "%", "**"})
+"""Operators jinja2 would compute while compiling when both sides are constants (``'a'*10**10``: 10 GB in the process
+that merely compiles the template); intercepted, they are computed when rendering, in the bounded child."""
+
+
+def _unfolded(func):
+    """``func`` as a filter or test jinja2 never calls while compiling (it folds calls with constant arguments:
+    ``'a'|center(10**10)`` would run in the compiling process): marked to take the context, which it hands on as
+    the original asks."""
+    import jinja2
+    from jinja2.utils import _PassArg
+
+    passed = _PassArg.from_obj(func)
+    if passed is _PassArg.context:
+        return func
+
+    @jinja2.pass_context
+    def call(context, *args, **kwargs):
+        first = {_PassArg.environment: (context.environment,), _PassArg.eval_context: (context.eval_ctx,)}
+        return func(*first.get(passed, ()), *args, **kwargs)
+
+    return call
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str):
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = FOLDABLE_BINOPS
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: _unfolded(f) for name, f in env.filters.items()}
+    env.tests = {name: _unfolded(f) for name, f in env.tests.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+RENDER_MAX_CHARS = 64 * 2**20
+"""The most characters one render may output: a record's messages hold at most 4 Mi (tasks/lm/sft.py), the template's
+own text around them is far less."""
+
+
+class RenderTooLarge(Exception):
+    """A render passed RENDER_MAX_CHARS (``size``: the characters output when it stopped)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
 
 
 class ChatTemplate:
@@ -60,62 +111,189 @@ class ChatTemplate:
             raise ConfigError(f"data.chat_template: {origin} is not a Jinja2 template jinja2 compiles ({e})") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.template.render(
+        """The template's output, streamed and refused past RENDER_MAX_CHARS (RenderTooLarge)."""
+        pieces, size = [], 0
+        for piece in self.template.generate(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
             **self.special_tokens,
-        )  # fmt: skip
+        ):  # fmt: skip
+            size += len(piece)
+            if size > RENDER_MAX_CHARS:
+                raise RenderTooLarge(size)
+            pieces.append(piece)
+        return "".join(pieces)
 
     def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """(the conversation's text, the [start, end) character span of each assistant turn in it); ``where`` names
-        the record in errors."""
+        the record in errors. Linear in the turns (module docstring): the record rendered once plain and once
+        marked, and the first assistant turn's two prefixes; only a template the markers cannot follow renders the
+        prefixes of every turn, for at most PREFIX_RENDER_MAX_TURNS of them."""
         try:
             text = self.render(messages)
-            spans = []
-            for i, message in enumerate(messages):
-                if message.get("role") != "assistant":
-                    continue
-                prompt = self.render(messages[:i], add_generation_prompt=True)
-                through = self.render(messages[: i + 1])
-                if not (text.startswith(prompt) and text.startswith(through) and len(prompt) <= len(through)):
+            assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+            if not assistants:
+                return text, []
+            first = self._prefix_span(messages, assistants[0], text, where)
+            spans = self._marked_spans(messages, assistants, text, first)
+            if spans is None:
+                if len(assistants) > PREFIX_RENDER_MAX_TURNS:
                     raise DataError(
-                        f"{where}: the chat template of {self.origin} renders turn {i} differently once later turns "
-                        "follow, so its answer tokens cannot be found; give data.chat_template a template that "
-                        "renders each turn the same whatever follows"
+                        f"{where}: the chat template of {self.origin} changes the text of a turn (trims it, say), so "
+                        f"its {len(assistants)} answers could only be found by rendering each turn's prefixes, which "
+                        f"costs the square of the turns; records of more than {PREFIX_RENDER_MAX_TURNS} answers are "
+                        "refused with it: split the record"
                     )
-                spans.append((len(prompt), len(through)))
-        except DataError:
+                spans = [self._prefix_span(messages, i, text, where) for i in assistants]
+        except (DataError, MemoryError):
             raise
+        except RenderTooLarge as e:
+            raise DataError(
+                f"{where}: the chat template of {self.origin} rendered more than {RENDER_MAX_CHARS:,} characters of "
+                f"it ({e.size:,} so far); refused: fix the template or delete the record"
+            ) from None
         except Exception as e:  # raise_exception in the template, a missing key, ...
             raise DataError(f"{where}: the chat template of {self.origin} failed to render it ({e})") from None
         return text, spans
 
+    def _prefix_span(self, messages: list[dict], i: int, text: str, where: str) -> tuple[int, int]:
+        """Assistant turn ``i``'s span by its prefixes: the conversation before it with the generation prompt ends
+        where its answer starts, the conversation through it ends where the answer (and its end of turn) ends."""
+        prompt = self.render(messages[:i], add_generation_prompt=True)
+        through = self.render(messages[: i + 1])
+        if not (text.startswith(prompt) and text.startswith(through) and len(prompt) <= len(through)):
+            raise DataError(
+                f"{where}: the chat template of {self.origin} renders turn {i} differently once later turns "
+                "follow, so its answer tokens cannot be found; give data.chat_template a template that "
+                "renders each turn the same whatever follows"
+            )
+        return len(prompt), len(through)
 
-def load_chat_template(path: str | Path) -> ChatTemplate:
-    """The template of a tokenizer_config.json (its ``chat_template``: a string, or a list of named templates of
-    which ``default`` is used) with its special tokens, or of a .jinja file (no special tokens)."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"data.chat_template: {path} does not exist; give a tokenizer_config.json or a .jinja file")
-    if path.suffix != ".json":
-        return ChatTemplate(path.read_text(), {}, str(path))
+    def _marked_spans(
+        self, messages: list[dict], assistants: list[int], text: str, first: tuple[int, int]
+    ) -> list[tuple[int, int]] | None:
+        """Every assistant span from one render with each content wrapped in markers, the first turn's span telling
+        what lies between the generation prompt and the content, and after the content to the end of the turn;
+        None where the markers do not show that (a template that trims or rewrites a content)."""
+        marked = _marked(messages)
+        bounds = None if marked is None else _content_bounds(self.render(marked), text, len(messages))
+        if bounds is None or any(i not in bounds for i in assistants):
+            return None
+        start0, end0 = bounds[assistants[0]]
+        if not (first[0] <= start0 <= end0 <= first[1]):
+            return None
+        lead, trail = text[first[0] : start0], text[end0 : first[1]]
+        spans, done = [], 0
+        for i in assistants:
+            start, end = bounds[i]
+            span = (start - len(lead), end + len(trail))
+            if span[0] < done or text[span[0] : start] != lead or text[end : span[1]] != trail:
+                return None
+            spans.append(span)
+            done = span[1]
+        return spans
+
+
+PREFIX_RENDER_MAX_TURNS = 64
+"""The most assistant turns found by rendering each turn's prefixes (quadratic: 12,000 turns took 4 minutes at every
+start, on every rank), for a template whose output the markers cannot follow."""
+
+_START, _END = "\ue000", "\ue001"
+"""Markers around each message's content (private-use characters, which no template or case filter changes), each
+followed by the message's number as one private-use character of planes 15 and 16."""
+_NUMBERED = 2 * 65534
+
+
+def _marked(messages: list[dict]) -> list[dict] | None:
+    """``messages`` with each string content between numbered markers; None when one cannot be marked (not a string,
+    holding a marker already, more messages than numbers)."""
+    if len(messages) > _NUMBERED:
+        return None
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, str) or _START in content or _END in content:
+            return None
+        number = chr(0xF0000 + i if i < 65534 else 0x100000 + i - 65534)
+        out.append({**m, "content": f"{_START}{number}{content}{_END}{number}"})
+    return out
+
+
+def _number(ch: str) -> int:
+    code = ord(ch)
+    return code - 0xF0000 if code < 0x100000 else code - 0x100000 + 65534
+
+
+_MARKS = re.compile(f"[{_START}{_END}][\U000f0000-\U000ffffd\U00100000-\U0010fffd]")
+
+
+def _content_bounds(marked: str, text: str, count: int) -> dict[int, tuple[int, int]] | None:
+    """Message number -> [start, end) of its content in ``text``, from the marked render; None unless the marked
+    render is ``text`` with markers, each message's pair once and in order."""
+    starts: dict[int, int] = {}
+    bounds: dict[int, tuple[int, int]] = {}
+    for k, m in enumerate(_MARKS.finditer(marked)):
+        i, at = _number(m.group()[1]), m.start() - 2 * k  # where it is in the render without markers
+        if i >= count or i in bounds or (m.group()[0] == _START) == (i in starts):
+            return None
+        if m.group()[0] == _START:
+            starts[i] = at
+        else:
+            bounds[i] = (starts[i], at)
+    if len(bounds) != len(starts) or _MARKS.sub("", marked) != text:
+        return None
+    return bounds
+
+
+def _read_template_file(path: Path, key: str) -> str:
+    """The text of a template file (a .jinja or a tokenizer_config.json) through the one reader: a regular file of at
+    most SMALL_FILE_MAX_BYTES (a 4 GB tokenizer_config.json was once read whole), links followed as in a Hugging Face
+    cache; a ConfigError naming ``key`` and the file otherwise."""
+    fix = "give a tokenizer_config.json or a .jinja file"
     try:
-        config = json.loads(path.read_text())
+        return read_small_file(path).decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: {path} does not exist; {fix}") from None
+    except NotAFile as e:
+        raise ConfigError(f"{key}: {path} {e.reason}; {fix}") from None
+    except OSError as e:
+        raise ConfigError(f"{key}: {path} {describe_os_error(path, e)}; {fix}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: {path} is not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from None
+
+
+def load_chat_template(path: str | Path, key: str = "data.chat_template") -> ChatTemplate:
+    """The template of a tokenizer_config.json (its ``chat_template``: a string, or a list of named templates of
+    which ``default`` is used) with its special tokens, or of a .jinja file (no special tokens). ``key`` names the
+    setting the path came from in errors."""
+    path = Path(path).expanduser()
+    text = _read_template_file(path, key)
+    if path.suffix != ".json":
+        return ChatTemplate(text, {}, str(path))
+    try:
+        config = json.loads(text)
     except ValueError as e:
-        raise ConfigError(f"data.chat_template: {path} is not JSON ({e})") from None
+        raise ConfigError(f"{key}: {path} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{key}: {path} holds a JSON {type(config).__name__}, not an object")
+    return _from_config(config, path, key)
+
+
+def _from_config(config: dict, path: Path, key: str) -> ChatTemplate:
+    """The template of a tokenizer_config.json's object, with the special tokens it names."""
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str):
         raise ConfigError(
-            f"data.chat_template: {path} has no chat_template string; give a .jinja file, or use "
+            f"{key}: {path} has no chat_template string; give a .jinja file, or use "
             "data.format=prompt_completion (joined without a template)"
         )
     special = {}
-    for key in SPECIAL_TOKENS:
-        token = config.get(key)
+    for name in SPECIAL_TOKENS:
+        token = config.get(name)
         token = token.get("content") if isinstance(token, dict) else token
         if isinstance(token, str):
-            special[key] = token
+            special[name] = token
     return ChatTemplate(source, special, str(path))
 
 
@@ -127,8 +305,12 @@ def find_chat_template(setting: str | None, tokenizer: str) -> ChatTemplate | No
     if tokenizer == "byte":
         return None
     beside = Path(tokenizer).expanduser().parent / "tokenizer_config.json"
-    try:
-        has_template = beside.is_file() and "chat_template" in json.loads(beside.read_text())
+    if not os.path.lexists(beside):
+        return None
+    try:  # read once, through the one reader, as data.chat_template's file
+        config = json.loads(_read_template_file(beside, "data.tokenizer"))
     except ValueError:
         return None
-    return load_chat_template(beside) if has_template else None
+    if not isinstance(config, dict) or "chat_template" not in config:
+        return None
+    return _from_config(config, beside, "data.tokenizer")

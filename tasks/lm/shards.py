@@ -32,6 +32,7 @@ from pathlib import Path
 from shardlab.checkpoint.layout import fsync_path, write_json_atomic
 from shardlab.errors import ConfigError, DataError
 from tasks.lm.binarize import FORMAT_VERSION, _encoded, temp_folder
+from tasks.lm.cache_files import open_cache_file, read_cache_json, token_file_size
 from tasks.lm.corpus import check_sources, read_blocks
 from tasks.lm.sources import Block, Source
 from tasks.lm.tokenizer import Tokenizer, token_dtype
@@ -74,9 +75,9 @@ def write_plan(out: Path, groups: list[list[Source]], num_shards: int) -> None:
     remain (its finished shards would no longer line up with the new ones)."""
     plan = {"num_shards_asked": num_shards, "shards": [[str(s.path) for s in g] for g in groups]}
     path = out / SHARDS / PLAN
-    if path.is_file():
-        old = json.loads(path.read_text())
-        if old["shards"] != plan["shards"]:
+    old = read_cache_json(path, out, missing_ok=True)
+    if old is not None:
+        if old.get("shards") != plan["shards"]:
             raise ConfigError(
                 f"{out} is being preprocessed as {old['num_shards_asked']} shards ({path}), not {num_shards}; rerun "
                 f"with --shards {old['num_shards_asked']}, or delete {out} to start again"
@@ -90,7 +91,7 @@ def finished_shards(out: Path, groups: list[list[Source]]) -> list[bool]:
     """Which shards hold a record that still matches their files (size and mtime, as the cache key does)."""
     done = []
     for k, group in enumerate(groups):
-        record = _read_json(out / SHARDS / shard_name(k) / RECORD)
+        record = read_cache_json(out / SHARDS / shard_name(k) / RECORD, out, missing_ok=True)
         done.append(record is not None and record.get("files") == [file_identity(s) for s in group])
     return done
 
@@ -165,7 +166,7 @@ def write_manifest(out: Path, groups: list[list[Source]], tok: Tokenizer, meta_e
     process's cache would have. None (nothing written) while a shard is missing."""
     if not all(finished_shards(out, groups)):
         return None
-    records = [json.loads((out / SHARDS / shard_name(k) / RECORD).read_text()) for k in range(len(groups))]
+    records = [read_cache_json(out / SHARDS / shard_name(k) / RECORD, out) for k in range(len(groups))]
     total = {split: sum(r[f"{split}_tokens"] for r in records) for split in ("train", "valid")}
     if total["valid"] == 0:
         raise DataError(
@@ -191,7 +192,7 @@ def write_manifest(out: Path, groups: list[list[Source]], tok: Tokenizer, meta_e
         ],  # fmt: skip
         **meta_extra,
     }
-    meta["content_digest"] = stream_digest({s: shard_files(out, meta, s) for s in ("train", "valid")})
+    meta["content_digest"] = stream_digest({s: shard_files(out, meta, s) for s in ("train", "valid")}, out)
     write_json_atomic(out / "meta.json", meta)
     fsync_path(out)
     for tmp in (out / SHARDS).glob(TMP + "*"):  # temporaries of tasks that died on other hosts
@@ -206,13 +207,13 @@ def shard_files(corpus: Path, meta: dict, split: str) -> list[Path]:
     return [corpus / SHARDS / s["name"] / f"{split}.bin" for s in meta["shards"]]
 
 
-def stream_digest(files: dict[str, list[Path]]) -> str:
+def stream_digest(files: dict[str, list[Path]], cache: Path) -> str:
     """binarize.content_digest of the concatenated streams: a sharded cache and one process's agree (ranks compare
     it), since the hash sees bytes, not where a file ends."""
     h = hashlib.blake2b(digest_size=12)
     for split in ("train", "valid"):
         for path in files[split]:
-            with open(path, "rb") as f:
+            with open_cache_file(path, cache) as f:
                 while chunk := f.read(1 << 24):
                     h.update(chunk)
         h.update(b"|")
@@ -221,9 +222,11 @@ def stream_digest(files: dict[str, list[Path]]) -> str:
 
 def progress(out: Path) -> tuple[int, int] | None:
     """(finished, planned) shards of a sharded build under way in ``out``; None when none was started there."""
-    plan = _read_json(out / SHARDS / PLAN)
+    plan = read_cache_json(out / SHARDS / PLAN, out, missing_ok=True)
     if plan is None:
         return None
+    if not isinstance(plan.get("shards"), list):
+        raise DataError(f"{out / SHARDS / PLAN} lists no shards; delete {out} to preprocess again")
     finished = sum((out / SHARDS / shard_name(k) / RECORD).is_file() for k in range(len(plan["shards"])))
     return finished, len(plan["shards"])
 
@@ -246,18 +249,11 @@ def preprocess_command(path: str | None, cache_dir: str, tokenizer: str, valid_p
     return shlex.join(cmd)
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def shard_sizes_ok(corpus: Path, meta: dict, itemsize: int) -> str | None:
     """The first shard token file whose size is not the tokens the manifest records (None: all agree)."""
     for split in ("train", "valid"):
         for f, s in zip(shard_files(corpus, meta, split), meta["shards"], strict=True):
-            size = f.stat().st_size if f.is_file() else None
+            size = token_file_size(f, corpus)
             if size != s[f"{split}_tokens"] * itemsize:
                 return f"{f} holds {size} bytes, not the {s[f'{split}_tokens']:,} tokens the manifest records"
     return None

@@ -5,7 +5,6 @@ data.format=chat or prompt_completion, supervised fine-tuning on the answer toke
 from __future__ import annotations
 
 import inspect
-import json
 import math
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from shardlab.registry import MODELS
 from shardlab.task import Task
 from tasks.lm import mixture
 from tasks.lm.architecture import LMArchitecture
-from tasks.lm.cache import corpus_sources
+from tasks.lm.cache import corpus_sources, read_corpus_meta
 from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
 from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
@@ -215,7 +214,7 @@ class LanguageModelingTask(Task):
             self.train_dataset, self.valid_dataset = self.mixture.train, self.mixture.valid
             return
         self.corpus_dir = corpus = self.corpus()
-        self.meta = json.loads((corpus / "meta.json").read_text())
+        self.meta = read_corpus_meta(corpus)
         self.train_dataset, self.valid_dataset = open_splits(corpus, self.cfg.data.seq_len)
 
     def corpus(self) -> Path:

@@ -120,8 +120,8 @@ def test_an_interrupted_binarization_leaves_no_complete_looking_cache(tmp_path, 
     from tasks.lm import binarize
 
     (tmp_path / "a.txt").write_text("some text\n" * 1000)
-    monkeypatch.setattr(binarize, "_hold_out", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
-    # 1%: a.txt does not hash into valid, so the hold-out (the last step before the cache is published) runs
+    monkeypatch.setattr(binarize, "_hold_out_tail", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # one file, too few documents for whole ones: the tail hold-out (the last step before the cache is published) runs
     with pytest.raises(KeyboardInterrupt):
         prepare_corpus(str(tmp_path / "a.txt"), str(tmp_path / "cache"), "byte", 1.0, 0)
     assert list((tmp_path / "cache").iterdir()) == []

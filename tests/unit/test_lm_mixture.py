@@ -9,13 +9,15 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
 from shardlab.data import RankBatchSampler
 from shardlab.distributed import env as dist_env
+from shardlab.errors import DataError
 from shardlab.jobs.preflight import compose_config
 from shardlab.registry import TASKS
 from shardlab.runner import print_plan, run_rank
-from tasks.lm.mixture import MixtureOrder, MixtureValid, chunk_counts, summarize_sources
+from tasks.lm.mixture import MixtureOrder, MixtureValid, chunk_counts, mixture_errors, summarize_sources
 from tests.conftest import TINY_LM
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -158,3 +160,33 @@ def test_mixture_mistakes_are_one_line_naming_the_key(tmp_path, override, messag
     cfg = compose_config(overrides)
     errors = TASKS.build(cfg.task.name, cfg).config_errors()
     assert any(message in e for e in errors), errors
+
+
+def test_every_source_of_a_mixture_as_large_as_a_chunk_is_read_and_a_larger_one_is_refused():
+    """5,000 sources once ran with 904 of them at 0 samples per chunk (never read, no word); 4,096 each get one."""
+    counts = chunk_counts([1.0] * 4096)
+    assert min(counts) == 1 and sum(counts) == 4096
+    order = MixtureOrder([f"s{i}" for i in range(4096)], [3] * 4096, [1.0] * 4096, seed=0)
+    assert len(set(order.source_names(0, 4096))) == 4096
+    with pytest.raises(DataError, match="names 5000 corpora; a mixture reads at most 4096"):
+        chunk_counts([1.0] * 5000)
+    d = OmegaConf.create({"path": None, "format": "text", "sources": {f"s{i}": {"weight": 1} for i in range(5000)}})
+    errors = mixture_errors(d)
+    assert len(errors) == 1 and "data.sources names 5000 corpora" in errors[0] and "\n" not in errors[0]
+
+
+@pytest.mark.parametrize("weights", [[1e308, 1e308], [float("nan"), 1.0], [float("inf"), 1.0], [0, 1.0]])
+def test_mixture_weights_that_are_not_finite_positive_with_a_finite_sum_are_refused_before_preprocessing(
+    tmp_path, weights
+):
+    """Two weights of 1e308 once passed, normalised to [0, 0], and failed with a ZeroDivisionError after
+    preprocessing: refused by the config check, which runs before any corpus is read (the cache stays empty)."""
+    web, note = weights
+    sources = f"+data.sources={{a: {{weight: {web}}}, b: {{weight: {note}}}}}"
+    cfg = compose_config([*TINY_LM, f"data.cache_dir={tmp_path / 'cache'}", sources])
+    errors = TASKS.build(cfg.task.name, cfg).config_errors()
+    assert any("weight" in e for e in errors), errors
+    assert all("\n" not in e for e in errors)
+    assert not (tmp_path / "cache").exists()
+    with pytest.raises(DataError, match="finite numbers > 0 with a finite sum"):  # the order refuses them too
+        chunk_counts([float(w) for w in weights])

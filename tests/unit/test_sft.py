@@ -14,9 +14,17 @@ from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, DataError
 from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task, run_rank
-from tasks.lm.sft import PackedRows, Sample, answer_token_loss, demo_records, open_sft_splits, record_sample
+from tasks.lm.sft import (
+    RECORD_MAX_CHARS,
+    PackedRows,
+    Sample,
+    answer_token_loss,
+    demo_records,
+    open_sft_splits,
+    record_sample,
+)
 from tasks.lm.sft_packing import IGNORE, document_mask, pack, segment_positions
-from tasks.lm.sft_template import load_chat_template
+from tasks.lm.sft_template import PREFIX_RENDER_MAX_TURNS, ChatTemplate, load_chat_template
 from tests.hf_folders import write_tokenizer
 
 LLAMA3_TEMPLATE = (
@@ -316,3 +324,51 @@ def test_the_start_line_counts_records_read_held_out_cut_and_dropped(tmp_path, c
         f"({s.valid.answer_tokens:,})"
     )
     assert sft_task(tmp_path, "data.format=text").data_summary() is None  # the corpus cache prints its own
+
+
+# ---- linear, bounded costs (issue 47, item 4) ----------------------------------------------------------------------
+def long_chat(turns: int, pad: str = "") -> list[dict]:
+    return [m for i in range(turns) for m in ({"role": "user", "content": f"{pad}question {i}"},
+                                                {"role": "assistant", "content": f"answer {i}{pad}"})]  # fmt: skip
+
+
+def counted_renders(template, monkeypatch) -> list[int]:
+    calls = []
+    render = type(template).render
+    monkeypatch.setattr(type(template), "render", lambda self, *a, **k: calls.append(1) or render(self, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("template", [untagged(QWEN2_TEMPLATE), LLAMA3_TEMPLATE], ids=["qwen2", "llama3"])
+def test_a_record_is_rendered_a_fixed_number_of_times_whatever_its_turns(template, monkeypatch):
+    """The prefix of every assistant turn was rendered twice (500/1000/2000 turns in 0.42/1.56/6.72 s; 12,000 in
+    about 4 minutes at every start): now the record, the record marked, and the first answer's two prefixes; the
+    spans are those every turn's prefixes give."""
+    chat = ChatTemplate(template, {"bos_token": "<s>"}, "test.jinja")
+    messages = long_chat(300)
+    calls = counted_renders(chat, monkeypatch)
+    text, spans = chat.assistant_spans(messages, "chat.jsonl:7")
+    assert len(calls) == 4
+    expected = [chat._prefix_span(messages, i, text, "chat.jsonl:7") for i in range(1, 600, 2)]
+    assert spans == expected and len(spans) == 300
+
+
+def test_a_template_the_markers_cannot_follow_falls_back_for_few_turns_and_refuses_many():
+    """Llama 3's template trims each content: padded contents defeat the markers, so each turn's prefixes give the
+    spans, for records of up to PREFIX_RENDER_MAX_TURNS answers; more are refused naming the record."""
+    chat = ChatTemplate(LLAMA3_TEMPLATE, {"bos_token": "<s>"}, "llama3.jinja")
+    few = long_chat(PREFIX_RENDER_MAX_TURNS, pad="  ")
+    text, spans = chat.assistant_spans(few, "chat.jsonl:3")
+    assert spans == [chat._prefix_span(few, i, text, "x") for i in range(1, len(few), 2)]
+    with pytest.raises(DataError, match=r"^chat.jsonl:4: the chat template of llama3.jinja changes the text of a turn"):
+        chat.assistant_spans(long_chat(PREFIX_RENDER_MAX_TURNS + 1, pad="  "), "chat.jsonl:4")
+
+
+def test_a_record_past_the_size_cap_is_refused_naming_its_file_and_line(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    big = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * (RECORD_MAX_CHARS + 1)}]
+    path.write_text(json.dumps({"messages": long_chat(1)}) + "\n" + json.dumps({"messages": big}) + "\n")
+    folder = chat_folder(tmp_path / "qwen", untagged(QWEN2_TEMPLATE))
+    task = sft_task(tmp_path, f"data.tokenizer={folder / 'tokenizer.json'}", "data.format=chat", f"data.path={path}")
+    with pytest.raises(DataError, match=rf"^{path}:2: the record's messages hold 4,194,306 characters, more than"):
+        task.prepare_data()

@@ -9,9 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.lm.binarize import held_out_count, is_valid_document, split_rank
+from shardlab.errors import DataError
+from tasks.lm.binarize import TAIL_MIN_TOKENS, held_out_count, is_valid_document, split_rank, tail_count, too_few_units
 from tasks.lm.cache import prepare_corpus
 from tasks.lm.corpus import find_sources, jsonl_text, read_blocks
+from tasks.lm.data import open_splits
 from tasks.lm.tokenizer import load_tokenizer, segments, train_bpe
 from tests.unit.test_lm_corpus import tokens, write_parquet_shards, zstd_frames
 
@@ -162,3 +164,98 @@ def test_binarize_writes_the_tokens_of_the_plain_encoding(tmp_path, mixed_corpus
     for split in ("train", "valid"):
         assert len(expected[split]) > 1000
         assert tokens(corpus, split).tolist() == expected[split]
+
+
+# ---- a corpus of too few documents: the tail of its tokens (issue 47, item 7) ---------------------------------------
+def text_file(path: Path, size: int, seed: int = 0) -> Path:
+    """A text file of ``size`` bytes of words (ASCII: a byte token each), one document as docs/corpora.md has it."""
+    rng = np.random.default_rng(seed)
+    words = np.array("the quick brown fox jumps over a lazy dog and runs far away".split())
+    text = " ".join(words[rng.integers(0, len(words), size // 3)])[:size]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_the_tail_rule_applies_below_50_over_valid_percent_units_and_keeps_train_the_larger_part():
+    assert too_few_units(1, 5.0) and too_few_units(1, 90.0) and too_few_units(9, 5.0) and too_few_units(4, 10.0)
+    assert not too_few_units(10, 5.0) and not too_few_units(5, 10.0) and not too_few_units(20, 10.0)
+    assert not too_few_units(1, 0.0)  # nothing is held out at 0
+    assert tail_count(1_112_008, 5.0) == 55_601  # 5%, rounded up
+    assert tail_count(46_484, 5.0) == TAIL_MIN_TOKENS == 4_097  # 5% is 2,325: raised to one default valid batch
+    assert tail_count(6_000, 5.0) == 3_000  # the floor never takes train below half
+    assert tail_count(1, 50.0) == 0 and tail_count(2, 99.0) == 1
+
+
+def test_one_48_kb_text_file_keeps_its_head_for_training_and_its_tail_for_validation(tmp_path, capsys):
+    """It used to hold the whole file out ('the 1 of 1 documents nearest to it by hash'), then refuse: train.bin
+    had 0 tokens. Now: the file's tokens in order, cut at 4,097 tokens from the end (5% would be 2,325, fewer than
+    one validation batch of the default config: 32 blocks of 128 tokens)."""
+    path = text_file(tmp_path / "input.txt", 48_000)
+    corpus = prepare_corpus(str(path), str(tmp_path / "cache"), "byte", 5.0, 0, num_workers=0)
+    stream = np.frombuffer(path.read_bytes(), np.uint8).astype(np.int64).tolist() + [256]
+    assert tokens(corpus, "train").tolist() == stream[:-4_097]
+    assert tokens(corpus, "valid").tolist() == stream[-4_097:]
+    meta = json.loads((corpus / "meta.json").read_text())
+    assert (meta["train_tokens"], meta["valid_tokens"], meta["documents"]) == (43_904, 4_097, {"train": 1, "valid": 0})
+    line = capsys.readouterr().out
+    assert "too few documents to hold whole ones out (1 document), so its last 4,097 tokens (8.5%" in line
+    assert (len(tokens(corpus, "valid")) - 1) // 128 >= 32  # the default config's validation batch
+
+
+def test_a_1_1_mb_text_file_holds_out_its_last_5_percent_not_half(tmp_path):
+    """Two blocks of ~1 MB: one of them (half the file) used to be held out."""
+    path = text_file(tmp_path / "input.txt", 1_100_000)
+    corpus = prepare_corpus(str(path), str(tmp_path / "cache"), "byte", 5.0, 0, num_workers=0)
+    stream = np.concatenate([np.frombuffer(path.read_bytes(), np.uint8).astype(np.int64), [256]])
+    train, valid = tokens(corpus, "train"), tokens(corpus, "valid")
+    assert len(valid) == tail_count(1_100_001, 5.0) == 55_001
+    np.testing.assert_array_equal(np.concatenate([train, valid]), stream)
+
+
+def test_a_folder_of_few_files_is_put_back_in_order_and_cut_at_its_tail(tmp_path):
+    """Three files: whichever of them the hash sends to valid, the stream is the files in order, cut at the tail."""
+    root = tmp_path / "texts"
+    files = [text_file(root / f"part-{k}.txt", 20_000, seed=k) for k in range(3)]
+    corpus = prepare_corpus(str(root), str(tmp_path / "cache"), "byte", 10.0, 0, num_workers=0)
+    stream = np.concatenate([np.append(np.frombuffer(f.read_bytes(), np.uint8).astype(np.int64), 256) for f in files])
+    train, valid = tokens(corpus, "train"), tokens(corpus, "valid")
+    assert len(valid) == tail_count(len(stream), 10.0) == 6_001
+    np.testing.assert_array_equal(np.concatenate([train, valid]), stream)
+    assert json.loads((corpus / "meta.json").read_text())["documents"] == {"train": 3, "valid": 0}
+
+
+def test_valid_percent_0_holds_nothing_out_and_says_what_to_set(tmp_path):
+    path = text_file(tmp_path / "input.txt", 48_000)
+    corpus = prepare_corpus(str(path), str(tmp_path / "cache"), "byte", 0.0, 0, num_workers=0)
+    assert len(tokens(corpus, "train")) == 48_001 and len(tokens(corpus, "valid")) == 0
+    with pytest.raises(DataError, match=r"valid.bin has 0 tokens, .*data.valid_percent=0 holds none out"):
+        open_splits(corpus, 32)
+
+
+def test_a_cache_of_the_earlier_rule_is_not_found_by_the_new_key(tmp_path, monkeypatch):
+    """The split of such a corpus changed: so does its cache's name (the format is in the key), and an old cache
+    (all of a one-file corpus held out) is never read as the new one."""
+    from tasks.lm import cache
+
+    path = text_file(tmp_path / "input.txt", 48_000)
+    tok = load_tokenizer("byte")
+    sources, _ = cache.corpus_sources(str(path))
+    new = cache.cache_key(sources, tok, 5.0, 0, "text")
+    monkeypatch.setattr(cache, "FORMAT_VERSION", 3)
+    assert cache.cache_key(sources, tok, 5.0, 0, "text") != new
+
+
+@pytest.mark.parametrize("corpus", ["48 KB file", "1.1 MB file", "folder of 3 files"])
+def test_one_text_file_or_a_few_train_and_validate(tmp_path, tiny_lm, corpus):
+    """Must-show 2: `python -m shardlab.train data.path=<one text file>` (here through run_rank, a tiny model), and so
+    do a 1.1 MB file and a folder of files."""
+    if corpus == "folder of 3 files":
+        path = tmp_path / "texts"
+        for k in range(3):
+            text_file(path / f"part-{k}.txt", 20_000, seed=k)
+    else:
+        path = text_file(tmp_path / "input.txt", 48_000 if corpus == "48 KB file" else 1_100_000)
+    run = train_lm(tiny_lm, path, tmp_path / "run")
+    assert np.isfinite(run["final"]["loss"])
+    assert run["task"].meta["valid_tokens"] > 0 and run["task"].meta["train_tokens"] > 0
