@@ -550,15 +550,19 @@ def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]
     """Flag combinations that cannot work (or silently would not do what they say)."""
     d, errors = cfg.distributed, []
     sharded = d.backend in ("fully_sharded", "auto")  # auto keeps fully_sharded knobs (and then shards)
-    if world > 1 and cfg.optimization.batch_size % world:
+    # The data-parallel ranks split each batch; tensor, pipeline and context ranks share their samples.
+    model_ranks = (
+        max(d.tensor_parallel_degree, 1) * max(d.pipeline_parallel_degree, 1) * max(d.context_parallel_degree, 1)
+    )
+    data = world // model_ranks if world % model_ranks == 0 else world
+    ranks = "world size" if data == world else "data-parallel ranks (world size / tensor x pipeline x context degrees)"
+    if data > 1 and cfg.optimization.batch_size % data:
         errors.append(
-            f"optimization.batch_size ({cfg.optimization.batch_size}) must be divisible by the world size "
-            f"({world}): it is the global micro-batch, split evenly over the ranks"
+            f"optimization.batch_size ({cfg.optimization.batch_size}) must be divisible by the {ranks} "
+            f"({data}): it is the global micro-batch, split evenly over the ranks"
         )
-    if world > 1 and cfg.validation.batch_size % world:
-        errors.append(
-            f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by the world size ({world})"
-        )
+    if data > 1 and cfg.validation.batch_size % data:
+        errors.append(f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by the {ranks} ({data})")
     if sharded and d.sharding_degree != -1 and (d.sharding_degree < 1 or world % d.sharding_degree):
         errors.append(
             f"distributed.sharding_degree ({d.sharding_degree}) must divide the world size ({world}); "
