@@ -84,6 +84,9 @@ def model_rank_profile(profile: ModelProfile, tp: int, cp: int) -> ModelProfile:
         # layer inputs per layer instead of two shards.
         for i in layer_units(profile):
             acts[i] += 2 * (-(-profile.unit_inputs[i] // cp) - part(profile.unit_inputs[i]))
+    # In backward, the row-wise linear's output gradient is gathered to the full sequence and the column-wise one's
+    # input gradient is full before its reduce-scatter: two full layer inputs where one rank's shards would be.
+    workspace = max((-(-n // cp) - part(n) for n in profile.unit_inputs), default=0) * 2 if tp > 1 else 0
     trained = None if profile.trainable_shapes is None else [tp_shapes(g, tp) for g in profile.trainable_shapes]
     return dataclasses.replace(
         profile,
@@ -95,6 +98,7 @@ def model_rank_profile(profile: ModelProfile, tp: int, cp: int) -> ModelProfile:
         activations=None if profile.activations is None else part(profile.activations) + sum(acts) - sum(
             part(n) for n in profile.unit_activations),
         unit_activations=acts,
+        backward_workspace=workspace,
         unit_inputs=[part(n) for n in profile.unit_inputs],
         largest_outside=part(profile.largest_outside),
         activation_slack=part(profile.activation_slack),
@@ -163,6 +167,10 @@ class _Stage:
     """What a backward saves again on top (the recomputed unit, the loss's gradients)."""
     reduce_buffer: int
     """The last backward's reduce-scatter input: the biggest unit's unsharded gradients in the reduce dtype."""
+    receive_buffers: int
+    """torch's PipelineStage allocates, for every micro-batch, a buffer for the input it receives (not on the first
+    stage) and one for its output's gradient (not on the last), and keeps them (stage.py, _create_act_recv_info and
+    _create_grad_recv_info)."""
 
 
 def estimate_axes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryEstimate:
@@ -236,16 +244,19 @@ def _stage_bytes(profile, stages, stage: int, per_unit, layout: Layout, ctx: Pla
     if per_unit is not None:
         kept_per_unit, recomputed = per_unit
         kept = sum(kept_per_unit[u] for u in stages[stage])
-        recompute = max((recomputed[u] for u in stages[stage]), default=0)
+        recompute = max((recomputed[u] for u in stages[stage]), default=0) + profile.backward_workspace
         if last:  # the loss: what is saved outside the units, and backward's first gradients
             kept += profile.activations - sum(profile.unit_activations) - _transient(profile)
             recompute += _transient(profile)
         else:  # torch's PipelineStage keeps each micro-batch's output until its backward (fwd_cache)
             kept += _boundary(profile)
+        if stage > 0:  # the input arrives in that micro-batch's receive buffer (below), which the first unit keeps
+            kept -= min(_boundary(profile), kept)
     return _Stage(
         state=state.params + state.optimizer, gathered=ctx.param_bytes * unsharded,
         accumulated=ctx.reduce_bytes * trained, sharded_grads=state.grads, kept=kept, recompute=recompute,
         reduce_buffer=ctx.reduce_bytes * max((f * shard_numel(g, f) for g in sub.trainable()), default=0),
+        receive_buffers=ctx.update_freq * _boundary(profile) * ((stage > 0) + (not last)),
     )  # fmt: skip
 
 
@@ -274,7 +285,8 @@ def _run(ops, stages: list[_Stage]) -> tuple[int, dict[str, int]]:
         if last:
             live["gathered"] -= s.gathered + s.accumulated
             live["grads"] += s.sharded_grads
-    state = sum(s.state for s in stages)
+    state = sum(s.state + s.receive_buffers for s in stages)
+    at_peak["activations"] += sum(s.receive_buffers for s in stages)
     return state + peak, at_peak
 
 

@@ -261,7 +261,7 @@ def _activations(profile: ModelProfile, layout: Layout) -> int | None:
         return None
     kept, recomputed = unit_activation_bytes(profile, layout)
     outside = profile.activations - sum(profile.unit_activations)
-    return outside + sum(kept) + max(recomputed, default=0) + _transient(profile)
+    return outside + sum(kept) + max(recomputed, default=0) + profile.backward_workspace + _transient(profile)
 
 
 def unit_activation_bytes(profile: ModelProfile, layout: Layout) -> tuple[list[int], list[int]]:
