@@ -665,6 +665,10 @@ def plan_axes_published(sources: list[Source]) -> list[str]:
     lines.append("")
     for url, src in cited.items():
         lines.append(f"- [{src['repo']} `{src['file']}` at `{src['commit'][:10]}`]({url}): {src['run']}")
+    for _, d in sources:
+        if d.get("verify"):
+            v = d["verify"]
+            lines += ["", f"`distributed.verify_plan` of the 405B 3D layout, timed: {v['seconds']} s. {v['line']}"]
     return lines
 
 

@@ -138,6 +138,22 @@ def plan(overrides: list[str]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def verify(overrides: list[str]) -> dict[str, Any]:
+    """distributed.verify_plan of a layout, timed from the composed config (the model on meta, the mesh and
+    fully_shard on the fake process group, seen from the first and the last rank)."""
+    import time
+
+    from shardlab.jobs.preflight import compose_config
+    from shardlab.memory.verify import verify_plan
+    from shardlab.runner import build_task
+
+    cfg = compose_config(overrides)
+    world = cfg.distributed.world_size
+    started = time.perf_counter()
+    lines = verify_plan(cfg, build_task(cfg, world_size=world), world)
+    return {"overrides": overrides, "seconds": round(time.perf_counter() - started, 1), "line": lines[0]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the JSON to write")
@@ -147,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool": "plan_axes",
         "published": [{**p, "plan": plan(p["overrides"])} for p in PUBLISHED],
         "choices": [{"model": model, "overrides": o, "plan": plan(o)} for model, o in CHOICES],
+        "verify": verify(PUBLISHED[1]["overrides"]),
     }
     results["meta"] = finish(meta)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

@@ -132,3 +132,53 @@ def test_the_dry_run_lines_name_the_axes_and_compare_other_splits():
     assert keys["tensor_parallel_degree"] == 2 and keys["pipeline_parallel_degree"] == 2
     assert keys["sharding_degree"] == -1
     assert dataclasses.replace(chosen, sharding_degree=1).overrides(8)["sharding_degree"] == 1
+
+
+# ---- verify_plan: the real mesh and fully_shard on the fake process group ----------------------------------------
+TINY_3D = ["model=llama_tiny", "distributed=fully_sharded", "distributed.world_size=16", "optimization.batch_size=8",
+           "validation.batch_size=8", "optimization.update_freq=2", "distributed.tensor_parallel_degree=2",
+           "distributed.pipeline_parallel_degree=2", "dry_run=true"]  # fmt: skip
+
+
+def tiny_task(overrides: list[str]):
+    from shardlab.runner import build_task
+    from tests.conftest import compose_config
+
+    cfg = compose_config(overrides)
+    return cfg, build_task(cfg, world_size=16)
+
+
+def colwise_rowwise_plan(model, mlp_split: bool = True) -> dict:
+    """A Megatron-style plan for shardlab's Llama, as a task would hand it (Task.tensor_parallel_plan)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"embed": RowwiseParallel(), "head.out": ColwiseParallel()}
+    for name in ("q", "k", "v"):
+        plan[f"blocks.*.attn.{name}"] = ColwiseParallel()
+    plan["blocks.*.attn.o"] = RowwiseParallel()
+    if mlp_split:
+        plan.update({"blocks.*.mlp.gate": ColwiseParallel(), "blocks.*.mlp.up": ColwiseParallel(),
+                     "blocks.*.mlp.down": RowwiseParallel()})  # fmt: skip
+    return plan
+
+
+def test_verify_plan_builds_the_3d_mesh_and_holds_the_plan_to_fully_shard_on_each_pipeline_stage():
+    from shardlab.memory.verify import verify_plan
+
+    cfg, task = tiny_task(TINY_3D)
+    lines = verify_plan(cfg, task, 16)
+    assert "pp 2 x dp_shard 4 x tp 2" in lines[0] and "pipeline rank 1" in lines[0]
+    # the LM task's own tensor-parallel plan where it has one (then checked here), else the FSDP part alone
+    assert "the task's tensor-parallel plan applied" in lines[0] or "tensor parallelism NOT applied" in lines[0]
+
+
+def test_verify_plan_applies_the_tasks_tensor_parallel_plan_and_catches_a_plan_that_splits_less():
+    from shardlab.memory.verify import PlanMismatch, verify_plan
+
+    cfg, task = tiny_task(TINY_3D)
+    task.tensor_parallel_plan = colwise_rowwise_plan  # as Task.tensor_parallel_plan hands it to the backend
+    lines = verify_plan(cfg, task, 16)
+    assert "the task's tensor-parallel plan applied" in lines[0]
+    task.tensor_parallel_plan = lambda model: colwise_rowwise_plan(model, mlp_split=False)
+    with pytest.raises(PlanMismatch, match="bytes of params"):
+        verify_plan(cfg, task, 16)
