@@ -28,6 +28,7 @@ torchtitan/parallelisms/pipeline_llama.py there):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -112,8 +113,9 @@ CHOICES = [
 """The layouts docs/distributed.md compares: (model, shardlab overrides)."""
 
 
-def plan(overrides: list[str]) -> dict[str, Any]:
-    """What dry_run plans for ``overrides``: the fullest rank's figures, its axes, and the layout's label."""
+def plan(overrides: list[str], split: str = "shardlab") -> dict[str, Any]:
+    """What dry_run plans for ``overrides`` (``split``: whose cut of the layers into stages): the fullest rank's
+    figures, its axes, and the layout's label."""
     from shardlab.distributed.units import model_on_meta
     from shardlab.jobs.preflight import compose_config
     from shardlab.memory.estimate import estimate
@@ -125,7 +127,8 @@ def plan(overrides: list[str]) -> dict[str, Any]:
     world = cfg.distributed.world_size
     task = build_task(cfg, world_size=world)
     profile, ctx = profile_config(cfg, task, world, model_on_meta(task))
-    layout = layout_of(cfg.distributed, world)
+    # torchtitan's published runs split the layers as torchtitan does (the middle stages taking the remainder)
+    layout = dataclasses.replace(layout_of(cfg.distributed, world), stage_split=split)
     est = estimate(profile, layout, ctx)
     axes = est.axes
     return {
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = collect(__file__, argv)
     results = {
         "tool": "plan_axes",
-        "published": [{**p, "plan": plan(p["overrides"])} for p in PUBLISHED],
+        "published": [{**p, "plan": plan(p["overrides"], "torchtitan")} for p in PUBLISHED],
         "choices": [{"model": model, "overrides": o, "plan": plan(o)} for model, o in CHOICES],
         "verify": verify(PUBLISHED[1]["overrides"]),
     }

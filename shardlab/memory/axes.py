@@ -13,10 +13,12 @@ The model as one rank sees it:
   attention the profile counts keeping no length x length matrix). Loss parallelism keeps the logits vocabulary-
   sharded, so they divide by ``tp`` too. **Context parallelism** divides the sequence, and with it every saved
   activation, by ``cp`` (the ring's transient key/value chunks are not counted).
-- **Pipeline stages** hold consecutive layers (shardlab.memory.pipeline: torchtitan's split; the embedding with the
-  first stage, the head, final norm and loss with the last). Each stage keeps its units gathered from its first
-  forward to its last backward, and its gradients unsharded, accumulating in the reduce dtype, until the last
-  micro-batch's backward reduce-scatters them: torch.distributed.pipelining turns FSDP2's gradient sync and
+- **Pipeline stages** hold consecutive layers (shardlab.memory.pipeline: shardlab's cut, the first stages taking
+  the remainder; the embedding with the first stage, the head, final norm and loss with the last). Each stage keeps
+  its units gathered from its first forward to its last backward (with reshard_after_forward they are gathered
+  again per micro-batch in the warmup, and stay so from the first backward: counted from the first forward), and
+  its gradients unsharded, accumulating in the reduce dtype, until the last micro-batch's backward reduce-scatters
+  them: torch.distributed.pipelining turns FSDP2's gradient sync and
   reshard-after-backward off for all but the last micro-batch (stage.py, backward_maybe_with_nosync), and
   torchtitan turns reshard-after-forward off under PP. The schedule decides how many micro-batches' activations a
   stage holds at once; the rank's peak is found by running its schedule's order through these events.
@@ -121,15 +123,15 @@ def layer_units(profile: ModelProfile) -> list[int]:
     return [i for i, g in enumerate(groups) if tuple(g) == common]
 
 
-def stage_units(profile: ModelProfile, num_stages: int) -> list[list[int]]:
-    """The units of each global stage: the layers split as torchtitan splits them, the units before the first layer
-    (embedding) on the first stage, those after the last (head) on the last."""
+def stage_units(profile: ModelProfile, num_stages: int, split: str = "shardlab") -> list[list[int]]:
+    """The units of each global stage: the layers split as ``split`` says (pipeline.stage_sizes), the units before
+    the first layer (embedding) on the first stage, those after the last (head) on the last."""
     layers = layer_units(profile)
     units = list(range(len(profile.unit_params)))
     if not layers:
         return [units] + [[] for _ in range(num_stages - 1)]
     stages, start = [], 0
-    for size in stage_sizes(len(layers), num_stages):
+    for size in stage_sizes(len(layers), num_stages, split):
         stages.append(layers[start : start + size])
         start += size
     stages[0] = [u for u in units if u < layers[0]] + stages[0]
@@ -199,7 +201,7 @@ def estimate_axes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> Me
 def _pipelined(profile: ModelProfile, layout: Layout, data_layout: Layout, ctx: PlanContext) -> MemoryEstimate:
     """The fullest pipeline rank's peak, from its schedule's order of forwards and backwards."""
     pp, v, m = layout.pp, layout.stages_per_rank, ctx.update_freq
-    stages = stage_units(profile, pp * v)
+    stages = stage_units(profile, pp * v, layout.stage_split)
     per_unit = unit_activation_bytes(profile, data_layout) if profile.activations is not None else None
     best = None
     for rank in range(pp):

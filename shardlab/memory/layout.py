@@ -52,6 +52,9 @@ class Layout:
     """pp > 1: distributed.pipeline_schedule."""
     stages_per_rank: int = 1
     """pp > 1: distributed.pipeline_stages_per_rank."""
+    stage_split: str = "shardlab"
+    """pp > 1: how layers split into stages (shardlab.memory.pipeline.stage_sizes): shardlab's cut, or torchtitan's
+    (for comparing with its published runs; no config key)."""
 
     @property
     def multi_axis(self) -> bool:

@@ -23,17 +23,21 @@ LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
 """Schedules with more than one stage per rank (distributed.pipeline_stages_per_rank >= 2)."""
 
 
-def stage_sizes(num_layers: int, num_stages: int) -> list[int]:
-    """Layers of each stage (torchtitan's default split points): ``num_layers // num_stages`` each, and one more for
-    each middle stage (not the first, not the last) while the remainder lasts."""
+def stage_sizes(num_layers: int, num_stages: int, split: str = "shardlab") -> list[int]:
+    """Layers of each stage. ``shardlab``: as even as the count allows, the first stages taking one more
+    (shardlab.distributed.pipeline's cut); ``torchtitan``: its default split points (generate_split_points at
+    9dec370), ``num_layers // num_stages`` each and one more for each middle stage while the remainder lasts, the
+    last stage taking what is left (the published runs tools/plan_axes.py compares with)."""
     base, extra = divmod(num_layers, num_stages)
+    if split == "shardlab":
+        return [base + (stage < extra) for stage in range(num_stages)]
     sizes = [base] * num_stages
     for stage in range(1, num_stages - 1):
         if extra == 0:
             break
         sizes[stage] += 1
         extra -= 1
-    sizes[-1] += extra  # the last stage takes what the middle ones left
+    sizes[-1] += extra
     return sizes
 
 

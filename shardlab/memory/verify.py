@@ -216,7 +216,7 @@ def verify_axes(cfg, task, world_size: int) -> list[str]:
     cfg_plan = copy.deepcopy(cfg)
     cfg_plan.optimization.batch_size = 0  # the state needs no activations: no meta forward
     profile, ctx = profile_config(cfg_plan, task, world_size, model_on_meta(task))
-    stages = stage_units(profile, dims.pp * layout.stages_per_rank)
+    stages = stage_units(profile, dims.pp * layout.stages_per_rank, layout.stage_split)
     data_layout = dataclasses.replace(layout, tp=1, pp=1, cp=1)
     checked = []
     for rank in sorted({0, world_size - 1}):

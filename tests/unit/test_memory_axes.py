@@ -44,12 +44,14 @@ def context(world: int, update_freq: int = 1) -> PlanContext:
                        update_freq=update_freq)  # fmt: skip
 
 
-def test_stages_split_layers_as_torchtitan_the_middle_stages_taking_the_remainder():
-    assert stage_sizes(126, 8) == [15, 16, 16, 16, 16, 16, 16, 15]
-    assert stage_sizes(126, 16) == [7] + [8] * 14 + [7]
-    assert stage_sizes(7, 2) == [3, 4]
+def test_stages_split_layers_as_shardlab_cuts_them_or_as_torchtitan_does():
+    assert stage_sizes(126, 8, "torchtitan") == [15, 16, 16, 16, 16, 16, 16, 15]
+    assert stage_sizes(126, 16, "torchtitan") == [7] + [8] * 14 + [7]
+    assert stage_sizes(7, 2, "torchtitan") == [3, 4]
+    assert stage_sizes(126, 8) == [16] * 6 + [15] * 2  # shardlab's cut: the first stages take the remainder
     units = stage_units(profile(), 4)
     assert units == [[0, 1, 2], [3, 4], [5, 6], [7, 8, 9]]  # embedding on the first stage, head on the last
+    assert stage_units(profile(7), 2) == [[0, 1, 2, 3, 4], [5, 6, 7, 8]]
     assert rank_stages(1, 4, 2) == [1, 5] and rank_stages(1, 4, 2, "zbv_zero_bubble") == [1, 6]
 
 

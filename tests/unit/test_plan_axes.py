@@ -25,7 +25,7 @@ def recorded() -> dict[str, dict]:
 def test_the_70b_2d_run_is_planned_within_ten_percent_of_torchtitans_and_the_json_holds_todays_plan():
     """Llama 3.1 70B, FSDP 32 x TP 8 on 256 H100s, 16 x 8192 per rank, full AC: 71.9 GiB published."""
     row = recorded()["70b_2d"]
-    now = plan_axes.plan(row["overrides"])
+    now = plan_axes.plan(row["overrides"], "torchtitan")
     assert now == row["plan"], STALE
     assert now["label"].startswith("FSDP 32 x TP 8") and now["samples_per_microbatch"] == 16
     assert abs(now["reserved_bytes"] / GiB / row["published_gib"] - 1) < 0.10
@@ -37,7 +37,7 @@ def test_the_405b_3d_runs_hold_todays_plan_and_the_schedules_difference_publishe
     plan is 14% under both (docs/distributed.md says what it leaves out); what the schedule changes it reproduces
     within 2 GiB."""
     rows = recorded()
-    one, loop = (plan_axes.plan(rows[k]["overrides"]) for k in ("405b_1f1b", "405b_interleaved"))
+    one, loop = (plan_axes.plan(rows[k]["overrides"], "torchtitan") for k in ("405b_1f1b", "405b_interleaved"))
     assert one == rows["405b_1f1b"]["plan"] and loop == rows["405b_interleaved"]["plan"], STALE
     assert one["in_flight"] == 8 and loop["in_flight"] == 16 and loop["bubble"] < one["bubble"]
     published = rows["405b_1f1b"]["published_gib"] - rows["405b_interleaved"]["published_gib"]
