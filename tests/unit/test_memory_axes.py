@@ -142,12 +142,12 @@ TINY_3D = ["model=llama_tiny", "distributed=fully_sharded", "distributed.world_s
            "distributed.pipeline_parallel_degree=2", "dry_run=true"]  # fmt: skip
 
 
-def tiny_task(overrides: list[str]):
+def tiny_task(overrides: list[str], world: int = 16):
     from shardlab.runner import build_task
     from tests.conftest import compose_config
 
     cfg = compose_config(overrides)
-    return cfg, build_task(cfg, world_size=16)
+    return cfg, build_task(cfg, world_size=world)
 
 
 def colwise_rowwise_plan(model, mlp_split: bool = True) -> dict:
@@ -184,3 +184,35 @@ def test_verify_plan_applies_the_tasks_tensor_parallel_plan_and_catches_a_plan_t
     task.tensor_parallel_plan = lambda model: colwise_rowwise_plan(model, mlp_split=False)
     with pytest.raises(PlanMismatch, match="bytes of params"):
         verify_plan(cfg, task, 16)
+
+
+# ---- backend=auto: the model axes as candidates -------------------------------------------------------------------
+WIDE = ["model=llama_tiny", "model.dim=1024", "model.num_heads=8", "model.num_kv_heads=8", "model.num_layers=2",
+        "data.seq_len=16", "distributed=fully_sharded", "distributed.world_size=8", "optimization.batch_size=8",
+        "validation.batch_size=8"]  # fmt: skip
+
+
+def test_backend_auto_picks_a_tensor_parallel_layout_for_a_budget_fsdp_alone_cannot_meet():
+    """Wide layers, short sequences: what a rank must fit is a gathered layer, which TP divides. A budget between
+    FSDP's need and TP 8's is met only by a TP layout, and only when the task can split (Task.tensor_parallel_plan)."""
+    from shardlab.distributed.units import model_on_meta
+    from shardlab.errors import ConfigError
+    from shardlab.memory import budget
+    from shardlab.memory.plan import profile_config
+
+    cfg, task = tiny_task(WIDE, 8)
+    model = model_on_meta(task)
+    profile, ctx = profile_config(cfg, task, 8, model)
+    task.tensor_parallel_plan = lambda m: colwise_rowwise_plan(m)
+    axes = budget.task_axes(cfg, task, 8, model, ctx.ranks_per_node)
+    assert axes is not None and axes.tp_degrees == (2, 4, 8) and axes.pp_degrees == ()  # update_freq 1: no pipeline
+    data_only = min(budget.needed(estimate(profile, layout, ctx)) for layout in budget.auto_candidates(8, 8, False))
+    tp8 = Layout("fully_sharded", 1, tp=8)
+    tp_need = budget.needed(estimate(axes.profile_at(tp8), tp8, ctx))
+    assert tp_need < data_only
+    cfg.distributed.memory_budget_gb = (tp_need + data_only) / 2 / 2**30
+    with pytest.raises(ConfigError, match="fits no layout"):
+        budget.choose(profile, cfg, ctx)
+    choice = budget.choose(profile, cfg, ctx, axes=axes)
+    assert choice.layout.tp > 1 and budget.needed(choice.estimate) <= cfg.distributed.memory_budget_gb * 2**30
+    assert choice.layout.overrides(8)["tensor_parallel_degree"] == choice.layout.tp
