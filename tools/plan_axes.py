@@ -15,7 +15,8 @@ torchtitan/parallelisms/pipeline_llama.py there):
   without PP; with PP torchtitan splits the local batch into pipeline_parallel_microbatches (default: the pipeline
   degree, 8), which in shardlab are optimization.update_freq micro-batches of batch_size / data ranks each
   (32 = 8 x 4 sequences);
-- full activation checkpointing of the transformer blocks only (distributed.ac_skip_units=[0,-1]);
+- full activation checkpointing of the transformer blocks only (distributed.ac_skip_units=[0,-1]); under PP no
+  resharding after forward (distributed.reshard_after_forward=false), as torchtitan's apply_fsdp does;
 - bf16 parameters and fp32 gradient reduction; AdamW; sequence 8192; interleaved 1F1B with 2 stages per rank
   (torchtitan's default for a looped schedule without split points);
 - float8 linears with fp8 all-gather and torch.compile of each block: not modelled. Under full AC they touch the one
@@ -83,13 +84,16 @@ def published(key: str, table: str, row: str, gib: float, model: str, overrides:
     }
 
 
+NO_RESHARD = ["distributed.reshard_after_forward=false"]
+"""torchtitan turns resharding after forward off under PP (parallelize_llama.py's apply_fsdp at 9dec370)."""
 T4 = "Table 4: 2D (FSDP 32, TP 8) + torch.compile + Float8, Llama 3.1 70B, 256 GPUs, local batch 16, full AC"
 T5 = "Table 5: 3D (FSDP 8, TP 8, PP 8) + torch.compile + Float8 + AsyncTP, Llama 3.1 405B, 512 GPUs, local batch 32"
 PUBLISHED = [
     published("70b_2d", T4, "2D", 71.9, "Llama 3.1 70B", keys("llama3_70b", 256, 16 * 32, tp=8)),
-    published("405b_1f1b", T5, "1F1B", 82.5, "Llama 3.1 405B", keys("llama3_405b", 512, 4 * 8, 8, tp=8, pp=8)),
+    published("405b_1f1b", T5, "1F1B", 82.5, "Llama 3.1 405B",
+              [*keys("llama3_405b", 512, 4 * 8, 8, tp=8, pp=8), *NO_RESHARD]),
     published("405b_interleaved", T5, "Interleaved 1F1B", 72.7, "Llama 3.1 405B",
-              keys("llama3_405b", 512, 4 * 8, 8, tp=8, pp=8, schedule="interleaved_1f1b", stages=2)),
+              [*keys("llama3_405b", 512, 4 * 8, 8, tp=8, pp=8, schedule="interleaved_1f1b", stages=2), *NO_RESHARD]),
 ]  # fmt: skip
 
 SELECTIVE = ["distributed.activation_checkpointing=selective_op", "distributed.ac_matmul_save_every=2",

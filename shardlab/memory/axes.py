@@ -313,14 +313,19 @@ def _picked(profile: ModelProfile, layout: Layout) -> list[int]:
 
 
 def _fsdp_sent(profile, stages, mine, layout: Layout, ctx: PlanContext) -> int:
-    """Under PP each stage gathers its units once and reduces its gradients once per step (they stay gathered, and
-    unsharded, across the micro-batches)."""
+    """Under PP each stage reduces its gradients once per step (they stay unsharded across the micro-batches). Its
+    units are gathered once when they stay gathered (reshard_after_forward=false, as torchtitan runs PP), else again
+    for each micro-batch's forward and backward, as fully_sharded gathers them (an upper bound: a unit still gathered
+    from a backward is not gathered again)."""
     once = dataclasses.replace(ctx, update_freq=1, reduce_every_microbatch=True)
     kept = dataclasses.replace(layout, reshard_after_forward=False)
-    return sum(
-        sum(c.sent for c in collectives(_sub_profile(profile, stages[s], s == len(stages) - 1), kept, once))
-        for s in mine
-    )
+    sent = 0
+    for s in mine:
+        sub = _sub_profile(profile, stages[s], s == len(stages) - 1)
+        gathers = collectives(sub, layout, ctx) if layout.reshard_after_forward else collectives(sub, kept, once)
+        sent += sum(c.sent for c in gathers if c.op == "all_gather")
+        sent += sum(c.sent for c in collectives(sub, kept, once) if c.op != "all_gather")
+    return sent
 
 
 def _pp_sent(profile: ModelProfile, stages, mine, microbatches: int, num_stages: int) -> int:
