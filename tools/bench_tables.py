@@ -636,6 +636,60 @@ def plan_vs_published(sources: list[Source]) -> list[str]:
     return lines
 
 
+def _traffic(t: dict[str, int]) -> str:
+    """Bytes one rank sends per step, by axis (GiB)."""
+    return ", ".join(f"{axis.upper()} {n / GiB:,.0f}" if n >= 10 * GiB else f"{axis.upper()} {n / GiB:.2g}"
+                     for axis, n in t.items() if n) or "-"  # fmt: skip
+
+
+def plan_axes_published(sources: list[Source]) -> list[str]:
+    """tools/plan_axes.py: torchtitan's published 2D and 3D runs beside the plan of the same settings."""
+    lines = header(
+        "published run", "GPUs", "layout (shardlab's keys)", "micro-batches x samples", "published",
+        "plan: peak reserved", "plan: fullest rank's state / gathered + unsharded grads / activations",
+        "in flight, bubble",
+    )  # fmt: skip
+    cited: dict[str, dict[str, Any]] = {}
+    for _, d in sources:
+        for r in d["published"]:
+            src, p, published = r["source"], r["plan"], r["published_gib"]
+            cited.setdefault(src["url"], src)
+            reserved = p["reserved_bytes"] / GiB
+            lines.append(
+                row(f"[{src['table'].split(':')[0]}]({src['url']}), {r['model']}, {src['row']}", p["world_size"],
+                    p["label"], f"{p['microbatches']} x {p['samples_per_microbatch']}", f"{published} GiB",
+                    f"**{reserved:.1f} GiB ({reserved / published - 1:+.0%})**",
+                    f"{p['state_bytes'] / GiB:.1f} / {p['gathered_bytes'] / GiB:.1f} / "
+                    f"{p['activation_bytes'] / GiB:.1f} GiB", f"{p['in_flight']}, {p['bubble']:.0%}")
+            )  # fmt: skip
+    lines.append("")
+    for url, src in cited.items():
+        lines.append(f"- [{src['repo']} `{src['file']}` at `{src['commit'][:10]}`]({url}): {src['run']}")
+    for _, d in sources:
+        if d.get("verify"):
+            v = d["verify"]
+            lines += ["", f"`distributed.verify_plan` of the 405B 3D layout, timed: {v['seconds']} s. {v['line']}"]
+    return lines
+
+
+def layout_choice(sources: list[Source]) -> list[str]:
+    """tools/plan_axes.py: each model's layouts on H100s, the fullest rank's planned memory, bubble and traffic."""
+    lines = header(
+        "model", "GPUs", "layout", "micro-batches x samples per data rank", "peak (allocated)",
+        "device (with allocator, context, NCCL)", "fits 80 GB", "bubble", "sent per step per rank (GiB)",
+    )  # fmt: skip
+    for _, d in sources:
+        for r in d["choices"]:
+            p = r["plan"]
+            fits = "yes" if p["device_bytes"] <= p["capacity_bytes"] else "no"
+            lines.append(
+                row(r["model"], p["world_size"], p["label"], f"{p['microbatches']} x {p['samples_per_microbatch']}",
+                    f"{p['peak_bytes'] / GiB:.1f} GiB", f"{p['device_bytes'] / GiB:.1f} GiB", fits,
+                    f"{p['bubble']:.0%}" if p["bubble"] else "-", _traffic(p["traffic_bytes"]))
+            )  # fmt: skip
+    return lines
+
+
 def precision(sources: list[Source]) -> list[str]:
     """tools/bench_precision.py: the default LM in each precision, the runs of a round side by side; auto's choice."""
     lines = header(
@@ -701,6 +755,8 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "compile": compiled,
     "autotune": autotune,
     "plan_vs_published": plan_vs_published,
+    "plan_axes_published": plan_axes_published,
+    "layout_choice": layout_choice,
     "checkpointing": checkpointing,
     "precision": precision,
 }

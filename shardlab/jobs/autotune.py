@@ -56,7 +56,7 @@ from shardlab.distributed.base import pick_device
 from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError
-from shardlab.memory.budget import Choice, apply_choice, fitting, sharded_only
+from shardlab.memory.budget import Choice, apply_choice, fitting, sharded_only, task_axes
 from shardlab.memory.devices import GiB
 from shardlab.memory.layout import Layout
 from shardlab.memory.plan import profile_config
@@ -177,7 +177,7 @@ def _measure(cfg: DictConfig, task, env, device: torch.device, run_dir: Path, he
     world = env.world_size
     model = model_on_meta(task)  # the plan's, for every split: profiling casts it and puts it back
     profile, ctx = profile_config(cfg, task, world, model)
-    fits = fitting(profile, cfg, ctx, sharded_only(d))
+    fits = fitting(profile, cfg, ctx, sharded_only(d), task_axes(cfg, task, world, model, ctx.ranks_per_node))
     if held and "optimizer.name" in held:
         fits = [c for c in fits if _optimizer_with(cfg, c) == held["optimizer.name"]]
         if not fits:

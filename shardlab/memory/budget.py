@@ -10,8 +10,10 @@ collective; a local launch resolves it once, before spawning, and hands the rank
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from shardlab.errors import ConfigError
 from shardlab.memory.devices import GiB
@@ -46,6 +48,57 @@ def auto_candidates(world_size: int, ranks_per_node: int, sharded_only: bool) ->
     return layouts
 
 
+@dataclass(frozen=True)
+class ModelAxes:
+    """The model axes backend=auto may add to the data-parallel layouts, as the task allows them."""
+
+    tp_degrees: tuple[int, ...]
+    """Tensor-parallel degrees the task can split over (inside one machine, dividing the world)."""
+    pp_degrees: tuple[int, ...]
+    """Pipeline degrees the task can be cut into (with at least that many micro-batches: optimization.update_freq)."""
+    profile_at: Callable[[Layout], ModelProfile]
+    """The model's profile at a layout's samples per data-parallel rank (fewer data ranks: more samples each)."""
+
+
+def axis_candidates(axes: ModelAxes, world_size: int) -> list[Layout]:
+    """The layouts with model axes, fastest first: TP inside a machine with FSDP over the rest, smallest TP first;
+    then with activation checkpointing; then TP x PP under 1F1B and interleaved 1F1B (the pipeline's bubble), with
+    activation checkpointing."""
+    out = []
+    for checkpointing in (False, True):
+        for tp in axes.tp_degrees:
+            out.append(Layout("fully_sharded", world_size // tp, tp=tp, activation_checkpointing=checkpointing))
+    for tp in (max(axes.tp_degrees, default=1),):
+        for pp in axes.pp_degrees:
+            if world_size % (tp * pp) == 0 and world_size > tp * pp:
+                base = Layout("fully_sharded", world_size // (tp * pp), tp=tp, pp=pp, activation_checkpointing=True)
+                out += [base, replace(base, schedule="interleaved_1f1b", stages_per_rank=2)]
+    return out
+
+
+def task_axes(cfg, task, world_size: int, model, ranks_per_node: int) -> ModelAxes | None:
+    """What ``task`` allows (Task.tensor_parallel_plan and tensor_parallel_errors, Task.pipeline_cut, where the task
+    has them) at ``world_size``; None when it allows neither."""
+    ask_tp, ask_pp = getattr(task, "tensor_parallel_plan", None), getattr(task, "pipeline_cut", None)
+    tp: tuple[int, ...] = ()
+    if ask_tp is not None and ask_tp(model) is not None:
+        errors = getattr(task, "tensor_parallel_errors", lambda degree: [])
+        tp = tuple(d for d in (2, 4, 8) if d <= ranks_per_node and world_size % d == 0 and not errors(d))
+    pp: tuple[int, ...] = ()
+    if ask_pp is not None and ask_pp() is not None:
+        pp = tuple(d for d in (2, 4, 8) if d <= cfg.optimization.update_freq and world_size % d == 0)
+    if not tp and not pp:
+        return None
+
+    def profile_at(layout: Layout) -> ModelProfile:
+        at = copy.deepcopy(cfg)
+        for key, value in layout.overrides(world_size).items():
+            at.distributed[key] = value
+        return profile_config(at, task, world_size, model)[0]
+
+    return ModelAxes(tp, pp, profile_at)
+
+
 def budget_per_rank(d, ranks_per_node: int) -> int:
     """distributed.memory_budget_gb in bytes per rank."""
     budget = d.memory_budget_gb * GiB
@@ -68,15 +121,28 @@ class Choice:
     reason: str
 
 
-def fitting(profile: ModelProfile, cfg, ctx: PlanContext, sharded_only: bool = False) -> list[Choice]:
-    """Every layout of auto_candidates predicted to fit distributed.memory_budget_gb, in their order; raises
-    ConfigError naming the smallest budget that would fit when none does."""
+def candidates(ctx: PlanContext, sharded_only: bool, axes: ModelAxes | None) -> list[Layout]:
+    """auto_candidates, with the model axes' layouts (``axes``) before the ones that recompute or offload."""
+    layouts = auto_candidates(ctx.world_size, ctx.ranks_per_node, sharded_only)
+    if axes is None:
+        return layouts
+    light = [layout for layout in layouts if not (layout.activation_checkpointing or layout.cpu_offload)]
+    return light + axis_candidates(axes, ctx.world_size) + [layout for layout in layouts if layout not in light]
+
+
+def fitting(
+    profile: ModelProfile, cfg, ctx: PlanContext, sharded_only: bool = False, axes: ModelAxes | None = None
+) -> list[Choice]:
+    """Every layout of ``candidates`` predicted to fit distributed.memory_budget_gb, in their order; raises
+    ConfigError naming the smallest budget that would fit when none does. ``axes``: the model axes the task allows
+    (task_axes), each of their layouts planned at its own samples per data-parallel rank."""
     d = cfg.distributed
     budget = budget_per_rank(d, ctx.ranks_per_node)
     scale = ctx.ranks_per_node if d.memory_budget_per == "machine" else 1
     fits, tried = [], []
-    for layout in auto_candidates(ctx.world_size, ctx.ranks_per_node, sharded_only):
-        est = estimate(profile, layout, ctx)
+    for layout in candidates(ctx, sharded_only, axes):
+        at = axes.profile_at(layout) if axes is not None and layout.multi_axis else profile
+        est = estimate(at, layout, ctx)
         if needed(est) <= budget:
             skipped = ", ".join(f"{label} needs {need / GiB:.2f}" for label, need in tried)
             reason = f"fits in {d.memory_budget_gb:g} GiB per {d.memory_budget_per}"
@@ -93,10 +159,12 @@ def fitting(profile: ModelProfile, cfg, ctx: PlanContext, sharded_only: bool = F
     )
 
 
-def choose(profile: ModelProfile, cfg, ctx: PlanContext, sharded_only: bool = False) -> Choice:
-    """The first layout of auto_candidates predicted to fit distributed.memory_budget_gb (the fixed preference,
+def choose(
+    profile: ModelProfile, cfg, ctx: PlanContext, sharded_only: bool = False, axes: ModelAxes | None = None
+) -> Choice:
+    """The first layout of ``candidates`` predicted to fit distributed.memory_budget_gb (the fixed preference,
     distributed.auto_tune=false)."""
-    return fitting(profile, cfg, ctx, sharded_only)[0]
+    return fitting(profile, cfg, ctx, sharded_only, axes)[0]
 
 
 def sharded_only(d) -> bool:
@@ -123,8 +191,9 @@ def resolve(cfg, task, world_size: int, model) -> str | None:
     if d.memory_budget_gb <= 0:
         return None
     profile, ctx = profile_config(cfg, task, world_size, model)
+    axes = task_axes(cfg, task, world_size, model, ctx.ranks_per_node) if d.backend == "auto" else None
     if d.backend == "auto" and not ctx.local:  # another machine's device: nothing can be measured on it from here
-        choice = choose(profile, cfg, ctx, sharded_only(d))
+        choice = choose(profile, cfg, ctx, sharded_only(d), axes)
         apply_choice(cfg, choice, world_size)
         return (
             f"distributed.backend=auto chose {choice.layout.label(world_size)} for {ctx.target} by the plan alone (no "
@@ -132,13 +201,13 @@ def resolve(cfg, task, world_size: int, model) -> str | None:
             f"{choice.reason}"
         )
     if d.backend == "auto" and d.auto_tune:  # measured on the ranks (shardlab.jobs.autotune); check a fit exists
-        fits = fitting(profile, cfg, ctx, sharded_only(d))
+        fits = fitting(profile, cfg, ctx, sharded_only(d), axes)
         return (
             f"distributed.backend=auto: {len(fits)} layout(s) fit {d.memory_budget_gb:g} GiB per "
             f"{d.memory_budget_per}; the ranks measure them and their micro-batch splits, and keep the fastest"
         )
     if d.backend == "auto":
-        choice = choose(profile, cfg, ctx, sharded_only(d))
+        choice = choose(profile, cfg, ctx, sharded_only(d), axes)
         apply_choice(cfg, choice, world_size)
         return f"distributed.backend=auto chose {choice.layout.label(world_size)}: {choice.reason}"
     est = estimate(profile, layout_of(d, world_size), ctx)

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shardlab.distributed.activation_checkpointing import checkpointed_units
 from shardlab.memory import devices
 from shardlab.memory.devices import GiB
-from shardlab.memory.layout import Layout, alternatives, shard_numel, shard_rows
+from shardlab.memory.layout import Layout, alternatives, axis_alternatives, shard_numel, shard_rows
 from shardlab.memory.profile import ModelProfile
+
+if TYPE_CHECKING:
+    from shardlab.memory.axes import AxesDetail
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "cpu_adam": 8}
 """fp32 bytes of optimizer state per parameter (two Adam moments); sgd and lars: their momentum buffer, when on."""
@@ -102,6 +106,8 @@ class MemoryEstimate:
     """CUDA: what the caching allocator reserves beyond the tensors (block rounding and the fragmentation allowance)."""
     outside: int = 0
     """CUDA: device memory outside the allocator: the CUDA context and NCCL's buffers."""
+    axes: AxesDetail | None = None
+    """A layout with tensor, pipeline or context axes: its stages, schedule and traffic by axis (else None)."""
 
     @property
     def state(self) -> int:
@@ -177,6 +183,10 @@ def communicators(layout: Layout, ctx: PlanContext) -> int:
 def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryEstimate:
     """Per-rank bytes of a training step of ``layout`` on the fullest rank: what is held between steps and what the
     step adds."""
+    if layout.multi_axis:  # imported here: shardlab.memory.axes builds on this module's pieces
+        from shardlab.memory.axes import estimate_axes
+
+        return estimate_axes(profile, layout, ctx)
     if layout.backend != "fully_sharded" and profile.autocast is not None:
         profile = profile.autocast  # low precision through autocast, with its weight copies
     sharded = layout.backend == "fully_sharded"
@@ -249,17 +259,22 @@ def _transient(profile: ModelProfile) -> int:
 def _activations(profile: ModelProfile, layout: Layout) -> int | None:
     if profile.activations is None:
         return None
-    total = profile.activations
-    n = len(profile.unit_activations)
-    picked = checkpointed_units(n, layout.checkpointing, layout.ac_every_k_units, layout.ac_skip_units)
-    if picked:
-        # A checkpointed unit keeps its input (and under selective_op its kept ops' outputs) instead of what it saved;
-        # backward recomputes one unit at a time, saving again all but the kept outputs.
-        kept, reused = _kept_op_bytes(profile, layout)
-        acts, inputs = profile.unit_activations, profile.unit_inputs
-        total -= sum(acts[i] - inputs[i] - kept[i] for i in picked)
-        total += max(acts[i] - reused[i] for i in picked)
-    return total + _transient(profile)
+    kept, recomputed = unit_activation_bytes(profile, layout)
+    outside = profile.activations - sum(profile.unit_activations)
+    return outside + sum(kept) + max(recomputed, default=0) + profile.backward_workspace + _transient(profile)
+
+
+def unit_activation_bytes(profile: ModelProfile, layout: Layout) -> tuple[list[int], list[int]]:
+    """Per unit: the bytes it keeps from its forward to its backward, and what its backward saves again on top
+    (0 unless it recomputes). A checkpointed unit keeps its input (and under selective_op its kept ops' outputs)
+    instead of what it saved; backward recomputes one unit at a time, saving again all but the kept outputs."""
+    acts, inputs = profile.unit_activations, profile.unit_inputs
+    picked = set(checkpointed_units(len(acts), layout.checkpointing, layout.ac_every_k_units, layout.ac_skip_units))
+    if not picked:
+        return list(acts), [0] * len(acts)
+    ops_kept, reused = _kept_op_bytes(profile, layout)
+    kept = [inputs[i] + ops_kept[i] if i in picked else acts[i] for i in range(len(acts))]
+    return kept, [acts[i] - reused[i] if i in picked else 0 for i in range(len(acts))]
 
 
 def _kept_op_bytes(profile: ModelProfile, layout: Layout) -> tuple[list[int], list[int]]:
@@ -286,7 +301,7 @@ class Collective:
     """One collective of a step as a rank issues it: what FSDP2 (or DDP) calls, on how many ranks, how many times."""
 
     op: str
-    """all_gather, reduce_scatter or all_reduce."""
+    """all_gather, reduce_scatter, all_reduce, or send (a pipeline stage's point-to-point send)."""
     group_size: int
     bytes: int
     """The per-rank buffer: an all-gather's input, a reduce-scatter's output, an all-reduce's tensor."""
@@ -297,6 +312,8 @@ class Collective:
         """Bytes one rank sends for all ``count`` of them in a ring: (n-1) buffers for a gather or scatter, 2(n-1)/n
         of the buffer for an all-reduce."""
         n = self.group_size
+        if self.op == "send":
+            return self.bytes * self.count
         per_call = 2 * (n - 1) * self.bytes // n if self.op == "all_reduce" else (n - 1) * self.bytes
         return per_call * self.count
 
@@ -382,6 +399,8 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
         + (f"; host {_gib(est.host)} GiB" if est.host else "")
         + f"; sends {est.comm_bytes / GiB:.2f} GiB per step"
     ]
+    if est.axes is not None:
+        lines.append(axes_line(est, ctx))
     if profile.activation_error:
         lines.append(f"activations not planned: the model's forward fails on meta ({profile.activation_error})")
     lines += list(warnings(profile, chosen, ctx))
@@ -393,23 +412,32 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
         )
     if not compare:
         return lines
-    lines.append(f"  attention: {attention_kernel(ctx)}")
-    layouts = alternatives(ctx.world_size, ctx.ranks_per_node)
+    return lines + [f"  attention: {attention_kernel(ctx)}"] + _alternatives_table(profile, chosen, ctx)
+
+
+def _alternatives_table(profile: ModelProfile, chosen: Layout, ctx: PlanContext) -> list[str]:
+    """The table of the layouts dry_run compares with ``chosen`` (marked *)."""
+    lines: list[str] = []
+    if chosen.multi_axis:
+        layouts = axis_alternatives(chosen, ctx.world_size, ctx.ranks_per_node)
+    else:
+        layouts = alternatives(ctx.world_size, ctx.ranks_per_node)
     if chosen not in layouts:
         layouts.insert(0, chosen)
     cap = f"of {ctx.capacity / GiB:.0f}" if ctx.capacity else "of ?"
+    width = max(40, *(len(layout.label(ctx.world_size)) for layout in layouts))
     lines.append(
-        f"  {'layout':<40} {'peak GiB':>9} {'state':>7} {'gathered':>9} {'activ.':>7} {'host':>6} {'sent/step':>10} "
-        f"{'device':>7} {cap:>7}"
+        f"  {'layout':<{width}} {'peak GiB':>9} {'state':>7} {'gathered':>9} {'activ.':>7} {'host':>6} "
+        f"{'sent/step':>10} {'device':>7} {cap:>7}"
     )
     for layout in layouts:
         e = estimate(profile, layout, ctx)
         mark = "*" if layout == chosen else " "
         share = f"{e.device_peak / ctx.capacity:.0%}" if ctx.capacity else "?"
         lines.append(
-            f"{mark} {layout.label(ctx.world_size):<40} {_gib(e.peak):>9} {_gib(e.state):>7} {_gib(e.gathered):>9} "
-            f"{_gib(e.activations):>7} {_gib(e.host):>6} {e.comm_bytes / GiB:>9.2f}G {_gib(e.device_peak):>7} "
-            f"{share:>7}"
+            f"{mark} {layout.label(ctx.world_size):<{width}} {_gib(e.peak):>9} {_gib(e.state):>7} "
+            f"{_gib(e.gathered):>9} {_gib(e.activations):>7} {_gib(e.host):>6} {e.comm_bytes / GiB:>9.2f}G "
+            f"{_gib(e.device_peak):>7} {share:>7}"
         )
     if ctx.device == "cpu":
         lines.append("  (planned for a CPU, where cpu_offload moves nothing; on GPUs it frees device memory)")
@@ -420,6 +448,26 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
             "what cpu_offload keeps in each rank's host memory)"
         )
     return lines
+
+
+def axes_line(est: MemoryEstimate, ctx: PlanContext) -> str:
+    """The model axes of a multi-axis layout: its stages, micro-batches in flight, bubble, and traffic by axis."""
+    layout, axes = est.layout, est.axes
+    assert axes is not None  # only asked for a multi-axis estimate
+    text = "  axes:"
+    if layout.pp > 1:
+        stages = ", ".join(str(len(s)) for s in axes.stage_layers[axes.rank])
+        text += (
+            f" pipeline rank {axes.rank} of {layout.pp} is the fullest: stages of {stages} units; "
+            f"{ctx.update_freq} micro-batches, {axes.in_flight} in flight at its peak; bubble "
+            f"{axes.bubble:.0%} ({layout.schedule});"
+        )
+    if layout.tp > 1:
+        text += f" TP {layout.tp} with sequence-parallel activations (each rank keeps 1/{layout.tp});"
+    if layout.cp > 1:
+        text += f" CP {layout.cp} (each rank keeps 1/{layout.cp} of each sequence; the ring's traffic not counted);"
+    sent = ", ".join(f"{name.upper()} {n / GiB:.2f}" for name, n in axes.traffic.items() if n)
+    return text + f" sends per step (GiB): {sent or 'nothing'}"
 
 
 def attention_kernel(ctx: PlanContext) -> str:

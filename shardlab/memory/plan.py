@@ -41,7 +41,8 @@ def profile_config(
         units = task.fsdp_units(model)
     device, target, capacity, per_node = plan_target(cfg, world_size)
     ctx = PlanContext.from_config(cfg, world_size, per_node, device, target, capacity)
-    local_batch = cfg.optimization.batch_size // world_size
+    # Each data-parallel rank's share of a micro-batch (tensor, pipeline and context ranks see the same samples)
+    local_batch = cfg.optimization.batch_size // layout_of(cfg.distributed, world_size).data_ranks(world_size)
     units = wrapped_units(model, units, cfg.distributed)
     param_dtype = resolve_dtypes(cfg.distributed)[0]
     made = _RUN_PROFILES.get()

@@ -61,6 +61,9 @@ class ModelProfile:
     unit_matmuls: list[list[tuple[int, int]]] | None = None
     """Per unit, each matmul it runs, in forward order: (bytes of its output, bytes of the unit's saved tensors that
     are that output), for selective_op keeping only every n-th matmul (distributed.ac_matmul_save_every)."""
+    backward_workspace: int = 0
+    """Bytes a layer's backward holds beyond what was saved, where the plan counts them: under tensor parallelism,
+    the gradients of the gathered (full-sequence) tensors before their reduce-scatter (shardlab.memory.axes)."""
     trainable_shapes: list[list[tuple[int, int]]] | None = None
     """groups() of the parameters that train (requires_grad), when some are frozen (LoRA's base): only they have
     gradients and optimizer state; None: all train."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -147,6 +148,8 @@ def verify_plan(cfg, task, world_size: int) -> list[str]:
     PlanMismatch in one line."""
     started = time.perf_counter()
     layout = layout_of(cfg.distributed, world_size)
+    if layout.multi_axis and layout.backend == "fully_sharded":
+        return verify_axes(cfg, task, world_size)
     if layout.backend != "fully_sharded" or world_size == 1:
         return [f"verify_plan: nothing to check for {layout.label(world_size)} at world size {world_size} (it checks "
                 "fully_sharded across ranks)"]  # fmt: skip
@@ -188,3 +191,86 @@ def verify_plan(cfg, task, world_size: int) -> list[str]:
         f"{last.optimizer / GiB:.3f}; {len(measured)} collectives sending {sent / GiB:.2f} GiB per step; checked in "
         f"{time.perf_counter() - started:.1f} s, nothing allocated"
     ]
+
+
+# ---- layouts with tensor, pipeline or context axes ------------------------------------------------------------------
+def verify_axes(cfg, task, world_size: int) -> list[str]:
+    """The plan of a multi-axis layout held against the real mesh and fully_shard, seen from the first and the last
+    rank (the first and the last pipeline stage): ParallelDims.build makes the mesh on the fake process group, the
+    task's tensor-parallel plan (Task.tensor_parallel_plan, where the task has one) is applied over its "tp" axis
+    with torch's parallelize_module, and each of the rank's stages' units is fully_shard-ed over the data-shard axis
+    (replicated over dp_replicate); their bytes must equal the plan's for that stage (shardlab.memory.axes). The
+    root's own parameters (a final norm) are left out of both sides: under PP they belong to the last stage's module,
+    which the pipeline backend, not the plan, builds."""
+    from shardlab.distributed.mesh import ParallelDims
+    from shardlab.memory.axes import _sub_profile, model_rank_profile, stage_units
+    from shardlab.memory.pipeline import rank_stages
+
+    started = time.perf_counter()
+    dims = ParallelDims.from_config(cfg.distributed, world_size)
+    layout = layout_of(cfg.distributed, world_size)
+    if dims.cp > 1:
+        raise ConfigError(
+            "distributed.verify_plan does not check context parallelism yet; drop context_parallel_degree"
+        )
+    cfg_plan = copy.deepcopy(cfg)
+    cfg_plan.optimization.batch_size = 0  # the state needs no activations: no meta forward
+    profile, ctx = profile_config(cfg_plan, task, world_size, model_on_meta(task))
+    stages = stage_units(profile, dims.pp * layout.stages_per_rank, layout.stage_split)
+    data_layout = dataclasses.replace(layout, tp=1, pp=1, cp=1)
+    checked = []
+    for rank in sorted({0, world_size - 1}):
+        coords = dims.coordinates(rank)
+        mine = rank_stages(coords["pp"], dims.pp, layout.stages_per_rank, layout.schedule)
+        units = [u for s in mine for u in stages[s]]
+        with fake_process_group(world_size, rank):
+            mesh = dims.build("cpu")
+            state, tp_applied = _sharded_stage_state(cfg, task, mesh, dims, units, ctx.optimizer_state_bytes)
+        rank_profile = model_rank_profile(profile, dims.tp if tp_applied else 1, 1)
+        planned = rank_state(_sub_profile(rank_profile, units, False), data_layout, ctx, coords["dp_shard"]).__dict__
+        for key, value in planned.items():
+            if state[key] != value:
+                raise PlanMismatch(
+                    f"verify_plan: rank {rank} of {world_size} ({dims.describe()}): the real mesh and fully_shard "
+                    f"give {state[key]:,} bytes of {key}, the memory plan {value:,} ({layout.label(world_size)})"
+                )
+        checked.append(
+            f"rank {rank} (pipeline rank {coords['pp']}, {len(units)} units): params "
+            f"{planned['params'] / GiB:.3f} GiB, optimizer {planned['optimizer'] / GiB:.3f} GiB"
+        )
+    tp_note = "the task's tensor-parallel plan applied" if tp_applied else (
+        "tensor parallelism NOT applied: the task gives no tensor-parallel plan, so the FSDP part was checked on "
+        "whole layers" if dims.tp > 1 else "no tensor axis")  # fmt: skip
+    return [
+        f"verify_plan: the real mesh ({dims.describe()}) and fully_shard at world size {world_size} on a fake process "
+        f"group match the plan ({tp_note}): {'; '.join(checked)}; checked in {time.perf_counter() - started:.1f} s, "
+        "nothing allocated"
+    ]
+
+
+def _sharded_stage_state(cfg, task, mesh, dims, units: list[int], state_bytes: int) -> tuple[dict, bool]:
+    """The bytes this rank's units hold once tensor-parallelized (if the task gives a plan) and fully_shard-ed over
+    the mesh's data axes, as the backend applies them: TP first, then FSDP with the run's mixed precision; and
+    whether TP was applied."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from shardlab.distributed.base import resolve_dtypes
+
+    model = model_on_meta(task)
+    task_units = task.fsdp_units(model)
+    ask = getattr(task, "tensor_parallel_plan", None)  # a task method (None: the task cannot use TP)
+    tp_plan = ask(model) if ask is not None and dims.tp > 1 else None
+    if tp_plan is not None:
+        parallelize_module(model, mesh["tp"], tp_plan)
+    data_dims = tuple(name for name in ("dp_replicate", "dp_shard") if getattr(dims, name) > 1)
+    param_dtype, reduce_dtype = resolve_dtypes(cfg.distributed)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    sharded = []
+    for i in units:
+        if data_dims:
+            fully_shard(task_units[i], mesh=mesh[data_dims], mp_policy=policy, reshard_after_forward=False)
+            sharded.append(task_units[i])
+    if not sharded:
+        raise ConfigError("distributed.verify_plan checks fully_shard over the data ranks; this layout has one")
+    return measured_state(sharded, state_bytes), tp_plan is not None
