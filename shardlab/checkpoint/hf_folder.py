@@ -13,18 +13,15 @@ task (tasks/lm/hf_models.py); this module knows safetensors and DCP only.
 The other direction (``write_shards``): a checkpoint's tensors written as Hugging Face safetensors shards with their
 index, streamed in groups of bounded size from a step folder (``step_folder_reader``: DCP reads only the entries
 asked for) or a safetensors file, so one process exports a model of any size; into a staging folder that replaces the
-output only once complete (``staged_folder``).
+output only once complete (shardlab/checkpoint/export_folder.py).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import struct
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -333,28 +330,3 @@ def safetensors_reader(file: Path) -> tuple[dict[str, tuple], Reader]:
             return {name: f.get_tensor(name) for name in names}
 
     return shapes, read
-
-
-@contextmanager
-def staged_folder(out: Path) -> Iterator[Path]:
-    """A fresh folder beside ``out`` to write into, put in ``out``'s place only once the block completes: an export
-    cut short leaves ``out`` as it was, and running it again over an earlier export replaces it whole. A folder that
-    holds files but no config.json is no earlier export and is refused, not replaced."""
-    out = Path(out).expanduser().absolute()
-    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "config.json").is_file())):
-        raise ConfigError(
-            f"{out} exists and is not a Hugging Face folder (no config.json); give a new or empty folder to write"
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging, old = (out.parent / f".{out.name}.{tag}-{os.getpid()}" for tag in ("partial", "replaced"))
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rename(old)
-    staging.rename(out)
-    shutil.rmtree(old, ignore_errors=True)

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
+from shardlab.checkpoint.export_folder import staged_folder
 from shardlab.checkpoint.hf_folder import (
     ExportTensor,
     Reader,
     safetensors_reader,
-    staged_folder,
     step_folder_reader,
     tensor_shapes,
     weight_files,
@@ -247,11 +247,13 @@ def export_hf(
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 << 30,
     buffer_bytes: int = 256 << 20,
+    protected: dict[str, Path | str | None] | None = None,
 ) -> dict:
     """Write ``out`` (config.json, safetensors shards and index, tokenizer and generation files) for the Hugging
     Face family of ``model_cfg``, streaming the tensors ``read`` gives (``shapes``: name -> shape as stored) in groups
-    of at most ``buffer_bytes``; written into a staging folder that replaces ``out`` once complete. Returns the
-    config written."""
+    of at most ``buffer_bytes``; written into a staging folder that replaces ``out`` once complete, refused where
+    ``out`` is no folder an export may replace or one of ``protected`` (shardlab.checkpoint.export_folder). Returns
+    the config written."""
     if reason := export_refusal(model_cfg):
         raise ConfigError(f"cannot export to Hugging Face: {reason}")
     tensors = export_tensors(model_cfg, shapes)
@@ -263,7 +265,7 @@ def export_hf(
         )
     source = source_folder(model_cfg, tokenizer)
     config = hf_config(model_cfg, vocab_size, tokenizer.eod, dtype, read_config_json(source) if source else None)
-    with staged_folder(out) as staging:
+    with staged_folder(out, protected) as staging:
         write_shards(tensors, read, staging, dtype, max_shard_bytes, buffer_bytes)
         (staging / "config.json").write_text(json.dumps(config, indent=1))
         if source is None:
