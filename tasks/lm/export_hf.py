@@ -35,8 +35,9 @@ from shardlab.checkpoint.hf_folder import (
     ExportTensor,
     Reader,
     safetensors_reader,
+    read_tensors,
     step_folder_reader,
-    tensor_shapes,
+    tensor_files,
     weight_files,
     write_shards,
 )
@@ -282,10 +283,8 @@ def hf_folder_reader(folder: Path, model_cfg: dict) -> tuple[dict[str, tuple], R
     """The tensors of the model ``model_cfg`` in the Hugging Face folder ``folder``, by shardlab name and in
     shardlab's layout (GPT-2's Conv1D weights transposed back), as {name: shape}, and a Reader that reads each
     tensor alone from its file (safetensors' safe_open: that tensor's bytes only)."""
-    from safetensors import safe_open
-
     names = weight_names({**model_cfg, "arch": model_cfg.get("arch", "gpt")})
-    stored = {key: (file, shape) for file in weight_files(folder) for key, (shape, _) in tensor_shapes([file]).items()}
+    stored = tensor_files(weight_files(folder))  # exactly the files the index names, each checked a file
     if missing := [hf.key for hf in names.values() if hf.key not in stored]:
         raise CheckpointError(f"{folder} lacks tensor {missing[0]} ({len(missing)} such); is it the run's base?")
     shapes = {ours: tuple(stored[hf.key][1][:: -1 if hf.transposed else 1]) for ours, hf in names.items()}
@@ -296,10 +295,10 @@ def hf_folder_reader(folder: Path, model_cfg: dict) -> tuple[dict[str, tuple], R
             by_file.setdefault(stored[names[name].key][0], []).append(name)
         out = {}
         for file, group in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for name in group:
-                    tensor = f.get_tensor(names[name].key)
-                    out[name] = tensor.t() if names[name].transposed else tensor
+            tensors = read_tensors(file, [names[name].key for name in group], folder)
+            for name in group:
+                tensor = tensors.pop(names[name].key)
+                out[name] = tensor.t() if names[name].transposed else tensor
         return out
 
     return shapes, read
