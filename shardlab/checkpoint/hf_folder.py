@@ -73,7 +73,7 @@ def weight_files(folder: Path) -> list[Path]:
         names = sorted(set(weight_map.values()))
         if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in names):
             raise TypeError("its weight_map is not an object of file names")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"{index} is not a safetensors index ({first_cause(e)})") from None
     for name in names:
         if name in ("", ".", "..") or Path(name).name != name or "\\" in name or not name.endswith(".safetensors"):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from shardlab.checkpoint.regular_file import NotAFile, read_small_file
+from shardlab.errors import first_cause
 from tasks.lm import hf_fields as fields
 from tasks.lm.hf_fields import HFConfigError
 
@@ -103,8 +104,8 @@ def read_config_json(folder: Path) -> dict[str, Any]:
         ) from None
     except NotAFile as e:  # a link to /dev/zero, a FIFO: what it is, not "no config.json"
         raise HFConfigError(f"model.pretrained: {path} {e.reason}; give a Hugging Face model folder") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFConfigError(f"model.pretrained: {path} is not readable JSON ({e})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nesting past Python's stack
+        raise HFConfigError(f"model.pretrained: {path} is not readable JSON ({first_cause(e)})") from None
     if not isinstance(hf, dict):
         raise HFConfigError(f"model.pretrained: {path} holds no JSON object")
     return hf
@@ -272,6 +273,6 @@ def eos_token(folder: Path) -> str | None:
         eos = json.loads(read_small_file(path)).get("eos_token")
     except NotAFile as e:  # a FIFO there hung pre-flight for ever; a device or a huge file is no tokenizer config
         raise HFConfigError(f"model.pretrained: {path} {e.reason}; give a Hugging Face model folder") from None
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # unreadable: the tokenizer's own token is looked up
         return None
     return eos.get("content") if isinstance(eos, dict) else eos
