@@ -34,12 +34,12 @@ from pathlib import Path
 
 from shardlab.checkpoint import weights
 from shardlab.checkpoint.export_folder import out_refusal, staged_folder
-from shardlab.checkpoint.hf_folder import safetensors_reader, step_folder_reader
+from shardlab.checkpoint.hf_folder import safetensors_reader, step_folder_reader, weights_digest
 from shardlab.distributed.cpu_allocator import configure_cpu_allocator
 from shardlab.errors import CheckpointError, ConfigError
 from shardlab.train import run_tool
 from tasks.lm.export_hf import DTYPES, export_hf, export_refusal, lora_base
-from tasks.lm.lora import adapter_from_checkpoint, lora_on, merged_reader
+from tasks.lm.lora import adapter_from_checkpoint, base_refusal, lora_on, merged_reader
 from tasks.lm.tokenizer import load_tokenizer
 
 
@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> Path:
     shapes, read = reader(Path(args.checkpoint).expanduser(), args.ema)
     if lora_on(config["model"]):  # the step folder holds the adapters: merged into the base as it streams by
         base, source = lora_base(config if args.base else init_from_as_read(info, args.checkpoint), args.base)
+        if reason := base_refusal(config["model"], weights_digest(source), str(source), f"{args.checkpoint}'s run"):
+            raise CheckpointError(f"{reason}; give the base it began from (--base, or put it back at that path)")
         shapes, read = merged_reader(base, (shapes, read), config["model"], str(source))
     mb = 1 << 20
     hf = export_hf(

@@ -20,6 +20,7 @@ output only once complete (shardlab/checkpoint/export_folder.py).
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -46,7 +47,14 @@ from torch.futures import Future
 
 from shardlab.checkpoint import agreement, dcp_reader
 from shardlab.checkpoint.dcp_reader import SafeLoadPlanner, SafeReader
-from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_small_file, stat_file
+from shardlab.checkpoint.regular_file import (
+    NotAFile,
+    describe_os_error,
+    open_file,
+    read_at,
+    read_small_file,
+    stat_file,
+)
 from shardlab.distributed.materialize import clean_name
 from shardlab.errors import CheckpointError, ConfigError, first_cause
 
@@ -110,6 +118,45 @@ def _as_files(files: list[Path], folder: Path, index: Path | None = None) -> lis
         except OSError as e:
             raise CheckpointError(f"{f} {describe_os_error(f, e)}") from None
     return files
+
+
+DIGEST_HEAD_BYTES = 64 << 10
+"""What a weights digest reads of a file that is not safetensors (a step folder's .metadata and .distcp shards)."""
+SAFETENSORS_HEADER_MAX_BYTES = 100 << 20
+"""The largest safetensors header (the library's own limit): a digest reads no more of one."""
+
+
+def weights_digest(path: Path) -> str:
+    """A digest of the weights at ``path`` (a Hugging Face folder, a DCP step folder or a .safetensors file) from
+    each weight file's name, size and header bytes (a safetensors file's header, else its first 64 KiB), in name
+    order; headers only, never the tensors. A LoRA run records its frozen base's, so a base changed since (replaced by
+    an export, another model put at the path) is refused rather than silently used. CheckpointError when unreadable."""
+    path = Path(path).expanduser()
+    root: Path | None = None  # a file named outright: a link followed (weights.describe's rule), to a file
+    if not path.is_dir():
+        files = [path]
+    elif (path / ".metadata").exists():  # a step folder: its index and shards, each a file of its own (no link)
+        root = path
+        files = sorted(f for f in path.iterdir() if f.name == ".metadata" or f.suffix == ".distcp")
+    else:
+        files, root = weight_files(path), path
+    digest = hashlib.sha256()
+    for file in files:
+        try:
+            fd, st = open_file(file, follow_links=True, root=None if root is None else link_root(root))
+        except (NotAFile, OSError) as e:
+            raise CheckpointError(f"{file} {getattr(e, 'reason', None) or describe_os_error(file, e)}") from None
+        try:
+            head = read_at(fd, file, 0, min(8, st.st_size))
+            if file.suffix == ".safetensors" and len(head) == 8:
+                length = min(struct.unpack("<Q", head)[0], SAFETENSORS_HEADER_MAX_BYTES, st.st_size - 8)
+                head += read_at(fd, file, 8, length)
+            else:
+                head = read_at(fd, file, 0, min(DIGEST_HEAD_BYTES, st.st_size))
+        finally:
+            os.close(fd)
+        digest.update(f"{file.name}\0{st.st_size}\0{len(head)}\0".encode() + head)
+    return digest.hexdigest()[:32]
 
 
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -134,3 +134,35 @@ def test_an_empty_folder_is_written(lora_run, tmp_path):
     (tmp_path / "empty").mkdir()
     out = export_hf.main([str(lora_run["step"]), "--adapter-only", "--out", str(tmp_path / "empty")])
     assert (out / "adapter_config.json").is_file() and (out / EXPORT_MARKER).is_file()
+
+
+def test_a_lora_base_changed_since_the_run_recorded_it_is_refused_at_resume_and_export(tmp_path, corpus_cache):
+    """The run records its base's digest (weight files' names, sizes, headers); another model put at that path (here
+    the same family re-saved in other shards, as an export over the base would leave it) is refused in one line."""
+    import shutil
+
+    from shardlab.checkpoint import weights
+    from shardlab.distributed import env as dist_env
+    from shardlab.errors import CheckpointError, IncompatibleCheckpointError
+    from shardlab.jobs.preflight import compose_config
+    from shardlab.runner import run_rank
+    from tests.conftest import TINY_LM
+
+    base = make_folder("llama3", tmp_path / "base")
+    run = [*TINY_LM, f"data.cache_dir={corpus_cache}", f"model.pretrained={base}", "model.lora.rank=4"]
+    run += ["model.lora.target_modules=[attn.q]", "checkpoint.interval_steps=1", "validation.interval_steps=0"]
+    run_rank(compose_config([*run, "optimization.max_steps=1"]), tmp_path / "run", dist_env.detect())
+    step = tmp_path / "run" / "checkpoints" / "step_00000001"
+    assert weights.describe(step)["model_config"]["lora"]["base_digest"]
+    shutil.copytree(base, tmp_path / "same")  # the same files elsewhere: the same base (--base for a moved one)
+    export_hf.main([str(step), "--base", str(tmp_path / "same"), "--out", str(tmp_path / "moved")])
+
+    shutil.rmtree(base)
+    make_folder("llama3", base, seed=0, max_shard_size="30KB")  # the same model, other shards: not the files recorded
+    with pytest.raises(CheckpointError, match=rf"^the frozen base {re.escape(str(base))} is not the one .* trained its"):
+        export_hf.main([str(step), "--out", str(tmp_path / "merged")])
+    with pytest.raises(IncompatibleCheckpointError, match="is not the one .* trained its adapters on") as refused:
+        run_rank(compose_config([*run, "optimization.max_steps=2"]), tmp_path / "run", dist_env.detect())
+    assert "\n" not in str(refused.value)
+    assert sorted((tmp_path / "run" / "checkpoints").iterdir()) == [step]  # nothing trained on the other base
+    assert not (tmp_path / "merged").exists()
