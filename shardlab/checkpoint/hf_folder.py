@@ -2,9 +2,10 @@
 
 The model is built on meta, wrapped (``fully_shard``, DDP or nothing) and materialized first; then DCP's
 ``HuggingFaceStorageReader``, told exactly which files to read (``weight_files``: those the index names, each a
-regular file of the folder; ``folder_reader``), reads, for every parameter, the slice of the checkpoint tensor that this rank's local
-shard holds (``safe_open(...).get_slice``), straight into it, converting the dtype on the way (bf16 files into fp32
-master weights). No rank builds the full model or reads a whole file; the largest extra buffer is one slice.
+regular file of the folder; ``folder_reader``), reads, for every parameter, the slice of the checkpoint tensor that
+this rank's local shard holds (``safe_open(...).get_slice``), straight into it, converting the dtype on the way
+(bf16 files into fp32 master weights). No rank builds the full model or reads a whole file; the largest extra buffer
+is one slice.
 
 The caller names the checkpoint tensor of each parameter (``names``: shardlab name -> (checkpoint key, transposed));
 a transposed one (GPT-2's Conv1D weights, stored (in, out)) is read into a transposed view of the local shard, so a
@@ -56,7 +57,7 @@ from shardlab.checkpoint.regular_file import (
     stat_file,
 )
 from shardlab.distributed.materialize import clean_name
-from shardlab.errors import CheckpointError, ConfigError, first_cause
+from shardlab.errors import CheckpointError, first_cause
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -34,8 +34,8 @@ from shardlab.checkpoint.export_folder import staged_folder
 from shardlab.checkpoint.hf_folder import (
     ExportTensor,
     Reader,
-    safetensors_reader,
     read_tensors,
+    safetensors_reader,
     step_folder_reader,
     tensor_files,
     weight_files,

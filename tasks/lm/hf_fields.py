@@ -24,7 +24,7 @@ MAX_PARAMETERS = 10**13
 """The most parameters a config.json may plan (10 T: 25x Llama 3.1 405B); counted from its fields, nothing built."""
 
 MAX_WIDTH = 2**24
-"""The largest value of a config.json size field (hidden size, vocabulary, positions: 16 M, past 10 M-token contexts)."""
+"""The largest value of a config.json size field (hidden size, vocabulary, positions): 16 M, past 10 M contexts."""
 
 
 class HFConfigError(ConfigError):

@@ -76,9 +76,7 @@ def targets(lora_run: dict[str, Path], tmp_path: Path) -> dict[str, tuple[Path, 
 
 
 @pytest.mark.parametrize("mode", [[], ["--adapter-only"]], ids=["merged", "adapter-only"])
-def test_an_out_that_is_or_holds_what_the_export_did_not_write_is_refused_and_left_as_it_was(
-    lora_run, tmp_path, mode
-):
+def test_an_out_that_is_or_holds_what_the_export_did_not_write_is_refused_and_left_as_it_was(lora_run, tmp_path, mode):
     for case, (out, watched, words) in targets(lora_run, tmp_path).items():
         before = snapshot(watched)
         with pytest.raises(ConfigError, match=f"^--out {re.escape(str(out))} {words}") as refused:
@@ -159,7 +157,8 @@ def test_a_lora_base_changed_since_the_run_recorded_it_is_refused_at_resume_and_
 
     shutil.rmtree(base)
     make_folder("llama3", base, seed=0, max_shard_size="30KB")  # the same model, other shards: not the files recorded
-    with pytest.raises(CheckpointError, match=rf"^the frozen base {re.escape(str(base))} is not the one .* trained its"):
+    refusal = rf"^the frozen base {re.escape(str(base))} is not the one .* trained its"
+    with pytest.raises(CheckpointError, match=refusal):
         export_hf.main([str(step), "--out", str(tmp_path / "merged")])
     with pytest.raises(IncompatibleCheckpointError, match="is not the one .* trained its adapters on") as refused:
         run_rank(compose_config([*run, "optimization.max_steps=2"]), tmp_path / "run", dist_env.detect())

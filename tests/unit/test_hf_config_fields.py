@@ -127,7 +127,8 @@ def test_a_wrong_value_of_any_field_is_refused_in_one_line_naming_config_json_an
 def test_a_width_the_heads_do_not_divide_needs_head_dim(configs, family):
     hf = changed(configs[family], "hidden_size", 66)
     hf.pop("head_dim", None)
-    with pytest.raises(HFConfigError, match=r"hidden_size=66 is not divisible by num_attention_heads=4 .* give head_dim"):
+    refusal = r"hidden_size=66 is not divisible by num_attention_heads=4 .* give head_dim"
+    with pytest.raises(HFConfigError, match=refusal):
         model_section(hf, PATH)
     assert model_section({**hf, "head_dim": 16}, PATH)["head_dim"] == 16  # with head_dim: planned
 

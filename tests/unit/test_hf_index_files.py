@@ -43,7 +43,8 @@ def stray(copy: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     first = sorted(copy.glob("model-0*.safetensors"))[0]
-    save_file({k: torch.full_like(v, 9.0) for k, v in load_file(str(first)).items()}, str(copy / "model-stray.safetensors"))
+    nines = {k: torch.full_like(v, 9.0) for k, v in load_file(str(first)).items()}
+    save_file(nines, str(copy / "model-stray.safetensors"))
     return copy / "model-stray.safetensors"
 
 
