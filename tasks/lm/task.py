@@ -41,10 +41,11 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 def record_lora_base(cfg, pretrained: Path | None) -> None:
     """With LoRA on, model.lora.base_digest := the digest of the frozen base (model.pretrained's folder, else
     checkpoint.init_from) as it is at this start, saved with every checkpoint's config: a resume and the merged
-    export compare it with the base they read (tasks.lm.lora.base_refusal). None where the base cannot be read:
-    the load refuses it in its own words."""
+    export compare it with the base they read (tasks.lm.lora.base_refusal), and a config that already records one (a
+    checkpoint's, rebuilt by generate or evaluate) is refused here when the base differs. None where the base cannot
+    be read: the load refuses it in its own words."""
     from shardlab.checkpoint.hf_folder import weights_digest
-    from tasks.lm.lora import lora_on
+    from tasks.lm.lora import base_refusal, lora_on
 
     if not lora_on(cfg.model):
         return
@@ -53,7 +54,10 @@ def record_lora_base(cfg, pretrained: Path | None) -> None:
         digest = weights_digest(Path(base)) if base and Path(base).expanduser().exists() else None
     except CheckpointError:
         digest = None
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
+
+    if reason := base_refusal(OmegaConf.to_container(cfg.model, resolve=True), digest, str(base), "the run"):
+        raise CheckpointError(f"{reason}; put the base it began from back at that path")
 
     with open_dict(cfg):  # a config read back from an older checkpoint has no such key yet
         cfg.model.lora.base_digest = digest

@@ -163,5 +163,9 @@ def test_a_lora_base_changed_since_the_run_recorded_it_is_refused_at_resume_and_
     with pytest.raises(IncompatibleCheckpointError, match="is not the one .* trained its adapters on") as refused:
         run_rank(compose_config([*run, "optimization.max_steps=2"]), tmp_path / "run", dist_env.detect())
     assert "\n" not in str(refused.value)
+    from tools import generate
+
+    with pytest.raises(CheckpointError, match="is not the one the run trained its adapters on"):
+        generate.load_model(step)  # a tool rebuilding the run from its checkpoint's config checks it too
     assert sorted((tmp_path / "run" / "checkpoints").iterdir()) == [step]  # nothing trained on the other base
     assert not (tmp_path / "merged").exists()
