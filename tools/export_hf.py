@@ -16,7 +16,10 @@ any size in memory bounded by the group and the largest tensor. Writes config.js
 --max-shard-mb with model.safetensors.index.json, in fp32 or bf16 (--dtype), and the tokenizer: the files of the
 Hugging Face folder the run came from (model.pretrained: tokenizer, chat template, generation defaults) when it is
 still there, else the run's data.tokenizer, or --tokenizer for one that has moved. The folder is written beside
---out and put in its place once complete: running again over an earlier export replaces it.
+--out and put in its place once complete, with shardlab_export.json in it: running again over an earlier export
+replaces it. Any other --out that exists and holds files is refused, as is one that is a symbolic link, or that is,
+lies inside or contains what the export reads (the step folder, the run's folder, its model.pretrained and
+checkpoint.init_from, --base, the tokenizer): one line, nothing written (shardlab/checkpoint/export_folder.py).
 
 A LoRA run's step folder holds its adapters only. Its export is the merged model (W + alpha / rank * B @ A): each
 base tensor is read from where the run began (model.pretrained's folder, else checkpoint.init_from; --base for one
@@ -30,19 +33,22 @@ import argparse
 from pathlib import Path
 
 from shardlab.checkpoint import weights
-from shardlab.checkpoint.hf_folder import safetensors_reader, step_folder_reader
+from shardlab.checkpoint.export_folder import out_refusal, staged_folder
+from shardlab.checkpoint.hf_folder import safetensors_reader, step_folder_reader, weights_digest
 from shardlab.distributed.cpu_allocator import configure_cpu_allocator
 from shardlab.errors import CheckpointError, ConfigError
 from shardlab.train import run_tool
 from tasks.lm.export_hf import DTYPES, export_hf, export_refusal, lora_base
-from tasks.lm.lora import adapter_from_checkpoint, lora_on, merged_reader
+from tasks.lm.lora import adapter_from_checkpoint, base_refusal, lora_on, merged_reader
 from tasks.lm.tokenizer import load_tokenizer
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a step_N checkpoint directory or a consolidated .safetensors")
-    parser.add_argument("--out", type=Path, required=True, help="directory to write (replaced if an earlier export)")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="a new or empty folder to write, or an earlier export to replace"
+    )
     parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json; default: the run's data.tokenizer")
     parser.add_argument(
         "--ema", action="store_true", help="export the run's moving average of the weights (optimization.ema)"
@@ -74,7 +80,7 @@ def reader(path: Path, ema: bool):
     return shapes, read
 
 
-def lora_export(args: argparse.Namespace, config: dict) -> Path | None:
+def lora_export(args: argparse.Namespace, config: dict, protected: dict) -> Path | None:
     """A LoRA run's --adapter-only export (its out folder), None otherwise; the LoRA options refused elsewhere."""
     lora = lora_on(config["model"])
     if not lora and (args.adapter_only or args.base):
@@ -86,9 +92,37 @@ def lora_export(args: argparse.Namespace, config: dict) -> Path | None:
         raise ConfigError(
             f"--adapter-only writes the step folder's adapters as saved; drop {'--ema' if args.ema else '--base'}"
         )
-    out = adapter_from_checkpoint(Path(args.checkpoint).expanduser(), args.out)
+    with staged_folder(args.out, protected) as staging:  # the adapters land whole, or not at all
+        adapter_from_checkpoint(Path(args.checkpoint).expanduser(), staging)
+    out = Path(args.out)
     print(f"wrote {out / 'adapter_config.json'} and {out / 'adapter_model.safetensors'}")
     return out
+
+
+def run_folder(step: Path, config: dict) -> Path | None:
+    """The run folder of step folder ``step``: where checkpoint.dir (relative to it) holds the step folders."""
+    parts = Path(config["checkpoint"].get("dir") or "checkpoints").parts
+    root = step.expanduser().absolute().parent
+    if not step.is_dir() or Path(*parts).is_absolute() or root.parts[-len(parts) :] != parts:
+        return None
+    return root.parents[len(parts) - 1]
+
+
+def protected_paths(args: argparse.Namespace, info: dict) -> dict[str, Path | str | None]:
+    """What the export reads, which its --out may not be, lie in or contain (export_folder.out_refusal)."""
+    config, checkpoint = info["config"], Path(args.checkpoint)
+    line = info.get("line") or {}
+    tokenizer = args.tokenizer or config["data"].get("tokenizer")
+    return {
+        "the checkpoint": checkpoint,
+        "the description beside it": None if checkpoint.is_dir() else weights.config_file(checkpoint),
+        "the run's folder": run_folder(checkpoint, config),
+        "model.pretrained": config["model"].get("pretrained"),
+        "checkpoint.init_from": config["checkpoint"].get("init_from"),
+        "checkpoint.init_from as the run read it": line.get("as_written") if line.get("start") == "weights" else None,
+        "--base": args.base,
+        "the tokenizer": None if tokenizer in (None, "byte") else tokenizer,
+    }
 
 
 def init_from_as_read(info: dict, checkpoint: Path) -> dict:
@@ -119,7 +153,10 @@ def main(argv: list[str] | None = None) -> Path:
         raise ConfigError(
             f"{args.checkpoint} is a {config['task']['name']} checkpoint; only lm exports to Hugging Face"
         )
-    if (adapter := lora_export(args, config)) is not None:
+    protected = protected_paths(args, info)
+    if reason := out_refusal(args.out, protected):  # before reading any weights
+        raise ConfigError(f"--out {reason}")
+    if (adapter := lora_export(args, config, protected)) is not None:
         return adapter
     reason = export_refusal(config["model"])  # before reading any weights
     if reason:
@@ -132,11 +169,13 @@ def main(argv: list[str] | None = None) -> Path:
     shapes, read = reader(Path(args.checkpoint).expanduser(), args.ema)
     if lora_on(config["model"]):  # the step folder holds the adapters: merged into the base as it streams by
         base, source = lora_base(config if args.base else init_from_as_read(info, args.checkpoint), args.base)
+        if reason := base_refusal(config["model"], weights_digest(source), str(source), f"{args.checkpoint}'s run"):
+            raise CheckpointError(f"{reason}; give the base it began from (--base, or put it back at that path)")
         shapes, read = merged_reader(base, (shapes, read), config["model"], str(source))
     mb = 1 << 20
     hf = export_hf(
         shapes, read, config["model"], tokenizer, args.out, DTYPES[args.dtype],
-        max_shard_bytes=int(args.max_shard_mb * mb), buffer_bytes=int(args.buffer_mb * mb),
+        max_shard_bytes=int(args.max_shard_mb * mb), buffer_bytes=int(args.buffer_mb * mb), protected=protected,
     )  # fmt: skip
     print(f"wrote {args.out} ({hf['architectures'][0]}, {args.dtype}, vocabulary {hf['vocab_size']}, tokenizer {spec})")
     return args.out

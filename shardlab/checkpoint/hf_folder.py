@@ -1,9 +1,11 @@
 """Weights from a Hugging Face safetensors folder into a model as it is sharded: each rank reads only its own slices.
 
 The model is built on meta, wrapped (``fully_shard``, DDP or nothing) and materialized first; then DCP's
-``HuggingFaceStorageReader`` reads, for every parameter, the slice of the checkpoint tensor that this rank's local
-shard holds (``safe_open(...).get_slice``), straight into it, converting the dtype on the way (bf16 files into fp32
-master weights). No rank builds the full model or reads a whole file; the largest extra buffer is one slice.
+``HuggingFaceStorageReader``, told exactly which files to read (``weight_files``: those the index names, each a
+regular file of the folder; ``folder_reader``), reads, for every parameter, the slice of the checkpoint tensor that
+this rank's local shard holds (``safe_open(...).get_slice``), straight into it, converting the dtype on the way
+(bf16 files into fp32 master weights). No rank builds the full model or reads a whole file; the largest extra buffer
+is one slice.
 
 The caller names the checkpoint tensor of each parameter (``names``: shardlab name -> (checkpoint key, transposed));
 a transposed one (GPT-2's Conv1D weights, stored (in, out)) is read into a transposed view of the local shard, so a
@@ -13,32 +15,49 @@ task (tasks/lm/hf_models.py); this module knows safetensors and DCP only.
 The other direction (``write_shards``): a checkpoint's tensors written as Hugging Face safetensors shards with their
 index, streamed in groups of bounded size from a step folder (``step_folder_reader``: DCP reads only the entries
 asked for) or a safetensors file, so one process exports a model of any size; into a staging folder that replaces the
-output only once complete (``staged_folder``).
+output only once complete (shardlab/checkpoint/export_folder.py).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import math
 import os
-import shutil
 import struct
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed import checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor, Shard
+from torch.futures import Future
 
 from shardlab.checkpoint import agreement, dcp_reader
 from shardlab.checkpoint.dcp_reader import SafeLoadPlanner, SafeReader
-from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_small_file, stat_file
+from shardlab.checkpoint.regular_file import (
+    NotAFile,
+    describe_os_error,
+    open_file,
+    read_at,
+    read_small_file,
+    stat_file,
+)
 from shardlab.distributed.materialize import clean_name
-from shardlab.errors import CheckpointError, ConfigError, first_cause
+from shardlab.errors import CheckpointError, first_cause
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -47,30 +66,48 @@ Names = Mapping[str, tuple[str, bool]]
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The folder's safetensors files: those its index names, else every ``*.safetensors`` in it."""
+    """The folder's safetensors files: exactly those its index names, else exactly the ``*.safetensors`` in it, each
+    checked a regular file (``_as_files``); an index naming a path outside the folder is refused."""
     index = folder / INDEX_FILE
     try:
         text = read_small_file(index)
     except (FileNotFoundError, NotADirectoryError):
-        return _as_files(sorted(folder.glob("*.safetensors")))
+        return _as_files(sorted(folder.glob("*.safetensors")), folder)
     except NotAFile as e:  # a FIFO hung the reader, a link to /dev/zero grew it: refused, never read past its cap
         raise CheckpointError(f"{index} {e.reason}; give the safetensors index as the model's folder has it") from None
     except OSError as e:
         raise CheckpointError(f"{index} {describe_os_error(index, e)}") from None
     try:
         weight_map = json.loads(text)["weight_map"]
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        names = sorted(set(weight_map.values()))
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in names):
+            raise TypeError("its weight_map is not an object of file names")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CheckpointError(f"{index} is not a safetensors index ({first_cause(e)})") from None
-    return _as_files(files, index)
+    for name in names:
+        if name in ("", ".", "..") or Path(name).name != name or "\\" in name or not name.endswith(".safetensors"):
+            raise CheckpointError(
+                f"{index} names {name!r}, not a .safetensors file of {folder}; an index names files of its own folder"
+            )
+    return _as_files([folder / name for name in names], folder, index)
 
 
-def _as_files(files: list[Path], index: Path | None = None) -> list[Path]:
-    """``files``, each a regular file (a link followed, as an HF cache's into its blobs/): safetensors opens them by
-    name, and a FIFO there would hang its open for ever. One the ``index`` names but the folder lacks is said so."""
+def link_root(folder: Path) -> Path:
+    """How far a link among ``folder``'s weight files may lead: the folder itself, or for a Hugging Face cache's
+    snapshot (``models--org--name/snapshots/REV``, links into ``../../blobs``) the model's cache folder."""
+    folder = Path(os.path.realpath(folder))
+    return folder.parent.parent if folder.parent.name == "snapshots" else folder
+
+
+def _as_files(files: list[Path], folder: Path, index: Path | None = None) -> list[Path]:
+    """``files``, each a regular file, where a link is followed no further than ``link_root``: safetensors opens them
+    by name, and a FIFO there would hang its open for ever. One the ``index`` names but the folder lacks is said so."""
+    root = link_root(folder)
     for f in files:
         try:
-            stat_file(f, follow_links=True)
+            if index is not None and not os.path.lexists(os.path.realpath(f)):
+                raise FileNotFoundError(errno.ENOENT, "not there", str(f))
+            stat_file(f, root=root)
         except FileNotFoundError as e:
             if index is not None:  # a file of the index not downloaded (or a cache's link to a blob that is not)
                 raise CheckpointError(
@@ -84,20 +121,67 @@ def _as_files(files: list[Path], index: Path | None = None) -> list[Path]:
     return files
 
 
+DIGEST_HEAD_BYTES = 64 << 10
+"""What a weights digest reads of a file that is not safetensors (a step folder's .metadata and .distcp shards)."""
+SAFETENSORS_HEADER_MAX_BYTES = 100 << 20
+"""The largest safetensors header (the library's own limit): a digest reads no more of one."""
+
+
+def weights_digest(path: Path) -> str:
+    """A digest of the weights at ``path`` (a Hugging Face folder, a DCP step folder or a .safetensors file) from
+    each weight file's name, size and header bytes (a safetensors file's header, else its first 64 KiB), in name
+    order; headers only, never the tensors. A LoRA run records its frozen base's, so a base changed since (replaced by
+    an export, another model put at the path) is refused rather than silently used. CheckpointError when unreadable."""
+    path = Path(path).expanduser()
+    root: Path | None = None  # a file named outright: a link followed (weights.describe's rule), to a file
+    if not path.is_dir():
+        files = [path]
+    elif (path / ".metadata").exists():  # a step folder: its index and shards, each a file of its own (no link)
+        root = path
+        files = sorted(f for f in path.iterdir() if f.name == ".metadata" or f.suffix == ".distcp")
+    else:
+        files, root = weight_files(path), path
+    digest = hashlib.sha256()
+    for file in files:
+        try:
+            fd, st = open_file(file, follow_links=True, root=None if root is None else link_root(root))
+        except (NotAFile, OSError) as e:
+            raise CheckpointError(f"{file} {getattr(e, 'reason', None) or describe_os_error(file, e)}") from None
+        try:
+            head = read_at(fd, file, 0, min(8, st.st_size))
+            if file.suffix == ".safetensors" and len(head) == 8:
+                length = min(struct.unpack("<Q", head)[0], SAFETENSORS_HEADER_MAX_BYTES, st.st_size - 8)
+                head += read_at(fd, file, 8, length)
+            else:
+                head = read_at(fd, file, 0, min(DIGEST_HEAD_BYTES, st.st_size))
+        finally:
+            os.close(fd)
+        digest.update(f"{file.name}\0{st.st_size}\0{len(head)}\0".encode() + head)
+    return digest.hexdigest()[:32]
+
+
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     """key -> (shape, safetensors dtype) of every tensor in ``files``, from their headers alone (no tensor is read)."""
+    return {key: (shape, dtype) for key, (_, shape, dtype) in tensor_files(files).items()}
+
+
+def tensor_files(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """key -> (its file, shape, safetensors dtype) of every tensor in ``files``, from their headers alone; a key
+    stored in two of the files is refused (which one is the model's would be a guess)."""
     from safetensors import safe_open
 
-    shapes = {}
+    found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     piece = f.get_slice(key)
-                    shapes[key] = (tuple(piece.get_shape()), piece.get_dtype())
+                    if key in found:
+                        raise ValueError(f"tensor {key} is in {found[key][0].name} too")
+                    found[key] = (file, tuple(piece.get_shape()), piece.get_dtype())
         except Exception as e:  # safetensors' own errors have no common type
             raise CheckpointError(f"{file} is not a readable safetensors file ({first_cause(e)})") from None
-    return shapes
+    return found
 
 
 def fit_errors(
@@ -167,7 +251,6 @@ def load_hf_folder(
     """Fill every parameter of ``model`` (plain, DDP or FSDP2-sharded; any world size; call on every rank) from the
     safetensors of ``folder``; refused in one line, the same on every rank, before any tensor is read if the folder
     does not fit (``fit_errors``), and after if the read fails."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint import load as dcp_load
 
     error: BaseException | None = None
@@ -179,10 +262,55 @@ def load_hf_folder(
     agreement.agree(error, f"model.pretrained: reading {folder}", device)
     state = {names[name][0]: _target(p, names[name][1]) for name, p in _parameters(model, keys).items()}
     try:
-        dcp_load(state, storage_reader=HuggingFaceStorageReader(str(folder)))
-    except Exception as e:  # DCP wraps every rank's failure in its own exception types
+        dcp_load(state, storage_reader=folder_reader(folder))
+    except (Exception, CheckpointException) as e:  # DCP wraps a rank's failure in CheckpointException, a BaseException
         error = CheckpointError(f"model.pretrained: {folder} could not be read ({first_cause(e)})")
     agreement.agree(error, f"model.pretrained: loading {folder}", device)
+
+
+SAFETENSORS_TO_TORCH = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+"""The safetensors dtypes a model folder's tensors are read in."""
+
+
+def folder_reader(folder: Path):
+    """DCP's HuggingFaceStorageReader made to read exactly ``weight_files(folder)`` (its own read_metadata lists
+    every ``*.safetensors`` of the folder: a stray file beside the index supplied weights, a FIFO of that name hung
+    the load), each file checked again as a file right before safetensors opens it by name."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    class FolderReader(HuggingFaceStorageReader):
+        def read_metadata(self) -> Metadata:
+            state, storage = {}, {}
+            for key, (file, shape, dtype) in tensor_files(weight_files(folder)).items():
+                if dtype not in SAFETENSORS_TO_TORCH:
+                    raise CheckpointError(f"{file}: tensor {key} is of dtype {dtype}, which shardlab does not read")
+                size, origin = torch.Size(shape), torch.Size([0] * len(shape))
+                properties = TensorProperties(dtype=SAFETENSORS_TO_TORCH[dtype])
+                state[key] = TensorStorageMetadata(properties, size, [ChunkStorageMetadata(origin, size)])
+                storage[MetadataIndex(key, origin)] = file
+            metadata = Metadata(state_dict_metadata=state, storage_data=storage, storage_meta=StorageMeta())
+            metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
+            return metadata
+
+        def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+            from safetensors import safe_open
+
+            by_file: dict[Path, list[ReadItem]] = {}
+            for item in plan.items:
+                by_file.setdefault(self.storage_data[item.storage_index], []).append(item)
+            for file, items in by_file.items():
+                _as_files([file], folder)  # what the name is now, not what it was when the index was read
+                with safe_open(str(file), framework="pt") as f:
+                    for item in items:
+                        self._process_read_request(f, item, planner)  # the slice of one tensor, into its target
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
+    return FolderReader(str(folder))
 
 
 # ---- writing: a checkpoint's tensors as Hugging Face safetensors shards, one bounded buffer at a time ---------------
@@ -273,6 +401,20 @@ def _groups(tensors: list[ExportTensor], budget: int) -> list[list[ExportTensor]
     return shard_plan(tensors, torch.float32, budget)
 
 
+def read_tensors(file: Path, keys: list[str], folder: Path | None = None) -> dict[str, torch.Tensor]:
+    """The tensors ``keys`` of the safetensors ``file``, each read alone; the file checked again first as one of
+    ``folder``'s (``_as_files``) when given. Any failure is one CheckpointError line naming the file."""
+    from safetensors import safe_open
+
+    if folder is not None:
+        _as_files([file], folder)
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in keys}
+    except Exception as e:  # safetensors' own errors have no common type
+        raise CheckpointError(f"{file} could not be read ({first_cause(e)})") from None
+
+
 class _IndexReadOnce(SafeReader):
     """dcp_reader's SafeReader given the step folder's index, read and checked once for all the groups an export
     reads: unpickling a checkpoint's .metadata (0.3 s for a 50 MB model's, more with its size) costs more than
@@ -309,7 +451,7 @@ def step_folder_reader(step: Path, prefixes: tuple[str, ...] = ("model.",)) -> t
         planner = SafeLoadPlanner(step)
         try:
             dcp.load(state, storage_reader=_IndexReadOnce(step, metadata), planner=planner, no_dist=True)
-        except Exception as e:  # DCP wraps every failure in its own exception types
+        except (Exception, CheckpointException) as e:  # DCP wraps every failure in its own (Base)Exception types
             raise CheckpointError(f"checkpoint {step} could not be read ({first_cause(e)})") from None
         finally:
             # DCP's load leaves the planner, which holds the state it filled, in reference cycles: left there, each
@@ -323,38 +465,10 @@ def step_folder_reader(step: Path, prefixes: tuple[str, ...] = ("model.",)) -> t
 def safetensors_reader(file: Path) -> tuple[dict[str, tuple], Reader]:
     """The tensors of one safetensors file (tools/consolidate.py's) by name, as {name: shape}, and a Reader of them
     that reads each tensor alone."""
-    from safetensors import safe_open
-
     files = [file]
     shapes = {key: shape for key, (shape, _) in tensor_shapes(files).items()}
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:
-        with safe_open(str(file), framework="pt") as f:
-            return {name: f.get_tensor(name) for name in names}
+        return read_tensors(file, names)
 
     return shapes, read
-
-
-@contextmanager
-def staged_folder(out: Path) -> Iterator[Path]:
-    """A fresh folder beside ``out`` to write into, put in ``out``'s place only once the block completes: an export
-    cut short leaves ``out`` as it was, and running it again over an earlier export replaces it whole. A folder that
-    holds files but no config.json is no earlier export and is refused, not replaced."""
-    out = Path(out).expanduser().absolute()
-    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / "config.json").is_file())):
-        raise ConfigError(
-            f"{out} exists and is not a Hugging Face folder (no config.json); give a new or empty folder to write"
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging, old = (out.parent / f".{out.name}.{tag}-{os.getpid()}" for tag in ("partial", "replaced"))
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rename(old)
-    staging.rename(out)
-    shutil.rmtree(old, ignore_errors=True)

@@ -127,7 +127,9 @@ def read_file(path: Path, *, max_bytes: int, follow_links: bool = False) -> tupl
     fd, st = open_file(path, max_bytes=max_bytes, follow_links=follow_links)
     try:
         chunks, held = [], 0
-        while chunk := os.read(fd, max_bytes + 1 - held):
+        # Asked for no more than the file said it holds (+1 to see it grew) and 64 MiB at a time: os.read allocates
+        # what it is asked for, so asking for the cap put a 1 GiB buffer behind every 1 KiB tokenizer.json read.
+        while chunk := os.read(fd, min(max_bytes + 1 - held, max(st.st_size + 1 - held, 1 << 16), 64 * MiB)):
             chunks.append(chunk)
             held += len(chunk)
             if held > max_bytes:

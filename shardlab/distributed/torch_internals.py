@@ -9,6 +9,8 @@ the default path needs them: they back opt-in CPU (gloo) speed-ups and the opt-i
 Other private names are used where they are, because there is no public path to fall back to and each is what torch's
 own public code calls (an upgrade that moved one fails at import or in that module's tests, not silently):
 - checkpoint/async_save.py: ``torch.distributed._state_dict_utils`` (the staging copy BlockingAsyncStager makes);
+- checkpoint/hf_folder.py: ``HuggingFaceStorageReader._process_read_request`` (the reader's own read of one slice,
+  which ``folder_reader``'s read_data calls for the files it checked);
 - checkpoint/dcp_reader.py admits, by name, the private classes DCP pickles into ``.metadata`` (``_StorageInfo``,
   ``_MEM_FORMAT_ENCODING``, ``torch.serialization._get_layout``); a torch that renamed one would have its own
   checkpoints refused in one line, which tests/unit/test_dcp_reader.py shows at once;

@@ -21,6 +21,9 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["attn.*"])
     """Name patterns (fnmatch, matched against a module's name or its dotted tail) of the nn.Linear layers to adapt:
     attn.* = every attention projection (Llama's q, k, v, o; GPT's qkv, proj); mlp.* the MLP; blocks.0.attn.q one."""
+    base_digest: str | None = None
+    """Written by the run, not set by hand: a digest of the frozen base's weight files (names, sizes, header bytes),
+    saved in each checkpoint's config; a resume and the merged export refuse a base whose digest differs."""
 
 
 @dataclass

@@ -30,13 +30,14 @@ from pathlib import Path
 
 import torch
 
+from shardlab.checkpoint.export_folder import staged_folder
 from shardlab.checkpoint.hf_folder import (
     ExportTensor,
     Reader,
+    read_tensors,
     safetensors_reader,
-    staged_folder,
     step_folder_reader,
-    tensor_shapes,
+    tensor_files,
     weight_files,
     write_shards,
 )
@@ -247,11 +248,13 @@ def export_hf(
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 << 30,
     buffer_bytes: int = 256 << 20,
+    protected: dict[str, Path | str | None] | None = None,
 ) -> dict:
     """Write ``out`` (config.json, safetensors shards and index, tokenizer and generation files) for the Hugging
     Face family of ``model_cfg``, streaming the tensors ``read`` gives (``shapes``: name -> shape as stored) in groups
-    of at most ``buffer_bytes``; written into a staging folder that replaces ``out`` once complete. Returns the
-    config written."""
+    of at most ``buffer_bytes``; written into a staging folder that replaces ``out`` once complete, refused where
+    ``out`` is no folder an export may replace or one of ``protected`` (shardlab.checkpoint.export_folder). Returns
+    the config written."""
     if reason := export_refusal(model_cfg):
         raise ConfigError(f"cannot export to Hugging Face: {reason}")
     tensors = export_tensors(model_cfg, shapes)
@@ -263,7 +266,7 @@ def export_hf(
         )
     source = source_folder(model_cfg, tokenizer)
     config = hf_config(model_cfg, vocab_size, tokenizer.eod, dtype, read_config_json(source) if source else None)
-    with staged_folder(out) as staging:
+    with staged_folder(out, protected) as staging:
         write_shards(tensors, read, staging, dtype, max_shard_bytes, buffer_bytes)
         (staging / "config.json").write_text(json.dumps(config, indent=1))
         if source is None:
@@ -280,10 +283,8 @@ def hf_folder_reader(folder: Path, model_cfg: dict) -> tuple[dict[str, tuple], R
     """The tensors of the model ``model_cfg`` in the Hugging Face folder ``folder``, by shardlab name and in
     shardlab's layout (GPT-2's Conv1D weights transposed back), as {name: shape}, and a Reader that reads each
     tensor alone from its file (safetensors' safe_open: that tensor's bytes only)."""
-    from safetensors import safe_open
-
     names = weight_names({**model_cfg, "arch": model_cfg.get("arch", "gpt")})
-    stored = {key: (file, shape) for file in weight_files(folder) for key, (shape, _) in tensor_shapes([file]).items()}
+    stored = tensor_files(weight_files(folder))  # exactly the files the index names, each checked a file
     if missing := [hf.key for hf in names.values() if hf.key not in stored]:
         raise CheckpointError(f"{folder} lacks tensor {missing[0]} ({len(missing)} such); is it the run's base?")
     shapes = {ours: tuple(stored[hf.key][1][:: -1 if hf.transposed else 1]) for ours, hf in names.items()}
@@ -294,10 +295,10 @@ def hf_folder_reader(folder: Path, model_cfg: dict) -> tuple[dict[str, tuple], R
             by_file.setdefault(stored[names[name].key][0], []).append(name)
         out = {}
         for file, group in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for name in group:
-                    tensor = f.get_tensor(names[name].key)
-                    out[name] = tensor.t() if names[name].transposed else tensor
+            tensors = read_tensors(file, [names[name].key for name in group], folder)
+            for name in group:
+                tensor = tensors.pop(names[name].key)
+                out[name] = tensor.t() if names[name].transposed else tensor
         return out
 
     return shapes, read

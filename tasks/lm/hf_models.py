@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from shardlab.checkpoint.regular_file import NotAFile, read_small_file
-from shardlab.errors import ConfigError
+from shardlab.errors import first_cause
+from tasks.lm import hf_fields as fields
+from tasks.lm.hf_fields import HFConfigError
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """config.json model_type values read as model.arch=llama."""
@@ -43,10 +45,6 @@ GPT2_LINEARS = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc":
 
 IGNORED_CHECKPOINT_KEYS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 """Buffers older transformers saved beside the weights (GPT-2's causal mask, a RoPE table): recomputed, not read."""
-
-
-class HFConfigError(ConfigError):
-    """A config.json that shardlab's architectures cannot express (or cannot read)."""
 
 
 class HFName(NamedTuple):
@@ -106,8 +104,8 @@ def read_config_json(folder: Path) -> dict[str, Any]:
         ) from None
     except NotAFile as e:  # a link to /dev/zero, a FIFO: what it is, not "no config.json"
         raise HFConfigError(f"model.pretrained: {path} {e.reason}; give a Hugging Face model folder") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFConfigError(f"model.pretrained: {path} is not readable JSON ({e})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nesting past Python's stack
+        raise HFConfigError(f"model.pretrained: {path} is not readable JSON ({first_cause(e)})") from None
     if not isinstance(hf, dict):
         raise HFConfigError(f"model.pretrained: {path} holds no JSON object")
     return hf
@@ -115,30 +113,40 @@ def read_config_json(folder: Path) -> dict[str, Any]:
 
 def model_section(hf: dict[str, Any], path: Path) -> dict[str, Any]:
     """The model section (arch and every key config.json decides) that computes what ``hf`` (a config.json, at
-    ``path``) describes; refused in one line naming the first field it cannot express."""
+    ``path``) describes; refused in one line naming the first field it cannot express, of the wrong type or out of
+    range (tasks/lm/hf_fields.py), or a shape beyond the plan's bound (counted before any module is built)."""
     model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise HFConfigError(
             f"{path}: model_type={model_type!r} is not a family shardlab loads; it loads {', '.join(FAMILIES)}"
         )
-    for architecture in hf.get("architectures") or []:
+    for architecture in fields.names(hf, "architectures", path):
         if not architecture.endswith("ForCausalLM") and architecture != "GPT2LMHeadModel":
             raise HFConfigError(f"{path}: architectures={architecture!r} is not a causal LM; give a *ForCausalLM")
     section = _gpt2_section(hf, path) if model_type == "gpt2" else _llama_section(hf, path, model_type)
-    return {**section, "vocab_size": _field(hf, "vocab_size", path, int)}
-
-
-def _field(hf: dict, key: str, path: Path, kind: type, default: Any = None) -> Any:
-    value = hf.get(key, default)
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
-        raise HFConfigError(f"{path}: {key}={value!r} must be a {kind.__name__}")
-    return value
+    vocab_size = fields.integer(hf, "vocab_size", path)
+    if reason := fields.shape_refusal(section, vocab_size):
+        raise HFConfigError(f"{path}: {reason}; is this config.json what you meant?")
+    return {**section, "vocab_size": vocab_size}
 
 
 def _require(hf: dict, path: Path, key: str, allowed: tuple, why: str) -> None:
-    """Refuse ``key`` unless absent or one of ``allowed``."""
-    if key in hf and hf[key] not in allowed:
-        raise HFConfigError(f"{path}: {key}={hf[key]!r} is not supported ({why}); shardlab loads {allowed[0]!r}")
+    """Refuse ``key`` unless absent or one of ``allowed`` (a bool is not taken for 0 or 1, nor 1 for true)."""
+    value = hf.get(key, allowed[0])
+    if not any(value == ok and type(value) is type(ok) for ok in allowed):
+        raise HFConfigError(f"{path}: {key}={value!r} is not supported ({why}); shardlab loads {allowed[0]!r}")
+
+
+def _head_dim(hf: dict, path: Path, dim: int, heads: int) -> int | None:
+    """config.json's head_dim for the section: None where it is dim / heads (the section then reads as shardlab's
+    own Llama's); a width the heads do not divide needs one."""
+    head_dim = fields.optional_integer(hf, "head_dim", path)
+    if head_dim is None and dim % heads:
+        raise HFConfigError(
+            f"{path}: hidden_size={dim} is not divisible by num_attention_heads={heads} and head_dim is absent; "
+            "give head_dim"
+        )
+    return None if head_dim in (None, dim // heads) and dim % heads == 0 else head_dim
 
 
 def _llama_section(hf: dict, path: Path, model_type: str) -> dict[str, Any]:
@@ -146,43 +154,45 @@ def _llama_section(hf: dict, path: Path, model_type: str) -> dict[str, Any]:
     _require(hf, path, "mlp_bias", (False,), "the MLP has no biases")
     _require(hf, path, "attention_dropout", (0, 0.0), "attention has no dropout")
     _require(hf, path, "pretraining_tp", (1, None), "tensor-parallel slicing of the pretraining is not reproduced")
-    _require(hf, path, "use_sliding_window", (False,), "attention is full causal")
-    dim, heads = _field(hf, "hidden_size", path, int), _field(hf, "num_attention_heads", path, int)
-    head_dim = hf.get("head_dim")
-    bias = bool(hf.get("attention_bias", False))
+    _require(hf, path, "use_sliding_window", (False, None), "attention is full causal")
+    dim, heads = fields.integer(hf, "hidden_size", path), fields.integer(hf, "num_attention_heads", path)
+    bias = fields.flag(hf, "attention_bias", path, False)
     section = {
         "arch": "llama",
-        "num_layers": _field(hf, "num_hidden_layers", path, int),
+        "num_layers": fields.integer(hf, "num_hidden_layers", path),
         "dim": dim,
         "num_heads": heads,
-        "num_kv_heads": _field(hf, "num_key_value_heads", path, int, heads),
-        "ffn_dim": _field(hf, "intermediate_size", path, int),
-        "max_seq_len": _field(hf, "max_position_embeddings", path, int),
-        "norm_eps": float(_field(hf, "rms_norm_eps", path, float)),
-        # dim / heads when it equals that: the section then reads as shardlab's own Llama's
-        "head_dim": None if head_dim in (None, dim // heads) and dim % heads == 0 else int(head_dim),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "num_kv_heads": fields.integer(hf, "num_key_value_heads", path, heads),
+        "ffn_dim": fields.integer(hf, "intermediate_size", path),
+        "max_seq_len": fields.integer(hf, "max_position_embeddings", path),
+        "norm_eps": fields.number(hf, "rms_norm_eps", path),
+        "head_dim": _head_dim(hf, path, dim, heads),
+        "tie_embeddings": fields.flag(hf, "tie_word_embeddings", path, False),
         "qkv_bias": model_type == "qwen2" or bias,  # Qwen2's q/k/v always carry biases; its o_proj never
         "out_bias": bias and model_type != "qwen2",
         "qk_norm": model_type == "qwen3",
         **_rope(hf, path),
     }
-    window = hf.get("sliding_window")
+    window = fields.optional_integer(hf, "sliding_window", path)
     if window is not None and model_type == "mistral" and window < section["max_seq_len"]:
         # Mistral 7B v0.1 attends to the last 4096 tokens: the same as full causal attention up to that length.
-        section["max_seq_len"] = int(window)
+        section["max_seq_len"] = window
     return section
 
 
 def _rope(hf: dict, path: Path) -> dict[str, Any]:
     """rope_theta and rope_scaling, from transformers 5's rope_parameters or 4.x's rope_theta/rope_scaling."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", hf.get("rope_theta", scaling.pop("rope_theta", 10000.0)))
-    params = params or scaling
+    params = fields.mapping(hf, "rope_parameters", path)
+    scaling = fields.mapping(hf, "rope_scaling", path)
+    found = [(f"{where}rope_theta", d.pop("rope_theta")) for where, d in (("rope_parameters.", params),
+             ("", dict(hf)), ("rope_scaling.", scaling)) if "rope_theta" in d]  # fmt: skip
+    thetas = [fields.number({key: value}, key, path) for key, value in found]  # each one given must be a number
+    theta = thetas[0] if thetas else 10000.0
+    scaling.pop("rope_theta", None)
+    params, where = (params, "rope_parameters") if params else (scaling, "rope_scaling")
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type == "default":
-        return {"rope_theta": float(theta), "rope_scaling": None}
+        return {"rope_theta": theta, "rope_scaling": None}
     if rope_type != "llama3":
         raise HFConfigError(f"{path}: rope_scaling.rope_type={rope_type!r} is not implemented; default and llama3 are")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -190,7 +200,10 @@ def _rope(hf: dict, path: Path) -> dict[str, Any]:
         raise HFConfigError(f"{path}: rope_scaling (llama3) lacks {', '.join(missing)}")
     if extra := sorted(set(params) - set(keys)):
         raise HFConfigError(f"{path}: rope_scaling.{extra[0]} is not part of llama3 scaling; shardlab cannot use it")
-    return {"rope_theta": float(theta), "rope_scaling": {"rope_type": "llama3", **{k: params[k] for k in keys}}}
+    named = {f"{where}.{k}": v for k, v in params.items()}  # each field named where it is: rope_scaling.factor
+    scaled = {k: fields.number(named, f"{where}.{k}", path) for k in keys[:3]}
+    scaled[keys[3]] = fields.integer(named, f"{where}.{keys[3]}", path)
+    return {"rope_theta": theta, "rope_scaling": {"rope_type": "llama3", **scaled}}
 
 
 def _gpt2_section(hf: dict, path: Path) -> dict[str, Any]:
@@ -200,16 +213,18 @@ def _gpt2_section(hf: dict, path: Path) -> dict[str, Any]:
     _require(hf, path, "scale_attn_by_inverse_layer_idx", (False,), "no per-layer attention scaling")
     _require(hf, path, "reorder_and_upcast_attn", (False,), "attention is not upcast")
     _require(hf, path, "add_cross_attention", (False,), "a decoder only, no cross-attention")
-    dim = _field(hf, "n_embd", path, int)
-    inner = hf.get("n_inner") or 4 * dim
+    dim, heads = fields.integer(hf, "n_embd", path), fields.integer(hf, "n_head", path)
+    if dim % heads:
+        raise HFConfigError(f"{path}: n_embd={dim} is not divisible by n_head={heads}; GPT-2 splits the width evenly")
+    inner = fields.optional_integer(hf, "n_inner", path) or 4 * dim
     return {
         "arch": "gpt",
-        "num_layers": _field(hf, "n_layer", path, int),
+        "num_layers": fields.integer(hf, "n_layer", path),
         "dim": dim,
-        "num_heads": _field(hf, "n_head", path, int),
+        "num_heads": heads,
         "mlp_ratio": inner / dim,
-        "max_seq_len": _field(hf, "n_positions", path, int),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        "max_seq_len": fields.integer(hf, "n_positions", path),
+        "tie_embeddings": fields.flag(hf, "tie_word_embeddings", path, True),
     }
 
 
@@ -258,6 +273,6 @@ def eos_token(folder: Path) -> str | None:
         eos = json.loads(read_small_file(path)).get("eos_token")
     except NotAFile as e:  # a FIFO there hung pre-flight for ever; a device or a huge file is no tokenizer config
         raise HFConfigError(f"model.pretrained: {path} {e.reason}; give a Hugging Face model folder") from None
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # unreadable: the tokenizer's own token is looked up
         return None
     return eos.get("content") if isinstance(eos, dict) else eos

@@ -134,6 +134,9 @@ def checkpoint_refusal(path: Path, saved: Mapping, current: Mapping, use: str) -
             f"model.lora.rank={current['lora']['rank']}: put new adapters on its weights with "
             f"checkpoint.init_from={path} instead, or set model.lora.rank=0 to resume it"
         )
+    base = current.get("pretrained") or "(checkpoint.init_from)"
+    if reason := base_refusal(saved, current["lora"].get("base_digest"), str(base), f"{path}'s run"):
+        return f"{reason}; put the base it began from back at that path"
     for key in ("rank", "target_modules"):
         if saved["lora"][key] != current["lora"][key]:
             return (
@@ -142,6 +145,19 @@ def checkpoint_refusal(path: Path, saved: Mapping, current: Mapping, use: str) -
                 f"may change), or train new adapters on {merged}"
             )
     return None
+
+
+def base_refusal(saved: Mapping, digest: str | None, base: str, whose: str) -> str | None:
+    """Why the frozen base read now (``digest``: shardlab.checkpoint.hf_folder.weights_digest) is not the one the
+    LoRA run of model section ``saved`` recorded (model.lora.base_digest), or None when it is, or either is unknown
+    (a checkpoint older than the record). Its adapters on another base compute another model, with no error."""
+    recorded = (saved.get("lora") or {}).get("base_digest")
+    if not recorded or not digest or recorded == digest:
+        return None
+    return (
+        f"the frozen base {base} is not the one {whose} trained its adapters on: its weight files' names, sizes or "
+        f"headers differ from those the run recorded (digest {digest}, recorded {recorded})"
+    )
 
 
 def init_adapter(name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:

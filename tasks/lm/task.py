@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlab.distributed.compile import compiled
-from shardlab.errors import ConfigError, DataError
+from shardlab.errors import CheckpointError, ConfigError, DataError
 from shardlab.registry import MODELS
 from shardlab.task import Task
 from tasks.lm import mixture
@@ -37,6 +37,31 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def record_lora_base(cfg, pretrained: Path | None) -> None:
+    """With LoRA on, model.lora.base_digest := the digest of the frozen base (model.pretrained's folder, else
+    checkpoint.init_from) as it is at this start, saved with every checkpoint's config: a resume and the merged
+    export compare it with the base they read (tasks.lm.lora.base_refusal), and a config that already records one (a
+    checkpoint's, rebuilt by generate or evaluate) is refused here when the base differs. None where the base cannot
+    be read: the load refuses it in its own words."""
+    from shardlab.checkpoint.hf_folder import weights_digest
+    from tasks.lm.lora import base_refusal, lora_on
+
+    if not lora_on(cfg.model):
+        return
+    base = pretrained or cfg.checkpoint.get("init_from")
+    try:
+        digest = weights_digest(Path(base)) if base and Path(base).expanduser().exists() else None
+    except CheckpointError:
+        digest = None
+    from omegaconf import OmegaConf, open_dict
+
+    if reason := base_refusal(OmegaConf.to_container(cfg.model, resolve=True), digest, str(base), "the run"):
+        raise CheckpointError(f"{reason}; put the base it began from back at that path")
+
+    with open_dict(cfg):  # a config read back from an older checkpoint has no such key yet
+        cfg.model.lora.base_digest = digest
+
+
 class LanguageModelingTask(Task):
     unit = "tokens"
     resumable_model_changes = ("dropout", "lora")
@@ -48,6 +73,7 @@ class LanguageModelingTask(Task):
         # model.pretrained decides the model section and the tokenizer, so it is read first; a config.json field the
         # architectures cannot express stops the run here, before any weight is read.
         self.pretrained = apply_pretrained(cfg) if cfg.model.get("pretrained") else None
+        record_lora_base(cfg, self.pretrained)
         # Loaded here, before any data or model work, so a bad tokenizer file stops the run in its first second.
         # .get: configs stored in checkpoints written before data.eod_token existed lack the key.
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))

@@ -23,8 +23,8 @@ def test_sharded_checkpoint_reads_whole_and_exports(tiny_lm, tmp_path):
         "checkpoint.interval_steps=2",
         "validation.interval_steps=2",
     )
-    run_spawned([cfg], world_size=2, run_dirs=[tmp_path])
-    checkpoint = tmp_path / "checkpoints" / "step_00000002"
+    run_spawned([cfg], world_size=2, run_dirs=[tmp_path / "run"])
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
 
     state = read_full(checkpoint)
     model, _, _ = generate.load_model(checkpoint)  # DCP's own resharding load into one process: the reference

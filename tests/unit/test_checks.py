@@ -222,7 +222,7 @@ RAISES_CONFIG_ERROR = {
     "tasks/lm/tokenizer.py": "the tokenizer file the data names",
     "tasks/lm/shards.py": "the shard plan a cache being preprocessed already follows (tools/preprocess_lm.py --shards)",
     "tasks/lm/sft_template.py": "the chat template file data.chat_template names (or the tokenizer's folder holds)",
-    "shardlab/checkpoint/hf_folder.py": "the safetensors headers of model.pretrained's folder against the model built",
+    "shardlab/checkpoint/export_folder.py": "a tool's --out, against the folders on disk it would replace",
     "tasks/image_classification/task.py": "the classes the data holds",
     "tasks/image_classification/model.py": "model.flavor, at the model's build (its config_errors checks it first)",
 }

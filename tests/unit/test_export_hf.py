@@ -46,8 +46,8 @@ def test_exported_model_matches_shardlab_logits_and_greedy_tokens(name, tiny_lm,
     tokenizer, hf_class, model_overrides = EXPORTS[name]
     spec = bpe_tokenizer if tokenizer == "bpe" else "byte"
     cfg = tiny_lm(f"data.tokenizer={spec}", *model_overrides, "optimization.max_steps=6", "checkpoint.interval_steps=6")
-    run_rank(cfg, tmp_path, dist_env.detect())
-    checkpoint = tmp_path / "checkpoints" / "step_00000006"
+    run_rank(cfg, tmp_path / "run", dist_env.detect())
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000006"
     out = export_hf.main([str(checkpoint), "--out", str(tmp_path / "hf")])
 
     ours, task, _ = generate.load_model(checkpoint)

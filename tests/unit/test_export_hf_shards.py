@@ -115,7 +115,7 @@ def test_a_folder_that_is_no_export_is_refused_not_replaced(loaded_checkpoints, 
     _, checkpoint = loaded_checkpoints["gpt2"]
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(ConfigError, match="is not a Hugging Face folder \\(no config.json\\); give a new or empty"):
+    with pytest.raises(ConfigError, match="holds files an export did not write \\(no shardlab_export.json\\)"):
         export_hf.main([str(checkpoint), "--out", str(tmp_path / "mine")])
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 

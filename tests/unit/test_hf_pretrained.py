@@ -105,7 +105,10 @@ def with_config(folders, tmp_path: Path, family: str, **changes) -> Path:
         ("gpt2", {"activation_function": "relu"}, "activation_function='relu' is not supported"),
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
         ("llama3", {"model_type": "t5"}, "model_type='t5' is not a family shardlab loads"),
-        ("llama3", {"hidden_size": None}, "hidden_size=None must be a int"),
+        ("llama3", {"hidden_size": None}, "hidden_size=absent must be an integer from 1"),
+        ("llama3", {"rms_norm_eps": float("nan")}, "rms_norm_eps=nan must be a finite number > 0"),
+        ("qwen3", {"head_dim": 3.7}, "head_dim=3.7 must be an integer"),
+        ("llama3", {"num_hidden_layers": 2_000_000}, "num_layers 2000000 is more than the 4096 shardlab plans"),
     ],
 )
 def test_a_field_shardlab_cannot_express_is_refused_in_one_line_naming_it(folders, tmp_path, family, changes, message):
