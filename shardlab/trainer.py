@@ -115,6 +115,9 @@ class Trainer:
         change) or update (the optimizer, scaler and schedule are being stepped: neither the last step nor this)."""
         self.stopped_by: str | None = None
         """The stop signal that ended training before optimization.max_steps (after a checkpoint), if one did."""
+        self.complete_at: Path | None = None
+        """The checkpoint a resume found already at optimization.max_steps: the run was complete before this start,
+        so nothing was trained and nothing validated again (the runner says so in one line)."""
         self.loss_finite: torch.Tensor | bool = True
         """Whether every micro-batch loss of the last step on this rank was finite (a tensor: read once, when the
         step's flags are agreed, not after each micro-batch)."""
@@ -210,6 +213,9 @@ class Trainer:
     def _fit(self, log: RunLogger) -> dict[str, float]:
         cfg, backend, state = self.cfg, self.backend, self.state
         max_steps = cfg.optimization.max_steps
+        if self.resumed_from is not None and state.step >= max_steps:  # complete before this start: nothing to do
+            self.complete_at = self.resumed_from
+            return {}
         self._announce_start(log)
         loader = self.train_loader()
         window, last_valid = ThroughputWindow(), {}
@@ -254,8 +260,6 @@ class Trainer:
             if stop and not last:
                 self._stop(path if cfg.checkpoint.save else None, log)
                 break
-        if not last_valid and not self.stopped_by:  # resumed at the end: still report the final quality
-            last_valid = self.validate(log)
         return last_valid
 
     def _announce_start(self, log: RunLogger) -> None:
