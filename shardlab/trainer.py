@@ -38,6 +38,7 @@ from shardlab.memory.plan import RunPlan, plan_run
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
 from shardlab.optim.divergence import NonfiniteStreak, nonfinite_cause, require_finite_weights, weights_finite
 from shardlab.optim.ema import WeightAverage
+from shardlab.optim.schedules import clipped_warmup_line
 from shardlab.task import Task
 from shardlab.train_state import TrainState
 
@@ -265,6 +266,8 @@ class Trainer:
     def _announce_start(self, log: RunLogger) -> None:
         """Where training starts from; weights from checkpoint.init_from are validated before training moves them."""
         state = self.state
+        if line := clipped_warmup_line(self.cfg.lr_scheduler, self.cfg.optimization.max_steps):
+            log.info(line)
         if self.resumed_from is not None:
             log.info(f"resumed from {self.resumed_from} (step {state.step}, {state.samples_seen} samples seen)")
         elif self.initialized_from is not None:

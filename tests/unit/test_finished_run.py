@@ -15,10 +15,12 @@ from tests.unit.test_cli import run_cli, train_cli
 
 def test_a_start_of_a_complete_run_says_so_in_one_line_and_validates_nothing(tmp_path, corpus_cache):
     run_dir = tmp_path / "runs" / "lm" / "default"
-    args = [*TINY_LM, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={run_dir}", "optimization.max_steps=4"]
+    args = [*TINY_LM, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={run_dir}", "lr_scheduler.warmup_steps=30"]
+    args.append("optimization.max_steps=4")
     code, out, err = run_cli(*args)
     assert code == 0, err[-3000:]
     assert out.count("final validation:") == 1
+    assert "[lr] lr_scheduler.warmup_steps=30 is longer than the run (optimization.max_steps=4)" in out  # clipped
     finished = json.loads((run_dir / "status.json").read_text())
 
     code, out, err = run_cli(*args)
