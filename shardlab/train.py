@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,7 +64,9 @@ def report_and_exit(error: ShardlabError, tell: bool = False) -> None:
 
 
 def run_tool(main: Callable[[], object]) -> None:
-    """Run a tools/ script's main the way the trainer's CLI runs: a user mistake is one line and exit code 2."""
+    """Run a tools/ script's main the way the trainer's CLI runs: a user mistake is one line and exit code 2. A tool
+    is one process by design: DCP's warning that it loads or saves without torch.distributed is not news to its user."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     try:
         main()
     except ShardlabError as e:
