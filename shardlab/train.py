@@ -32,6 +32,7 @@ from shardlab.jobs.preflight import (
     composition_errors_raised,
     hydra_reports_errors_again,
     is_plain_run,
+    remove_dry_run_folders,
     with_user_dir,
 )
 from shardlab.jobs.run_dir import register_resolvers
@@ -83,7 +84,10 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        return runner.run_job(cfg, run_dir, list(hydra_cfg.overrides.task))
+        result = runner.run_job(cfg, run_dir, list(hydra_cfg.overrides.task))
+        if cfg.get("dry_run"):
+            remove_dry_run_folders()  # a plan writes nothing
+        return result
     except Exception as e:  # tell_peers is a no-op for a rank that has joined: its failures reach the others anyway
         if hydra_cfg.mode != RunMode.MULTIRUN:
             if isinstance(e, ShardlabError):
