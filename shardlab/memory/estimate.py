@@ -393,11 +393,12 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
         )
     if not compare:
         return lines
-    lines.append(f"  attention: {attention_kernel(ctx)}")
+    if profile.unit_op_outputs is None or any(ops.get("attention") for ops in profile.unit_op_outputs):
+        lines.append(f"  attention: {attention_kernel(ctx)}")  # not for a model without any (RegNet)
     layouts = alternatives(ctx.world_size, ctx.ranks_per_node)
     if chosen not in layouts:
         layouts.insert(0, chosen)
-    cap = f"of {ctx.capacity / GiB:.0f}" if ctx.capacity else "of ?"
+    cap = f"of {_capacity(ctx.capacity)}" if ctx.capacity else "of ?"
     lines.append(
         f"  {'layout':<40} {'peak GiB':>9} {'state':>7} {'gathered':>9} {'activ.':>7} {'host':>6} {'sent/step':>10} "
         f"{'device':>7} {cap:>7}"
@@ -405,7 +406,7 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
     for layout in layouts:
         e = estimate(profile, layout, ctx)
         mark = "*" if layout == chosen else " "
-        share = f"{e.device_peak / ctx.capacity:.0%}" if ctx.capacity else "?"
+        share = _share(e.device_peak, ctx.capacity)
         lines.append(
             f"{mark} {layout.label(ctx.world_size):<40} {_gib(e.peak):>9} {_gib(e.state):>7} {_gib(e.gathered):>9} "
             f"{_gib(e.activations):>7} {_gib(e.host):>6} {e.comm_bytes / GiB:>9.2f}G {_gib(e.device_peak):>7} "
@@ -420,6 +421,21 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
             "what cpu_offload keeps in each rank's host memory)"
         )
     return lines
+
+
+def _capacity(capacity: int) -> str:
+    """The device column's capacity in GiB, with the digits a small one needs (this machine's memory shared by many
+    planned ranks is a fraction of a GiB: 'of 0' said nothing)."""
+    gib = capacity / GiB
+    return f"{gib:.0f}" if gib >= 10 else f"{gib:.1f}" if gib >= 1 else f"{gib:.3f}"
+
+
+def _share(needed: float, capacity: int) -> str:
+    """What a layout needs as a share of the device; over 10 times what it has is '>999%' (a figure like 32884256%
+    only says it does not fit)."""
+    if not capacity:
+        return "?"
+    return ">999%" if needed > 9.99 * capacity else f"{needed / capacity:.0%}"
 
 
 def attention_kernel(ctx: PlanContext) -> str:

@@ -19,3 +19,33 @@ def test_a_dry_run_prints_its_plan_and_leaves_no_folder(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         assert "planned in" in done.stdout
         assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["kept"], extra
+
+
+def plan_lines(capsys, *overrides: str) -> list[str]:
+    from shardlab.runner import build_task, print_plan
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["dry_run=true", *overrides])
+    print_plan(cfg, build_task(cfg, world_size=1))
+    return capsys.readouterr().out.splitlines()
+
+
+def test_the_plan_names_the_attention_kernel_only_for_a_model_with_attention(capsys):
+    assert any(line.startswith("  attention: ") for line in plan_lines(capsys))  # gpt_tiny
+    assert not any("attention" in line for line in plan_lines(capsys, "task=image_classification"))  # RegNet
+
+
+def test_the_plan_table_at_1024_ranks_shows_a_capacity_and_shares_that_read(capsys):
+    import re
+
+    from shardlab.memory.estimate import GiB, _capacity, _share
+
+    world = ["distributed=fully_sharded", "distributed.world_size=1024", "optimization.batch_size=1024"]
+    lines = plan_lines(capsys, *world, "validation.batch_size=1024", "model=gpt_small")
+    (header,) = [line for line in lines if line.lstrip().startswith("layout ")]
+    capacity = re.search(r" of (\S+)$", header).group(1)
+    assert capacity not in ("0", "?") and float(capacity) > 0, header  # this machine's memory over 1024 ranks
+    shares = [line.split()[-1] for line in lines if re.match(r"^[* ] (ddp|fully_sharded|hybrid)", line)]
+    assert shares and all(s == ">999%" or (s.endswith("%") and len(s) <= 4) for s in shares), shares
+    assert (_capacity(int(0.023 * GiB)), _capacity(int(1.5 * GiB)), _capacity(80 * GiB)) == ("0.023", "1.5", "80")
+    assert (_share(50, 100), _share(999, 100), _share(1000, 100), _share(5, 0)) == ("50%", "999%", ">999%", "?")
