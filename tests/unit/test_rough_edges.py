@@ -49,3 +49,24 @@ def test_the_plan_table_at_1024_ranks_shows_a_capacity_and_shares_that_read(caps
     assert shares and all(s == ">999%" or (s.endswith("%") and len(s) <= 4) for s in shares), shares
     assert (_capacity(int(0.023 * GiB)), _capacity(int(1.5 * GiB)), _capacity(80 * GiB)) == ("0.023", "1.5", "80")
     assert (_share(50, 100), _share(999, 100), _share(1000, 100), _share(5, 0)) == ("50%", "999%", ">999%", "?")
+
+
+def test_a_points_wall_time_counts_its_runs_not_the_time_between_them(tmp_path, monkeypatch):
+    import time as clock
+
+    from shardlab.jobs import run_record
+
+    now = [1000.0]
+    monkeypatch.setattr(clock, "time", lambda: now[0])
+    run_record.start(tmp_path, ["seed=1"], 10)
+    now[0] += 76.0
+    run_record.update(tmp_path, step=5)  # ran 76 s, then stopped
+    assert run_record.run_seconds(run_record.read(tmp_path)) == 76.0
+    now[0] += 850.0  # idle until the rerun
+    run_record.start(tmp_path, ["seed=1"], 10)
+    now[0] += 4.0
+    run_record.finish(tmp_path, {"final": {"loss": 1.0}})
+    status = run_record.read(tmp_path)
+    assert run_record.run_seconds(status) == 80.0 and status["started"] == 1000.0
+    old = {"started": 10.0, "updated": 40.0}  # a status.json written before attempt_started: one start
+    assert run_record.run_seconds(old) == 30.0 and run_record.run_seconds({}) is None
