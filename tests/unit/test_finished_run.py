@@ -53,3 +53,10 @@ def test_a_run_stopped_by_a_signal_prints_no_final_validation(tmp_path, corpus_c
     assert proc.returncode == STOPPED_EXIT_CODE, err[-3000:]
     assert "[valid]" in out and "rerun the same command to resume" in out
     assert "final validation:" not in out, out[-2000:]
+
+
+def test_help_says_which_keys_name_a_run_and_how_to_name_one():
+    code, out, _ = run_cli("--help")
+    assert code == 0
+    assert "distributed.*,\nlogging.*, validation.*, checkpoint.* (but init_from) and optimization.max_steps" in out
+    assert "name a run of its own with hydra.run.dir=runs/<task>/<name>" in out
