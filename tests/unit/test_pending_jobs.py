@@ -90,9 +90,7 @@ class FakeJob:
         self.cancelled = True
 
 
-def test_the_waiting_submitter_cancels_a_job_that_cannot_start_and_says_why_in_one_line(
-    tmp_path, monkeypatch, caplog
-):
+def test_the_waiting_submitter_cancels_a_job_that_cannot_start_and_says_why_in_one_line(tmp_path, monkeypatch, caplog):
     """The README's multi-node line without hydra.launcher.partition=multi: the default partition has 1 node."""
     command, asked = squeue_and_sinfo("41_0|PartitionNodeLimit|2|debug|1:00:00\n41_1|Priority|1|debug|1:00:00\n")
     monkeypatch.setattr(pending, "run_command", command)
