@@ -51,7 +51,7 @@ class LRSchedulerConfig:
     name: str = "cosine"
     """A name in LR_SCHEDULERS: cosine, inverse_sqrt, constant."""
     warmup_steps: int = 0
-    """Linear warmup from ~0 to optimizer.lr over this many steps."""
+    """Linear warmup from ~0 to optimizer.lr over this many steps (at most optimization.max_steps: clipped, said so)."""
     min_lr_ratio: float = 0.1
     """cosine: the final lr as a fraction of the peak."""
 

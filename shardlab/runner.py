@@ -87,9 +87,13 @@ def run_job(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> float | Non
         if ran is None:  # dry_run: the plan printed
             return None
         result, signals = ran
+        if result.get("complete_at"):  # nothing trained: the final metrics stay the ones the run ended with
+            result["final"] = ((run_record.read(run_dir) or {}).get("final") or {}) if record else {}
         if record:
             run_record.finish(run_dir, result)
-            if result["final"]:
+            if result.get("complete_at"):
+                print(complete_line(run_dir, result["complete_at"], cfg.optimization.max_steps), flush=True)
+            elif result["final"] and not result["stopped_by"]:
                 print(f"final validation: {format_final(result['final'])}", flush=True)
         if signals is not None and result["stopped_by"]:
             # the launcher of local ranks (on every node, the first node's): submitit's requeue, or Slurm's
@@ -204,6 +208,7 @@ def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals:
             "history": trainer.history,
             "stopped_by": trainer.stopped_by,
             "memory": trainer.memory,
+            "complete_at": str(trainer.complete_at) if trainer.complete_at is not None else None,
             **extra,
         }
     except RuntimeError as e:  # gloo names the peer whose connection broke: say which host that is
@@ -377,6 +382,21 @@ def plan_precision(cfg: DictConfig) -> str | None:
     if named is not None:
         return precision.for_named_device(cfg.distributed, named)
     return precision.resolve(cfg.distributed, pick_device(0))
+
+
+def complete_line(run_dir: Path, checkpoint: str, max_steps: int) -> str:
+    """What a start of a run that was already at optimization.max_steps prints instead of training: where it is, and
+    the two ways to train more (checkpoint.resume=none is refused in a folder that holds a run)."""
+
+    def shown(path) -> str:
+        return os.path.relpath(path) if Path(path).resolve().is_relative_to(Path.cwd().resolve()) else str(path)
+
+    another = Path(shown(run_dir)).parent / "<name>"
+    return (
+        f"run complete: {shown(run_dir)} has reached optimization.max_steps={max_steps} ({shown(checkpoint)}); "
+        f"nothing trained. To train another run, name it: hydra.run.dir={another}; to train this one further, raise "
+        "optimization.max_steps"
+    )
 
 
 def format_final(metrics: dict[str, float]) -> str:

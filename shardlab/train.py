@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from shardlab.jobs.preflight import (
     composition_errors_raised,
     hydra_reports_errors_again,
     is_plain_run,
+    remove_dry_run_folders,
     with_user_dir,
 )
 from shardlab.jobs.run_dir import register_resolvers
@@ -63,7 +65,9 @@ def report_and_exit(error: ShardlabError, tell: bool = False) -> None:
 
 
 def run_tool(main: Callable[[], object]) -> None:
-    """Run a tools/ script's main the way the trainer's CLI runs: a user mistake is one line and exit code 2."""
+    """Run a tools/ script's main the way the trainer's CLI runs: a user mistake is one line and exit code 2. A tool
+    is one process by design: DCP's warning that it loads or saves without torch.distributed is not news to its user."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     try:
         main()
     except ShardlabError as e:
@@ -80,7 +84,10 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        return runner.run_job(cfg, run_dir, list(hydra_cfg.overrides.task))
+        result = runner.run_job(cfg, run_dir, list(hydra_cfg.overrides.task))
+        if cfg.get("dry_run"):
+            remove_dry_run_folders()  # a plan writes nothing
+        return result
     except Exception as e:  # tell_peers is a no-op for a rank that has joined: its failures reach the others anyway
         if hydra_cfg.mode != RunMode.MULTIRUN:
             if isinstance(e, ShardlabError):

@@ -38,6 +38,7 @@ from shardlab.memory.plan import RunPlan, plan_run
 from shardlab.optim import LR_SCHEDULERS, OPTIMIZERS  # importing shardlab.optim registers adamw, sgd, ...
 from shardlab.optim.divergence import NonfiniteStreak, nonfinite_cause, require_finite_weights, weights_finite
 from shardlab.optim.ema import WeightAverage
+from shardlab.optim.schedules import clipped_warmup_line
 from shardlab.task import Task
 from shardlab.train_state import TrainState
 
@@ -115,6 +116,9 @@ class Trainer:
         change) or update (the optimizer, scaler and schedule are being stepped: neither the last step nor this)."""
         self.stopped_by: str | None = None
         """The stop signal that ended training before optimization.max_steps (after a checkpoint), if one did."""
+        self.complete_at: Path | None = None
+        """The checkpoint a resume found already at optimization.max_steps: the run was complete before this start,
+        so nothing was trained and nothing validated again (the runner says so in one line)."""
         self.loss_finite: torch.Tensor | bool = True
         """Whether every micro-batch loss of the last step on this rank was finite (a tensor: read once, when the
         step's flags are agreed, not after each micro-batch)."""
@@ -211,6 +215,9 @@ class Trainer:
     def _fit(self, log: RunLogger) -> dict[str, float]:
         cfg, backend, state = self.cfg, self.backend, self.state
         max_steps = cfg.optimization.max_steps
+        if self.resumed_from is not None and state.step >= max_steps:  # complete before this start: nothing to do
+            self.complete_at = self.resumed_from
+            return {}
         self._announce_start(log)
         loader = self.train_loader()
         window, last_valid = ThroughputWindow(), {}
@@ -255,13 +262,13 @@ class Trainer:
             if stop and not last:
                 self._stop(path if cfg.checkpoint.save else None, log)
                 break
-        if not last_valid and not self.stopped_by:  # resumed at the end: still report the final quality
-            last_valid = self.validate(log)
         return last_valid
 
     def _announce_start(self, log: RunLogger) -> None:
         """Where training starts from; weights from checkpoint.init_from are validated before training moves them."""
         state = self.state
+        if line := clipped_warmup_line(self.cfg.lr_scheduler, self.cfg.optimization.max_steps):
+            log.info(line)
         if self.resumed_from is not None:
             log.info(f"resumed from {self.resumed_from} (step {state.step}, {state.samples_seen} samples seen)")
         elif self.initialized_from is not None:

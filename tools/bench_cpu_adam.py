@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
 
-from shardlab.optim.cpu_adam import CPUAdam, local  # noqa: E402
+from shardlab.distributed.torch_internals import local_shard as local  # noqa: E402
+from shardlab.optim.cpu_adam import CPUAdam  # noqa: E402
 from tasks.lm.config import GPTConfig  # noqa: E402
 from tasks.lm.model import GPT  # noqa: E402
 

@@ -211,8 +211,9 @@ def _data_overrides(args, tokenizer: str | None = None) -> str:
     """The data.* overrides that make training find this cache (the ones that differ from the defaults): without its
     tokenizer, training would key, and build, another cache. ``tokenizer``: the one trained here, else --tokenizer."""
     d = LMDataConfig()
-    if tokenizer is None and args.tokenizer != d.tokenizer:
-        tokenizer = str(Path(args.tokenizer).expanduser().resolve())
+    if tokenizer is None:  # the byte-level default stays the default ('byte'), never written as None
+        given = args.tokenizer
+        tokenizer = given if given == d.tokenizer else str(Path(given).expanduser().resolve())
     pairs = [
         ("path", str(Path(args.path).expanduser().resolve()) if args.path else None, d.path),
         ("tokenizer", tokenizer, d.tokenizer),

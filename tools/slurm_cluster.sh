@@ -3,13 +3,13 @@
 # machine as node `debug`'s one node, and SHARDLAB_SLURM_NODES (default 2) more hosts in partition `multi`, each a
 # network namespace with its own host name, address and slurmd (a multi-node cluster on one machine).
 #
-#   sudo tools/slurm_cluster.sh install # Debian/Ubuntu packages slurmctld slurmd slurm-client munge (CI does this)
-#   sudo tools/slurm_cluster.sh up      # install if needed, start munge, slurmctld, the slurmds (and the hosts)
+#   tools/slurm_cluster.sh install # Debian/Ubuntu packages slurmctld slurmd slurm-client munge (CI does this)
+#   tools/slurm_cluster.sh up      # install if needed, start munge, slurmctld, the slurmds (and the hosts)
 #   source "${SHARDLAB_SLURM_DIR:-/tmp/shardlab-slurm}/env.sh"   # SLURM_CONF, and the sacct stand-in on PATH
-#   sudo tools/slurm_cluster.sh down    # cancel what is left, stop the daemons, remove the hosts
-#   sudo tools/slurm_cluster.sh on shl-n2 CMD...    # run CMD on a host (its network, host name, /etc/hosts, scratch)
-#   sudo tools/slurm_cluster.sh kill-node shl-n2    # SIGKILL everything on a host, its slurmd included (a lost node)
-#   sudo tools/slurm_cluster.sh node-up shl-n2      # start a host's slurmd again
+#   tools/slurm_cluster.sh down    # cancel what is left, stop the daemons, remove the hosts
+#   tools/slurm_cluster.sh on shl-n2 CMD...    # run CMD on a host (its network, host name, /etc/hosts, scratch)
+#   tools/slurm_cluster.sh kill-node shl-n2    # SIGKILL everything on a host, its slurmd included (a lost node)
+#   tools/slurm_cluster.sh node-up shl-n2      # start a host's slurmd again
 #
 # The hosts (shl-n1, shl-n2, ...): namespace shl_nK, address 10.77.0.(10+K)/24 on bridge shlbr0 (10.77.0.1, where
 # slurmctld listens); only these addresses are used. Each host sees its own /etc/hosts, as a cluster's DNS would
@@ -17,7 +17,8 @@
 # pick the loopback interface on real clusters (docs/distributed.md#multi-node). Each host also has a node-local
 # tmpfs at $SHARDLAB_SLURM_DIR/scratch that the others (and this machine) do not see, like a node's local /tmp.
 #
-# Needs root and no systemd: the daemons are started by hand. Everything the cluster writes (config, state, logs) is
+# Needs root and no systemd: the daemons are started by hand. Run by another user, it runs itself again through sudo
+# where there is one (a root container has none and needs none). Everything the cluster writes (config, state, logs) is
 # under $SHARDLAB_SLURM_DIR. There is no accounting database, so a small `sacct` stand-in answers from squeue:
 # submitit asks sacct for job states, and without an answer would wait forever on a job that died.
 set -euo pipefail
@@ -28,6 +29,11 @@ CTLD_ADDR=10.77.0.1
 export SLURM_CONF=$DIR/etc/slurm.conf
 
 die() { echo "slurm_cluster: $*" >&2; exit 1; }
+
+if [ "$(id -u)" != 0 ] && [ -n "${1:-}" ]; then
+  command -v sudo >/dev/null || die "needs root (daemons, network namespaces) and there is no sudo here: run it as root"
+  exec sudo --preserve-env=SHARDLAB_SLURM_DIR,SHARDLAB_SLURM_NODES,PATH bash "$0" "$@"
+fi
 
 install_packages() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null && command -v ip >/dev/null &&

@@ -100,6 +100,26 @@ def write_json_atomic(path: Path, obj: Any, *, indent: int | None = None, durabl
         fsync_path(path.parent)
 
 
+def umask() -> int:
+    """This process's umask, read without setting it where Linux shows it (``os.umask`` sets it for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def follow_umask(path: Path) -> Path:
+    """Give a file another library wrote with 0600 (safetensors' save_file) the mode a file created here gets, 0666
+    less the umask: a consolidated model or an adapter is meant to be read by others where the umask says so."""
+    os.chmod(path, 0o666 & ~umask())
+    return path
+
+
 def set_aside(path: Path, reason: str) -> Path:
     """Rename ``path`` to ``<name>.<reason>-<k>`` (first free k): kept for the user, invisible to resume."""
     k = 1

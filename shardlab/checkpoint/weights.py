@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from shardlab.checkpoint import dcp_reader
-from shardlab.checkpoint.layout import META_MAX_BYTES, read_meta
+from shardlab.checkpoint.layout import META_MAX_BYTES, complete_checkpoints, follow_umask, read_meta
 from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_regular, stat_file
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, first_cause
 
@@ -45,7 +45,7 @@ def describe(path: Path) -> dict[str, Any]:
         task = meta.get("task") or meta.get("config", {}).get("task", {}).get("name")
         return {**meta, "task": task, "model_config": meta.get("model_config", {})}
     if not path.is_file():
-        raise CheckpointError(f"{path} does not exist; give a step_N checkpoint directory or a .safetensors file")
+        raise CheckpointError(f"{path} does not exist; {_existing_checkpoints(path)}")
     if path.suffix != ".safetensors":
         raise CheckpointError(f"{path} is not a .safetensors file; give one written by tools/consolidate.py")
     described = config_file(path)
@@ -58,6 +58,17 @@ def describe(path: Path) -> dict[str, Any]:
             "tools/consolidate.py writes it next to the weights"
         ) from e
     return info
+
+
+def _existing_checkpoints(missing: Path) -> str:
+    """The fix for a checkpoint path that does not exist: the complete checkpoints its folder holds (the newest few),
+    else what to give."""
+    found = complete_checkpoints(missing.parent)
+    if not found:
+        return "give a step_N checkpoint directory or a .safetensors file"
+    shown = ", ".join(p.name for p in found[-5:])
+    more = f"{len(found) - 5} older and " if len(found) > 5 else ""
+    return f"{missing.parent} holds {more}{shown}; give one of those"
 
 
 def training_config(path: Path, info: dict[str, Any], user_dir: str | None = None):
@@ -292,6 +303,7 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, info: dict[str,
     out.parent.mkdir(parents=True, exist_ok=True)
     # safetensors refuses tensors that share memory (tied embeddings); each key gets its own contiguous copy.
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(out), {"format": "pt"})
+    follow_umask(out)
     config_file(out).write_text(json.dumps({"format": WEIGHTS_FORMAT, **info}, indent=1))
     return out
 

@@ -257,10 +257,6 @@ def training_errors(cfg: Any) -> list[str]:
             f"optimizer.implementation must be auto, fused, foreach or loop, got '{opt.implementation}'",
         ),
         (sch.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {sch.warmup_steps}"),
-        (
-            sch.warmup_steps <= o.max_steps,
-            f"lr_scheduler.warmup_steps ({sch.warmup_steps}) must not exceed optimization.max_steps ({o.max_steps})",
-        ),
         (0 <= sch.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {sch.min_lr_ratio}"),
         (v.interval_steps >= 0, "validation.interval_steps must be >= 0"),
         (v.num_batches >= 0, "validation.num_batches must be >= 0"),

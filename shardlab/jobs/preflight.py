@@ -210,11 +210,43 @@ def hold_the_run(config: DictConfig, run_dir: str) -> None:
     it: global rank 0 takes the run's lock (shardlab.jobs.run_lock), so a job refused there changes nothing in a
     running job's folder. The other ranks leave ``.hydra/`` to rank 0: a rank of a job refused later must not write
     the running job's record either."""
-    if not dist_env.detect().is_main:
+    if config.get("dry_run"):
+        dry_run_writes_nothing(config, run_dir)
+    elif not dist_env.detect().is_main:
         with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.output_subdir = None
-    elif not config.get("dry_run"):
+    else:
         run_lock.take(Path(run_dir), config.checkpoint.dir)
+
+
+_dry_run_folders: list[Path] = []
+"""The run folder of this process's dry run, and each missing folder above it, deepest first: Hydra makes them."""
+
+
+def dry_run_writes_nothing(config: DictConfig, run_dir: str) -> None:
+    """A dry run prints a plan and leaves nothing on disk: Hydra records no ``.hydra/`` and logs to no file, and the
+    folders it makes for the run are removed after the plan (``remove_dry_run_folders``)."""
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.output_subdir = None
+        logging = config.hydra.job_logging
+        if logging is not None and "handlers" in logging and "file" in logging.handlers:
+            logging.handlers.pop("file")
+            logging.root.handlers = [h for h in logging.root.handlers if h != "file"]
+    folder = Path(run_dir)
+    _dry_run_folders[:] = []
+    while not folder.exists() and folder != folder.parent:
+        _dry_run_folders.append(folder)
+        folder = folder.parent
+
+
+def remove_dry_run_folders() -> None:
+    """The folders Hydra made for a dry run, removed while they are empty (nothing else wrote there meanwhile)."""
+    for folder in _dry_run_folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+    _dry_run_folders[:] = []
 
 
 # ---- a sweep point's record, written once the point holds its folder ------------------------------------------------

@@ -163,7 +163,26 @@ class NameTheSweep(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         global _sweep_name
-        _sweep_name = sweep_dir_name(config.hydra.runtime.choices.task, list(config.hydra.overrides.task))
+        overrides = [*config.hydra.overrides.task, *launcher_overrides(config.hydra.overrides.hydra)]
+        _sweep_name = sweep_dir_name(config.hydra.runtime.choices.task, overrides)
+
+
+LAUNCHER_KEYS_NAMING_A_SWEEP = (
+    "hydra/launcher",
+    "hydra.launcher.nodes",
+    "hydra.launcher.tasks_per_node",
+    "hydra.launcher.gpus_per_node",
+    "hydra.launcher.gpus_per_task",
+)
+"""The launcher and the job's shape name a sweep's folder: ``hydra/launcher=slurm hydra.launcher.nodes=2`` is another
+sweep than the same points run here, so it trains there instead of finding the first sweep's finished checkpoints.
+Where and how long its jobs wait (partition, timeout_min, wait, poll_s, resources) do not: a resubmission to another
+partition or with a longer time limit continues the same sweep. Hydra's other ``hydra.*`` keys do not either."""
+
+
+def launcher_overrides(hydra_overrides: Iterable[str]) -> list[str]:
+    """The command line's overrides of LAUNCHER_KEYS_NAMING_A_SWEEP, for the sweep folder's name."""
+    return [o for o in hydra_overrides if _key(o) in LAUNCHER_KEYS_NAMING_A_SWEEP]
 
 
 def _sweep_dir() -> str:

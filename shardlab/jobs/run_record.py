@@ -44,9 +44,19 @@ def update(run_dir: Path, **fields: Any) -> dict[str, Any]:
     return status
 
 
+def run_seconds(status: dict[str, Any]) -> float | None:
+    """How long the run has run, over all its starts (a rerun, a requeue), without the time between them (a run
+    rerun the next day ran minutes, not a day); None before its first start."""
+    if "started" not in status or "updated" not in status:
+        return None
+    this_start = status.get("attempt_started", status["started"])  # status files before attempt_started: one start
+    return status.get("run_s_before", 0.0) + max(0.0, status["updated"] - this_start)
+
+
 def start(run_dir: Path, overrides: list[str], max_steps: int) -> None:
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", 0))
     previous = read(run_dir) or {}
+    now = time.time()
     update(
         run_dir,
         status="running",
@@ -54,7 +64,9 @@ def start(run_dir: Path, overrides: list[str], max_steps: int) -> None:
         max_steps=max_steps,
         job_id=os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
         restarts=restarts,
-        started=previous.get("started", time.time()),  # the wall time of a requeued run counts from its first start
+        started=previous.get("started", now),  # its first start
+        attempt_started=now,
+        run_s_before=run_seconds(previous) or 0.0,  # what the earlier starts ran (run_seconds)
         error=None,
     )
 

@@ -27,7 +27,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from omegaconf import OmegaConf, open_dict
 
-from shardlab.jobs import run_record, sweep
+from shardlab.jobs import pending, run_record, sweep
 
 log = logging.getLogger("shardlab.jobs.submitit_launcher")
 
@@ -96,12 +96,15 @@ def launch(launcher: Any, job_overrides, initial_job_idx: int) -> list[JobReturn
             f"Results: python tools/sweep_summary.py {sweep_dir}"
         )
         return [_job_return(e, None) for e in entries]
-    return _follow(jobs, entries, launcher.poll_s)
+    return _follow(jobs, entries, launcher.poll_s, ask_slurm=launcher._EXECUTOR == "slurm")
 
 
-def _follow(jobs, entries: list[dict[str, Any]], poll_s: float) -> list[JobReturn]:
-    """Wait for every job, reporting each as it ends; a failed or cancelled job never stops the wait for the others."""
+def _follow(jobs, entries: list[dict[str, Any]], poll_s: float, ask_slurm: bool = False) -> list[JobReturn]:
+    """Wait for every job, reporting each as it ends; a failed or cancelled job never stops the wait for the others.
+    ``ask_slurm``: a job pending for a reason that will not pass is reported (and, if it can never start, cancelled)
+    at the poll that sees it (shardlab.jobs.pending)."""
     results: dict[int, JobReturn] = {}
+    told: set[str] = set()
     while len(results) < len(jobs):
         for i, (job, entry) in enumerate(zip(jobs, entries, strict=True)):
             if i in results or not job.done():
@@ -109,9 +112,36 @@ def _follow(jobs, entries: list[dict[str, Any]], poll_s: float) -> list[JobRetur
             value, line = _outcome(job, entry)
             log.info(f"#{entry['num']} job {job.job_id} {line}")
             results[i] = _job_return(entry, value)
+        if ask_slurm and len(results) < len(jobs):
+            _report_stuck(jobs, entries, results, told, pending.run_command)
         if len(results) < len(jobs):
             time.sleep(poll_s)
     return [results[i] for i in range(len(jobs))]
+
+
+def _report_stuck(jobs, entries: list[dict[str, Any]], results: dict[int, JobReturn], told: set[str], command) -> None:
+    """Each waiting job that cannot start, once, in one line naming the launcher key to change; one whose wait can
+    never end is cancelled and counted as failed (its status.json says why, for the sweep's summary)."""
+    waiting = [(i, job) for i, job in enumerate(jobs) if i not in results and job.job_id not in told]
+    stuck = pending.pending_jobs((job.job_id.split("_")[0] for _, job in waiting), command) if waiting else {}
+    sizes: dict[str, int] | None = None
+    for i, job in waiting:
+        if job.job_id not in stuck:
+            continue
+        sizes = pending.partition_sizes(command) if sizes is None else sizes
+        found = pending.why_it_cannot_start(stuck[job.job_id], sizes)
+        if found is None:
+            continue
+        line, hopeless = found
+        told.add(job.job_id)
+        entry = entries[i]
+        if not hopeless:
+            log.info(f"#{entry['num']} job {job.job_id} is waiting: it {line}")
+            continue
+        job.cancel(check=False)
+        run_record.fail(Path(entry["run_dir"]), f"cannot start: it {line}")
+        log.info(f"#{entry['num']} job {job.job_id} cannot start, cancelled: it {line}")
+        results[i] = _job_return(entry, math.nan)
 
 
 def _outcome(job, entry: dict[str, Any]) -> tuple[float | None, str]:

@@ -86,7 +86,7 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
             "status": status.get("status", "pending"),
             "step": status.get("step", 0),
             "max_steps": status.get("max_steps"),
-            "wall_s": round(status["updated"] - status["started"], 1) if "started" in status else None,
+            "wall_s": round(seconds, 1) if (seconds := run_record.run_seconds(status)) is not None else None,
             "final": status.get("final") or {},
             "error": status.get("error"),
             "run_dir": run_dir,

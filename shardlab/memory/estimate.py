@@ -412,7 +412,9 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
         )
     if not compare:
         return lines
-    return lines + [f"  attention: {attention_kernel(ctx)}"] + _alternatives_table(profile, chosen, ctx)
+    if profile.unit_op_outputs is None or any(ops.get("attention") for ops in profile.unit_op_outputs):
+        lines.append(f"  attention: {attention_kernel(ctx)}")  # not for a model without any (RegNet)
+    return lines + _alternatives_table(profile, chosen, ctx)
 
 
 def _alternatives_table(profile: ModelProfile, chosen: Layout, ctx: PlanContext) -> list[str]:
@@ -424,7 +426,7 @@ def _alternatives_table(profile: ModelProfile, chosen: Layout, ctx: PlanContext)
         layouts = alternatives(ctx.world_size, ctx.ranks_per_node)
     if chosen not in layouts:
         layouts.insert(0, chosen)
-    cap = f"of {ctx.capacity / GiB:.0f}" if ctx.capacity else "of ?"
+    cap = f"of {_capacity(ctx.capacity)}" if ctx.capacity else "of ?"
     width = max(40, *(len(layout.label(ctx.world_size)) for layout in layouts))
     lines.append(
         f"  {'layout':<{width}} {'peak GiB':>9} {'state':>7} {'gathered':>9} {'activ.':>7} {'host':>6} "
@@ -433,7 +435,7 @@ def _alternatives_table(profile: ModelProfile, chosen: Layout, ctx: PlanContext)
     for layout in layouts:
         e = estimate(profile, layout, ctx)
         mark = "*" if layout == chosen else " "
-        share = f"{e.device_peak / ctx.capacity:.0%}" if ctx.capacity else "?"
+        share = _share(e.device_peak, ctx.capacity)
         lines.append(
             f"{mark} {layout.label(ctx.world_size):<{width}} {_gib(e.peak):>9} {_gib(e.state):>7} "
             f"{_gib(e.gathered):>9} {_gib(e.activations):>7} {_gib(e.host):>6} {e.comm_bytes / GiB:>9.2f}G "
@@ -468,6 +470,21 @@ def axes_line(est: MemoryEstimate, ctx: PlanContext) -> str:
         text += f" CP {layout.cp} (each rank keeps 1/{layout.cp} of each sequence; the ring's traffic not counted);"
     sent = ", ".join(f"{name.upper()} {n / GiB:.2f}" for name, n in axes.traffic.items() if n)
     return text + f" sends per step (GiB): {sent or 'nothing'}"
+
+
+def _capacity(capacity: int) -> str:
+    """The device column's capacity in GiB, with the digits a small one needs (this machine's memory shared by many
+    planned ranks is a fraction of a GiB: 'of 0' said nothing)."""
+    gib = capacity / GiB
+    return f"{gib:.0f}" if gib >= 10 else f"{gib:.1f}" if gib >= 1 else f"{gib:.3f}"
+
+
+def _share(needed: float, capacity: int) -> str:
+    """What a layout needs as a share of the device; over 10 times what it has is '>999%' (a figure like 32884256%
+    only says it does not fit)."""
+    if not capacity:
+        return "?"
+    return ">999%" if needed > 9.99 * capacity else f"{needed / capacity:.0%}"
 
 
 def attention_kernel(ctx: PlanContext) -> str:

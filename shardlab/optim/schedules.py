@@ -13,7 +13,7 @@ from shardlab.config import LRSchedulerConfig
 
 def lr_lambda(cfg: LRSchedulerConfig, max_steps: int):
     """Multiplier of the peak lr at a step: linear warmup, then the named decay."""
-    warmup = cfg.warmup_steps
+    warmup = warmup_steps(cfg, max_steps)
 
     def warm(step: int) -> float | None:
         return (step + 1) / (warmup + 1) if step < warmup else None
@@ -31,6 +31,23 @@ def lr_lambda(cfg: LRSchedulerConfig, max_steps: int):
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return cosine
+
+
+def warmup_steps(cfg: LRSchedulerConfig, max_steps: int) -> int:
+    """The warm-up a run of ``max_steps`` uses: lr_scheduler.warmup_steps, clipped to the run. One rule for every task,
+    so a short try (optimization.max_steps=20) runs with any task's default warm-up (clipped_warmup_line says so)."""
+    return min(cfg.warmup_steps, max_steps)
+
+
+def clipped_warmup_line(cfg: LRSchedulerConfig, max_steps: int) -> str | None:
+    """The one line a run whose warm-up was clipped prints at its start; None when it was not."""
+    if cfg.warmup_steps <= max_steps:
+        return None
+    return (
+        f"[lr] lr_scheduler.warmup_steps={cfg.warmup_steps} is longer than the run "
+        f"(optimization.max_steps={max_steps}): warming up over all {max_steps} steps "
+        f"(set lr_scheduler.warmup_steps=N below {max_steps} for a decay)"
+    )
 
 
 def build_schedule(optimizer, cfg: LRSchedulerConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -17,9 +17,12 @@ lm-eval is an optional extra (``pip install -e '.[lm-eval]'``), imported only he
 from __future__ import annotations
 
 import difflib
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
-from shardlab.errors import ConfigError
+from shardlab.errors import ConfigError, DataError
 
 INSTALL = "pip install -e '.[lm-eval]'"
 
@@ -33,6 +36,22 @@ def import_harness():
     except ImportError as e:
         raise ConfigError(f"--lm-eval needs lm-evaluation-harness with its hf models ({e}); {INSTALL}") from None
     return lm_eval, HFLM, TaskManager
+
+
+OFFLINE_FLAGS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub (HF_ENDPOINT's host) cannot be reached from here, or None: offline by the user's
+    flags, or its host name does not resolve. Asked before the harness is imported: offline, its hub client is told so
+    (OFFLINE_FLAGS), and a dataset the cache lacks fails at once, not after a minute of retries."""
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:  # first: the flags task_manager sets for this reason must not hide it
+        return f"{host} does not resolve ({e.strerror or e})"
+    flags = [f for f in OFFLINE_FLAGS if os.environ.get(f, "").lower() in ("1", "true", "yes", "on")]
+    return f"{flags[0]} is set" if flags else None
 
 
 def check_task_names(names: list[str], known: list[str], include: list[Path]) -> None:
@@ -49,6 +68,8 @@ def check_task_names(names: list[str], known: list[str], include: list[Path]) ->
 def task_manager(tasks: list[str], include: list[Path]):
     """The harness's TaskManager over its own tasks and the ``include`` folders, once every name in ``tasks`` is
     known there (checked before anything is exported)."""
+    if hub_unreachable() is not None:  # before the hub client reads its flags (at its import)
+        os.environ.update({flag: "1" for flag in OFFLINE_FLAGS})
     _, _, TaskManager = import_harness()
     for folder in include:
         if not folder.is_dir():
@@ -86,15 +107,23 @@ def run_harness(
         dtype="float32",
         batch_size=batch_size,
     )
-    return lm_eval.simple_evaluate(
-        model=model,
-        tasks=tasks,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        bootstrap_iters=bootstrap_iters,
-        log_samples=True,
-    )
+    try:
+        return lm_eval.simple_evaluate(
+            model=model,
+            tasks=tasks,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            bootstrap_iters=bootstrap_iters,
+            log_samples=True,
+        )
+    except ConnectionError as e:  # datasets' "Couldn't reach '<name>' on the Hub", online or offline
+        offline = hub_unreachable()
+        raise DataError(
+            f"--lm-eval {','.join(tasks)}: {e}{f'; {offline}' if offline else ''}; the harness downloads a task's "
+            "dataset from the Hugging Face Hub on first use (cached in HF_HOME): run it once where the hub is "
+            "reachable, or give task YAMLs over local files (--lm-eval-include)"
+        ) from None
 
 
 def summarize(results: dict) -> dict[str, dict[str, float]]:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlab.checkpoint.layout import follow_umask
 from shardlab.errors import CheckpointError
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
@@ -219,6 +220,7 @@ def write_peft_adapter(state: Mapping[str, torch.Tensor], model_cfg: Any, folder
     config, tensors = peft_adapter(state, model_cfg)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    follow_umask(folder / "adapter_model.safetensors")  # safetensors writes 0600
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
 

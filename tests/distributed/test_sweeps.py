@@ -97,6 +97,8 @@ def test_submitit_local_launcher_runs_a_two_task_job_and_reports_it(tmp_path, co
     (job,) = json.loads((tmp_path / "sweep.json").read_text())
     assert f"#0 job {job['job_id']} completed at step 6" in proc.stdout + proc.stderr
     assert "world size 2 (submitit_local)" in Path(job["log"]).read_text()
+    assert Path(job["log"]).parent == tmp_path / ".submitit"
+    assert all(p.is_file() for p in (tmp_path / ".submitit").iterdir())  # no empty '%j' folder left beside them
     (row,) = json.loads((tmp_path / "summary.json").read_text())
     assert row["status"] == "completed" and row["final"]["loss"] > 0
 

@@ -65,7 +65,7 @@ BAD_INPUTS = {
     "wrong type": (["optimization.batch_size=abc"], r"optimization.batch_size"),
     "negative lr": (["optimizer.lr=-0.1"], r"optimizer.lr must be > 0, got -0.1"),
     "zero batch": (["optimization.batch_size=0"], r"optimization.batch_size must be > 0, got 0"),
-    "warmup > max_steps": (["optimization.max_steps=10"], r"lr_scheduler.warmup_steps \(30\) must not exceed"),
+    "negative warmup": (["lr_scheduler.warmup_steps=-1"], r"lr_scheduler.warmup_steps must be >= 0, got -1"),
     "missing data path": (["data.path={root}/nope"], r"data.path: .*/nope does not exist"),
     "no text in data path": (["data.path={root}/binary"], r"data.path: .*/binary holds no text files"),
     "checkpoint dir cannot be created": (

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
 
 from shardlab.distributed import env as dist_env
-from shardlab.errors import ConfigError
+from shardlab.errors import ConfigError, DataError
 from shardlab.runner import run_rank
 from tasks.lm.harness import check_task_names
 from tests.conftest import ROOT
@@ -128,3 +129,30 @@ def test_lm_eval_without_a_checkpoint_or_with_a_missing_task_folder_is_refused(c
     with pytest.raises(ConfigError, match=f"--lm-eval-include {missing}: not a folder"):
         evaluate.main([str(checkpoint), "--lm-eval", "x", "--lm-eval-include", str(missing), "--export-dir", "hf"])
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_dataset_the_hub_cannot_give_is_one_line_and_an_unresolvable_hub_means_offline(checkpoint, monkeypatch):
+    """Offline, datasets raises ConnectionError after its retries (a minute, a 65-line traceback): one DataError line
+    instead, and a hub host that does not resolve sets the offline flags before the harness is imported."""
+    import lm_eval
+
+    from tasks.lm import harness
+
+    monkeypatch.setenv("HF_ENDPOINT", "https://no-such-hub.invalid")
+    for flag in harness.OFFLINE_FLAGS:
+        monkeypatch.setenv(flag, "0")  # off; and put back after the test, which task_manager sets
+    assert harness.hub_unreachable().startswith("no-such-hub.invalid does not resolve (")
+    harness.task_manager(["shardlab_rolling"], [TASKS])
+    assert all(os.environ[flag] == "1" for flag in harness.OFFLINE_FLAGS)
+
+    def unreachable(**kwargs):
+        raise ConnectionError("Couldn't reach 'Rowan/hellaswag' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", unreachable)
+    with pytest.raises(DataError) as e:
+        evaluate.main([str(checkpoint), "--lm-eval", "shardlab_rolling", "--lm-eval-include", str(TASKS)])
+    assert str(e.value).startswith(
+        "--lm-eval shardlab_rolling: Couldn't reach 'Rowan/hellaswag' on the Hub (OfflineModeIsEnabled); "
+        "no-such-hub.invalid does not resolve ("
+    )
+    assert "\n" not in str(e.value) and str(e.value).endswith("or give task YAMLs over local files (--lm-eval-include)")

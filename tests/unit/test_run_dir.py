@@ -173,3 +173,31 @@ def test_the_preflight_refuses_a_system_run_folder_before_anything_is_written():
 
     with pytest.raises(ConfigError, match=r"^hydra.run.dir=/etc is /etc, a system folder itself"):
         preflight(["hydra.run.dir=/etc"])
+
+
+def sweep_folder(overrides: list[str]) -> str:
+    """multirun/<...> as NameTheSweep names it for this command line (Hydra splits it into task and hydra overrides)."""
+    from shardlab.jobs import run_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    run_dir.NameTheSweep().on_multirun_start(cfg)
+    try:
+        return run_dir._sweep_dir()
+    finally:
+        run_dir._sweep_name = None  # no multirun runs after this test
+
+
+def test_a_sweep_on_another_launcher_or_shape_is_another_sweep_folder():
+    """Launcher keys name a sweep: the same points on Slurm with 2 nodes never find the local sweep's checkpoints."""
+    points = ["optimizer.lr=3e-3", "model=gpt_small"]  # composed as one point (Hydra's compose has no sweeps)
+    local = sweep_folder(points)
+    assert local == "lm/model=gpt_small,optimizer.lr=3e-3"
+    slurm = sweep_folder([*points, "hydra/launcher=slurm"])
+    two_nodes = sweep_folder([*points, "hydra/launcher=slurm", "hydra.launcher.nodes=2"])
+    assert len({local, slurm, two_nodes}) == 3
+    assert two_nodes == "lm/hydra.launcher.nodes=2,hydra%2Flauncher=slurm,model=gpt_small,optimizer.lr=3e-3"
+    assert sweep_folder([*points, "hydra.verbose=true"]) == local  # Hydra's own keys do not name it
+    # Where and how long the jobs wait do not: a resubmission to another partition continues the same sweep.
+    waits = ["hydra.launcher.partition=multi", "hydra.launcher.timeout_min=30", "hydra.launcher.wait=false"]
+    assert sweep_folder([*points, "hydra/launcher=slurm", "hydra.launcher.nodes=2", *waits]) == two_nodes

@@ -1,0 +1,237 @@
+"""Commands in the docs are checked as written (issue #51): every line of a ```bash block of README.md and docs/*.md
+is split as the shell splits it, and
+
+- every ``python -m shardlab.train ...`` (``.venv/bin/python``, ``torchrun ... -m shardlab.train`` too) passes the
+  CLI's command-line checks and is composed by Hydra with all its overrides, the launcher's included: a misspelt or
+  renamed key, group or option, or a value of the wrong type, fails. A sweep (``-m``) is composed at its first point.
+- every ``python tools/X.py ...``: tools/X.py exists and each ``--option`` the line gives is one its ``--help`` lists.
+- every other command is one of NOT_CHECKED (installs, shells, the Slurm test cluster, linters): listed there, with
+  why; a new kind of command fails until it is checked here or listed.
+
+The rule, for the suite's budget (15 min on 2 cores for ~1,000 tests): nothing is run for real. The docs' ~150
+commands train, download, need a GPU, a Slurm cluster or a checkpoint from an earlier line, or name placeholder paths
+(/my/text/dir); composing a command and checking a tool's options catch what a renamed key or flag breaks, in about
+a second each. What a command does when it runs is the business of the tests that run it (the quickstart's and the
+README's runs: tests/unit/test_cli.py, test_finished_run.py, test_preprocess_command.py; the tutorial's:
+tests/distributed/test_tutorial.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import io
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
+
+from shardlab.config import CONF_DIR
+from shardlab.errors import ShardlabError
+from shardlab.jobs.preflight import check_command_line, job_overrides, with_user_dir
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(?:bash|sh|shell)\n(.*?)^```", re.M | re.S)
+SEPARATORS = ("&&", "||", ";", "&", "|")
+PYTHONS = ("python", "python3", ".venv/bin/python")
+
+NOT_CHECKED = {
+    "pip": "installs packages (a download)",
+    ".venv/bin/pip": "installs packages (a download)",
+    "python3": "`python3 -m venv .venv`: makes the quickstart's venv",
+    "source": "activates a venv or the test cluster's environment in the reader's shell",
+    "tensorboard": "a server that runs until stopped",
+    "bash": "tools/slurm_cluster.sh (root, network namespaces, Slurm daemons) and tools/gpu_check.sh (a GPU)",
+    "sbatch": "submits to a real Slurm",
+    "srun": "runs inside a real Slurm allocation",
+    "python -c": "inline Python that loads an export with transformers or downloads torchvision weights",
+    "python -m pytest": "the suite itself",
+    ".venv/bin/ruff": "the linter",
+    "pytest": "the suite itself",
+}
+"""Programs whose commands this test does not check, and why (the quickstart's first line is checked as its parts:
+its `.venv/bin/python -m shardlab.train` is a train command)."""
+
+
+def logical_lines(markdown: str) -> list[str]:
+    """The lines of every bash block, a line continued with a trailing backslash joined to the next."""
+    return [line for block in FENCE.findall(markdown) for line in block.replace("\\\n", " ").splitlines()]
+
+
+def commands(markdown: str) -> list[list[str]]:
+    """Each command of each line as argv: comments dropped, split at && ; & |, leading VAR=value assignments dropped."""
+    found = []
+    for line in logical_lines(markdown):
+        line = re.sub(r"\$\([^()]*\)", "SUBSTITUTED", line)  # $(scontrol ... | head -1): one word, as for the shell
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split, lexer.commenters = True, "#"
+        current: list[str] = []
+        for token in [*lexer, ";"]:
+            if token in SEPARATORS:
+                while current and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", current[0]):
+                    current.pop(0)
+                if current:
+                    found.append(current)
+                current = []
+            else:  # $HOME as the shell expands it (not Hydra's ${...} interpolations)
+                current.append(os.path.expandvars(token) if "$" in token and "${" not in token else token)
+    return found
+
+
+def train_args(argv: list[str]) -> list[str] | None:
+    """The arguments after ``-m shardlab.train``, if argv starts a training run (python, the venv's, torchrun)."""
+    if "shardlab.train" not in argv or argv[0] not in (*PYTHONS, "torchrun", ".venv/bin/torchrun"):
+        return None
+    at = argv.index("shardlab.train")
+    return argv[at + 1 :] if argv[at - 1] == "-m" else None
+
+
+def first_point(overrides: list[str]) -> list[str]:
+    """A sweep's first point: each sweep override (a,b / range(...) / choice(...)) at its first value; an interval
+    (an optimizing sweeper's) is left out, its key composed at its default."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    out = []
+    for text, override in zip(overrides, parsed, strict=True):
+        if not override.is_sweep_override():
+            out.append(text)
+        elif override.value_type != ValueType.INTERVAL_SWEEP:
+            out.append(f"{text.split('=', 1)[0]}={next(override.sweep_string_iterator())}")
+    return out
+
+
+def group_choices(overrides: list[str]) -> list[str]:
+    """Every value of a sweep over a config group (model=gpt_tiny,gpt_small), as ``group=option``: the command
+    line's checks name an unknown option among them without composing each point."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    out = []
+    for text, override in zip(overrides, parsed, strict=True):
+        key = text.split("=", 1)[0]
+        group = (CONF_DIR / key).is_dir()  # model, task, optimizer, ...: not seed
+        if override.is_sweep_override() and group and override.value_type != ValueType.INTERVAL_SWEEP:
+            out += [f"{key}={value}" for value in override.sweep_string_iterator()]
+    return out
+
+
+def check_train(args: list[str]) -> str | None:
+    """Why this command line of shardlab.train would be refused before it starts (None: it composes)."""
+    overrides = [a for i, a in enumerate(args) if "=" in a and not a.startswith("-") and args[i - 1 : i] != ["--cfg"]]
+    if any(o.split("=", 1)[0] == "user_dir" for o in overrides):
+        return None  # a user_dir's plug-ins load once per process: tests/distributed/test_tutorial.py runs these
+    try:
+        point = first_point(overrides)
+        check_command_line(job_overrides([*point, *group_choices(overrides)]))
+        compose(config_name="config", overrides=with_user_dir(point), return_hydra_config=True)  # in problems' Hydra
+    except (ShardlabError, Exception) as e:  # Hydra's composition errors have no common base but Exception
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}"
+    return None
+
+
+@functools.cache
+def tool_help(tool: str) -> str | None:
+    """tools/<tool>.py's --help text, read in this process (None where its main takes no argument list)."""
+    sys.path.insert(0, str(REPO / "tools"))  # as for the script: its folder first (tools import their neighbours)
+    try:
+        module = importlib.import_module(f"tools.{tool}")
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    if not inspect.signature(module.main).parameters:
+        return None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        module.main(["--help"])
+    return out.getvalue()
+
+
+def check_tool(argv: list[str]) -> str | None:
+    """Why this tools/ command would be refused by its parser (None: the script exists and takes every option)."""
+    script = REPO / argv[1]
+    if not script.is_file():
+        return f"{argv[1]} does not exist"
+    text = tool_help(script.stem)
+    if text is None:
+        return None
+    unknown = [o for o in (a.split("=", 1)[0] for a in argv[2:] if a.startswith("--")) if o not in text]
+    return f"{argv[1]} has no option {', '.join(unknown)} (its --help)" if unknown else None
+
+
+def problems(markdown: str) -> tuple[list[str], list[str]]:
+    """(the commands that fail their check, with why; the commands not checked)."""
+    failed, skipped = [], []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):  # once: each compose is then cheap
+        for argv in commands(markdown):
+            shown = " ".join(argv)
+            if argv[0] in NOT_CHECKED or " ".join(argv[:2]) in NOT_CHECKED or argv[1:3] == ["-m", "pytest"]:
+                skipped.append(shown)
+            elif why := why_refused(argv):
+                failed.append(f"{shown}: {why}")
+    return failed, skipped
+
+
+def why_refused(argv: list[str]) -> str | None:
+    """What fails the check of a command that is not in NOT_CHECKED; None if it passes."""
+    if (args := train_args(argv)) is not None:
+        return check_train(args)
+    if argv[0] in PYTHONS and len(argv) > 1 and argv[1].startswith("tools/") and argv[1].endswith(".py"):
+        return check_tool(argv)
+    return f"a kind of command this test neither checks nor lists in NOT_CHECKED ({argv[0]})"
+
+
+@pytest.fixture(autouse=True)
+def in_the_repository(monkeypatch):
+    monkeypatch.chdir(REPO)  # the commands are written for the repository's root
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_command_in_the_docs_composes_or_is_listed_as_not_checked(page):
+    failed, _ = problems(page.read_text())
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("python -m shardlab.train optimizer.lrr=1e-3", "Could not override 'optimizer.lrr'"),
+        ("python -m shardlab.train -m model=gpt_tiny,gpt_smal", "gpt_smal"),
+        ("python -m shardlab.train distributed.world_size=two", "distributed.world_size"),
+        ("python -m shardlab.train -m hydra/launcher=slurm hydra.launcher.nodez=2", "nodez"),
+        ("python tools/evaluate.py runs/x --no-such-option 3", "tools/evaluate.py has no option --no-such-option"),
+        ("python tools/no_such_tool.py x", "tools/no_such_tool.py does not exist"),
+        ("wget https://example.org/data.tar", "neither checks nor lists"),
+    ],
+)
+def test_a_planted_broken_command_is_caught(line, why):
+    failed, _ = problems(f"Try:\n\n```bash\npython -m shardlab.train --help   # fine\n{line}\n```\n")
+    assert len(failed) == 1 and why in failed[0], failed
+
+
+def test_lines_split_as_the_shell_splits_them():
+    markdown = (
+        "```bash\n"
+        "tools/x.sh up && source env.sh   # a comment\n"
+        "HF_HUB_OFFLINE=1 python -m shardlab.train \\\n    seed=2 &\n"
+        "torchrun --nproc_per_node=2 -m shardlab.train data.path='/data/*.parquet'\n"
+        "```\n"
+    )
+    assert commands(markdown) == [
+        ["tools/x.sh", "up"], ["source", "env.sh"], ["python", "-m", "shardlab.train", "seed=2"],
+        ["torchrun", "--nproc_per_node=2", "-m", "shardlab.train", "data.path=/data/*.parquet"],
+    ]  # fmt: skip
+    sweep = ["optimizer.lr=1e-3,3e-3", "seed=range(1,4)", "model=gpt_tiny,gpt_small", "optimizer.eps=interval(0,1)"]
+    assert first_point(sweep) == ["optimizer.lr=0.001", "seed=1", "model=gpt_tiny"]
+    assert group_choices(sweep) == ["model=gpt_tiny", "model=gpt_small"]
+
+
+def test_the_commands_not_checked_are_few_and_each_of_a_listed_kind(capsys):
+    skipped = [command for page in PAGES for command in problems(page.read_text())[1]]
+    with capsys.disabled():  # the list, for a reader of the suite's output (-s)
+        print(f"\n{len(skipped)} doc commands not checked (NOT_CHECKED says why):", *skipped, sep="\n  ")
+    assert 0 < len(skipped) <= 40  # installs, the Slurm test cluster, linters, inline Python: few
