@@ -15,6 +15,7 @@ regrouped by heads (FusedQKVColwise).
 from __future__ import annotations
 
 import fnmatch
+import functools
 
 import torch
 import torch.distributed as dist
@@ -156,15 +157,25 @@ def regroup_by_heads(local: torch.Tensor, dim: int, device_mesh: DeviceMesh) -> 
     ranks, rank = device_mesh.size(), device_mesh.get_local_rank()
     if ranks == 1:
         return local
-    width = local.shape[-1]
-    owner = lambda g: (g % dim) // (dim // ranks)  # noqa: E731  (the rank whose heads a global column feeds)
-    mine = torch.arange(rank * width, (rank + 1) * width)
-    order = torch.argsort(owner(mine), stable=True)
-    sends = torch.bincount(owner(mine), minlength=ranks).tolist()
-    receives = [int((owner(torch.arange(s * width, (s + 1) * width)) == rank).sum()) for s in range(ranks)]
+    order, sends, receives = head_exchange(local.shape[-1], dim, ranks, rank)
     columns_first = local.movedim(-1, 0).index_select(0, order.to(local.device)).contiguous()
-    out = AllToAll.apply(columns_first, receives, sends, device_mesh.get_group())
+    out = AllToAll.apply(columns_first, list(receives), list(sends), device_mesh.get_group())
     return out.movedim(0, -1)
+
+
+@functools.cache
+def head_exchange(width: int, dim: int, ranks: int, rank: int) -> tuple[torch.Tensor, tuple, tuple]:
+    """Which of rank ``rank``'s ``width`` fused-output columns go to which rank: (its columns ordered by the rank whose
+    heads they feed, how many it sends each rank, how many it receives from each). Received in source order, the
+    columns come in global order: the queries, keys and values of its own heads."""
+
+    def owner(columns: torch.Tensor) -> torch.Tensor:  # the rank whose heads each global column feeds
+        return (columns % dim) // (dim // ranks)
+
+    mine = owner(torch.arange(rank * width, (rank + 1) * width))
+    sends = tuple(torch.bincount(mine, minlength=ranks).tolist())
+    receives = tuple(int((owner(torch.arange(s * width, (s + 1) * width)) == rank).sum()) for s in range(ranks))
+    return torch.argsort(mine, stable=True), sends, receives
 
 
 class AllToAll(torch.autograd.Function):
