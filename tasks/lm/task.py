@@ -325,7 +325,7 @@ class LanguageModelingTask(Task):
         if arch.tensor_parallel_plan is LMArchitecture.tensor_parallel_plan:
             return [
                 f"distributed.tensor_parallel_degree ({degree}): model.arch={m.arch} has no tensor-parallel plan "
-                "(GPT's fused qkv projection does not split by heads); use a model=llama_* flavor or set it to 1"
+                "(LMArchitecture.tensor_parallel_plan; tasks/lm/tensor_parallel.py has GPT's and Llama's); set it to 1"
             ]
         return arch.tensor_parallel_errors(m, self.vocab_size, degree)
 

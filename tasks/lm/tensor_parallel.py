@@ -8,13 +8,17 @@ sums reduce-scattered back onto the sequence. The embedding is split by vocabula
 slice; the head is column-wise over the vocabulary, its logits gathered whole, so the task's loss is unchanged. A tied
 embedding and head share one weight split by vocabulary rows both ways. Qwen3's q/k norms are sequence-parallel over
 the heads dimension (their weight's gradient is summed over the tensor-parallel ranks, each of which saw its heads).
-LoRA's adapted layers are split with their adapters (SplitAdaptedLinear).
+LoRA's adapted layers are split with their adapters (SplitAdaptedLinear); GPT's fused qkv projection with its output
+regrouped by heads (FusedQKVColwise).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -22,6 +26,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -128,4 +133,90 @@ def with_adapters(plan: dict, model: nn.Module) -> dict:
     return {
         path: SplitAdaptedLinear(style) if isinstance(style, splits) and names_adapted(path) else style
         for path, style in plan.items()
+    }
+
+
+class FusedQKVColwise(ColwiseParallel):
+    """GPT's fused qkv projection (rows: every head's queries, then keys, then values) split column-wise by contiguous
+    rows, as ColwiseParallel splits it, then its output regrouped by heads: rank r gets the queries, keys and values of
+    heads r*H/T .. (r+1)*H/T - 1 from whichever ranks computed them, in one all-to-all (its backward is the reverse
+    all-to-all). The weight keeps its layout, so checkpoints and exports are one process's."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)  # weight and bias Shard(0), output local
+        module.register_forward_hook(lambda mod, args, out: regroup_by_heads(out, self.dim, device_mesh))
+        return module
+
+
+def regroup_by_heads(local: torch.Tensor, dim: int, device_mesh: DeviceMesh) -> torch.Tensor:
+    """(..., 3 dim / T) columns r*3dim/T .. of the fused output -> (..., 3 dim / T) as [q, k, v] of rank r's heads."""
+    ranks, rank = device_mesh.size(), device_mesh.get_local_rank()
+    if ranks == 1:
+        return local
+    order, sends, receives = head_exchange(local.shape[-1], dim, ranks, rank)
+    columns_first = local.movedim(-1, 0).index_select(0, order.to(local.device)).contiguous()
+    out = AllToAll.apply(columns_first, list(receives), list(sends), device_mesh.get_group())
+    return out.movedim(0, -1)
+
+
+@functools.cache
+def head_exchange(width: int, dim: int, ranks: int, rank: int) -> tuple[torch.Tensor, tuple, tuple]:
+    """Which of rank ``rank``'s ``width`` fused-output columns go to which rank: (its columns ordered by the rank whose
+    heads they feed, how many it sends each rank, how many it receives from each). Received in source order, the
+    columns come in global order: the queries, keys and values of its own heads."""
+
+    def owner(columns: torch.Tensor) -> torch.Tensor:  # the rank whose heads each global column feeds
+        return (columns % dim) // (dim // ranks)
+
+    mine = owner(torch.arange(rank * width, (rank + 1) * width))
+    sends = tuple(torch.bincount(mine, minlength=ranks).tolist())
+    receives = tuple(int((owner(torch.arange(s * width, (s + 1) * width)) == rank).sum()) for s in range(ranks))
+    return torch.argsort(mine, stable=True), sends, receives
+
+
+class AllToAll(torch.autograd.Function):
+    """torch.distributed.all_to_all_single along dimension 0 with its gradient: the reverse exchange (the sizes sent
+    and received swapped)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, receives: list[int], sends: list[int], group) -> torch.Tensor:
+        ctx.receives, ctx.sends, ctx.group = receives, sends, group
+        out = tensor.new_empty((sum(receives), *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor, receives, sends, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty((sum(ctx.sends), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.sends, ctx.receives, group=ctx.group)
+        return back, None, None, None
+
+
+def gpt_plan(dim: int) -> dict:
+    """tasks.lm.model.GPT: the token and position embeddings split by rows (the sum gathered whole, then handed on
+    split by sequence), the fused qkv projection by FusedQKVColwise, the rest as the Llama plan."""
+    return {
+        "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "embed.pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "embed": PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+        ),
+        "blocks.*.ln_1": SequenceParallel(),
+        "blocks.*.attn": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+        ),
+        "blocks.*.attn.qkv": FusedQKVColwise(dim),
+        "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "blocks.*.ln_2": SequenceParallel(),
+        "blocks.*.mlp": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "blocks.*.mlp.fc": ColwiseParallel(),
+        "blocks.*.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "head.ln_f": SequenceParallel(),
+        "head.out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }

@@ -1,5 +1,6 @@
 """Tensor parallelism (with sequence parallelism) trains exactly like one process on the same global batch (CPU, gloo):
-TP 2 alone, FSDP 2 x TP 2 and hybrid (2 replicas) x TP 2 on 4 ranks, for a Llama built from its config; TP 2 for a
+TP 2 alone, FSDP 2 x TP 2 and hybrid (2 replicas) x TP 2 on 4 ranks, for a Llama built from its config; TP 2 and
+FSDP 2 x TP 2 for GPT (tied and untied; its fused qkv regrouped by heads); TP 2 for a
 Llama with tied embeddings, a Qwen2 (biases), a Qwen3 (q/k norms) and a Mistral read from Hugging Face folders made by
 transformers, and for fine-tuning on packed rows. Losses, the gradient norm of every step, the tokens counted and the
 final weights are compared; step folders move between FSDP 2 x TP 2 and one process."""
@@ -84,6 +85,7 @@ def hf_folders(tmp_path_factory):
 def two_rank_results(tiny_lm, hf_folders):
     cfgs = {
         "llama_tp2": tiny_lm(*LLAMA, *TP2),
+        "gpt_tp2": tiny_lm(*TP2),
         "llama_tp2_bf16": tiny_lm(*LLAMA, *TP2, "distributed.precision=bf16"),
         **{f"{f}_tp2": tiny_lm(*TP2, *HF, f"model.pretrained={folder}") for f, folder in hf_folders.items()},
         "sft_tp2": compose_config([*SFT, *TP2]),
@@ -103,7 +105,9 @@ def single(cfg, tmp_path) -> dict:
     return run_rank(cfg, tmp_path, dist_env.detect(), after_fit=inspect)
 
 
-@pytest.mark.parametrize("name", ["llama_tp2", *(f"{family}_tp2" for family in FAMILIES), "sft_tp2", "lora_tp2"])
+@pytest.mark.parametrize(
+    "name", ["llama_tp2", "gpt_tp2", *(f"{family}_tp2" for family in FAMILIES), "sft_tp2", "lora_tp2"]
+)
 def test_tensor_parallel_ranks_train_as_one_process(
     name, two_rank_results, llama_reference, tiny_lm, hf_folders, tmp_path
 ):
@@ -115,11 +119,18 @@ def test_tensor_parallel_ranks_train_as_one_process(
         reference = single(tiny_lm(*HF, *LORA, f"model.pretrained={hf_folders['qwen3']}"), tmp_path)
     elif family == "llama":
         reference = llama_reference[0]
+    elif family == "gpt":
+        reference = single(tiny_lm(), tmp_path)
     else:
         reference = single(tiny_lm(*HF, f"model.pretrained={hf_folders[family]}"), tmp_path)
     assert result["dp"] == 1  # both ranks read the same samples
     assert result["placements"], "no parameter was split"
     tp = {name: placements[-1] for name, placements in result["placements"].items()}  # the mesh's last axis
+    if family == "gpt":  # the fused qkv by rows (regrouped by heads in its output), the embedding tied to the head
+        assert tp["blocks.0.attn.qkv.weight"] == tp["embed.tok.weight"] == tp["embed.pos.weight"] == "S(0)", tp
+        assert tp["blocks.0.attn.proj.weight"] == tp["blocks.0.mlp.proj.weight"] == "S(1)", tp
+        assert_trains_as_one_process(result, reference)
+        return
     assert tp["blocks.0.attn.q.weight"] == tp["blocks.0.mlp.up.weight"] == tp["embed.weight"] == "S(0)", tp
     assert tp["blocks.0.attn.o.weight"] == tp["blocks.0.mlp.down.weight"] == "S(1)", tp
     assert tp["blocks.0.attn_norm.weight"] == "R", tp
@@ -161,18 +172,23 @@ def four_rank_results(tiny_lm, tmp_path_factory, llama_reference):
         "fsdp2_tp2": tiny_lm(*LLAMA, *FSDP2_TP2, *CKPT),
         "hybrid2_tp2": tiny_lm(*LLAMA, *HYBRID2_TP2),
         "fsdp2_tp2_ac": tiny_lm(*LLAMA, *FSDP2_TP2, *TORCHTITAN_AC),
+        "gpt_fsdp2_tp2": tiny_lm(*FSDP2_TP2, "model.tie_embeddings=false"),
         "fsdp2_tp2_from_single": tiny_lm(*LLAMA, *FSDP2_TP2, f"checkpoint.resume={single_step5}"),
     }
-    run_dirs = [fsdp_dir, *(tmp_path_factory.mktemp(name) for name in ("hybrid", "ac", "from_single"))]
+    run_dirs = [fsdp_dir, *(tmp_path_factory.mktemp(name) for name in ("hybrid", "ac", "gpt", "from_single"))]
     results = dict(zip(cfgs, run_spawned(list(cfgs.values()), 4, run_dirs=run_dirs, inspect=inspect), strict=True))
     fsdp_step5 = fsdp_dir / "checkpoints" / "step_00000005"
     results["single_from_fsdp2_tp2"] = single(
         tiny_lm(*LLAMA, f"checkpoint.resume={fsdp_step5}"), tmp_path_factory.mktemp("single_from")
     )
+    results["gpt_reference"] = single(tiny_lm("model.tie_embeddings=false"), tmp_path_factory.mktemp("gpt_single"))
     return {**results, "reference": reference, "reference_dir": single_dir, "fsdp2_tp2_dir": fsdp_dir}
 
 
-@pytest.mark.parametrize(("name", "dp", "mesh"), [("fsdp2_tp2", 2, 2), ("hybrid2_tp2", 2, 3), ("fsdp2_tp2_ac", 2, 2)])
+@pytest.mark.parametrize(
+    ("name", "dp", "mesh"),
+    [("fsdp2_tp2", 2, 2), ("hybrid2_tp2", 2, 3), ("fsdp2_tp2_ac", 2, 2), ("gpt_fsdp2_tp2", 2, 2)],
+)
 def test_data_and_tensor_parallel_ranks_train_as_one_process(name, dp, mesh, four_rank_results):
     """FSDP 2 x TP 2: every parameter is placed on the 2-D mesh (data shard, tensor); hybrid: 3-D (replicate, shard
     of 1, tensor); torchtitan's selective checkpointing, applied after TP, recomputes the same math. The two
@@ -180,7 +196,8 @@ def test_data_and_tensor_parallel_ranks_train_as_one_process(name, dp, mesh, fou
     result = four_rank_results[name]
     assert result["dp"] == dp
     assert {len(p) for p in result["placements"].values()} == {mesh}, result["placements"]
-    assert_trains_as_one_process(result, four_rank_results["reference"])
+    reference = four_rank_results["gpt_reference" if name.startswith("gpt") else "reference"]
+    assert_trains_as_one_process(result, reference)
 
 
 def continued_losses(result: dict, reference: dict) -> tuple[torch.Tensor, torch.Tensor]:
