@@ -77,6 +77,12 @@ def _fields(record: dict, where: str, d: Any) -> tuple[Any, Any, Any]:
         return prompt, chosen, rejected
     if _messages(prompt) and _messages(chosen) and _messages(rejected):
         return prompt, chosen, rejected
+    for name, value in zip(names, (prompt, chosen, rejected), strict=True):
+        for i, message in enumerate(value if isinstance(value, list) else []):
+            content = message.get("content") if isinstance(message, dict) else message
+            if not isinstance(content, str):
+                raise DataError(f"{where}: message {i} of {name!r} has {type(content).__name__} content, not a "
+                                "string; fix or delete the record")  # fmt: skip
     kinds = ", ".join(f"{n}: {type(v).__name__}" for n, v in zip(names, (prompt, chosen, rejected), strict=True))
     raise DataError(
         f"{where}: a preference record holds three strings or three lists of {{role, content}} messages ({kinds}); "

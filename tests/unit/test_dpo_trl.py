@@ -2,7 +2,8 @@
 pairs, LoRA adapters (the same initial values), AdamW and clipping: the second step's loss and rewards (the first
 after an update) within 1e-4, and the 20-step curves of loss, rewards, log-probabilities and gradient norm within
 1e-4 relative (measured: ~5e-7), with LoRA (DPO and IPO) and full fine-tuning (shardlab's precomputed reference
-against TRL's reference copy). Every step's batch is the whole training set, so the two samplers' orders do not matter."""
+against TRL's reference copy). Every step's batch is the whole training set, so the two samplers' orders do not
+matter."""
 
 from __future__ import annotations
 
