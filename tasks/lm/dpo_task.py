@@ -24,7 +24,8 @@ class PreferenceTask(LanguageModelingTask):
         self.lora = lora_on(cfg.model)
         self.reference: ReferenceLogProbs | None = None
         """Full fine-tuning's precomputed reference (training_state); None with LoRA: the adapters-off forward."""
-        self._reference_ready = False
+        self._checked_reference: ReferenceLogProbs | None = None
+        """The reference whose table the first loss made sure of: each trainer (a backend=auto trial's too) has one."""
 
     def sft_errors(self) -> list[str]:
         errors = dpo_errors(self.dpo)
@@ -73,10 +74,10 @@ class PreferenceTask(LanguageModelingTask):
 
     def loss(self, model: nn.Module, batch: dict, device: torch.device):
         reference = self.reference if device.type != "meta" else None
-        if reference is not None and not self._reference_ready:  # the first loss of a start: before any update
+        if reference is not None and reference is not self._checked_reference:  # a trainer's first loss: no update yet
             if not reference.ready.item():  # a fresh start (a resume loaded them with its checkpoint)
                 reference.compute(model, [self.train_dataset, self.valid_dataset], collate_pairs, device)
-            self._reference_ready = True
+            self._checked_reference = reference
         return preference_loss(model, batch, device, self.dpo, reference, self.lora)
 
     def loss_count(self, batch) -> None:

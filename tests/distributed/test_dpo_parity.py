@@ -1,6 +1,6 @@
-"""task=dpo trains alike on 1 process and on 2 fully_sharded ranks, with LoRA (reference: the adapters off) and with
-full fine-tuning (reference: the starting model's log-probabilities, computed once and kept with the checkpoints),
-and a resumed run continues the uninterrupted curve, also on another world size (CPU, gloo).
+"""task=dpo trains alike on 1 process and on 2 fully_sharded (and ddp) ranks, with LoRA (reference: the adapters
+off) and with full fine-tuning (reference: the starting model's log-probabilities, computed once and kept with the
+checkpoints), and a resumed run continues the uninterrupted curve, also on another world size (CPU, gloo).
 
 A resume that recomputed the reference from the weights it resumes would restart the rewards at 0: the resumed
 curves below would part from the uninterrupted one at once."""
@@ -50,24 +50,24 @@ def runs(tmp_path_factory):
     fsdp_dir = tmp_path_factory.mktemp("fsdp")
     reference = run_rank(dpo(), single, dist_env.detect())
     lora_reference = run_rank(dpo(*LORA), lora_single, dist_env.detect())
-    fsdp, lora_fsdp, fsdp_from_single = run_spawned(
-        [dpo(FSDP), dpo(FSDP, *LORA), dpo(FSDP, f"checkpoint.resume={step3(single)}")],
+    fsdp, lora_fsdp, fsdp_from_single, ddp = run_spawned(
+        [dpo(FSDP), dpo(FSDP, *LORA), dpo(FSDP, f"checkpoint.resume={step3(single)}"), dpo("distributed.backend=ddp")],
         world_size=2,
-        run_dirs=[fsdp_dir, tmp_path_factory.mktemp("lora_fsdp"), tmp_path_factory.mktemp("resumed")],
+        run_dirs=[fsdp_dir, *(tmp_path_factory.mktemp(n) for n in ("lora_fsdp", "resumed", "ddp"))],
     )
     single_from_fsdp = run_rank(
         dpo(f"checkpoint.resume={step3(fsdp_dir)}"), tmp_path_factory.mktemp("from_fsdp"), dist_env.detect()
     )
     return {
         "reference": reference, "lora_reference": lora_reference, "fsdp": fsdp, "lora_fsdp": lora_fsdp,
-        "fsdp_from_single": fsdp_from_single, "single_from_fsdp": single_from_fsdp,
+        "fsdp_from_single": fsdp_from_single, "single_from_fsdp": single_from_fsdp, "ddp": ddp,
     }  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("name", "against"),
     [("fsdp", "reference"), ("lora_fsdp", "lora_reference"), ("fsdp_from_single", "reference"),
-     ("single_from_fsdp", "reference")],
+     ("single_from_fsdp", "reference"), ("ddp", "reference")],
 )  # fmt: skip
 def test_two_ranks_and_resumes_follow_the_single_process_curve(runs, name, against):
     got, expected = history(runs[name]), history(runs[against])
