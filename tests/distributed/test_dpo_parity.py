@@ -50,24 +50,26 @@ def runs(tmp_path_factory):
     fsdp_dir = tmp_path_factory.mktemp("fsdp")
     reference = run_rank(dpo(), single, dist_env.detect())
     lora_reference = run_rank(dpo(*LORA), lora_single, dist_env.detect())
-    fsdp, lora_fsdp, fsdp_from_single, ddp = run_spawned(
-        [dpo(FSDP), dpo(FSDP, *LORA), dpo(FSDP, f"checkpoint.resume={step3(single)}"), dpo("distributed.backend=ddp")],
+    fsdp, lora_fsdp, fsdp_from_single, ddp, lora_from_single = run_spawned(
+        [dpo(FSDP), dpo(FSDP, *LORA), dpo(FSDP, f"checkpoint.resume={step3(single)}"), dpo("distributed.backend=ddp"),
+         dpo(FSDP, *LORA, f"checkpoint.resume={step3(lora_single)}")],
         world_size=2,
-        run_dirs=[fsdp_dir, *(tmp_path_factory.mktemp(n) for n in ("lora_fsdp", "resumed", "ddp"))],
-    )
+        run_dirs=[fsdp_dir, *(tmp_path_factory.mktemp(n) for n in ("lora_fsdp", "resumed", "ddp", "lora_resumed"))],
+    )  # fmt: skip
     single_from_fsdp = run_rank(
         dpo(f"checkpoint.resume={step3(fsdp_dir)}"), tmp_path_factory.mktemp("from_fsdp"), dist_env.detect()
     )
     return {
         "reference": reference, "lora_reference": lora_reference, "fsdp": fsdp, "lora_fsdp": lora_fsdp,
         "fsdp_from_single": fsdp_from_single, "single_from_fsdp": single_from_fsdp, "ddp": ddp,
+        "lora_fsdp_from_single": lora_from_single,
     }  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("name", "against"),
     [("fsdp", "reference"), ("lora_fsdp", "lora_reference"), ("fsdp_from_single", "reference"),
-     ("single_from_fsdp", "reference"), ("ddp", "reference")],
+     ("single_from_fsdp", "reference"), ("ddp", "reference"), ("lora_fsdp_from_single", "lora_reference")],
 )  # fmt: skip
 def test_two_ranks_and_resumes_follow_the_single_process_curve(runs, name, against):
     got, expected = history(runs[name]), history(runs[against])
