@@ -151,3 +151,18 @@ def test_adapters_off_computes_the_base_layer_and_turns_them_back_on():
 def test_dpo_config_mistakes_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         dpo_task(override)
+
+
+def test_the_reference_benchmark_writes_its_figures(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import bench_dpo_reference
+
+    out = tmp_path / "r.json"
+    result = bench_dpo_reference.main(["--steps", "2", "--out", str(out), *TINY[1:], "data.seq_len=256"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["pairs"] > 300 and result["table_bytes"] == result["pairs"] * 2 * 4
+    assert result["precompute_s"] > 0 and result["frozen_reference_forward_per_step_s"] > 0
+    assert result["meta"]["commit"] is not None and result["frozen_copy_bytes_fp32"] > result["table_bytes"]
