@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardlab.config import TaskConfig
 from shardlab.registry import MODELS, TASKS
 
 
@@ -150,8 +151,9 @@ class LMDataConfig:
     (docs/corpora.md#mixtures); data.sources='{web: {path: /a, weight: 0.8}, code: {path: /b, weight: 0.2}}'."""
     # Supervised fine-tuning (tasks/lm/sft.py, docs/finetuning.md#supervised-fine-tuning)
     format: str = "text"
-    """text (documents, pretraining), chat (records of role/content messages) or prompt_completion (records of a
-    prompt and its answer); the last two train on answer tokens only; with data.path=null, the stdlib demo."""
+    """text (documents, pretraining), chat (records of role/content messages), prompt_completion (records of a
+    prompt and its answer) or preference (prompt/chosen/rejected pairs, DPO: conf/task/dpo.yaml); all but text train
+    on answer tokens only; with data.path=null, the stdlib demo."""
     messages_field: str = "messages"
     """data.format=chat: the record's key (or Parquet column) holding its list of {role, content} messages."""
     prompt_field: str = "prompt"
@@ -163,8 +165,29 @@ class LMDataConfig:
     data.tokenizer if it has one, else none (prompt_completion is then joined: prompt + completion + end-of-text)."""
     pack: bool = True
     """Pack several samples into each row of data.seq_len, attention kept within each; false = one sample a row."""
+    chosen_field: str = "chosen"
+    """data.format=preference: the record's key (or Parquet column) holding the preferred answer (text or messages)."""
+    rejected_field: str = "rejected"
+    """data.format=preference: the record's key (or Parquet column) holding the dispreferred answer."""
 
 
-TASKS.register_lazy("lm", "tasks.lm.task:LanguageModelingTask", data=LMDataConfig)
+# ---- Preference tuning (issue 48): task.dpo, read by tasks/lm/dpo.py; conf/task/dpo.yaml picks the schema ----------
+@dataclass
+class DPOConfig:
+    beta: float = 0.1
+    """The strength of the pull toward the reference: rewards are beta * (log pi - log pi_ref) (TRL's beta)."""
+    loss_type: str = "sigmoid"
+    """sigmoid (DPO) or ipo (IPO, log-ratios averaged over answer tokens), as TRL's DPOTrainer computes them."""
+    label_smoothing: float = 0.0
+    """loss_type=sigmoid: the assumed share of flipped preference labels (conservative DPO); 0 = plain DPO."""
+
+
+@dataclass
+class LMTaskConfig(TaskConfig):
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """The DPO loss of data.format=preference (docs/finetuning.md#preference-tuning-dpo)."""
+
+
+TASKS.register_lazy("lm", "tasks.lm.task:LanguageModelingTask", dataclass=LMTaskConfig, data=LMDataConfig)
 MODELS.register_lazy("gpt", "tasks.lm.model:GPT", dataclass=GPTConfig)
 MODELS.register_lazy("llama", "tasks.lm.llama:Llama", dataclass=LlamaConfig)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,27 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, **like)
         self.lora_dropout = nn.Dropout(dropout)
         self.scaling = alpha / rank
+        self.adapter_on = True
+        """False inside ``adapters_off``: the layer computes its base alone."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapter_on:
+            return F.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Within it, every LoRALinear of ``model`` computes its frozen base alone: the model before its adapters, the
+    reference of preference tuning (tasks/lm/dpo.py) with no second copy of a weight (peft's disable_adapter)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for layer in layers:
+        layer.adapter_on = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapter_on = True
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
