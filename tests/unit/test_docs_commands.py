@@ -36,7 +36,7 @@ from hydra.core.override_parser.types import ValueType
 
 from shardlab.config import CONF_DIR
 from shardlab.errors import ShardlabError
-from shardlab.jobs.preflight import check_command_line, job_overrides, with_user_dir
+from shardlab.jobs.preflight import check_command_line, job_overrides, with_home_expanded, with_user_dir
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -124,6 +124,7 @@ def group_choices(overrides: list[str]) -> list[str]:
 def check_train(args: list[str]) -> str | None:
     """Why this command line of shardlab.train would be refused before it starts (None: it composes)."""
     overrides = [a for i, a in enumerate(args) if "=" in a and not a.startswith("-") and args[i - 1 : i] != ["--cfg"]]
+    overrides = with_home_expanded(overrides)  # as the CLI does before Hydra reads them (key=~/x)
     if any(o.split("=", 1)[0] == "user_dir" for o in overrides):
         return None  # a user_dir's plug-ins load once per process: tests/distributed/test_tutorial.py runs these
     try:
