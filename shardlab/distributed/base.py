@@ -21,6 +21,7 @@ from shardlab.config import DistributedConfig
 from shardlab.distributed import network
 from shardlab.distributed.env import DistEnv, free_port
 from shardlab.distributed.join import agent_hosts_store, prepare_and_agree, store_timeout
+from shardlab.distributed.mesh import ParallelDims
 from shardlab.errors import ConfigError, RankFailed, one_line
 from shardlab.registry import BACKENDS
 
@@ -160,6 +161,11 @@ class Backend:
         """The host of each rank, and the interface gloo/NCCL offer their peers here (None: their default)."""
         self._timeout_s: float = cfg.timeout_s
         """The collective timeout in force (long_timeout raises it for a while)."""
+        self.dims = ParallelDims.from_config(cfg, env.world_size)
+        """The degree of each mesh dimension (shardlab.distributed.mesh): which ranks read which data."""
+        self.pp_mesh = None
+        """The pipeline ranks of this rank's data index (a 1-D DeviceMesh), made by setup when
+        distributed.pipeline_parallel_degree > 1 (shardlab.distributed.pipeline); None otherwise."""
 
     # ---- process group -------------------------------------------------------------------------------------------
     def _pick_device(self) -> torch.device:
@@ -188,11 +194,11 @@ class Backend:
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (which each read a different slice of a batch)."""
-        return self.env.rank
+        return self.dims.dp_rank(self.env.rank)
 
     @property
     def dp_world_size(self) -> int:
-        return self.env.world_size
+        return self.dims.dp
 
     # ---- model ---------------------------------------------------------------------------------------------------
     def parallelize(

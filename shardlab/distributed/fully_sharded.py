@@ -34,7 +34,11 @@ class FullyShardedBackend(Backend):
         world, degree = self.env.world_size, self.cfg.sharding_degree
         degree = world if degree == -1 else degree
         self.sharding_degree = degree
-        if degree == world:
+        if self.dims.pp > 1:  # FSDP over the data-parallel ranks of each stage (shardlab.distributed.pipeline)
+            from shardlab.distributed.pipeline import pipeline_meshes
+
+            self.pp_mesh, self.mesh = pipeline_meshes(self.dims, self.device.type)
+        elif degree == world:
             self.mesh: DeviceMesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("shard",))
         else:  # hybrid: shard inside groups of `degree` ranks, replicate across the groups (HSDP)
             self.mesh = init_device_mesh(

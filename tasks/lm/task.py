@@ -16,7 +16,7 @@ from torch import nn
 from shardlab.distributed.compile import compiled
 from shardlab.errors import ConfigError, DataError
 from shardlab.registry import MODELS
-from shardlab.task import Task
+from shardlab.task import PipelineCut, Task
 from tasks.lm import mixture
 from tasks.lm.architecture import LMArchitecture
 from tasks.lm.cache import corpus_sources
@@ -297,12 +297,23 @@ class LanguageModelingTask(Task):
             return answer_token_loss(model, batch, device, self.cfg.data.pack)
         if isinstance(batch, list):  # a mixture's validation batch: [tokens, each row's source]
             return mixture.mixture_valid_loss(model, batch, device, self.mixture.names)
+        inputs, targets = self.pipeline_batch(batch, device)
+        return self.pipeline_loss(model(inputs), targets)
+
+    def pipeline_cut(self) -> PipelineCut:
+        """Blocks split over the stages; the embedding on the first, final norm and head (and the loss) on the last."""
+        return PipelineCut(layers="blocks", num_layers=self.cfg.model.num_layers, first=("embed",), last=("head",))
+
+    def pipeline_batch(self, batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input tokens, next tokens) of a block of data.seq_len + 1 tokens."""
         batch = batch.to(device, non_blocking=True)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = model(inputs)
+        return batch[:, :-1], batch[:, 1:]
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor):
+        """Mean next-token cross-entropy, and its sum and count for summarize."""
         # distributed.compile: one fused kernel casts and reduces the logits, without an fp32 copy of them in memory
         # (the memory plan's shape-only pass on meta stays eager; configs stored by older checkpoints lack the key)
-        fuse = self.cfg.distributed.get("compile", False) and device.type != "meta"
+        fuse = self.cfg.distributed.get("compile", False) and logits.device.type != "meta"
         loss = (compiled(next_token_loss) if fuse else next_token_loss)(logits, targets)
         n = targets.numel()
         return loss, {"loss_sum": loss.detach() * n, "count": torch.tensor(float(n))}
