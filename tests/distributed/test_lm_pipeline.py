@@ -60,25 +60,80 @@ def assert_same_training(result: dict, reference: dict) -> None:
         torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
 
 
+CKPT = "checkpoint.interval_steps=5"
+
+
 @pytest.fixture(scope="module")
 def references(tiny_lm, tmp_path_factory):
-    def single(*overrides):
-        cfg = tiny_lm(*PIPELINE_LM, *overrides)
-        return run_rank(cfg, tmp_path_factory.mktemp("single"), dist_env.detect(), after_fit=full_params)
+    def single(name, *overrides):
+        run_dir = tmp_path_factory.mktemp(name)
+        result = run_rank(tiny_lm(*PIPELINE_LM, CKPT, *overrides), run_dir, dist_env.detect(), after_fit=full_params)
+        return {**result, "run_dir": run_dir}
 
-    return {"gpt": single(), "llama": single("model=llama_tiny", "model.ffn_dim=null")}
+    return {"gpt": single("single"), "llama": single("single_llama", "model=llama_tiny", "model.ffn_dim=null")}
+
+
+def step5(result: dict):
+    return result["run_dir"] / "checkpoints" / "step_00000005"
 
 
 @pytest.fixture(scope="module")
-def two_rank_results(tiny_lm):
-    cfgs = [tiny_lm(*PIPELINE_LM, *overrides) for overrides in VARIANTS_2.values()]
-    return dict(zip(VARIANTS_2, run_spawned(cfgs, world_size=2, inspect=full_params), strict=True))
+def two_rank_results(tiny_lm, references, tmp_path_factory):
+    variants = {
+        **VARIANTS_2,
+        "1f1b_from_single": [*VARIANTS_2["1f1b"], f"checkpoint.resume={step5(references['gpt'])}"],
+    }
+    cfgs = [tiny_lm(*PIPELINE_LM, CKPT, *overrides) for overrides in variants.values()]
+    run_dirs = [tmp_path_factory.mktemp(name) for name in variants]
+    results = run_spawned(cfgs, world_size=2, run_dirs=run_dirs, inspect=full_params)
+    for result, run_dir in zip(results, run_dirs, strict=True):
+        result["run_dir"] = run_dir
+    return dict(zip(variants, results, strict=True))
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(tiny_lm):
+    """PP 2 x FSDP 2: each stage sharded over its 2 data-parallel ranks, which read different halves of each batch."""
+    cfgs = [tiny_lm(*PIPELINE_LM, *VARIANTS_2["1f1b"])]
+    return run_spawned(cfgs, world_size=4, inspect=full_params)[0]
 
 
 @pytest.mark.parametrize("name", list(VARIANTS_2))
 def test_pipeline_matches_single_process(name, two_rank_results, references):
     reference = references["llama" if "llama" in name else "gpt"]
     assert_same_training(two_rank_results[name], reference)
+
+
+def test_pipeline_composed_with_fsdp_matches_single_process(four_rank_results, references):
+    assert_same_training(four_rank_results, references["gpt"])
+    assert four_rank_results["held"] == ["blocks.0", "blocks.1", "embed.pos", "embed.tok"]
+
+
+def train_losses(result: dict) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in result["history"] if r["split"] == "train"}
+
+
+def assert_continues(resumed: dict, reference: dict) -> None:
+    got, expected = train_losses(resumed), train_losses(reference)
+    assert sorted(got) == list(range(6, 11)), "a resumed run starts after its checkpoint's step"
+    torch.testing.assert_close(
+        torch.tensor([got[s] for s in sorted(got)]), torch.tensor([expected[s] for s in sorted(got)]), rtol=1e-5, atol=0
+    )
+
+
+def test_a_pipeline_checkpoint_resumes_on_one_process(tiny_lm, two_rank_results, references, tmp_path):
+    """Each stage saved its own layers under the unsplit model's names: one process reads them all back."""
+    cfg = tiny_lm(*PIPELINE_LM, f"checkpoint.resume={step5(two_rank_results['1f1b'])}")
+    resumed = run_rank(cfg, tmp_path, dist_env.detect(), after_fit=full_params)
+    assert_continues(resumed, references["gpt"])
+    for key, value in references["gpt"]["params"].items():
+        torch.testing.assert_close(
+            resumed["params"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
+        )
+
+
+def test_a_one_process_checkpoint_resumes_in_a_pipeline(two_rank_results, references):
+    assert_continues(two_rank_results["1f1b_from_single"], references["gpt"])
 
 
 def test_each_rank_holds_its_stages_layers_under_the_unsplit_names(two_rank_results, references):
