@@ -107,6 +107,7 @@ class LanguageModelingTask(Task):
                 f"data.num_preprocess_workers must be >= -1 (-1 = one per core), got {d.num_preprocess_workers}"
             )
         errors += self.pretrained_errors() + self.lora_errors() + self.sft_errors() + mixture.mixture_errors(d)
+        errors += self.pipeline_errors()
         if d.path is not None:  # a path with no corpus is refused before the run folder is written (listed, not read)
             try:
                 corpus_sources(d.path)
@@ -134,6 +135,20 @@ class LanguageModelingTask(Task):
                     f"model.pretrained: {self.pretrained} has no tokenizer.json; add it, or set data.tokenizer"
                 )
         return errors
+
+    def pipeline_errors(self) -> list[str]:
+        """distributed.pipeline_parallel_degree > 1: what the LM's pipeline cut cannot carry (yet)."""
+        if self.cfg.distributed.get("pipeline_parallel_degree", 1) == 1:
+            return []
+        m, d = self.cfg.model, self.cfg.data
+        return [message for refused, message in (
+            (m.get("tie_embeddings", False), "model.tie_embeddings: the embedding (first pipeline stage) and the head "
+             "(last stage) would share one weight across ranks; set model.tie_embeddings=false to pipeline"),
+            (self.sft, f"data.format={d.get('format')}: fine-tuning rows (answer-token weights, packed segments) do "
+             "not run through the pipeline yet; use distributed.pipeline_parallel_degree=1"),
+            (bool(d.get("sources")), "data.sources: a mixture's per-source validation does not run through the "
+             "pipeline yet; train on one corpus or use distributed.pipeline_parallel_degree=1"),
+        ) if refused]  # fmt: skip
 
     def lora_errors(self) -> list[str]:
         """model.lora: a valid rank, alpha and dropout, and target patterns that each select a linear layer."""
