@@ -38,6 +38,9 @@ class Task(ABC):
     """What throughput counts (tokens for the LM, images for vision)."""
     num_workers = 0
     """DataLoader worker processes per rank; 0 reads in the training process (enough for memory-mapped tokens)."""
+    model_parallel_axes: tuple[str, ...] = ()
+    """The mesh axes beyond data parallelism this task's models can split over ("tp", "pp", "cp"); the pre-flight
+    refuses a degree above 1 on any other (vision models stay data-parallel)."""
     resumable_model_changes: tuple[str, ...] = ("dropout",)
     """Model config keys that may differ between a checkpoint and the run resuming it (no effect on shapes)."""
 
@@ -159,6 +162,20 @@ class Task(ABC):
         """On the last pipeline stage: (mean loss of one micro-batch, its sums for ``summarize``), as ``loss`` gives
         for the whole model."""
         raise NotImplementedError(f"task {self.cfg.task.name} has no pipeline cut")
+
+    def tensor_parallel_plan(self, model: nn.Module) -> dict | None:
+        """How ``model`` (built on meta) splits over distributed.tensor_parallel_degree ranks, as data: module paths
+        (``*`` for any one name) to torch ParallelStyles (ColwiseParallel, RowwiseParallel, SequenceParallel,
+        PrepareModuleInput), which the fully_sharded backend applies before activation checkpointing, compile and
+        FSDP (shardlab.distributed.tensor_parallel). None (the default): the task cannot use tensor parallelism, and
+        the pre-flight refuses a degree above 1."""
+        return None
+
+    def tensor_parallel_errors(self, degree: int) -> list[str]:
+        """Why the model cannot split over ``degree`` tensor-parallel ranks (a head count, a width or the vocabulary
+        it does not divide), each line naming the key; asked by the pre-flight when the degree is above 1 and the
+        task has a plan."""
+        return []
 
     def full_precision_modules(self, model: nn.Module) -> list[nn.Module]:
         """Modules that must compute in fp32 whatever distributed.param_dtype says (e.g. BatchNorm). fully_sharded

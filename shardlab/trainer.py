@@ -135,12 +135,7 @@ class Trainer:
         self.memory_estimate = plan.estimate
         if backend.env.is_main and cfg.logging.tensorboard:
             importlib.import_module("torch.utils.tensorboard")  # its modules are the logger's, not a step's memory
-        # The baseline: this rank with its data and the plan's meta-device modules, before any model memory.
-        self.meter = PeakMeter(backend.device)
-        self.held: int | None = None
-        """Bytes above the baseline after the last step of fit (measured once, when the loop ends)."""
-        self.memory: dict[str, float] = {}
-        """Measured and predicted GiB per rank (the fullest rank's), set at the end of fit."""
+        self._start_meter()  # before any model memory
         # Weights the restore will read from a file are not drawn first (a trial, restore=False, keeps the seeded init).
         loaded = self.task.pretrained_keys() if restore else None
         materialized = functools.partial(
@@ -149,8 +144,13 @@ class Trainer:
         self.pipeline = self._cut_pipeline(plan, materialized)  # distributed.pipeline_parallel_degree > 1, else None
         if self.pipeline is None:
             full_precision = self.task.full_precision_modules(plan.model)
+            tp_plan = self.task.tensor_parallel_plan(plan.model) if backend.dims.tp > 1 else None
             self.model = backend.parallelize(
-                plan.model, plan.units, materialized, full_precision_modules=full_precision
+                plan.model,
+                plan.units,
+                materialized,
+                full_precision_modules=full_precision,
+                tensor_parallel_plan=tp_plan,
             )
         else:
             self.model = self.pipeline.model  # this rank's stages' layers, under the unsplit model's names
@@ -184,6 +184,14 @@ class Trainer:
         self.save_policy = SavePolicy.from_config(cfg.checkpoint, self.state.step)
         self.global_batch = cfg.optimization.batch_size
         self.train_order = self.task.train_order(cfg.seed)
+
+    def _start_meter(self) -> None:
+        """The memory meter's baseline: this rank with its data and the plan's meta-device modules."""
+        self.meter = PeakMeter(self.backend.device)
+        self.held: int | None = None
+        """Bytes above the baseline after the last step of fit (measured once, when the loop ends)."""
+        self.memory: dict[str, float] = {}
+        """Measured and predicted GiB per rank (the fullest rank's), set at the end of fit."""
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """optimizer.name over the model's parameters, refused if its param groups hold a value checkpoints cannot read

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import DistError, PrefixStore, TCPStore
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardlab.config import DistributedConfig
@@ -162,10 +163,10 @@ class Backend:
         self._timeout_s: float = cfg.timeout_s
         """The collective timeout in force (long_timeout raises it for a while)."""
         self.dims = ParallelDims.from_config(cfg, env.world_size)
-        """The degree of each mesh dimension (shardlab.distributed.mesh): which ranks read which data."""
-        self.pp_mesh = None
-        """The pipeline ranks of this rank's data index (a 1-D DeviceMesh), made by setup when
-        distributed.pipeline_parallel_degree > 1 (shardlab.distributed.pipeline); None otherwise."""
+        """The degree of each mesh axis (shardlab.distributed.mesh); single and ddp use the data axes only."""
+        self.mesh: DeviceMesh | None = None
+        """The one device mesh over every rank, named by ``dims`` (fully_sharded builds it in setup; slice it by name:
+        ``mesh["tp"]``); None where the backend needs none (single, ddp)."""
 
     # ---- process group -------------------------------------------------------------------------------------------
     def _pick_device(self) -> torch.device:
@@ -193,11 +194,13 @@ class Backend:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel ranks (which each read a different slice of a batch)."""
+        """This rank's index among the data-parallel ranks (which each read a different slice of a batch): the ranks
+        of one tensor-parallel group share it, and read the same samples."""
         return self.dims.dp_rank(self.env.rank)
 
     @property
     def dp_world_size(self) -> int:
+        """How many slices each global batch is split into (the data axes' ranks; the world without other axes)."""
         return self.dims.dp
 
     # ---- model ---------------------------------------------------------------------------------------------------
@@ -207,10 +210,14 @@ class Backend:
         units: list[nn.Module],
         materialize: Callable[[nn.Module], None],
         full_precision_modules: Sequence[nn.Module] = (),
+        tensor_parallel_plan: dict | None = None,
     ) -> nn.Module:
         """Wrap ``model`` (built on meta) for this backend and materialize its weights with ``materialize``.
         ``full_precision_modules`` (Task.full_precision_modules) compute in fp32 whatever the param dtype: their own
-        fp32 units under fully_sharded; autocast leaves them alone elsewhere."""
+        fp32 units under fully_sharded; autocast leaves them alone elsewhere. ``tensor_parallel_plan``
+        (Task.tensor_parallel_plan, given when distributed.tensor_parallel_degree > 1): only fully_sharded applies
+        one (the pre-flight refuses tensor parallelism elsewhere)."""
+        refuse_tensor_parallel(self.name, tensor_parallel_plan)
         materialize(model)
         if self.cfg.activation_checkpointing != "none":
             from shardlab.distributed.activation_checkpointing import checkpoint_units
@@ -261,15 +268,16 @@ class Backend:
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` (0: only measure) and return the global gradient norm as a plain tensor.
 
-        torch's clip_grad_norm_ handles sharded (DTensor) gradients: the norm it computes spans every rank.
+        Sharded (DTensor) gradients give DTensor norms whose full value spans every rank of their mesh (the data
+        axes' shards summed, tensor-parallel replicas counted once); the norm is made whole before clipping, so the
+        coefficient is one plain number however the gradients are placed.
         """
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads)
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm.detach().cpu()
 
     def make_grad_scaler(self) -> torch.amp.GradScaler | None:
@@ -281,9 +289,17 @@ class Backend:
 
     # ---- collectives for metrics ---------------------------------------------------------------------------------
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        if dist.is_initialized() and self.env.world_size > 1:
-            values = values.clone()
+        """``values`` summed over the ranks that hold different terms of them (losses, counts, tokens): every rank
+        without other axes; with them, the data (and context) axes only, in turn, since each tensor-parallel rank of a
+        group holds the same values (mesh.ParallelDims.loss_dims)."""
+        if not (dist.is_initialized() and self.env.world_size > 1):
+            return values
+        values = values.clone()
+        if self.mesh is None or not self.dims.multi_axis:
             dist.all_reduce(values)
+            return values
+        for name in self.dims.loss_dims():
+            dist.all_reduce(values, group=self.mesh.get_group(name))
         return values
 
     def any_rank(self, *flags: bool) -> list[bool]:
@@ -337,6 +353,14 @@ class Backend:
         if self.cfg.compile:
             cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
             yield f"compile: every unit builds its graphs in the first training step (inductor cache {cache})"
+
+
+def refuse_tensor_parallel(backend: str, plan: dict | None) -> None:
+    """A backend that does not apply tensor-parallel plans, given one (the pre-flight refuses this config first)."""
+    if plan is not None:
+        raise ConfigError(
+            f"distributed.tensor_parallel_degree > 1 needs distributed.backend=fully_sharded (not {backend})"
+        )
 
 
 @BACKENDS.register("single")

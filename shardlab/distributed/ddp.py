@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from shardlab.distributed.activation_checkpointing import checkpoint_units
-from shardlab.distributed.base import Backend
+from shardlab.distributed.base import Backend, refuse_tensor_parallel
 from shardlab.registry import BACKENDS
 
 
@@ -25,7 +25,9 @@ class DDPBackend(Backend):
         units: list[nn.Module],
         materialize: Callable[[nn.Module], None],
         full_precision_modules: Sequence[nn.Module] = (),
+        tensor_parallel_plan: dict | None = None,
     ) -> nn.Module:
+        refuse_tensor_parallel(self.name, tensor_parallel_plan)
         materialize(model)
         units = checkpoint_units(model, units, self.cfg)
         self.compile_units(units or [model])

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from shardlab.distributed import torch_internals
@@ -30,20 +30,21 @@ class FullyShardedBackend(Backend):
     casts_in_forward = False
 
     def setup(self, prepare_data: Callable[[], str] | None = None) -> None:
+        """Join the process group, then build the one mesh (self.mesh, from self.dims): FSDP2 shards over its
+        'dp_shard' axis (kept at size 1 under tensor parallelism, so TP and FSDP share one root mesh, as FSDP2 + TP
+        requires) and replicates over 'dp_replicate' (hybrid); tensor parallelism runs over 'tp'."""
         super().setup(prepare_data)
-        world, degree = self.env.world_size, self.cfg.sharding_degree
-        degree = world if degree == -1 else degree
-        self.sharding_degree = degree
-        if self.dims.pp > 1:  # FSDP over the data-parallel ranks of each stage (shardlab.distributed.pipeline)
-            from shardlab.distributed.pipeline import pipeline_meshes
+        self.mesh = self.dims.build(self.device.type, keep=("dp_shard",))
+        self.sharding_degree = self.dims.dp_shard
 
-            self.pp_mesh, self.mesh = pipeline_meshes(self.dims, self.device.type)
-        elif degree == world:
-            self.mesh: DeviceMesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("shard",))
-        else:  # hybrid: shard inside groups of `degree` ranks, replicate across the groups (HSDP)
-            self.mesh = init_device_mesh(
-                self.device.type, (world // degree, degree), mesh_dim_names=("replicate", "shard")
-            )
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The data axes of the mesh, which FSDP2 shards over ('dp_shard') and replicates across ('dp_replicate',
+        HSDP). A mesh made elsewhere without 'dp_shard' (memory.verify's) is all data axes."""
+        names = self.mesh.mesh_dim_names or ()
+        if "dp_shard" not in names:
+            return self.mesh
+        data = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
+        return self.mesh if names == data else self.mesh[data]
 
     def process_groups(self) -> list:
         return [None, *(self.mesh.get_group(dim) for dim in range(self.mesh.ndim))]
@@ -63,7 +64,12 @@ class FullyShardedBackend(Backend):
         units: list[nn.Module],
         materialize: Callable[[nn.Module], None],
         full_precision_modules: Sequence[nn.Module] = (),
+        tensor_parallel_plan: dict | None = None,
     ) -> nn.Module:
+        """Tensor parallelism (the task's plan over mesh["tp"]), then activation checkpointing and compile, then FSDP2
+        over the data axes, then the weights materialized into the shards (torchtitan's order)."""
+        if tensor_parallel_plan is not None:
+            self.apply_tensor_parallel(model, tensor_parallel_plan)
         units = units or generic_units(model, self.cfg.wrap_min_num_params)
         units = checkpoint_units(model, units, self.cfg)
         self.units = units
@@ -105,9 +111,19 @@ class FullyShardedBackend(Backend):
                         module._buffers[key] = buf.to(self.device)
         return model
 
+    def apply_tensor_parallel(self, model: nn.Module, plan: dict) -> None:
+        """The task's plan over the mesh's 'tp' axis (shardlab.distributed.tensor_parallel), and async TP where asked
+        (the pre-flight allows it on CUDA with compile only)."""
+        from shardlab.distributed.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
+
+        apply_tensor_parallel(model, plan, self.mesh["tp"])
+        self.async_tensor_parallel = (
+            self.cfg.async_tensor_parallel and self.device.type == "cuda" and enable_async_tensor_parallel(self.mesh["tp"])
+        )
+
     def shard_kwargs(self) -> dict:
         return {
-            "mesh": self.mesh,
+            "mesh": self.fsdp_mesh(),
             "mp_policy": MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype),
             "offload_policy": CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
             if self.cfg.cpu_offload
@@ -143,7 +159,7 @@ class FullyShardedBackend(Backend):
         params = list(model.parameters())
         return (
             self.device.type == "cpu"
-            and self.mesh.ndim == 1
+            and self.mesh.ndim == 1  # the data axis alone: no hybrid, no tensor parallelism
             and self.reduce_dtype == torch.float32
             and torch_internals.in_backward() is not None  # _note_forward must tell recomputation apart
             # `is False`: a torch that cannot tell whether hooks exist does not overlap
@@ -174,3 +190,7 @@ class FullyShardedBackend(Backend):
             f"reduce-scatter {'as overlapped all-reduce' if self.reduce_comm is not None else 'native'}, "
             f"prefetch_units={self.cfg.prefetch_units}{' (async unshard)' if self.unshard_async else ''}"
         )
+        if self.dims.tp > 1:
+            overlap = "async (overlapped in compiled graphs)" if getattr(self, "async_tensor_parallel", False) else "sync"
+            yield (f"tensor parallel: {self.dims.describe()}; each layer split over {self.dims.tp} ranks, sequence-"
+                   f"parallel between blocks, collectives {overlap}")  # fmt: skip

@@ -32,7 +32,7 @@ def materialize(
     names: weights a file will overwrite before anything reads them (Task.pretrained_keys), left as allocated, since
     drawing them would cost time that grows with the model (minutes at 8B on a CPU) for values never used. Each name
     has its own generator, so skipping some leaves the others' values as they were."""
-    shared = _shared_parameter_slots(model)
+    shared = shared_parameter_slots(model)
     model.to_empty(device=device)
     # to_empty gives every module its own new tensor, silently untying shared weights (tied embeddings): re-tie.
     for slots in shared:
@@ -54,7 +54,7 @@ def materialize(
             tensor.copy_(full)
 
 
-def _shared_parameter_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+def shared_parameter_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """(module, attribute) slots that hold the same parameter object, for every parameter held by more than one."""
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():

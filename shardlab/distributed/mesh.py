@@ -105,15 +105,29 @@ class ParallelDims:
         parts = [f"{name} {size}" for name, size in zip(DIM_NAMES, self.sizes) if size > 1]
         return " x ".join(parts) or "dp_shard 1"
 
-    def enabled(self) -> tuple[str, ...]:
-        """The dimensions of size above 1, outermost first ('dp_shard' alone when every degree is 1)."""
-        names = tuple(name for name, size in zip(DIM_NAMES, self.sizes) if size > 1)
+    def enabled(self, keep: tuple[str, ...] = ()) -> tuple[str, ...]:
+        """The dimensions of size above 1 and those in ``keep``, outermost first ('dp_shard' alone when every degree
+        is 1)."""
+        names = tuple(name for name, size in zip(DIM_NAMES, self.sizes) if size > 1 or name in keep)
         return names or ("dp_shard",)
 
-    def build(self, device_type: str) -> DeviceMesh:
+    def data_dims(self) -> tuple[str, ...]:
+        """The data axes in use ('dp_replicate', 'dp_shard', each only when above 1): the ranks FSDP shards and
+        replicates over, and which read different samples."""
+        return tuple(name for name in ("dp_replicate", "dp_shard") if getattr(self, name) > 1)
+
+    def loss_dims(self) -> tuple[str, ...]:
+        """The axes whose ranks hold different terms of a step's loss and counts (the data axes, and context
+        parallelism's sequence chunks): summed metrics are all-reduced over these, not over tensor-parallel ranks,
+        which each hold the same values. And the pipeline axis: only the last stage computes the loss, the other
+        stages add zeros (shardlab.distributed.pipeline), so the sum over it counts each term once."""
+        return tuple(name for name in ("pp", "dp_replicate", "dp_shard", "cp") if getattr(self, name) > 1)
+
+    def build(self, device_type: str, keep: tuple[str, ...] = ()) -> DeviceMesh:
         """The mesh over every rank with a named dimension for each degree above 1 (as torchtitan's: a dimension of
-        size 1 would only cost process groups of one rank); slice it by name. Every rank must call it: it makes each
-        dimension's process groups."""
-        names = self.enabled()
+        size 1 would only cost process groups of one rank) and for each of ``keep`` (fully_sharded keeps 'dp_shard',
+        the mesh its FSDP2 shards over, even at size 1 under tensor parallelism); slice it by name. Every rank must
+        call it: it makes each dimension's process groups."""
+        names = self.enabled(keep)
         grid = self.rank_grid().reshape([getattr(self, name) for name in names])
         return DeviceMesh(device_type, grid, mesh_dim_names=names)

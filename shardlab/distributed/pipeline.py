@@ -175,7 +175,8 @@ def build_pipeline(
     it and materialized, and the schedule over them."""
     d = cfg.distributed
     cut = task.pipeline_cut()
-    pp, pp_rank = d.pipeline_parallel_degree, backend.pp_mesh.get_local_rank()
+    pp_mesh = backend.mesh["pp"]  # the one mesh's pipeline axis (fully_sharded builds it from ParallelDims)
+    pp, pp_rank = d.pipeline_parallel_degree, pp_mesh.get_local_rank()
     num_stages = pp * d.pipeline_stages_per_rank
     ranges = layer_ranges(cut.num_layers, num_stages)
     held = rank_stages(pp_rank, pp, d.pipeline_stages_per_rank)
@@ -184,22 +185,8 @@ def build_pipeline(
         module = pruned(model, cut, ranges[index], first=index == 0, last=index == num_stages - 1)
         inside = {id(m) for m in module.modules()}
         module = backend.parallelize(module, [u for u in units if id(u) in inside], materialize)
-        stages.append(PipelineStage(module, index, num_stages, backend.device, group=backend.pp_mesh.get_group()))
+        stages.append(PipelineStage(module, index, num_stages, backend.device, group=pp_mesh.get_group()))
     layer_ids = [i for index in held for i in ranges[index]]
     rank_model = pruned(model, cut, layer_ids, first=0 in held, last=num_stages - 1 in held)
-    return Pipeline(cfg, task, stages, rank_model, backend.pp_mesh.get_group(), backend.device)
+    return Pipeline(cfg, task, stages, rank_model, pp_mesh.get_group(), backend.device)
 
-
-def pipeline_meshes(dims, device_type: str):
-    """(the pipeline mesh, the data mesh FSDP shards over) of this rank, from one mesh pp x [replicate x] shard (the
-    data dimensions keep fully_sharded's names; a shard dimension of one rank when the data degree is 1, so every
-    stage is sharded alike). Every rank must call it: it makes each dimension's process groups."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    sizes, names = [dims.pp, dims.dp_shard], ["pp", "shard"]
-    if dims.dp_replicate > 1:
-        sizes, names = [dims.pp, dims.dp_replicate, dims.dp_shard], ["pp", "replicate", "shard"]
-    if dims.tp > 1 or dims.cp > 1:
-        raise NotImplementedError("pipeline parallelism composes with the data axes only, so far")
-    mesh = DeviceMesh(device_type, dims.rank_grid().reshape(sizes), mesh_dim_names=tuple(names))
-    return mesh["pp"], mesh[tuple(names[1:])] if len(names) > 2 else mesh["shard"]

@@ -4,7 +4,7 @@ Private names change without notice between torch releases. Each one here is use
 in TESTED_TORCH (the minor versions tests/unit/test_torch_internals.py passed on) and the name still exists; else the
 caller takes the public path it would take without it. tests/unit/test_torch_internals.py checks each name's
 behaviour on the installed torch and fails loudly, naming what moved, when a torch upgrade changes one. Nothing on
-the default path needs them: they back opt-in CPU (gloo) speed-ups only.
+the default path needs them: they back opt-in CPU (gloo) speed-ups and the opt-in async tensor parallelism on CUDA.
 
 Other private names are used where they are, because there is no public path to fall back to and each is what torch's
 own public code calls (an upgrade that moved one fails at import or in that module's tests, not silently):
@@ -96,3 +96,19 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     if tested() and hasattr(tensor, "_local_tensor"):
         return tensor._local_tensor
     return tensor.to_local()
+
+
+def micro_pipeline_tp_switches():
+    """torch's async tensor parallelism, as torchtitan turns it on: inductor's private ``_micro_pipeline_tp`` pass flag
+    and ``torch.distributed._symmetric_memory.enable_symm_mem_for_group``; (the inductor config, the enabler), or None
+    where either moved: tensor parallelism then runs its collectives synchronously (the public path)."""
+    if not tested():
+        return None
+    try:
+        import torch._inductor.config as inductor_config
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    except ImportError:
+        return None
+    if not hasattr(inductor_config, "_micro_pipeline_tp"):
+        return None
+    return inductor_config, enable_symm_mem_for_group

@@ -46,6 +46,7 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
 
     from shardlab.distributed import load_backends
     from shardlab.distributed.compile import compile_errors
+    from shardlab.jobs.axis_checks import axis_errors
     from shardlab.task import Task
 
     load_plugins(cfg.get("user_dir"))  # .get: configs recorded before user_dir existed lack it
@@ -67,6 +68,7 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
     problems += registered_name_errors(cfg)
     problems += task.config_errors()
     problems += task.world_errors(world_size)
+    problems += axis_errors(cfg, task, world_size, num_cuda_devices)
     problems += compile_errors(cfg.distributed, num_cuda_devices)
     problems += pipeline_errors(cfg, task.pipeline_cut(), world_size)
     if cfg.distributed.wrap_min_num_params > 0 and type(task).fsdp_units is not Task.fsdp_units:
@@ -142,7 +144,7 @@ def job_world_size(cfg: DictConfig, launcher_world_size: int | None = None) -> i
 
 def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
     """distributed.pipeline_*: what shardlab.distributed.pipeline can run, given the task's cut (None: the task's model
-    cannot be pipelined) and the world size."""
+    cannot be pipelined) and the world size (the degree against the world and the task: axis_checks)."""
     from shardlab.distributed.pipeline import MULTI_STAGE, SCHEDULES, UNOFFERED
 
     d, o = cfg.distributed, cfg.optimization
@@ -150,11 +152,8 @@ def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
     if pp == 1:
         return [] if per_rank == 1 else [f"distributed.pipeline_stages_per_rank ({per_rank}) needs distributed."
                                          "pipeline_parallel_degree > 1; drop it"]  # fmt: skip
-    if pp < 1 or world % pp:
-        return [f"distributed.pipeline_parallel_degree ({pp}) must divide the world size ({world}); 1 = off"]
-    if cut is None:
-        return [f"distributed.pipeline_parallel_degree ({pp}): task {cfg.task.name}'s model cannot be cut into "
-                "pipeline stages (image models stay data-parallel); set it to 1"]  # fmt: skip
+    if pp < 1 or world % pp or cut is None:  # shardlab.jobs.axis_checks says why (the degree, the task)
+        return []
     if schedule not in SCHEDULES:
         why = (
             "its forward-only pass fails in torch 2.14, so validation cannot run through it"
@@ -598,14 +597,19 @@ def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]
     """Flag combinations that cannot work (or silently would not do what they say)."""
     d, errors = cfg.distributed, []
     sharded = d.backend in ("fully_sharded", "auto")  # auto keeps fully_sharded knobs (and then shards)
-    if world > 1 and cfg.optimization.batch_size % world:
+    from shardlab.distributed.mesh import ParallelDims
+
+    dims = ParallelDims.from_config(d, world)
+    readers = dims.dp if dims.multi_axis and dims.world_size == world else world  # ranks that read different samples
+    among = "the world size" if readers == world else "the data-parallel ranks (world / tensor x pipeline x context)"
+    if readers > 1 and cfg.optimization.batch_size % readers:
         errors.append(
-            f"optimization.batch_size ({cfg.optimization.batch_size}) must be divisible by the world size "
-            f"({world}): it is the global micro-batch, split evenly over the ranks"
+            f"optimization.batch_size ({cfg.optimization.batch_size}) must be divisible by {among} "
+            f"({readers}): it is the global micro-batch, split evenly over the ranks"
         )
-    if world > 1 and cfg.validation.batch_size % world:
+    if readers > 1 and cfg.validation.batch_size % readers:
         errors.append(
-            f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by the world size ({world})"
+            f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by {among} ({readers})"
         )
     if sharded and d.sharding_degree != -1 and (d.sharding_degree < 1 or world % d.sharding_degree):
         errors.append(

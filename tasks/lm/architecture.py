@@ -38,6 +38,16 @@ class LMArchitecture(nn.Module):
         root unit. Parameters shared by two modules (tied embeddings) must stay in the root."""
         return []
 
+    def tensor_parallel_plan(self) -> dict | None:
+        """This model's tensor-parallel plan (tasks/lm/tensor_parallel.py: module paths to torch ParallelStyles), or
+        None: it cannot split over distributed.tensor_parallel_degree ranks."""
+        return None
+
+    @classmethod
+    def tensor_parallel_errors(cls, cfg: Any, vocab_size: int, degree: int) -> list[str]:
+        """Why the model section cannot split over ``degree`` tensor-parallel ranks, each line naming the key."""
+        return []
+
     @classmethod
     def config_keys(cls) -> set[str]:
         return {f.name for f in fields(cls.config_class)}

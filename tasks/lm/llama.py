@@ -96,12 +96,13 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k(x).view(b, t, self.num_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds its own num_heads / tp (and num_kv_heads / tp) of them.
+        q = self.q(x).view(b, t, -1, self.head_dim)
+        k = self.k(x).view(b, t, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if self.num_kv_heads < self.num_heads:
             # Expanded here rather than by SDPA's enable_gqa: CUDA's memory-efficient kernel (the fp32 one) has no
@@ -112,7 +113,7 @@ class Attention(nn.Module):
         # A packed row's mask (tasks/lm/sft_packing.py) keeps attention within each sample; without one, the causal
         # kernel of pretraining, untouched.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        return self.o(y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(nn.Module):
@@ -188,6 +189,19 @@ class Llama(LMArchitecture):
         if self.cfg.tie_embeddings:
             return list(self.blocks)
         return [self.embed, *self.blocks, self.head]
+
+    def tensor_parallel_plan(self) -> dict:
+        from tasks.lm.tensor_parallel import llama_plan
+
+        return llama_plan(qk_norm=self.cfg.qk_norm)
+
+    @classmethod
+    def tensor_parallel_errors(cls, m: LlamaConfig, vocab_size: int, degree: int) -> list[str]:
+        from tasks.lm.tensor_parallel import divisibility_errors
+
+        sizes = {"model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads}
+        sizes |= {"model.ffn_dim (the FFN width)": ffn_width(m.dim, m.ffn_dim), "the vocabulary": vocab_size}
+        return divisibility_errors(degree, sizes)
 
     @classmethod
     def config_errors(cls, m: LlamaConfig) -> list[str]:

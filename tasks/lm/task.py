@@ -299,6 +299,27 @@ class LanguageModelingTask(Task):
         else:
             self.architecture.init_tensor(self.cfg.model, name, tensor, generator)
 
+    model_parallel_axes = ("tp", "pp", "cp")
+
+    def tensor_parallel_plan(self, model: nn.Module) -> dict | None:
+        """The architecture's plan (tasks/lm/tensor_parallel.py)."""
+        return model.tensor_parallel_plan()
+
+    def tensor_parallel_errors(self, degree: int) -> list[str]:
+        """An architecture without a plan, LoRA's adapters (not planned yet), and the sizes the degree must divide."""
+        arch, m = self.architecture, self.cfg.model
+        if arch.tensor_parallel_plan is LMArchitecture.tensor_parallel_plan:
+            return [
+                f"distributed.tensor_parallel_degree ({degree}): model.arch={m.arch} has no tensor-parallel plan "
+                "(GPT's fused qkv projection does not split by heads); use a model=llama_* flavor or set it to 1"
+            ]
+        from tasks.lm.lora import lora_on
+
+        if lora_on(m):
+            return [f"distributed.tensor_parallel_degree ({degree}) with model.lora: adapters have no tensor-parallel "
+                    "plan yet; set it to 1"]  # fmt: skip
+        return arch.tensor_parallel_errors(m, self.vocab_size, degree)
+
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         return model.fsdp_units()
 

@@ -88,7 +88,7 @@ def test_two_torchrun_nodes_with_hybrid_sharding_match_one_process(tmp_path, cor
     nodes = two_torchrun_nodes(tmp_path, args)
     for code, _, err in nodes:
         assert code == 0, err[-3000:]
-    assert "world size 4 (torchrun)" in nodes[0][1] and "mesh 2x2 ('replicate', 'shard')" in nodes[0][1]
+    assert "world size 4 (torchrun)" in nodes[0][1] and "mesh 2x2 ('dp_replicate', 'dp_shard')" in nodes[0][1]
     reference = run_rank(tiny_lm("logging.tensorboard=false"), tmp_path / "single", dist_env.detect())
     expected = [r["loss"] for r in reference["history"] if r["split"] == "train"]
     got = scalars(tmp_path / "hsdp")

@@ -68,7 +68,7 @@ def test_one_task_per_host_starting_two_ranks_with_hybrid_sharding_matches_one_p
         multi_node_env, tmp_path, corpus_cache, "distributed.world_size=4", "distributed.sharding_degree=2"
     )
     assert f"completed at step {STEPS}" in out, out[-3000:]
-    assert "world size 4 (slurm)" in log and "mesh 2x2 ('replicate', 'shard')" in log, log[-3000:]
+    assert "world size 4 (slurm)" in log and "mesh 2x2 ('dp_replicate', 'dp_shard')" in log, log[-3000:]
     got = scalars(run_dir)
     assert [s for s, _ in got] == list(range(1, STEPS + 1))
     assert_losses_equal([v for _, v in got], train_losses(one_process))

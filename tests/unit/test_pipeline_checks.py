@@ -36,7 +36,7 @@ REFUSED = {  # what a config changes from FITS (overrides split by spaces) -> th
     "optimization.update_freq=4 validation.batch_size=6": r"validation.batch_size \(6\) must be a multiple of "
     r"data-parallel ranks x optimization.update_freq \(4\)",
     "model.tie_embeddings=true": r"model.tie_embeddings: the embedding \(first pipeline stage\) and the head",
-    "distributed.world_size=3": r"distributed.pipeline_parallel_degree \(2\) must divide the world size \(3\)",
+    "distributed.world_size=3": r"the mesh's degrees multiply to pp 2 = 2 ranks, but the world size is 3",
     "distributed.precision=fp16": r"distributed.precision fp16 with pipeline_parallel_degree > 1",
 }
 
@@ -55,7 +55,7 @@ def test_stages_per_rank_without_a_pipeline_is_refused(tiny_lm):
 
 def test_an_image_model_is_refused_a_pipeline_degree():
     cfg = compose_config(["task=image_classification", *PP, "optimization.batch_size=8", "validation.batch_size=8"])
-    with pytest.raises(ConfigError, match=r"task image_classification's model cannot be cut into pipeline stages"):
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_degree \(2\): task image_classification's models do not"):
         checks.check(cfg)
 
 

@@ -90,6 +90,15 @@ def test_a_dtensors_private_local_tensor_is_its_public_local_shard():
         dist.destroy_process_group()
 
 
+def test_async_tensor_parallels_switches_are_where_torchtitan_sets_them():
+    """distributed.async_tensor_parallel sets inductor's micro-pipeline TP pass flag and enables symmetric memory for
+    the tp group (CUDA only; here only that both names exist and the flag is a bool, off by default)."""
+    switches = torch_internals.micro_pipeline_tp_switches()
+    assert switches is not None, "torch moved _micro_pipeline_tp or enable_symm_mem_for_group: async TP would be off"
+    inductor_config, enable = switches
+    assert inductor_config._micro_pipeline_tp is False and callable(enable)
+
+
 def test_outside_the_tested_range_every_private_path_falls_back(monkeypatch):
     monkeypatch.setattr(torch_internals, "TESTED_TORCH", ((1, 0), (1, 0)))
     torch_internals.reduce_scatter_base.cache_clear()
@@ -98,6 +107,7 @@ def test_outside_the_tested_range_every_private_path_falls_back(monkeypatch):
         assert torch_internals.in_backward() is None
         assert torch_internals.has_post_accumulate_grad_hooks(nn.Parameter(torch.ones(1))) is None
         assert torch_internals.set_unshard_async_op(nn.Linear(1, 1)) is False
+        assert torch_internals.micro_pipeline_tp_switches() is None
         import torch.distributed as dist
 
         try:

@@ -1,0 +1,69 @@
+"""The pre-flight's checks of the mesh's axes beyond data parallelism (distributed.tensor_parallel_degree,
+pipeline_parallel_degree, context_parallel_degree, async_tensor_parallel): each refusal one line naming the key,
+before any process starts (asked by shardlab.jobs.checks.check)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardlab.distributed.mesh import ParallelDims
+
+AXIS_KEYS = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree", "cp": "context_parallel_degree"}
+"""Each axis beyond the data ones, by its mesh name, and the key that sizes it."""
+
+
+def axis_errors(cfg: Any, task, world: int, num_cuda_devices: int) -> list[str]:
+    """The degrees against the world size, the backend, the task's models and this machine's devices."""
+    d = cfg.distributed
+    dims = ParallelDims.from_config(d, world)
+    asked = {axis: getattr(dims, axis) for axis in AXIS_KEYS if getattr(dims, axis) != 1}
+    errors = dims.errors(world) if asked else []
+    if errors:
+        return errors
+    for axis, degree in asked.items():
+        if axis not in task.model_parallel_axes:
+            errors.append(
+                f"distributed.{AXIS_KEYS[axis]} ({degree}): task {cfg.task.name}'s models do not split that way; they "
+                "stay data-parallel (set it to 1 and scale with distributed.world_size)"
+            )
+    if errors:
+        return errors
+    if dims.tp > 1:
+        errors += tensor_parallel_errors(cfg, task, dims.tp)
+    if dims.cp > 1:
+        errors.append(context_parallel_refusal(dims.cp, num_cuda_devices))
+    if d.async_tensor_parallel:
+        errors += async_tensor_parallel_errors(cfg, dims.tp, num_cuda_devices)
+    return errors
+
+
+def tensor_parallel_errors(cfg: Any, task, degree: int) -> list[str]:
+    """Tensor parallelism composes with FSDP2 over one mesh (fully_sharded); the model must split evenly."""
+    backend = cfg.distributed.backend
+    if backend != "fully_sharded":
+        return [
+            f"distributed.tensor_parallel_degree ({degree}) needs distributed.backend=fully_sharded (FSDP2 shards the "
+            f"data axes of the mesh tensor parallelism splits; backend is {backend})"
+        ]
+    return task.tensor_parallel_errors(degree)
+
+
+def context_parallel_refusal(degree: int, num_cuda_devices: int) -> str:
+    if not num_cuda_devices:
+        return (
+            f"distributed.context_parallel_degree ({degree}) needs CUDA: torch's context_parallel has no sharding "
+            "rule for CPU attention; set it to 1 here"
+        )
+    return f"distributed.context_parallel_degree ({degree}): context parallelism is not built yet; set it to 1"
+
+
+def async_tensor_parallel_errors(cfg: Any, tp: int, num_cuda_devices: int) -> list[str]:
+    d = cfg.distributed
+    if not num_cuda_devices:
+        return ["distributed.async_tensor_parallel is a CUDA feature (symmetric memory between GPUs); drop it on CPU"]
+    if tp < 2 or not d.compile:
+        return [
+            "distributed.async_tensor_parallel overlaps tensor parallelism's collectives inside compiled graphs: it "
+            "needs distributed.tensor_parallel_degree > 1 and distributed.compile=true"
+        ]
+    return []

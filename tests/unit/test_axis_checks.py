@@ -1,0 +1,77 @@
+"""The pre-flight's refusals of the mesh's axes beyond data parallelism (shardlab/jobs/axis_checks.py): each one line
+naming the key, before any process starts; through the command line, exit code 2 and no run folder."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardlab.errors import ConfigError
+from shardlab.jobs import checks
+from tests.conftest import compose_config
+from tests.unit.test_cli import train_cli
+
+LLAMA = ["model=llama_tiny", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_dim=128"]
+TP = ["distributed.backend=fully_sharded", "distributed.tensor_parallel_degree"]
+VISION = ["task=image_classification", "distributed.backend=fully_sharded", "optimization.batch_size=8",
+          "validation.batch_size=8"]  # fmt: skip
+
+REFUSED = {
+    "degrees that do not fill the world": (
+        [*LLAMA, f"{TP[0]}", f"{TP[1]}=4", "distributed.world_size=6"],
+        r"the mesh's degrees multiply to tp 4 = 4 ranks, but the world size is 6",
+    ),
+    "heads": ([*LLAMA, TP[0], f"{TP[1]}=4", "model.num_heads=2", "model.num_kv_heads=1", "distributed.world_size=4"],
+              r"^distributed.tensor_parallel_degree \(4\) must divide model.num_heads \(2\)"),
+    "kv heads": ([*LLAMA, TP[0], f"{TP[1]}=2", "model.num_kv_heads=1", "distributed.world_size=2"],
+                 r"^distributed.tensor_parallel_degree \(2\) must divide model.num_kv_heads \(1\)"),
+    "ffn width": ([*LLAMA, TP[0], f"{TP[1]}=2", "model.ffn_dim=129", "distributed.world_size=2"],
+                  r"^distributed.tensor_parallel_degree \(2\) must divide model.ffn_dim \(the FFN width\) \(129\)"),
+    "vocabulary": ([*LLAMA, TP[0], f"{TP[1]}=2", "model.vocab_size=321", "distributed.world_size=2"],
+                   r"^distributed.tensor_parallel_degree \(2\) must divide the vocabulary \(321\)"),
+    "gpt": ([TP[0], f"{TP[1]}=2", "distributed.world_size=2"],
+            r"^distributed.tensor_parallel_degree \(2\): model.arch=gpt has no tensor-parallel plan"),
+    "ddp": ([*LLAMA, "distributed.backend=ddp", f"{TP[1]}=2", "distributed.world_size=2"],
+            r"^distributed.tensor_parallel_degree \(2\) needs distributed.backend=fully_sharded"),
+    "vision tensor": ([*VISION, f"{TP[1]}=2", "distributed.world_size=2"],
+                      r"^distributed.tensor_parallel_degree \(2\): task image_classification's models do not split "
+                      r"that way; they stay data-parallel"),
+    "vision pipeline": ([*VISION, "distributed.pipeline_parallel_degree=2", "distributed.world_size=2"],
+                        r"^distributed.pipeline_parallel_degree \(2\): task image_classification's models do not"),
+    "context on cpu": ([*LLAMA, TP[0], "distributed.context_parallel_degree=2", "distributed.world_size=2"],
+                       r"^distributed.context_parallel_degree \(2\) needs CUDA"),
+    "async tp on cpu": ([*LLAMA, TP[0], f"{TP[1]}=2", "distributed.async_tensor_parallel=true",
+                         "distributed.world_size=2"], r"^distributed.async_tensor_parallel is a CUDA feature"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_each_axis_refusal_names_its_key(case, tiny_lm):
+    overrides, pattern = REFUSED[case]
+    with pytest.raises(ConfigError, match=pattern) as refused:
+        checks.check(tiny_lm(*overrides) if "task=" not in overrides[0] else compose_config(overrides),
+                     num_cuda_devices=0)  # fmt: skip
+    assert "\n" not in str(refused.value)
+
+
+def test_the_batch_splits_over_the_data_parallel_ranks_only(tiny_lm):
+    """FSDP 2 x TP 2 on 4 ranks: the batch is split in 2, not 4; a batch of 6 fits it."""
+    checks.check(tiny_lm(*LLAMA, TP[0], f"{TP[1]}=2", "distributed.world_size=4", "optimization.batch_size=6",
+                         "validation.batch_size=6"), num_cuda_devices=0)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"must be divisible by the data-parallel ranks \(world / tensor x pipe"):
+        checks.check(tiny_lm(*LLAMA, TP[0], f"{TP[1]}=2", "distributed.world_size=4", "optimization.batch_size=5",
+                             "validation.batch_size=6"), num_cuda_devices=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["kv heads", "context on cpu"])
+def test_the_command_line_refuses_before_any_rank_starts(case, tmp_path, corpus_cache):
+    """One line, exit code 2, nothing written: the run folder is never made."""
+    overrides, pattern = REFUSED[case]
+    proc = train_cli(*overrides, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={tmp_path}/run")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "[train]" not in out, (out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    import re
+
+    assert re.search(pattern.replace("^", "^error: "), lines[0]), lines[0]
+    assert not (tmp_path / "run").exists()
