@@ -23,13 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardlab.task import PipelineCut, Task
 
@@ -182,11 +183,46 @@ def build_pipeline(
     held = rank_stages(pp_rank, pp, d.pipeline_stages_per_rank)
     stages = []
     for index in held:
-        module = pruned(model, cut, ranges[index], first=index == 0, last=index == num_stages - 1)
+        first, last = index == 0, index == num_stages - 1
+        module = pruned(model, cut, ranges[index], first=first, last=last)
         inside = {id(m) for m in module.modules()}
-        module = backend.parallelize(module, [u for u in units if id(u) in inside], materialize)
+        plan = stage_tensor_parallel_plan(task, module) if backend.dims.tp > 1 else None
+        module = backend.parallelize(
+            module, [u for u in units if id(u) in inside], materialize, tensor_parallel_plan=plan
+        )
+        if plan is not None:
+            whole_sequence_between_stages(getattr(module, cut.layers), backend.mesh["tp"], first, last)
         stages.append(PipelineStage(module, index, num_stages, backend.device, group=pp_mesh.get_group()))
     layer_ids = [i for index in held for i in ranges[index]]
     rank_model = pruned(model, cut, layer_ids, first=0 in held, last=num_stages - 1 in held)
     return Pipeline(cfg, task, stages, rank_model, pp_mesh.get_group(), backend.device)
 
+
+def stage_tensor_parallel_plan(task: Task, module: nn.Module) -> dict:
+    """The task's tensor-parallel plan for one stage: the entries of the modules the stage holds (not of those it
+    replaced by identities: the embedding off the first stage, the head off the last)."""
+    plan = task.tensor_parallel_plan(module)
+    return {
+        path: style
+        for path, style in plan.items()
+        if not isinstance(module.get_submodule(path.split(".")[0]), nn.Identity)
+    }
+
+
+def whole_sequence_between_stages(layers: nn.Module, tp_mesh: DeviceMesh, first: bool, last: bool) -> None:
+    """Under tensor parallelism the residual stream between layers is split by sequence over the TP ranks (sequence
+    parallelism); between stages it travels whole: all-gathered after a stage's last layer, each rank's slice taken
+    again before the next stage's first. So every stage's forward sees the sequence length the unsplit model sees
+    (the Llama sizes its rotary tables by its input), and both moves are autograd's (DTensor redistributes)."""
+    layers = list(layers)
+    if not last:
+        layers[-1].register_forward_hook(
+            lambda _module, _args, out: DTensor.from_local(out, tp_mesh, [Shard(1)]).full_tensor()
+        )
+    if not first:
+        layers[0].register_forward_pre_hook(
+            lambda _module, args: (
+                DTensor.from_local(args[0], tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(1)]).to_local(),
+                *args[1:],
+            )
+        )

@@ -180,8 +180,7 @@ def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
          "rank's validation batch runs through the pipeline in update_freq micro-batches"),
         ("fp16" not in {d.param_dtype or d.precision, d.reduce_dtype or d.precision}, "distributed.precision fp16 "
          "with pipeline_parallel_degree > 1: the loss scaler's overflow vote is not agreed over stages yet; use bf16"),
-        (d.tensor_parallel_degree == 1 and d.context_parallel_degree == 1, "distributed.pipeline_parallel_degree "
-         "composes with the data axes only so far; set tensor_parallel_degree and context_parallel_degree to 1"),
+
     ])  # fmt: skip
     return errors
 
@@ -608,9 +607,7 @@ def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]
             f"({readers}): it is the global micro-batch, split evenly over the ranks"
         )
     if readers > 1 and cfg.validation.batch_size % readers:
-        errors.append(
-            f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by {among} ({readers})"
-        )
+        errors.append(f"validation.batch_size ({cfg.validation.batch_size}) must be divisible by {among} ({readers})")
     if sharded and d.sharding_degree != -1 and (d.sharding_degree < 1 or world % d.sharding_degree):
         errors.append(
             f"distributed.sharding_degree ({d.sharding_degree}) must divide the world size ({world}); "

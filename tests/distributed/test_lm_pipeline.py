@@ -18,6 +18,7 @@ from tests.distributed.harness import run_spawned
 PIPELINE_LM = ["model.num_layers=4", "model.tie_embeddings=false", "optimization.update_freq=2"]
 FSDP = "distributed.backend=fully_sharded"
 PP2 = [FSDP, "distributed.pipeline_parallel_degree=2"]
+LLAMA = ["model=llama_tiny", "model.ffn_dim=null"]
 VARIANTS_2 = {
     "1f1b": [*PP2, "distributed.pipeline_schedule=1f1b"],
     "interleaved_1f1b": [
@@ -25,7 +26,7 @@ VARIANTS_2 = {
         "distributed.pipeline_schedule=interleaved_1f1b",
         "distributed.pipeline_stages_per_rank=2",
     ],
-    "gpipe_llama": [*PP2, "distributed.pipeline_schedule=gpipe", "model=llama_tiny", "model.ffn_dim=null"],
+    "gpipe_llama": [*PP2, "distributed.pipeline_schedule=gpipe", *LLAMA],
 }
 
 
@@ -39,7 +40,7 @@ def full_params(trainer) -> dict:
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, full)
         full = {k: v for part in gathered for k, v in part.items()}
-    return {"params": full, "held": held}
+    return {"params": full, "held": held, "layout": trainer.backend.dims.describe()}
 
 
 def train_records(result: dict, key: str) -> torch.Tensor:
@@ -70,7 +71,11 @@ def references(tiny_lm, tmp_path_factory):
         result = run_rank(tiny_lm(*PIPELINE_LM, CKPT, *overrides), run_dir, dist_env.detect(), after_fit=full_params)
         return {**result, "run_dir": run_dir}
 
-    return {"gpt": single("single"), "llama": single("single_llama", "model=llama_tiny", "model.ffn_dim=null")}
+    return {
+        "gpt": single("single"),
+        "llama": single("single_llama", *LLAMA),
+        "llama_gqa": single("single_llama_gqa", *LLAMA, "model.num_heads=4", "model.num_kv_heads=2"),
+    }
 
 
 def step5(result: dict):
@@ -104,7 +109,21 @@ def test_pipeline_matches_single_process(name, two_rank_results, references):
     assert_same_training(two_rank_results[name], reference)
 
 
+@pytest.fixture(scope="module")
+def three_d_results(tiny_lm):
+    """FSDP 2 x TP 2 x PP 2 on a Llama (GQA: 4 query and 2 key/value heads, so each TP rank holds one KV head)."""
+    tp = ["distributed.tensor_parallel_degree=2", "model.num_heads=4", "model.num_kv_heads=2"]
+    cfgs = [tiny_lm(*PIPELINE_LM, *VARIANTS_2["1f1b"], *LLAMA, *tp)]
+    return run_spawned(cfgs, world_size=8, inspect=full_params)[0]
+
+
+def test_fsdp_tp_pp_matches_single_process(three_d_results, references):
+    assert three_d_results["layout"] == "pp 2 x dp_shard 2 x tp 2"
+    assert_same_training(three_d_results, references["llama_gqa"])
+
+
 def test_pipeline_composed_with_fsdp_matches_single_process(four_rank_results, references):
+    assert four_rank_results["layout"] == "pp 2 x dp_shard 2"
     assert_same_training(four_rank_results, references["gpt"])
     assert four_rank_results["held"] == ["blocks.0", "blocks.1", "embed.pos", "embed.tok"]
 
