@@ -74,7 +74,7 @@ def references(tiny_lm, tmp_path_factory):
     return {
         "gpt": single("single"),
         "llama": single("single_llama", *LLAMA),
-        "llama_gqa": single("single_llama_gqa", *LLAMA, "model.num_heads=4", "model.num_kv_heads=2"),
+        "llama_gqa": single("single_llama_gqa", *LLAMA, *GQA),
     }
 
 
@@ -109,12 +109,15 @@ def test_pipeline_matches_single_process(name, two_rank_results, references):
     assert_same_training(two_rank_results[name], reference)
 
 
+GQA = ["model.num_heads=4", "model.num_kv_heads=2"]
+
+
 @pytest.fixture(scope="module")
-def three_d_results(tiny_lm):
+def three_d_results(tiny_lm, tmp_path_factory):
     """FSDP 2 x TP 2 x PP 2 on a Llama (GQA: 4 query and 2 key/value heads, so each TP rank holds one KV head)."""
-    tp = ["distributed.tensor_parallel_degree=2", "model.num_heads=4", "model.num_kv_heads=2"]
-    cfgs = [tiny_lm(*PIPELINE_LM, *VARIANTS_2["1f1b"], *LLAMA, *tp)]
-    return run_spawned(cfgs, world_size=8, inspect=full_params)[0]
+    cfgs = [tiny_lm(*PIPELINE_LM, CKPT, *VARIANTS_2["1f1b"], *LLAMA, *GQA, "distributed.tensor_parallel_degree=2")]
+    run_dir = tmp_path_factory.mktemp("three_d")
+    return {**run_spawned(cfgs, world_size=8, run_dirs=[run_dir], inspect=full_params)[0], "run_dir": run_dir}
 
 
 def test_fsdp_tp_pp_matches_single_process(three_d_results, references):
@@ -161,3 +164,8 @@ def test_each_rank_holds_its_stages_layers_under_the_unsplit_names(two_rank_resu
     assert two_rank_results["1f1b"]["held"] == ["blocks.0", "blocks.1", "embed.pos", "embed.tok"]
     # interleaved: stage i on rank i mod 2, so rank 0 holds stages 0 and 2 (blocks 0 and 2)
     assert two_rank_results["interleaved_1f1b"]["held"] == ["blocks.0", "blocks.2", "embed.pos", "embed.tok"]
+
+
+def test_a_3d_checkpoint_resumes_on_one_process(tiny_lm, three_d_results, references, tmp_path):
+    cfg = tiny_lm(*PIPELINE_LM, *LLAMA, *GQA, f"checkpoint.resume={step5(three_d_results)}")
+    assert_continues(run_rank(cfg, tmp_path, dist_env.detect()), references["llama_gqa"])
