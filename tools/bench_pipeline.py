@@ -9,7 +9,8 @@ padded), 2 pipeline ranks of 2 blocks (the embedding on the first, final norm + 
 micro-batches of 8 sequences of 128 tokens per step (shardlab: optimization.batch_size=8, update_freq=4), AdamW lr
 3e-3, clipping by the norm over both stages. The loop: each rank builds its own stage (nn.Modules written here
 around tasks/lm/model.py's blocks), PipelineStage + Schedule1F1B, random tokens, no FSDP (one rank per stage:
-nothing to shard), no data loading, checks or logging. shardlab wraps each stage in FSDP2 over its one data-parallel
+nothing to shard), no data loading, checks or logging; freed pages kept (glibc's mmap threshold at its ceiling) as a
+shardlab CPU rank does without a memory budget. shardlab wraps each stage in FSDP2 over its one data-parallel
 rank and reads the corpus. Each pair alternates which side runs first; the figure is the median ratio of tokens/s
 (shardlab / loop). Each run is a fresh set of processes.
 """
@@ -62,9 +63,11 @@ class Stage(nn.Module):
 def loop_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+    from shardlab.distributed.cpu_allocator import configure_cpu_allocator
     from tasks.lm.config import GPTConfig
     from tasks.lm.model import GPT
 
+    configure_cpu_allocator("fast")  # as a shardlab CPU rank without a memory budget (and tools/bench_reference.py)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     s = SHAPES

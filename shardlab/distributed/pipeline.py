@@ -187,8 +187,9 @@ def build_pipeline(
         module = pruned(model, cut, ranges[index], first=first, last=last)
         inside = {id(m) for m in module.modules()}
         plan = stage_tensor_parallel_plan(task, module) if backend.dims.tp > 1 else None
+        stage_units, full_precision = [u for u in units if id(u) in inside], task.full_precision_modules(module)
         module = backend.parallelize(
-            module, [u for u in units if id(u) in inside], materialize, tensor_parallel_plan=plan
+            module, stage_units, materialize, full_precision_modules=full_precision, tensor_parallel_plan=plan
         )
         if plan is not None:
             whole_sequence_between_stages(getattr(module, cut.layers), backend.mesh["tp"], first, last)

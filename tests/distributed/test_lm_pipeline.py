@@ -27,6 +27,7 @@ VARIANTS_2 = {
         "distributed.pipeline_stages_per_rank=2",
     ],
     "gpipe_llama": [*PP2, "distributed.pipeline_schedule=gpipe", *LLAMA],
+    "1f1b_act_ckpt": [*PP2, "distributed.activation_checkpointing=full"],  # each stage's units wrapped alone
 }
 
 
