@@ -117,9 +117,8 @@ class FullyShardedBackend(Backend):
         from shardlab.distributed.tensor_parallel import apply_tensor_parallel, enable_async_tensor_parallel
 
         apply_tensor_parallel(model, plan, self.mesh["tp"])
-        self.async_tensor_parallel = (
-            self.cfg.async_tensor_parallel and self.device.type == "cuda" and enable_async_tensor_parallel(self.mesh["tp"])
-        )
+        wanted = self.cfg.async_tensor_parallel and self.device.type == "cuda"
+        self.async_tensor_parallel = wanted and enable_async_tensor_parallel(self.mesh["tp"])
 
     def shard_kwargs(self) -> dict:
         return {
@@ -195,6 +194,7 @@ class FullyShardedBackend(Backend):
             yield (f"pipeline: {self.dims.describe()}; {self.cfg.pipeline_schedule} over {self.dims.pp * per_rank} "
                    f"stages ({per_rank} per rank), each sharded over its data-parallel ranks")  # fmt: skip
         if self.dims.tp > 1:
-            overlap = "async (overlapped in compiled graphs)" if getattr(self, "async_tensor_parallel", False) else "sync"
+            overlapped = getattr(self, "async_tensor_parallel", False)
+            overlap = "async (overlapped in compiled graphs)" if overlapped else "sync"
             yield (f"tensor parallel: {self.dims.describe()}; each layer split over {self.dims.tp} ranks, sequence-"
                    f"parallel between blocks, collectives {overlap}")  # fmt: skip

@@ -86,7 +86,7 @@ class ParallelDims:
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index along each dimension (row-major over DIM_NAMES, the innermost varying fastest)."""
         coords = {}
-        for name, size in reversed(list(zip(DIM_NAMES, self.sizes))):
+        for name, size in reversed(list(zip(DIM_NAMES, self.sizes, strict=True))):
             coords[name] = rank % size
             rank //= size
         return {name: coords[name] for name in DIM_NAMES}
@@ -102,13 +102,13 @@ class ParallelDims:
 
     def describe(self) -> str:
         """E.g. 'pp 2 x dp_shard 2 x tp 2' (dimensions of size 1 left out; 'dp_shard 1' when all are)."""
-        parts = [f"{name} {size}" for name, size in zip(DIM_NAMES, self.sizes) if size > 1]
+        parts = [f"{name} {size}" for name, size in zip(DIM_NAMES, self.sizes, strict=True) if size > 1]
         return " x ".join(parts) or "dp_shard 1"
 
     def enabled(self, keep: tuple[str, ...] = ()) -> tuple[str, ...]:
         """The dimensions of size above 1 and those in ``keep``, outermost first ('dp_shard' alone when every degree
         is 1)."""
-        names = tuple(name for name, size in zip(DIM_NAMES, self.sizes) if size > 1 or name in keep)
+        names = tuple(name for name, size in zip(DIM_NAMES, self.sizes, strict=True) if size > 1 or name in keep)
         return names or ("dp_shard",)
 
     def data_dims(self) -> tuple[str, ...]:

@@ -21,9 +21,13 @@ def apply_tensor_parallel(model: nn.Module, plan: dict, tp_mesh: DeviceMesh) -> 
     """``model`` with ``plan`` applied over ``tp_mesh``. Parameters held by two modules (tied embedding and head)
     stay one parameter: parallelize_module distributes each module's parameters on its own, which would make two, so
     the slots are re-tied to the first module's; the plan must place both alike (the embedding row-wise and the head
-    column-wise both shard the (vocabulary, dim) matrix by rows)."""
+    column-wise both shard the (vocabulary, dim) matrix by rows). Frozen parameters stay frozen."""
     shared = shared_parameter_slots(model)
+    # torch's styles make each split weight a new nn.Parameter, which requires grad: a frozen one would start training.
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, plan)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
     for slots in shared:
         first_module, first_name = slots[0]
         tied = first_module._parameters[first_name]

@@ -23,12 +23,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        # -1 heads: under tensor parallelism each rank holds num_heads / tp of them (tasks/lm/tensor_parallel.py).
+        q, k, v = self.qkv(x).view(b, t, 3, -1, d // self.num_heads).permute(2, 0, 3, 1, 4)
         # A packed row's mask (tasks/lm/sft_packing.py) keeps attention within each sample; without one, the causal
         # kernel of pretraining, untouched.
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -110,6 +111,21 @@ class GPT(LMArchitecture):
         if self.cfg.tie_embeddings:
             return list(self.blocks)
         return [self.embed, *self.blocks, self.head]
+
+    def tensor_parallel_plan(self) -> dict:
+        from tasks.lm.tensor_parallel import gpt_plan
+
+        return gpt_plan(self.cfg.dim)
+
+    @classmethod
+    def tensor_parallel_errors(cls, m: GPTConfig, vocab_size: int, degree: int) -> list[str]:
+        from tasks.lm.tensor_parallel import divisibility_errors
+
+        sizes = {
+            "model.num_heads": m.num_heads,
+            "the MLP width (model.mlp_ratio x model.dim)": int(m.mlp_ratio * m.dim),
+        }
+        return divisibility_errors(degree, sizes | {"model.max_seq_len": m.max_seq_len, "the vocabulary": vocab_size})
 
     @classmethod
     def config_errors(cls, m: GPTConfig) -> list[str]:

@@ -302,22 +302,21 @@ class LanguageModelingTask(Task):
     model_parallel_axes = ("tp", "pp", "cp")
 
     def tensor_parallel_plan(self, model: nn.Module) -> dict | None:
-        """The architecture's plan (tasks/lm/tensor_parallel.py)."""
-        return model.tensor_parallel_plan()
+        """The architecture's plan (tasks/lm/tensor_parallel.py), its LoRA-adapted layers split with their adapters."""
+        from tasks.lm.lora import lora_on
+        from tasks.lm.tensor_parallel import with_adapters
+
+        plan = model.tensor_parallel_plan()
+        return with_adapters(plan, model) if plan is not None and lora_on(self.cfg.model) else plan
 
     def tensor_parallel_errors(self, degree: int) -> list[str]:
-        """An architecture without a plan, LoRA's adapters (not planned yet), and the sizes the degree must divide."""
+        """An architecture without a plan, and the sizes the degree must divide."""
         arch, m = self.architecture, self.cfg.model
         if arch.tensor_parallel_plan is LMArchitecture.tensor_parallel_plan:
             return [
                 f"distributed.tensor_parallel_degree ({degree}): model.arch={m.arch} has no tensor-parallel plan "
-                "(GPT's fused qkv projection does not split by heads); use a model=llama_* flavor or set it to 1"
+                "(LMArchitecture.tensor_parallel_plan; tasks/lm/tensor_parallel.py has GPT's and Llama's); set it to 1"
             ]
-        from tasks.lm.lora import lora_on
-
-        if lora_on(m):
-            return [f"distributed.tensor_parallel_degree ({degree}) with model.lora: adapters have no tensor-parallel "
-                    "plan yet; set it to 1"]  # fmt: skip
         return arch.tensor_parallel_errors(m, self.vocab_size, degree)
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:

@@ -28,8 +28,10 @@ REFUSED = {
                   r"^distributed.tensor_parallel_degree \(2\) must divide model.ffn_dim \(the FFN width\) \(129\)"),
     "vocabulary": ([*LLAMA, TP[0], f"{TP[1]}=2", "model.vocab_size=321", "distributed.world_size=2"],
                    r"^distributed.tensor_parallel_degree \(2\) must divide the vocabulary \(321\)"),
-    "gpt": ([TP[0], f"{TP[1]}=2", "distributed.world_size=2"],
-            r"^distributed.tensor_parallel_degree \(2\): model.arch=gpt has no tensor-parallel plan"),
+    "gpt positions": (
+        [TP[0], f"{TP[1]}=2", "model.max_seq_len=33", "distributed.world_size=2"],
+        r"^distributed.tensor_parallel_degree \(2\) must divide model.max_seq_len \(33\)",
+    ),
     "ddp": ([*LLAMA, "distributed.backend=ddp", f"{TP[1]}=2", "distributed.world_size=2"],
             r"^distributed.tensor_parallel_degree \(2\) needs distributed.backend=fully_sharded"),
     "vision tensor": ([*VISION, f"{TP[1]}=2", "distributed.world_size=2"],
