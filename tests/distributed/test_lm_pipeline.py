@@ -99,9 +99,13 @@ def two_rank_results(tiny_lm, references, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four_rank_results(tiny_lm):
-    """PP 2 x FSDP 2: each stage sharded over its 2 data-parallel ranks, which read different halves of each batch."""
-    cfgs = [tiny_lm(*PIPELINE_LM, *VARIANTS_2["1f1b"])]
-    return run_spawned(cfgs, world_size=4, inspect=full_params)[0]
+    """PP 2 x FSDP 2: each stage sharded over its 2 data-parallel ranks, which read different halves of each batch;
+    and PP 2 x TP 2 on the GPT (its fused qkv split by heads, token and position tables by rows)."""
+    cfgs = [
+        tiny_lm(*PIPELINE_LM, *VARIANTS_2["1f1b"]),
+        tiny_lm(*PIPELINE_LM, *VARIANTS_2["1f1b"], "distributed.tensor_parallel_degree=2"),
+    ]
+    return dict(zip(("fsdp", "tp"), run_spawned(cfgs, world_size=4, inspect=full_params), strict=True))
 
 
 @pytest.mark.parametrize("name", list(VARIANTS_2))
@@ -127,9 +131,14 @@ def test_fsdp_tp_pp_matches_single_process(three_d_results, references):
 
 
 def test_pipeline_composed_with_fsdp_matches_single_process(four_rank_results, references):
-    assert four_rank_results["layout"] == "pp 2 x dp_shard 2"
-    assert_same_training(four_rank_results, references["gpt"])
-    assert four_rank_results["held"] == ["blocks.0", "blocks.1", "embed.pos", "embed.tok"]
+    assert four_rank_results["fsdp"]["layout"] == "pp 2 x dp_shard 2"
+    assert_same_training(four_rank_results["fsdp"], references["gpt"])
+    assert four_rank_results["fsdp"]["held"] == ["blocks.0", "blocks.1", "embed.pos", "embed.tok"]
+
+
+def test_pipeline_composed_with_tensor_parallel_gpt_matches_single_process(four_rank_results, references):
+    assert four_rank_results["tp"]["layout"] == "pp 2 x tp 2"
+    assert_same_training(four_rank_results["tp"], references["gpt"])
 
 
 def train_losses(result: dict) -> dict[int, float]:
