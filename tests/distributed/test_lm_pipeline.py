@@ -37,11 +37,15 @@ def full_params(trainer) -> dict:
     full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     held = sorted({".".join(k.split(".")[:2]) for k in full})
     full = {k: v.detach().cpu().clone() for k, v in full.items()}
+    logged = [(r["split"], r["step"], r["loss"], r.get("tokens_per_s", 0) > 0) for r in trainer.history]
+    every_rank = [logged]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, full)
         full = {k: v for part in gathered for k, v in part.items()}
-    return {"params": full, "held": held, "layout": trainer.backend.dims.describe()}
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, logged)
+    return {"params": full, "held": held, "layout": trainer.backend.dims.describe(), "logged": every_rank}
 
 
 def train_records(result: dict, key: str) -> torch.Tensor:
@@ -53,6 +57,8 @@ def valid_losses(result: dict) -> torch.Tensor:
 
 
 def assert_same_training(result: dict, reference: dict) -> None:
+    # every rank (first stage, last stage, each data-parallel and tensor-parallel one) logged the same losses
+    assert all(logged == result["logged"][0] for logged in result["logged"]), result["logged"]
     assert len(train_records(result, "loss")) == 10
     torch.testing.assert_close(train_records(result, "loss"), train_records(reference, "loss"), rtol=1e-5, atol=0)
     torch.testing.assert_close(train_records(result, "gnorm"), train_records(reference, "gnorm"), rtol=1e-4, atol=0)
