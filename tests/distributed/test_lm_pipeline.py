@@ -185,3 +185,19 @@ def test_each_rank_holds_its_stages_layers_under_the_unsplit_names(two_rank_resu
 def test_a_3d_checkpoint_resumes_on_one_process(tiny_lm, three_d_results, references, tmp_path):
     cfg = tiny_lm(*PIPELINE_LM, *LLAMA, *GQA, f"checkpoint.resume={step5(three_d_results)}")
     assert_continues(run_rank(cfg, tmp_path, dist_env.detect()), references["llama_gqa"])
+
+
+def test_a_3d_step_folder_exports_the_weights_one_process_exports(three_d_results, references, tmp_path):
+    """tools/export_hf.py reads the FSDP 2 x TP 2 x PP 2 step folder (each stage's shards under the unsplit names)
+    into the Hugging Face folder one process's step folder of the same training gives."""
+    from safetensors.torch import load_file
+
+    from tools import export_hf
+
+    exported = {}
+    for name, result in (("three_d", three_d_results), ("reference", references["llama_gqa"])):
+        out = export_hf.main([str(result["run_dir"] / "checkpoints" / "step_00000010"), "--out", str(tmp_path / name)])
+        exported[name] = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert exported["three_d"].keys() == exported["reference"].keys() and exported["reference"]
+    for key, value in exported["reference"].items():
+        torch.testing.assert_close(exported["three_d"][key], value, rtol=1e-5, atol=1e-5, msg=key)
