@@ -76,8 +76,9 @@ class DistributedConfig:
     """Pipeline stages (groups of consecutive layers), each on its own ranks (torch.distributed.pipelining); 1 = off.
     The outermost mesh dimension."""
     pipeline_schedule: str = "1f1b"
-    """pipeline_parallel_degree > 1: the schedule torch ships: gpipe, 1f1b, interleaved_1f1b (needs
-    pipeline_stages_per_rank >= 2), and the zero-bubble ones where they run."""
+    """pipeline_parallel_degree > 1: the schedule torch ships: gpipe, 1f1b (optimization.update_freq >= stages) or
+    interleaved_1f1b (needs pipeline_stages_per_rank >= 2); each of update_freq's micro-batches is one pipeline
+    micro-batch. Not the zero-bubble ones: torch 2.14's forward-only pass through them fails (validation)."""
     pipeline_stages_per_rank: int = 1
     """pipeline_parallel_degree > 1: model stages each pipeline rank holds (2+ for the interleaved schedules)."""
     context_parallel_degree: int = 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +15,22 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from shardlab.data import GlobalOrder
+
+
+@dataclass(frozen=True)
+class PipelineCut:
+    """Where a model may be cut into pipeline stages (Task.pipeline_cut; used by shardlab.distributed.pipeline): its
+    ``num_layers`` repeated layers, held in the nn.ModuleList named ``layers``, are split into consecutive groups, one
+    per stage; the modules named in ``first`` (the embedding) go with the first stage and those in ``last`` (final
+    norm and head) with the last. On a stage without them they are replaced by nn.Identity, so the model's own forward
+    must pass its input through when ``first`` is an identity (a later stage receives hidden states) and return the
+    hidden states when ``last`` is. Every kept module keeps its name, so a stage's state-dict keys are the unsplit
+    model's."""
+
+    layers: str
+    num_layers: int
+    first: tuple[str, ...] = ()
+    last: tuple[str, ...] = ()
 
 
 class Task(ABC):
@@ -130,6 +147,21 @@ class Task(ABC):
         """Submodules to shard as separate FSDP units, in forward order; the root is wrapped last by the backend.
         Empty means: let the backend's generic policy decide."""
         return []
+
+    def pipeline_cut(self) -> PipelineCut | None:
+        """How the model is cut into pipeline stages (distributed.pipeline_parallel_degree > 1), or None: the task's
+        model cannot be pipelined (the pre-flight refuses the degree). A task that returns a cut also implements
+        pipeline_batch and pipeline_loss."""
+        return None
+
+    def pipeline_batch(self, batch: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the first stage's input, the last stage's targets) of a local batch, on ``device``."""
+        raise NotImplementedError(f"task {self.cfg.task.name} has no pipeline cut")
+
+    def pipeline_loss(self, output: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """On the last pipeline stage: (mean loss of one micro-batch, its sums for ``summarize``), as ``loss`` gives
+        for the whole model."""
+        raise NotImplementedError(f"task {self.cfg.task.name} has no pipeline cut")
 
     def tensor_parallel_plan(self, model: nn.Module) -> dict | None:
         """How ``model`` (built on meta) splits over distributed.tensor_parallel_degree ranks, as data: module paths

@@ -8,6 +8,7 @@ decides how gradients are reduced.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import time
@@ -27,6 +28,7 @@ from shardlab.data import GlobalOrder, rank_loader, sample_seed, weighted_micro_
 from shardlab.distributed.base import Backend
 from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.materialize import materialize
+from shardlab.distributed.pipeline import Pipeline, build_pipeline
 from shardlab.errors import CheckpointError, ConfigError, RunFolderInUse, one_line
 from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import StopSignals, torchrun_agent_warning
@@ -124,6 +126,8 @@ class Trainer:
         step's flags are agreed, not after each micro-batch)."""
         self.nonfinite = NonfiniteStreak(cfg.optimization.max_nonfinite_steps)
         """Steps in a row whose loss was not finite on some rank (optimization.max_nonfinite_steps ends the run)."""
+        self.pipeline: Pipeline | None = None
+        """This rank's pipeline stages and their schedule (distributed.pipeline_parallel_degree > 1; set by setup)."""
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self, plan: RunPlan, restore: bool = True) -> None:
@@ -135,28 +139,26 @@ class Trainer:
         self.memory_estimate = plan.estimate
         if backend.env.is_main and cfg.logging.tensorboard:
             importlib.import_module("torch.utils.tensorboard")  # its modules are the logger's, not a step's memory
-        # The baseline: this rank with its data and the plan's meta-device modules, before any model memory.
-        self.meter = PeakMeter(backend.device)
-        self.held: int | None = None
-        """Bytes above the baseline after the last step of fit (measured once, when the loop ends)."""
-        self.memory: dict[str, float] = {}
-        """Measured and predicted GiB per rank (the fullest rank's), set at the end of fit."""
+        self._start_meter()  # before any model memory
         # Weights the restore will read from a file are not drawn first (a trial, restore=False, keeps the seeded init).
         loaded = self.task.pretrained_keys() if restore else None
-        self.model = backend.parallelize(
-            plan.model,
-            plan.units,
-            lambda m: materialize(m, backend.param_device, self.task.init_tensor, cfg.seed, loaded),
-            full_precision_modules=self.task.full_precision_modules(plan.model),
-            tensor_parallel_plan=self.task.tensor_parallel_plan(plan.model) if backend.dims.tp > 1 else None,
+        materialized = functools.partial(
+            materialize, device=backend.param_device, init_fn=self.task.init_tensor, seed=cfg.seed, loaded=loaded
         )
-        self.optimizer = OPTIMIZERS.build(cfg.optimizer.name, self.model, cfg.optimizer, key="optimizer.name")
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        if problem := dcp_reader.values_load_back(groups):
-            raise ConfigError(
-                f"optimizer.name={cfg.optimizer.name}: its param groups hold a value checkpoints cannot read back "
-                f"safely ({problem}); keep them to numbers, strings, bools, tuples and tensors"
+        self.pipeline = self._cut_pipeline(plan, materialized)  # distributed.pipeline_parallel_degree > 1, else None
+        if self.pipeline is None:
+            full_precision = self.task.full_precision_modules(plan.model)
+            tp_plan = self.task.tensor_parallel_plan(plan.model) if backend.dims.tp > 1 else None
+            self.model = backend.parallelize(
+                plan.model,
+                plan.units,
+                materialized,
+                full_precision_modules=full_precision,
+                tensor_parallel_plan=tp_plan,
             )
+        else:
+            self.model = self.pipeline.model  # this rank's stages' layers, under the unsplit model's names
+        self.optimizer = self._build_optimizer()
         self.scheduler = LR_SCHEDULERS.build(
             cfg.lr_scheduler.name, self.optimizer, cfg.lr_scheduler, cfg.optimization.max_steps, key="lr_scheduler.name"
         )
@@ -186,6 +188,34 @@ class Trainer:
         self.save_policy = SavePolicy.from_config(cfg.checkpoint, self.state.step)
         self.global_batch = cfg.optimization.batch_size
         self.train_order = self.task.train_order(cfg.seed)
+
+    def _start_meter(self) -> None:
+        """The memory meter's baseline: this rank with its data and the plan's meta-device modules."""
+        self.meter = PeakMeter(self.backend.device)
+        self.held: int | None = None
+        """Bytes above the baseline after the last step of fit (measured once, when the loop ends)."""
+        self.memory: dict[str, float] = {}
+        """Measured and predicted GiB per rank (the fullest rank's), set at the end of fit."""
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """optimizer.name over the model's parameters, refused if its param groups hold a value checkpoints cannot read
+        back."""
+        cfg = self.cfg
+        optimizer = OPTIMIZERS.build(cfg.optimizer.name, self.model, cfg.optimizer, key="optimizer.name")
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        if problem := dcp_reader.values_load_back(groups):
+            raise ConfigError(
+                f"optimizer.name={cfg.optimizer.name}: its param groups hold a value checkpoints cannot read back "
+                f"safely ({problem}); keep them to numbers, strings, bools, tuples and tensors"
+            )
+        return optimizer
+
+    def _cut_pipeline(self, plan: RunPlan, materialized: Callable[[torch.nn.Module], None]) -> Pipeline | None:
+        """With distributed.pipeline_parallel_degree > 1: the planned model (on meta) cut into this rank's pipeline
+        stages, each parallelized alone by the backend and materialized (shardlab.distributed.pipeline); else None."""
+        if self.cfg.distributed.pipeline_parallel_degree == 1:
+            return None
+        return build_pipeline(self.cfg, self.task, self.backend, plan.model, plan.units, materialized)
 
     # ---- loop ----------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -304,25 +334,42 @@ class Trainer:
         micro_batches = weighted_micro_batches(
             loader, o.update_freq, self.task.loss_count, backend.all_reduce_sum, backend.dp_world_size, backend.device
         )
-        for micro in range(o.update_freq):
-            batch, weight = next(micro_batches)
-            with backend.grad_sync(self.model, micro == o.update_freq - 1):
-                with backend.forward_context():
-                    loss, stats = self.task.loss(self.model, batch, backend.device)
-                finite = torch.isfinite(loss.detach()).all()
-                self.loss_finite = finite if micro == 0 else self.loss_finite & finite
-                scaled = loss / o.update_freq if weight is None else loss * weight
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            with record_function("shardlab.metrics"):
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0) + v.detach().float()
-                sums["units"] = sums.get("units", 0) + self.task.num_units(batch)
+        if self.pipeline is not None:  # the schedule runs the micro-batches' forward and backward over the stages
+            self._pipeline_micro_batches([next(micro_batches)[0] for _ in range(o.update_freq)], sums)
+        else:
+            for micro in range(o.update_freq):
+                batch, weight = next(micro_batches)
+                with backend.grad_sync(self.model, micro == o.update_freq - 1):
+                    with backend.forward_context():
+                        loss, stats = self.task.loss(self.model, batch, backend.device)
+                    finite = torch.isfinite(loss.detach()).all()
+                    self.loss_finite = finite if micro == 0 else self.loss_finite & finite
+                    scaled = loss / o.update_freq if weight is None else loss * weight
+                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                with record_function("shardlab.metrics"):
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0) + v.detach().float()
+                    sums["units"] = sums.get("units", 0) + self.task.num_units(batch)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (_step advances the schedule)
         self.phase = "update"
         grad_norm, skipped = self._step()
         self.state.end_step(self.global_batch * o.update_freq, skipped)
         self.phase = "between"
         return lr, grad_norm
+
+    def _pipeline_micro_batches(self, batches: list, sums: dict[str, torch.Tensor]) -> None:
+        """A step's micro-batches through the pipeline (shardlab.distributed.pipeline): the losses and sums are the
+        last stage's, zeros on the other ranks, so the logged all-reduce counts each micro-batch once."""
+        with self.backend.forward_context():
+            losses, stats = self.pipeline.train_step(batches)
+        self.loss_finite = (
+            torch.stack([torch.isfinite(loss.detach()).all() for loss in losses]).all() if losses else True
+        )
+        with record_function("shardlab.metrics"):
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0) + v
+            units = sum(self.task.num_units(batch) for batch in batches) if self.pipeline.is_last else 0
+            sums["units"] = sums.get("units", 0) + units
 
     def train_loader(self):
         """This rank's training batches from the run's data position on (shardlab.data)."""
@@ -345,7 +392,7 @@ class Trainer:
             param.grad = None  # skipped by clipping and the optimizer alike
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = self.backend.clip_grad_norm(self.model, clip)
+        grad_norm = (self.pipeline or self.backend).clip_grad_norm(self.model, clip)  # a pipeline's: over all stages
         if self.scaler is not None:
             scale_before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -376,7 +423,10 @@ class Trainer:
         with averaged:
             for batch in loader:
                 with backend.forward_context():
-                    _, stats = self.task.loss(self.model, batch, backend.device)
+                    if self.pipeline is not None:  # forward only, through the stages; the last stage's sums
+                        stats = self.pipeline.evaluate(batch)
+                    else:
+                        _, stats = self.task.loss(self.model, batch, backend.device)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0) + v.detach().float()
         metrics = self.task.summarize(self._sum_over_ranks(sums))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a lent GPU machine; results as JSON in $OUT (or ./): gpu_check.json, plus each
 # step's log and the benchmarks' own JSON. Two parts, each sized to fit one device session (each step has a limit):
-#   bash tools/gpu_check.sh           (~9.5 minutes at most)
+#   bash tools/gpu_check.sh           (~10.5 minutes at most)
 #   1. tests/gpu (pytest -m gpu): NCCL fully_sharded, ddp, pinned cpu_offload + cpu_adam, activation checkpointing,
 #      bf16, fp16 with the scaler (also with offload: CPU found-inf on the device-mapped group), at world size 1, each
 #      held to a CPU fp32 reference run's per-step losses (fp32 rtol 1e-4, bf16/fp16 rtol 0.02); BN stays plain on
@@ -9,7 +9,9 @@
 #      task. The memory plan against the CUDA allocator's peak (ddp, fully_sharded, activation checkpointing,
 #      pinned offload, bf16; within 25%). Tests needing more GPUs than exist are skipped with that reason (listed in
 #      gpu_check.json).
-#   2. torchrun with 2 ranks of fully_sharded (2+ GPUs; else recorded as skipped, with the reason).
+#   2. torchrun with 2 ranks of fully_sharded, and with 2 pipeline stages (distributed.pipeline_parallel_degree=2,
+#      1F1B over 2 micro-batches, NCCL send/recv between the stages) (2+ GPUs; else recorded as skipped, with the
+#      reason).
 #   3. tools/bench.py: tokens/s and MFU of gpt_125m and gpt_350m, fully_sharded, bf16, 1 GPU.
 #   bash tools/gpu_check.sh compile   (~10.5 minutes at most)
 #   4. distributed.compile on CUDA: tests/gpu -k compiled (fully_sharded fp32, ddp, bf16 + activation checkpointing,
@@ -63,8 +65,13 @@ else
     if [ "$ngpu" -ge 2 ]; then
         step torchrun_2_ranks 90 "$py" -m torch.distributed.run --standalone --nproc_per_node=2 -m shardlab.train \
             distributed.backend=fully_sharded "${TINY_LM[@]}" "hydra.run.dir=$out/torchrun_run"
+        step torchrun_pipeline_2_ranks 60 "$py" -m torch.distributed.run --standalone --nproc_per_node=2 \
+            -m shardlab.train distributed.backend=fully_sharded distributed.pipeline_parallel_degree=2 \
+            model.tie_embeddings=false optimization.update_freq=2 "${TINY_LM[@]}" "hydra.run.dir=$out/torchrun_pp_run"
     else
-        printf 'torchrun_2_ranks\tskipped\t0\tneeds 2 GPUs, this machine has %s\n' "$ngpu" >> "$out/steps.tsv"
+        for name in torchrun_2_ranks torchrun_pipeline_2_ranks; do
+            printf '%s\tskipped\t0\tneeds 2 GPUs, this machine has %s\n' "$name" "$ngpu" >> "$out/steps.tsv"
+        done
     fi
     for model in gpt_125m gpt_350m; do
         bench "bench_${model}_bf16" 100 "$model"

@@ -309,7 +309,13 @@ class Checkpointer:
                     "had it off; begin from its weights with checkpoint.init_from, or turn it off"
                 )
         state.update({key: obj.state_dict() for key, obj in tensors.items()})
+        live_names = [list(group["params"]) for group in state["optim"]["param_groups"]] if optimizer else []
         dcp_reader.load(state, path, checked=True)  # its metadata was checked (resume.py)
+        # The param groups' hyperparameters come from the file, written once (by rank 0); the names of their
+        # parameters are this rank's: a pipeline stage holds only some (shardlab.distributed.pipeline), and a
+        # checkpoint of stages lists only the first stage's.
+        for group, names in zip(state["optim"]["param_groups"] if optimizer else [], live_names, strict=True):
+            group["params"] = names
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=self.model_keys is None))
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, optim)  # loaded in place into optim's tensors

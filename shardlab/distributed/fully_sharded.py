@@ -189,6 +189,10 @@ class FullyShardedBackend(Backend):
             f"reduce-scatter {'as overlapped all-reduce' if self.reduce_comm is not None else 'native'}, "
             f"prefetch_units={self.cfg.prefetch_units}{' (async unshard)' if self.unshard_async else ''}"
         )
+        if self.dims.pp > 1:
+            per_rank = self.cfg.pipeline_stages_per_rank
+            yield (f"pipeline: {self.dims.describe()}; {self.cfg.pipeline_schedule} over {self.dims.pp * per_rank} "
+                   f"stages ({per_rank} per rank), each sharded over its data-parallel ranks")  # fmt: skip
         if self.dims.tp > 1:
             overlapped = getattr(self, "async_tensor_parallel", False)
             overlap = "async (overlapped in compiled graphs)" if overlapped else "sync"

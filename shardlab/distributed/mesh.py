@@ -119,8 +119,9 @@ class ParallelDims:
     def loss_dims(self) -> tuple[str, ...]:
         """The axes whose ranks hold different terms of a step's loss and counts (the data axes, and context
         parallelism's sequence chunks): summed metrics are all-reduced over these, not over tensor-parallel ranks,
-        which each hold the same values."""
-        return tuple(name for name in ("dp_replicate", "dp_shard", "cp") if getattr(self, name) > 1)
+        which each hold the same values. And the pipeline axis: only the last stage computes the loss, the other
+        stages add zeros (shardlab.distributed.pipeline), so the sum over it counts each term once."""
+        return tuple(name for name in ("pp", "dp_replicate", "dp_shard", "cp") if getattr(self, name) > 1)
 
     def build(self, device_type: str, keep: tuple[str, ...] = ()) -> DeviceMesh:
         """The mesh over every rank with a named dimension for each degree above 1 (as torchtitan's: a dimension of

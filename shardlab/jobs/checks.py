@@ -70,6 +70,7 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
     problems += task.world_errors(world_size)
     problems += axis_errors(cfg, task, world_size, num_cuda_devices)
     problems += compile_errors(cfg.distributed, num_cuda_devices)
+    problems += pipeline_errors(cfg, task.pipeline_cut(), world_size)
     if cfg.distributed.wrap_min_num_params > 0 and type(task).fsdp_units is not Task.fsdp_units:
         problems.append(
             f"distributed.wrap_min_num_params applies to models without a unit plan, but task {cfg.task.name} "
@@ -139,6 +140,49 @@ def job_world_size(cfg: DictConfig, launcher_world_size: int | None = None) -> i
     if launcher_world_size > 1 and not dist_env.ranks_to_spawn(cfg.distributed.world_size, env):
         return launcher_world_size
     return max(launcher_world_size, cfg.distributed.world_size)
+
+
+def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
+    """distributed.pipeline_*: what shardlab.distributed.pipeline can run, given the task's cut (None: the task's model
+    cannot be pipelined) and the world size (the degree against the world and the task: axis_checks)."""
+    from shardlab.distributed.pipeline import MULTI_STAGE, SCHEDULES, UNOFFERED
+
+    d, o = cfg.distributed, cfg.optimization
+    pp, per_rank, schedule = d.pipeline_parallel_degree, d.pipeline_stages_per_rank, d.pipeline_schedule
+    if pp == 1:
+        return [] if per_rank == 1 else [f"distributed.pipeline_stages_per_rank ({per_rank}) needs distributed."
+                                         "pipeline_parallel_degree > 1; drop it"]  # fmt: skip
+    if pp < 1 or world % pp or cut is None:  # shardlab.jobs.axis_checks says why (the degree, the task)
+        return []
+    if schedule not in SCHEDULES:
+        why = (
+            "its forward-only pass fails in torch 2.14, so validation cannot run through it"
+            if schedule in UNOFFERED
+            else "not a schedule"
+        )
+        return [f"distributed.pipeline_schedule={schedule!r}: {why}; known: {', '.join(SCHEDULES)}"]
+    stages, micro = pp * per_rank, o.update_freq
+    errors = failed([
+        (d.backend == "fully_sharded", f"distributed.pipeline_parallel_degree ({pp}) runs each stage under "
+         f"fully_sharded (FSDP over its data-parallel ranks); set distributed.backend=fully_sharded, not {d.backend}"),
+        (schedule not in MULTI_STAGE or per_rank >= 2, f"distributed.pipeline_schedule={schedule} runs several stages "
+         f"per rank: set distributed.pipeline_stages_per_rank >= 2 (it is {per_rank})"),
+        (schedule in MULTI_STAGE or per_rank == 1, f"distributed.pipeline_stages_per_rank ({per_rank}) needs an "
+         f"interleaved schedule ({', '.join(MULTI_STAGE)}); {schedule} runs one stage per rank"),
+        (stages <= cut.num_layers, f"distributed.pipeline_parallel_degree x pipeline_stages_per_rank = {stages} "
+         f"pipeline stages, more than the model's {cut.num_layers} layers; lower them or raise model.num_layers"),
+        (schedule != "1f1b" or micro >= stages, f"optimization.update_freq ({micro}) gives {micro} pipeline "
+         f"micro-batches per step, fewer than the {stages} stages 1f1b needs; raise it to >= {stages}"),
+        (schedule != "interleaved_1f1b" or micro % max(1, micro // pp) == 0, f"optimization.update_freq ({micro}): "
+         f"interleaved_1f1b runs micro-batches in rounds of {pp}; use a multiple of {pp} or fewer than {2 * pp}"),
+        (cfg.validation.batch_size % (world // pp * micro) == 0, f"validation.batch_size ({cfg.validation.batch_size})"
+         f" must be a multiple of data-parallel ranks x optimization.update_freq ({world // pp * micro}): each "
+         "rank's validation batch runs through the pipeline in update_freq micro-batches"),
+        ("fp16" not in {d.param_dtype or d.precision, d.reduce_dtype or d.precision}, "distributed.precision fp16 "
+         "with pipeline_parallel_degree > 1: the loss scaler's overflow vote is not agreed over stages yet; use bf16"),
+
+    ])  # fmt: skip
+    return errors
 
 
 # ---- the names a config picks, and whose plug-in they belong to ------------------------------------------------------

@@ -15,7 +15,7 @@ from torch import nn
 from shardlab.distributed.compile import compiled
 from shardlab.errors import CheckpointError, ConfigError, DataError
 from shardlab.registry import MODELS
-from shardlab.task import Task
+from shardlab.task import PipelineCut, Task
 from tasks.lm import mixture
 from tasks.lm.architecture import LMArchitecture
 from tasks.lm.cache import corpus_sources, read_corpus_meta
@@ -140,6 +140,7 @@ class LanguageModelingTask(Task):
                 f"data.num_preprocess_workers must be >= -1 (-1 = one per core), got {d.num_preprocess_workers}"
             )
         errors += self.pretrained_errors() + self.lora_errors() + self.sft_errors() + mixture.mixture_errors(d)
+        errors += self.pipeline_errors()
         if d.path is not None:  # a path with no corpus is refused before the run folder is written (listed, not read)
             try:
                 corpus_sources(d.path)
@@ -167,6 +168,20 @@ class LanguageModelingTask(Task):
                     f"model.pretrained: {self.pretrained} has no tokenizer.json; add it, or set data.tokenizer"
                 )
         return errors
+
+    def pipeline_errors(self) -> list[str]:
+        """distributed.pipeline_parallel_degree > 1: what the LM's pipeline cut cannot carry (yet)."""
+        if self.cfg.distributed.get("pipeline_parallel_degree", 1) == 1:
+            return []
+        m, d = self.cfg.model, self.cfg.data
+        return [message for refused, message in (
+            (m.get("tie_embeddings", False), "model.tie_embeddings: the embedding (first pipeline stage) and the head "
+             "(last stage) would share one weight across ranks; set model.tie_embeddings=false to pipeline"),
+            (self.sft, f"data.format={d.get('format')}: fine-tuning rows (answer-token weights, packed segments) do "
+             "not run through the pipeline yet; use distributed.pipeline_parallel_degree=1"),
+            (bool(d.get("sources")), "data.sources: a mixture's per-source validation does not run through the "
+             "pipeline yet; train on one corpus or use distributed.pipeline_parallel_degree=1"),
+        ) if refused]  # fmt: skip
 
     def lora_errors(self) -> list[str]:
         """model.lora: a valid rank, alpha and dropout, and target patterns that each select a linear layer."""
@@ -350,12 +365,23 @@ class LanguageModelingTask(Task):
             return answer_token_loss(model, batch, device, self.cfg.data.pack)
         if isinstance(batch, list):  # a mixture's validation batch: [tokens, each row's source]
             return mixture.mixture_valid_loss(model, batch, device, self.mixture.names)
+        inputs, targets = self.pipeline_batch(batch, device)
+        return self.pipeline_loss(model(inputs), targets)
+
+    def pipeline_cut(self) -> PipelineCut:
+        """Blocks split over the stages; the embedding on the first, final norm and head (and the loss) on the last."""
+        return PipelineCut(layers="blocks", num_layers=self.cfg.model.num_layers, first=("embed",), last=("head",))
+
+    def pipeline_batch(self, batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input tokens, next tokens) of a block of data.seq_len + 1 tokens."""
         batch = batch.to(device, non_blocking=True)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = model(inputs)
+        return batch[:, :-1], batch[:, 1:]
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor):
+        """Mean next-token cross-entropy, and its sum and count for summarize."""
         # distributed.compile: one fused kernel casts and reduces the logits, without an fp32 copy of them in memory
         # (the memory plan's shape-only pass on meta stays eager; configs stored by older checkpoints lack the key)
-        fuse = self.cfg.distributed.get("compile", False) and device.type != "meta"
+        fuse = self.cfg.distributed.get("compile", False) and logits.device.type != "meta"
         loss = (compiled(next_token_loss) if fuse else next_token_loss)(logits, targets)
         n = targets.numel()
         return loss, {"loss_sum": loss.detach() * n, "count": torch.tensor(float(n))}

@@ -1,0 +1,158 @@
+"""Pipeline parallelism's cost in shardlab: its PP step (tools/bench.py, the trainer as users run it) against a
+hand-written loop on the same torch APIs and shapes, interleaved in pairs, on CPU/gloo.
+
+    python tools/bench_pipeline.py --pairs 3 --out docs/bench/pipeline.json
+    python tools/bench_pipeline.py --loop-only --steps 5 --out loop.json      # the hand-written side alone
+
+Shapes (both sides): model=gpt_tiny untied (4 blocks, dim 192, 6 heads, vocabulary 320: the byte tokenizer's,
+padded), 2 pipeline ranks of 2 blocks (the embedding on the first, final norm + head + loss on the last), 1F1B over 4
+micro-batches of 8 sequences of 128 tokens per step (shardlab: optimization.batch_size=8, update_freq=4), AdamW lr
+3e-3, clipping by the norm over both stages. The loop: each rank builds its own stage (nn.Modules written here
+around tasks/lm/model.py's blocks), PipelineStage + Schedule1F1B, random tokens, no FSDP (one rank per stage:
+nothing to shard), no data loading, checks or logging; freed pages kept (glibc's mmap threshold at its ceiling) as a
+shardlab CPU rank does without a memory budget. shardlab wraps each stage in FSDP2 over its one data-parallel
+rank and reads the corpus. Each pair alternates which side runs first; the figure is the median ratio of tokens/s
+(shardlab / loop). Each run is a fresh set of processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools import bench_meta  # noqa: E402
+
+TOOLS = Path(__file__).resolve().parent
+SHAPES = {"layers": 4, "dim": 192, "heads": 6, "vocab": 320, "seq_len": 128, "micro_batch": 8, "micro_batches": 4}
+SHARDLAB = [
+    "model=gpt_tiny", "model.tie_embeddings=false", f"data.seq_len={SHAPES['seq_len']}", "data.max_corpus_mb=1",
+    f"optimization.batch_size={SHAPES['micro_batch']}", f"optimization.update_freq={SHAPES['micro_batches']}",
+    "distributed.backend=fully_sharded", "distributed.world_size=2", "distributed.pipeline_parallel_degree=2",
+    "distributed.pipeline_schedule=1f1b", f"validation.batch_size={SHAPES['micro_batch']}",
+]  # fmt: skip
+
+
+class Stage(nn.Module):
+    """Blocks ``lo..hi`` of a GPT, with the embedding (first) or the final norm and head (last)."""
+
+    def __init__(self, gpt, lo: int, hi: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.embed = gpt.embed if first else None
+        self.blocks = nn.ModuleList(gpt.blocks[lo:hi])
+        self.head = gpt.head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x) if self.embed is not None else x
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+def loop_rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from shardlab.distributed.cpu_allocator import configure_cpu_allocator
+    from tasks.lm.config import GPTConfig
+    from tasks.lm.model import GPT
+
+    configure_cpu_allocator("fast")  # as a shardlab CPU rank without a memory budget (and tools/bench_reference.py)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    s = SHAPES
+    torch.manual_seed(0)
+    cfg = GPTConfig(num_layers=s["layers"], dim=s["dim"], num_heads=s["heads"], max_seq_len=256, tie_embeddings=False)
+    half = s["layers"] // 2
+    stage = Stage(GPT(cfg, s["vocab"]), rank * half, (rank + 1) * half, rank == 0, rank == 1)
+    pipe = PipelineStage(stage, rank, 2, torch.device("cpu"))
+    loss = lambda logits, targets: F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # noqa: E731
+    schedule = Schedule1F1B(pipe, n_microbatches=s["micro_batches"], loss_fn=loss)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    times = []
+    for _ in range(args.warmup + args.steps):
+        started = time.perf_counter()
+        tokens = torch.randint(0, s["vocab"], (s["micro_batches"], s["micro_batch"], s["seq_len"] + 1))
+        inputs = [(t[:, :-1],) for t in tokens] if rank == 0 else None
+        schedule.step(arg_mbs=inputs, target_mbs=[t[:, 1:] for t in tokens], losses=[])
+        params = [p for p in stage.parameters() if p.grad is not None]
+        squared = torch.nn.utils.get_total_norm([p.grad for p in params]) ** 2
+        dist.all_reduce(squared)  # the norm over both stages
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, squared.sqrt())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - started)
+    if rank == 0:
+        median = statistics.median(times[args.warmup :])
+        tokens_per_step = s["micro_batches"] * s["micro_batch"] * s["seq_len"]
+        out = {"tokens_per_s": tokens_per_step / median, "median_step_ms": median * 1e3, "shapes": SHAPES}
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_side(side: str, args: argparse.Namespace, out: Path) -> dict:
+    timing = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
+    if side == "loop":
+        cmd = [str(TOOLS / "bench_pipeline.py"), "--loop-only", *timing]
+    else:
+        cmd = [str(TOOLS / "bench.py"), *SHARDLAB, *timing]
+    load = os.getloadavg()[0]
+    subprocess.run([sys.executable, *cmd], check=True, stdout=subprocess.DEVNULL)
+    return {**json.loads(out.read_text()), "loadavg_1min_before": load}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--loop-only", action="store_true", help="run the hand-written loop once (2 ranks)")
+    parser.add_argument("--out", type=Path, default=Path("pipeline.json"))
+    args = parser.parse_args(argv)
+    if args.loop_only:
+        import torch.multiprocessing as mp
+
+        from shardlab.distributed.env import free_port, set_local_rank_defaults
+
+        set_local_rank_defaults(2)  # one intra-op thread share per rank, as shardlab's local launcher
+        mp.start_processes(loop_rank, args=(args, free_port()), nprocs=2, join=True, start_method="spawn")
+        return json.loads(args.out.read_text())
+    settings = {"pairs": args.pairs, "steps": args.steps, "warmup": args.warmup, "shapes": SHAPES}
+    meta = bench_meta.collect(__file__, argv, settings)
+    label = "PP 2, 1F1B, 4 micro-batches"
+    result: dict = {"pairs": [], "shardlab_overrides": SHARDLAB}
+    summary = {"meta": meta, "backends": {label: result}}  # tools/bench_tables.py's overhead table renders it
+    runs = args.out.with_name(args.out.name + ".runs")
+    runs.mkdir(parents=True, exist_ok=True)
+    for i in range(args.pairs):
+        order = ("shardlab", "loop") if i % 2 == 0 else ("loop", "shardlab")
+        got = {side: run_side(side, args, runs / f"{i}-{side}.json") for side in order}
+        ratio = got["shardlab"]["tokens_per_s"] / got["loop"]["tokens_per_s"]
+        result["pairs"].append({
+            "order": list(order), "ratio": ratio,
+            **{f"{side}_tokens_per_s": got[side]["tokens_per_s"] for side in got},
+            **{f"{side}_median_step_ms": got[side]["median_step_ms"] for side in got},
+            "loadavg_1min": [got[side]["loadavg_1min_before"] for side in order],
+        })  # fmt: skip
+        print(f"pair {i + 1}: shardlab {got['shardlab']['tokens_per_s']:.0f} tokens/s, loop "
+              f"{got['loop']['tokens_per_s']:.0f} ({ratio:.3f}x)", flush=True)  # fmt: skip
+        result["median_ratio"] = statistics.median(p["ratio"] for p in result["pairs"])
+        summary["meta"] = bench_meta.finish(meta)
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")  # partial results survive a stop
+    print(f"shardlab's PP step at {result['median_ratio']:.3f}x the hand-written loop (median of {args.pairs} pairs)")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
