@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a checkout (python tools/plot.py), or imported as tools.plot
     sys.path.insert(0, str(REPO))
 
+from shardlab.checkpoint.regular_file import SMALL_FILE_MAX_BYTES, read_regular  # noqa: E402
 from shardlab.errors import ConfigError, DataError  # noqa: E402
 from shardlab.jobs.run_dir import names_the_run  # noqa: E402
 from shardlab.jobs.sweep import collect  # noqa: E402
@@ -50,11 +51,16 @@ class Curves:
     label: str = ""
 
 
+LOG_MAX_BYTES = 1 << 32
+"""The largest train.log read (4 GiB, some 40 million log lines): a run folder's files are read as files, through
+shardlab's one reader (no FIFO, device or link; bounded)."""
+
+
 def read_log(path: Path) -> dict[str, dict[int, float]]:
     """split -> step -> loss from a train.log. A resumed run trains the steps after its checkpoint again: a line for
     a step at or below one already read drops every later step of that split (the first attempt's tail)."""
     curves: dict[str, dict[int, float]] = {"train": {}, "valid": {}}
-    for line in path.read_text(errors="replace").splitlines():
+    for line in read_regular(path, max_bytes=LOG_MAX_BYTES).decode(errors="replace").splitlines():
         m = LINE.search(line)
         if not m:
             continue
@@ -76,7 +82,7 @@ def _overrides(run_dir: Path) -> list[str]:
         return []
     import yaml
 
-    return [str(o) for o in yaml.safe_load(path.read_text()) or []]
+    return [str(o) for o in yaml.safe_load(read_regular(path, max_bytes=SMALL_FILE_MAX_BYTES)) or []]
 
 
 def _per_step(run_dir: Path) -> tuple[str, int | None]:
@@ -86,7 +92,7 @@ def _per_step(run_dir: Path) -> tuple[str, int | None]:
         return "tokens", None
     import yaml
 
-    cfg = yaml.safe_load(path.read_text()) or {}
+    cfg = yaml.safe_load(read_regular(path, max_bytes=SMALL_FILE_MAX_BYTES)) or {}
     o, data = cfg.get("optimization") or {}, cfg.get("data") or {}
     samples = int(o.get("batch_size", 0)) * int(o.get("update_freq", 1) or 1)
     return ("tokens", samples * int(data["seq_len"])) if data.get("seq_len") else ("samples", samples)

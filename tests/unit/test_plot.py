@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardlab.config import LoggingConfig
-from shardlab.errors import DataError
+from shardlab.errors import DataError, ShardlabError
 from shardlab.jobs import run_record
 from shardlab.logging import RunLogger
 
@@ -99,3 +99,17 @@ def test_runs_named_one_by_one_are_labelled_by_what_differs_and_a_run_without_a_
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"empty holds no train.log, nor do its sweep points: has the run"):
         plot.plot_runs([tmp_path / "empty"], tmp_path / "none.png")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to /dev/zero"])
+def test_a_train_log_that_is_no_regular_file_is_refused_in_one_line_not_waited_on(tmp_path, kind):
+    import os
+
+    log = tmp_path / "train.log"
+    if kind == "fifo":
+        os.mkfifo(log)
+    else:
+        log.symlink_to("/dev/zero")
+    with pytest.raises(ShardlabError) as refused:
+        plot.read_log(log)
+    assert str(log) in str(refused.value) and "\n" not in str(refused.value)
