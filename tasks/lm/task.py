@@ -251,7 +251,8 @@ class LanguageModelingTask(Task):
             return (
                 f"{len(s.train)} train / {len(s.valid)} valid rows of {len(s.train.samples)} / "
                 f"{len(s.valid.samples)} samples, {s.train.answer_tokens:,} answer tokens to train on "
-                f"({s.truncated} cut to data.seq_len, {s.dropped} without an answer token left out)"
+                f"({s.cut.count} cut to data.seq_len, {s.dropped.count} without an answer token left out, "
+                f"{s.skipped.count} bad records skipped)"
             )
         if self.mixture is not None:
             return self.mixture.identity()
