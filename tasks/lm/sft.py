@@ -165,14 +165,37 @@ def _parquet_records(source) -> Iterator[tuple[str, str, dict]]:
 
 
 # ---- samples -----------------------------------------------------------------------------------------------------
-def encode_with_starts(tokenizer, text: str) -> tuple[list[int], list[int]]:
-    """(token ids of ``text``, the character where each token starts), as apply_chat_template tokenizes: the whole
-    text, no special tokens added."""
+def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """(token ids of ``text``, the [start, end) characters of each token), as apply_chat_template tokenizes: the
+    whole text, no special tokens added."""
     if getattr(tokenizer, "tok", None) is None:  # the byte tokenizer: a token per UTF-8 byte
-        starts = [i for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
-        return list(text.encode("utf-8")), starts
+        offsets = [(i, i + 1) for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
+        return list(text.encode("utf-8")), offsets
     encoding = tokenizer.tok.encode(text, add_special_tokens=False)
-    return list(encoding.ids), [start for start, _ in encoding.offsets]
+    return list(encoding.ids), list(encoding.offsets)
+
+
+def span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]], overlap: bool) -> list[bool]:
+    """Whether each token is an answer token: it overlaps a span (``overlap``: transformers' rule for
+    {% generation %} spans) or starts inside one. One pass: tokens and spans are both in order."""
+    mask, k = [], 0
+    for start, end in offsets:
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        inside = k < len(spans) and (end > spans[k][0] if overlap else start >= spans[k][0])
+        mask.append(inside)
+    return mask
+
+
+def without_trailing_whitespace(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each span less the whitespace it ends with (ChatML's newline after <|im_end|>): data.train_after_end_of_turn
+    false."""
+    out = []
+    for a, b in spans:
+        while b > a and text[b - 1].isspace():
+            b -= 1
+        out.append((a, b))
+    return out
 
 
 def message_errors(messages: Any, where: str) -> None:
@@ -199,8 +222,10 @@ def message_errors(messages: Any, where: str) -> None:
                         "(data.skip_bad_records=true skips such records)")  # fmt: skip
 
 
-def chat_sample(template: ChatTemplate, tokenizer, messages: Any, where: str) -> Sample:
-    """The rendered conversation's tokens; answer tokens are those starting inside an assistant turn."""
+def chat_sample(template: ChatTemplate, tokenizer, messages: Any, where: str, after_end_of_turn: bool = True) -> Sample:
+    """The rendered conversation's tokens and its answer tokens: those overlapping a {% generation %} block where the
+    template marks them (as transformers' return_assistant_tokens_mask), else those starting inside an assistant
+    turn, the whitespace after its end-of-turn token included unless ``after_end_of_turn`` is false."""
     message_errors(messages, where)
     size = sum(len(m["content"]) for m in messages)
     if size > RECORD_MAX_CHARS:
@@ -209,8 +234,10 @@ def chat_sample(template: ChatTemplate, tokenizer, messages: Any, where: str) ->
             "fine-tuning record may hold (longer than any data.seq_len trains on); split it or delete the line"
         )
     text, spans = template.assistant_spans(messages, where)
-    ids, starts = encode_with_starts(tokenizer, text)
-    return Sample(ids, [any(a <= s < b for a, b in spans) for s in starts])
+    ids, offsets = encode_with_offsets(tokenizer, text)
+    if not template.marks_generation and not after_end_of_turn:
+        spans = without_trailing_whitespace(text, spans)
+    return Sample(ids, span_mask(offsets, spans, overlap=template.marks_generation))
 
 
 def record_sample(record: dict, where: str, d: Any, tokenizer, template: ChatTemplate | None) -> Sample:
@@ -219,7 +246,7 @@ def record_sample(record: dict, where: str, d: Any, tokenizer, template: ChatTem
         if d.messages_field not in record:
             raise DataError(f"{where}: no {d.messages_field!r} field (found: {', '.join(record)}); name it with "
                             "data.messages_field")  # fmt: skip
-        return chat_sample(template, tokenizer, record[d.messages_field], where)
+        return chat_sample(template, tokenizer, record[d.messages_field], where, d.get("train_after_end_of_turn", True))
     for key in (d.prompt_field, d.completion_field):
         if key not in record:
             raise DataError(f"{where}: no {key!r} text field (found: {', '.join(record)}); name the fields with "
@@ -234,7 +261,7 @@ def record_sample(record: dict, where: str, d: Any, tokenizer, template: ChatTem
                         "(data.skip_bad_records=true skips such records)")  # fmt: skip
     if template is not None:
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        return chat_sample(template, tokenizer, messages, where)
+        return chat_sample(template, tokenizer, messages, where, d.get("train_after_end_of_turn", True))
     p, c = tokenizer.encode(prompt), tokenizer.encode(completion) + [tokenizer.eod]
     return Sample(p + c, [False] * len(p) + [True] * len(c))
 

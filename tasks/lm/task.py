@@ -172,7 +172,8 @@ class LanguageModelingTask(Task):
         if d.format == "chat" and self.chat_template is None:
             errors.append(
                 "data.format=chat needs a chat template: set data.chat_template (a tokenizer_config.json or .jinja "
-                "file), or use data.format=prompt_completion"
+                "file; a model folder's chat_template.jinja is found beside data.tokenizer), or use "
+                "data.format=prompt_completion"
             )
         arch = self.architecture
         if d.pack and "segments" not in inspect.signature(arch.forward).parameters:

@@ -24,6 +24,7 @@ from tasks.lm.sft import (
     record_sample,
 )
 from tasks.lm.sft_packing import IGNORE, document_mask, pack, segment_positions
+from tasks.lm.sft_render import BoundedRenderer
 from tasks.lm.sft_template import PREFIX_RENDER_MAX_TURNS, ChatTemplate, load_chat_template
 from tests.hf_folders import write_tokenizer
 
@@ -327,6 +328,96 @@ def test_the_start_line_counts_records_read_held_out_cut_and_dropped(tmp_path, c
         f"{len(s.valid)} rows ({s.valid.answer_tokens:,})"
     )
     assert sft_task(tmp_path, "data.format=text").data_summary() is None  # the corpus cache prints its own
+
+
+LLAMA3_GENERATION_TEMPLATE = (
+    "{{- bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}"
+    "{% endgeneration %}{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+"""A Llama 3-style template whose answers are marked with {% generation %} (the BOS written once, by the template)."""
+
+
+def saved_by_transformers(tmp_path: Path, template: str):
+    """A folder as transformers 5 saves it (the template in chat_template.jinja), whose tokenizer adds a BOS of its
+    own when asked for special tokens (so a BOS added twice shows); (folder, its transformers tokenizer)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, processors
+
+    source = chat_folder(tmp_path / "source", "")
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    bos = [("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))]
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=bos)
+    tok.save(str(source / "tokenizer.json"))
+    reference = transformers.AutoTokenizer.from_pretrained(source)
+    reference.chat_template = template
+    reference.save_pretrained(tmp_path / "saved")
+    assert "chat_template" not in json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    return tmp_path / "saved", transformers.AutoTokenizer.from_pretrained(tmp_path / "saved")
+
+
+def assert_as_transformers(task, reference, messages) -> None:
+    """The sample's ids and answer mask are apply_chat_template's ids and return_assistant_tokens_mask."""
+    sample = record_sample({"messages": messages}, "t", task.cfg.data, task.tokenizer, task.chat_template)
+    expected = reference.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert sample.ids == list(expected["input_ids"])
+    assert sample.answer == [bool(m) for m in expected["assistant_masks"]]
+    assert any(sample.answer)
+
+
+def test_a_folder_transformers_5_saves_with_generation_marks_gives_its_ids_and_answer_mask(tmp_path):
+    folder, reference = saved_by_transformers(tmp_path, LLAMA3_GENERATION_TEMPLATE)
+    task = sft_task(tmp_path, f"data.tokenizer={folder / 'tokenizer.json'}", "data.format=chat")
+    assert task.chat_template.origin == str(folder / "chat_template.jinja") and task.chat_template.marks_generation
+    bos = task.tokenizer.tok.token_to_id("<|begin_of_text|>")
+    for messages in (CHAT, CHAT[1:3], [*CHAT[1:3], {"role": "assistant", "content": " two answers in a row "}]):
+        assert_as_transformers(task, reference, messages)
+        sample = record_sample({"messages": messages}, "t", task.cfg.data, task.tokenizer, task.chat_template)
+        assert sample.ids.count(bos) == 1 and sample.ids[0] == bos  # the template's BOS, once
+    with BoundedRenderer(task.chat_template) as renderer:  # the child process gives the same spans
+        text, spans = renderer.assistant_spans(CHAT, "t")
+    assert (text, spans) == task.chat_template.assistant_spans(CHAT, "t") and len(spans) == 2
+
+
+def test_a_chatml_template_in_tokenizer_config_gives_transformers_ids_and_mask(tmp_path):
+    """The template as a named list in tokenizer_config.json (``default`` used); marked with {% generation %}, the
+    mask is transformers'; unmarked, today's rule gives the same mask, and data.train_after_end_of_turn=false leaves
+    out the newline after <|im_end|> (transformers' mask when the marks end before it)."""
+    transformers = pytest.importorskip("transformers")
+    named = [{"name": "tool_use", "template": "{{ raise_exception('not this one') }}"}]
+    folders = {}
+    for name, template in (
+        ("marked", QWEN2_TEMPLATE),
+        ("unmarked", untagged(QWEN2_TEMPLATE)),
+        (
+            "short",
+            QWEN2_TEMPLATE.replace(
+                "'<|im_end|>' + '\n' }}{%- endgeneration %}", "'<|im_end|>' }}{%- endgeneration %}{{- '\n' }}"
+            ),
+        ),
+    ):
+        folders[name] = chat_folder(tmp_path / name, "")
+        config = json.loads((folders[name] / "tokenizer_config.json").read_text())
+        config["chat_template"] = [*named, {"name": "default", "template": template}]
+        (folders[name] / "tokenizer_config.json").write_text(json.dumps(config))
+    assert json.loads((folders["short"] / "tokenizer_config.json").read_text())["chat_template"][1]["template"] != (
+        QWEN2_TEMPLATE
+    )  # its marks end before the newline
+    reference, short = (transformers.AutoTokenizer.from_pretrained(folders[n]) for n in ("marked", "short"))
+    for name, ref, overrides in (
+        ("marked", reference, []),
+        ("unmarked", reference, []),
+        ("unmarked", short, ["data.train_after_end_of_turn=false"]),
+        ("short", short, []),
+    ):
+        task = sft_task(tmp_path, f"data.tokenizer={folders[name] / 'tokenizer.json'}", "data.format=chat", *overrides)
+        assert task.chat_template.marks_generation == (name != "unmarked")
+        for messages in (CHAT, CHAT[1:3]):
+            assert_as_transformers(task, ref, messages)
 
 
 BAD_CHATS = {
