@@ -67,3 +67,38 @@ def test_a_validation_batch_larger_than_the_split_is_lowered_to_fit_it_with_a_li
         f"validation.batch_size=32 lowered to {held}: the validation split holds {held} rows" in capsys.readouterr().out
     )
     assert result["final"]["loss"] > 0  # validated
+
+
+# ---- honest speed (issue 48, item 5) ---------------------------------------------------------------------------------
+def test_unpacked_rows_are_padded_to_the_longest_sample_and_give_the_same_loss(tmp_path):
+    import torch
+
+    from tasks.lm.sft import PackedRows, answer_token_loss, record_sample
+    from tests.unit.test_sft import sft_task
+
+    task = sft_task(tmp_path, "data.pack=false", "data.seq_len=64")
+    samples = [record_sample({"prompt": "q" * n, "completion": "a" * n}, "t", task.cfg.data, task.tokenizer, None)
+               for n in (3, 9, 5)]  # fmt: skip
+    rows = PackedRows(samples, 64, task.tokenizer.eod, packed=False)
+    full = torch.stack([rows[i] for i in range(3)])
+    batch = task.collate([rows[i] for i in range(3)])
+    assert batch.shape == (3, 3, 9 + 9 + 1 - 1)  # the longest sample's positions, not data.seq_len
+    assert task.num_units(batch) == task.num_units(full) == sum(len(s.ids) - 1 for s in samples)
+    model = task.build_model()
+    cut, _ = answer_token_loss(model, batch, torch.device("cpu"), packed=False)
+    padded, _ = answer_token_loss(model, full, torch.device("cpu"), packed=False)
+    torch.testing.assert_close(cut, padded)
+
+
+@pytest.mark.parametrize("pack", ["true", "false"])
+def test_tokens_per_s_counts_the_sample_tokens_not_the_padding(tmp_path, pack):
+    path = records(tmp_path, 6)
+    cfg = compose_config([*SFT, f"data.path={path}", "data.valid_percent=0", "validation.interval_steps=0",
+                          "optimization.max_steps=1", f"data.pack={pack}", "optimization.batch_size=1"])  # fmt: skip
+    result = run_rank(cfg, tmp_path / "run", dist_env.detect(), after_fit=keep_task)
+    rows = result["task"].train_dataset
+    first = rows[0]  # the step's one row: the order's first (shuffled)
+    record = next(r for r in result["history"] if r["split"] == "train")
+    per_step = record["tokens_per_s"] * record["ms_per_step"] / 1000
+    real = [int((rows[i][2] >= 0).sum()) for i in range(len(rows))]
+    assert any(per_step == pytest.approx(n, rel=1e-6) for n in real) and max(real) < 64, (per_step, real, first.shape)
