@@ -175,6 +175,13 @@ def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int
     return list(encoding.ids), list(encoding.offsets)
 
 
+def encode_with_starts(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """(token ids of ``text``, the character where each token starts): encode_with_offsets' starts (the preference
+    pairs of tasks/lm/preference.py read them)."""
+    ids, offsets = encode_with_offsets(tokenizer, text)
+    return ids, [start for start, _ in offsets]
+
+
 def span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]], overlap: bool) -> list[bool]:
     """Whether each token is an answer token: it overlaps a span (``overlap``: transformers' rule for
     {% generation %} spans) or starts inside one. One pass: tokens and spans are both in order."""

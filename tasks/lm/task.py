@@ -313,7 +313,7 @@ class LanguageModelingTask(Task):
         longest sample, not data.seq_len: no step computes padding past it."""
         batch = super().collate(samples)
         if self.sft and not self.cfg.data.pack:
-            batch = batch[..., : max(1, int(real_positions(batch).max()))]
+            batch = batch[..., : max(1, int(real_positions(batch).max()))].contiguous()
         return batch
 
     def example_batch(self, batch_size: int) -> torch.Tensor:
