@@ -235,6 +235,10 @@ def prepare_data(task) -> str:
     opened (Task.data_identity)."""
     if task.train_dataset is None:  # once per process (backend=auto's tuning opens it before the backend's setup)
         task.prepare_data()
+        env = dist_env.detect()
+        note = task.fit_validation_batch(checks.data_parallel_readers(task.cfg, job_world_size(task.cfg)))
+        if note and env.is_main:
+            print(note, flush=True)
         problems = task.data_errors()
         if problems:
             raise DataError("; ".join(problems))

@@ -67,19 +67,40 @@ class Task(ABC):
     def data_errors(self) -> list[str]:
         """Problems the opened data shows against the config, found before the first step on every rank: each split
         must fill one global batch (a validation split smaller than validation.batch_size would end the run at its
-        first validation, and again after every resume)."""
+        first validation, and again after every resume; fit_validation_batch lowers it first where it can). An empty
+        validation split is no problem with validation off (validation.interval_steps=0): there is none."""
         o, v = self.cfg.optimization, self.cfg.validation
         errors = []
         for split, dataset, key, batch in (
             ("training", self.train_dataset, "optimization.batch_size", o.batch_size),
             ("validation", self.valid_dataset, "validation.batch_size", v.batch_size),
         ):
+            if split == "validation" and dataset is not None and len(dataset) == 0:
+                if v.interval_steps:
+                    errors.append("the validation split is empty (data.valid_percent=0 holds none out): set "
+                                  "validation.interval_steps=0 to train on every record without validation, or "
+                                  f"{self.more_samples_hint(split)}")  # fmt: skip
+                continue
             if dataset is not None and len(dataset) < batch:
                 errors.append(
                     f"{key} ({batch}) is more than the {len(dataset)} {self.sample_name} of the {split} split; lower "
                     f"{key} or {self.more_samples_hint(split)}"
                 )
         return errors
+
+    def fit_validation_batch(self, readers: int) -> str | None:
+        """validation.batch_size lowered to the most that a validation split smaller than it fills (a multiple of
+        ``readers``, the ranks that read different samples), and the line that says so; None where it fits, or where
+        not even ``readers`` samples are there (data_errors then says so)."""
+        v = self.cfg.validation
+        held = len(self.valid_dataset) if self.valid_dataset is not None else 0
+        fitted = held // readers * readers
+        if held >= v.batch_size or fitted == 0:
+            return None
+        line = (f"validation.batch_size={v.batch_size} lowered to {fitted}: the validation split holds {held} "
+                f"{self.sample_name}")  # fmt: skip
+        v.batch_size = fitted
+        return line
 
     sample_name = "samples"
     """What one sample is, in error messages (the LM: blocks of data.seq_len tokens)."""

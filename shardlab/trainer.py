@@ -412,6 +412,8 @@ class Trainer:
     def validate(self, log: RunLogger) -> dict[str, float]:
         cfg, backend = self.cfg, self.backend
         dataset = self.task.valid_dataset
+        if not len(dataset):  # data.valid_percent=0 with validation off (Task.data_errors): nothing held out
+            return {}
         vb = cfg.validation.batch_size
         available = len(dataset) // vb
         num_batches = min(cfg.validation.num_batches or available, available)

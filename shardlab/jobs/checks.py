@@ -588,14 +588,19 @@ def unknown_key_errors(cfg: Any) -> list[str]:
     return errors
 
 
+def data_parallel_readers(cfg: Any, world: int) -> int:
+    """The ranks that read different samples: the data-parallel ones (world / tensor x pipeline x context)."""
+    from shardlab.distributed.mesh import ParallelDims
+
+    dims = ParallelDims.from_config(cfg.distributed, world)
+    return dims.dp if dims.multi_axis and dims.world_size == world else world
+
+
 def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
     """Flag combinations that cannot work (or silently would not do what they say)."""
     d, errors = cfg.distributed, []
     sharded = d.backend in ("fully_sharded", "auto")  # auto keeps fully_sharded knobs (and then shards)
-    from shardlab.distributed.mesh import ParallelDims
-
-    dims = ParallelDims.from_config(d, world)
-    readers = dims.dp if dims.multi_axis and dims.world_size == world else world  # ranks that read different samples
+    readers = data_parallel_readers(cfg, world)
     among = "the world size" if readers == world else "the data-parallel ranks (world / tensor x pipeline x context)"
     if readers > 1 and cfg.optimization.batch_size % readers:
         errors.append(

@@ -163,6 +163,12 @@ class LMDataConfig:
     chat_template: str | None = None
     """A tokenizer_config.json with a chat_template, or a .jinja file; null = the tokenizer_config.json beside
     data.tokenizer if it has one, else none (prompt_completion is then joined: prompt + completion + end-of-text)."""
+    train_after_end_of_turn: bool = True
+    """Whether the whitespace a chat template writes after an answer's end-of-turn token (ChatML's newline after
+    <|im_end|>) is trained on; a template with {% generation %} marks decides it itself (transformers' mask)."""
+    skip_bad_records: bool = False
+    """Skip fine-tuning records that cannot be trained on (empty or null content, an unknown role, no assistant turn),
+    counted and named in the start line; false = refuse the first, naming its file:line."""
     pack: bool = True
     """Pack several samples into each row of data.seq_len, attention kept within each; false = one sample a row."""
     chosen_field: str = "chosen"

@@ -30,11 +30,10 @@ class TokenBlocks(Dataset):
         counts = [f.stat().st_size // np.dtype(dtype).itemsize for f in files]
         num_tokens = sum(counts)
         self.seq_len, self.dtype = seq_len, dtype
-        self.num_samples = (num_tokens - 1) // seq_len
-        if self.num_samples < 1:
+        self.num_samples = max(0, (num_tokens - 1) // seq_len)
+        held_none = files[0].stem == "valid" and num_tokens == 0  # data.valid_percent=0: Task.data_errors decides
+        if self.num_samples < 1 and not held_none:
             more = "a larger data.valid_percent, " if files[0].stem == "valid" else ""
-            if files[0].stem == "valid" and num_tokens == 0:  # data.valid_percent=0, or a tiny corpus
-                more = "data.valid_percent above 0 (data.valid_percent=0 holds none out), "
             where = files[0] if len(files) == 1 else f"{files[0].parents[2]} ({len(files)} shards of {files[0].name})"
             raise DataError(
                 f"{where} has {num_tokens} tokens, fewer than data.seq_len + 1 = {seq_len + 1}; "

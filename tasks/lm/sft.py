@@ -23,7 +23,7 @@ import inspect
 import json
 import textwrap
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +57,21 @@ RECORD_MAX_CHARS = 4 * 2**20
 """The most characters a chat record's messages may hold (~1M tokens, past any context trained on): a record is
 rendered and tokenized whole at every start, on every rank."""
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+"""Message roles a record may hold: those of the published chat templates (OpenAI's developer, Llama 3.1's ipython for
+tool output)."""
+
+NAMED_MAX = 5
+"""How many records the start line names for each kind of record skipped, cut or dropped (then "..." and the count)."""
+
 DEMO_MAX_CHARS = 250
 """Longest prompt + body the demo keeps: a sample fits in 256 byte tokens (the default LM's context) and several pack
 into a row."""
+
+
+class BadRecord(DataError):
+    """A record that cannot be trained on as written (empty or null content, an unknown role, no answer): refused
+    naming its file:line, or skipped with data.skip_bad_records=true."""
 
 
 @dataclass
@@ -153,30 +165,86 @@ def _parquet_records(source) -> Iterator[tuple[str, str, dict]]:
 
 
 # ---- samples -----------------------------------------------------------------------------------------------------
-def encode_with_starts(tokenizer, text: str) -> tuple[list[int], list[int]]:
-    """(token ids of ``text``, the character where each token starts), as apply_chat_template tokenizes: the whole
-    text, no special tokens added."""
+def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """(token ids of ``text``, the [start, end) characters of each token), as apply_chat_template tokenizes: the
+    whole text, no special tokens added."""
     if getattr(tokenizer, "tok", None) is None:  # the byte tokenizer: a token per UTF-8 byte
-        starts = [i for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
-        return list(text.encode("utf-8")), starts
+        offsets = [(i, i + 1) for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))]
+        return list(text.encode("utf-8")), offsets
     encoding = tokenizer.tok.encode(text, add_special_tokens=False)
-    return list(encoding.ids), [start for start, _ in encoding.offsets]
+    return list(encoding.ids), list(encoding.offsets)
 
 
-def chat_sample(template: ChatTemplate, tokenizer, messages: Any, where: str) -> Sample:
-    """The rendered conversation's tokens; answer tokens are those starting inside an assistant turn."""
+def encode_with_starts(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """(token ids of ``text``, the character where each token starts): encode_with_offsets' starts (the preference
+    pairs of tasks/lm/preference.py read them)."""
+    ids, offsets = encode_with_offsets(tokenizer, text)
+    return ids, [start for start, _ in offsets]
+
+
+def span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]], overlap: bool) -> list[bool]:
+    """Whether each token is an answer token: it overlaps a span (``overlap``: transformers' rule for
+    {% generation %} spans) or starts inside one. One pass: tokens and spans are both in order."""
+    mask, k = [], 0
+    for start, end in offsets:
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        inside = k < len(spans) and (end > spans[k][0] if overlap else start >= spans[k][0])
+        mask.append(inside)
+    return mask
+
+
+def without_trailing_whitespace(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each span less the whitespace it ends with (ChatML's newline after <|im_end|>): data.train_after_end_of_turn
+    false."""
+    out = []
+    for a, b in spans:
+        while b > a and text[b - 1].isspace():
+            b -= 1
+        out.append((a, b))
+    return out
+
+
+def message_errors(messages: Any, where: str) -> None:
+    """A BadRecord naming the first problem of a chat record's messages: not a list of {role, content} objects, an
+    unknown role, a content that is null, not a string or (an assistant's) empty, no assistant turn."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise DataError(f"{where}: messages must be a list of {{role, content}} objects; name the field with "
+        raise BadRecord(f"{where}: messages must be a list of {{role, content}} objects; name the field with "
                         "data.messages_field")  # fmt: skip
-    size = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    for i, m in enumerate(messages):
+        role, content = m["role"], m.get("content")
+        if role not in ROLES:
+            raise BadRecord(f"{where}: message {i} has role {role!r}, not one of {', '.join(ROLES)}; fix the role "
+                            "or delete the record (data.skip_bad_records=true skips such records)")  # fmt: skip
+        if not isinstance(content, str):
+            what = "no content" if content is None else f"a {type(content).__name__} content, not a string"
+            raise BadRecord(f"{where}: message {i} ({role}) has {what}; write its text as a string or delete the "
+                            "record (data.skip_bad_records=true skips such records)")  # fmt: skip
+        if role == "assistant" and not content.strip():
+            raise BadRecord(f"{where}: message {i} (assistant) has empty content (it would train on a lone "
+                            "end-of-turn); fill it or delete the record (data.skip_bad_records=true skips such "
+                            "records)")  # fmt: skip
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRecord(f"{where}: no assistant turn, so nothing to train on; add the answer or delete the record "
+                        "(data.skip_bad_records=true skips such records)")  # fmt: skip
+
+
+def chat_sample(template: ChatTemplate, tokenizer, messages: Any, where: str, after_end_of_turn: bool = True) -> Sample:
+    """The rendered conversation's tokens and its answer tokens: those overlapping a {% generation %} block where the
+    template marks them (as transformers' return_assistant_tokens_mask), else those starting inside an assistant
+    turn, the whitespace after its end-of-turn token included unless ``after_end_of_turn`` is false."""
+    message_errors(messages, where)
+    size = sum(len(m["content"]) for m in messages)
     if size > RECORD_MAX_CHARS:
         raise DataError(
             f"{where}: the record's messages hold {size:,} characters, more than the {RECORD_MAX_CHARS:,} a "
             "fine-tuning record may hold (longer than any data.seq_len trains on); split it or delete the line"
         )
     text, spans = template.assistant_spans(messages, where)
-    ids, starts = encode_with_starts(tokenizer, text)
-    return Sample(ids, [any(a <= s < b for a, b in spans) for s in starts])
+    ids, offsets = encode_with_offsets(tokenizer, text)
+    if not template.marks_generation and not after_end_of_turn:
+        spans = without_trailing_whitespace(text, spans)
+    return Sample(ids, span_mask(offsets, spans, overlap=template.marks_generation))
 
 
 def record_sample(record: dict, where: str, d: Any, tokenizer, template: ChatTemplate | None) -> Sample:
@@ -185,15 +253,22 @@ def record_sample(record: dict, where: str, d: Any, tokenizer, template: ChatTem
         if d.messages_field not in record:
             raise DataError(f"{where}: no {d.messages_field!r} field (found: {', '.join(record)}); name it with "
                             "data.messages_field")  # fmt: skip
-        return chat_sample(template, tokenizer, record[d.messages_field], where)
+        return chat_sample(template, tokenizer, record[d.messages_field], where, d.get("train_after_end_of_turn", True))
     for key in (d.prompt_field, d.completion_field):
-        if not isinstance(record.get(key), str):
+        if key not in record:
             raise DataError(f"{where}: no {key!r} text field (found: {', '.join(record)}); name the fields with "
                             "data.prompt_field and data.completion_field")  # fmt: skip
+        if not isinstance(record[key], str):
+            what = "null" if record[key] is None else f"a {type(record[key]).__name__}, not a string"
+            raise BadRecord(f"{where}: {key!r} is {what}; write it as a string or delete the record "
+                            "(data.skip_bad_records=true skips such records)")  # fmt: skip
     prompt, completion = record[d.prompt_field], record[d.completion_field]
+    if not completion.strip():
+        raise BadRecord(f"{where}: {d.completion_field!r} is empty, nothing to train on; fill it or delete the record "
+                        "(data.skip_bad_records=true skips such records)")  # fmt: skip
     if template is not None:
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        return chat_sample(template, tokenizer, messages, where)
+        return chat_sample(template, tokenizer, messages, where, d.get("train_after_end_of_turn", True))
     p, c = tokenizer.encode(prompt), tokenizer.encode(completion) + [tokenizer.eod]
     return Sample(p + c, [False] * len(p) + [True] * len(c))
 
@@ -217,52 +292,83 @@ class PackedRows(Dataset):
 
 
 @dataclass
+class Named:
+    """A count of records and the first NAMED_MAX of them by file:line (what the start line prints)."""
+
+    count: int = 0
+    first: list[str] = field(default_factory=list)
+
+    def add(self, where: str) -> None:
+        self.count += 1
+        if len(self.first) < NAMED_MAX:
+            self.first.append(where)
+
+    def __str__(self) -> str:
+        if not self.count:
+            return "0"
+        more = ", ..." if self.count > len(self.first) else ""
+        return f"{self.count:,} ({', '.join(self.first)}{more})"
+
+
+@dataclass
 class SFTSplits:
     train: PackedRows
     valid: PackedRows
-    truncated: int
+    cut: Named
     """Samples cut to data.seq_len + 1 tokens."""
-    dropped: int
+    dropped: Named
     """Samples left without an answer token (their prompt fills data.seq_len), not trained on."""
     records: int = 0
-    """Records read (every one: held out, cut and dropped ones too)."""
+    """Records read (every one: held out, cut, dropped and skipped ones too)."""
+    skipped: Named = field(default_factory=Named)
+    """Bad records skipped (data.skip_bad_records=true)."""
 
     def summary(self, source: str, seq_len: int) -> str:
         """The line a run starts with: what was read and what became of it, as the corpus cache's lines say."""
         train, valid = self.train, self.valid
+        skipped = f", {self.skipped} skipped as bad (data.skip_bad_records)" if self.skipped.count else ""
         return (
             f"fine-tuning records from {source}: {self.records:,} read, {len(valid.samples):,} held out for "
-            f"validation, {self.truncated:,} cut (longer than data.seq_len={seq_len}), {self.dropped:,} dropped (no "
-            f"answer token within it)\n  {len(train.samples):,} train samples in {len(train):,} rows "
+            f"validation, {self.cut} cut (longer than data.seq_len={seq_len}), {self.dropped} dropped (no "
+            f"answer token within it){skipped}\n  {len(train.samples):,} train samples in {len(train):,} rows "
             f"({train.answer_tokens:,} answer tokens), {len(valid.samples):,} valid in {len(valid):,} rows "
             f"({valid.answer_tokens:,})"
         )
 
 
 def open_sft_splits(d: Any, tokenizer, template: ChatTemplate | None, packed: bool) -> SFTSplits:
-    """The train and validation rows of data.* (data.path's records, or the demo's)."""
+    """The train and validation rows of data.* (data.path's records, or the demo's). A bad record (BadRecord) is
+    refused naming it, or with data.skip_bad_records counted and named in the start line."""
     if d.path is None:
         records = ((key, key, record) for key, record in demo_records())
     else:
         records = file_records(d.path)
     splits: dict[str, list[Sample]] = {"train": [], "valid": []}
-    truncated = dropped = read = 0
+    cut, dropped, skipped, read = Named(), Named(), Named(), 0
+    skip_bad = d.get("skip_bad_records", False)
     # a model folder's template is someone else's code: rendered in a child process with limits (sft_render.py)
     with BoundedRenderer(template) if template is not None else contextlib.nullcontext() as renderer:
         for key, where, record in records:
             read += 1
-            sample = record_sample(record, where, d, tokenizer, renderer)
+            try:
+                sample = record_sample(record, where, d, tokenizer, renderer)
+            except BadRecord:
+                if not skip_bad:
+                    raise
+                skipped.add(where)
+                continue
             if len(sample.ids) > d.seq_len + 1:
-                sample, truncated = Sample(sample.ids[: d.seq_len + 1], sample.answer[: d.seq_len + 1]), truncated + 1
+                sample = Sample(sample.ids[: d.seq_len + 1], sample.answer[: d.seq_len + 1])
+                cut.add(where)
             if not any(sample.answer[1:]):
-                dropped += 1
+                dropped.add(where)
                 continue
             splits["valid" if is_valid_document(key, d.valid_percent) else "train"].append(sample)
     if not splits["train"]:
         raise DataError(f"data.path: {d.path} gives no training sample with an answer token; check data.format "
                         "and its fields, or raise data.seq_len")  # fmt: skip
     train, valid = (PackedRows(splits[s], d.seq_len, tokenizer.eod, packed) for s in ("train", "valid"))
-    return SFTSplits(train, valid, truncated, dropped, read)
+    return SFTSplits(train, valid, cut, dropped, read, skipped)
 
 
 # ---- the loss ------------------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Fine-tuning samples packed into rows of data.seq_len positions, and what the models make of a packed row.
 
 A row is a (3, seq_len) long tensor: the input tokens, the target of each position (IGNORE where no loss is taken:
-prompt tokens, padding), and the segment of each position (0, 1, ... for the samples in the row, then one more for
-the padding). From the segments the models take per-sample positions (RoPE angles, GPT-2's position table restart at
-0 for each sample) and a block-diagonal causal mask (no position attends to another sample's), so a packed row
-computes what the same samples compute each in a row of its own. Light on purpose: the models import it.
+prompt tokens, padding), and the segment of each position (0, 1, ... for the samples in the row, PAD_SEGMENT for the
+padding, so the tokens a row really holds are counted without knowing its samples: real_positions). From the segments
+the models take per-sample positions (RoPE angles, GPT-2's position table restart at 0 for each sample) and a
+block-diagonal causal mask (no position attends to another sample's), so a packed row computes what the same samples
+compute each in a row of its own. Light on purpose: the models import it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ import torch
 
 IGNORE = -100
 """The target of a position that carries no loss (F.cross_entropy's ignore_index)."""
+PAD_SEGMENT = -1
+"""The segment of padding positions (a segment of its own: no sample attends to it)."""
+
+
+def real_positions(rows: torch.Tensor) -> torch.Tensor:
+    """(batch,) the positions of each (batch, 3, length) row that hold a sample's token, not padding."""
+    return (rows[:, 2] != PAD_SEGMENT).sum(-1)
 
 
 def segment_positions(segments: torch.Tensor) -> torch.Tensor:
@@ -55,5 +63,5 @@ def packed_row(samples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id
         segments += [segment] * (len(ids) - 1)
     assert len(inputs) <= seq_len, "pack() keeps each row within data.seq_len"
     pad = seq_len - len(inputs)
-    row = [inputs + [pad_id] * pad, targets + [IGNORE] * pad, segments + [len(samples)] * pad]
+    row = [inputs + [pad_id] * pad, targets + [IGNORE] * pad, segments + [PAD_SEGMENT] * pad]
     return torch.tensor(row, dtype=torch.long)

@@ -37,7 +37,7 @@ class BoundedRenderer:
     ends with it). Duck-types the template for tasks/lm/sft.py's chat_sample."""
 
     def __init__(self, template, timeout_s: float | None = None, memory_bytes: int | None = None) -> None:
-        self.template, self.origin = template, template.origin
+        self.template, self.origin, self.marks_generation = template, template.origin, template.marks_generation
         self.timeout_s = RENDER_TIMEOUT_S if timeout_s is None else timeout_s
         self.memory_bytes = RENDER_MEMORY_BYTES if memory_bytes is None else memory_bytes
         self._child: subprocess.Popen | None = None

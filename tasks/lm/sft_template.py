@@ -1,5 +1,11 @@
-"""A model's own chat template (the Jinja2 ``chat_template`` of its tokenizer_config.json), rendered as transformers'
-``apply_chat_template`` renders it, and the character spans of the assistant turns in the result.
+"""A model's own chat template (its folder's ``chat_template.jinja``, as transformers 5 saves it, or the Jinja2
+``chat_template`` of its tokenizer_config.json), rendered as transformers' ``apply_chat_template`` renders it, and the
+character spans of the assistant turns in the result.
+
+A template with transformers' ``{% generation %}`` ... ``{% endgeneration %}`` marks gives its spans itself: what the
+marked blocks output, counted as transformers counts them (the characters the render has yielded when a block
+ends), from one render; the answer tokens are then those overlapping a span (tasks/lm/sft.py), as
+``return_assistant_tokens_mask`` gives them. A template without marks is searched as follows.
 
 Rendering: jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, loop controls, transformers'
 ``tojson`` (no HTML escaping), ``raise_exception`` and ``strftime_now``; the template sees ``messages``,
@@ -24,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -69,6 +76,41 @@ def _unfolded(func):
     return call
 
 
+class _Tracking:
+    """The characters a render has yielded so far, and the [start, end) spans its generation blocks output."""
+
+    def __init__(self) -> None:
+        self.size, self.spans = 0, []
+
+
+_TRACKING: ContextVar[_Tracking | None] = ContextVar("generation_spans", default=None)
+GENERATION_MARK = re.compile(r"{%-?\s*generation\s*[-+]?%}")
+"""A ``{% generation %}`` tag in a template's source: its spans then come from the marks."""
+
+
+def _generation_extension():
+    """jinja2's extension for transformers' ``{% generation %}`` blocks: each outputs its body and, while a render
+    tracks them, records where the body lies (the characters yielded before it, as transformers counts)."""
+    import jinja2.ext
+    import jinja2.nodes
+
+    class GenerationMarks(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller) -> str:
+            text = caller()
+            if (tracking := _TRACKING.get()) is not None:
+                tracking.spans.append((tracking.size, tracking.size + len(text)))
+            return text
+
+    return GenerationMarks
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str):
     import jinja2
@@ -78,7 +120,8 @@ def _compile(source: str):
     class Sandbox(ImmutableSandboxedEnvironment):
         intercepted_binops = FOLDABLE_BINOPS
 
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    extensions = [jinja2.ext.loopcontrols, _generation_extension()]
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
     env.filters["tojson"] = _tojson
     env.filters = {name: _unfolded(f) for name, f in env.filters.items()}
     env.tests = {name: _unfolded(f) for name, f in env.tests.items()}
@@ -105,23 +148,55 @@ class ChatTemplate:
 
     def __init__(self, source: str, special_tokens: dict[str, str], origin: str) -> None:
         self.source, self.special_tokens, self.origin = source, special_tokens, origin
+        self.marks_generation = GENERATION_MARK.search(source) is not None
+        """Whether the template marks its answers with {% generation %} (its spans are then the marks')."""
         try:
             self.template = _compile(source)
         except Exception as e:  # jinja2's TemplateSyntaxError, with the line
             raise ConfigError(f"data.chat_template: {origin} is not a Jinja2 template jinja2 compiles ({e})") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The template's output, streamed and refused past RENDER_MAX_CHARS (RenderTooLarge)."""
-        pieces, size = [], 0
-        for piece in self.template.generate(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
-            **self.special_tokens,
-        ):  # fmt: skip
-            size += len(piece)
-            if size > RENDER_MAX_CHARS:
-                raise RenderTooLarge(size)
-            pieces.append(piece)
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = False, tracking: _Tracking | None = None
+    ) -> str:
+        """The template's output, streamed and refused past RENDER_MAX_CHARS (RenderTooLarge); ``tracking`` collects
+        the spans of its {% generation %} blocks."""
+        pieces, tracking = [], tracking or _Tracking()
+        reset = _TRACKING.set(tracking)
+        try:
+            for piece in self.template.generate(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                **self.special_tokens,
+            ):  # fmt: skip
+                tracking.size += len(piece)
+                if tracking.size > RENDER_MAX_CHARS:
+                    raise RenderTooLarge(tracking.size)
+                pieces.append(piece)
+        finally:
+            _TRACKING.reset(reset)
         return "".join(pieces)
+
+    def _spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """The text and answer spans: the {% generation %} blocks' where the template marks them, else found from
+        its renders (module docstring)."""
+        if self.marks_generation:
+            tracking = _Tracking()
+            return self.render(messages, tracking=tracking), tracking.spans
+        text = self.render(messages)
+        assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if not assistants:
+            return text, []
+        first = self._prefix_span(messages, assistants[0], text, where)
+        spans = self._marked_spans(messages, assistants, text, first)
+        if spans is None:
+            if len(assistants) > PREFIX_RENDER_MAX_TURNS:
+                raise DataError(
+                    f"{where}: the chat template of {self.origin} changes the text of a turn (trims it, say), so "
+                    f"its {len(assistants)} answers could only be found by rendering each turn's prefixes, which "
+                    f"costs the square of the turns; records of more than {PREFIX_RENDER_MAX_TURNS} answers are "
+                    "refused with it: split the record"
+                )
+            spans = [self._prefix_span(messages, i, text, where) for i in assistants]
+        return text, spans
 
     def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """(the conversation's text, the [start, end) character span of each assistant turn in it); ``where`` names
@@ -129,21 +204,7 @@ class ChatTemplate:
         marked, and the first assistant turn's two prefixes; only a template the markers cannot follow renders the
         prefixes of every turn, for at most PREFIX_RENDER_MAX_TURNS of them."""
         try:
-            text = self.render(messages)
-            assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-            if not assistants:
-                return text, []
-            first = self._prefix_span(messages, assistants[0], text, where)
-            spans = self._marked_spans(messages, assistants, text, first)
-            if spans is None:
-                if len(assistants) > PREFIX_RENDER_MAX_TURNS:
-                    raise DataError(
-                        f"{where}: the chat template of {self.origin} changes the text of a turn (trims it, say), so "
-                        f"its {len(assistants)} answers could only be found by rendering each turn's prefixes, which "
-                        f"costs the square of the turns; records of more than {PREFIX_RENDER_MAX_TURNS} answers are "
-                        "refused with it: split the record"
-                    )
-                spans = [self._prefix_span(messages, i, text, where) for i in assistants]
+            text, spans = self._spans(messages, where)
         except (DataError, MemoryError):
             raise
         except RenderTooLarge as e:
@@ -263,12 +324,15 @@ def _read_template_file(path: Path, key: str) -> str:
 
 def load_chat_template(path: str | Path, key: str = "data.chat_template") -> ChatTemplate:
     """The template of a tokenizer_config.json (its ``chat_template``: a string, or a list of named templates of
-    which ``default`` is used) with its special tokens, or of a .jinja file (no special tokens). ``key`` names the
-    setting the path came from in errors."""
+    which ``default`` is used) with its special tokens, or of a .jinja file with the special tokens of the
+    tokenizer_config.json beside it, if any (a folder as transformers 5 saves it). ``key`` names the setting the path
+    came from in errors."""
     path = Path(path).expanduser()
     text = _read_template_file(path, key)
     if path.suffix != ".json":
-        return ChatTemplate(text, {}, str(path))
+        beside = path.parent / "tokenizer_config.json"
+        config = _config_beside(beside, key) if os.path.lexists(beside) else {}
+        return ChatTemplate(text, _special_tokens(config or {}), str(path))
     try:
         config = json.loads(text)
     except ValueError as e:
@@ -276,6 +340,17 @@ def load_chat_template(path: str | Path, key: str = "data.chat_template") -> Cha
     if not isinstance(config, dict):
         raise ConfigError(f"{key}: {path} holds a JSON {type(config).__name__}, not an object")
     return _from_config(config, path, key)
+
+
+def _special_tokens(config: dict) -> dict[str, str]:
+    """The special tokens (SPECIAL_TOKENS) a tokenizer_config.json's object names, as strings."""
+    special = {}
+    for name in SPECIAL_TOKENS:
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            special[name] = token
+    return special
 
 
 def _from_config(config: dict, path: Path, key: str) -> ChatTemplate:
@@ -288,29 +363,33 @@ def _from_config(config: dict, path: Path, key: str) -> ChatTemplate:
             f"{key}: {path} has no chat_template string; give a .jinja file, or use "
             "data.format=prompt_completion (joined without a template)"
         )
-    special = {}
-    for name in SPECIAL_TOKENS:
-        token = config.get(name)
-        token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str):
-            special[name] = token
-    return ChatTemplate(source, special, str(path))
+    return ChatTemplate(source, _special_tokens(config), str(path))
+
+
+def _config_beside(path: Path, key: str) -> dict | None:
+    """A tokenizer_config.json's object, read once through the one reader; None when it is not a JSON object."""
+    try:
+        config = json.loads(_read_template_file(path, key))
+    except ValueError:
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def find_chat_template(setting: str | None, tokenizer: str) -> ChatTemplate | None:
-    """data.chat_template if set, else the template of the tokenizer_config.json beside data.tokenizer (a model
-    folder's) when it has one, else None."""
+    """data.chat_template if set, else the model folder's (the one beside data.tokenizer): its chat_template.jinja
+    (transformers 5's form, which transformers prefers to the config's) with the special tokens of its
+    tokenizer_config.json, else that config's chat_template, else None."""
     if setting:
         return load_chat_template(setting)
     if tokenizer == "byte":
         return None
-    beside = Path(tokenizer).expanduser().parent / "tokenizer_config.json"
+    folder = Path(tokenizer).expanduser().parent
+    if os.path.lexists(folder / "chat_template.jinja"):
+        return load_chat_template(folder / "chat_template.jinja", "data.tokenizer")
+    beside = folder / "tokenizer_config.json"
     if not os.path.lexists(beside):
         return None
-    try:  # read once, through the one reader, as data.chat_template's file
-        config = json.loads(_read_template_file(beside, "data.tokenizer"))
-    except ValueError:
-        return None
-    if not isinstance(config, dict) or "chat_template" not in config:
+    config = _config_beside(beside, "data.tokenizer")
+    if config is None or "chat_template" not in config:
         return None
     return _from_config(config, beside, "data.tokenizer")

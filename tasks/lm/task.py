@@ -22,7 +22,7 @@ from tasks.lm.cache import corpus_sources, read_corpus_meta
 from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
 from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
-from tasks.lm.sft_packing import IGNORE
+from tasks.lm.sft_packing import IGNORE, real_positions
 from tasks.lm.sft_template import find_chat_template
 from tasks.lm.tokenizer import load_tokenizer
 
@@ -221,7 +221,8 @@ class LanguageModelingTask(Task):
         if d.format == "chat" and self.chat_template is None:
             errors.append(
                 "data.format=chat needs a chat template: set data.chat_template (a tokenizer_config.json or .jinja "
-                "file), or use data.format=prompt_completion"
+                "file; a model folder's chat_template.jinja is found beside data.tokenizer), or use "
+                "data.format=prompt_completion"
             )
         arch = self.architecture
         if d.pack and "segments" not in inspect.signature(arch.forward).parameters:
@@ -300,7 +301,8 @@ class LanguageModelingTask(Task):
             return (
                 f"{len(s.train)} train / {len(s.valid)} valid rows of {len(s.train.samples)} / "
                 f"{len(s.valid.samples)} samples, {s.train.answer_tokens:,} answer tokens to train on "
-                f"({s.truncated} cut to data.seq_len, {s.dropped} without an answer token left out)"
+                f"({s.cut.count} cut to data.seq_len, {s.dropped.count} without an answer token left out, "
+                f"{s.skipped.count} bad records skipped)"
             )
         if self.mixture is not None:
             return self.mixture.identity()
@@ -354,6 +356,14 @@ class LanguageModelingTask(Task):
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         return model.fsdp_units()
+
+    def collate(self, samples: list) -> torch.Tensor:
+        """Unpacked fine-tuning rows (data.pack=false: a sample each, padded at its end) cut to the micro-batch's
+        longest sample, not data.seq_len: no step computes padding past it."""
+        batch = super().collate(samples)
+        if self.sft and not self.cfg.data.pack:
+            batch = batch[..., : max(1, int(real_positions(batch).max()))].contiguous()
+        return batch
 
     def example_batch(self, batch_size: int) -> torch.Tensor:
         if self.sft:  # rows of (inputs, targets, segments): tasks/lm/sft_packing.py
@@ -409,6 +419,7 @@ class LanguageModelingTask(Task):
         return mixture.plan_lines(self.cfg, self.tokenizer) if self.cfg.data.get("sources") else []
 
     def num_units(self, batch: torch.Tensor) -> int:
+        """Tokens that carry loss or attention: a fine-tuning row's padding is not counted."""
         if self.sft:
-            return batch.shape[0] * batch.shape[-1]
+            return int(real_positions(batch).sum())
         return batch.shape[0] * (batch.shape[1] - 1)

@@ -78,10 +78,10 @@ BAD_INPUTS = {
         r"^error: checkpoint.dir=/proc/shardlab-ckpt is /proc/shardlab-ckpt, inside the system folder /proc: .+; "
         r"choose a folder of its own",
     ),
-    "validation split smaller than one batch": (
-        ["hydra.run.dir={root}/run4", *TINY_LM, "validation.batch_size=100000"],
-        r"^error: validation.batch_size \(100000\) is more than the \d+ blocks of data.seq_len=32 tokens of the "
-        r"validation split; lower validation.batch_size or raise data.valid_percent",
+    "no validation split with validation on": (
+        ["hydra.run.dir={root}/run4", *TINY_LM, "data.valid_percent=0", "validation.interval_steps=5"],
+        r"^error: the validation split is empty \(data.valid_percent=0 holds none out\): set "
+        r"validation.interval_steps=0 to train on every record without validation, or raise data.valid_percent",
     ),
     "run dir named by the clock": (
         ["hydra.run.dir={root}/${{now:%H-%M-%S}}"],

@@ -115,4 +115,4 @@ def test_too_short_corpus_for_the_sequence_length_says_so(tmp_path):
     (tmp_path / "a.txt").write_text("hi")
     out = prepare_corpus(str(tmp_path / "a.txt"), str(tmp_path / "cache"), "byte", 0.0, 0)
     with pytest.raises(DataError, match="fewer than data.seq_len"):
-        TokenBlocks(out / "valid.bin", seq_len=64)
+        TokenBlocks(out / "train.bin", seq_len=64)  # "hi" and the end of document: 3 tokens

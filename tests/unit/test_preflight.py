@@ -128,19 +128,23 @@ def test_checkpoint_dir_errors_name_the_key_and_the_fix(tmp_path):
 
 
 # ---- the data against the batch sizes (after it is opened, before the process group and the first step) ---------
-def test_an_lm_validation_split_smaller_than_one_validation_batch_is_refused_before_the_first_step(tiny_lm):
+def test_an_lm_validation_split_smaller_than_one_validation_batch_gets_a_batch_that_fits_it(tiny_lm, capsys):
     cfg = tiny_lm("validation.batch_size=100000")
     task = build_task(cfg, 1)
-    with pytest.raises(DataError) as caught:
-        prepare_data(task)
-    message = str(caught.value)
-    assert "\n" not in message
-    assert re.fullmatch(
-        r"validation.batch_size \(100000\) is more than the [\d]+ blocks of data.seq_len=32 tokens of the validation "
-        r"split; lower validation.batch_size or raise data.valid_percent, lower data.seq_len, or add text to "
-        r"data.path",
-        message,
-    ), message
+    prepare_data(task)
+    held = len(task.valid_dataset)
+    assert 0 < held < 100000 and cfg.validation.batch_size == held
+    assert capsys.readouterr().out == (
+        f"validation.batch_size=100000 lowered to {held}: the validation split holds {held} blocks of data.seq_len=32 "
+        "tokens\n"
+    )
+    assert task.fit_validation_batch(readers=held + 1) is None  # fewer than one sample a rank: data_errors refuses
+    cfg.validation.batch_size = held + 1
+    assert task.data_errors() == [
+        f"validation.batch_size ({held + 1}) is more than the {held} blocks of data.seq_len=32 tokens of the "
+        "validation split; lower validation.batch_size or raise data.valid_percent, lower data.seq_len, or add text "
+        "to data.path"
+    ]
 
 
 def test_a_training_split_smaller_than_one_global_batch_is_refused():

@@ -24,6 +24,7 @@ from tasks.lm.sft import (
     record_sample,
 )
 from tasks.lm.sft_packing import IGNORE, document_mask, pack, segment_positions
+from tasks.lm.sft_render import BoundedRenderer
 from tasks.lm.sft_template import PREFIX_RENDER_MAX_TURNS, ChatTemplate, load_chat_template
 from tests.hf_folders import write_tokenizer
 
@@ -127,8 +128,8 @@ def test_a_template_error_names_the_record_and_a_chat_without_template_is_refuse
     folder = chat_folder(tmp_path / "qwen", untagged(QWEN2_TEMPLATE))
     task = sft_task(tmp_path, f"data.tokenizer={folder / 'tokenizer.json'}", "data.format=chat")
     with pytest.raises(DataError, match=r"data.jsonl:7: the chat template .* failed to render it \(roles are"):
-        record_sample({"messages": [{"role": "tool", "content": "x"}]}, "data.jsonl:7", task.cfg.data,
-                      task.tokenizer, task.chat_template)  # fmt: skip
+        messages = [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]
+        record_sample({"messages": messages}, "data.jsonl:7", task.cfg.data, task.tokenizer, task.chat_template)
     with pytest.raises(ConfigError, match=r"^data.format=chat needs a chat template: set data.chat_template"):
         sft_task(tmp_path, "data.format=chat")
     with pytest.raises(ConfigError, match=r"^data.format='cht' is not a data format; known: text, chat, prompt_comp"):
@@ -268,9 +269,9 @@ def test_splits_are_deterministic_and_hold_packed_rows_of_answer_samples(tmp_pat
     again = open_sft_splits(d, task.tokenizer, None, packed=True)
     assert len(first.train) == len(again.train) and torch.equal(first.train[3], again.train[3])
     assert len(first.train) < len(first.train.samples) and len(first.valid) > 0  # packing: fewer rows than samples
-    assert first.truncated == first.dropped == 0  # the demo's samples fit the default LM's context
+    assert first.cut.count == first.dropped.count == 0  # the demo's samples fit the default LM's context
     short = open_sft_splits(OmegaConf.merge(d, {"seq_len": 64}), task.tokenizer, None, packed=True)
-    assert short.truncated > 0 and short.dropped > 0  # cut to 65 tokens; those whose prompt fills them left out
+    assert short.cut.count > 0 and short.dropped.count > 0  # cut to 65 tokens; those whose prompt fills them left out
     assert all(short.train[i].shape == (3, 64) and (short.train[i][1] != IGNORE).any() for i in range(len(short.train)))
 
 
@@ -314,16 +315,155 @@ def test_the_start_line_counts_records_read_held_out_cut_and_dropped(tmp_path, c
     task = sft_task(tmp_path, f"data.path={tmp_path / 'r.jsonl'}", "data.seq_len=32", "data.valid_percent=20")
     task.prepare_data()
     s = task.sft_splits
-    assert (s.records, s.truncated, s.dropped) == (42, 12, 5)
+    assert (s.records, s.cut.count, s.dropped.count) == (42, 12, 5)
     held_out = len(s.valid.samples)
     assert 0 < held_out < 37 and len(s.train.samples) == 37 - held_out
+    f = tmp_path / "r.jsonl"
+    cut = ", ".join(f"{f}:{n}" for n in range(31, 36))  # the first five named, then "..."
+    dropped = ", ".join(f"{f}:{n}" for n in range(38, 43))  # all five
     assert task.data_summary() == (
-        f"fine-tuning records from {tmp_path / 'r.jsonl'}: 42 read, {held_out} held out for validation, 12 cut "
-        f"(longer than data.seq_len=32), 5 dropped (no answer token within it)\n  {37 - held_out} train samples in "
-        f"{len(s.train)} rows ({s.train.answer_tokens:,} answer tokens), {held_out} valid in {len(s.valid)} rows "
-        f"({s.valid.answer_tokens:,})"
+        f"fine-tuning records from {f}: 42 read, {held_out} held out for validation, 12 ({cut}, ...) cut "
+        f"(longer than data.seq_len=32), 5 ({dropped}) dropped (no answer token within it)\n  {37 - held_out} train "
+        f"samples in {len(s.train)} rows ({s.train.answer_tokens:,} answer tokens), {held_out} valid in "
+        f"{len(s.valid)} rows ({s.valid.answer_tokens:,})"
     )
     assert sft_task(tmp_path, "data.format=text").data_summary() is None  # the corpus cache prints its own
+
+
+LLAMA3_GENERATION_TEMPLATE = (
+    "{{- bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}"
+    "{% endgeneration %}{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+"""A Llama 3-style template whose answers are marked with {% generation %} (the BOS written once, by the template)."""
+
+
+def saved_by_transformers(tmp_path: Path, template: str):
+    """A folder as transformers 5 saves it (the template in chat_template.jinja), whose tokenizer adds a BOS of its
+    own when asked for special tokens (so a BOS added twice shows); (folder, its transformers tokenizer)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, processors
+
+    source = chat_folder(tmp_path / "source", "")
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    bos = [("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))]
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=bos)
+    tok.save(str(source / "tokenizer.json"))
+    reference = transformers.AutoTokenizer.from_pretrained(source)
+    reference.chat_template = template
+    reference.save_pretrained(tmp_path / "saved")
+    assert "chat_template" not in json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    return tmp_path / "saved", transformers.AutoTokenizer.from_pretrained(tmp_path / "saved")
+
+
+def assert_as_transformers(task, reference, messages) -> None:
+    """The sample's ids and answer mask are apply_chat_template's ids and return_assistant_tokens_mask."""
+    sample = record_sample({"messages": messages}, "t", task.cfg.data, task.tokenizer, task.chat_template)
+    expected = reference.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert sample.ids == list(expected["input_ids"])
+    assert sample.answer == [bool(m) for m in expected["assistant_masks"]]
+    assert any(sample.answer)
+
+
+def test_a_folder_transformers_5_saves_with_generation_marks_gives_its_ids_and_answer_mask(tmp_path):
+    folder, reference = saved_by_transformers(tmp_path, LLAMA3_GENERATION_TEMPLATE)
+    task = sft_task(tmp_path, f"data.tokenizer={folder / 'tokenizer.json'}", "data.format=chat")
+    assert task.chat_template.origin == str(folder / "chat_template.jinja") and task.chat_template.marks_generation
+    bos = task.tokenizer.tok.token_to_id("<|begin_of_text|>")
+    for messages in (CHAT, CHAT[1:3], [*CHAT[1:3], {"role": "assistant", "content": " two answers in a row "}]):
+        assert_as_transformers(task, reference, messages)
+        sample = record_sample({"messages": messages}, "t", task.cfg.data, task.tokenizer, task.chat_template)
+        assert sample.ids.count(bos) == 1 and sample.ids[0] == bos  # the template's BOS, once
+    with BoundedRenderer(task.chat_template) as renderer:  # the child process gives the same spans
+        text, spans = renderer.assistant_spans(CHAT, "t")
+    assert (text, spans) == task.chat_template.assistant_spans(CHAT, "t") and len(spans) == 2
+
+
+def test_a_chatml_template_in_tokenizer_config_gives_transformers_ids_and_mask(tmp_path):
+    """The template as a named list in tokenizer_config.json (``default`` used); marked with {% generation %}, the
+    mask is transformers'; unmarked, today's rule gives the same mask, and data.train_after_end_of_turn=false leaves
+    out the newline after <|im_end|> (transformers' mask when the marks end before it)."""
+    transformers = pytest.importorskip("transformers")
+    named = [{"name": "tool_use", "template": "{{ raise_exception('not this one') }}"}]
+    folders = {}
+    for name, template in (
+        ("marked", QWEN2_TEMPLATE),
+        ("unmarked", untagged(QWEN2_TEMPLATE)),
+        (
+            "short",
+            QWEN2_TEMPLATE.replace(
+                "'<|im_end|>' + '\n' }}{%- endgeneration %}", "'<|im_end|>' }}{%- endgeneration %}{{- '\n' }}"
+            ),
+        ),
+    ):
+        folders[name] = chat_folder(tmp_path / name, "")
+        config = json.loads((folders[name] / "tokenizer_config.json").read_text())
+        config["chat_template"] = [*named, {"name": "default", "template": template}]
+        (folders[name] / "tokenizer_config.json").write_text(json.dumps(config))
+    assert json.loads((folders["short"] / "tokenizer_config.json").read_text())["chat_template"][1]["template"] != (
+        QWEN2_TEMPLATE
+    )  # its marks end before the newline
+    reference, short = (transformers.AutoTokenizer.from_pretrained(folders[n]) for n in ("marked", "short"))
+    for name, ref, overrides in (
+        ("marked", reference, []),
+        ("unmarked", reference, []),
+        ("unmarked", short, ["data.train_after_end_of_turn=false"]),
+        ("short", short, []),
+    ):
+        task = sft_task(tmp_path, f"data.tokenizer={folders[name] / 'tokenizer.json'}", "data.format=chat", *overrides)
+        assert task.chat_template.marks_generation == (name != "unmarked")
+        for messages in (CHAT, CHAT[1:3]):
+            assert_as_transformers(task, ref, messages)
+
+
+BAD_CHATS = {
+    "empty": ([{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}],
+              r"message 1 \(assistant\) has empty content .*; fill it or delete the record"),
+    "null": ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None}],
+             r"message 1 \(assistant\) has no content; write its text as a string"),
+    "list": ([{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "text", "text": "a"}]}],
+             r"message 1 \(assistant\) has a list content, not a string"),
+    "role": ([{"role": "usr", "content": "q"}, {"role": "assistant", "content": "a"}],
+             r"message 0 has role 'usr', not one of system, developer, user, assistant"),
+    "no_answer": ([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+                  r"no assistant turn, so nothing to train on; add the answer or delete the record"),
+}  # fmt: skip
+GOOD_CHAT = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]
+
+
+def test_bad_chat_records_are_refused_naming_file_and_line_or_skipped_and_named(tmp_path):
+    folder = chat_folder(tmp_path / "qwen", untagged(QWEN2_TEMPLATE))
+    data = tmp_path / "chat.jsonl"
+    chat = [f"data.tokenizer={folder / 'tokenizer.json'}", "data.format=chat", f"data.path={data}", "data.seq_len=256"]
+    for name, (messages, message) in BAD_CHATS.items():
+        data.write_text("\n".join(json.dumps({"messages": m}) for m in [GOOD_CHAT, GOOD_CHAT, messages]) + "\n")
+        with pytest.raises(DataError, match=rf"^{data}:3: {message}") as e:
+            sft_task(tmp_path, *chat).prepare_data()
+        assert "\n" not in str(e.value), name
+    lines = [GOOD_CHAT] * 3 + [m for m, _ in BAD_CHATS.values()] * 2  # 10 bad records on lines 4..13
+    data.write_text("\n".join(json.dumps({"messages": m}) for m in lines) + "\n")
+    task = sft_task(tmp_path, *chat, "data.skip_bad_records=true", "data.valid_percent=0")
+    task.prepare_data()
+    s = task.sft_splits
+    assert (s.records, s.skipped.count, len(s.train.samples)) == (13, 10, 3)
+    named = ", ".join(f"{data}:{n}" for n in range(4, 9))
+    assert f", 10 ({named}, ...) skipped as bad (data.skip_bad_records)\n" in task.data_summary()
+
+
+def test_bad_prompt_completion_records_are_refused_naming_file_and_line(tmp_path):
+    data = tmp_path / "pc.jsonl"
+    for record, message in (
+        ({"prompt": "p", "completion": None}, "'completion' is null"),
+        ({"prompt": 3, "completion": "a"}, "'prompt' is a int, not a string"),
+        ({"prompt": "p", "completion": ""}, "'completion' is empty, nothing to train on"),
+    ):
+        data.write_text(json.dumps({"prompt": "p", "completion": "a"}) + "\n" + json.dumps(record) + "\n")
+        with pytest.raises(DataError, match=rf"^{data}:2: {message}; .*data.skip_bad_records=true skips"):
+            sft_task(tmp_path, f"data.path={data}").prepare_data()
 
 
 # ---- linear, bounded costs (issue 47, item 4) ----------------------------------------------------------------------
