@@ -6,8 +6,9 @@ hand-written loop on the same torch APIs and shapes, interleaved in pairs, on CP
 
 Shapes (both sides): model=llama_tiny (4 blocks, dim 192, 6 query and 2 key/value heads, SwiGLU width 576, untied,
 vocabulary 320: the byte tokenizer's, padded), 2 tensor-parallel ranks with sequence parallelism, 8 sequences of 128
-tokens per step (shardlab: optimization.batch_size=8), AdamW lr 3e-3 betas (0.9, 0.95) weight decay 0.1, clipping
-by the global norm 1.0. The loop: each rank builds the same tasks.lm.llama.Llama, applies torch's parallelize_module
+tokens per step (shardlab: optimization.batch_size=8), fused AdamW (shardlab's optimizer.implementation=auto) lr
+3e-3 betas (0.9, 0.95) weight decay 0.1 (shardlab exempts norms from the decay: the same work), clipping by the
+global norm 1.0. The loop: each rank builds the same tasks.lm.llama.Llama, applies torch's parallelize_module
 with the same plan (tasks/lm/tensor_parallel.py's llama_plan) over a 1-D mesh of the 2 ranks, random tokens, no FSDP
 (one data-parallel rank: nothing to shard), no data loading, checks or logging; freed pages kept (glibc's mmap
 threshold at its ceiling) as a shardlab CPU rank does without a memory budget. shardlab also wraps the model in FSDP2
@@ -68,7 +69,7 @@ def loop_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     cfg = LlamaConfig(num_layers=s["layers"], dim=s["dim"], num_heads=s["heads"], num_kv_heads=s["kv_heads"],
                       ffn_dim=s["ffn"], max_seq_len=256)  # fmt: skip
     model = parallelize_module(Llama(cfg, s["vocab"]), init_device_mesh("cpu", (2,)), llama_plan(qk_norm=False))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     params = list(model.parameters())
     times = []
     generator = torch.Generator().manual_seed(1)  # both ranks draw the same tokens (one data-parallel rank)
