@@ -11,7 +11,7 @@ ranks in order, TP stays inside a host and the data axes cross hosts, the placem
 Every launcher numbers ranks that way: a Slurm task starting local ranks gives them task x ranks-per-task + local
 index (env.detect), Slurm's default block distribution gives one task per rank consecutive SLURM_PROCIDs on each node,
 torchrun gives node_rank x nproc_per_node + local rank. Where the hosts the ranks joined from (network.Joined.hosts)
-still split a group (a cyclic distribution, a host count of ranks that tensor_parallel_degree does not divide),
+still split a group (a cyclic distribution, a count of ranks per host that tensor_parallel_degree does not divide),
 placement_warning says so in one line: a warning, not a refusal, since the results are the same (only slower over a
 network) and hosts joined by NVLink (multi-node NVLink domains) run tensor parallelism across hosts on purpose.
 """
