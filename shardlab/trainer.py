@@ -70,6 +70,7 @@ def assemble(
     ``trial``: a backend=auto measurement whose model is thrown away: the seeded init, nothing printed, and the run
     directory not touched (its checkpointer exists but is never written to)."""
     from shardlab.checkpoint.shared import require_shared_folder
+    from shardlab.distributed.mesh import placement_warning
     from shardlab.distributed.precision import settle as settle_precision
     from shardlab.distributed.units import model_on_meta
 
@@ -82,6 +83,8 @@ def assemble(
         print(line, flush=True)
     if backend.network.spans_hosts and not trial:
         require_shared_folder(run_dir / cfg.checkpoint.dir, backend.network.hosts, backend.device)
+        if speaks and (line := placement_warning(backend.dims, backend.network.hosts)):  # TP across hosts
+            print(line, flush=True)
     plan = plan_run(cfg, task, env.world_size, model_on_meta(task))
     if speaks:
         print("\n".join(plan.lines), flush=True)

@@ -752,6 +752,7 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "start": start,
     "parts": parts,
     "overhead": overhead,
+    "tensor_parallel": overhead,  # tools/bench_tensor_parallel.py: the same pairs, its own name for --rerun
     "compile": compiled,
     "autotune": autotune,
     "plan_vs_published": plan_vs_published,

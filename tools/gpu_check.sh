@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a lent GPU machine; results as JSON in $OUT (or ./): gpu_check.json, plus each
 # step's log and the benchmarks' own JSON. Two parts, each sized to fit one device session (each step has a limit):
-#   bash tools/gpu_check.sh           (~10.5 minutes at most)
+#   bash tools/gpu_check.sh           (~12 minutes at most)
 #   1. tests/gpu (pytest -m gpu): NCCL fully_sharded, ddp, pinned cpu_offload + cpu_adam, activation checkpointing,
 #      bf16, fp16 with the scaler (also with offload: CPU found-inf on the device-mapped group), at world size 1, each
 #      held to a CPU fp32 reference run's per-step losses (fp32 rtol 1e-4, bf16/fp16 rtol 0.02); BN stays plain on
@@ -10,8 +10,9 @@
 #      pinned offload, bf16; within 25%). Tests needing more GPUs than exist are skipped with that reason (listed in
 #      gpu_check.json).
 #   2. torchrun with 2 ranks of fully_sharded, and with 2 pipeline stages (distributed.pipeline_parallel_degree=2,
-#      1F1B over 2 micro-batches, NCCL send/recv between the stages) (2+ GPUs; else recorded as skipped, with the
-#      reason).
+#      1F1B over 2 micro-batches, NCCL send/recv between the stages) (2+ GPUs); torchrun with 4 ranks of FSDP 2 x
+#      tensor parallelism 2 on a Llama (2D: TP with sequence parallelism over NCCL inside each pair, FSDP2 across the
+#      pairs; 4+ GPUs). Each recorded as skipped, with the reason, where the GPUs are fewer.
 #   3. tools/bench.py: tokens/s and MFU of gpt_125m and gpt_350m, fully_sharded, bf16, 1 GPU.
 #   bash tools/gpu_check.sh compile   (~10.5 minutes at most)
 #   4. distributed.compile on CUDA: tests/gpu -k compiled (fully_sharded fp32, ddp, bf16 + activation checkpointing,
@@ -72,6 +73,14 @@ else
         for name in torchrun_2_ranks torchrun_pipeline_2_ranks; do
             printf '%s\tskipped\t0\tneeds 2 GPUs, this machine has %s\n' "$name" "$ngpu" >> "$out/steps.tsv"
         done
+    fi
+    if [ "$ngpu" -ge 4 ]; then  # 2D: FSDP 2 x TP 2 (TP the mesh's innermost axis: ranks 0-1 and 2-3)
+        step torchrun_fsdp2_tp2 90 "$py" -m torch.distributed.run --standalone --nproc_per_node=4 -m shardlab.train \
+            distributed.backend=fully_sharded distributed.tensor_parallel_degree=2 model=llama_tiny \
+            model.num_kv_heads=2 model.ffn_dim=null "${TINY_LM[@]}" "hydra.run.dir=$out/torchrun_2d_run"
+    else
+        printf 'torchrun_fsdp2_tp2\tskipped\t0\tneeds 4 GPUs (FSDP 2 x TP 2), this machine has %s\n' "$ngpu" \
+            >> "$out/steps.tsv"
     fi
     for model in gpt_125m gpt_350m; do
         bench "bench_${model}_bf16" 100 "$model"

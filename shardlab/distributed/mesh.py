@@ -8,10 +8,17 @@ that a data-parallel rank is every rank. The dimensions run outermost to innermo
 
 so the ranks of one tensor-parallel group are consecutive: with one task (or one torchrun agent) per host starting its
 ranks in order, TP stays inside a host and the data axes cross hosts, the placement TP's per-layer collectives need.
+Every launcher numbers ranks that way: a Slurm task starting local ranks gives them task x ranks-per-task + local
+index (env.detect), Slurm's default block distribution gives one task per rank consecutive SLURM_PROCIDs on each node,
+torchrun gives node_rank x nproc_per_node + local rank. Where the hosts the ranks joined from (network.Joined.hosts)
+still split a group (a cyclic distribution, a count of ranks per host that tensor_parallel_degree does not divide),
+placement_warning says so in one line: a warning, not a refusal, since the results are the same (only slower over a
+network) and hosts joined by NVLink (multi-node NVLink domains) run tensor parallelism across hosts on purpose.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +130,12 @@ class ParallelDims:
         stages add zeros (shardlab.distributed.pipeline), so the sum over it counts each term once."""
         return tuple(name for name in ("pp", "dp_replicate", "dp_shard", "cp") if getattr(self, name) > 1)
 
+    def groups_across_hosts(self, hosts: Sequence[str]) -> list[tuple[int, ...]]:
+        """The tensor-parallel groups (consecutive runs of ``tp`` ranks) whose ranks are not all on one host;
+        ``hosts``: the host of each rank, in rank order."""
+        groups = self.rank_grid().reshape(-1, self.tp).tolist() if self.tp > 1 else []
+        return [tuple(group) for group in groups if len({hosts[rank] for rank in group}) > 1]
+
     def build(self, device_type: str, keep: tuple[str, ...] = ()) -> DeviceMesh:
         """The mesh over every rank with a named dimension for each degree above 1 (as torchtitan's: a dimension of
         size 1 would only cost process groups of one rank) and for each of ``keep`` (fully_sharded keeps 'dp_shard',
@@ -131,3 +144,19 @@ class ParallelDims:
         names = self.enabled(keep)
         grid = self.rank_grid().reshape([getattr(self, name) for name in names])
         return DeviceMesh(device_type, grid, mesh_dim_names=names)
+
+
+def placement_warning(dims: ParallelDims, hosts: Sequence[str]) -> str | None:
+    """One line when a tensor-parallel group spans hosts (None when each lies within one): which group, on which
+    hosts, and the fix. A warning: the run is right, each layer's collectives only cross the network."""
+    split = dims.groups_across_hosts(hosts)
+    if not split:
+        return None
+    first = split[0]
+    on = ", ".join(dict.fromkeys(hosts[rank] for rank in first))
+    return (
+        f"warning: {len(split)} of {dims.world_size // dims.tp} tensor-parallel groups span hosts (ranks "
+        f"{first[0]}-{first[-1]} on {on}), so every layer's collectives cross the network: start each host's ranks "
+        f"consecutively (Slurm's block distribution, one task per host starting its ranks, torchrun) with a multiple "
+        f"of distributed.tensor_parallel_degree={dims.tp} ranks per host"
+    )

@@ -1,0 +1,149 @@
+"""Tensor parallelism's cost in shardlab: its TP 2 step (tools/bench.py, the trainer as users run it) against a
+hand-written loop on the same torch APIs and shapes, interleaved in pairs, on CPU/gloo.
+
+    python tools/bench_tensor_parallel.py --pairs 3 --out docs/bench/tensor_parallel.json
+    python tools/bench_tensor_parallel.py --loop-only --steps 5 --out loop.json      # the hand-written side alone
+
+Shapes (both sides): model=llama_tiny (4 blocks, dim 192, 6 query and 2 key/value heads, SwiGLU width 576, untied,
+vocabulary 320: the byte tokenizer's, padded), 2 tensor-parallel ranks with sequence parallelism, 8 sequences of 128
+tokens per step (shardlab: optimization.batch_size=8), fused AdamW (shardlab's optimizer.implementation=auto) lr
+3e-3 betas (0.9, 0.95) weight decay 0.1 (shardlab exempts norms from the decay: the same work), clipping by the
+global norm 1.0. The loop: each rank builds the same tasks.lm.llama.Llama, applies torch's parallelize_module
+with the same plan (tasks/lm/tensor_parallel.py's llama_plan) over a 1-D mesh of the 2 ranks, random tokens, no FSDP
+(one data-parallel rank: nothing to shard), no data loading, checks or logging; freed pages kept (glibc's mmap
+threshold at its ceiling) as a shardlab CPU rank does without a memory budget. shardlab also wraps the model in FSDP2
+over its one data-parallel rank (the mesh's dp_shard axis, kept at size 1 so TP and FSDP share one root mesh) and
+reads the corpus. Each pair alternates which side runs first; the figure is the median ratio of tokens/s
+(shardlab / loop). Each run is a fresh set of processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools import bench_meta  # noqa: E402
+
+TOOLS = Path(__file__).resolve().parent
+SHAPES = {"layers": 4, "dim": 192, "heads": 6, "kv_heads": 2, "ffn": 576, "vocab": 320, "seq_len": 128, "batch": 8}
+SHARDLAB = [
+    "model=llama_tiny", f"data.seq_len={SHAPES['seq_len']}", "data.max_corpus_mb=1",
+    f"optimization.batch_size={SHAPES['batch']}", "distributed.backend=fully_sharded", "distributed.world_size=2",
+    "distributed.tensor_parallel_degree=2", f"validation.batch_size={SHAPES['batch']}",
+]  # fmt: skip
+
+
+def clip(params: list[torch.nn.Parameter], max_norm: float) -> None:
+    """Clip by the norm over every rank's shards (a split weight's norm is a DTensor: made whole first)."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(norm, torch.distributed.tensor.DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+
+
+def loop_rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from shardlab.distributed.cpu_allocator import configure_cpu_allocator
+    from tasks.lm.config import LlamaConfig
+    from tasks.lm.llama import Llama
+    from tasks.lm.tensor_parallel import llama_plan
+
+    configure_cpu_allocator("fast")  # as a shardlab CPU rank without a memory budget (and tools/bench_reference.py)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    s = SHAPES
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_layers=s["layers"], dim=s["dim"], num_heads=s["heads"], num_kv_heads=s["kv_heads"],
+                      ffn_dim=s["ffn"], max_seq_len=256)  # fmt: skip
+    model = parallelize_module(Llama(cfg, s["vocab"]), init_device_mesh("cpu", (2,)), llama_plan(qk_norm=False))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    params = list(model.parameters())
+    times = []
+    generator = torch.Generator().manual_seed(1)  # both ranks draw the same tokens (one data-parallel rank)
+    for _ in range(args.warmup + args.steps):
+        started = time.perf_counter()
+        tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq_len"] + 1), generator=generator)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        clip(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - started)
+    if rank == 0:
+        median = statistics.median(times[args.warmup :])
+        tokens_per_step = s["batch"] * s["seq_len"]
+        out = {"tokens_per_s": tokens_per_step / median, "median_step_ms": median * 1e3, "shapes": SHAPES}
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_side(side: str, args: argparse.Namespace, out: Path) -> dict:
+    timing = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
+    if side == "loop":
+        cmd = [str(TOOLS / "bench_tensor_parallel.py"), "--loop-only", *timing]
+    else:
+        cmd = [str(TOOLS / "bench.py"), *SHARDLAB, *timing]
+    load = os.getloadavg()[0]
+    subprocess.run([sys.executable, *cmd], check=True, stdout=subprocess.DEVNULL)
+    return {**json.loads(out.read_text()), "loadavg_1min_before": load}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--loop-only", action="store_true", help="run the hand-written loop once (2 ranks)")
+    parser.add_argument("--out", type=Path, default=Path("tensor_parallel.json"))
+    args = parser.parse_args(argv)
+    if args.loop_only:
+        import torch.multiprocessing as mp
+
+        from shardlab.distributed.env import free_port, set_local_rank_defaults
+
+        set_local_rank_defaults(2)  # one intra-op thread share per rank, as shardlab's local launcher
+        mp.start_processes(loop_rank, args=(args, free_port()), nprocs=2, join=True, start_method="spawn")
+        return json.loads(args.out.read_text())
+    settings = {"pairs": args.pairs, "steps": args.steps, "warmup": args.warmup, "shapes": SHAPES}
+    meta = bench_meta.collect(__file__, argv, settings)
+    label = "TP 2 (sequence parallel)"
+    result: dict = {"pairs": [], "shardlab_overrides": SHARDLAB}
+    summary = {"meta": meta, "backends": {label: result}}  # tools/bench_tables.py's overhead table renders it
+    runs = args.out.with_name(args.out.name + ".runs")
+    runs.mkdir(parents=True, exist_ok=True)
+    for i in range(args.pairs):
+        order = ("shardlab", "loop") if i % 2 == 0 else ("loop", "shardlab")
+        got = {side: run_side(side, args, runs / f"{i}-{side}.json") for side in order}
+        ratio = got["shardlab"]["tokens_per_s"] / got["loop"]["tokens_per_s"]
+        result["pairs"].append({
+            "order": list(order), "ratio": ratio,
+            **{f"{side}_tokens_per_s": got[side]["tokens_per_s"] for side in got},
+            **{f"{side}_median_step_ms": got[side]["median_step_ms"] for side in got},
+            "loadavg_1min": [got[side]["loadavg_1min_before"] for side in order],
+        })  # fmt: skip
+        print(f"pair {i + 1}: shardlab {got['shardlab']['tokens_per_s']:.0f} tokens/s, loop "
+              f"{got['loop']['tokens_per_s']:.0f} ({ratio:.3f}x)", flush=True)  # fmt: skip
+        result["median_ratio"] = statistics.median(p["ratio"] for p in result["pairs"])
+        summary["meta"] = bench_meta.finish(meta)
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")  # partial results survive a stop
+    print(f"shardlab's TP step at {result['median_ratio']:.3f}x the hand-written loop (median of {args.pairs} pairs)")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
