@@ -60,7 +60,7 @@ def keys(model: str, world: int, batch: int, update_freq: int = 1, tp: int = 1, 
     """The shardlab overrides of one planned run (``batch``: optimization.batch_size, the global micro-batch)."""
     return [
         f"model={model}", *COMMON, f"distributed.world_size={world}", f"optimization.batch_size={batch}",
-        f"validation.batch_size={batch}", f"optimization.update_freq={update_freq}",
+        f"validation.batch_size={batch * update_freq}", f"optimization.update_freq={update_freq}",
         f"distributed.tensor_parallel_degree={tp}", f"distributed.pipeline_parallel_degree={pp}",
         f"distributed.pipeline_schedule={schedule}", f"distributed.pipeline_stages_per_rank={stages}", *ac,
     ]  # fmt: skip

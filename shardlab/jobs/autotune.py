@@ -197,7 +197,7 @@ def _measure(cfg: DictConfig, task, env, device: torch.device, run_dir: Path, he
         for batch, accumulate in _splits(o.batch_size, o.update_freq, world):
             if len(trials) >= budget:
                 break
-            fits_split = _fits_at(cfg, task, model, world, choice.layout, batch)
+            fits_split = _fits_at(cfg, task, model, world, choice.layout, batch, accumulate)
             if fits_split is not None:
                 trials.append(_trial(cfg, task, env, device, run_dir, fits_split, batch, accumulate))
     return trials
@@ -213,14 +213,17 @@ def _splits(batch: int, update_freq: int, world: int) -> list[tuple[int, int]]:
     return out
 
 
-def _fits_at(cfg: DictConfig, task, model: nn.Module, world: int, layout: Layout, batch: int) -> Choice | None:
-    """``layout`` at global micro-batch ``batch``, if the plan predicts it fits the budget (``model``: the task's,
-    on meta)."""
+def _fits_at(
+    cfg: DictConfig, task, model: nn.Module, world: int, layout: Layout, batch: int, update_freq: int
+) -> Choice | None:
+    """``layout`` at global micro-batch ``batch`` x ``update_freq``, if the plan predicts it fits the budget
+    (``model``: the task's, on meta); a TP or PP layout planned with the task's model axes, as _measure plans it."""
     trial_cfg = copy.deepcopy(cfg)
-    trial_cfg.optimization.batch_size = batch
+    trial_cfg.optimization.batch_size, trial_cfg.optimization.update_freq = batch, update_freq
     profile, ctx = profile_config(trial_cfg, task, world, model)
+    axes = task_axes(trial_cfg, task, world, model, ctx.ranks_per_node) if layout.multi_axis else None
     try:
-        fits = fitting(profile, trial_cfg, ctx, sharded_only(cfg.distributed))
+        fits = fitting(profile, trial_cfg, ctx, sharded_only(cfg.distributed), axes)
     except ConfigError:  # nothing fits at this micro-batch
         return None
     return next((c for c in fits if c.layout == layout), None)

@@ -145,6 +145,7 @@ def job_world_size(cfg: DictConfig, launcher_world_size: int | None = None) -> i
 def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
     """distributed.pipeline_*: what shardlab.distributed.pipeline can run, given the task's cut (None: the task's model
     cannot be pipelined) and the world size (the degree against the world and the task: axis_checks)."""
+    from shardlab.distributed.mesh import ParallelDims
     from shardlab.distributed.pipeline import MULTI_STAGE, SCHEDULES, UNOFFERED
 
     d, o = cfg.distributed, cfg.optimization
@@ -162,6 +163,7 @@ def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
         )
         return [f"distributed.pipeline_schedule={schedule!r}: {why}; known: {', '.join(SCHEDULES)}"]
     stages, micro = pp * per_rank, o.update_freq
+    data = ParallelDims.from_config(d, world).dp  # the ranks a validation batch splits over (not the TP/CP ones)
     errors = failed([
         (d.backend == "fully_sharded", f"distributed.pipeline_parallel_degree ({pp}) runs each stage under "
          f"fully_sharded (FSDP over its data-parallel ranks); set distributed.backend=fully_sharded, not {d.backend}"),
@@ -175,8 +177,8 @@ def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
          f"micro-batches per step, fewer than the {stages} stages 1f1b needs; raise it to >= {stages}"),
         (schedule != "interleaved_1f1b" or micro % max(1, micro // pp) == 0, f"optimization.update_freq ({micro}): "
          f"interleaved_1f1b runs micro-batches in rounds of {pp}; use a multiple of {pp} or fewer than {2 * pp}"),
-        (cfg.validation.batch_size % (world // pp * micro) == 0, f"validation.batch_size ({cfg.validation.batch_size})"
-         f" must be a multiple of data-parallel ranks x optimization.update_freq ({world // pp * micro}): each "
+        (cfg.validation.batch_size % (data * micro) == 0, f"validation.batch_size ({cfg.validation.batch_size})"
+         f" must be a multiple of data-parallel ranks x optimization.update_freq ({data * micro}): each "
          "rank's validation batch runs through the pipeline in update_freq micro-batches"),
         ("fp16" not in {d.param_dtype or d.precision, d.reduce_dtype or d.precision}, "distributed.precision fp16 "
          "with pipeline_parallel_degree > 1: the loss scaler's overflow vote is not agreed over stages yet; use bf16"),

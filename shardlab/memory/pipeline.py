@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardlab.distributed.pipeline import layer_ranges
+from shardlab.distributed.pipeline import rank_stages as real_rank_stages
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
 """Schedules the plan knows, by distributed.pipeline_schedule."""
 LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
@@ -28,9 +31,9 @@ def stage_sizes(num_layers: int, num_stages: int, split: str = "shardlab") -> li
     (shardlab.distributed.pipeline's cut); ``torchtitan``: its default split points (generate_split_points at
     9dec370), ``num_layers // num_stages`` each and one more for each middle stage while the remainder lasts, the
     last stage taking what is left (the published runs tools/plan_axes.py compares with)."""
+    if split == "shardlab":  # the real cut's own function, so the plan cannot drift from what runs
+        return [len(layers) for layers in layer_ranges(num_layers, num_stages)]
     base, extra = divmod(num_layers, num_stages)
-    if split == "shardlab":
-        return [base + (stage < extra) for stage in range(num_stages)]
     sizes = [base] * num_stages
     for stage in range(1, num_stages - 1):
         if extra == 0:
@@ -43,10 +46,10 @@ def stage_sizes(num_layers: int, num_stages: int, split: str = "shardlab") -> li
 
 def rank_stages(rank: int, pp: int, stages_per_rank: int, schedule: str = "1f1b") -> list[int]:
     """The global stage indices pipeline rank ``rank`` holds, local order: loop style (rank, rank + pp, ...); the V
-    schedule (zbv) folds back (rank, 2 pp - 1 - rank)."""
+    schedule (zbv) folds back (rank, 2 pp - 1 - rank). The loop is shardlab.distributed.pipeline's own placement."""
     if schedule == "zbv_zero_bubble":
         return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(stages_per_rank)]
+    return real_rank_stages(rank, pp, stages_per_rank)
 
 
 @dataclass(frozen=True)

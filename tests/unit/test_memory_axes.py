@@ -138,7 +138,7 @@ def test_the_dry_run_lines_name_the_axes_and_compare_other_splits():
 
 # ---- verify_plan: the real mesh and fully_shard on the fake process group ----------------------------------------
 TINY_3D = ["model=llama_tiny", "distributed=fully_sharded", "distributed.world_size=16", "optimization.batch_size=8",
-           "validation.batch_size=8", "optimization.update_freq=2", "distributed.tensor_parallel_degree=2",
+           "validation.batch_size=16", "optimization.update_freq=2", "distributed.tensor_parallel_degree=2",
            "distributed.pipeline_parallel_degree=2", "dry_run=true"]  # fmt: skip
 
 
@@ -170,8 +170,8 @@ def test_verify_plan_builds_the_3d_mesh_and_holds_the_plan_to_fully_shard_on_eac
     cfg, task = tiny_task(TINY_3D)
     lines = verify_plan(cfg, task, 16)
     assert "pp 2 x dp_shard 4 x tp 2" in lines[0] and "pipeline rank 1" in lines[0]
-    # the LM task's own tensor-parallel plan where it has one (then checked here), else the FSDP part alone
-    assert "the task's tensor-parallel plan applied" in lines[0] or "tensor parallelism NOT applied" in lines[0]
+    # the LM task's own tensor-parallel plan (tasks/lm/tensor_parallel.py), checked against the plan's TP bytes
+    assert "the task's tensor-parallel plan applied" in lines[0] and "NOT applied" not in lines[0]
 
 
 def test_verify_plan_applies_the_tasks_tensor_parallel_plan_and_catches_a_plan_that_splits_less():
@@ -216,3 +216,28 @@ def test_backend_auto_picks_a_tensor_parallel_layout_for_a_budget_fsdp_alone_can
     choice = budget.choose(profile, cfg, ctx, axes=axes)
     assert choice.layout.tp > 1 and budget.needed(choice.estimate) <= cfg.distributed.memory_budget_gb * 2**30
     assert choice.layout.overrides(8)["tensor_parallel_degree"] == choice.layout.tp
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+def test_the_plans_stages_hold_the_parameters_the_real_cut_gives_each_stage(num_stages):
+    """The plan's stages (stage_units, with the root on the last) against shardlab.distributed.pipeline's pruned
+    stages of the LM task's own model and PipelineCut: a drift in the split or in where the embedding, head and
+    final norm go fails here."""
+    from shardlab.distributed.pipeline import layer_ranges, pruned
+    from shardlab.distributed.units import model_on_meta
+    from shardlab.memory.plan import profile_config
+
+    cfg, task = tiny_task(["model=llama_tiny", "model.num_layers=5", "distributed=fully_sharded", "dry_run=true"], 1)
+    model = model_on_meta(task)
+    prof, _ = profile_config(cfg, task, 1, model)
+    cut = task.pipeline_cut()
+    root = sum(r * w for r, w in prof.groups()[-1])  # the final norm, planned on the last stage
+    stages = stage_units(prof, num_stages)
+    planned = [sum(prof.unit_params[u] for u in s) + root * (i == num_stages - 1) for i, s in enumerate(stages)]
+    ranges = layer_ranges(cut.num_layers, num_stages)
+    real = [
+        sum(p.numel() for p in pruned(model, cut, r, first=i == 0, last=i == num_stages - 1).parameters())
+        for i, r in enumerate(ranges)
+    ]
+    assert planned == real and sum(real) == sum(p.numel() for p in model.parameters())
+    assert [len(r) for r in ranges] == stage_sizes(5, num_stages)

@@ -67,3 +67,13 @@ def test_the_command_line_refuses_a_pipeline_in_one_line_and_writes_nothing(tmp_
     assert proc.returncode == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert "distributed.pipeline_schedule=interleaved_1f1b runs several stages per rank" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_validation_batch_splits_over_the_data_ranks_only_not_the_tensor_ranks(tiny_lm):
+    """PP 2 x TP 2 on 4 ranks: one data-parallel rank, so 2 micro-batches need a validation batch of a multiple of 2,
+    not of (world / pp) x 2 = 4: the TP ranks share their data rank's batch."""
+    tp = [*FITS, "distributed.world_size=4", "distributed.tensor_parallel_degree=2", "optimization.batch_size=2"]
+    checks.check(tiny_lm(*tp, "validation.batch_size=6"))
+    with pytest.raises(ConfigError, match=r"validation.batch_size \(3\) must be a multiple of data-parallel ranks x "
+                       r"optimization.update_freq \(2\)"):  # fmt: skip
+        checks.check(tiny_lm(*tp, "validation.batch_size=3"))
