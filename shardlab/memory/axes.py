@@ -34,14 +34,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 from shardlab.memory import devices
-from shardlab.memory.estimate import (
+from shardlab.memory.byte_model import (
     CPU_RUNTIME_BYTES,
     Collective,
     MemoryEstimate,
     PlanContext,
     _transient,
     collectives,
-    estimate,
+    estimate_data_parallel,
     rank_state,
     unit_activation_bytes,
 )
@@ -184,7 +184,8 @@ def estimate_axes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> Me
     data_layout = dataclasses.replace(layout, sharding_degree=shard, tp=1, pp=1, cp=1)
     data_ctx = dataclasses.replace(ctx, world_size=data * layout.cp)
     if layout.pp == 1:
-        est = estimate(rank_profile, data_layout, data_ctx)  # today's data-parallel plan, on the model's rank share
+        # today's data-parallel plan, on the model's rank share
+        est = estimate_data_parallel(rank_profile, data_layout, data_ctx)
         layers = tuple(range(len(profile.unit_params)))
         traffic = {"fsdp": est.comm_bytes, "tp": _tp_sent(rank_profile, layout, ctx, layers), "pp": 0}
         est.axes = AxesDetail(0, ((layers,),), 1, 0.0, traffic)

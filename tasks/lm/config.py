@@ -194,6 +194,6 @@ class LMTaskConfig(TaskConfig):
     """The DPO loss of data.format=preference (docs/finetuning.md#preference-tuning-dpo)."""
 
 
-TASKS.register_lazy("lm", "tasks.lm.task:LanguageModelingTask", dataclass=LMTaskConfig, data=LMDataConfig)
+TASKS.register_lazy("lm", "tasks.lm.task_choice:build_lm_task", dataclass=LMTaskConfig, data=LMDataConfig)
 MODELS.register_lazy("gpt", "tasks.lm.model:GPT", dataclass=GPTConfig)
 MODELS.register_lazy("llama", "tasks.lm.llama:Llama", dataclass=LlamaConfig)

@@ -68,14 +68,6 @@ class LanguageModelingTask(Task):
     """model.lora may differ from the weights a run begins from (checkpoint.init_from a run without LoRA); a resume of
     the same run still compares the whole config (shardlab.jobs.run_dir)."""
 
-    def __new__(cls, cfg):
-        """data.format=preference builds the DPO subclass (tasks/lm/dpo_task.py), task.name staying lm."""
-        if cls is LanguageModelingTask and cfg.data.get("format") == "preference":
-            from tasks.lm.dpo_task import PreferenceTask
-
-            cls = PreferenceTask
-        return super().__new__(cls)
-
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         # model.pretrained decides the model section and the tokenizer, so it is read first; a config.json field the
