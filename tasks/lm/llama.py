@@ -19,6 +19,7 @@ from torch import nn
 
 from tasks.lm.architecture import LMArchitecture, below_one
 from tasks.lm.config import LlamaConfig
+from tasks.lm.moe import MoEBlock, init_moe_tensor, moe_config_errors
 from tasks.lm.sft_packing import document_mask, segment_positions
 
 
@@ -134,13 +135,19 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = SwiGLU(cfg) if getattr(cfg, "moe", None) is None else MoEBlock(cfg.moe, cfg.dim)
+        self.routing_stats = None
+        """An MoE block's RoutingStats of its last forward (tasks/lm/moe.py), for the task's auxiliary loss: kept
+        here rather than returned so the blocks keep one tensor in, one out (pipeline stages, checkpointing)."""
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
-        return x + self.mlp(self.mlp_norm(x))
+        if isinstance(self.mlp, SwiGLU):
+            return x + self.mlp(self.mlp_norm(x))
+        out, self.routing_stats = self.mlp(self.mlp_norm(x))
+        return x + out
 
 
 class Head(nn.Module):
@@ -183,6 +190,14 @@ class Llama(LMArchitecture):
             x = block(x, cos, sin, mask)
         return self.head(x)
 
+    def take_routing_stats(self) -> list:
+        """The MoE blocks' RoutingStats of the last forward, in layer order ([] for a dense model), let go of by the
+        blocks so no graph outlives its step."""
+        stats = [block.routing_stats for block in self.blocks if block.routing_stats is not None]
+        for block in self.blocks:
+            block.routing_stats = None
+        return stats
+
     def fsdp_units(self) -> list[nn.Module]:
         # Untied, the embedding and the head are the two largest matrices of a small model: each its own unit. Tied,
         # their shared weight cannot sit in two units: both stay in the root (as GPT's).
@@ -201,6 +216,11 @@ class Llama(LMArchitecture):
 
         sizes = {"model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads}
         sizes |= {"model.ffn_dim (the FFN width)": ffn_width(m.dim, m.ffn_dim), "the vocabulary": vocab_size}
+        if getattr(m, "moe", None) is not None:  # the grouped experts have no plan: expert parallelism comes first
+            return [
+                f"distributed.tensor_parallel_degree ({degree}): model.moe's experts have no tensor-parallel plan "
+                "yet (expert parallelism on the mesh is a later step); set it to 1 or use data parallelism"
+            ]
         return divisibility_errors(degree, sizes)
 
     @classmethod
@@ -224,18 +244,23 @@ class Llama(LMArchitecture):
             errors.append(f"model.rope_theta ({m.rope_theta}) and model.norm_eps ({m.norm_eps}) must be > 0")
         if m.init_std <= 0:  # normal_ would fail at init, after the process group is up
             errors.append(f"model.init_std must be > 0, got {m.init_std}")
+        if getattr(m, "moe", None) is not None:
+            errors += moe_config_errors(m.moe)
         return errors
 
     @classmethod
     def init_tensor(cls, cfg: LlamaConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """N(0, init_std) weights (embedding and head too), the residual projections (attn.o, mlp.down) scaled by
-        1/sqrt(2 * layers) as in GPT-2, unit norms."""
+        1/sqrt(2 * layers) as in GPT-2, unit norms; an MoE block's tensors alike (tasks.lm.moe.init_moe_tensor)."""
+        std, residual_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        if getattr(cfg, "moe", None) is not None and init_moe_tensor(name, tensor, generator, std, residual_std):
+            return
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
         elif name.endswith("bias"):
             tensor.zero_()
         elif name.endswith(("attn.o.weight", "mlp.down.weight")):
-            tensor.normal_(0.0, cfg.init_std / math.sqrt(2 * cfg.num_layers), generator=generator)
+            tensor.normal_(0.0, residual_std, generator=generator)
         else:
             tensor.normal_(0.0, cfg.init_std, generator=generator)
 

@@ -29,55 +29,17 @@ _proj.weight`` and ``mlp.gate.weight`` (the router); Mixtral ``block_sparse_moe.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tasks.lm.config import MoEConfig
 from tasks.lm.moe_experts import EXPERT_IMPLS, GroupedExperts, dispatch
 
 SCORE_FUNCS = ("softmax", "sigmoid")
-
-
-@dataclass
-class MoEConfig:
-    num_experts: int = 8
-    """Routed experts per MoE layer (Mixtral's num_local_experts, Qwen's num_experts, DeepSeek's n_routed_experts)."""
-    top_k: int = 2
-    """Experts each token is sent to (num_experts_per_tok)."""
-    ffn_dim: int = 256
-    """Hidden width of each routed expert's SwiGLU (Qwen/DeepSeek moe_intermediate_size; Mixtral intermediate_size)."""
-    score_func: str = "softmax"
-    """Router scores over the logits: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)."""
-    norm_topk_prob: bool = True
-    """Renormalise the k chosen weights to sum to 1 (Mixtral always; Qwen and DeepSeek per their config)."""
-    routed_scaling: float = 1.0
-    """Multiplies the routed experts' weights (DeepSeek-V3's routed_scaling_factor, 2.5)."""
-    num_groups: int = 1
-    """Expert groups for group-limited routing (DeepSeek-V3's n_group); 1 = none."""
-    topk_groups: int = 1
-    """Groups a token may choose experts from (topk_group); must be <= num_groups."""
-    shared_ffn_dim: int = 0
-    """Hidden width of the always-on shared SwiGLU expert(s), all shared experts as one; 0 = none."""
-    shared_expert_gate: bool = False
-    """Scale the shared expert's output by sigmoid(linear(token)) (Qwen2-MoE's shared_expert_gate)."""
-    aux_loss_coef: float = 0.0
-    """Weight of the load-balancing loss in the training loss (router_aux_loss_coef: Mixtral 0.02, Qwen 0.001)."""
-    z_loss_coef: float = 0.0
-    """Weight of the router z-loss, mean logsumexp(logits)^2 (ST-MoE uses 1e-3); 0 = off."""
-    score_bias: bool = False
-    """A per-expert bias added to the scores when choosing experts only (DeepSeek-V3's e_score_correction_bias)."""
-    bias_update_rate: float = 0.0
-    """Auxiliary-loss-free balancing: after each step the bias moves by this rate toward equal load (DeepSeek-V3:
-    1e-3); 0 = the bias stays as loaded. Needs score_bias."""
-    capacity_factor: float | None = None
-    """Each expert takes at most factor * tokens * top_k / experts assignments per batch, the rest dropped; null =
-    no token is dropped."""
-    experts_impl: str = "auto"
-    """How the experts run: auto (grouped_mm where the device and dtype have it, else a loop over experts),
-    grouped_mm or loop; all exact (tools/bench_moe.py times them)."""
 
 
 FAMILIES = {

@@ -21,6 +21,7 @@ from tasks.lm.architecture import LMArchitecture
 from tasks.lm.cache import corpus_sources, read_corpus_meta
 from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
+from tasks.lm.moe_metrics import add_routing_loss, routing_metrics
 from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
 from tasks.lm.sft_packing import IGNORE, real_positions
 from tasks.lm.sft_template import find_chat_template
@@ -171,6 +172,8 @@ class LanguageModelingTask(Task):
              "(last stage) would share one weight across ranks; set model.tie_embeddings=false to pipeline"),
             (self.sft, f"data.format={d.get('format')}: fine-tuning rows (answer-token weights, packed segments) do "
              "not run through the pipeline yet; use distributed.pipeline_parallel_degree=1"),
+            (m.get("moe") is not None, "model.moe: the pipeline stages do not carry the MoE blocks' auxiliary loss and "
+             "routing statistics yet (nor is there expert parallelism); use distributed.pipeline_parallel_degree=1"),
             (bool(d.get("sources")), "data.sources: a mixture's per-source validation does not run through the "
              "pipeline yet; train on one corpus or use distributed.pipeline_parallel_degree=1"),
         ) if refused]  # fmt: skip
@@ -363,6 +366,10 @@ class LanguageModelingTask(Task):
         return torch.zeros(batch_size, self.cfg.data.seq_len + 1, dtype=torch.long, device="meta")
 
     def loss(self, model: nn.Module, batch: torch.Tensor, device: torch.device):
+        """The token loss, plus an MoE model's auxiliary loss and routing statistics (tasks/lm/moe_metrics.py)."""
+        return add_routing_loss(model, *self.token_loss(model, batch, device), self.cfg.model)
+
+    def token_loss(self, model: nn.Module, batch: torch.Tensor, device: torch.device):
         if self.sft:
             return answer_token_loss(model, batch, device, self.cfg.data.pack)
         if isinstance(batch, list):  # a mixture's validation batch: [tokens, each row's source]
@@ -397,10 +404,11 @@ class LanguageModelingTask(Task):
         return float((batch[:, 1] != IGNORE).sum())
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        routing = routing_metrics(sums)  # an MoE model's: aux_loss and each layer's expert load
         if self.mixture is not None and any(k.startswith("count/") for k in sums):  # validation of a mixture
-            return mixture.summarize_sources(sums, self.mixture.names, self.mixture.weights)
+            return mixture.summarize_sources(sums, self.mixture.names, self.mixture.weights) | routing
         loss = sums["loss_sum"] / max(sums["count"], 1)
-        return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
+        return {"loss": loss, "ppl": math.exp(min(loss, 50.0))} | routing
 
     def train_order(self, seed: int):
         if self.mixture is not None:  # each global sample offset -> a source and a block of it (tasks/lm/mixture.py)

@@ -50,8 +50,8 @@ def test_a_model_section_of_another_architecture_is_refused_in_one_line():
         build_task(compose_config(["model=gpt_tiny", "model.arch=llama"]), world_size=1)
     assert str(error.value) == (
         "model.arch=llama reads the keys of LlamaConfig, but the model section has keys it ignores (dropout, "
-        "mlp_ratio) and lacks ffn_dim, head_dim, norm_eps, num_kv_heads, out_bias, qk_norm, qkv_bias, rope_scaling, "
-        "rope_theta; choose a model=llama_* flavor instead of overriding model.arch"
+        "mlp_ratio) and lacks ffn_dim, head_dim, moe, norm_eps, num_kv_heads, out_bias, qk_norm, qkv_bias, "
+        "rope_scaling, rope_theta; choose a model=llama_* flavor instead of overriding model.arch"
     )
 
 
