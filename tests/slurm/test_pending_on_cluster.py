@@ -24,7 +24,13 @@ README_LINE = [  # README.md's multi-node line, as written (no hydra.launcher.pa
 def test_the_readme_multi_node_line_without_a_partition_is_refused_in_one_line(slurm_env, corpus_cache, tmp_path):
     started = time.monotonic()
     proc = submit(slurm_env, tmp_path, corpus_cache, *README_LINE)
-    out = finish(proc, 120)
+    try:
+        out = finish(proc, 90)
+    except subprocess.TimeoutExpired:  # the submitter waits silently: stop it and its job, then fail
+        proc.kill()
+        for job in manifest(tmp_path):
+            subprocess.run(["scancel", job["job_id"].split("_")[0]], env=slurm_env, capture_output=True)
+        pytest.fail(f"no answer after 90 s: {(proc.communicate()[0] or '')[-3000:]}")
     elapsed = time.monotonic() - started
     (job,) = manifest(tmp_path)
     assert proc.returncode != 0, out[-3000:]
