@@ -5,8 +5,10 @@ is split as the shell splits it, and
   CLI's command-line checks and is composed by Hydra with all its overrides, the launcher's included: a misspelt or
   renamed key, group or option, or a value of the wrong type, fails. A sweep (``-m``) is composed at its first point.
 - every ``python tools/X.py ...``: tools/X.py exists and each ``--option`` the line gives is one its ``--help`` lists.
-- every other command is one of NOT_CHECKED (installs, shells, the Slurm test cluster, linters): listed there, with
-  why; a new kind of command fails until it is checked here or listed.
+- every other command stands on a line marked in the docs with a trailing ``# not checked: KIND`` (or ``(not
+  checked: KIND)`` at the end of the line's comment), KIND one of NOT_CHECKED (installs, the reader's shell, the
+  Slurm test cluster, a GPU, the suite and linters, inline Python on exports): an unmarked one fails, and so do a
+  mark on a line whose commands are all checked, a mark of a kind NOT_CHECKED does not list, and a kind no page marks.
 
 The rule, for the suite's budget (15 min on 2 cores for ~1,000 tests): nothing is run for real. The docs' ~150
 commands train, download, need a GPU, a Slurm cluster or a checkpoint from an earlier line, or name placeholder paths
@@ -45,21 +47,17 @@ SEPARATORS = ("&&", "||", ";", "&", "|")
 PYTHONS = ("python", "python3", ".venv/bin/python")
 
 NOT_CHECKED = {
-    "pip": "installs packages (a download)",
-    ".venv/bin/pip": "installs packages (a download)",
-    "python3": "`python3 -m venv .venv`: makes the quickstart's venv",
-    "source": "activates a venv or the test cluster's environment in the reader's shell",
-    "tensorboard": "a server that runs until stopped",
-    "bash": "tools/slurm_cluster.sh (root, network namespaces, Slurm daemons) and tools/gpu_check.sh (a GPU)",
-    "sbatch": "submits to a real Slurm",
-    "srun": "runs inside a real Slurm allocation",
-    "python -c": "inline Python that loads an export with transformers or downloads torchvision weights",
-    "python -m pytest": "the suite itself",
-    ".venv/bin/ruff": "the linter",
-    "pytest": "the suite itself",
+    "install": "makes the quickstart's venv or installs packages (a download)",
+    "shell": "acts on the reader's shell (source) or serves until stopped (tensorboard)",
+    "slurm": "needs a real Slurm (sbatch, srun) or root and network namespaces (tools/slurm_cluster.sh)",
+    "gpu": "needs a GPU",
+    "dev": "the suite, the linter and the dependency-range check: each is its own CI job",
+    "export": "inline Python that loads an export with transformers or downloads torchvision weights",
 }
-"""Programs whose commands this test does not check, and why (the quickstart's first line is checked as its parts:
-its `.venv/bin/python -m shardlab.train` is a train command)."""
+"""The kinds of command the docs mark as not checked, and why; the mark names the kind, and each kind here is marked
+somewhere (a train command on a marked line, the quickstart's, is still checked)."""
+MARK = re.compile(r"(?:^|\s)#.*\bnot checked: ([a-z]+)")
+"""A line's mark: in its trailing comment, ``not checked: KIND``."""
 
 
 def logical_lines(markdown: str) -> list[str]:
@@ -68,22 +66,26 @@ def logical_lines(markdown: str) -> list[str]:
 
 
 def commands(markdown: str) -> list[list[str]]:
-    """Each command of each line as argv: comments dropped, split at && ; & |, leading VAR=value assignments dropped."""
+    """Each command of each line as argv (line_commands)."""
+    return [argv for line in logical_lines(markdown) for argv in line_commands(line)]
+
+
+def line_commands(line: str) -> list[list[str]]:
+    """Each command of one line as argv: comments dropped, split at && ; & |, leading VAR=value assignments dropped."""
     found = []
-    for line in logical_lines(markdown):
-        line = re.sub(r"\$\([^()]*\)", "SUBSTITUTED", line)  # $(scontrol ... | head -1): one word, as for the shell
-        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
-        lexer.whitespace_split, lexer.commenters = True, "#"
-        current: list[str] = []
-        for token in [*lexer, ";"]:
-            if token in SEPARATORS:
-                while current and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", current[0]):
-                    current.pop(0)
-                if current:
-                    found.append(current)
-                current = []
-            else:  # $HOME as the shell expands it (not Hydra's ${...} interpolations)
-                current.append(os.path.expandvars(token) if "$" in token and "${" not in token else token)
+    line = re.sub(r"\$\([^()]*\)", "SUBSTITUTED", line)  # $(scontrol ... | head -1): one word, as for the shell
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split, lexer.commenters = True, "#"
+    current: list[str] = []
+    for token in [*lexer, ";"]:
+        if token in SEPARATORS:
+            while current and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", current[0]):
+                current.pop(0)
+            if current:
+                found.append(current)
+            current = []
+        else:  # $HOME as the shell expands it (not Hydra's ${...} interpolations)
+            current.append(os.path.expandvars(token) if "$" in token and "${" not in token else token)
     return found
 
 
@@ -165,25 +167,41 @@ def check_tool(argv: list[str]) -> str | None:
 
 
 def problems(markdown: str) -> tuple[list[str], list[str]]:
-    """(the commands that fail their check, with why; the commands not checked)."""
+    """(the commands that fail their check and the marks that are wrong, with why; the commands marked not checked)."""
     failed, skipped = [], []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):  # once: each compose is then cheap
-        for argv in commands(markdown):
-            shown = " ".join(argv)
-            if argv[0] in NOT_CHECKED or " ".join(argv[:2]) in NOT_CHECKED or argv[1:3] == ["-m", "pytest"]:
-                skipped.append(shown)
-            elif why := why_refused(argv):
-                failed.append(f"{shown}: {why}")
+        for line in logical_lines(markdown):
+            mark = MARK.search(line)
+            kind = mark.group(1) if mark else None
+            line_skipped = []
+            for argv in line_commands(line):
+                shown = " ".join(argv)
+                if not checked_kind(argv):
+                    line_skipped.append(shown)
+                    if kind is None:
+                        failed.append(f"{shown}: neither checked by this test nor marked `# not checked: KIND`")
+                elif why := why_refused(argv):
+                    failed.append(f"{shown}: {why}")
+            if kind is not None and kind not in NOT_CHECKED:
+                failed.append(f"{line.strip()}: marked not checked as {kind!r}, a kind NOT_CHECKED does not list")
+            elif kind is not None and not line_skipped:
+                failed.append(f"{line.strip()}: marked not checked ({kind}), but each of its commands is checked")
+            elif kind is not None:
+                skipped += [f"{shown}   [{kind}]" for shown in line_skipped]
     return failed, skipped
 
 
+def checked_kind(argv: list[str]) -> bool:
+    """Whether this test checks commands like argv: a training run or a tools/ script run by Python."""
+    tool = argv[0] in PYTHONS and len(argv) > 1 and argv[1].startswith("tools/") and argv[1].endswith(".py")
+    return train_args(argv) is not None or tool
+
+
 def why_refused(argv: list[str]) -> str | None:
-    """What fails the check of a command that is not in NOT_CHECKED; None if it passes."""
+    """What fails the check of a training run or a tools/ command; None if it passes."""
     if (args := train_args(argv)) is not None:
         return check_train(args)
-    if argv[0] in PYTHONS and len(argv) > 1 and argv[1].startswith("tools/") and argv[1].endswith(".py"):
-        return check_tool(argv)
-    return f"a kind of command this test neither checks nor lists in NOT_CHECKED ({argv[0]})"
+    return check_tool(argv)
 
 
 @pytest.fixture(autouse=True)
@@ -192,7 +210,7 @@ def in_the_repository(monkeypatch):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_every_command_in_the_docs_composes_or_is_listed_as_not_checked(page):
+def test_every_command_in_the_docs_composes_or_is_marked_not_checked(page):
     failed, _ = problems(page.read_text())
     assert not failed, "\n".join(failed)
 
@@ -206,7 +224,10 @@ def test_every_command_in_the_docs_composes_or_is_listed_as_not_checked(page):
         ("python -m shardlab.train -m hydra/launcher=slurm hydra.launcher.nodez=2", "nodez"),
         ("python tools/evaluate.py runs/x --no-such-option 3", "tools/evaluate.py has no option --no-such-option"),
         ("python tools/no_such_tool.py x", "tools/no_such_tool.py does not exist"),
-        ("wget https://example.org/data.tar", "neither checks nor lists"),
+        ("wget https://example.org/data.tar", "wget https://example.org/data.tar: neither checked by this test nor"),
+        ("wget https://example.org/data.tar   # not checked: download", "a kind NOT_CHECKED does not list"),
+        ("python -m shardlab.train seed=2   # not checked: install", "but each of its commands is checked"),
+        ("pip install x && python -m shardlab.train seed=two   # not checked: install", "seed"),
     ],
 )
 def test_a_planted_broken_command_is_caught(line, why):
@@ -231,8 +252,16 @@ def test_lines_split_as_the_shell_splits_them():
     assert group_choices(sweep) == ["model=gpt_tiny", "model=gpt_small"]
 
 
-def test_the_commands_not_checked_are_few_and_each_of_a_listed_kind(capsys):
+def test_the_commands_not_checked_are_few_and_each_marked_with_a_listed_kind(capsys):
     skipped = [command for page in PAGES for command in problems(page.read_text())[1]]
     with capsys.disabled():  # the list, for a reader of the suite's output (-s)
         print(f"\n{len(skipped)} doc commands not checked (NOT_CHECKED says why):", *skipped, sep="\n  ")
     assert 0 < len(skipped) <= 40  # installs, the Slurm test cluster, linters, inline Python: few
+    marked = {m.group(1) for page in PAGES for line in logical_lines(page.read_text()) if (m := MARK.search(line))}
+    assert set(NOT_CHECKED) <= marked, f"kinds NOT_CHECKED lists and no page marks: {set(NOT_CHECKED) - marked}"
+
+
+def test_a_mark_is_read_from_the_line_comment_only():
+    assert MARK.search("pip install -e .   # not checked: install").group(1) == "install"
+    assert MARK.search("source x   # first, each shell (not checked: shell)").group(1) == "shell"
+    assert MARK.search("python -m shardlab.train run.note='not checked: install'") is None
