@@ -44,11 +44,12 @@ def record_lora_base(cfg, pretrained: Path | None) -> None:
     export compare it with the base they read (tasks.lm.lora.base_refusal), and a config that already records one (a
     checkpoint's, rebuilt by generate or evaluate) is refused here when the base differs. None where the base cannot
     be read: the load refuses it in its own words."""
-    from shardlab.checkpoint.hf_folder import weights_digest
     from tasks.lm.lora import base_refusal, lora_on
 
     if not lora_on(cfg.model):
         return
+    from shardlab.checkpoint.hf_folder import weights_digest  # after: it imports DCP, which a plain run reads later
+
     base = pretrained or cfg.checkpoint.get("init_from")
     try:
         digest = weights_digest(Path(base)) if base and Path(base).expanduser().exists() else None
