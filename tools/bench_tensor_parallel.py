@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,9 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools import bench_meta  # noqa: E402
+from tools import bench_against_loop as against_loop  # noqa: E402
+from tools.bench_against_loop import AgainstLoop  # noqa: E402
 
-TOOLS = Path(__file__).resolve().parent
 SHAPES = {"layers": 4, "dim": 192, "heads": 6, "kv_heads": 2, "ffn": 576, "vocab": 320, "seq_len": 128, "batch": 8}
 SHARDLAB = [
     "model=llama_tiny", f"data.seq_len={SHAPES['seq_len']}", "data.max_corpus_mb=1",
@@ -92,57 +91,19 @@ def loop_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.destroy_process_group()
 
 
-def run_side(side: str, args: argparse.Namespace, out: Path) -> dict:
-    timing = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
-    if side == "loop":
-        cmd = [str(TOOLS / "bench_tensor_parallel.py"), "--loop-only", *timing]
-    else:
-        cmd = [str(TOOLS / "bench.py"), *SHARDLAB, *timing]
-    load = os.getloadavg()[0]
-    subprocess.run([sys.executable, *cmd], check=True, stdout=subprocess.DEVNULL)
-    return {**json.loads(out.read_text()), "loadavg_1min_before": load}
+BENCH = AgainstLoop(
+    tool=__file__,
+    label="TP 2 (sequence parallel)",
+    what="TP step",
+    shardlab=SHARDLAB,
+    shapes=SHAPES,
+    loop_rank=loop_rank,
+    default_out="tensor_parallel.json",
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    parser.add_argument("--loop-only", action="store_true", help="run the hand-written loop once (2 ranks)")
-    parser.add_argument("--out", type=Path, default=Path("tensor_parallel.json"))
-    args = parser.parse_args(argv)
-    if args.loop_only:
-        import torch.multiprocessing as mp
-
-        from shardlab.distributed.env import free_port, set_local_rank_defaults
-
-        set_local_rank_defaults(2)  # one intra-op thread share per rank, as shardlab's local launcher
-        mp.start_processes(loop_rank, args=(args, free_port()), nprocs=2, join=True, start_method="spawn")
-        return json.loads(args.out.read_text())
-    settings = {"pairs": args.pairs, "steps": args.steps, "warmup": args.warmup, "shapes": SHAPES}
-    meta = bench_meta.collect(__file__, argv, settings)
-    label = "TP 2 (sequence parallel)"
-    result: dict = {"pairs": [], "shardlab_overrides": SHARDLAB}
-    summary = {"meta": meta, "backends": {label: result}}  # tools/bench_tables.py's overhead table renders it
-    runs = args.out.with_name(args.out.name + ".runs")
-    runs.mkdir(parents=True, exist_ok=True)
-    for i in range(args.pairs):
-        order = ("shardlab", "loop") if i % 2 == 0 else ("loop", "shardlab")
-        got = {side: run_side(side, args, runs / f"{i}-{side}.json") for side in order}
-        ratio = got["shardlab"]["tokens_per_s"] / got["loop"]["tokens_per_s"]
-        result["pairs"].append({
-            "order": list(order), "ratio": ratio,
-            **{f"{side}_tokens_per_s": got[side]["tokens_per_s"] for side in got},
-            **{f"{side}_median_step_ms": got[side]["median_step_ms"] for side in got},
-            "loadavg_1min": [got[side]["loadavg_1min_before"] for side in order],
-        })  # fmt: skip
-        print(f"pair {i + 1}: shardlab {got['shardlab']['tokens_per_s']:.0f} tokens/s, loop "
-              f"{got['loop']['tokens_per_s']:.0f} ({ratio:.3f}x)", flush=True)  # fmt: skip
-        result["median_ratio"] = statistics.median(p["ratio"] for p in result["pairs"])
-        summary["meta"] = bench_meta.finish(meta)
-        args.out.write_text(json.dumps(summary, indent=1) + "\n")  # partial results survive a stop
-    print(f"shardlab's TP step at {result['median_ratio']:.3f}x the hand-written loop (median of {args.pairs} pairs)")
-    return summary
+    return against_loop.main(BENCH, argv, __doc__)
 
 
 if __name__ == "__main__":
