@@ -19,6 +19,7 @@ PIPELINE_LM = ["model.num_layers=4", "model.tie_embeddings=false", "optimization
 FSDP = "distributed.backend=fully_sharded"
 PP2 = [FSDP, "distributed.pipeline_parallel_degree=2"]
 LLAMA = ["model=llama_tiny", "model.ffn_dim=null"]
+GQA = ["model.num_heads=4", "model.num_kv_heads=2"]
 VARIANTS_2 = {
     "1f1b": [*PP2, "distributed.pipeline_schedule=1f1b"],
     "interleaved_1f1b": [
@@ -104,14 +105,17 @@ def two_rank_results(tiny_lm, references, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def four_rank_results(tiny_lm):
+def four_rank_results(tiny_lm, three_d_results):
     """PP 2 x FSDP 2: each stage sharded over its 2 data-parallel ranks, which read different halves of each batch;
-    and PP 2 x TP 2 on the GPT (its fused qkv split by heads, token and position tables by rows)."""
+    PP 2 x TP 2 on the GPT (its fused qkv split by heads, token and position tables by rows); and the 3D run's step 5
+    resumed on 4 plain FSDP ranks (in the same spawn)."""
     cfgs = [
         tiny_lm(*PIPELINE_LM, *VARIANTS_2["1f1b"]),
         tiny_lm(*PIPELINE_LM, *VARIANTS_2["1f1b"], "distributed.tensor_parallel_degree=2"),
+        tiny_lm(*PIPELINE_LM, *LLAMA, *GQA, FSDP, f"checkpoint.resume={step5(three_d_results)}"),
     ]
-    return dict(zip(("fsdp", "tp"), run_spawned(cfgs, world_size=4, inspect=full_params), strict=True))
+    results = run_spawned(cfgs, world_size=4, inspect=full_params)
+    return dict(zip(("fsdp", "tp", "fsdp4_from_3d"), results, strict=True))
 
 
 @pytest.mark.parametrize("name", list(VARIANTS_2))
@@ -120,15 +124,20 @@ def test_pipeline_matches_single_process(name, two_rank_results, references):
     assert_same_training(two_rank_results[name], reference)
 
 
-GQA = ["model.num_heads=4", "model.num_kv_heads=2"]
+THREE_D = [*VARIANTS_2["1f1b"], *LLAMA, *GQA, "distributed.tensor_parallel_degree=2"]
 
 
 @pytest.fixture(scope="module")
-def three_d_results(tiny_lm, tmp_path_factory):
-    """FSDP 2 x TP 2 x PP 2 on a Llama (GQA: 4 query and 2 key/value heads, so each TP rank holds one KV head)."""
-    cfgs = [tiny_lm(*PIPELINE_LM, CKPT, *VARIANTS_2["1f1b"], *LLAMA, *GQA, "distributed.tensor_parallel_degree=2")]
-    run_dir = tmp_path_factory.mktemp("three_d")
-    return {**run_spawned(cfgs, world_size=8, run_dirs=[run_dir], inspect=full_params)[0], "run_dir": run_dir}
+def three_d_results(tiny_lm, references, tmp_path_factory):
+    """FSDP 2 x TP 2 x PP 2 on a Llama (GQA: 4 query and 2 key/value heads, so each TP rank holds one KV head); and,
+    in the same spawn, one process's step 5 resumed in that layout."""
+    cfgs = [
+        tiny_lm(*PIPELINE_LM, CKPT, *THREE_D),
+        tiny_lm(*PIPELINE_LM, *THREE_D, f"checkpoint.resume={step5(references['llama_gqa'])}"),
+    ]
+    run_dirs = [tmp_path_factory.mktemp("three_d"), tmp_path_factory.mktemp("three_d_from_single")]
+    trained, from_single = run_spawned(cfgs, world_size=8, run_dirs=run_dirs, inspect=full_params)
+    return {**trained, "run_dir": run_dirs[0], "from_single": from_single}
 
 
 def test_fsdp_tp_pp_matches_single_process(three_d_results, references):
@@ -185,6 +194,16 @@ def test_each_rank_holds_its_stages_layers_under_the_unsplit_names(two_rank_resu
 def test_a_3d_checkpoint_resumes_on_one_process(tiny_lm, three_d_results, references, tmp_path):
     cfg = tiny_lm(*PIPELINE_LM, *LLAMA, *GQA, f"checkpoint.resume={step5(three_d_results)}")
     assert_continues(run_rank(cfg, tmp_path, dist_env.detect()), references["llama_gqa"])
+
+
+def test_a_3d_checkpoint_resumes_on_four_fsdp_ranks(four_rank_results, references):
+    assert four_rank_results["fsdp4_from_3d"]["layout"] == "dp_shard 4"
+    assert_continues(four_rank_results["fsdp4_from_3d"], references["llama_gqa"])
+
+
+def test_a_one_process_checkpoint_resumes_in_3d(three_d_results, references):
+    assert three_d_results["from_single"]["layout"] == "pp 2 x dp_shard 2 x tp 2"
+    assert_continues(three_d_results["from_single"], references["llama_gqa"])
 
 
 def test_a_3d_step_folder_exports_the_weights_one_process_exports(three_d_results, references, tmp_path):
