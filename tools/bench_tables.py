@@ -493,6 +493,23 @@ def overhead(sources: list[Source]) -> list[str]:
     return lines
 
 
+def sft_trl(sources: list[Source]) -> list[str]:
+    """tools/bench_sft_trl.py: shardlab against TRL's SFTTrainer, real tokens/s of each interleaved pair, final loss."""
+    lines = header("data", "pair (order)", "shardlab tokens/s", "TRL tokens/s", "shardlab / TRL", "final answer loss")
+    for _, d in sources:
+        for name in ("unpacked", "packed"):
+            result = d[name]
+            for k, pair in enumerate(result["pairs"], start=1):
+                loss = f"{pair['shardlab_final_loss']:.4f} / {pair['trl_final_loss']:.4f}"
+                lines.append(
+                    row(name, pair_label(k, pair), f"{pair['shardlab_tokens_per_s']:.0f}",
+                        f"{pair['trl_tokens_per_s']:.0f}", f"{pair['ratio']:.3f}x", loss)
+                )  # fmt: skip
+            gap = f"differ by {result['final_loss_relative_difference']:.2%}"
+            lines.append(row(name, "median", "", "", f"**{result['median_ratio']:.3f}x**", gap))
+    return lines
+
+
 def ssl_probe(sources: list[Source]) -> list[str]:
     """tools/evaluate.py --out: a linear probe and kNN on each trunk's frozen features, the same command for each."""
     methods = {"swav": "SwAV", "simclr": "SimCLR", "image_classification": "supervised (labels)"}
@@ -760,6 +777,7 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "layout_choice": layout_choice,
     "checkpointing": checkpointing,
     "precision": precision,
+    "sft_trl": sft_trl,
 }
 
 
