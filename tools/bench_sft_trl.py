@@ -10,11 +10,11 @@ LoRA (rank, alpha, the attention and MLP projections, the same initial adapter v
 as a peft folder), AdamW (lr, betas, eps, no weight decay, constant lr, clip 1.0), fp32 (TRL's bf16 and gradient
 checkpointing switched off), one process, and a step batch of every training record (so the two samplers' orders do
 not matter and the losses compare step for step); packed, a step is ``--batch`` rows of ``--seq-len`` (8x the records,
-each side packing them its own way, so the packed losses are not compared). shardlab runs through its real trainer (``runner.run_rank``, its
-logged ``tokens_per_s`` counts non-padding positions); TRL through ``SFTTrainer.train`` with a callback timing each
-step and the batch's non-padding tokens counted from its attention mask (packed: every position is a token). Both:
-tokens/s = real tokens of the steps after ``--warmup`` / their summed step time. Each run is a fresh process
-(``--side``); within a pair the order alternates (shardlab first, then TRL first, ...).
+each side packing them its own way, so the packed losses are not compared). shardlab runs through its real trainer
+(``runner.run_rank``, its logged ``tokens_per_s`` counts non-padding positions); TRL through ``SFTTrainer.train``
+with a callback timing each step and the batch's non-padding tokens counted from its attention mask (packed: every
+position is a token). Both: tokens/s = real tokens of the steps after ``--warmup`` / their summed step time. Each run
+is a fresh process (``--side``); within a pair the order alternates (shardlab first, then TRL first, ...).
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ sys.path.insert(0, str(REPO))
 from tools import bench_meta  # noqa: E402
 
 WORDS = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree", "river", "stone", "bird", "cloud"]
-LORA = {"rank": 8, "alpha": 16, "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+LORA = {
+    "rank": 8,
+    "alpha": 16,
+    "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
 LR = 1e-3
 
 
@@ -124,8 +128,9 @@ def run_trl(folder: Path, data: Path, args: argparse.Namespace, packed: bool, tm
             steps[-1][0] = time.perf_counter() - steps[-1][0]
 
     rows = [json.loads(line) for line in data.read_text().splitlines()]
-    trainer = Timed(model=model, args=config, train_dataset=datasets.Dataset.from_list(rows),
-                    processing_class=transformers.AutoTokenizer.from_pretrained(folder), callbacks=[Clock()])  # fmt: skip
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    dataset = datasets.Dataset.from_list(rows)
+    trainer = Timed(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
     timed = steps[args.warmup :]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -154,10 +159,12 @@ def mode(args: argparse.Namespace, packed: bool, folder: Path, data: Path, tmp: 
     for k in range(args.pairs):
         order = ["shardlab", "trl"] if k % 2 == 0 else ["trl", "shardlab"]
         got = {who: one_run(args, who, packed, folder, data, tmp / f"{who}.json") for who in order}
-        pairs.append({"order": order, "shardlab_tokens_per_s": got["shardlab"]["tokens_per_s"],
-                      "trl_tokens_per_s": got["trl"]["tokens_per_s"],
-                      "ratio": got["shardlab"]["tokens_per_s"] / got["trl"]["tokens_per_s"],
-                      "shardlab_final_loss": got["shardlab"]["losses"][-1], "trl_final_loss": got["trl"]["losses"][-1]})  # fmt: skip
+        shardlab, trl = got["shardlab"], got["trl"]
+        pairs.append({
+            "order": order, "shardlab_tokens_per_s": shardlab["tokens_per_s"], "trl_tokens_per_s": trl["tokens_per_s"],
+            "ratio": shardlab["tokens_per_s"] / trl["tokens_per_s"],
+            "shardlab_final_loss": shardlab["losses"][-1], "trl_final_loss": trl["losses"][-1],
+        })  # fmt: skip
     final = (pairs[-1]["shardlab_final_loss"], pairs[-1]["trl_final_loss"])
     return {"pairs": pairs, "median_ratio": statistics.median(p["ratio"] for p in pairs),
             "final_loss_relative_difference": abs(final[0] - final[1]) / abs(final[1])}  # fmt: skip
@@ -195,7 +202,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for name in ("unpacked", "packed"):
         r = result[name]
-        print(f"{name}: shardlab/TRL real tokens/s {r['median_ratio']:.3f}x, final loss diff {r['final_loss_relative_difference']:.2%}")  # fmt: skip
+        print(f"{name}: shardlab/TRL real tokens/s {r['median_ratio']:.3f}x, final loss diff "
+              f"{r['final_loss_relative_difference']:.2%}")  # fmt: skip
     return result
 
 
