@@ -156,7 +156,9 @@ def test_a_failed_build_stops_the_processes_waiting_for_it_with_its_error(tmp_pa
     out, log = tmp_path / "corpus-abc", tmp_path / "builds.log"
     ctx = mp.get_context("spawn")
     queue, start = ctx.Queue(), ctx.Barrier(3)
-    procs = [ctx.Process(target=_build_and_fail, args=(str(out), str(log), 2.0, queue, start)) for _ in range(3)]
+    # The build lasts 6 s: a process the loaded machine leaves unscheduled for a while after the barrier must still
+    # find it running (one that comes after a failed build builds again, by design); at 2 s a loaded CI run saw two.
+    procs = [ctx.Process(target=_build_and_fail, args=(str(out), str(log), 6.0, queue, start)) for _ in range(3)]
     for p in procs:
         p.start()
     for p in procs:
