@@ -20,6 +20,7 @@ from tasks.lm import corpus
 from tasks.lm.binarize import encode_block
 from tasks.lm.corpus import check_sources, find_sources, read_blocks
 from tasks.lm.tokenizer import ByteTokenizer
+from tests import fuzz_mutations
 
 SEED = 41
 CASES = 150
@@ -54,24 +55,7 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
         b'{"text": "\\ud800"}\n',
         b"\r\r\n\n\x00\n",
     ]
-    data = bytearray(data)
-    for _ in range(rng.randrange(1, 4)):
-        op = rng.randrange(6)
-        at = rng.randrange(len(data) + 1)
-        if op == 0 and data:
-            for _ in range(rng.randrange(1, 8)):
-                data[rng.randrange(len(data))] = rng.randrange(256)
-        elif op == 1:
-            data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 16)))
-        elif op == 2:
-            del data[at : at + rng.randrange(1, 64)]
-        elif op == 3:
-            del data[at:]
-        elif op == 4:
-            data[at:at] = data[at : at + rng.randrange(1, 256)] * rng.randrange(2, 50)
-        else:
-            data[at:at] = rng.choice(crafted)
-    return bytes(data)
+    return fuzz_mutations.mutate(rng, data, crafted)
 
 
 def compressed(kind: str, data: bytes) -> bytes:

@@ -20,6 +20,7 @@ from shardlab.checkpoint.hf_folder import INDEX_FILE, read_tensors, tensor_files
 from shardlab.errors import ShardlabError
 from tasks.lm.hf_models import eos_token, model_section, read_config_json
 from tasks.lm.tokenizer import FileTokenizer
+from tests import fuzz_mutations
 from tests.hf_folders import make_folder
 
 SEED = 47
@@ -54,23 +55,7 @@ def replace_a_value(rng: random.Random, tree):
 def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
     """One to three of: bytes flipped, inserted or dropped, a cut, a piece repeated, or a crafted piece spliced in."""
     crafted = [b"[" * 100_000, b"9" * 50_000, b"\xff\xfe\xc3\x28", b"NaN", b"-Infinity", b'"\\ud800"', b"\x00" * 64]
-    data = bytearray(data)
-    for _ in range(rng.randrange(1, 4)):
-        op, at = rng.randrange(6), rng.randrange(len(data) + 1)
-        if op == 0 and data:
-            for _ in range(rng.randrange(1, 8)):
-                data[rng.randrange(len(data))] = rng.randrange(256)
-        elif op == 1:
-            data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 16)))
-        elif op == 2:
-            del data[at : at + rng.randrange(1, 64)]
-        elif op == 3:
-            del data[at:]
-        elif op == 4:
-            data[at:at] = data[at : at + rng.randrange(1, 256)] * rng.randrange(2, 50)
-        else:
-            data[at:at] = rng.choice(crafted)
-    return bytes(data)
+    return fuzz_mutations.mutate(rng, data, crafted)
 
 
 def mutate_json(rng: random.Random, data: bytes) -> bytes:
