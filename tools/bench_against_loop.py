@@ -38,6 +38,19 @@ class AgainstLoop:
     default_out: str
 
 
+def finish_loop(rank: int, args: argparse.Namespace, times: list[float], tokens_per_step: int, shapes: dict) -> None:
+    """The end of a loop rank: rank 0 writes the median step's tokens/s (after ``args.warmup`` steps) to ``args.out``;
+    then every rank leaves the process group."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        median = statistics.median(times[args.warmup :])
+        out = {"tokens_per_s": tokens_per_step / median, "median_step_ms": median * 1e3, "shapes": shapes}
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_side(bench: AgainstLoop, side: str, args: argparse.Namespace, out: Path) -> dict:
     timing = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]
     cmd = (

@@ -20,9 +20,7 @@ reads the corpus. Each pair alternates which side runs first; the figure is the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -82,13 +80,7 @@ def loop_rank(rank: int, args: argparse.Namespace, port: int) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - started)
-    if rank == 0:
-        median = statistics.median(times[args.warmup :])
-        tokens_per_step = s["batch"] * s["seq_len"]
-        out = {"tokens_per_s": tokens_per_step / median, "median_step_ms": median * 1e3, "shapes": SHAPES}
-        Path(args.out).write_text(json.dumps(out, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    against_loop.finish_loop(rank, args, times, s["batch"] * s["seq_len"], SHAPES)
 
 
 BENCH = AgainstLoop(
