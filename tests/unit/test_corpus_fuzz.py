@@ -4,12 +4,11 @@ Every case must end in bounded time and memory, either read or refused in one li
 
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import json
 import random
-import time
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ from tasks.lm import corpus
 from tasks.lm.binarize import encode_block
 from tasks.lm.corpus import check_sources, find_sources, read_blocks
 from tasks.lm.tokenizer import ByteTokenizer
-from tests import fuzz_mutations
+from tests import fuzzing
 
 SEED = 41
 CASES = 150
@@ -55,7 +54,7 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
         b'{"text": "\\ud800"}\n',
         b"\r\r\n\n\x00\n",
     ]
-    return fuzz_mutations.mutate(rng, data, crafted)
+    return fuzzing.mutate(rng, data, crafted)
 
 
 def compressed(kind: str, data: bytes) -> bytes:
@@ -110,18 +109,12 @@ def test_fuzzed_corpus_records_are_read_or_refused_in_one_line_in_bounded_time_a
         folder = tmp_path / str(i)
         folder.mkdir()
         (folder / name).write_bytes(data)
-        tracemalloc.start()
-        start = time.perf_counter()
-        try:
-            read_as_preprocessing_does(folder)
-            outcomes["read"] += 1
-        except DataError as e:
-            assert "\n" not in str(e) and str(e), f"case {i}: {e!r}"
-            outcomes["refused"] += 1
-        finally:
-            seconds = time.perf_counter() - start
-            peak = tracemalloc.get_traced_memory()[1]
-            tracemalloc.stop()
-        assert seconds < MAX_SECONDS, f"case {i} ({name}, {len(data)} bytes) took {seconds:.1f} s"
-        assert peak < MAX_PEAK_BYTES, f"case {i} ({name}, {len(data)} bytes) peaked at {peak >> 20} MiB"
+        fuzzing.bounded_read(
+            functools.partial(read_as_preprocessing_does, folder),
+            DataError,
+            outcomes,
+            f"case {i} ({name}, {len(data)} bytes)",
+            MAX_SECONDS,
+            MAX_PEAK_BYTES,
+        )
     assert outcomes["read"] and outcomes["refused"], outcomes  # the mutations reach both ends

@@ -6,12 +6,11 @@ time and memory, either read or refused in one line (a shardlab error); nothing 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
 import struct
-import time
-import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from shardlab.checkpoint.hf_folder import INDEX_FILE, read_tensors, tensor_files
 from shardlab.errors import ShardlabError
 from tasks.lm.hf_models import eos_token, model_section, read_config_json
 from tasks.lm.tokenizer import FileTokenizer
-from tests import fuzz_mutations
+from tests import fuzzing
 from tests.hf_folders import make_folder
 
 SEED = 47
@@ -55,7 +54,7 @@ def replace_a_value(rng: random.Random, tree):
 def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
     """One to three of: bytes flipped, inserted or dropped, a cut, a piece repeated, or a crafted piece spliced in."""
     crafted = [b"[" * 100_000, b"9" * 50_000, b"\xff\xfe\xc3\x28", b"NaN", b"-Infinity", b'"\\ud800"', b"\x00" * 64]
-    return fuzz_mutations.mutate(rng, data, crafted)
+    return fuzzing.mutate(rng, data, crafted)
 
 
 def mutate_json(rng: random.Random, data: bytes) -> bytes:
@@ -110,18 +109,12 @@ def test_fuzzed_model_folder_files_are_read_or_refused_in_one_line_in_bounded_ti
     outcomes = {"read": 0, "refused": 0}
     for i in range(CASES):
         one_case(rng, target, original, folder)
-        tracemalloc.start()
-        start = time.perf_counter()
-        try:
-            read_as_a_start_does(folder)
-            outcomes["read"] += 1
-        except ShardlabError as e:
-            assert "\n" not in str(e) and str(e), f"case {i}: {e!r}"
-            outcomes["refused"] += 1
-        finally:
-            seconds = time.perf_counter() - start
-            peak = tracemalloc.get_traced_memory()[1]
-            tracemalloc.stop()
-        assert seconds < MAX_SECONDS, f"case {i} ({target}) took {seconds:.1f} s"
-        assert peak < MAX_PEAK_BYTES, f"case {i} ({target}) peaked at {peak >> 20} MiB"
+        fuzzing.bounded_read(
+            functools.partial(read_as_a_start_does, folder),
+            ShardlabError,
+            outcomes,
+            f"case {i} ({target})",
+            MAX_SECONDS,
+            MAX_PEAK_BYTES,
+        )
     assert outcomes["refused"], outcomes  # the mutations reach the refusals
