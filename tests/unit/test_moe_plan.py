@@ -130,6 +130,8 @@ def test_verify_plan_holds_the_moe_plan_to_fully_shard_with_fewer_experts_than_r
     hold none of the data); the plan's state and collectives match the real fully_shard on the fake process group."""
     from shardlab.memory.verify import verify_plan
 
-    cfg = compose_config([*SMALL_MOE, "distributed=fully_sharded", "optimization.batch_size=16", "validation.batch_size=16"])
+    cfg = compose_config(
+        [*SMALL_MOE, "distributed=fully_sharded", "optimization.batch_size=16", "validation.batch_size=16"]
+    )
     lines = verify_plan(cfg, build_task(cfg, world_size=16), 16)
     assert "matches the plan" in lines[0]
