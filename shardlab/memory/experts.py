@@ -244,20 +244,25 @@ def experts_line(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> str
         text += f"no EP: all {plan.experts_per_rank} experts of each layer computed on every rank"
     if plan.expert_shard_ranks > 1:
         text += f", sharded over {plan.expert_shard_ranks} FSDP ranks"
-    text += f": {4 * plan.expert_numel / GiB:.2f} GiB of fp32 expert weights held per rank"
+    text += f": {_size(4 * plan.expert_numel)} of fp32 expert weights held per rank"
     if plan.expert_numel > 1.01 * plan.row_sharded_numel:
-        rows = 4 * plan.row_sharded_numel / GiB
-        text += f" (whole experts padded: sharding each expert's rows would hold {rows:.2f})"
+        rows = _size(4 * plan.row_sharded_numel)
+        text += f" (whole experts padded: sharding each expert's rows would hold {rows})"
     text += (
-        f", {ctx.param_bytes * plan.gathered_layer_numel / GiB:.2f} GiB gathered per layer; {plan.tokens} tokens per "
-        f"micro-batch: dispatch {plan.dispatch_bytes / GiB:.3f} GiB per copy, router logits and probs "
-        f"{plan.router_bytes / GiB:.3f} GiB per layer"
+        f", {_size(ctx.param_bytes * plan.gathered_layer_numel)} gathered per layer; {plan.tokens} tokens per "
+        f"micro-batch: dispatch {_size(plan.dispatch_bytes)} per copy, router logits and probs "
+        f"{_size(plan.router_bytes)} per layer"
     )
     if plan.ep > 1:
-        text += f"; all-to-all sends {plan.all_to_all_bytes / GiB:.2f} GiB per step per EP rank (balanced routing)"
+        text += f"; all-to-all sends {_size(plan.all_to_all_bytes)} per step per EP rank (balanced routing)"
     elif layout.ep > 1:
         text += f"; distributed.expert_parallel_degree={layout.ep} not planned for {layout.label(ctx.world_size)}"
     return text
+
+
+def _size(n: int) -> str:
+    """Bytes in GiB, or MiB below a tenth of one (a small model's buffers: '0.00 GiB' said nothing)."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.2f} MiB"
 
 
 def _count(n: int) -> str:
