@@ -15,7 +15,7 @@ from torch import nn
 from shardlab.distributed.compile import compiled
 from shardlab.errors import CheckpointError, ConfigError, DataError
 from shardlab.registry import MODELS
-from shardlab.task import PipelineCut, Task
+from shardlab.task import ExpertLayers, PipelineCut, Task
 from tasks.lm import mixture
 from tasks.lm.architecture import LMArchitecture
 from tasks.lm.cache import corpus_sources, read_corpus_meta
@@ -352,6 +352,17 @@ class LanguageModelingTask(Task):
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         return model.fsdp_units()
+
+    def expert_layers(self, model: nn.Module) -> ExpertLayers | None:
+        """model.moe: every block's routed experts (tasks/lm/moe_experts.GroupedExperts), each token's data.seq_len
+        rows through each of them."""
+        moe = getattr(self.cfg.model, "moe", None)
+        if moe is None:
+            return None
+        grouped = ("experts.gate_up_proj", "experts.down_proj")
+        names = tuple(name for name, _ in model.named_parameters() if name.endswith(grouped))
+        layers = len(names) // len(grouped)
+        return ExpertLayers(layers, moe.num_experts, moe.top_k, self.cfg.model.dim, self.cfg.data.seq_len, names)
 
     def collate(self, samples: list) -> torch.Tensor:
         """Unpacked fine-tuning rows (data.pack=false: a sample each, padded at its end) cut to the micro-batch's
