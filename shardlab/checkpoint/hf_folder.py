@@ -385,8 +385,12 @@ class ExportTensor(NamedTuple):
     source: str
     """Its name where it is read from (the step folder's, without the DCP prefix)."""
     shape: tuple[int, ...]
-    """Its shape as stored in the source (the written one is the transpose when ``transposed``)."""
+    """Its shape as stored in the source (the written one is the transpose when ``transposed``); of the piece, for
+    one with an ``index``."""
     transposed: bool = False
+    index: tuple = ()
+    """Where in the source tensor it lies, ``source[index]`` (a piece of it: one expert of an MoE block's grouped
+    experts); () for the whole tensor."""
 
 
 Reader = Callable[[list[str]], dict[str, torch.Tensor]]
@@ -445,9 +449,9 @@ def _write_file(path: Path, tensors: list[ExportTensor], read: Reader, dtype: to
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for group in _groups(tensors, buffer_bytes):
-            state = read([t.source for t in group])
+            state = read(list(dict.fromkeys(t.source for t in group)))  # a source read once for all its pieces
             for t in group:
-                tensor = state.pop(t.source)
+                tensor = state[t.source][t.index]
                 tensor = (tensor.t() if t.transposed else tensor).to(dtype).contiguous()
                 if tuple(tensor.shape[::-1] if t.transposed else tensor.shape) != t.shape:
                     raise CheckpointError(f"{t.source} read as {list(tensor.shape)}, expected {list(t.shape)}")
@@ -458,8 +462,24 @@ def _write_file(path: Path, tensors: list[ExportTensor], read: Reader, dtype: to
 
 
 def _groups(tensors: list[ExportTensor], budget: int) -> list[list[ExportTensor]]:
-    """Consecutive tensors in groups of at most ``budget`` bytes as stored in fp32 (one tensor when larger)."""
-    return shard_plan(tensors, torch.float32, budget)
+    """Consecutive tensors in groups of at most ``budget`` bytes as stored in fp32 (one tensor when larger); the
+    consecutive pieces of one source stay in one group, so the source is read once for them all."""
+    runs: list[list[ExportTensor]] = []
+    for tensor in tensors:
+        if runs and tensor.index and runs[-1][-1].source == tensor.source:
+            runs[-1].append(tensor)
+        else:
+            runs.append([tensor])
+    groups: list[list[ExportTensor]] = [[]]
+    size = 0
+    for run in runs:
+        nbytes = sum(math.prod(t.shape) for t in run) * torch.float32.itemsize
+        if groups[-1] and size + nbytes > budget:
+            groups.append([])
+            size = 0
+        groups[-1] += run
+        size += nbytes
+    return groups
 
 
 def read_tensors(file: Path, keys: list[str], folder: Path | None = None) -> dict[str, torch.Tensor]:

@@ -42,12 +42,14 @@ from shardlab.checkpoint.hf_folder import (
     write_shards,
 )
 from shardlab.errors import CheckpointError, ConfigError
-from tasks.lm.hf_models import read_config_json, weight_names
+from tasks.lm import moe_hub
+from tasks.lm.hf_models import expert_pieces, read_config_json, weight_names
 from tasks.lm.llama import ffn_width
 from tasks.lm.tokenizer import ByteTokenizer, Tokenizer, byte_tokenizer_json
 
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
-HF_ARCHITECTURES |= {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_ARCHITECTURES |= {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+HF_ARCHITECTURES |= {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 """config.json model_type -> the transformers class its export loads as."""
 
 EMBEDDINGS = ("transformer.wte.weight", "model.embed_tokens.weight")
@@ -76,11 +78,8 @@ def export_refusal(model_cfg: dict) -> str | None:
         return gpt2_refusal(model_cfg)
     if arch != "llama":
         return f"model.arch={arch!r} has no Hugging Face counterpart; exported are gpt (GPT-2) and llama"
-    if model_cfg.get("moe") is not None:  # issue 49: the next step of the MoE wiring
-        return (
-            "model.moe: writing the grouped experts back under the hub's per-expert names is not wired yet "
-            "(tasks/lm/moe_hub.py holds the mapping); dense models export"
-        )
+    if model_cfg.get("moe") is not None:
+        return moe_hub.export_refusal(model_cfg)
     return llama_refusal(model_cfg)
 
 
@@ -107,6 +106,8 @@ def family(model_cfg: dict, source: dict | None = None) -> str:
     the Llama's options need (Qwen3 for q/k norms, Qwen2 for q/k/v biases without an output bias, else Llama)."""
     if model_cfg.get("arch", "gpt") == "gpt":
         return "gpt2"
+    if model_cfg.get("moe") is not None:
+        return moe_hub.moe_family(model_cfg)
     if model_cfg.get("qk_norm"):
         return "qwen3"
     if model_cfg.get("qkv_bias") and not model_cfg.get("out_bias"):
@@ -120,7 +121,8 @@ def export_tensors(model_cfg: dict, shapes: dict[str, tuple]) -> list[ExportTens
     checkpoint (``shapes``: name -> shape as stored) and whether it is transposed; refused in one line when the
     checkpoint is not the model its config describes."""
     names = weight_names({**model_cfg, "arch": model_cfg.get("arch", "gpt")})
-    expected = set(names)
+    pieces = expert_pieces(model_cfg) if model_cfg.get("arch") == "llama" else {}
+    expected = set(names) | set(pieces)
     optional = {"head.out.weight"} if model_cfg.get("tie_embeddings") else set()  # a tied head: the embedding alone
     missing, extra = sorted(expected - set(shapes)), sorted(set(shapes) - expected - optional)
     if missing or extra:
@@ -128,7 +130,14 @@ def export_tensors(model_cfg: dict, shapes: dict[str, tuple]) -> list[ExportTens
             f"the checkpoint is not shardlab's {model_cfg.get('arch', 'gpt')} as its config describes it (missing: "
             f"{', '.join(missing[:3]) or '-'}; no Hugging Face place for: {', '.join(extra[:3]) or '-'}); not exported"
         )
-    return [ExportTensor(hf.key, ours, tuple(shapes[ours]), hf.transposed) for ours, hf in names.items()]
+    out = [ExportTensor(hf.key, ours, tuple(shapes[ours]), hf.transposed) for ours, hf in names.items()]
+    for ours, parts in pieces.items():  # an MoE block's grouped experts, written back one hub tensor per expert
+        out += [ExportTensor(key, ours, _piece_shape(shapes[ours], index), index=index) for key, index in parts]
+    return out
+
+
+def _piece_shape(shape: tuple, index: tuple) -> tuple[int, ...]:
+    return tuple(torch.empty(shape, device="meta")[index].shape)
 
 
 def llama_config(model_cfg: dict, vocab_size: int, model_type: str) -> dict:
@@ -159,9 +168,11 @@ def llama_config(model_cfg: dict, vocab_size: int, model_type: str) -> dict:
         "initializer_range": model_cfg["init_std"],
         "use_cache": True,
     }
-    if model_type != "qwen2":  # Qwen2's biases are fixed (q/k/v on, output off); the others' one switch sets all four
+    if model_type not in ("qwen2", "qwen2_moe", "mixtral"):  # Qwen2's biases: q/k/v on, output off; Mixtral's none
         config["attention_bias"] = bool(model_cfg.get("qkv_bias"))
-    if model_type in ("llama", "mistral"):
+    if model_cfg.get("moe") is not None:
+        config |= moe_hub.hf_moe_fields(model_cfg)
+    if model_type in ("llama", "mistral", "mixtral"):
         config |= {"mlp_bias": False, "pretraining_tp": 1} if model_type == "llama" else {"sliding_window": None}
     else:
         config |= {"use_sliding_window": False, "sliding_window": None}

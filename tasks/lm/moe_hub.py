@@ -165,3 +165,55 @@ def layer_placements(model_type: str, layer: int, moe: dict[str, Any]) -> list[P
     if moe.get("score_bias"):
         out.append(Placement(f"{base}.gate.e_score_correction_bias", "router.score_bias", (), None))
     return out
+
+
+# ---- the export: which family writes an MoE model section, and its config.json fields --------------------------------
+def export_refusal(model_cfg: Any) -> str | None:
+    """Why no MoE family shardlab exports (Mixtral, Qwen2-MoE, Qwen3-MoE) computes what this model section does, or
+    None when ``moe_family``'s does."""
+    moe = model_cfg["moe"]
+    if moe.get("score_func") != "softmax" or moe.get("score_bias") or moe.get("num_groups", 1) > 1:
+        return (
+            "model.moe: sigmoid, group-limited or bias-corrected routing is DeepSeek-V3's; shardlab does not export it"
+        )
+    if moe.get("routed_scaling", 1.0) != 1.0:
+        return (
+            f"model.moe.routed_scaling={moe['routed_scaling']}: the exported families do not scale the routed experts"
+        )
+    family, qkv, out = moe_family(model_cfg), bool(model_cfg.get("qkv_bias")), bool(model_cfg.get("out_bias"))
+    if family == "mixtral" and (qkv or out or not moe.get("norm_topk_prob", True)):
+        return (
+            "model.moe without q/k norms or a shared expert is Mixtral's, which has no attention biases and always "
+            "renormalises the top-k weights (norm_topk_prob=true)"
+        )
+    if family == "qwen2_moe" and (out or not moe.get("shared_expert_gate")):
+        return "model.moe.shared_ffn_dim: Qwen2-MoE's shared expert is gated (shared_expert_gate), its o_proj unbiased"
+    if family == "qwen3_moe" and (moe.get("shared_ffn_dim") or qkv != out):
+        return "model.qk_norm with model.moe is Qwen3-MoE's: no shared expert, attention biases all four or none"
+    return None
+
+
+def hf_moe_fields(model_cfg: Any) -> dict[str, Any]:
+    """The config.json fields of ``moe_family``'s model that describe the MoE blocks of ``model_cfg``."""
+    moe, family = model_cfg["moe"], moe_family(model_cfg)
+    fields_ = {
+        "num_experts_per_tok": moe["top_k"],
+        "router_aux_loss_coef": moe["aux_loss_coef"],
+        "output_router_logits": False,
+    }
+    if family == "mixtral":
+        return fields_ | {
+            "num_local_experts": moe["num_experts"],
+            "intermediate_size": moe["ffn_dim"],
+            "router_jitter_noise": 0.0,
+        }
+    fields_ |= {
+        "num_experts": moe["num_experts"],
+        "moe_intermediate_size": moe["ffn_dim"],
+        "norm_topk_prob": bool(moe["norm_topk_prob"]),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    if family == "qwen2_moe":
+        fields_ |= {"shared_expert_intermediate_size": moe["shared_ffn_dim"], "qkv_bias": bool(model_cfg["qkv_bias"])}
+    return fields_

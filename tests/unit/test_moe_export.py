@@ -1,0 +1,93 @@
+"""tools/export_hf.py for mixtures of experts (issue 49): a Mixtral, Qwen2-MoE or Qwen3-MoE folder loaded by shardlab
+and saved without its weights changing exports the hub's per-expert tensors (written back out of the grouped
+experts) bit-equal to the source files; a few fine-tuning steps later, the export is a folder transformers loads as
+the same family, computing shardlab's logits. And the MoE options no exported family expresses are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardlab.checkpoint import hf_folder
+from shardlab.distributed import env as dist_env
+from shardlab.runner import run_rank
+from tasks.lm.export_hf import export_refusal
+from tests.hf_folders import MOE_FAMILIES, make_folder
+from tests.unit.test_export_hf_shards import UNCHANGED, source_tensors
+from tools import export_hf, generate
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus_cache) -> dict[str, tuple[Path, Path, Path]]:
+    """family -> (its transformers-made folder, the step folder of a run that loaded it and changed nothing, the
+    step folder of a run that fine-tuned it for 3 steps)."""
+    from shardlab.jobs.preflight import compose_config
+    from tests.conftest import TINY_LM
+
+    root = tmp_path_factory.mktemp("moe_export")
+    out = {}
+    for name in MOE_FAMILIES:
+        folder = make_folder(name, root / name, max_shard_size="20KB")
+        common = [*TINY_LM, f"data.cache_dir={corpus_cache}", f"model.pretrained={folder}", "data.seq_len=32"]
+        run_rank(compose_config([*common, *UNCHANGED]), root / f"same_{name}", dist_env.detect())
+        tuned = ["optimization.max_steps=3", "checkpoint.interval_steps=3", "optimizer.lr=1e-2"]
+        run_rank(compose_config([*common, *tuned]), root / f"tuned_{name}", dist_env.detect())
+        steps = (root / f"same_{name}" / "checkpoints" / "step_00000001", root / f"tuned_{name}" / "checkpoints")
+        out[name] = (folder, steps[0], steps[1] / "step_00000003")
+    return out
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_load_then_export_gives_the_hub_per_expert_tensors_bit_equal(runs, name, tmp_path):
+    folder, checkpoint, _ = runs[name]
+    out = export_hf.main([str(checkpoint), "--out", str(tmp_path / "hf"), "--dtype", "bf16", "--max-shard-mb", "0.02"])
+    index = json.loads((out / hf_folder.INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) >= 3
+    theirs, ours = source_tensors(folder), source_tensors(out)
+    assert sorted(ours) == sorted(theirs) and any(".experts.3." in key for key in ours)
+    for key, tensor in theirs.items():
+        assert ours[key].dtype == torch.bfloat16 and torch.equal(ours[key], tensor), key
+    source, written = (json.loads((f / "config.json").read_text()) for f in (folder, out))
+    assert written["model_type"] == source["model_type"] and written["architectures"] == source["architectures"]
+    hf, expected = (transformers.AutoConfig.from_pretrained(f) for f in (out, folder))
+    for key in ("num_experts_per_tok", "router_aux_loss_coef", "intermediate_size", "norm_topk_prob", "qkv_bias"):
+        assert getattr(hf, key, None) == getattr(expected, key, None), key
+    for key in ("num_local_experts", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        assert getattr(hf, key, None) == getattr(expected, key, None), key
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_a_fine_tuned_moe_exports_as_a_folder_transformers_computes_as_shardlab(runs, name, tmp_path):
+    folder, _, checkpoint = runs[name]
+    out = export_hf.main([str(checkpoint), "--out", str(tmp_path / "hf")])
+    ours, task, _ = generate.load_model(checkpoint)
+    task.prepare_data()
+    batch = torch.stack([task.valid_dataset[i] for i in range(2)])[:, :-1]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    source = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert type(hf) is type(source)
+    with torch.no_grad():
+        theirs, mine, before = hf(batch).logits, ours(batch), source(batch).logits
+    assert (mine - before).abs().max() > 1e-3  # the fine-tuning changed the model: the export is not the source
+    torch.testing.assert_close(theirs, mine, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"score_func": "sigmoid"}, "DeepSeek-V3's"),
+        ({"routed_scaling": 2.5}, "routed_scaling=2.5"),
+        ({"norm_topk_prob": False}, "Mixtral's"),
+        ({"shared_ffn_dim": 8}, "shared expert is gated"),
+    ],
+)
+def test_moe_options_no_exported_family_expresses_are_refused(change, reason):
+    moe = {"score_func": "softmax", "norm_topk_prob": True, "shared_ffn_dim": 0, "shared_expert_gate": False}
+    model = {"arch": "llama", "qkv_bias": False, "out_bias": False, "qk_norm": False, "moe": {**moe, **change}}
+    assert reason in export_refusal(model)
+    assert export_refusal({**model, "moe": moe}) is None
