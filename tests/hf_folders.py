@@ -115,14 +115,14 @@ def reference(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return logits, loss
 
 
-def moe_reference(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' fp32 logits on ``tokens[:, :-1]`` and the loss shardlab's first step computes on ``tokens``:
-    the next-token cross-entropy plus router_aux_loss_coef x the load-balancing loss (``output_router_logits``)
-    over the same input tokens."""
+def moe_reference(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' fp32 logits on ``tokens[:, :-1]``, and the two parts of the loss shardlab's first step computes
+    on ``tokens``: the next-token cross-entropy, and router_aux_loss_coef x the load-balancing loss
+    (``output_router_logits``) over the same input tokens."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model(input_ids=tokens[:, :-1], output_router_logits=True)
     loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    return out.logits, loss + model.config.router_aux_loss_coef * out.aux_loss
+    return out.logits, loss, model.config.router_aux_loss_coef * out.aux_loss
