@@ -297,27 +297,52 @@ def export_hf(
 # ---- a LoRA run's frozen base, read again for its merged export -----------------------------------------------------
 def hf_folder_reader(folder: Path, model_cfg: dict) -> tuple[dict[str, tuple], Reader]:
     """The tensors of the model ``model_cfg`` in the Hugging Face folder ``folder``, by shardlab name and in
-    shardlab's layout (GPT-2's Conv1D weights transposed back), as {name: shape}, and a Reader that reads each
-    tensor alone from its file (safetensors' safe_open: that tensor's bytes only)."""
+    shardlab's layout (GPT-2's Conv1D weights transposed back, an MoE block's experts stacked from the hub's
+    per-expert tensors), as {name: shape}, and a Reader that reads each tensor alone from its file (safetensors'
+    safe_open: that tensor's bytes only; a grouped expert tensor, its pieces)."""
     names = weight_names({**model_cfg, "arch": model_cfg.get("arch", "gpt")})
+    pieces = expert_pieces(model_cfg) if model_cfg.get("arch") == "llama" else {}
     stored = tensor_files(weight_files(folder))  # exactly the files the index names, each checked a file
-    if missing := [hf.key for hf in names.values() if hf.key not in stored]:
+    wanted = [hf.key for hf in names.values()] + [key for parts in pieces.values() for key, _ in parts]
+    if missing := [key for key in wanted if key not in stored]:
         raise CheckpointError(f"{folder} lacks tensor {missing[0]} ({len(missing)} such); is it the run's base?")
     shapes = {ours: tuple(stored[hf.key][1][:: -1 if hf.transposed else 1]) for ours, hf in names.items()}
+    shapes |= {
+        ours: _stacked_shape([(index, stored[key][1]) for key, index in parts]) for ours, parts in pieces.items()
+    }
+
+    def read_keys(keys: list[str]) -> dict[str, torch.Tensor]:
+        by_file: dict[Path, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(stored[key][0], []).append(key)
+        return {k: t for file, group in by_file.items() for k, t in read_tensors(file, group, folder).items()}
 
     def read(wanted: list[str]) -> dict[str, torch.Tensor]:
-        by_file: dict[Path, list[str]] = {}
-        for name in wanted:
-            by_file.setdefault(stored[names[name].key][0], []).append(name)
         out = {}
-        for file, group in by_file.items():
-            tensors = read_tensors(file, [names[name].key for name in group], folder)
-            for name in group:
-                tensor = tensors.pop(names[name].key)
-                out[name] = tensor.t() if names[name].transposed else tensor
+        for name in wanted:
+            if name in pieces:  # one grouped tensor: its experts read and stacked, the only one held
+                parts = read_keys([key for key, _ in pieces[name]])
+                out[name] = torch.empty(shapes[name], dtype=next(iter(parts.values())).dtype)
+                for key, index in pieces[name]:
+                    out[name][index] = parts.pop(key)
+        single = read_keys([names[name].key for name in wanted if name not in pieces])
+        for name in (n for n in wanted if n not in pieces):
+            tensor = single.pop(names[name].key)
+            out[name] = tensor.t() if names[name].transposed else tensor
         return out
 
     return shapes, read
+
+
+def _stacked_shape(parts: list[tuple[tuple, tuple]]) -> tuple[int, ...]:
+    """The shape of the tensor made of pieces (index, shape): each indexed dim as far as the pieces reach, the
+    rest the pieces' own."""
+    dims = len(parts[0][0])
+    reach = [
+        max(i + 1 if isinstance(i, int) else i.stop for i in (index[d] for index, _ in parts)) for d in range(dims)
+    ]
+    sliced = sum(not isinstance(i, int) for i in parts[0][0])  # the piece keeps a dim for each slice
+    return (*reach, *parts[0][1][sliced:])
 
 
 def lora_base(config: dict, base: Path | None) -> tuple[tuple[dict[str, tuple], Reader], Path]:

@@ -91,3 +91,36 @@ def test_moe_options_no_exported_family_expresses_are_refused(change, reason):
     model = {"arch": "llama", "qkv_bias": False, "out_bias": False, "qk_norm": False, "moe": {**moe, **change}}
     assert reason in export_refusal(model)
     assert export_refusal({**model, "moe": moe}) is None
+
+
+def test_lora_on_an_moe_trains_its_adapters_and_both_exports_load_with_the_trained_models_logits(
+    runs, tiny_lm, tmp_path
+):
+    """LoRA on attention and on Qwen2-MoE's shared expert of a loaded MoE: the merged export (the base's experts
+    read back from the hub folder and written out again) and the peft adapter on transformers' model of the source
+    folder compute what the trained shardlab model computes."""
+    import peft
+
+    from tests.unit.test_lora import LORA, trained
+
+    folder = runs["qwen2_moe"][0]
+    cfg = tiny_lm(f"model.pretrained={folder}", *LORA, "model.lora.target_modules=[attn.*,mlp.shared.*]",
+                  "optimization.max_steps=2", "checkpoint.interval_steps=2", "optimizer.lr=1e-2", "data.seq_len=32",
+                  "validation.interval_steps=0")  # fmt: skip
+    run_rank(cfg, tmp_path / "lora", dist_env.detect())
+    step = tmp_path / "lora" / "checkpoints" / "step_00000002"
+    merged = export_hf.main([str(step), "--out", str(tmp_path / "merged"), "--max-shard-mb", "0.02"])
+    adapter = export_hf.main([str(step), "--adapter-only", "--out", str(tmp_path / "adapter")])
+    targets = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+    assert "model.layers.1.mlp.shared_expert.up_proj" in targets and "model.layers.0.self_attn.q_proj" in targets
+    _, model = trained(step)
+    x = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(1))
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        before = base(input_ids=x).logits
+        ours = model(x)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(x).logits
+        with_peft = peft.PeftModel.from_pretrained(base, adapter).eval()(input_ids=x).logits
+    assert (ours - before).abs().max() > 1e-3  # the adapters trained
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(with_peft, ours, rtol=1e-4, atol=1e-5)
