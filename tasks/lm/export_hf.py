@@ -1,6 +1,7 @@
 """shardlab's LMs as Hugging Face models: config.json, safetensors shards with their index, tokenizer files. arch=gpt
 becomes a GPT-2 (``GPT2LMHeadModel``); arch=llama a ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``
-or ``MistralForCausalLM``: the family the run was loaded from (model.pretrained), else the one its options need.
+or ``MistralForCausalLM``, with model.moe a ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or
+``Qwen3MoeForCausalLM``: the family the run was loaded from (model.pretrained), else the one its options need.
 
 GPT-2 and shardlab's GPT agree point by point, checked against tasks/lm/model.py:
   learned token + position embeddings (wte, wpe), pre-LayerNorm blocks, eps 1e-5 (nn.LayerNorm's default = GPT-2's);
@@ -13,6 +14,9 @@ shardlab's Llama (tasks/lm/llama.py) follows LlamaForCausalLM's conventions, so 
 (the names: tasks/lm/hf_models.py, the mapping loading reads too). Its options choose the family: q/k RMSNorm is
 Qwen3's, q/k/v biases without an output bias Qwen2's, the four biases together any family's ``attention_bias``; an
 output bias alone, or q/k norms with q/k/v biases but none on the output, no family expresses, and is refused.
+With ``model.moe`` the family is Qwen3-MoE (q/k norms), Qwen2-MoE (a gated shared expert) or Mixtral
+(tasks/lm/moe_hub.py: ``moe_family``, ``export_refusal``, ``hf_moe_fields``), and the grouped experts are written
+back one hub tensor per expert, each a view of its grouped tensor (``ExportTensor.index``), bit-exact.
 
 The weights are streamed (shardlab/checkpoint/hf_folder.py): a group of tensors at a time is read from the
 checkpoint, converted to the export's dtype and appended to its shard, so no process holds the model. A LoRA run's
