@@ -124,3 +124,24 @@ def test_lora_on_an_moe_trains_its_adapters_and_both_exports_load_with_the_train
     assert (ours - before).abs().max() > 1e-3  # the adapters trained
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(with_peft, ours, rtol=1e-4, atol=1e-5)
+
+
+def test_an_moe_trained_from_scratch_exports_as_mixtral_computing_its_logits(tiny_lm, tmp_path):
+    """model=moe_tiny (no folder: no q/k norms, no shared expert) exports as a Mixtral, the expert width and count,
+    top-k and aux coefficient in its config.json, the logits shardlab's."""
+    cfg = tiny_lm("model=moe_tiny", "model.num_layers=2", "model.dim=48", "model.num_heads=4", "model.num_kv_heads=2",
+                  "model.moe.num_experts=4", "model.moe.ffn_dim=24", "optimization.max_steps=2",
+                  "checkpoint.interval_steps=2", "optimizer.lr=1e-2", "validation.interval_steps=0")  # fmt: skip
+    run_rank(cfg, tmp_path / "run", dist_env.detect())
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    out = export_hf.main([str(step), "--out", str(tmp_path / "hf")])
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["intermediate_size"], config["num_experts_per_tok"]) == (4, 24, 2)
+    assert config["router_aux_loss_coef"] == 0.02
+    ours, task, _ = generate.load_model(step)
+    task.prepare_data()
+    batch = torch.stack([task.valid_dataset[i] for i in range(2)])[:, :-1]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(batch).logits, ours(batch), rtol=1e-4, atol=1e-5)
