@@ -261,10 +261,8 @@ def _local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The rank's local tensor of ``param`` and where it starts in the whole one (0s for a plain tensor)."""
     if not isinstance(param, DTensor):
         return param.detach(), (0,) * param.ndim
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # as DCP's planner does
-
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return param.to_local().detach(), tuple(offset)
+    (chunk,) = param.__create_chunk_list__()  # DTensor's own account of its local shard, the one DCP plans reads by
+    return param.to_local().detach(), tuple(chunk.offsets)
 
 
 def piece_targets(name: str, param: torch.Tensor, pieces: Sequence[tuple[str, tuple]]) -> dict[str, torch.Tensor]:
