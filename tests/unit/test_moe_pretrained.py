@@ -125,3 +125,20 @@ def test_expert_weights_that_do_not_fit_are_refused_before_any_tensor_is_read(fo
     with pytest.raises(CheckpointError, match=r"experts.0.gate_proj.weight is \[16, 32\], the model's is \[8, 32\]"):
         task.load_pretrained(model, torch.device("cpu"))
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+QWEN3_30B_A3B = Path(__file__).parents[1] / "data" / "qwen3_30b_a3b"
+"""Qwen3-30B-A3B's published config.json (Qwen/Qwen3-30B-A3B on the Hub), without its weights."""
+
+
+def test_qwen3_30b_a3b_config_json_alone_reads_as_its_published_moe_and_plans(capsys):
+    from shardlab.runner import print_plan
+
+    task = task_of(QWEN3_30B_A3B, "distributed=fully_sharded", "distributed.world_size=8",
+                   "distributed.plan_device=h100_80gb", "distributed.precision=bf16", "dry_run=true")  # fmt: skip
+    m = task.cfg.model
+    assert (m.num_layers, m.dim, m.num_heads, m.num_kv_heads, m.head_dim, m.qk_norm) == (48, 2048, 32, 4, 128, True)
+    moe = (m.moe.num_experts, m.moe.top_k, m.moe.ffn_dim, m.moe.norm_topk_prob, m.moe.aux_loss_coef)
+    assert moe == (128, 8, 768, True, 0.001)
+    print_plan(task.cfg, task)
+    assert "30,532,122,624 parameters" in capsys.readouterr().out  # the published 30.5B total
