@@ -20,7 +20,7 @@ from tasks.lm import mixture
 from tasks.lm.architecture import LMArchitecture
 from tasks.lm.cache import corpus_sources, read_corpus_meta
 from tasks.lm.data import open_splits, prepare_corpus
-from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
+from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, expert_pieces, weight_names
 from tasks.lm.moe_metrics import add_routing_loss, routing_metrics
 from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
 from tasks.lm.sft_packing import IGNORE, real_positions
@@ -234,6 +234,7 @@ class LanguageModelingTask(Task):
         if self.pretrained is None or self.cfg.get("dry_run"):
             return None
         names = weight_names(self.cfg.model)  # the base's parameters: a LoRA adapter has no name here
+        names |= expert_pieces(self.cfg.model)
         return lambda name: name in names
 
     def load_pretrained(self, model: nn.Module, device: torch.device) -> Path | None:
@@ -245,8 +246,9 @@ class LanguageModelingTask(Task):
 
         names = weight_names(self.cfg.model)
         # A LoRA model's adapters are not in the folder: they keep their init (B = 0, so the model starts as the base).
-        ignored = IGNORED_CHECKPOINT_KEYS
-        load_hf_folder(model, self.pretrained, names, device, ignored, keys=lambda name: not is_adapter(name))
+        # An MoE model's grouped experts are read expert by expert, each rank only the experts it holds.
+        ignored, pieces = IGNORED_CHECKPOINT_KEYS, expert_pieces(self.cfg.model)
+        load_hf_folder(model, self.pretrained, names, device, ignored, lambda name: not is_adapter(name), pieces)
         return self.pretrained
 
     def prepare_data(self) -> None:
