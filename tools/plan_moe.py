@@ -49,7 +49,7 @@ def moe_overrides(folder: Path) -> list[str]:
     moe = {k: v for k, v in moe_section(hf, str(path)).items() if k != "family"}
     out = ["model=moe_tiny", "model.moe.z_loss_coef=0.0"]
     for key, value in dense.items():
-        if key not in ("arch", "ffn_dim", "rope_scaling"):
+        if key not in ("arch", "ffn_dim", "rope_scaling", "moe"):  # moe: the dense twin says none
             out.append(f"model.{key}={'null' if value is None else value}")
     out += [f"model.moe.{key}={value}" for key, value in moe.items()]
     return out
