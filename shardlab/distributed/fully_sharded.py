@@ -39,8 +39,15 @@ class FullyShardedBackend(Backend):
 
     def fsdp_mesh(self) -> DeviceMesh:
         """The data axes of the mesh, which FSDP2 shards over ('dp_shard') and replicates across ('dp_replicate',
-        HSDP). A mesh made elsewhere without 'dp_shard' (memory.verify's) is all data axes."""
+        HSDP), or, with context parallelism, over 'dp_shard' x 'cp' flattened (shardlab.distributed.context_parallel).
+        A mesh made elsewhere without 'dp_shard' (memory.verify's) is all data axes."""
         names = self.mesh.mesh_dim_names or ()
+        if "cp" in names:
+            if getattr(self, "_context_data_mesh", None) is None:  # flattened once: torch keeps the name it gets
+                from shardlab.distributed.context_parallel import data_mesh_with_context
+
+                self._context_data_mesh = data_mesh_with_context(self.mesh, self.device.type)
+            return self._context_data_mesh
         if "dp_shard" not in names:
             return self.mesh
         data = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
