@@ -50,12 +50,16 @@ def tensor_parallel_errors(cfg: Any, task, degree: int) -> list[str]:
 
 def context_parallel_errors(cfg: Any, task, dims: ParallelDims, num_cuda_devices: int) -> list[str]:
     """Context parallelism runs torch's ring attention on CUDA (torch 2.14 has no sharding rule for a CPU attention
-    kernel), under fully_sharded, without pipeline stages; the task says what of its model and data cannot split."""
+    kernel; a dry run only plans, so it passes anywhere), under fully_sharded, without pipeline stages; the task says
+    what of its model and data cannot split."""
     from shardlab.distributed.context_parallel import ROTATE_METHODS
 
     d, key = cfg.distributed, f"distributed.context_parallel_degree ({dims.cp})"
-    if not num_cuda_devices:
-        return [f"{key} needs CUDA: torch's context_parallel has no sharding rule for CPU attention; set it to 1 here"]
+    if not num_cuda_devices and not cfg.get("dry_run"):  # a dry run only plans: on any machine
+        return [
+            f"{key} needs CUDA: torch's context_parallel has no sharding rule for CPU attention; set it to 1 here "
+            "(dry_run=true plans it on any machine)"
+        ]
     refusals = (
         (d.backend != "fully_sharded", f"{key} needs distributed.backend=fully_sharded (FSDP2 shards over the "
          f"data-shard x context ranks; backend is {d.backend})"),
