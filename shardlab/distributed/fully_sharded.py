@@ -200,6 +200,10 @@ class FullyShardedBackend(Backend):
             per_rank = self.cfg.pipeline_stages_per_rank
             yield (f"pipeline: {self.dims.describe()}; {self.cfg.pipeline_schedule} over {self.dims.pp * per_rank} "
                    f"stages ({per_rank} per rank), each sharded over its data-parallel ranks")  # fmt: skip
+        if self.dims.cp > 1:
+            ring, shard = self.cfg.context_parallel_rotate_method, self.fsdp_mesh().mesh_dim_names
+            yield (f"context parallel: {self.dims.describe()}; each sequence split over {self.dims.cp} ranks (torch's "
+                   f"ring, {ring}), FSDP2 over {shard}")  # fmt: skip
         if self.dims.tp > 1:
             overlapped = getattr(self, "async_tensor_parallel", False)
             overlap = "async (overlapped in compiled graphs)" if overlapped else "sync"
