@@ -65,6 +65,9 @@ def context_parallel_errors(cfg: Any, task, dims: ParallelDims, num_cuda_devices
          f"data-shard x context ranks; backend is {d.backend})"),
         (dims.pp > 1, f"{key} with distributed.pipeline_parallel_degree ({dims.pp}): context parallelism is not "
          "composed with pipeline stages yet; set one of them to 1"),
+        (d.compile, f"{key} with distributed.compile=true: torch's context_parallel swaps scaled_dot_product_attention "
+         "per micro-batch, which graphs compiled from the units do not follow (not checked together); set "
+         "distributed.compile=false"),
         (d.context_parallel_rotate_method not in ROTATE_METHODS, "distributed.context_parallel_rotate_method="
          f"{d.context_parallel_rotate_method!r} is not one of {', '.join(ROTATE_METHODS)}"),
     )  # fmt: skip

@@ -4,7 +4,8 @@ one GPU running the same config: losses, training and validation, within the fp3
 and the bf16 one. GPT and Llama (GQA, RoPE at the load-balanced positions).
 
 What CPU CI checks instead (torch 2.14 has no CPU rule for ring attention): tests/distributed/test_context_parallel.py
-(the sharding, the sums over cp, FSDP over dp_shard x cp) and tests/unit/test_context_parallel.py (the models at the
+(the sharding, the sums over cp, FSDP over dp_shard x cp), tests/distributed/test_context_parallel_trainer.py (the
+whole training path with the attention kernel stood in for) and tests/unit/test_context_parallel.py (the models at the
 positions a context rank holds). Skipped without 2 GPUs; run with `pytest -m gpu tests/gpu` or tools/gpu_check.sh.
 """
 

@@ -93,6 +93,16 @@ def test_context_parallel_refusals_on_a_cuda_machine(case, tiny_lm):
     assert "\n" not in str(refused.value)
 
 
+def test_context_parallel_with_compile_is_refused_on_a_cuda_machine(tiny_lm):
+    """Asked of the axis checks alone: the whole pre-flight would probe this machine's (absent) driver for compile."""
+    from shardlab.jobs.axis_checks import axis_errors
+    from shardlab.runner import rank_task
+
+    cfg = tiny_lm(*LLAMA, *CP, "distributed.compile=true")
+    (line,) = axis_errors(cfg, rank_task(cfg), 2, num_cuda_devices=2)
+    assert line.startswith("distributed.context_parallel_degree (2) with distributed.compile=true"), line
+
+
 def test_context_parallel_passes_the_pre_flight_on_a_cuda_machine(tiny_lm):
     """Llama and GPT at data.seq_len 32 = 8 x 4 over 2 context ranks, and FSDP 2 x CP 2 on 4 ranks (the batch split
     over the 2 data ranks only): nothing refused."""
