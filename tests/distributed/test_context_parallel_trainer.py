@@ -7,7 +7,8 @@ trainer's micro-batch split (Trainer._sequence_split, Task.sequence_shards), the
 over dp_shard x cp flattened, the gradient average, the clipping norm, validation, and the loss and token sums.
 
 10 steps of GPT and of Llama (GQA, RoPE): training and validation losses, gradient norms and tokens per step equal one
-process's. What this does not check is torch's ring kernels themselves (tests/gpu/test_context_parallel_cuda.py).
+process's; a step folder written by either resumes on the other on the same curve. What this does not check is
+torch's ring kernels themselves (tests/gpu/test_context_parallel_cuda.py).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import torch
 
 from shardlab.distributed.context_parallel import head_tail_positions
 from tests.distributed.harness import run_spawned
-from tests.distributed.test_tensor_parallel import train_records
+from tests.distributed.test_tensor_parallel import continued_losses, train_records
 
 LLAMA = ["model=llama_tiny", "model.num_kv_heads=2", "model.ffn_dim=null"]
 FS = ["distributed.backend=fully_sharded", "optimization.clip_norm=1.0"]
+CP2 = ["distributed.context_parallel_degree=2"]
+CKPT = ["checkpoint.interval_steps=5"]
 LOSS_RTOL = 1e-5
 """Each rank's mean over its half of the tokens, averaged, against one mean over all: rounding only."""
 
@@ -98,12 +101,23 @@ def where_it_ran(trainer) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_lm):
-    cfgs = {"gpt": tiny_lm(*FS), "llama": tiny_lm(*LLAMA, *FS)}
-    reference = dict(zip(cfgs, run_spawned(list(cfgs.values()), world_size=1), strict=True))
-    cp = [tiny_lm(*overrides, "distributed.context_parallel_degree=2") for overrides in (FS, [*LLAMA, *FS])]
-    split = run_spawned(cp, world_size=2, inspect=where_it_ran, prepare=install_emulated_ring)
-    return reference, dict(zip(cfgs, split, strict=True))
+def runs(tiny_lm, tmp_path_factory):
+    """One process (Llama saving at step 5); CP 2 for GPT and Llama (saving at step 5), and CP 2 resuming the one
+    process's step 5; then one process resuming CP 2's step 5."""
+    one_dirs = [tmp_path_factory.mktemp(name) for name in ("gpt_one", "llama_one")]
+    cfgs = {"gpt": tiny_lm(*FS), "llama": tiny_lm(*LLAMA, *FS, *CKPT)}
+    reference = dict(zip(cfgs, run_spawned(list(cfgs.values()), world_size=1, run_dirs=one_dirs), strict=True))
+    cp_dirs = [tmp_path_factory.mktemp(name) for name in ("gpt_cp", "llama_cp", "cp_from_one")]
+    cp = [
+        tiny_lm(*FS, *CP2),
+        tiny_lm(*LLAMA, *FS, *CKPT, *CP2),
+        tiny_lm(*LLAMA, *FS, *CP2, f"checkpoint.resume={one_dirs[1] / 'checkpoints' / 'step_00000005'}"),
+    ]
+    split = run_spawned(cp, world_size=2, run_dirs=cp_dirs, inspect=where_it_ran, prepare=install_emulated_ring)
+    results = dict(zip(("gpt", "llama", "cp_from_one"), split, strict=True))
+    from_cp = f"checkpoint.resume={cp_dirs[1] / 'checkpoints' / 'step_00000005'}"
+    (results["one_from_cp"],) = run_spawned([tiny_lm(*LLAMA, *FS, from_cp)], world_size=1)
+    return reference, results
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -118,3 +132,11 @@ def test_context_parallel_ranks_train_as_one_process(model, runs):
     torch.testing.assert_close(*tokens, rtol=1e-6, atol=0)  # each token counted once, not once per context rank
     valid = [torch.tensor([r["loss"] for r in res["history"] if r["split"] == "valid"]) for res in (two, one)]
     torch.testing.assert_close(*valid, rtol=LOSS_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("name", ["cp_from_one", "one_from_cp"])
+def test_checkpoints_move_between_one_process_and_context_parallel_ranks(name, runs):
+    """DCP reshards a step folder between FSDP over one rank and over dp_shard x cp: the resumed run continues the
+    uninterrupted one-process curve."""
+    reference, results = runs
+    torch.testing.assert_close(*continued_losses(results[name], reference["llama"]), rtol=LOSS_RTOL, atol=0)

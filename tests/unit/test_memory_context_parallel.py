@@ -69,6 +69,7 @@ CP = ["model=llama_tiny", "distributed=fully_sharded", "optimization.batch_size=
 @pytest.mark.parametrize(
     ("world", "extra", "mesh"),
     [
+        (2, [], "(cp 2)"),
         (4, [], "dp_shard 2 x cp 2"),
         (8, ["distributed.tensor_parallel_degree=2"], "dp_shard 2 x cp 2 x tp 2"),
         (8, ["distributed.sharding_degree=2"], "dp_replicate 2 x dp_shard 2 x cp 2"),
