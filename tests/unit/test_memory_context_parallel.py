@@ -51,7 +51,7 @@ def test_the_rings_traffic_is_torchs_loop_counted_by_hand(checkpointing):
     assert INPUT == 100_000 and est.axes.traffic["cp"] == LAYERS * per_layer
     assert estimate_axes(profile(), Layout("fully_sharded", 2, cp=2), context(4, update_freq=3)).axes.traffic[
         "cp"] == 3 * LAYERS * (2 * 50_000 + 2 * 50_000 + 2 * 2 * 100_000)  # fmt: skip
-    assert estimate_axes(profile(), Layout("fully_sharded", 2, tp=2), context(4)).axes.traffic["cp"] == 0
+    assert "cp" not in estimate_axes(profile(), Layout("fully_sharded", 2, tp=2), context(4)).axes.traffic
 
 
 def test_the_dry_run_line_names_the_ring_and_its_traffic():
