@@ -214,7 +214,7 @@ def verify_axes(cfg, task, world_size: int) -> list[str]:
     profile, ctx = profile_config(cfg_plan, task, world_size, model_on_meta(task))
     stages = stage_units(profile, dims.pp * layout.stages_per_rank, layout.stage_split)
     # FSDP over dp_shard x cp (torchtitan's dp_shard_cp): a context rank's shard index runs fastest within it
-    data_layout = dataclasses.replace(layout, sharding_degree=dims.dp_shard * dims.cp, tp=1, pp=1, cp=1)
+    data_layout = dataclasses.replace(layout, sharding_degree=layout.sharding_degree * dims.cp, tp=1, pp=1, cp=1)
     checked = []
     for rank in sorted({0, world_size - 1}):
         coords = dims.coordinates(rank)
