@@ -2,8 +2,8 @@
 torch's ``context_parallel`` as torchtitan's train step uses it (a GPU-path feature: torch 2.14 has no sharding rule
 for any CPU attention kernel, so the pre-flight refuses it on a machine without CUDA).
 
-Per micro-batch, inside one context that covers forward and backward (the ring's backward runs on leaving the
-forward, so the context must still be on): the task's sequence tensors (inputs, targets, positions:
+Per micro-batch, inside one context that covers forward and backward (backward reaches the ring through the same
+swapped attention, so it must run inside too): the task's sequence tensors (inputs, targets, positions:
 Task.sequence_shards) are rearranged by torch's head-tail load balancer and each rank keeps its slice, in place
 (not restored: nothing reads the whole batch after the step); ``scaled_dot_product_attention`` is dispatched to the
 ring (flash, memory-efficient or cuDNN with ``is_causal``, which the context pins on CUDA); the key/value chunks pass
