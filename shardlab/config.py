@@ -82,7 +82,10 @@ class DistributedConfig:
     pipeline_stages_per_rank: int = 1
     """pipeline_parallel_degree > 1: model stages each pipeline rank holds (2+ for the interleaved schedules)."""
     context_parallel_degree: int = 1
-    """Ranks one sequence is split over for attention (torch's context_parallel; CUDA only); 1 = off."""
+    """Ranks each sequence is split over, attention run as a ring over them (torch's context_parallel; CUDA only;
+    fully_sharded, which then shards over data-shard x context ranks); data.seq_len must divide by 2 x it; 1 = off."""
+    context_parallel_rotate_method: str = "allgather"
+    """context_parallel_degree > 1: how the ring passes key/value chunks: allgather (once per attention) or alltoall."""
     async_tensor_parallel: bool = False
     """tensor_parallel_degree > 1 on CUDA: overlap TP's collectives with the matmuls (torch's async TP)."""
     reshard_after_forward: bool = True

@@ -53,6 +53,18 @@ class ExpertLayers:
     expert parallelism splits by its first dimension."""
 
 
+@dataclass(frozen=True)
+class SequenceShards:
+    """A batch laid out for context parallelism (Task.sequence_shards): ``buffers`` are its tensors that have a
+    sequence dimension (``seq_dims``, one each: inputs, targets, positions), which torch's context_parallel shards in
+    place over the "cp" ranks (shardlab.distributed.context_parallel); ``batch`` is what Task.loss then takes, holding
+    those same tensors, so the loss sees each rank's slice. Every buffer has its own storage (not a view of another)."""
+
+    batch: Any
+    buffers: tuple[torch.Tensor, ...]
+    seq_dims: tuple[int, ...]
+
+
 class Task(ABC):
     unit = "samples"
     """What throughput counts (tokens for the LM, images for vision)."""
@@ -221,6 +233,19 @@ class Task(ABC):
         """Why the model cannot split over ``degree`` tensor-parallel ranks (a head count, a width or the vocabulary
         it does not divide), each line naming the key; asked by the pre-flight when the degree is above 1 and the
         task has a plan."""
+        return []
+
+    def sequence_shards(self, batch: Any, device: torch.device) -> SequenceShards:
+        """``batch`` on ``device`` as the tensors context parallelism splits along the sequence and the batch the loss
+        takes (SequenceShards); asked per micro-batch when distributed.context_parallel_degree > 1, of tasks with "cp"
+        in model_parallel_axes only. The model must take the positions it is given (each rank holds a load-balanced,
+        non-contiguous slice of each sequence) and attend causally through scaled_dot_product_attention's is_causal."""
+        raise NotImplementedError(f"task {self.cfg.task.name} cannot split its sequences (no 'cp' axis)")
+
+    def context_parallel_errors(self, degree: int) -> list[str]:
+        """Why this run's model or data cannot split each sequence over ``degree`` ranks (a length that the load
+        balancer cannot cut evenly, an attention mask the ring has no rule for), each line naming the key; asked by
+        the pre-flight when the degree is above 1 and "cp" is in model_parallel_axes."""
         return []
 
     def full_precision_modules(self, model: nn.Module) -> list[nn.Module]:

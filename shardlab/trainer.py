@@ -342,7 +342,7 @@ class Trainer:
         else:
             for micro in range(o.update_freq):
                 batch, weight = next(micro_batches)
-                with backend.grad_sync(self.model, micro == o.update_freq - 1):
+                with backend.grad_sync(self.model, micro == o.update_freq - 1), self._sequence_split(batch) as batch:
                     with backend.forward_context():
                         loss, stats = self.task.loss(self.model, batch, backend.device)
                     finite = torch.isfinite(loss.detach()).all()
@@ -373,6 +373,21 @@ class Trainer:
                 sums[k] = sums.get(k, 0) + v
             units = sum(self.task.num_units(batch) for batch in batches) if self.pipeline.is_last else 0
             sums["units"] = sums.get("units", 0) + units
+
+    @contextlib.contextmanager
+    def _sequence_split(self, batch):
+        """distributed.context_parallel_degree > 1: the micro-batch as the task lays it out for context parallelism,
+        its sequences sharded over the "cp" ranks and attention run as torch's ring while the block (forward and
+        backward) runs (shardlab.distributed.context_parallel); else ``batch`` itself."""
+        if self.backend.dims.cp == 1:
+            yield batch
+            return
+        from shardlab.distributed.context_parallel import sequence_sharded
+
+        shards = self.task.sequence_shards(batch, self.backend.device)
+        method = self.cfg.distributed.context_parallel_rotate_method
+        with sequence_sharded(self.backend.mesh["cp"], shards.buffers, shards.seq_dims, method):
+            yield shards.batch
 
     def train_loader(self):
         """This rank's training batches from the run's data position on (shardlab.data)."""
@@ -431,7 +446,8 @@ class Trainer:
                     if self.pipeline is not None:  # forward only, through the stages; the last stage's sums
                         stats = self.pipeline.evaluate(batch)
                     else:
-                        _, stats = self.task.loss(self.model, batch, backend.device)
+                        with self._sequence_split(batch) as batch:
+                            _, stats = self.task.loss(self.model, batch, backend.device)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0) + v.detach().float()
         metrics = self.task.summarize(self._sum_over_ranks(sums))

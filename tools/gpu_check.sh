@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a lent GPU machine; results as JSON in $OUT (or ./): gpu_check.json, plus each
 # step's log and the benchmarks' own JSON. Two parts, each sized to fit one device session (each step has a limit):
-#   bash tools/gpu_check.sh           (~12 minutes at most)
+#   bash tools/gpu_check.sh           (~13 minutes at most)
 #   1. tests/gpu (pytest -m gpu): NCCL fully_sharded, ddp, pinned cpu_offload + cpu_adam, activation checkpointing,
 #      bf16, fp16 with the scaler (also with offload: CPU found-inf on the device-mapped group), at world size 1, each
 #      held to a CPU fp32 reference run's per-step losses (fp32 rtol 1e-4, bf16/fp16 rtol 0.02); BN stays plain on
-#      one rank; on 2+ GPUs also 2 NCCL ranks (fully_sharded, offload, bf16) and torch's SyncBatchNorm on the vision
-#      task. The memory plan against the CUDA allocator's peak (ddp, fully_sharded, activation checkpointing,
+#      one rank; on 2+ GPUs also 2 NCCL ranks (fully_sharded, offload, bf16), torch's SyncBatchNorm on the vision
+#      task, and context parallelism 2 against one GPU (GPT fp32, Llama bf16: tests/gpu/test_context_parallel_cuda). The memory plan against the CUDA allocator's peak (ddp, fully_sharded, activation checkpointing,
 #      pinned offload, bf16; within 25%). Tests needing more GPUs than exist are skipped with that reason (listed in
 #      gpu_check.json).
 #   2. torchrun with 2 ranks of fully_sharded, and with 2 pipeline stages (distributed.pipeline_parallel_degree=2,
 #      1F1B over 2 micro-batches, NCCL send/recv between the stages) (2+ GPUs); torchrun with 4 ranks of FSDP 2 x
 #      tensor parallelism 2 on a Llama (2D: TP with sequence parallelism over NCCL inside each pair, FSDP2 across the
-#      pairs; 4+ GPUs). Each recorded as skipped, with the reason, where the GPUs are fewer.
+#      pairs; 4+ GPUs); torchrun with 2 ranks of context parallelism on a Llama (distributed.context_parallel_degree=2:
+#      torch's ring attention over NCCL, FSDP2 over dp_shard x cp; 2+ GPUs; its parity with one GPU is
+#      tests/gpu/test_context_parallel_cuda.py, in step 1). Each recorded as skipped, with the reason, where the GPUs
+#      are fewer.
 #   3. tools/bench.py: tokens/s and MFU of gpt_125m and gpt_350m, fully_sharded, bf16, 1 GPU.
 #   bash tools/gpu_check.sh compile   (~10.5 minutes at most)
 #   4. distributed.compile on CUDA: tests/gpu -k compiled (fully_sharded fp32, ddp, bf16 + activation checkpointing,
@@ -61,7 +64,7 @@ if [ "${1:-}" = compile ]; then
         bench "bench_${model}_bf16_compiled" 150 "$model" distributed.compile=true "distributed.compile_cache_dir=$cache"
     done
 else
-    step gpu_tests 270 "$py" -m pytest -m gpu tests/gpu -k "not compiled" -q -rs -p no:cacheprovider \
+    step gpu_tests 300 "$py" -m pytest -m gpu tests/gpu -k "not compiled" -q -rs -p no:cacheprovider \
         --junitxml="$out/gpu_tests.xml"
     if [ "$ngpu" -ge 2 ]; then
         step torchrun_2_ranks 90 "$py" -m torch.distributed.run --standalone --nproc_per_node=2 -m shardlab.train \
@@ -69,8 +72,11 @@ else
         step torchrun_pipeline_2_ranks 60 "$py" -m torch.distributed.run --standalone --nproc_per_node=2 \
             -m shardlab.train distributed.backend=fully_sharded distributed.pipeline_parallel_degree=2 \
             model.tie_embeddings=false optimization.update_freq=2 "${TINY_LM[@]}" "hydra.run.dir=$out/torchrun_pp_run"
+        step torchrun_context_parallel_2_ranks 60 "$py" -m torch.distributed.run --standalone --nproc_per_node=2 \
+            -m shardlab.train distributed.backend=fully_sharded distributed.context_parallel_degree=2 \
+            model=llama_tiny model.num_kv_heads=2 model.ffn_dim=null "${TINY_LM[@]}" "hydra.run.dir=$out/torchrun_cp_run"
     else
-        for name in torchrun_2_ranks torchrun_pipeline_2_ranks; do
+        for name in torchrun_2_ranks torchrun_pipeline_2_ranks torchrun_context_parallel_2_ranks; do
             printf '%s\tskipped\t0\tneeds 2 GPUs, this machine has %s\n' "$name" "$ngpu" >> "$out/steps.tsv"
         done
     fi

@@ -39,8 +39,15 @@ class FullyShardedBackend(Backend):
 
     def fsdp_mesh(self) -> DeviceMesh:
         """The data axes of the mesh, which FSDP2 shards over ('dp_shard') and replicates across ('dp_replicate',
-        HSDP). A mesh made elsewhere without 'dp_shard' (memory.verify's) is all data axes."""
+        HSDP), or, with context parallelism, over 'dp_shard' x 'cp' flattened (shardlab.distributed.context_parallel).
+        A mesh made elsewhere without 'dp_shard' (memory.verify's) is all data axes."""
         names = self.mesh.mesh_dim_names or ()
+        if "cp" in names:
+            if getattr(self, "_context_data_mesh", None) is None:  # flattened once: torch keeps the name it gets
+                from shardlab.distributed.context_parallel import data_mesh_with_context
+
+                self._context_data_mesh = data_mesh_with_context(self.mesh, self.device.type)
+            return self._context_data_mesh
         if "dp_shard" not in names:
             return self.mesh
         data = tuple(name for name in ("dp_replicate", "dp_shard") if name in names)
@@ -193,6 +200,10 @@ class FullyShardedBackend(Backend):
             per_rank = self.cfg.pipeline_stages_per_rank
             yield (f"pipeline: {self.dims.describe()}; {self.cfg.pipeline_schedule} over {self.dims.pp * per_rank} "
                    f"stages ({per_rank} per rank), each sharded over its data-parallel ranks")  # fmt: skip
+        if self.dims.cp > 1:
+            ring, shard = self.cfg.context_parallel_rotate_method, self.fsdp_mesh().mesh_dim_names
+            yield (f"context parallel: {self.dims.describe()}; each sequence split over {self.dims.cp} ranks (torch's "
+                   f"ring, {ring}), FSDP2 over {shard}")  # fmt: skip
         if self.dims.tp > 1:
             overlapped = getattr(self, "async_tensor_parallel", False)
             overlap = "async (overlapped in compiled graphs)" if overlapped else "sync"

@@ -114,3 +114,27 @@ def micro_pipeline_tp_switches():
     if not hasattr(inductor_config, "_micro_pipeline_tp"):
         return None
     return inductor_config, enable_symm_mem_for_group
+
+
+def flatten_mesh(mesh, name: str):
+    """``mesh`` (a slice of the world's mesh) flattened into one dimension called ``name``, sliceable from the root
+    by that name as torchtitan's dp_shard_cp is (DeviceMesh's private ``_flatten``), or None where it moved: the caller
+    then builds a mesh of its own over the same ranks (public, but not sharing the root mesh)."""
+    flatten = getattr(mesh, "_flatten", None)
+    if not tested() or flatten is None:
+        return None
+    return flatten(name)
+
+
+def set_context_parallel_rotate_method(method: str) -> bool:
+    """How torch's ring attention passes key/value chunks between context-parallel ranks ("allgather" or
+    "alltoall"; ``set_rotate_method``, exported only from the private ``torch.distributed.tensor.experimental.
+    _attention``, as torchtitan imports it); whether it was set: where it moved, torch's default (allgather) runs."""
+    if not tested():
+        return False
+    try:
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+    except ImportError:
+        return False
+    set_rotate_method(method)
+    return True

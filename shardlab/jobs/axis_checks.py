@@ -1,6 +1,6 @@
 """The pre-flight's checks of the mesh's axes beyond data parallelism (distributed.tensor_parallel_degree,
-pipeline_parallel_degree, context_parallel_degree, async_tensor_parallel): each refusal one line naming the key,
-before any process starts (asked by shardlab.jobs.checks.check)."""
+pipeline_parallel_degree, context_parallel_degree and context_parallel_rotate_method, async_tensor_parallel): each
+refusal one line naming the key, before any process starts (asked by shardlab.jobs.checks.check)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def axis_errors(cfg: Any, task, world: int, num_cuda_devices: int) -> list[str]:
     if dims.tp > 1:
         errors += tensor_parallel_errors(cfg, task, dims.tp)
     if dims.cp > 1:
-        errors.append(context_parallel_refusal(dims.cp, num_cuda_devices))
+        errors += context_parallel_errors(cfg, task, dims, num_cuda_devices)
     if d.async_tensor_parallel:
         errors += async_tensor_parallel_errors(cfg, dims.tp, num_cuda_devices)
     return errors
@@ -48,13 +48,30 @@ def tensor_parallel_errors(cfg: Any, task, degree: int) -> list[str]:
     return task.tensor_parallel_errors(degree)
 
 
-def context_parallel_refusal(degree: int, num_cuda_devices: int) -> str:
-    if not num_cuda_devices:
-        return (
-            f"distributed.context_parallel_degree ({degree}) needs CUDA: torch's context_parallel has no sharding "
-            "rule for CPU attention; set it to 1 here"
-        )
-    return f"distributed.context_parallel_degree ({degree}): context parallelism is not built yet; set it to 1"
+def context_parallel_errors(cfg: Any, task, dims: ParallelDims, num_cuda_devices: int) -> list[str]:
+    """Context parallelism runs torch's ring attention on CUDA (torch 2.14 has no sharding rule for a CPU attention
+    kernel; a dry run only plans, so it passes anywhere), under fully_sharded, without pipeline stages; the task says
+    what of its model and data cannot split."""
+    from shardlab.distributed.context_parallel import ROTATE_METHODS
+
+    d, key = cfg.distributed, f"distributed.context_parallel_degree ({dims.cp})"
+    if not num_cuda_devices and not cfg.get("dry_run"):  # a dry run only plans: on any machine
+        return [
+            f"{key} needs CUDA: torch's context_parallel has no sharding rule for CPU attention; set it to 1 here "
+            "(dry_run=true plans it on any machine)"
+        ]
+    refusals = (
+        (d.backend != "fully_sharded", f"{key} needs distributed.backend=fully_sharded (FSDP2 shards over the "
+         f"data-shard x context ranks; backend is {d.backend})"),
+        (dims.pp > 1, f"{key} with distributed.pipeline_parallel_degree ({dims.pp}): context parallelism is not "
+         "composed with pipeline stages yet; set one of them to 1"),
+        (d.compile, f"{key} with distributed.compile=true: torch's context_parallel swaps scaled_dot_product_attention "
+         "per micro-batch, which graphs compiled from the units do not follow (not checked together); set "
+         "distributed.compile=false"),
+        (d.context_parallel_rotate_method not in ROTATE_METHODS, "distributed.context_parallel_rotate_method="
+         f"{d.context_parallel_rotate_method!r} is not one of {', '.join(ROTATE_METHODS)}"),
+    )  # fmt: skip
+    return [message for refused, message in refusals if refused] + task.context_parallel_errors(dims.cp)
 
 
 def async_tensor_parallel_errors(cfg: Any, tp: int, num_cuda_devices: int) -> list[str]:

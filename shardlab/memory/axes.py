@@ -12,7 +12,8 @@ The model as one rank sees it:
   Models", eq. 4: ``sbh (34 / t + 5 a s / (h t))`` per layer; the ``5as/h`` scores term is absent here, the fused
   attention the profile counts keeping no length x length matrix). Loss parallelism keeps the logits vocabulary-
   sharded, so they divide by ``tp`` too. **Context parallelism** divides the sequence, and with it every saved
-  activation, by ``cp`` (the ring's transient key/value chunks are not counted).
+  activation, by ``cp`` (the ring's transient key/value chunks are not counted); its traffic is the ring's key/value
+  chunks and their gradients (_cp_sent).
 - **Pipeline stages** hold consecutive layers (shardlab.memory.pipeline: shardlab's cut, the first stages taking
   the remainder; the embedding with the first stage, the head, final norm and loss with the last). Each stage keeps
   its units gathered from its first forward to its last backward (with reshard_after_forward they are gathered
@@ -62,7 +63,7 @@ class AxesDetail:
     """The most micro-batches' activations the fullest rank holds at once (summed over its stages)."""
     bubble: float
     traffic: dict[str, int]
-    """Bytes one rank sends per optimizer step on each axis: fsdp (data), tp, pp."""
+    """Bytes one rank sends per optimizer step on each axis: fsdp (data), tp, pp, and cp where the layout has it."""
 
 
 def tp_shapes(shapes: list[tuple[int, int]], tp: int) -> list[tuple[int, int]]:
@@ -188,6 +189,7 @@ def estimate_axes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> Me
         est = estimate_data_parallel(rank_profile, data_layout, data_ctx)
         layers = tuple(range(len(profile.unit_params)))
         traffic = {"fsdp": est.comm_bytes, "tp": _tp_sent(rank_profile, layout, ctx, layers), "pp": 0}
+        traffic.update(_cp_sent(rank_profile, layout, ctx, layers))
         est.axes = AxesDetail(0, ((layers,),), 1, 0.0, traffic)
     else:
         est = _pipelined(rank_profile, layout, data_layout, data_ctx)
@@ -218,6 +220,7 @@ def _pipelined(profile: ModelProfile, layout: Layout, data_layout: Layout, ctx: 
         "fsdp": _fsdp_sent(profile, stages, mine, data_layout, ctx),
         "tp": _tp_sent(profile, layout, ctx, tuple(u for s in mine for u in stages[s])),
         "pp": _pp_sent(profile, stages, mine, m, pp * v),
+        **_cp_sent(profile, layout, ctx, tuple(u for s in mine for u in stages[s])),
     }
     detail = AxesDetail(
         rank, tuple(tuple(tuple(stages[s]) for s in rank_stages(r, pp, v, layout.schedule)) for r in range(pp)),
@@ -303,6 +306,24 @@ def _tp_sent(profile: ModelProfile, layout: Layout, ctx: PlanContext, units: tup
     picked = set(_picked(profile, layout))
     calls = sum(profile.unit_inputs[u] * (12 if u in picked else 8) for u in layers)
     return Collective("all_gather", layout.tp, calls, ctx.update_freq).sent
+
+
+def _cp_sent(profile: ModelProfile, layout: Layout, ctx: PlanContext, units: tuple[int, ...]) -> dict[str, int]:
+    """Context parallelism's ring (torch's _templated_ring_attention and its backward), per layer and micro-batch:
+    forward passes this rank's key and value chunks on cp - 1 times, backward passes them on cp - 1 times again and
+    the key and value gradients, accumulated in fp32 (torch's convert_to_f32), cp times (the last brings each back
+    to its owner); a recomputed layer repeats its forward's. A chunk of K (or V) as attention sees it is a layer input
+    on this rank (``unit_inputs``, divided by tp and cp: heads x head_dim = dim, GQA's heads expanded before
+    attention). The allgather rotation sends the same bytes once per attention ((cp - 1)/cp of the whole K, V).
+    {"cp": bytes}, or {} without a context axis (the traffic of other layouts keeps its keys)."""
+    cp = layout.cp
+    if cp == 1:
+        return {}
+    layers = set(layer_units(profile)) & set(units)
+    picked = set(_picked(profile, layout))
+    fp32_grads = 4 / ctx.param_bytes
+    per_chunk = sum(profile.unit_inputs[u] * ((cp - 1) * (3 if u in picked else 2) + cp * fp32_grads) for u in layers)
+    return {"cp": int(2 * per_chunk * ctx.update_freq)}  # K and V
 
 
 def _picked(profile: ModelProfile, layout: Layout) -> list[int]:

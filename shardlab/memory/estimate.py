@@ -156,7 +156,7 @@ def axes_line(est: MemoryEstimate, ctx: PlanContext) -> str:
     if layout.tp > 1:
         text += f" TP {layout.tp} with sequence-parallel activations (each rank keeps 1/{layout.tp});"
     if layout.cp > 1:
-        text += f" CP {layout.cp} (each rank keeps 1/{layout.cp} of each sequence; the ring's traffic not counted);"
+        text += f" CP {layout.cp} (each rank keeps 1/{layout.cp} of each sequence; keys and values pass around a ring);"
     sent = ", ".join(f"{name.upper()} {n / GiB:.2f}" for name, n in axes.traffic.items() if n)
     return text + f" sends per step (GiB): {sent or 'nothing'}"
 

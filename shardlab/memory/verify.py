@@ -209,15 +209,12 @@ def verify_axes(cfg, task, world_size: int) -> list[str]:
     started = time.perf_counter()
     dims = ParallelDims.from_config(cfg.distributed, world_size)
     layout = layout_of(cfg.distributed, world_size)
-    if dims.cp > 1:
-        raise ConfigError(
-            "distributed.verify_plan does not check context parallelism yet; drop context_parallel_degree"
-        )
     cfg_plan = copy.deepcopy(cfg)
     cfg_plan.optimization.batch_size = 0  # the state needs no activations: no meta forward
     profile, ctx = profile_config(cfg_plan, task, world_size, model_on_meta(task))
     stages = stage_units(profile, dims.pp * layout.stages_per_rank, layout.stage_split)
-    data_layout = dataclasses.replace(layout, tp=1, pp=1, cp=1)
+    # FSDP over dp_shard x cp (torchtitan's dp_shard_cp): a context rank's shard index runs fastest within it
+    data_layout = dataclasses.replace(layout, sharding_degree=layout.sharding_degree * dims.cp, tp=1, pp=1, cp=1)
     checked = []
     for rank in sorted({0, world_size - 1}):
         coords = dims.coordinates(rank)
@@ -227,7 +224,8 @@ def verify_axes(cfg, task, world_size: int) -> list[str]:
             mesh = dims.build("cpu")
             state, tp_applied = _sharded_stage_state(cfg, task, mesh, dims, units, ctx.optimizer_state_bytes)
         rank_profile = model_rank_profile(profile, dims.tp if tp_applied else 1, 1)
-        planned = rank_state(_sub_profile(rank_profile, units, False), data_layout, ctx, coords["dp_shard"]).__dict__
+        shard_index = coords["dp_shard"] * dims.cp + coords["cp"]
+        planned = rank_state(_sub_profile(rank_profile, units, False), data_layout, ctx, shard_index).__dict__
         for key, value in planned.items():
             if state[key] != value:
                 raise PlanMismatch(
@@ -263,13 +261,20 @@ def _sharded_stage_state(cfg, task, mesh, dims, units: list[int], state_bytes: i
     tp_plan = ask(model) if ask is not None and dims.tp > 1 else None
     if tp_plan is not None:
         parallelize_module(model, mesh["tp"], tp_plan)
-    data_dims = tuple(name for name in ("dp_replicate", "dp_shard") if getattr(dims, name) > 1)
+    data_dims = tuple(name for name in ("dp_replicate", "dp_shard", "cp") if getattr(dims, name) > 1)
+    data_mesh = None
+    if "cp" in data_dims:  # FSDP over dp_shard x cp flattened, as the fully_sharded backend shards
+        from shardlab.distributed.context_parallel import data_mesh_with_context
+
+        data_mesh = data_mesh_with_context(mesh, "cpu")
+    elif data_dims:
+        data_mesh = mesh[data_dims]
     param_dtype, reduce_dtype = resolve_dtypes(cfg.distributed)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     sharded = []
     for i in units:
-        if data_dims:
-            fully_shard(task_units[i], mesh=mesh[data_dims], mp_policy=policy, reshard_after_forward=False)
+        if data_mesh is not None:
+            fully_shard(task_units[i], mesh=data_mesh, mp_policy=policy, reshard_after_forward=False)
             sharded.append(task_units[i])
     if not sharded:
         raise ConfigError("distributed.verify_plan checks fully_shard over the data ranks; this layout has one")

@@ -60,16 +60,24 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
 
 
 def rotary_tables(
-    length: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype, scaling=None
+    length: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    dtype: torch.dtype,
+    scaling=None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of each (position, channel) angle, (length, head_dim), computed in fp32 (elementwise, so autocast
     leaves them alone) and cast to the activations' dtype. Computed once per forward and shared by every block: a
-    table kept as a buffer would need initialising and sharding for no saving. ``scaling``: model.rope_scaling."""
+    table kept as a buffer would need initialising and sharding for no saving. ``scaling``: model.rope_scaling.
+    ``positions`` (length,): the positions to rotate by, where they are not 0..length-1 (context parallelism)."""
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is not None:
         inv_freq = llama3_scaled(inv_freq, scaling)
-    angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    at = torch.arange(length, device=device) if positions is None else positions
+    angles = at.to(torch.float32)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -174,13 +182,18 @@ class Llama(LMArchitecture):
         if cfg.tie_embeddings:
             self.head.out.weight = self.embed.weight
 
-    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, segments: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits of ``idx`` (batch, length); ``segments`` (batch, length), for packed rows: which sample each
-        position belongs to (tasks/lm/sft_packing.py): positions restart and attention stays within each."""
+        position belongs to (tasks/lm/sft_packing.py): positions restart and attention stays within each.
+        ``positions`` (length,): each token's index in the whole sequence, under context parallelism (this rank's
+        load-balanced slice of it, tasks/lm/context_parallel.py)."""
         x = self.embed(idx)
         cos, sin = rotary_tables(
-            idx.shape[1], head_width(self.cfg), self.cfg.rope_theta, x.device, x.dtype, self.cfg.rope_scaling
-        )
+            idx.shape[1], head_width(self.cfg), self.cfg.rope_theta, x.device, x.dtype, self.cfg.rope_scaling,
+            positions=positions,
+        )  # fmt: skip
         mask = None
         if segments is not None:
             positions = segment_positions(segments)

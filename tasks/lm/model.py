@@ -94,11 +94,15 @@ class GPT(LMArchitecture):
         if cfg.tie_embeddings:
             self.head.out.weight = self.embed.tok.weight
 
-    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, segments: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits of ``idx`` (batch, length); ``segments`` (batch, length), for packed rows: which sample each
-        position belongs to (tasks/lm/sft_packing.py): positions restart and attention stays within each."""
+        position belongs to (tasks/lm/sft_packing.py): positions restart and attention stays within each.
+        ``positions`` (length,): each token's index in the whole sequence, under context parallelism (this rank's
+        load-balanced slice of it, tasks/lm/context_parallel.py)."""
         if segments is None:
-            x, mask = self.embed(idx), None
+            x, mask = self.embed(idx, positions), None
         else:
             x, mask = self.embed(idx, segment_positions(segments)), document_mask(segments)
         for block in self.blocks:

@@ -19,6 +19,7 @@ from shardlab.task import ExpertLayers, PipelineCut, Task
 from tasks.lm import mixture
 from tasks.lm.architecture import LMArchitecture
 from tasks.lm.cache import corpus_sources, read_corpus_meta
+from tasks.lm.context_parallel import SequenceBatch
 from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, expert_pieces, weight_names
 from tasks.lm.moe_metrics import add_routing_loss, routing_metrics
@@ -352,6 +353,22 @@ class LanguageModelingTask(Task):
             ]
         return arch.tensor_parallel_errors(m, self.vocab_size, degree)
 
+    def sequence_shards(self, batch: torch.Tensor, device: torch.device):
+        """Context parallelism: a block as (inputs, targets, positions) split along the sequence
+        (tasks/lm/context_parallel.py)."""
+        from tasks.lm.context_parallel import sequence_shards
+
+        return sequence_shards(batch, device)
+
+    def context_parallel_errors(self, degree: int) -> list[str]:
+        """A length the load balancer cannot cut, fine-tuning rows, a mixture, dropout; a subclass with a loss of its
+        own (the preference task's) too."""
+        from tasks.lm.context_parallel import context_parallel_errors
+
+        own_loss = type(self).loss is not LanguageModelingTask.loss
+        takes_positions = "positions" in inspect.signature(self.architecture.forward).parameters
+        return context_parallel_errors(self.cfg, degree, preference=own_loss, takes_positions=takes_positions)
+
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         return model.fsdp_units()
 
@@ -388,6 +405,8 @@ class LanguageModelingTask(Task):
             return answer_token_loss(model, batch, device, self.cfg.data.pack)
         if isinstance(batch, list):  # a mixture's validation batch: [tokens, each row's source]
             return mixture.mixture_valid_loss(model, batch, device, self.mixture.names)
+        if isinstance(batch, SequenceBatch):  # context parallelism: this rank's slice of each sequence
+            return self.pipeline_loss(model(batch.inputs, positions=batch.positions), batch.targets)
         inputs, targets = self.pipeline_batch(batch, device)
         return self.pipeline_loss(model(inputs), targets)
 
@@ -436,4 +455,6 @@ class LanguageModelingTask(Task):
         """Tokens that carry loss or attention: a fine-tuning row's padding is not counted."""
         if self.sft:
             return int(real_positions(batch).sum())
+        if isinstance(batch, SequenceBatch):  # context parallelism: the tokens of this rank's slices
+            return batch.targets.numel()
         return batch.shape[0] * (batch.shape[1] - 1)

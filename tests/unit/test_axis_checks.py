@@ -64,6 +64,53 @@ def test_the_batch_splits_over_the_data_parallel_ranks_only(tiny_lm):
                              "validation.batch_size=6"), num_cuda_devices=0)  # fmt: skip
 
 
+CP = ["distributed.backend=fully_sharded", "distributed.context_parallel_degree=2", "distributed.world_size=2"]
+REFUSED_ON_CUDA = {
+    "sequence not a multiple of 2 x cp": ([*LLAMA, *CP, "data.seq_len=30"],
+                                          r"^distributed.context_parallel_degree \(2\): data.seq_len \(30\) must be a "
+                                          r"multiple of 2 x 2 = 4"),
+    "ddp": ([*LLAMA, *CP, "distributed.backend=ddp"],
+            r"^distributed.context_parallel_degree \(2\) needs distributed.backend=fully_sharded"),
+    "pipeline": ([*LLAMA, *CP, "distributed.pipeline_parallel_degree=2", "distributed.world_size=4",
+                  "optimization.update_freq=2"],
+                 r"^distributed.context_parallel_degree \(2\) with distributed.pipeline_parallel_degree \(2\)"),
+    "rotate method": ([*LLAMA, *CP, "distributed.context_parallel_rotate_method=ring"],
+                      r"^distributed.context_parallel_rotate_method='ring' is not one of allgather, alltoall"),
+    "dropout": ([*CP, "model.dropout=0.1"], r"^distributed.context_parallel_degree \(2\): model.dropout \(0.1\)"),
+    "fine-tuning rows": ([*LLAMA, *CP, "task=sft"], r"^distributed.context_parallel_degree \(2\): data.format="),
+    "vision": ([*VISION, "distributed.context_parallel_degree=2", "distributed.world_size=2"],
+               r"^distributed.context_parallel_degree \(2\): task image_classification's models do not split"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REFUSED_ON_CUDA)
+def test_context_parallel_refusals_on_a_cuda_machine(case, tiny_lm):
+    """Off CPU the pre-flight goes past "needs CUDA" to what the run cannot split; each refusal one line."""
+    overrides, pattern = REFUSED_ON_CUDA[case]
+    composed = compose_config(overrides) if "task=image_classification" in overrides else tiny_lm(*overrides)
+    with pytest.raises(ConfigError, match=pattern) as refused:
+        checks.check(composed, num_cuda_devices=4)
+    assert "\n" not in str(refused.value)
+
+
+def test_context_parallel_with_compile_is_refused_on_a_cuda_machine(tiny_lm):
+    """Asked of the axis checks alone: the whole pre-flight would probe this machine's (absent) driver for compile."""
+    from shardlab.jobs.axis_checks import axis_errors
+    from shardlab.runner import rank_task
+
+    cfg = tiny_lm(*LLAMA, *CP, "distributed.compile=true")
+    (line,) = axis_errors(cfg, rank_task(cfg), 2, num_cuda_devices=2)
+    assert line.startswith("distributed.context_parallel_degree (2) with distributed.compile=true"), line
+
+
+def test_context_parallel_passes_the_pre_flight_on_a_cuda_machine(tiny_lm):
+    """Llama and GPT at data.seq_len 32 = 8 x 4 over 2 context ranks, and FSDP 2 x CP 2 on 4 ranks (the batch split
+    over the 2 data ranks only): nothing refused."""
+    checks.check(tiny_lm(*LLAMA, *CP), num_cuda_devices=2)
+    checks.check(tiny_lm(*CP, "distributed.world_size=4", "optimization.batch_size=6", "validation.batch_size=6"),
+                 num_cuda_devices=4)  # fmt: skip
+
+
 @pytest.mark.parametrize("case", ["kv heads", "context on cpu"])
 def test_the_command_line_refuses_before_any_rank_starts(case, tmp_path, corpus_cache):
     """One line, exit code 2, nothing written: the run folder is never made."""

@@ -99,6 +99,29 @@ def test_async_tensor_parallels_switches_are_where_torchtitan_sets_them():
     assert inductor_config._micro_pipeline_tp is False and callable(enable)
 
 
+def test_context_parallels_private_names_are_where_torchtitan_takes_them():
+    """set_rotate_method still sets the ring's rotation (distributed.context_parallel_rotate_method), and
+    DeviceMesh._flatten still names the flattened dp_shard x cp mesh FSDP2 shards over (one fake rank)."""
+    from torch.distributed.tensor.experimental._attention import _cp_options, _RotateMethod
+
+    before = _cp_options.rotate_method
+    try:
+        assert torch_internals.set_context_parallel_rotate_method("alltoall") is True
+        assert _cp_options.rotate_method == _RotateMethod.ALL_TO_ALL
+        assert torch_internals.set_context_parallel_rotate_method("allgather") is True
+        assert _cp_options.rotate_method == _RotateMethod.ALL_GATHER
+    finally:
+        _cp_options.rotate_method = before
+    from shardlab.distributed.mesh import ParallelDims
+    from shardlab.memory.verify import fake_process_group
+
+    with fake_process_group(8, 5):
+        mesh = ParallelDims(dp_shard=2, cp=2, tp=2).build("cpu")
+        flat = torch_internals.flatten_mesh(mesh[("dp_shard", "cp")], "dp_shard_cp")
+        assert flat is not None, "DeviceMesh._flatten moved: FSDP2 under context parallelism gets a mesh of its own"
+        assert flat.mesh_dim_names == ("dp_shard_cp",) and flat.mesh.tolist() == [1, 3, 5, 7]
+
+
 def test_outside_the_tested_range_every_private_path_falls_back(monkeypatch):
     monkeypatch.setattr(torch_internals, "TESTED_TORCH", ((1, 0), (1, 0)))
     torch_internals.reduce_scatter_base.cache_clear()
@@ -108,6 +131,8 @@ def test_outside_the_tested_range_every_private_path_falls_back(monkeypatch):
         assert torch_internals.has_post_accumulate_grad_hooks(nn.Parameter(torch.ones(1))) is None
         assert torch_internals.set_unshard_async_op(nn.Linear(1, 1)) is False
         assert torch_internals.micro_pipeline_tp_switches() is None
+        assert torch_internals.set_context_parallel_rotate_method("alltoall") is False
+        assert torch_internals.flatten_mesh(object(), "dp_shard_cp") is None
         import torch.distributed as dist
 
         try:
