@@ -29,6 +29,7 @@ from shardlab.distributed.base import Backend
 from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.pipeline import Pipeline, build_pipeline
+from shardlab.distributed.tensor_parallel import loss_parallel_on, split_vocabulary_loss
 from shardlab.errors import CheckpointError, ConfigError, RunFolderInUse, one_line
 from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import StopSignals, torchrun_agent_warning
@@ -131,6 +132,9 @@ class Trainer:
         """Steps in a row whose loss was not finite on some rank (optimization.max_nonfinite_steps ends the run)."""
         self.pipeline: Pipeline | None = None
         """This rank's pipeline stages and their schedule (distributed.pipeline_parallel_degree > 1; set by setup)."""
+        self.loss_parallel = loss_parallel_on(cfg)
+        """Whether the task's logits come split over the vocabulary (distributed.loss_parallel under tensor
+        parallelism): each micro-batch's forward and backward, and validation, run inside torch's loss_parallel."""
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self, plan: RunPlan, restore: bool = True) -> None:
@@ -342,7 +346,10 @@ class Trainer:
         else:
             for micro in range(o.update_freq):
                 batch, weight = next(micro_batches)
-                with backend.grad_sync(self.model, micro == o.update_freq - 1):
+                with (
+                    backend.grad_sync(self.model, micro == o.update_freq - 1),
+                    split_vocabulary_loss(self.loss_parallel),
+                ):
                     with backend.forward_context():
                         loss, stats = self.task.loss(self.model, batch, backend.device)
                     finite = torch.isfinite(loss.detach()).all()
@@ -363,7 +370,7 @@ class Trainer:
     def _pipeline_micro_batches(self, batches: list, sums: dict[str, torch.Tensor]) -> None:
         """A step's micro-batches through the pipeline (shardlab.distributed.pipeline): the losses and sums are the
         last stage's, zeros on the other ranks, so the logged all-reduce counts each micro-batch once."""
-        with self.backend.forward_context():
+        with self.backend.forward_context(), split_vocabulary_loss(self.loss_parallel):  # the schedule's backward too
             losses, stats = self.pipeline.train_step(batches)
         self.loss_finite = (
             torch.stack([torch.isfinite(loss.detach()).all() for loss in losses]).all() if losses else True
@@ -425,7 +432,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         started = time.perf_counter()
         averaged = self.ema.swapped_into(self.model) if cfg.validation.ema else contextlib.nullcontext()
-        with averaged:
+        with averaged, split_vocabulary_loss(self.loss_parallel):
             for batch in loader:
                 with backend.forward_context():
                     if self.pipeline is not None:  # forward only, through the stages; the last stage's sums

@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardlab.distributed.compile import compiled
 from shardlab.errors import CheckpointError, ConfigError, DataError
@@ -21,6 +21,7 @@ from tasks.lm.architecture import LMArchitecture
 from tasks.lm.cache import corpus_sources, read_corpus_meta
 from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
+from tasks.lm.loss import token_cross_entropy
 from tasks.lm.moe_metrics import add_routing_loss, routing_metrics
 from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
 from tasks.lm.sft_packing import IGNORE, real_positions
@@ -35,7 +36,7 @@ def padded_vocab(vocab_size: int) -> int:
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the logits (batch, seq, vocab) against the next tokens, computed in fp32."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    return token_cross_entropy(logits, targets)
 
 
 def record_lora_base(cfg, pretrained: Path | None) -> None:
@@ -333,11 +334,16 @@ class LanguageModelingTask(Task):
     model_parallel_axes = ("tp", "pp", "cp")
 
     def tensor_parallel_plan(self, model: nn.Module) -> dict | None:
-        """The architecture's plan (tasks/lm/tensor_parallel.py), its LoRA-adapted layers split with their adapters."""
+        """The architecture's plan (tasks/lm/tensor_parallel.py), its logits left split over the vocabulary under
+        distributed.loss_parallel (every loss here takes them: tasks/lm/loss.py), its LoRA-adapted layers split with
+        their adapters."""
+        from shardlab.distributed.tensor_parallel import loss_parallel_on
         from tasks.lm.lora import lora_on
-        from tasks.lm.tensor_parallel import with_adapters
+        from tasks.lm.tensor_parallel import vocabulary_split_logits, with_adapters
 
         plan = model.tensor_parallel_plan()
+        if plan is not None and loss_parallel_on(self.cfg):
+            plan = vocabulary_split_logits(plan)
         return with_adapters(plan, model) if plan is not None and lora_on(self.cfg.model) else plan
 
     def tensor_parallel_errors(self, degree: int) -> list[str]:
@@ -358,8 +364,15 @@ class LanguageModelingTask(Task):
         longest sample, not data.seq_len: no step computes padding past it."""
         batch = super().collate(samples)
         if self.sft and not self.cfg.data.pack:
-            batch = batch[..., : max(1, int(real_positions(batch).max()))].contiguous()
+            width = -(-max(1, int(real_positions(batch).max())) // self.sequence_multiple) * self.sequence_multiple
+            batch = batch[..., : min(width, batch.shape[-1])].contiguous()
         return batch
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What a cut row's length is rounded up to: the tensor-parallel degree, whose ranks each hold an equal slice
+        of every row's positions between layers (sequence parallelism; an uneven split breaks its collectives)."""
+        return self.cfg.distributed.get("tensor_parallel_degree", 1)
 
     def example_batch(self, batch_size: int) -> torch.Tensor:
         if self.sft:  # rows of (inputs, targets, segments): tasks/lm/sft_packing.py
@@ -391,7 +404,10 @@ class LanguageModelingTask(Task):
         """Mean next-token cross-entropy, and its sum and count for summarize."""
         # distributed.compile: one fused kernel casts and reduces the logits, without an fp32 copy of them in memory
         # (the memory plan's shape-only pass on meta stays eager; configs stored by older checkpoints lack the key)
+        # (not for logits split over the vocabulary, distributed.loss_parallel: each rank's fp32 copy is already 1/tp
+        # of them, and the compiled loss over loss_parallel's DTensor op handlers is not exercised here)
         fuse = self.cfg.distributed.get("compile", False) and logits.device.type != "meta"
+        fuse = fuse and not isinstance(logits, DTensor)
         loss = (compiled(next_token_loss) if fuse else next_token_loss)(logits, targets)
         n = targets.numel()
         return loss, {"loss_sum": loss.detach() * n, "count": torch.tensor(float(n))}
