@@ -342,7 +342,7 @@ class Trainer:
             loader, o.update_freq, self.task.loss_count, backend.all_reduce_sum, backend.dp_world_size, backend.device
         )
         if self.pipeline is not None:  # the schedule runs the micro-batches' forward and backward over the stages
-            self._pipeline_micro_batches([next(micro_batches)[0] for _ in range(o.update_freq)], sums)
+            self._pipeline_micro_batches([next(micro_batches) for _ in range(o.update_freq)], sums)
         else:
             for micro in range(o.update_freq):
                 batch, weight = next(micro_batches)
@@ -367,11 +367,21 @@ class Trainer:
         self.phase = "between"
         return lr, grad_norm
 
-    def _pipeline_micro_batches(self, batches: list, sums: dict[str, torch.Tensor]) -> None:
-        """A step's micro-batches through the pipeline (shardlab.distributed.pipeline): the losses and sums are the
-        last stage's, zeros on the other ranks, so the logged all-reduce counts each micro-batch once."""
+    def _pipeline_micro_batches(self, weighted: list, sums: dict[str, torch.Tensor]) -> None:
+        """A step's micro-batches (with their weights: shardlab.data.weighted_micro_batches) through the pipeline
+        (shardlab.distributed.pipeline): the losses and sums are the last stage's, zeros on the other ranks, so the
+        logged all-reduce counts each micro-batch once."""
+        batches, weights = (list(part) for part in zip(*weighted, strict=True))
+        # a weight is the micro-batch's loss terms x per_term (the same for the step's micro-batches): the pipeline's
+        # loss, which sees targets and not which micro-batch they are, multiplies its own count by per_term
+        per_term = None
+        if weights[0] is not None:  # from the micro-batch with the most terms (none may hold any on this rank)
+            count, weight = max(zip(map(self.task.loss_count, batches), weights, strict=True), key=lambda p: p[0])
+            # The weights' count was summed over the pipeline axis too (mesh.ParallelDims.loss_dims, where the loss
+            # sums are the last stage's alone), but every stage read the same samples: each term counted pp times.
+            per_term = weight / max(count, 1) * self.backend.dims.pp
         with self.backend.forward_context(), split_vocabulary_loss(self.loss_parallel):  # the schedule's backward too
-            losses, stats = self.pipeline.train_step(batches)
+            losses, stats = self.pipeline.train_step(batches, per_term)
         self.loss_finite = (
             torch.stack([torch.isfinite(loss.detach()).all() for loss in losses]).all() if losses else True
         )

@@ -378,7 +378,12 @@ def answer_token_loss(model, batch: torch.Tensor, device: torch.device, packed: 
     each need none (their padding follows the sample) and take the causal kernel of pretraining."""
     batch = batch.to(device, non_blocking=True)
     inputs, targets, segments = batch.unbind(1)
-    logits = model(inputs, segments) if packed else model(inputs)
+    return answer_loss(model(inputs, segments) if packed else model(inputs), targets)
+
+
+def answer_loss(logits: torch.Tensor, targets: torch.Tensor):
+    """Mean cross-entropy of ``logits`` over the answer tokens of ``targets`` (IGNORE elsewhere), in fp32; (loss, sums
+    of the loss and of the answer tokens). Also the last pipeline stage's loss (LanguageModelingTask.pipeline_loss)."""
     flat = targets.reshape(-1)
     loss_sum = token_cross_entropy(logits, flat, ignore_index=IGNORE, reduction="sum")
     count = (flat != IGNORE).sum()

@@ -23,7 +23,7 @@ from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
 from tasks.lm.loss import token_cross_entropy
 from tasks.lm.moe_metrics import add_routing_loss, routing_metrics
-from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
+from tasks.lm.sft import FORMATS, answer_loss, answer_token_loss, open_sft_splits
 from tasks.lm.sft_packing import IGNORE, real_positions
 from tasks.lm.sft_template import find_chat_template
 from tasks.lm.tokenizer import load_tokenizer
@@ -172,8 +172,9 @@ class LanguageModelingTask(Task):
         return [message for refused, message in (
             (m.get("tie_embeddings", False), "model.tie_embeddings: the embedding (first pipeline stage) and the head "
              "(last stage) would share one weight across ranks; set model.tie_embeddings=false to pipeline"),
-            (self.sft, f"data.format={d.get('format')}: fine-tuning rows (answer-token weights, packed segments) do "
-             "not run through the pipeline yet; use distributed.pipeline_parallel_degree=1"),
+            (self.sft and d.get("pack", True), f"data.format={d.get('format')} with data.pack=true: packed rows' "
+             "segments (each sample's attention and positions) do not travel between pipeline stages yet; set "
+             "data.pack=false (a sample per row) or distributed.pipeline_parallel_degree=1"),
             (m.get("moe") is not None, "model.moe: the pipeline stages do not carry the MoE blocks' auxiliary loss and "
              "routing statistics yet (nor is there expert parallelism); use distributed.pipeline_parallel_degree=1"),
             (bool(d.get("sources")), "data.sources: a mixture's per-source validation does not run through the "
@@ -363,7 +364,8 @@ class LanguageModelingTask(Task):
         """Unpacked fine-tuning rows (data.pack=false: a sample each, padded at its end) cut to the micro-batch's
         longest sample, not data.seq_len: no step computes padding past it."""
         batch = super().collate(samples)
-        if self.sft and not self.cfg.data.pack:
+        # (not through a pipeline: its stages exchange activations of the shape their first micro-batch had)
+        if self.sft and not self.cfg.data.pack and self.cfg.distributed.get("pipeline_parallel_degree", 1) == 1:
             width = -(-max(1, int(real_positions(batch).max())) // self.sequence_multiple) * self.sequence_multiple
             batch = batch[..., : min(width, batch.shape[-1])].contiguous()
         return batch
@@ -396,12 +398,18 @@ class LanguageModelingTask(Task):
         return PipelineCut(layers="blocks", num_layers=self.cfg.model.num_layers, first=("embed",), last=("head",))
 
     def pipeline_batch(self, batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input tokens, next tokens) of a block of data.seq_len + 1 tokens."""
+        """(input tokens, next tokens) of a block of data.seq_len + 1 tokens; fine-tuning (unpacked rows, a sample
+        each: pipeline_errors): (input tokens, answer targets, IGNORE elsewhere)."""
         batch = batch.to(device, non_blocking=True)
+        if self.sft:
+            inputs, targets, _ = batch.unbind(1)  # the sample's padding follows it: the causal kernel, no segments
+            return inputs, targets
         return batch[:, :-1], batch[:, 1:]
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor):
-        """Mean next-token cross-entropy, and its sum and count for summarize."""
+        """Mean next-token cross-entropy, and its sum and count for summarize; fine-tuning: over the answer tokens."""
+        if self.sft:
+            return answer_loss(logits, targets)
         # distributed.compile: one fused kernel casts and reduces the logits, without an fp32 copy of them in memory
         # (the memory plan's shape-only pass on meta stays eager; configs stored by older checkpoints lack the key)
         # (not for logits split over the vocabulary, distributed.loss_parallel: each rank's fp32 copy is already 1/tp
