@@ -348,14 +348,20 @@ class LanguageModelingTask(Task):
         return with_adapters(plan, model) if plan is not None and lora_on(self.cfg.model) else plan
 
     def tensor_parallel_errors(self, degree: int) -> list[str]:
-        """An architecture without a plan, and the sizes the degree must divide."""
+        """An architecture without a plan, the sizes the degree must divide, and the rows' length: sequence
+        parallelism gives each tensor-parallel rank an equal slice of every row's positions (an uneven split breaks
+        its collectives; rows cut shorter are rounded up to the degree: sequence_multiple)."""
         arch, m = self.architecture, self.cfg.model
         if arch.tensor_parallel_plan is LMArchitecture.tensor_parallel_plan:
             return [
                 f"distributed.tensor_parallel_degree ({degree}): model.arch={m.arch} has no tensor-parallel plan "
                 "(LMArchitecture.tensor_parallel_plan; tasks/lm/tensor_parallel.py has GPT's and Llama's); set it to 1"
             ]
-        return arch.tensor_parallel_errors(m, self.vocab_size, degree)
+        rows = [] if self.cfg.data.seq_len % degree == 0 else [
+            f"data.seq_len ({self.cfg.data.seq_len}) must be a multiple of distributed.tensor_parallel_degree "
+            f"({degree}): sequence parallelism splits every row's positions evenly over the tensor-parallel ranks"
+        ]  # fmt: skip
+        return arch.tensor_parallel_errors(m, self.vocab_size, degree) + rows
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         return model.fsdp_units()

@@ -3,7 +3,8 @@ TP 2 alone, FSDP 2 x TP 2 and hybrid (2 replicas) x TP 2 on 4 ranks, for a Llama
 FSDP 2 x TP 2 for GPT (tied and untied; its fused qkv regrouped by heads); TP 2 for a
 Llama with tied embeddings, a Qwen2 (biases), a Qwen3 (q/k norms) and a Mistral read from Hugging Face folders made by
 transformers, and for fine-tuning on packed rows. Losses, the gradient norm of every step, the tokens counted and the
-final weights are compared; step folders move between FSDP 2 x TP 2 and one process."""
+final weights are compared; step folders move between FSDP 2 x TP 2 and one process. Every run takes its loss on
+logits split over the vocabulary (distributed.loss_parallel, the default), one Llama run on gathered ones."""
 
 from __future__ import annotations
 
