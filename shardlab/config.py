@@ -88,6 +88,9 @@ class DistributedConfig:
     """context_parallel_degree > 1: how the ring passes key/value chunks: allgather (once per attention) or alltoall."""
     async_tensor_parallel: bool = False
     """tensor_parallel_degree > 1 on CUDA: overlap TP's collectives with the matmuls (torch's async TP)."""
+    loss_parallel: bool = True
+    """tensor_parallel_degree > 1: the LM's head leaves its logits split over the vocabulary and the cross-entropy
+    runs on the splits (torch's loss_parallel), never gathering (tokens x vocabulary) logits; false gathers them."""
     reshard_after_forward: bool = True
     """fully_sharded: free gathered params after forward (ZeRO-3); false keeps them until backward (ZeRO-2-like)."""
     precision: str = "fp32"

@@ -29,6 +29,7 @@ from shardlab.distributed.base import Backend
 from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.pipeline import Pipeline, build_pipeline
+from shardlab.distributed.tensor_parallel import loss_parallel_on, split_vocabulary_loss
 from shardlab.errors import CheckpointError, ConfigError, RunFolderInUse, one_line
 from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import StopSignals, torchrun_agent_warning
@@ -131,6 +132,9 @@ class Trainer:
         """Steps in a row whose loss was not finite on some rank (optimization.max_nonfinite_steps ends the run)."""
         self.pipeline: Pipeline | None = None
         """This rank's pipeline stages and their schedule (distributed.pipeline_parallel_degree > 1; set by setup)."""
+        self.loss_parallel = loss_parallel_on(cfg)
+        """Whether the task's logits come split over the vocabulary (distributed.loss_parallel under tensor
+        parallelism): each micro-batch's forward and backward, and validation, run inside torch's loss_parallel."""
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def setup(self, plan: RunPlan, restore: bool = True) -> None:
@@ -338,11 +342,15 @@ class Trainer:
             loader, o.update_freq, self.task.loss_count, backend.all_reduce_sum, backend.dp_world_size, backend.device
         )
         if self.pipeline is not None:  # the schedule runs the micro-batches' forward and backward over the stages
-            self._pipeline_micro_batches([next(micro_batches)[0] for _ in range(o.update_freq)], sums)
+            self._pipeline_micro_batches([next(micro_batches) for _ in range(o.update_freq)], sums)
         else:
             for micro in range(o.update_freq):
                 batch, weight = next(micro_batches)
-                with backend.grad_sync(self.model, micro == o.update_freq - 1), self._sequence_split(batch) as batch:
+                with (
+                    backend.grad_sync(self.model, micro == o.update_freq - 1),
+                    split_vocabulary_loss(self.loss_parallel),
+                    self._sequence_split(batch) as batch,
+                ):
                     with backend.forward_context():
                         loss, stats = self.task.loss(self.model, batch, backend.device)
                     finite = torch.isfinite(loss.detach()).all()
@@ -360,11 +368,21 @@ class Trainer:
         self.phase = "between"
         return lr, grad_norm
 
-    def _pipeline_micro_batches(self, batches: list, sums: dict[str, torch.Tensor]) -> None:
-        """A step's micro-batches through the pipeline (shardlab.distributed.pipeline): the losses and sums are the
-        last stage's, zeros on the other ranks, so the logged all-reduce counts each micro-batch once."""
-        with self.backend.forward_context():
-            losses, stats = self.pipeline.train_step(batches)
+    def _pipeline_micro_batches(self, weighted: list, sums: dict[str, torch.Tensor]) -> None:
+        """A step's micro-batches (with their weights: shardlab.data.weighted_micro_batches) through the pipeline
+        (shardlab.distributed.pipeline): the losses and sums are the last stage's, zeros on the other ranks, so the
+        logged all-reduce counts each micro-batch once."""
+        batches, weights = (list(part) for part in zip(*weighted, strict=True))
+        # a weight is the micro-batch's loss terms x per_term (the same for the step's micro-batches): the pipeline's
+        # loss, which sees targets and not which micro-batch they are, multiplies its own count by per_term
+        per_term = None
+        if weights[0] is not None:  # from the micro-batch with the most terms (none may hold any on this rank)
+            count, weight = max(zip(map(self.task.loss_count, batches), weights, strict=True), key=lambda p: p[0])
+            # The weights' count was summed over the pipeline axis too (mesh.ParallelDims.loss_dims, where the loss
+            # sums are the last stage's alone), but every stage read the same samples: each term counted pp times.
+            per_term = weight / max(count, 1) * self.backend.dims.pp
+        with self.backend.forward_context(), split_vocabulary_loss(self.loss_parallel):  # the schedule's backward too
+            losses, stats = self.pipeline.train_step(batches, per_term)
         self.loss_finite = (
             torch.stack([torch.isfinite(loss.detach()).all() for loss in losses]).all() if losses else True
         )
@@ -440,7 +458,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         started = time.perf_counter()
         averaged = self.ema.swapped_into(self.model) if cfg.validation.ema else contextlib.nullcontext()
-        with averaged:
+        with averaged, split_vocabulary_loss(self.loss_parallel):
             for batch in loader:
                 with backend.forward_context():
                     if self.pipeline is not None:  # forward only, through the stages; the last stage's sums

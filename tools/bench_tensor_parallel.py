@@ -9,7 +9,9 @@ vocabulary 320: the byte tokenizer's, padded), 2 tensor-parallel ranks with sequ
 tokens per step (shardlab: optimization.batch_size=8), fused AdamW (shardlab's optimizer.implementation=auto) lr
 3e-3 betas (0.9, 0.95) weight decay 0.1 (shardlab exempts norms from the decay: the same work), clipping by the
 global norm 1.0. The loop: each rank builds the same tasks.lm.llama.Llama, applies torch's parallelize_module
-with the same plan (tasks/lm/tensor_parallel.py's llama_plan) over a 1-D mesh of the 2 ranks, random tokens, no FSDP
+with the same plan (tasks/lm/tensor_parallel.py's llama_plan, its logits split over the vocabulary and the loss on the
+splits inside torch's loss_parallel, as distributed.loss_parallel's default) over a 1-D mesh of the 2 ranks, random
+tokens, no FSDP
 (one data-parallel rank: nothing to shard), no data loading, checks or logging; freed pages kept (glibc's mmap
 threshold at its ceiling) as a shardlab CPU rank does without a memory budget. shardlab also wraps the model in FSDP2
 over its one data-parallel rank (the mesh's dp_shard axis, kept at size 1 so TP and FSDP share one root mesh) and
@@ -51,12 +53,12 @@ def clip(params: list[torch.nn.Parameter], max_norm: float) -> None:
 
 def loop_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     from shardlab.distributed.cpu_allocator import configure_cpu_allocator
     from tasks.lm.config import LlamaConfig
     from tasks.lm.llama import Llama
-    from tasks.lm.tensor_parallel import llama_plan
+    from tasks.lm.tensor_parallel import llama_plan, vocabulary_split_logits
 
     configure_cpu_allocator("fast")  # as a shardlab CPU rank without a memory budget (and tools/bench_reference.py)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -65,7 +67,8 @@ def loop_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig(num_layers=s["layers"], dim=s["dim"], num_heads=s["heads"], num_kv_heads=s["kv_heads"],
                       ffn_dim=s["ffn"], max_seq_len=256)  # fmt: skip
-    model = parallelize_module(Llama(cfg, s["vocab"]), init_device_mesh("cpu", (2,)), llama_plan(qk_norm=False))
+    plan = vocabulary_split_logits(llama_plan(qk_norm=False))  # shardlab's default, distributed.loss_parallel
+    model = parallelize_module(Llama(cfg, s["vocab"]), init_device_mesh("cpu", (2,)), plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     params = list(model.parameters())
     times = []
@@ -73,9 +76,10 @@ def loop_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     for _ in range(args.warmup + args.steps):
         started = time.perf_counter()
         tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq_len"] + 1), generator=generator)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
-        loss.backward()
+        with loss_parallel():  # the logits split over the vocabulary, the loss on the splits
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+            loss.backward()
         clip(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

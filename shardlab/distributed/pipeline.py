@@ -99,6 +99,7 @@ class Pipeline:
         self.is_first = any(s.is_first for s in stages)
         self.is_last = any(s.is_last for s in stages)
         self._stats: list[dict[str, torch.Tensor]] = []
+        self._per_term: torch.Tensor | None = None
         self._keys: list[str] | None = None
         """The names of the loss's sums, learned from the last stage at the first run."""
         schedule = SCHEDULES[d.pipeline_schedule]
@@ -110,13 +111,24 @@ class Pipeline:
         )
 
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's mean loss; for a task that counts its loss terms (Task.loss_count: fine-tuning's answer
+        tokens, the "count" of pipeline_loss's sums), its weight in the step's mean over all terms (as
+        shardlab.data.weighted_micro_batches weighs it without a pipeline: its count x per_term) times the
+        micro-batches, which the schedule's scale_grads divides back out. The weight comes from the micro-batch's own
+        count: the schedule hands the loss only the targets (a tensor), not which micro-batch they are."""
         loss, stats = self.task.pipeline_loss(output, targets)
         self._stats.append({k: v.detach().float() for k, v in stats.items()})
-        return loss
+        if self._per_term is None:
+            return loss
+        return loss * (stats["count"].to(self._per_term.device) * self._per_term * self.num_micro_batches)
 
-    def _run(self, batches: list, train: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        """Every micro-batch through the schedule; (the last stage's losses, empty elsewhere; the sums of its
-        statistics, zeros elsewhere, so that summing over all ranks counts each micro-batch once)."""
+    def _run(
+        self, batches: list, train: bool, per_term: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """Every micro-batch through the schedule (``per_term``: see _loss; None: the plain mean); (the last stage's
+        losses, empty elsewhere; the sums of its statistics, zeros elsewhere, so that summing over all ranks counts
+        each micro-batch once)."""
+        self._per_term = per_term
         inputs, targets = zip(*(self.task.pipeline_batch(b, self.device) for b in batches), strict=True)
         losses: list[torch.Tensor] = []
         self._stats = []
@@ -130,12 +142,15 @@ class Pipeline:
             self._keys = sorted({k for rank_names in names for k in rank_names})
         return losses, {k: sum((s[k] for s in stats), torch.zeros(())) for k in self._keys}
 
-    def train_step(self, batches: list) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    def train_step(
+        self, batches: list, per_term: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """Forward and backward of a step's micro-batches (one per batch, in order); gradients accumulate in the
-        stages' parameters, their mean over the micro-batches."""
+        stages' parameters: their mean over the micro-batches, or with ``per_term`` (the data-parallel ranks over the
+        step's loss terms on all ranks: fine-tuning's answer tokens) the step's mean over all its terms."""
         for module in self.stage_modules:
             module.train()
-        return self._run(batches, train=True)
+        return self._run(batches, train=True, per_term=per_term)
 
     @torch.no_grad()
     def evaluate(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -9,9 +9,12 @@ materialization (shardlab.distributed.materialize) fills its shard from the same
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from shardlab.distributed import torch_internals
 from shardlab.distributed.materialize import shared_parameter_slots
@@ -54,3 +57,18 @@ def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> bool:
     inductor_config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
     return True
+
+
+def loss_parallel_on(cfg: Any) -> bool:
+    """Whether the run's loss takes logits split over the vocabulary (distributed.loss_parallel under tensor
+    parallelism); false for a stored config written before the key (it gathered them)."""
+    d = cfg.distributed
+    return d.tensor_parallel_degree > 1 and bool(d.get("loss_parallel", False))
+
+
+def split_vocabulary_loss(on: bool) -> contextlib.AbstractContextManager:
+    """Around a micro-batch's forward, loss and backward (both passes: the backward of the loss-parallel
+    cross-entropy is the same custom DTensor op handlers): torch's loss_parallel, under which F.cross_entropy of logits
+    split over the vocabulary reduces across the tensor-parallel ranks (a max and two sums of (tokens,) values) instead
+    of gathering them. Entered once, never nested: its exit switches the handlers off."""
+    return loss_parallel() if on else contextlib.nullcontext()

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tasks.lm.loss import token_cross_entropy
 from tasks.lm.sft_packing import IGNORE
 
 LOSS_TYPES = ("sigmoid", "ipo")
@@ -72,9 +73,7 @@ def answer_logps(model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, to
     (n, 3, length) of one sample each."""
     inputs, targets, _ = rows.unbind(1)
     logits = model(inputs)
-    token_logps = -F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="none"
-    )
+    token_logps = -token_cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
     return token_logps.view(targets.shape).sum(-1), (targets != IGNORE).sum(-1)
 
 

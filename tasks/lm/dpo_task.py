@@ -8,6 +8,8 @@ the same way, and its checkpoints export as any LM's (tools/export_hf.py). What 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -63,7 +65,7 @@ class PreferenceTask(LanguageModelingTask):
         return {"rows": rows, "index": torch.zeros(batch_size, dtype=torch.long, device="meta")}
 
     def collate(self, samples: list) -> dict[str, torch.Tensor]:
-        return collate_pairs(samples)
+        return collate_pairs(samples, self.sequence_multiple)
 
     def training_state(self, train_state, device: torch.device) -> ReferenceLogProbs | None:
         """Full fine-tuning: the reference log-probabilities of every pair, saved and resumed with the run."""
@@ -76,7 +78,8 @@ class PreferenceTask(LanguageModelingTask):
         reference = self.reference if device.type != "meta" else None
         if reference is not None and reference is not self._checked_reference:  # a trainer's first loss: no update yet
             if not reference.ready.item():  # a fresh start (a resume loaded them with its checkpoint)
-                reference.compute(model, [self.train_dataset, self.valid_dataset], collate_pairs, device)
+                collate = functools.partial(collate_pairs, multiple=self.sequence_multiple)
+                reference.compute(model, [self.train_dataset, self.valid_dataset], collate, device)
             self._checked_reference = reference
         return preference_loss(model, batch, device, self.dpo, reference, self.lora)
 

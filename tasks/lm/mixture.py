@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from shardlab.data import GlobalOrder
 from shardlab.errors import DataError
 from tasks.lm.cache import cache_key, corpus_sources, read_corpus_meta
 from tasks.lm.data import open_splits, prepare_corpus
+from tasks.lm.loss import token_cross_entropy
 
 PERIOD = 4096
 """Samples per chunk of the assignment: shares are exact per chunk to 1/PERIOD (0.02 points)."""
@@ -208,9 +208,7 @@ def mixture_valid_loss(model, batch: list, device: torch.device, names: list[str
     tokens = tokens.to(device, non_blocking=True)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits = model(inputs)
-    per_token = F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
-    ).view_as(targets)
+    per_token = token_cross_entropy(logits, targets, reduction="none").view_as(targets)
     loss, n = per_token.mean(), targets.numel()
     sums = {"loss_sum": loss.detach() * n, "count": torch.tensor(float(n))}
     return loss, {**sums, **source_sums(per_token, sources, names)}

@@ -193,9 +193,11 @@ def open_preference_splits(d: Any, tokenizer, template: ChatTemplate | None) -> 
     return PreferenceSplits(train, valid, truncated, dropped, read)
 
 
-def collate_pairs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A batch of pairs, its rows cut after the longest sample's last position: padding at the end of causal rows
-    changes no log-probability before it, so the forward pays for real tokens only."""
+def collate_pairs(items: list[dict[str, torch.Tensor]], multiple: int = 1) -> dict[str, torch.Tensor]:
+    """A batch of pairs, its rows cut after the longest sample's last position, rounded up to a ``multiple`` of
+    positions (LanguageModelingTask.sequence_multiple): padding at the end of causal rows changes no log-probability
+    before it, so the forward pays for real tokens only."""
     rows = torch.stack([item["rows"] for item in items])
     used = int((rows[:, :, 2] == 0).sum(-1).max())  # segment 0: the sample; 1: its padding
-    return {"rows": rows[..., : max(used, 1)].contiguous(), "index": torch.stack([item["index"] for item in items])}
+    width = min(-(-max(used, 1) // multiple) * multiple, rows.shape[-1])
+    return {"rows": rows[..., :width].contiguous(), "index": torch.stack([item["index"] for item in items])}

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from shardlab.errors import DataError
 from tasks.lm.binarize import is_valid_document
+from tasks.lm.loss import token_cross_entropy
 from tasks.lm.sft_packing import IGNORE, pack, packed_row
 from tasks.lm.sft_render import BoundedRenderer
 from tasks.lm.sft_template import ChatTemplate
@@ -378,8 +378,13 @@ def answer_token_loss(model, batch: torch.Tensor, device: torch.device, packed: 
     each need none (their padding follows the sample) and take the causal kernel of pretraining."""
     batch = batch.to(device, non_blocking=True)
     inputs, targets, segments = batch.unbind(1)
-    logits = model(inputs, segments) if packed else model(inputs)
+    return answer_loss(model(inputs, segments) if packed else model(inputs), targets)
+
+
+def answer_loss(logits: torch.Tensor, targets: torch.Tensor):
+    """Mean cross-entropy of ``logits`` over the answer tokens of ``targets`` (IGNORE elsewhere), in fp32; (loss, sums
+    of the loss and of the answer tokens). Also the last pipeline stage's loss (LanguageModelingTask.pipeline_loss)."""
     flat = targets.reshape(-1)
-    loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), flat, ignore_index=IGNORE, reduction="sum")
+    loss_sum = token_cross_entropy(logits, flat, ignore_index=IGNORE, reduction="sum")
     count = (flat != IGNORE).sum()
     return loss_sum / count.clamp(min=1), {"loss_sum": loss_sum.detach(), "count": count.float()}

@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardlab.distributed.compile import compiled
 from shardlab.errors import CheckpointError, ConfigError, DataError
@@ -22,8 +22,9 @@ from tasks.lm.cache import corpus_sources, read_corpus_meta
 from tasks.lm.context_parallel import SequenceBatch
 from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, expert_pieces, weight_names
+from tasks.lm.loss import token_cross_entropy
 from tasks.lm.moe_metrics import add_routing_loss, routing_metrics
-from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
+from tasks.lm.sft import FORMATS, answer_loss, answer_token_loss, open_sft_splits
 from tasks.lm.sft_packing import IGNORE, real_positions
 from tasks.lm.sft_template import find_chat_template
 from tasks.lm.tokenizer import load_tokenizer
@@ -36,7 +37,7 @@ def padded_vocab(vocab_size: int) -> int:
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of the logits (batch, seq, vocab) against the next tokens, computed in fp32."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    return token_cross_entropy(logits, targets)
 
 
 def record_lora_base(cfg, pretrained: Path | None) -> None:
@@ -172,8 +173,9 @@ class LanguageModelingTask(Task):
         return [message for refused, message in (
             (m.get("tie_embeddings", False), "model.tie_embeddings: the embedding (first pipeline stage) and the head "
              "(last stage) would share one weight across ranks; set model.tie_embeddings=false to pipeline"),
-            (self.sft, f"data.format={d.get('format')}: fine-tuning rows (answer-token weights, packed segments) do "
-             "not run through the pipeline yet; use distributed.pipeline_parallel_degree=1"),
+            (self.sft and d.get("pack", True), f"data.format={d.get('format')} with data.pack=true: packed rows' "
+             "segments (each sample's attention and positions) do not travel between pipeline stages yet; set "
+             "data.pack=false (a sample per row) or distributed.pipeline_parallel_degree=1"),
             (m.get("moe") is not None, "model.moe: the pipeline stages do not carry the MoE blocks' auxiliary loss and "
              "routing statistics yet (nor is there expert parallelism); use distributed.pipeline_parallel_degree=1"),
             (bool(d.get("sources")), "data.sources: a mixture's per-source validation does not run through the "
@@ -336,22 +338,33 @@ class LanguageModelingTask(Task):
     model_parallel_axes = ("tp", "pp", "cp")
 
     def tensor_parallel_plan(self, model: nn.Module) -> dict | None:
-        """The architecture's plan (tasks/lm/tensor_parallel.py), its LoRA-adapted layers split with their adapters."""
+        """The architecture's plan (tasks/lm/tensor_parallel.py), its logits left split over the vocabulary under
+        distributed.loss_parallel (every loss here takes them: tasks/lm/loss.py), its LoRA-adapted layers split with
+        their adapters."""
+        from shardlab.distributed.tensor_parallel import loss_parallel_on
         from tasks.lm.lora import lora_on
-        from tasks.lm.tensor_parallel import with_adapters
+        from tasks.lm.tensor_parallel import vocabulary_split_logits, with_adapters
 
         plan = model.tensor_parallel_plan()
+        if plan is not None and loss_parallel_on(self.cfg):
+            plan = vocabulary_split_logits(plan)
         return with_adapters(plan, model) if plan is not None and lora_on(self.cfg.model) else plan
 
     def tensor_parallel_errors(self, degree: int) -> list[str]:
-        """An architecture without a plan, and the sizes the degree must divide."""
+        """An architecture without a plan, the sizes the degree must divide, and the rows' length: sequence
+        parallelism gives each tensor-parallel rank an equal slice of every row's positions (an uneven split breaks
+        its collectives; rows cut shorter are rounded up to the degree: sequence_multiple)."""
         arch, m = self.architecture, self.cfg.model
         if arch.tensor_parallel_plan is LMArchitecture.tensor_parallel_plan:
             return [
                 f"distributed.tensor_parallel_degree ({degree}): model.arch={m.arch} has no tensor-parallel plan "
                 "(LMArchitecture.tensor_parallel_plan; tasks/lm/tensor_parallel.py has GPT's and Llama's); set it to 1"
             ]
-        return arch.tensor_parallel_errors(m, self.vocab_size, degree)
+        rows = [] if self.cfg.data.seq_len % degree == 0 else [
+            f"data.seq_len ({self.cfg.data.seq_len}) must be a multiple of distributed.tensor_parallel_degree "
+            f"({degree}): sequence parallelism splits every row's positions evenly over the tensor-parallel ranks"
+        ]  # fmt: skip
+        return arch.tensor_parallel_errors(m, self.vocab_size, degree) + rows
 
     def sequence_shards(self, batch: torch.Tensor, device: torch.device):
         """Context parallelism: a block as (inputs, targets, positions) split along the sequence
@@ -387,9 +400,17 @@ class LanguageModelingTask(Task):
         """Unpacked fine-tuning rows (data.pack=false: a sample each, padded at its end) cut to the micro-batch's
         longest sample, not data.seq_len: no step computes padding past it."""
         batch = super().collate(samples)
-        if self.sft and not self.cfg.data.pack:
-            batch = batch[..., : max(1, int(real_positions(batch).max()))].contiguous()
+        # (not through a pipeline: its stages exchange activations of the shape their first micro-batch had)
+        if self.sft and not self.cfg.data.pack and self.cfg.distributed.get("pipeline_parallel_degree", 1) == 1:
+            width = -(-max(1, int(real_positions(batch).max())) // self.sequence_multiple) * self.sequence_multiple
+            batch = batch[..., : min(width, batch.shape[-1])].contiguous()
         return batch
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What a cut row's length is rounded up to: the tensor-parallel degree, whose ranks each hold an equal slice
+        of every row's positions between layers (sequence parallelism; an uneven split breaks its collectives)."""
+        return self.cfg.distributed.get("tensor_parallel_degree", 1)
 
     def example_batch(self, batch_size: int) -> torch.Tensor:
         if self.sft:  # rows of (inputs, targets, segments): tasks/lm/sft_packing.py
@@ -415,15 +436,24 @@ class LanguageModelingTask(Task):
         return PipelineCut(layers="blocks", num_layers=self.cfg.model.num_layers, first=("embed",), last=("head",))
 
     def pipeline_batch(self, batch: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input tokens, next tokens) of a block of data.seq_len + 1 tokens."""
+        """(input tokens, next tokens) of a block of data.seq_len + 1 tokens; fine-tuning (unpacked rows, a sample
+        each: pipeline_errors): (input tokens, answer targets, IGNORE elsewhere)."""
         batch = batch.to(device, non_blocking=True)
+        if self.sft:
+            inputs, targets, _ = batch.unbind(1)  # the sample's padding follows it: the causal kernel, no segments
+            return inputs, targets
         return batch[:, :-1], batch[:, 1:]
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor):
-        """Mean next-token cross-entropy, and its sum and count for summarize."""
+        """Mean next-token cross-entropy, and its sum and count for summarize; fine-tuning: over the answer tokens."""
+        if self.sft:
+            return answer_loss(logits, targets)
         # distributed.compile: one fused kernel casts and reduces the logits, without an fp32 copy of them in memory
         # (the memory plan's shape-only pass on meta stays eager; configs stored by older checkpoints lack the key)
+        # (not for logits split over the vocabulary, distributed.loss_parallel: each rank's fp32 copy is already 1/tp
+        # of them, and the compiled loss over loss_parallel's DTensor op handlers is not exercised here)
         fuse = self.cfg.distributed.get("compile", False) and logits.device.type != "meta"
+        fuse = fuse and not isinstance(logits, DTensor)
         loss = (compiled(next_token_loss) if fuse else next_token_loss)(logits, targets)
         n = targets.numel()
         return loss, {"loss_sum": loss.detach() * n, "count": torch.tensor(float(n))}

@@ -5,11 +5,12 @@ Between blocks the residual stream is split by sequence (sequence parallelism: S
 adds run on a 1/tp slice of the tokens. Entering attention or the MLP it is all-gathered; q, k, v, gate and up are
 column-wise (each rank computes its own heads, its own slice of the FFN width), o and down row-wise, their partial
 sums reduce-scattered back onto the sequence. The embedding is split by vocabulary rows and hands on the sequence
-slice; the head is column-wise over the vocabulary, its logits gathered whole, so the task's loss is unchanged. A tied
-embedding and head share one weight split by vocabulary rows both ways. Qwen3's q/k norms are sequence-parallel over
-the heads dimension (their weight's gradient is summed over the tensor-parallel ranks, each of which saw its heads).
-LoRA's adapted layers are split with their adapters (SplitAdaptedLinear); GPT's fused qkv projection with its output
-regrouped by heads (FusedQKVColwise).
+slice; the head is column-wise over the vocabulary, its logits gathered whole, or, with distributed.loss_parallel,
+left split over the vocabulary (vocabulary_split_logits) for torch's loss-parallel cross-entropy (tasks/lm/loss.py).
+A tied embedding and head share one weight split by vocabulary rows both ways. Qwen3's q/k norms are sequence-parallel
+over the heads dimension (their weight's gradient is summed over the tensor-parallel ranks, each of which saw its
+heads). LoRA's adapted layers are split with their adapters (SplitAdaptedLinear); GPT's fused qkv projection with its
+output regrouped by heads (FusedQKVColwise).
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+HEAD = "head.out"
+"""The output projection of every LM plan: column-wise over the vocabulary."""
+
+
+def vocabulary_split_logits(plan: dict) -> dict:
+    """``plan`` with the head's logits left split over the vocabulary, as DTensors (distributed.loss_parallel, as
+    torchtitan's loss parallel): each rank holds (batch, sequence, vocabulary / tp) of them, never the whole."""
+    return {**plan, HEAD: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
 
 
 def llama_plan(qk_norm: bool) -> dict:
@@ -55,7 +65,7 @@ def llama_plan(qk_norm: bool) -> dict:
         "blocks.*.mlp.up": ColwiseParallel(),
         "blocks.*.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
         "head.norm": SequenceParallel(),
-        "head.out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        HEAD: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
     if qk_norm:  # (batch, length, local heads, head_dim): the local heads are dimension 2's shard
         plan["blocks.*.attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -218,5 +228,5 @@ def gpt_plan(dim: int) -> dict:
         "blocks.*.mlp.fc": ColwiseParallel(),
         "blocks.*.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
         "head.ln_f": SequenceParallel(),
-        "head.out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        HEAD: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }

@@ -1,6 +1,7 @@
-"""task=dpo trains alike on 1 process and on 2 fully_sharded (and ddp) ranks, with LoRA (reference: the adapters
-off) and with full fine-tuning (reference: the starting model's log-probabilities, computed once and kept with the
-checkpoints), and a resumed run continues the uninterrupted curve, also on another world size (CPU, gloo).
+"""task=dpo trains alike on 1 process and on 2 fully_sharded (and ddp, and tensor-parallel) ranks, with LoRA
+(reference: the adapters off) and with full fine-tuning (reference: the starting model's log-probabilities, computed
+once and kept with the checkpoints), and a resumed run continues the uninterrupted curve, also on another world size
+(CPU, gloo).
 
 A resume that recomputed the reference from the weights it resumes would restart the rewards at 0: the resumed
 curves below would part from the uninterrupted one at once."""
@@ -29,6 +30,9 @@ REWARD_ATOL = 1e-5
 """A reward is beta times the difference of two sums of ~200 log-probabilities (~-300 each, fp32): a rank's other
 micro-batch shape moves them by ~1e-5 absolute (measured 1.5e-6 on rewards of ~4e-3), a relative tolerance cannot
 hold there."""
+TP2 = ["distributed.tensor_parallel_degree=2"]
+"""Both ranks split every layer, the log-probabilities gathered from logits split over the vocabulary (loss parallel);
+rows cut to the longest sample rounded up to an even length, each rank's half of the positions between layers."""
 METRICS = ("loss", "gnorm", "rewards/chosen", "rewards/rejected", "rewards/accuracies")
 
 
@@ -50,11 +54,12 @@ def runs(tmp_path_factory):
     fsdp_dir = tmp_path_factory.mktemp("fsdp")
     reference = run_rank(dpo(), single, dist_env.detect())
     lora_reference = run_rank(dpo(*LORA), lora_single, dist_env.detect())
-    fsdp, lora_fsdp, fsdp_from_single, ddp, lora_from_single = run_spawned(
+    fsdp, lora_fsdp, fsdp_from_single, ddp, lora_from_single, tp2 = run_spawned(
         [dpo(FSDP), dpo(FSDP, *LORA), dpo(FSDP, f"checkpoint.resume={step3(single)}"), dpo("distributed.backend=ddp"),
-         dpo(FSDP, *LORA, f"checkpoint.resume={step3(lora_single)}")],
+         dpo(FSDP, *LORA, f"checkpoint.resume={step3(lora_single)}"), dpo(FSDP, *TP2)],
         world_size=2,
-        run_dirs=[fsdp_dir, *(tmp_path_factory.mktemp(n) for n in ("lora_fsdp", "resumed", "ddp", "lora_resumed"))],
+        run_dirs=[fsdp_dir, *(tmp_path_factory.mktemp(n) for n in ("lora_fsdp", "resumed", "ddp", "lora_resumed",
+                                                                   "tp2"))],
     )  # fmt: skip
     single_from_fsdp = run_rank(
         dpo(f"checkpoint.resume={step3(fsdp_dir)}"), tmp_path_factory.mktemp("from_fsdp"), dist_env.detect()
@@ -62,14 +67,15 @@ def runs(tmp_path_factory):
     return {
         "reference": reference, "lora_reference": lora_reference, "fsdp": fsdp, "lora_fsdp": lora_fsdp,
         "fsdp_from_single": fsdp_from_single, "single_from_fsdp": single_from_fsdp, "ddp": ddp,
-        "lora_fsdp_from_single": lora_from_single,
+        "lora_fsdp_from_single": lora_from_single, "tp2": tp2,
     }  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("name", "against"),
     [("fsdp", "reference"), ("lora_fsdp", "lora_reference"), ("fsdp_from_single", "reference"),
-     ("single_from_fsdp", "reference"), ("ddp", "reference"), ("lora_fsdp_from_single", "lora_reference")],
+     ("single_from_fsdp", "reference"), ("ddp", "reference"), ("lora_fsdp_from_single", "lora_reference"),
+     ("tp2", "reference")],
 )  # fmt: skip
 def test_two_ranks_and_resumes_follow_the_single_process_curve(runs, name, against):
     got, expected = history(runs[name]), history(runs[against])

@@ -1,6 +1,7 @@
 """Pipeline parallelism (shardlab.distributed.pipeline) trains exactly like one process on the same global batch (CPU,
 gloo): the same losses, gradient norms (clipped over all stages) and weights after 10 steps, with 1F1B, interleaved
-1F1B (2 stages per rank) and PP composed with FSDP; and a PP run's step folder resumes on one process."""
+1F1B (2 stages per rank) and PP composed with FSDP, with hybrid sharding and with FSDP x TP (3D, the logits split over
+the vocabulary: loss parallel); and a PP run's step folder resumes on one process."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardlab.distributed import env as dist_env
+from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
 from tests.distributed.harness import run_spawned
+from tests.distributed.test_tensor_parallel import SFT
 
 # 4 blocks: 2 per stage at PP 2, 1 per stage with 2 stages per rank. Untied: the embedding lives on the first stage and
 # the head on the last. Each step's 2 micro-batches (update_freq) are the pipeline's micro-batches.
@@ -30,6 +33,11 @@ VARIANTS_2 = {
     "gpipe_llama": [*PP2, "distributed.pipeline_schedule=gpipe", *LLAMA],
     "1f1b_act_ckpt": [*PP2, "distributed.activation_checkpointing=full"],  # each stage's units wrapped alone
 }
+SFT_PP = [*SFT, *PIPELINE_LM, "data.pack=false"]
+"""Fine-tuning on rows of one sample each (a Llama, 4 blocks): the loss over the answer tokens only, each micro-batch
+weighted by its share of the step's answer tokens on all data-parallel ranks, as without a pipeline. Through the
+pipeline the rows keep data.seq_len positions (the stages exchange activations of one shape); one process cuts them
+to each micro-batch's longest sample."""
 
 
 def full_params(trainer) -> dict:
@@ -79,10 +87,12 @@ def references(tiny_lm, tmp_path_factory):
         result = run_rank(tiny_lm(*PIPELINE_LM, CKPT, *overrides), run_dir, dist_env.detect(), after_fit=full_params)
         return {**result, "run_dir": run_dir}
 
+    sft = run_rank(compose_config(SFT_PP), tmp_path_factory.mktemp("sft"), dist_env.detect(), after_fit=full_params)
     return {
         "gpt": single("single"),
         "llama": single("single_llama", *LLAMA),
         "llama_gqa": single("single_llama_gqa", *LLAMA, *GQA),
+        "sft": sft,
     }
 
 
@@ -97,11 +107,12 @@ def two_rank_results(tiny_lm, references, tmp_path_factory):
         "1f1b_from_single": [*VARIANTS_2["1f1b"], f"checkpoint.resume={step5(references['gpt'])}"],
     }
     cfgs = [tiny_lm(*PIPELINE_LM, CKPT, *overrides) for overrides in variants.values()]
-    run_dirs = [tmp_path_factory.mktemp(name) for name in variants]
+    cfgs.append(compose_config([*SFT_PP, *PP2]))
+    run_dirs = [tmp_path_factory.mktemp(name) for name in (*variants, "sft")]
     results = run_spawned(cfgs, world_size=2, run_dirs=run_dirs, inspect=full_params)
     for result, run_dir in zip(results, run_dirs, strict=True):
         result["run_dir"] = run_dir
-    return dict(zip(variants, results, strict=True))
+    return dict(zip((*variants, "sft"), results, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +124,10 @@ def four_rank_results(tiny_lm, three_d_results):
         tiny_lm(*PIPELINE_LM, *VARIANTS_2["1f1b"]),
         tiny_lm(*PIPELINE_LM, *VARIANTS_2["1f1b"], "distributed.tensor_parallel_degree=2"),
         tiny_lm(*PIPELINE_LM, *LLAMA, *GQA, FSDP, f"checkpoint.resume={step5(three_d_results)}"),
+        compose_config([*SFT_PP, *PP2]),
     ]
     results = run_spawned(cfgs, world_size=4, inspect=full_params)
-    return dict(zip(("fsdp", "tp", "fsdp4_from_3d"), results, strict=True))
+    return dict(zip(("fsdp", "tp", "fsdp4_from_3d", "sft"), results, strict=True))
 
 
 @pytest.mark.parametrize("name", list(VARIANTS_2))
@@ -130,19 +142,39 @@ THREE_D = [*VARIANTS_2["1f1b"], *LLAMA, *GQA, "distributed.tensor_parallel_degre
 @pytest.fixture(scope="module")
 def three_d_results(tiny_lm, references, tmp_path_factory):
     """FSDP 2 x TP 2 x PP 2 on a Llama (GQA: 4 query and 2 key/value heads, so each TP rank holds one KV head); and,
-    in the same spawn, one process's step 5 resumed in that layout."""
+    in the same spawn, one process's step 5 resumed in that layout, and PP 2 x hybrid sharding (2 replicas x FSDP 2)
+    on the GPT."""
     cfgs = [
         tiny_lm(*PIPELINE_LM, CKPT, *THREE_D),
         tiny_lm(*PIPELINE_LM, *THREE_D, f"checkpoint.resume={step5(references['llama_gqa'])}"),
+        tiny_lm(*PIPELINE_LM, *VARIANTS_2["1f1b"], "distributed.sharding_degree=2"),
     ]
-    run_dirs = [tmp_path_factory.mktemp("three_d"), tmp_path_factory.mktemp("three_d_from_single")]
-    trained, from_single = run_spawned(cfgs, world_size=8, run_dirs=run_dirs, inspect=full_params)
-    return {**trained, "run_dir": run_dirs[0], "from_single": from_single}
+    run_dirs = [tmp_path_factory.mktemp(name) for name in ("three_d", "three_d_from_single", "pp_hybrid")]
+    trained, from_single, hybrid = run_spawned(cfgs, world_size=8, run_dirs=run_dirs, inspect=full_params)
+    return {**trained, "run_dir": run_dirs[0], "from_single": from_single, "hybrid": hybrid}
 
 
 def test_fsdp_tp_pp_matches_single_process(three_d_results, references):
     assert three_d_results["layout"] == "pp 2 x dp_shard 2 x tp 2"
     assert_same_training(three_d_results, references["llama_gqa"])
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fine_tuning_through_the_pipeline_matches_single_process(
+    ranks, two_rank_results, four_rank_results, references
+):  # noqa: E501
+    """PP 2 alone, and PP 2 x FSDP 2, whose 2 data-parallel ranks hold different answer-token counts: the step's
+    gradient is the mean over all its answer tokens, each counted once though every stage reads the rows."""
+    result = (two_rank_results if ranks == 2 else four_rank_results)["sft"]
+    assert result["layout"] == ("pp 2" if ranks == 2 else "pp 2 x dp_shard 2")
+    assert_same_training(result, references["sft"])
+
+
+def test_pipeline_composed_with_hybrid_sharding_matches_single_process(three_d_results, references):
+    """Each stage sharded over 2 ranks and replicated over 2 more (HSDP: reduce-scatter, then all-reduce across the
+    replicas), the 4 data-parallel ranks each reading a quarter of every batch."""
+    assert three_d_results["hybrid"]["layout"] == "pp 2 x dp_replicate 2 x dp_shard 2"
+    assert_same_training(three_d_results["hybrid"], references["gpt"])
 
 
 def test_pipeline_composed_with_fsdp_matches_single_process(four_rank_results, references):

@@ -28,6 +28,8 @@ REFUSED = {
                   r"^distributed.tensor_parallel_degree \(2\) must divide model.ffn_dim \(the FFN width\) \(129\)"),
     "vocabulary": ([*LLAMA, TP[0], f"{TP[1]}=2", "model.vocab_size=321", "distributed.world_size=2"],
                    r"^distributed.tensor_parallel_degree \(2\) must divide the vocabulary \(321\)"),
+    "row length": ([*LLAMA, TP[0], f"{TP[1]}=2", "data.seq_len=31", "distributed.world_size=2"],
+                   r"^data.seq_len \(31\) must be a multiple of distributed.tensor_parallel_degree \(2\)"),
     "gpt positions": (
         [TP[0], f"{TP[1]}=2", "model.max_seq_len=33", "distributed.world_size=2"],
         r"^distributed.tensor_parallel_degree \(2\) must divide model.max_seq_len \(33\)",

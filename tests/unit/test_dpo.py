@@ -16,7 +16,7 @@ from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task
 from tasks.lm.dpo import DPOSettings, dpo_loss
 from tasks.lm.lora import LoRALinear, adapters_off
-from tasks.lm.preference import demo_pairs, record_pair
+from tasks.lm.preference import collate_pairs, demo_pairs, record_pair
 from tests.unit.test_sft import CHAT, LLAMA3_TEMPLATE, QWEN2_TEMPLATE, chat_folder, untagged
 
 TINY = ["task=dpo", "model.num_layers=1", "model.dim=32", "model.num_heads=2", "data.seq_len=64"]
@@ -105,6 +105,20 @@ def test_demo_splits_fill_the_default_batches():
     assert batch["rows"].shape[:3] == (8, 2, 3) and batch["rows"].shape[3] <= 256
     assert batch["index"].tolist() == list(range(8))
     assert task.valid_dataset[0]["index"] == len(task.train_dataset)  # one reference table for both splits
+
+
+@pytest.mark.parametrize(("multiple", "width"), [(1, 5), (2, 6), (4, 8), (16, 9)])
+def test_pairs_are_cut_to_a_multiple_of_the_tensor_parallel_degree(multiple, width):
+    """Sequence parallelism splits every row's positions evenly over the tensor ranks: the longest sample (5 of 9
+    positions) rounded up to the degree, never past the rows' width."""
+    items = []
+    for i, used in enumerate((3, 5)):
+        rows = torch.arange(2 * 3 * 9).view(2, 3, 9)
+        rows[:, 2] = (torch.arange(9) >= used).long()  # segment 0: the sample; 1: its padding
+        items.append({"rows": rows, "index": torch.tensor(i)})
+    batch = collate_pairs(items, multiple)
+    assert batch["rows"].shape == (2, 2, 3, width)
+    assert torch.equal(batch["rows"], torch.stack([item["rows"] for item in items])[..., :width])
 
 
 def test_label_smoothing_puts_the_optimum_at_a_finite_margin_and_ipo_at_its_target():

@@ -77,3 +77,15 @@ def test_the_validation_batch_splits_over_the_data_ranks_only_not_the_tensor_ran
     with pytest.raises(ConfigError, match=r"validation.batch_size \(3\) must be a multiple of data-parallel ranks x "
                        r"optimization.update_freq \(2\)"):  # fmt: skip
         checks.check(tiny_lm(*tp, "validation.batch_size=3"))
+
+
+def test_fine_tuning_runs_through_a_pipeline_on_unpacked_rows_only():
+    """A sample per row (data.pack=false) passes; packed rows are refused naming data.pack: their segments (each
+    sample's attention mask and positions) would have to reach every stage, which gets only the hidden states."""
+    from tests.unit.test_sft import SFT_TINY
+
+    sft = [*SFT_TINY, *FITS, "optimization.batch_size=4"]
+    checks.check(compose_config([*sft, "data.pack=false"]))
+    with pytest.raises(ConfigError, match=r"^data.format=\w+ with data.pack=true: packed rows' segments") as refused:
+        checks.check(compose_config([*sft, "data.pack=true"]))
+    assert "\n" not in str(refused.value)
