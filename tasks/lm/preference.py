@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 from shardlab.errors import DataError
 from tasks.lm.binarize import is_valid_document
 from tasks.lm.sft import DEMO_MAX_CHARS, Sample, demo_records, encode_with_starts, file_records
-from tasks.lm.sft_packing import packed_row
+from tasks.lm.sft_packing import IGNORE, PAD_SEGMENT, pack, packed_row
 from tasks.lm.sft_template import ChatTemplate
 
 
@@ -199,3 +199,28 @@ def collate_pairs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     rows = torch.stack([item["rows"] for item in items])
     used = int((rows[:, :, 2] == 0).sum(-1).max())  # segment 0: the sample; 1: its padding
     return {"rows": rows[..., : max(used, 1)].contiguous(), "index": torch.stack([item["index"] for item in items])}
+
+
+def pack_pairs(items: list[dict[str, torch.Tensor]], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """A micro-batch of pairs packed (data.pack=true): its 2 n answers' sequences, pair j's chosen numbered 2 j and its
+    rejected 2 j + 1, filled in that order into rows of seq_len positions (sft_packing.pack: next fit, so it depends
+    on the micro-batch alone and every rank and every replay packs alike), each sequence a segment whose id is its
+    number: the models keep attention within it and restart its positions, and the loss sums its log-probabilities
+    back to its pair (tasks/lm/dpo.py: pair_logps). A pair's two answers may land in different rows: the whole
+    micro-batch goes through one forward either way. Rows cut after the longest row's last sequence; "index" as
+    collate_pairs gives it (the precomputed reference's pair numbers)."""
+    sequences = []
+    for item in items:
+        for answer in item["rows"]:  # (3, seq_len): the sample's positions (segment 0), then its padding
+            sequences.append(answer[:2, : int((answer[2] == 0).sum())])
+    groups = pack([s.shape[1] for s in sequences], seq_len)
+    width = max(sum(sequences[k].shape[1] for k in group) for group in groups)
+    rows = torch.tensor([pad_id, IGNORE, PAD_SEGMENT]).repeat(len(groups), width, 1).transpose(1, 2).contiguous()
+    for r, group in enumerate(groups):
+        at = 0
+        for k in group:
+            n = sequences[k].shape[1]
+            rows[r, :2, at : at + n] = sequences[k]
+            rows[r, 2, at : at + n] = k
+            at += n
+    return {"rows": rows, "index": torch.stack([item["index"] for item in items])}

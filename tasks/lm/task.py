@@ -220,13 +220,16 @@ class LanguageModelingTask(Task):
                 "file; a model folder's chat_template.jinja is found beside data.tokenizer), or use "
                 "data.format=prompt_completion"
             )
-        arch = self.architecture
-        if d.pack and "segments" not in inspect.signature(arch.forward).parameters:
-            errors.append(
+        return errors + self.pack_errors()
+
+    def pack_errors(self) -> list[str]:
+        """data.pack=true needs a model that takes segments (a packed row's sample ids)."""
+        if self.cfg.data.pack and "segments" not in inspect.signature(self.architecture.forward).parameters:
+            return [
                 f"data.pack: model.arch={self.cfg.model.arch} takes no segments (a packed row's sample ids), so "
                 "samples would attend to each other; set data.pack=false"
-            )
-        return errors
+            ]
+        return []
 
     def pretrained_keys(self):
         """With model.pretrained: every parameter the folder fills (all but LoRA adapters, which keep their seeded
