@@ -11,7 +11,8 @@ As TRL tokenizes them: the prompt alone and the prompt followed by each answer, 
 the longest prefix the three share (a template or a merge across the boundary can make the prompt alone differ).
 Each pair is checked: a record lacking a field, of the wrong type, or whose answers are empty or identical is refused
 in one line naming file:line. A pair longer than data.seq_len + 1 is cut (both rows), and one left without an
-answer token in either row is dropped, counted as SFT counts them.
+answer token in either row is dropped, counted as SFT counts them. Each answer is a row of its own (collate_pairs),
+or with data.pack=true a micro-batch's answers share rows as segments (pack_pairs).
 
 The demo: for each of the SFT demo's stdlib functions, its def line and docstring the prompt, its body the chosen
 answer, and the body of the next function whose body fits beside the prompt the rejected one: a plausible answer to
