@@ -107,3 +107,20 @@ def test_packed_pairs_train_as_unpacked_ones_in_fewer_rows(runs, lora):
     assert [p for p, _ in packed] == [p for p, _ in unpacked]  # the same micro-batches of pairs (reference pass too)
     assert all(rows == 2 * pairs for pairs, rows in unpacked)
     assert sum(rows for _, rows in packed) * 2 <= sum(rows for _, rows in unpacked)  # short pairs: 2+ answers a row
+
+
+def test_the_packing_benchmark_writes_its_figures(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import bench_dpo_packing
+
+    out = tmp_path / "p.json"
+    tiny = ["model.num_layers=1", "model.dim=32", "model.num_heads=2", "optimization.batch_size=4"]
+    result = bench_dpo_packing.main(["--steps", "1", "--rounds", "1", "--out", str(out), *tiny])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    packed, unpacked = result["packed"], result["unpacked"]
+    assert packed["real_tokens_per_step"] == unpacked["real_tokens_per_step"] > 0  # the same pairs on both sides
+    assert unpacked["rows_per_step"] == 8 and packed["rows_per_step"] <= 8
+    assert packed["real_tokens_per_s"] > 0 and result["meta"]["commit"] is not None
