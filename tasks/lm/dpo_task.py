@@ -62,9 +62,12 @@ class PreferenceTask(LanguageModelingTask):
         return {"rows": rows, "index": torch.zeros(batch_size, dtype=torch.long, device="meta")}
 
     def collate(self, samples: list) -> dict[str, torch.Tensor]:
+        """Rows cut to the micro-batch's need, a multiple of the tensor-parallel degree long (sequence parallelism
+        splits them evenly: data.seq_len is one)."""
+        multiple = self.cfg.distributed.get("tensor_parallel_degree", 1)
         if self.cfg.data.pack:
-            return pack_pairs(samples, self.cfg.data.seq_len, self.tokenizer.eod)
-        return collate_pairs(samples)
+            return pack_pairs(samples, self.cfg.data.seq_len, self.tokenizer.eod, multiple)
+        return collate_pairs(samples, multiple)
 
     def training_state(self, train_state, device: torch.device) -> ReferenceLogProbs | None:
         """Full fine-tuning: the reference log-probabilities of every pair, saved and resumed with the run."""

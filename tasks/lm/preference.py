@@ -194,28 +194,36 @@ def open_preference_splits(d: Any, tokenizer, template: ChatTemplate | None) -> 
     return PreferenceSplits(train, valid, truncated, dropped, read)
 
 
-def collate_pairs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A batch of pairs, its rows cut after the longest sample's last position: padding at the end of causal rows
-    changes no log-probability before it, so the forward pays for real tokens only."""
+def rounded_up(length: int, multiple: int) -> int:
+    """``length`` (at least 1) rounded up to a multiple of ``multiple``: the row length sequence-parallel tensor
+    parallelism splits evenly (the task passes distributed.tensor_parallel_degree)."""
+    return -(-max(length, 1) // multiple) * multiple
+
+
+def collate_pairs(items: list[dict[str, torch.Tensor]], multiple: int = 1) -> dict[str, torch.Tensor]:
+    """A batch of pairs, its rows cut after the longest sample's last position (rounded up to ``multiple``): padding
+    at the end of causal rows changes no log-probability before it, so the forward pays for real tokens only."""
     rows = torch.stack([item["rows"] for item in items])
-    used = int((rows[:, :, 2] == 0).sum(-1).max())  # segment 0: the sample; 1: its padding
-    return {"rows": rows[..., : max(used, 1)].contiguous(), "index": torch.stack([item["index"] for item in items])}
+    used = rounded_up(int((rows[:, :, 2] == 0).sum(-1).max()), multiple)  # segment 0: the sample; -1: its padding
+    return {"rows": rows[..., :used].contiguous(), "index": torch.stack([item["index"] for item in items])}
 
 
-def pack_pairs(items: list[dict[str, torch.Tensor]], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+def pack_pairs(
+    items: list[dict[str, torch.Tensor]], seq_len: int, pad_id: int, multiple: int = 1
+) -> dict[str, torch.Tensor]:
     """A micro-batch of pairs packed (data.pack=true): its 2 n answers' sequences, pair j's chosen numbered 2 j and its
     rejected 2 j + 1, filled in that order into rows of seq_len positions (sft_packing.pack: next fit, so it depends
     on the micro-batch alone and every rank and every replay packs alike), each sequence a segment whose id is its
     number: the models keep attention within it and restart its positions, and the loss sums its log-probabilities
     back to its pair (tasks/lm/dpo.py: pair_logps). A pair's two answers may land in different rows: the whole
-    micro-batch goes through one forward either way. Rows cut after the longest row's last sequence; "index" as
-    collate_pairs gives it (the precomputed reference's pair numbers)."""
+    micro-batch goes through one forward either way. Rows cut after the longest row's last sequence (rounded up to
+    ``multiple``); "index" as collate_pairs gives it (the precomputed reference's pair numbers)."""
     sequences = []
     for item in items:
         for answer in item["rows"]:  # (3, seq_len): the sample's positions (segment 0), then its padding
             sequences.append(answer[:2, : int((answer[2] == 0).sum())])
     groups = pack([s.shape[1] for s in sequences], seq_len)
-    width = max(sum(sequences[k].shape[1] for k in group) for group in groups)
+    width = rounded_up(max(sum(sequences[k].shape[1] for k in group) for group in groups), multiple)
     rows = torch.tensor([pad_id, IGNORE, PAD_SEGMENT]).repeat(len(groups), width, 1).transpose(1, 2).contiguous()
     for r, group in enumerate(groups):
         at = 0

@@ -2,7 +2,7 @@
 off) and with full fine-tuning (reference: the starting model's log-probabilities, computed once and kept with the
 checkpoints), and a resumed run continues the uninterrupted curve, also on another world size (CPU, gloo); packed
 pairs (data.pack=true) on 2 fully_sharded ranks follow the packed single process too (each rank packs its own
-micro-batch; tests/unit/test_dpo_packing.py compares packed with unpacked).
+micro-batch; tests/unit/test_dpo_packing.py compares packed with unpacked), and so do 2 tensor-parallel ranks.
 
 A resume that recomputed the reference from the weights it resumes would restart the rewards at 0: the resumed
 curves below would part from the uninterrupted one at once."""
@@ -26,6 +26,8 @@ DPO_TINY = [
     "logging.progress_bar=false", "logging.tensorboard=false", "logging.interval_steps=1",
 ]  # fmt: skip
 """task=dpo on the demo pairs, small enough for a few steps in seconds."""
+TP = "distributed.tensor_parallel_degree=2"
+"""Sequence-parallel tensor parallelism: each micro-batch's rows a multiple of 2 long (PreferenceTask.collate)."""
 PACK = ["data.pack=true", "model.max_seq_len=512", "data.seq_len=512"]
 """Each rank's micro-batch of pairs packed into shared rows (tasks/lm/preference.py: pack_pairs), two of the demo's
 answers (~200 tokens) to a row."""
@@ -58,12 +60,13 @@ def runs(tmp_path_factory):
     packed_reference = run_rank(dpo(*PACK), tmp_path_factory.mktemp("packed_single"), dist_env.detect())
     lora_packed_single = tmp_path_factory.mktemp("lora_packed_single")
     lora_packed_reference = run_rank(dpo(*LORA, *PACK), lora_packed_single, dist_env.detect())
-    fsdp, lora_fsdp, fsdp_from_single, ddp, lora_from_single, packed, lora_packed = run_spawned(
+    fsdp, lora_fsdp, fsdp_from_single, ddp, lora_from_single, packed, lora_packed, tp, tp_packed = run_spawned(
         [dpo(FSDP), dpo(FSDP, *LORA), dpo(FSDP, f"checkpoint.resume={step3(single)}"), dpo("distributed.backend=ddp"),
-         dpo(FSDP, *LORA, f"checkpoint.resume={step3(lora_single)}"), dpo(FSDP, *PACK), dpo(FSDP, *LORA, *PACK)],
+         dpo(FSDP, *LORA, f"checkpoint.resume={step3(lora_single)}"), dpo(FSDP, *PACK), dpo(FSDP, *LORA, *PACK),
+         dpo(FSDP, TP), dpo(FSDP, TP, *PACK)],
         world_size=2,
         run_dirs=[fsdp_dir, *(tmp_path_factory.mktemp(n) for n in ("lora_fsdp", "resumed", "ddp", "lora_resumed",
-                                                                    "packed", "lora_packed"))],
+                                                                    "packed", "lora_packed", "tp", "tp_packed"))],
     )  # fmt: skip
     single_from_fsdp = run_rank(
         dpo(f"checkpoint.resume={step3(fsdp_dir)}"), tmp_path_factory.mktemp("from_fsdp"), dist_env.detect()
@@ -72,7 +75,8 @@ def runs(tmp_path_factory):
         "reference": reference, "lora_reference": lora_reference, "fsdp": fsdp, "lora_fsdp": lora_fsdp,
         "fsdp_from_single": fsdp_from_single, "single_from_fsdp": single_from_fsdp, "ddp": ddp,
         "lora_fsdp_from_single": lora_from_single, "fsdp_packed": packed, "lora_fsdp_packed": lora_packed,
-        "packed_reference": packed_reference, "lora_packed_reference": lora_packed_reference,
+        "packed_reference": packed_reference, "lora_packed_reference": lora_packed_reference, "tp": tp,
+        "tp_packed": tp_packed,
     }  # fmt: skip
 
 
@@ -80,7 +84,8 @@ def runs(tmp_path_factory):
     ("name", "against"),
     [("fsdp", "reference"), ("lora_fsdp", "lora_reference"), ("fsdp_from_single", "reference"),
      ("single_from_fsdp", "reference"), ("ddp", "reference"), ("lora_fsdp_from_single", "lora_reference"),
-     ("fsdp_packed", "packed_reference"), ("lora_fsdp_packed", "lora_packed_reference")],
+     ("fsdp_packed", "packed_reference"), ("lora_fsdp_packed", "lora_packed_reference"), ("tp", "reference"),
+     ("tp_packed", "packed_reference")],
 )  # fmt: skip
 def test_two_ranks_and_resumes_follow_the_single_process_curve(runs, name, against):
     got, expected = history(runs[name]), history(runs[against])
