@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 from shardlab.errors import DataError
 from tasks.lm.binarize import is_valid_document
 from tasks.lm.sft import DEMO_MAX_CHARS, Sample, demo_records, encode_with_starts, file_records
-from tasks.lm.sft_packing import IGNORE, PAD_SEGMENT, pack, packed_row
+from tasks.lm.sft_packing import IGNORE, PAD_SEGMENT, pack, packed_row, rounded_up
 from tasks.lm.sft_template import ChatTemplate
 
 
@@ -192,12 +192,6 @@ def open_preference_splits(d: Any, tokenizer, template: ChatTemplate | None) -> 
     train = PairRows(splits["train"], d.seq_len, tokenizer.eod)
     valid = PairRows(splits["valid"], d.seq_len, tokenizer.eod, offset=len(train))
     return PreferenceSplits(train, valid, truncated, dropped, read)
-
-
-def rounded_up(length: int, multiple: int) -> int:
-    """``length`` (at least 1) rounded up to a multiple of ``multiple``: the row length sequence-parallel tensor
-    parallelism splits evenly (the task passes distributed.tensor_parallel_degree)."""
-    return -(-max(length, 1) // multiple) * multiple
 
 
 def collate_pairs(items: list[dict[str, torch.Tensor]], multiple: int = 1) -> dict[str, torch.Tensor]:

@@ -65,3 +65,9 @@ def packed_row(samples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id
     pad = seq_len - len(inputs)
     row = [inputs + [pad_id] * pad, targets + [IGNORE] * pad, segments + [PAD_SEGMENT] * pad]
     return torch.tensor(row, dtype=torch.long)
+
+
+def rounded_up(length: int, multiple: int) -> int:
+    """``length`` (at least 1) rounded up to a multiple of ``multiple``: the row length sequence-parallel tensor
+    parallelism splits evenly (the task passes distributed.tensor_parallel_degree)."""
+    return -(-max(length, 1) // multiple) * multiple

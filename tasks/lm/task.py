@@ -23,7 +23,7 @@ from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
 from tasks.lm.moe_metrics import add_routing_loss, routing_metrics
 from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
-from tasks.lm.sft_packing import IGNORE, real_positions
+from tasks.lm.sft_packing import IGNORE, real_positions, rounded_up
 from tasks.lm.sft_template import find_chat_template
 from tasks.lm.tokenizer import load_tokenizer
 
@@ -358,10 +358,12 @@ class LanguageModelingTask(Task):
 
     def collate(self, samples: list) -> torch.Tensor:
         """Unpacked fine-tuning rows (data.pack=false: a sample each, padded at its end) cut to the micro-batch's
-        longest sample, not data.seq_len: no step computes padding past it."""
+        longest sample, not data.seq_len: no step computes padding past it. The cut rounds up to a multiple of
+        distributed.tensor_parallel_degree: sequence parallelism splits rows evenly or its collectives disagree."""
         batch = super().collate(samples)
         if self.sft and not self.cfg.data.pack:
-            batch = batch[..., : max(1, int(real_positions(batch).max()))].contiguous()
+            multiple = self.cfg.distributed.get("tensor_parallel_degree", 1)
+            batch = batch[..., : rounded_up(int(real_positions(batch).max()), multiple)].contiguous()
         return batch
 
     def example_batch(self, batch_size: int) -> torch.Tensor:
