@@ -212,7 +212,7 @@ class LMDataConfig:
     """Skip fine-tuning records that cannot be trained on (empty or null content, an unknown role, no assistant turn),
     counted and named in the start line; false = refuse the first, naming its file:line."""
     pack: bool = True
-    """Pack several samples into each row of data.seq_len, attention kept within each; false = one sample a row."""
+    """Pack samples (preference pairs: answers) into rows of data.seq_len, attention within each; false: one a row."""
     chosen_field: str = "chosen"
     """data.format=preference: the record's key (or Parquet column) holding the preferred answer (text or messages)."""
     rejected_field: str = "rejected"

@@ -2,7 +2,9 @@
 DPOTrainer computes it.
 
 Each answer's log-probability is the sum over its answer tokens (tasks/lm/preference.py marks them) of the model's
-log-probability of the token; the chosen and rejected rows of a micro-batch go through the model in one forward.
+log-probability of the token; the chosen and rejected answers of a micro-batch go through the model in one forward,
+each in a row of its own, or with data.pack=true packed into shared rows as segments (tasks/lm/preference.py:
+pack_pairs), each answer's tokens summed back to its pair (pair_logps).
 Against the reference model's log-probabilities, the log-ratios r = log pi(y|x) - log pi_ref(y|x) give
 - task.dpo.loss_type=sigmoid (DPO): -log sigmoid(beta (r_c - r_r)), with task.dpo.label_smoothing e the
   conservative DPO of noisy labels, (1 - e) of it plus e of -log sigmoid(-beta (r_c - r_r));
@@ -68,21 +70,44 @@ def dpo_errors(s: DPOSettings) -> list[str]:
 
 
 # ---- log-probabilities -----------------------------------------------------------------------------------------------
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each position's log-probability of its target, fp32; 0 where the target is IGNORE (logits split over the
+    vocabulary too: tasks/lm/loss.py)."""
+    return -token_cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none").view(targets.shape)
+
+
 def answer_logps(model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(each row's summed log-probability of its answer tokens, fp32; each row's answer-token count) of rows
     (n, 3, length) of one sample each."""
     inputs, targets, _ = rows.unbind(1)
-    logits = model(inputs)
-    token_logps = -token_cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
-    return token_logps.view(targets.shape).sum(-1), (targets != IGNORE).sum(-1)
+    return token_logps(model(inputs), targets).sum(-1), (targets != IGNORE).sum(-1)
 
 
-def lora_reference(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-    """The base model's answer log-probabilities: the adapters off, no gradient."""
+def pair_logps(model: nn.Module, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the answers' summed log-probabilities, their answer-token counts), each (pairs, 2: chosen, rejected), of a
+    batch as collate_pairs gives it (rows (pairs, 2, 3, length): an answer a row) or as pack_pairs does (rows
+    (rows, 3, length): answer k of the micro-batch the segment numbered k, attention kept within it, its tokens'
+    log-probabilities added up to slot k: what its own row gives, up to the order of the sum)."""
+    rows = batch["rows"].to(device, non_blocking=True)
+    if rows.dim() == 4:
+        logps, counts = answer_logps(model, rows.flatten(0, 1))
+        return logps.view(-1, 2), counts.view(-1, 2)
+    inputs, targets, segments = rows.unbind(1)
+    owner = segments.clamp(min=0).flatten()  # padding (PAD_SEGMENT) has IGNORE targets: it adds 0 to slot 0
+    slots = 2 * batch["index"].shape[0]
+    per_token = token_logps(model(inputs, segments), targets).flatten()
+    logps = torch.zeros(slots, device=device).index_add(0, owner, per_token)
+    answer = (targets != IGNORE).flatten().long()
+    counts = torch.zeros(slots, dtype=torch.long, device=device).index_add(0, owner, answer)
+    return logps.view(-1, 2), counts.view(-1, 2)
+
+
+def lora_reference(model: nn.Module, batch: dict, device: torch.device) -> torch.Tensor:
+    """The base model's answer log-probabilities (pairs, 2): the adapters off, no gradient."""
     from tasks.lm.lora import adapters_off
 
     with torch.no_grad(), adapters_off(model):
-        return answer_logps(model, rows)[0]
+        return pair_logps(model, batch, device)[0]
 
 
 class ReferenceLogProbs:
@@ -102,16 +127,15 @@ class ReferenceLogProbs:
 
     @torch.no_grad()
     def compute(self, model: nn.Module, datasets: list, collate, device: torch.device) -> None:
-        """One no-grad pass of ``model`` (in eval mode: no dropout) over the pairs of ``datasets``, in order."""
+        """One no-grad pass of ``model`` (in eval mode: no dropout) over the pairs of ``datasets``, in order, batched
+        by the task's ``collate`` (packed or not): each pair's log-probabilities go to its dataset index."""
         was_training = model.training
         model.eval()
         try:
             for dataset in datasets:
                 for start in range(0, len(dataset), REFERENCE_CHUNK):
                     batch = collate([dataset[i] for i in range(start, min(start + REFERENCE_CHUNK, len(dataset)))])
-                    rows = batch["rows"].to(device)
-                    logps = answer_logps(model, rows.flatten(0, 1))[0].view(-1, 2)
-                    self.logps[batch["index"].to(device)] = logps
+                    self.logps[batch["index"].to(device)] = pair_logps(model, batch, device)[0]
         finally:
             model.train(was_training)
         self.ready.fill_(1.0)
@@ -137,15 +161,13 @@ def dpo_loss(
 def preference_loss(model: nn.Module, batch: dict, device: torch.device, s: DPOSettings, reference, lora: bool):
     """The mean DPO loss of a batch of pairs, and the sums summarize turns into metrics. ``reference``: the
     precomputed ReferenceLogProbs of full fine-tuning (None with LoRA, or on the memory plan's meta pass)."""
-    rows = batch["rows"].to(device, non_blocking=True).flatten(0, 1)  # (2 pairs, 3, length): chosen, rejected, ...
     if lora:
-        ref = lora_reference(model, rows).view(-1, 2)
+        ref = lora_reference(model, batch, device)
     elif reference is not None:
         ref = reference.logps[batch["index"].to(device)]
     else:
-        ref = torch.zeros(rows.shape[0] // 2, 2, device=device)
-    logps, counts = answer_logps(model, rows)
-    logps, counts = logps.view(-1, 2), counts.view(-1, 2)
+        ref = torch.zeros(batch["index"].shape[0], 2, device=device)
+    logps, counts = pair_logps(model, batch, device)
     per_pair, ratios = dpo_loss(logps, ref, counts, s)
     rewards = s.beta * ratios.detach()
     stats = {

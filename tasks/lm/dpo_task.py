@@ -8,14 +8,13 @@ the same way, and its checkpoints export as any LM's (tools/export_hf.py). What 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from tasks.lm.dpo import DPOSettings, ReferenceLogProbs, dpo_errors, preference_loss, summarize_preference
 from tasks.lm.lora import lora_on
-from tasks.lm.preference import collate_pairs, open_preference_splits
+from tasks.lm.preference import collate_pairs, open_preference_splits, pack_pairs
+from tasks.lm.sft_packing import PAD_SEGMENT
 from tasks.lm.task import LanguageModelingTask
 
 
@@ -30,11 +29,7 @@ class PreferenceTask(LanguageModelingTask):
         """The reference whose table the first loss made sure of: each trainer (a backend=auto trial's too) has one."""
 
     def sft_errors(self) -> list[str]:
-        errors = dpo_errors(self.dpo)
-        if self.cfg.data.pack:
-            errors.append("data.pack: preference pairs are not packed (each answer a row of its own); set "
-                          "data.pack=false (conf/task/dpo.yaml does)")  # fmt: skip
-        return errors
+        return dpo_errors(self.dpo) + self.pack_errors()
 
     def prepare_data(self) -> None:
         d = self.cfg.data
@@ -61,10 +56,16 @@ class PreferenceTask(LanguageModelingTask):
         return self.preference_splits.summary(source, d.seq_len)
 
     def example_batch(self, batch_size: int) -> dict[str, torch.Tensor]:
-        rows = torch.zeros(batch_size, 2, 3, self.cfg.data.seq_len, dtype=torch.long, device="meta")
+        """The largest micro-batch: packed, as many rows as answers when no two share a row."""
+        shape = (2 * batch_size,) if self.cfg.data.pack else (batch_size, 2)
+        rows = torch.zeros(*shape, 3, self.cfg.data.seq_len, dtype=torch.long, device="meta")
         return {"rows": rows, "index": torch.zeros(batch_size, dtype=torch.long, device="meta")}
 
     def collate(self, samples: list) -> dict[str, torch.Tensor]:
+        """Rows cut to the micro-batch's need, a multiple of the tensor-parallel degree long (sequence parallelism
+        splits them evenly: data.seq_len is one)."""
+        if self.cfg.data.pack:
+            return pack_pairs(samples, self.cfg.data.seq_len, self.tokenizer.eod, self.sequence_multiple)
         return collate_pairs(samples, self.sequence_multiple)
 
     def training_state(self, train_state, device: torch.device) -> ReferenceLogProbs | None:
@@ -78,8 +79,7 @@ class PreferenceTask(LanguageModelingTask):
         reference = self.reference if device.type != "meta" else None
         if reference is not None and reference is not self._checked_reference:  # a trainer's first loss: no update yet
             if not reference.ready.item():  # a fresh start (a resume loaded them with its checkpoint)
-                collate = functools.partial(collate_pairs, multiple=self.sequence_multiple)
-                reference.compute(model, [self.train_dataset, self.valid_dataset], collate, device)
+                reference.compute(model, [self.train_dataset, self.valid_dataset], self.collate, device)
             self._checked_reference = reference
         return preference_loss(model, batch, device, self.dpo, reference, self.lora)
 
@@ -90,4 +90,4 @@ class PreferenceTask(LanguageModelingTask):
         return summarize_preference(sums)
 
     def num_units(self, batch: dict) -> int:
-        return int((batch["rows"][:, :, 2] == 0).sum())  # the samples' tokens, padding left out
+        return int((batch["rows"].select(-2, 2) != PAD_SEGMENT).sum())  # the answers' positions, padding left out

@@ -11,7 +11,8 @@ As TRL tokenizes them: the prompt alone and the prompt followed by each answer, 
 the longest prefix the three share (a template or a merge across the boundary can make the prompt alone differ).
 Each pair is checked: a record lacking a field, of the wrong type, or whose answers are empty or identical is refused
 in one line naming file:line. A pair longer than data.seq_len + 1 is cut (both rows), and one left without an
-answer token in either row is dropped, counted as SFT counts them.
+answer token in either row is dropped, counted as SFT counts them. Each answer is a row of its own (collate_pairs),
+or with data.pack=true a micro-batch's answers share rows as segments (pack_pairs).
 
 The demo: for each of the SFT demo's stdlib functions, its def line and docstring the prompt, its body the chosen
 answer, and the body of the next function whose body fits beside the prompt the rejected one: a plausible answer to
@@ -30,7 +31,7 @@ from torch.utils.data import Dataset
 from shardlab.errors import DataError
 from tasks.lm.binarize import is_valid_document
 from tasks.lm.sft import DEMO_MAX_CHARS, Sample, demo_records, encode_with_starts, file_records
-from tasks.lm.sft_packing import packed_row
+from tasks.lm.sft_packing import IGNORE, PAD_SEGMENT, pack, packed_row, rounded_up
 from tasks.lm.sft_template import ChatTemplate
 
 
@@ -198,6 +199,32 @@ def collate_pairs(items: list[dict[str, torch.Tensor]], multiple: int = 1) -> di
     positions (LanguageModelingTask.sequence_multiple): padding at the end of causal rows changes no log-probability
     before it, so the forward pays for real tokens only."""
     rows = torch.stack([item["rows"] for item in items])
-    used = int((rows[:, :, 2] == 0).sum(-1).max())  # segment 0: the sample; 1: its padding
-    width = min(-(-max(used, 1) // multiple) * multiple, rows.shape[-1])
-    return {"rows": rows[..., :width].contiguous(), "index": torch.stack([item["index"] for item in items])}
+    used = rounded_up(int((rows[:, :, 2] == 0).sum(-1).max()), multiple)  # segment 0: the sample; -1: its padding
+    return {"rows": rows[..., :used].contiguous(), "index": torch.stack([item["index"] for item in items])}
+
+
+def pack_pairs(
+    items: list[dict[str, torch.Tensor]], seq_len: int, pad_id: int, multiple: int = 1
+) -> dict[str, torch.Tensor]:
+    """A micro-batch of pairs packed (data.pack=true): its 2 n answers' sequences, pair j's chosen numbered 2 j and its
+    rejected 2 j + 1, filled in that order into rows of seq_len positions (sft_packing.pack: next fit, so it depends
+    on the micro-batch alone and every rank and every replay packs alike), each sequence a segment whose id is its
+    number: the models keep attention within it and restart its positions, and the loss sums its log-probabilities
+    back to its pair (tasks/lm/dpo.py: pair_logps). A pair's two answers may land in different rows: the whole
+    micro-batch goes through one forward either way. Rows cut after the longest row's last sequence (rounded up to
+    ``multiple``); "index" as collate_pairs gives it (the precomputed reference's pair numbers)."""
+    sequences = []
+    for item in items:
+        for answer in item["rows"]:  # (3, seq_len): the sample's positions (segment 0), then its padding
+            sequences.append(answer[:2, : int((answer[2] == 0).sum())])
+    groups = pack([s.shape[1] for s in sequences], seq_len)
+    width = rounded_up(max(sum(sequences[k].shape[1] for k in group) for group in groups), multiple)
+    rows = torch.tensor([pad_id, IGNORE, PAD_SEGMENT]).repeat(len(groups), width, 1).transpose(1, 2).contiguous()
+    for r, group in enumerate(groups):
+        at = 0
+        for k in group:
+            n = sequences[k].shape[1]
+            rows[r, :2, at : at + n] = sequences[k]
+            rows[r, 2, at : at + n] = k
+            at += n
+    return {"rows": rows, "index": torch.stack([item["index"] for item in items])}

@@ -5,7 +5,8 @@ prompt tokens, padding), and the segment of each position (0, 1, ... for the sam
 padding, so the tokens a row really holds are counted without knowing its samples: real_positions). From the segments
 the models take per-sample positions (RoPE angles, GPT-2's position table restart at 0 for each sample) and a
 block-diagonal causal mask (no position attends to another sample's), so a packed row computes what the same samples
-compute each in a row of its own. Light on purpose: the models import it.
+compute each in a row of its own; the models need only that neighbouring samples' ids differ (DPO's packed rows
+number answers across the micro-batch: tasks/lm/preference.py). Light on purpose: the models import it.
 """
 
 from __future__ import annotations
@@ -65,3 +66,9 @@ def packed_row(samples: list[tuple[list[int], list[bool]]], seq_len: int, pad_id
     pad = seq_len - len(inputs)
     row = [inputs + [pad_id] * pad, targets + [IGNORE] * pad, segments + [PAD_SEGMENT] * pad]
     return torch.tensor(row, dtype=torch.long)
+
+
+def rounded_up(length: int, multiple: int) -> int:
+    """``length`` (at least 1) rounded up to a multiple of ``multiple``: the row length sequence-parallel tensor
+    parallelism splits evenly (the task passes distributed.tensor_parallel_degree)."""
+    return -(-max(length, 1) // multiple) * multiple

@@ -25,7 +25,7 @@ from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, expert
 from tasks.lm.loss import token_cross_entropy
 from tasks.lm.moe_metrics import add_routing_loss, routing_metrics
 from tasks.lm.sft import FORMATS, answer_loss, answer_token_loss, open_sft_splits
-from tasks.lm.sft_packing import IGNORE, real_positions
+from tasks.lm.sft_packing import IGNORE, real_positions, rounded_up
 from tasks.lm.sft_template import find_chat_template
 from tasks.lm.tokenizer import load_tokenizer
 
@@ -223,13 +223,16 @@ class LanguageModelingTask(Task):
                 "file; a model folder's chat_template.jinja is found beside data.tokenizer), or use "
                 "data.format=prompt_completion"
             )
-        arch = self.architecture
-        if d.pack and "segments" not in inspect.signature(arch.forward).parameters:
-            errors.append(
+        return errors + self.pack_errors()
+
+    def pack_errors(self) -> list[str]:
+        """data.pack=true needs a model that takes segments (a packed row's sample ids)."""
+        if self.cfg.data.pack and "segments" not in inspect.signature(self.architecture.forward).parameters:
+            return [
                 f"data.pack: model.arch={self.cfg.model.arch} takes no segments (a packed row's sample ids), so "
                 "samples would attend to each other; set data.pack=false"
-            )
-        return errors
+            ]
+        return []
 
     def pretrained_keys(self):
         """With model.pretrained: every parameter the folder fills (all but LoRA adapters, which keep their seeded
@@ -398,12 +401,12 @@ class LanguageModelingTask(Task):
 
     def collate(self, samples: list) -> torch.Tensor:
         """Unpacked fine-tuning rows (data.pack=false: a sample each, padded at its end) cut to the micro-batch's
-        longest sample, not data.seq_len: no step computes padding past it."""
+        longest sample, not data.seq_len: no step computes padding past it. The cut rounds up to a multiple of
+        distributed.tensor_parallel_degree: sequence parallelism splits rows evenly or its collectives disagree."""
         batch = super().collate(samples)
         # (not through a pipeline: its stages exchange activations of the shape their first micro-batch had)
         if self.sft and not self.cfg.data.pack and self.cfg.distributed.get("pipeline_parallel_degree", 1) == 1:
-            width = -(-max(1, int(real_positions(batch).max())) // self.sequence_multiple) * self.sequence_multiple
-            batch = batch[..., : min(width, batch.shape[-1])].contiguous()
+            batch = batch[..., : rounded_up(int(real_positions(batch).max()), self.sequence_multiple)].contiguous()
         return batch
 
     @property

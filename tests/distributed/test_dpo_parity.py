@@ -1,7 +1,8 @@
-"""task=dpo trains alike on 1 process and on 2 fully_sharded (and ddp, and tensor-parallel) ranks, with LoRA
-(reference: the adapters off) and with full fine-tuning (reference: the starting model's log-probabilities, computed
-once and kept with the checkpoints), and a resumed run continues the uninterrupted curve, also on another world size
-(CPU, gloo).
+"""task=dpo trains alike on 1 process and on 2 fully_sharded (and ddp) ranks, with LoRA (reference: the adapters
+off) and with full fine-tuning (reference: the starting model's log-probabilities, computed once and kept with the
+checkpoints), and a resumed run continues the uninterrupted curve, also on another world size (CPU, gloo); packed
+pairs (data.pack=true) on 2 fully_sharded ranks follow the packed single process too (each rank packs its own
+micro-batch; tests/unit/test_dpo_packing.py compares packed with unpacked), and so do 2 tensor-parallel ranks.
 
 A resume that recomputed the reference from the weights it resumes would restart the rewards at 0: the resumed
 curves below would part from the uninterrupted one at once."""
@@ -25,14 +26,16 @@ DPO_TINY = [
     "logging.progress_bar=false", "logging.tensorboard=false", "logging.interval_steps=1",
 ]  # fmt: skip
 """task=dpo on the demo pairs, small enough for a few steps in seconds."""
+TP = "distributed.tensor_parallel_degree=2"
+"""Sequence-parallel tensor parallelism: each micro-batch's rows a multiple of 2 long (PreferenceTask.collate)."""
+PACK = ["data.pack=true", "model.max_seq_len=512", "data.seq_len=512"]
+"""Each rank's micro-batch of pairs packed into shared rows (tasks/lm/preference.py: pack_pairs), two of the demo's
+answers (~200 tokens) to a row."""
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[attn.*,mlp.*]"]
 REWARD_ATOL = 1e-5
 """A reward is beta times the difference of two sums of ~200 log-probabilities (~-300 each, fp32): a rank's other
 micro-batch shape moves them by ~1e-5 absolute (measured 1.5e-6 on rewards of ~4e-3), a relative tolerance cannot
 hold there."""
-TP2 = ["distributed.tensor_parallel_degree=2"]
-"""Both ranks split every layer, the log-probabilities gathered from logits split over the vocabulary (loss parallel);
-rows cut to the longest sample rounded up to an even length, each rank's half of the positions between layers."""
 METRICS = ("loss", "gnorm", "rewards/chosen", "rewards/rejected", "rewards/accuracies")
 
 
@@ -54,12 +57,16 @@ def runs(tmp_path_factory):
     fsdp_dir = tmp_path_factory.mktemp("fsdp")
     reference = run_rank(dpo(), single, dist_env.detect())
     lora_reference = run_rank(dpo(*LORA), lora_single, dist_env.detect())
-    fsdp, lora_fsdp, fsdp_from_single, ddp, lora_from_single, tp2 = run_spawned(
+    packed_reference = run_rank(dpo(*PACK), tmp_path_factory.mktemp("packed_single"), dist_env.detect())
+    lora_packed_single = tmp_path_factory.mktemp("lora_packed_single")
+    lora_packed_reference = run_rank(dpo(*LORA, *PACK), lora_packed_single, dist_env.detect())
+    fsdp, lora_fsdp, fsdp_from_single, ddp, lora_from_single, packed, lora_packed, tp, tp_packed = run_spawned(
         [dpo(FSDP), dpo(FSDP, *LORA), dpo(FSDP, f"checkpoint.resume={step3(single)}"), dpo("distributed.backend=ddp"),
-         dpo(FSDP, *LORA, f"checkpoint.resume={step3(lora_single)}"), dpo(FSDP, *TP2)],
+         dpo(FSDP, *LORA, f"checkpoint.resume={step3(lora_single)}"), dpo(FSDP, *PACK), dpo(FSDP, *LORA, *PACK),
+         dpo(FSDP, TP), dpo(FSDP, TP, *PACK)],
         world_size=2,
         run_dirs=[fsdp_dir, *(tmp_path_factory.mktemp(n) for n in ("lora_fsdp", "resumed", "ddp", "lora_resumed",
-                                                                   "tp2"))],
+                                                                    "packed", "lora_packed", "tp", "tp_packed"))],
     )  # fmt: skip
     single_from_fsdp = run_rank(
         dpo(f"checkpoint.resume={step3(fsdp_dir)}"), tmp_path_factory.mktemp("from_fsdp"), dist_env.detect()
@@ -67,7 +74,9 @@ def runs(tmp_path_factory):
     return {
         "reference": reference, "lora_reference": lora_reference, "fsdp": fsdp, "lora_fsdp": lora_fsdp,
         "fsdp_from_single": fsdp_from_single, "single_from_fsdp": single_from_fsdp, "ddp": ddp,
-        "lora_fsdp_from_single": lora_from_single, "tp2": tp2,
+        "lora_fsdp_from_single": lora_from_single, "fsdp_packed": packed, "lora_fsdp_packed": lora_packed,
+        "packed_reference": packed_reference, "lora_packed_reference": lora_packed_reference, "tp": tp,
+        "tp_packed": tp_packed,
     }  # fmt: skip
 
 
@@ -75,7 +84,8 @@ def runs(tmp_path_factory):
     ("name", "against"),
     [("fsdp", "reference"), ("lora_fsdp", "lora_reference"), ("fsdp_from_single", "reference"),
      ("single_from_fsdp", "reference"), ("ddp", "reference"), ("lora_fsdp_from_single", "lora_reference"),
-     ("tp2", "reference")],
+     ("fsdp_packed", "packed_reference"), ("lora_fsdp_packed", "lora_packed_reference"), ("tp", "reference"),
+     ("tp_packed", "packed_reference")],
 )  # fmt: skip
 def test_two_ranks_and_resumes_follow_the_single_process_curve(runs, name, against):
     got, expected = history(runs[name]), history(runs[against])
