@@ -83,6 +83,11 @@ class DistributedConfig:
     """pipeline_parallel_degree > 1: model stages each pipeline rank holds (2+ for the interleaved schedules)."""
     context_parallel_degree: int = 1
     """Ranks one sequence is split over for attention (torch's context_parallel; CUDA only); 1 = off."""
+    expert_parallel_degree: int = 1
+    """Ranks an MoE layer's routed experts are split over (each holds num_experts / degree of them; tokens travel to
+    them and back by all-to-all); 1 = off. Borrowed from the data-sharding ranks, as torchtitan's: must divide
+    them (fully_sharded), FSDP2 shards each expert over the data ranks outside its group (shardlab/distributed/
+    expert_parallel.py)."""
     async_tensor_parallel: bool = False
     """tensor_parallel_degree > 1 on CUDA: overlap TP's collectives with the matmuls (torch's async TP)."""
     reshard_after_forward: bool = True

@@ -219,7 +219,7 @@ class Llama(LMArchitecture):
         if getattr(m, "moe", None) is not None:  # the grouped experts have no plan: expert parallelism comes first
             return [
                 f"distributed.tensor_parallel_degree ({degree}): model.moe's experts have no tensor-parallel plan "
-                "yet (expert parallelism on the mesh is a later step); set it to 1 or use data parallelism"
+                "yet: set it to 1 and split the experts with distributed.expert_parallel_degree instead"
             ]
         return divisibility_errors(degree, sizes)
 

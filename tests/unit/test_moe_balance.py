@@ -1,0 +1,77 @@
+"""What an MoE model does after each optimizer step (tasks/lm/moe_balance.py): the step's per-layer load, summed
+over its micro-batches and then over the ranks, moves DeepSeek-V3's balancing bias (only after an applied update) and
+counts each expert's idle steps, warning once, in one line, when one reaches model.moe.idle_expert_warning_steps."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tasks.lm.config import MoEConfig
+from tasks.lm.moe import MoEBlock
+from tasks.lm.moe_balance import StepLoad
+
+RATE = 0.1
+
+
+def two_layers(**overrides) -> tuple[nn.Module, MoEConfig]:
+    cfg = MoEConfig(**{"num_experts": 4, "top_k": 1, "ffn_dim": 4, "score_bias": True, "bias_update_rate": RATE,
+                       **overrides})  # fmt: skip
+    return nn.Sequential(MoEBlock(cfg, 4), MoEBlock(cfg, 4)), cfg
+
+
+class OtherRank:
+    """all_reduce_sum as if a second rank had routed ``theirs``: records what it was given."""
+
+    def __init__(self, theirs: torch.Tensor) -> None:
+        self.theirs, self.calls = theirs, []
+
+    def __call__(self, mine: torch.Tensor) -> torch.Tensor:
+        self.calls.append(mine.clone())
+        return mine + self.theirs
+
+
+def biases(model: nn.Module) -> torch.Tensor:
+    return torch.stack([block.router.score_bias for block in model])
+
+
+def test_the_bias_moves_toward_equal_load_from_the_load_summed_over_micro_batches_and_ranks():
+    model, cfg = two_layers(idle_expert_warning_steps=0)
+    load = StepLoad(cfg)
+    for _ in range(2):  # two micro-batches
+        load.add([torch.tensor([3, 1, 0, 0]), torch.tensor([1, 1, 1, 1])])
+    other = OtherRank(torch.tensor([[0, 0, 0, 8], [1, 1, 1, 1]]))
+    assert load.after_update(model, other, applied=True) == []
+    torch.testing.assert_close(other.calls[0], torch.tensor([[6, 2, 0, 0], [2, 2, 2, 2]]))
+    # layer 0 summed: [6, 2, 0, 8], mean 4: the busy experts' biases fall, the idle one's rises; layer 1 is balanced
+    torch.testing.assert_close(biases(model), torch.tensor([[-RATE, RATE, RATE, -RATE], [0.0, 0.0, 0.0, 0.0]]))
+    load.add([torch.tensor([4, 0, 0, 0]), torch.tensor([1, 1, 1, 1])])
+    load.after_update(model, OtherRank(torch.zeros(2, 4, dtype=torch.int64)), applied=False)  # a skipped update
+    torch.testing.assert_close(biases(model), torch.tensor([[-RATE, RATE, RATE, -RATE], [0.0, 0.0, 0.0, 0.0]]))
+    assert load.load is None  # each step starts from nothing
+
+
+def test_an_expert_idle_on_every_rank_for_the_set_steps_is_warned_once_in_one_line():
+    model, cfg = two_layers(idle_expert_warning_steps=3)
+    load, lines = StepLoad(cfg), []
+    nobody = OtherRank(torch.zeros(2, 4, dtype=torch.int64))
+    for step in range(
+        5
+    ):  # layer 1's expert 2 never gets a token; layer 0's expert 3 only at step 1 (on the other rank)
+        load.add([torch.tensor([2, 1, 1, 0]), torch.tensor([2, 1, 0, 1])])
+        other = OtherRank(torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0]])) if step == 1 else nobody
+        lines.append(load.after_update(model, other, applied=True))
+    assert lines[:2] == [[], []] and lines[3] == [], lines
+    (line,) = lines[2]  # layer 1's expert 2, idle from the start; warned once, not again at steps 4 and 5
+    assert line.startswith("warning: model.moe: layer 1 expert 2 received no token for 3 steps"), line
+    assert "model.moe.idle_expert_warning_steps" in line and "\n" not in line
+    (line,) = lines[4]  # layer 0's expert 3: its count restarted after the other rank's token at step 2
+    assert line.startswith("warning: model.moe: layer 0 expert 3 received no token for 3 steps"), line
+
+
+def test_without_bias_balancing_or_warning_nothing_is_kept_or_exchanged():
+    model, cfg = two_layers(score_bias=False, bias_update_rate=0.0, idle_expert_warning_steps=0)
+    load = StepLoad(cfg)
+    load.add([torch.tensor([4, 0, 0, 0]), torch.tensor([1, 1, 1, 1])])
+    other = OtherRank(torch.zeros(2, 4, dtype=torch.int64))
+    assert load.after_update(model, other, applied=True) == [] and other.calls == []
