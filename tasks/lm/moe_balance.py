@@ -61,12 +61,23 @@ class StepLoad:
         just_idle = (self.idle_steps == limit).nonzero().tolist()
         if not just_idle:
             return []
-        which = ", ".join(f"layer {layer} expert {expert}" for layer, expert in just_idle)
         return [
-            f"warning: model.moe: {which} received no token for {limit} steps (model.moe.idle_expert_warning_steps): "
+            f"warning: model.moe: {idle_list(just_idle)} received no token for {limit} steps in a row "
+            "(model.moe.idle_expert_warning_steps): "
             "the router sends its tokens elsewhere; raise model.moe.aux_loss_coef or turn on bias balancing "
             "(model.moe.score_bias=true, model.moe.bias_update_rate)"
         ]
+
+
+def idle_list(pairs: list[list[int]], shown: int = 8) -> str:
+    """'layer 0: 3 experts (1, 4, 7); layer 2: 1 expert (5)' of (layer, expert) pairs, at most ``shown`` experts
+    named per layer."""
+    parts = []
+    for layer in sorted({layer for layer, _ in pairs}):
+        experts = [expert for at, expert in pairs if at == layer]
+        names = ", ".join(map(str, experts[:shown])) + (", ..." if len(experts) > shown else "")
+        parts.append(f"layer {layer}: {len(experts)} expert{'s' if len(experts) > 1 else ''} ({names})")
+    return "; ".join(parts)
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:

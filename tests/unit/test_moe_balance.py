@@ -4,6 +4,8 @@ counts each expert's idle steps, warning once, in one line, when one reaches mod
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -63,10 +65,10 @@ def test_an_expert_idle_on_every_rank_for_the_set_steps_is_warned_once_in_one_li
         lines.append(load.after_update(model, other, applied=True))
     assert lines[:2] == [[], []] and lines[3] == [], lines
     (line,) = lines[2]  # layer 1's expert 2, idle from the start; warned once, not again at steps 4 and 5
-    assert line.startswith("warning: model.moe: layer 1 expert 2 received no token for 3 steps"), line
+    assert line.startswith("warning: model.moe: layer 1: 1 expert (2) received no token for 3 steps"), line
     assert "model.moe.idle_expert_warning_steps" in line and "\n" not in line
     (line,) = lines[4]  # layer 0's expert 3: its count restarted after the other rank's token at step 2
-    assert line.startswith("warning: model.moe: layer 0 expert 3 received no token for 3 steps"), line
+    assert line.startswith("warning: model.moe: layer 0: 1 expert (3) received no token for 3 steps"), line
 
 
 def test_without_bias_balancing_or_warning_nothing_is_kept_or_exchanged():
@@ -75,3 +77,30 @@ def test_without_bias_balancing_or_warning_nothing_is_kept_or_exchanged():
     load.add([torch.tensor([4, 0, 0, 0]), torch.tensor([1, 1, 1, 1])])
     other = OtherRank(torch.zeros(2, 4, dtype=torch.int64))
     assert load.after_update(model, other, applied=True) == [] and other.calls == []
+
+
+def test_a_training_run_logs_the_load_to_tensorboard_and_warns_of_idle_experts_in_train_log(tiny_lm, tmp_path):
+    """One process, 2 steps of 32 tokens (batch 1) over 128 experts, top-1: at least 64 experts of a layer get
+    none in steps 1 and 2 together, so the warning (after 2 idle steps) comes at step 2, one line; TensorBoard has
+    each layer's max/mean load, the auxiliary loss and the idle count beside the loss."""
+    from shardlab.distributed import env as dist_env
+    from shardlab.runner import run_rank
+    from tests.events import scalars
+
+    cfg = tiny_lm(
+        "model=moe_tiny", "model.num_layers=2", "model.dim=32", "model.num_heads=2", "model.num_kv_heads=2",
+        "model.moe.num_experts=128", "model.moe.top_k=1", "model.moe.ffn_dim=4",
+        "model.moe.idle_expert_warning_steps=2",
+        "optimization.batch_size=1", "optimization.max_steps=2", "validation.batch_size=1", "logging.tensorboard=true",
+    )  # fmt: skip
+    run_rank(cfg, tmp_path, dist_env.detect())
+    lines = (tmp_path / "train.log").read_text().splitlines()
+    warnings = [line for line in lines if "warning: model.moe:" in line]
+    assert len(warnings) == 1 and "received no token for 2 steps" in warnings[0], warnings
+    assert re.search(r"layer 0: \d+ experts \((\d+, ){8}\.\.\.\); layer 1: \d+ experts", warnings[0]), warnings
+    train_line = {step: next(i for i, line in enumerate(lines) if f"[train] step {step} " in line) for step in (1, 2)}
+    assert train_line[1] < lines.index(warnings[0]) < train_line[2], lines  # after step 2's update, before its line
+    for tag in ("train/moe_load/0", "train/moe_load/1", "train/aux_loss", "train/moe_idle_experts"):
+        assert [step for step, _ in scalars(tmp_path, tag)] == [1, 2], tag
+    # 32 assignments a layer and step: at least 96 of each layer's 128 experts idle, 192 over both layers
+    assert all(value >= 192 for _, value in scalars(tmp_path, "train/moe_idle_experts"))
