@@ -192,9 +192,12 @@ class Llama(LMArchitecture):
 
     def take_routing_stats(self) -> list:
         """The MoE blocks' RoutingStats of the last forward, in layer order ([] for a dense model), let go of by the
-        blocks so no graph outlives its step."""
-        stats = [block.routing_stats for block in self.blocks if block.routing_stats is not None]
-        for block in self.blocks:
+        blocks so no graph outlives its step. The Block modules themselves, not ``self.blocks``' entries: under
+        activation checkpointing those are wrappers, where setting the attribute would shadow the block's own from
+        the next step on (its loads and auxiliary loss silently gone)."""
+        blocks = [module for module in self.modules() if isinstance(module, Block)]
+        stats = [block.routing_stats for block in blocks if block.routing_stats is not None]
+        for block in blocks:
             block.routing_stats = None
         return stats
 

@@ -1,7 +1,8 @@
 """Expert parallelism (distributed.expert_parallel_degree) trains exactly like one process (CPU, gloo): EP 2 on 2
-ranks, EP 4 on 4 ranks (one expert per rank) and FSDP 2 x EP 2 on 4 ranks (each group's experts sharded again over
-the other group), 10 steps of a tiny MoE whose router moves its balancing bias after every step (DeepSeek-V3's
-update, from the load summed over the ranks). Losses, gradient norms and the final weights and biases are compared.
+ranks, EP 4 on 4 ranks (one expert per rank), FSDP 2 x EP 2 on 4 ranks (each group's experts sharded again over
+the other group; also under activation checkpointing) and hybrid 2 x EP 2 (replicated across it), 10 steps of a
+tiny MoE whose router moves its balancing bias after every step (DeepSeek-V3's update, from the load summed over
+the ranks). Losses, gradient norms and the final weights and biases are compared.
 A step folder written at EP 4 holds the unsplit model's names and shapes; it resumes at EP 2 and on one process,
 continuing the uninterrupted curve.
 
@@ -49,9 +50,14 @@ def runs(tiny_lm, tmp_path_factory) -> dict:
     resuming EP 4's step 5; one process resuming it too."""
     reference_dir, ep4_dir = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("ep4")
     results = {"reference": single(tiny_lm(*MOE, *CKPT), reference_dir)}
-    four = [tiny_lm(*MOE, *ep(4), *CKPT), tiny_lm(*MOE, *ep(2))]
-    results |= zip(("ep4", "fsdp2_ep2"), run_spawned(four, 4, [ep4_dir, tmp_path_factory.mktemp("f2e2")],
-                                                     inspect=inspect_experts), strict=True)  # fmt: skip
+    four = {
+        "ep4": tiny_lm(*MOE, *ep(4), *CKPT),
+        "fsdp2_ep2": tiny_lm(*MOE, *ep(2)),
+        "hybrid2_ep2": tiny_lm(*MOE, *ep(2), "distributed.sharding_degree=2"),
+        "fsdp2_ep2_ac": tiny_lm(*MOE, *ep(2), "distributed.activation_checkpointing=full"),
+    }
+    run_dirs = [ep4_dir, *(tmp_path_factory.mktemp(name) for name in list(four)[1:])]
+    results |= zip(four, run_spawned(list(four.values()), 4, run_dirs, inspect=inspect_experts), strict=True)
     step5 = ep4_dir / "checkpoints" / "step_00000005"
     two = [tiny_lm(*MOE, *ep(2)), tiny_lm(*MOE, *ep(2), f"checkpoint.resume={step5}")]
     results |= zip(("ep2", "ep2_from_ep4"), run_spawned(two, 2, inspect=inspect_experts), strict=True)
@@ -66,11 +72,14 @@ def runs(tiny_lm, tmp_path_factory) -> dict:
         ("ep2", ("dp_shard_mod_ep", "ep"), 2),
         ("ep4", ("dp_shard_mod_ep", "ep"), 1),
         ("fsdp2_ep2", ("dp_shard_mod_ep", "ep"), 1),
+        ("hybrid2_ep2", ("dp_replicate", "dp_shard_mod_ep", "ep"), 2),
+        ("fsdp2_ep2_ac", ("dp_shard_mod_ep", "ep"), 1),
     ],
 )
 def test_expert_parallel_ranks_train_as_one_process(name, axes, rows, runs):
-    """Each rank holds num_experts / ep experts (FSDP 2 x EP 2: half of its group's 2, by rows), split by experts
-    on the 'ep' axis; the balancing biases, moved from the summed load, equal one process's."""
+    """Each rank holds num_experts / ep experts (FSDP 2 x EP 2: half of its group's 2, by rows; hybrid 2 x EP 2:
+    its group's 2, replicated across the other group), split by experts on the 'ep' axis; the balancing biases,
+    moved from the summed load, equal one process's; activation checkpointing recomputes the exchanges alike."""
     result, reference = runs[name], runs["reference"]
     assert result["experts"], "no expert weight was split"
     for layout in result["experts"].values():

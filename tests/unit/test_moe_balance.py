@@ -11,7 +11,7 @@ from torch import nn
 
 from tasks.lm.config import MoEConfig
 from tasks.lm.moe import MoEBlock
-from tasks.lm.moe_balance import StepLoad
+from tasks.lm.moe_balance import StepLoad, moe_blocks
 
 RATE = 0.1
 
@@ -34,7 +34,7 @@ class OtherRank:
 
 
 def biases(model: nn.Module) -> torch.Tensor:
-    return torch.stack([block.router.score_bias for block in model])
+    return torch.stack([block.router.score_bias for block in moe_blocks(model)])
 
 
 def test_the_bias_moves_toward_equal_load_from_the_load_summed_over_micro_batches_and_ranks():
@@ -104,3 +104,25 @@ def test_a_training_run_logs_the_load_to_tensorboard_and_warns_of_idle_experts_i
         assert [step for step, _ in scalars(tmp_path, tag)] == [1, 2], tag
     # 32 assignments a layer and step: at least 96 of each layer's 128 experts idle, 192 over both layers
     assert all(value >= 192 for _, value in scalars(tmp_path, "train/moe_idle_experts"))
+
+
+def test_under_activation_checkpointing_every_steps_routing_reaches_the_loss_and_the_step_load():
+    """Blocks wrapped for recompute (distributed.activation_checkpointing): the task still gets each forward's
+    routing statistics on every step, not only the first (letting go of them on the wrapper would have shadowed the
+    block's own from then on, dropping the auxiliary loss and the loads)."""
+    from shardlab.distributed.activation_checkpointing import checkpoint_units
+    from tests.conftest import compose_config
+    from tests.unit.test_moe_model import SMALL_MOE, built
+
+    task, model = built("model.moe.score_bias=true", "model.moe.bias_update_rate=0.1")
+    checkpoint_units(
+        model, list(model.blocks), compose_config([*SMALL_MOE, "distributed.activation_checkpointing=full"]).distributed
+    )
+    batch = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        loss, sums = task.loss(model, batch, torch.device("cpu"))
+        loss.backward()
+        assert "moe_aux_sum" in sums, step
+        assert task.step_load.load is not None and int(task.step_load.load[0].sum()) == 2 * 16 * 2, step
+        assert task.after_update(model, lambda load: load, applied=True) == []
+    assert biases(model).abs().sum() > 0
