@@ -16,11 +16,14 @@ the same experts at any expert-parallel degree; each row's output is the same Sw
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
+
+DEPRECATION = r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated"
 
 
 def expert_parallel_run(
@@ -54,6 +57,10 @@ def expert_parallel_run(
 def _exchange(
     rows: torch.Tensor, receive_splits: list[int], send_splits: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
-    """all_to_all_single of uneven sizes along dim 0, differentiable."""
+    """all_to_all_single of uneven sizes along dim 0, differentiable: torch's public autograd-aware one. Torch 2.14
+    marks it deprecated in favour of the private ``_functional_collectives`` (the project keeps to public APIs), and
+    says so in a FutureWarning on every rank's first call: that one warning is silenced here, nothing else."""
     output = rows.new_empty(sum(receive_splits), *rows.shape[1:])
-    return dist_autograd.all_to_all_single(output, rows.contiguous(), receive_splits, send_splits, group=group)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=DEPRECATION, category=FutureWarning)
+        return dist_autograd.all_to_all_single(output, rows.contiguous(), receive_splits, send_splits, group=group)
