@@ -33,6 +33,26 @@ class PipelineCut:
     last: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class ExpertLayers:
+    """A model's mixture-of-experts layers as the memory plan sees them (Task.expert_layers; planned by
+    shardlab.memory.experts): which parameters are routed experts, and what each token sends to them."""
+
+    num_layers: int
+    """MoE layers in the model."""
+    num_experts: int
+    """Routed experts per layer."""
+    top_k: int
+    """Experts each token is sent to."""
+    dim: int
+    """Width of a token row dispatched to an expert (the residual stream)."""
+    tokens_per_sample: int
+    """Token rows each sample sends through every MoE layer (the sequence length)."""
+    expert_params: tuple[str, ...]
+    """Names (model.named_parameters) of the routed experts' weights, each of shape (num_experts, rows, width): what
+    expert parallelism splits by its first dimension."""
+
+
 class Task(ABC):
     unit = "samples"
     """What throughput counts (tokens for the LM, images for vision)."""
@@ -183,6 +203,11 @@ class Task(ABC):
         """On the last pipeline stage: (mean loss of one micro-batch, its sums for ``summarize``), as ``loss`` gives
         for the whole model."""
         raise NotImplementedError(f"task {self.cfg.task.name} has no pipeline cut")
+
+    def expert_layers(self, model: nn.Module) -> ExpertLayers | None:
+        """``model``'s mixture-of-experts layers for the memory plan (total against active parameters, experts per
+        expert-parallel rank, dispatch buffers, all-to-all traffic); None (the default): a dense model."""
+        return None
 
     def tensor_parallel_plan(self, model: nn.Module) -> dict | None:
         """How ``model`` (built on meta) splits over distributed.tensor_parallel_degree ranks, as data: module paths

@@ -55,6 +55,25 @@ FAMILIES = {
 }
 """family -> (transformers config class, its arguments)."""
 
+_MOE_SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=256, rms_norm_eps=1e-5, num_experts_per_tok=2, tie_word_embeddings=False,
+    router_aux_loss_coef=0.02,
+)  # fmt: skip
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", {**_MOE_SHAPE, "intermediate_size": 16, "num_local_experts": 4}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {**_MOE_SHAPE, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24, "num_experts": 4},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {**_MOE_SHAPE, "moe_intermediate_size": 16, "num_experts": 4, "head_dim": 16, "norm_topk_prob": True},
+    ),
+}
+"""The mixtures of experts shardlab loads (issue 49): 4 experts, top-2, 2 layers; Qwen2-MoE with its gated shared
+expert, Qwen3-MoE with q/k norms and a head_dim apart from hidden_size / heads."""
+
 
 def write_tokenizer(folder: Path) -> None:
     from tasks.lm.tokenizer import byte_tokenizer_json
@@ -71,7 +90,7 @@ def make_folder(
     config arguments that replace the family's small ones (a larger model), ``max_shard_size`` transformers'."""
     import transformers
 
-    config_class, kwargs = FAMILIES[family]
+    config_class, kwargs = {**FAMILIES, **MOE_FAMILIES}[family]
     kwargs = {**kwargs, **(shape or {})}
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kwargs))
@@ -94,3 +113,16 @@ def reference(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.T
         logits = model(input_ids=tokens[:, :-1]).logits
         loss = model(input_ids=tokens, labels=tokens).loss
     return logits, loss
+
+
+def moe_reference(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' fp32 logits on ``tokens[:, :-1]``, and the two parts of the loss shardlab's first step computes
+    on ``tokens``: the next-token cross-entropy, and router_aux_loss_coef x the load-balancing loss
+    (``output_router_logits``) over the same input tokens."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(input_ids=tokens[:, :-1], output_router_logits=True)
+    loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    return out.logits, loss, model.config.router_aux_loss_coef * out.aux_loss

@@ -707,6 +707,34 @@ def layout_choice(sources: list[Source]) -> list[str]:
     return lines
 
 
+def moe_plan(sources: list[Source]) -> list[str]:
+    """tools/plan_moe.py: MoE models planned from their config.json alone, at several expert-parallel degrees."""
+    lines = header(
+        "model (config.json)", "GPUs", "layout", "params total / active per token", "experts per rank (x FSDP)",
+        "fp32 expert weights held per rank (rows sharded)", "experts gathered per layer (bf16)", "peak (allocated)",
+        "device", "fits 80 GB", "sent per step per rank: FSDP / all-to-all (GiB)",
+    )  # fmt: skip
+    for _, d in sources:
+        for r in d["plans"]:
+            p = r["plan"]
+            fits = "yes" if p["device_bytes"] <= p["capacity_bytes"] else "no"
+            fsdp = (p["sent_bytes"] - p["all_to_all_bytes"]) / GiB
+            host = f" (host {p['host_bytes'] / GiB:.0f} GiB)" if p.get("host_bytes") else ""
+            lines.append(
+                row(f"{r['model']} (`{r['config']}`)", p["world_size"], p["label"],
+                    f"{p['total_params'] / 1e9:.2f}B / {p['active_params'] / 1e9:.2f}B",
+                    f"{p['experts_per_rank']} x {p['expert_shard_ranks']}",
+                    f"{4 * p['expert_numel'] / GiB:.2f} GiB ({4 * p['row_sharded_numel'] / GiB:.2f})",
+                    f"{p['gathered_layer_numel'] * 2 / GiB:.2f} GiB", f"{p['peak_bytes'] / GiB:.1f} GiB",
+                    f"{p['device_bytes'] / GiB:.1f} GiB{host}", fits,
+                    f"{fsdp:,.0f} / {p['all_to_all_bytes'] / GiB:.1f}")
+            )  # fmt: skip
+        if d.get("verify"):
+            v = d["verify"]
+            lines += ["", f"`distributed.verify_plan` of the first layout, timed: {v['seconds']} s. {v['line']}"]
+    return lines
+
+
 def precision(sources: list[Source]) -> list[str]:
     """tools/bench_precision.py: the default LM in each precision, the runs of a round side by side; auto's choice."""
     lines = header(
@@ -775,6 +803,7 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "plan_vs_published": plan_vs_published,
     "plan_axes_published": plan_axes_published,
     "layout_choice": layout_choice,
+    "moe_plan": moe_plan,
     "checkpointing": checkpointing,
     "precision": precision,
     "sft_trl": sft_trl,

@@ -1,5 +1,6 @@
 """Export an LM checkpoint as a Hugging Face folder (no custom code needed to load it): model.arch=gpt as a
-GPT2LMHeadModel, model.arch=llama as a Llama, Qwen2, Qwen3 or Mistral ForCausalLM (tasks/lm/export_hf.py).
+GPT2LMHeadModel, model.arch=llama as a Llama, Qwen2, Qwen3 or Mistral ForCausalLM, with model.moe as a Mixtral,
+Qwen2-MoE or Qwen3-MoE one, its experts one tensor per expert as the hub holds them (tasks/lm/export_hf.py).
 
     python tools/export_hf.py runs/lm/default/checkpoints/step_00000300 --out hf-export
     python tools/export_hf.py runs/lm/sft/checkpoints/step_00001000 --dtype bf16 --out hf-bf16  # half the bytes

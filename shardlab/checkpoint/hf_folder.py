@@ -26,7 +26,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -63,6 +63,10 @@ INDEX_FILE = "model.safetensors.index.json"
 
 Names = Mapping[str, tuple[str, bool]]
 """shardlab parameter name -> (the checkpoint tensor's key, whether it is stored transposed)."""
+Pieces = Mapping[str, Sequence[tuple[str, tuple]]]
+"""shardlab parameter name -> the checkpoint tensors it is made of, each (key, index): it is ``param[index]``, the
+index a tuple of ints and slices on the leading dims (an MoE block's grouped experts: one checkpoint tensor per
+expert, or per half of an expert's rows)."""
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -190,16 +194,26 @@ def fit_errors(
     names: Names,
     ignored: tuple[str, ...] = (),
     keys: Callable[[str], bool] | None = None,
+    pieces: Pieces | None = None,
 ) -> list[str]:
     """Why the folder's tensors cannot fill ``model`` (missing, of another shape, or unused); [] when they can. Reads
     headers only. ``ignored``: suffixes of checkpoint keys that may be present and unused (buffers); ``keys``: the
-    parameters to fill (None: all; a LoRA model's adapters are not in the folder)."""
+    parameters to fill (None: all; a LoRA model's adapters are not in the folder); ``pieces``: the parameters made
+    of several checkpoint tensors."""
     files = weight_files(folder)
     if not files:
         return [f"{folder} holds no .safetensors weights (only a config.json plans: add dry_run=true)"]
     shapes = tensor_shapes(files)
-    errors = []
+    errors, pieces = [], pieces or {}
     for name, param in _parameters(model, keys).items():
+        for key, index in pieces.get(name, ()):
+            expected = _piece_shape(param.shape, index)
+            if key not in shapes:
+                errors.append(f"{folder} lacks tensor {key}")
+            elif shapes[key][0] != expected:
+                errors.append(f"{folder}: tensor {key} is {list(shapes[key][0])}, the model's is {list(expected)}")
+        if name in pieces:
+            continue
         if name not in names:
             errors.append(f"parameter {name} has no checkpoint name (a mapping that does not match the model)")
             continue
@@ -209,7 +223,7 @@ def fit_errors(
             errors.append(f"{folder} lacks tensor {key}")
         elif shapes[key][0] != expected:
             errors.append(f"{folder}: tensor {key} is {list(shapes[key][0])}, the model's is {list(expected)}")
-    used = {key for key, _ in names.values()}
+    used = {key for key, _ in names.values()} | {key for parts in pieces.values() for key, _ in parts}
     unused = sorted(k for k in shapes if k not in used and not k.endswith(ignored))
     if unused:
         errors.append(f"{folder}: tensor {unused[0]} has no place in the model ({len(unused)} such)")
@@ -239,6 +253,40 @@ def _target(param: torch.Tensor, transposed: bool) -> torch.Tensor:
     )
 
 
+def _piece_shape(shape: torch.Size, index: tuple) -> tuple[int, ...]:
+    return tuple(torch.empty(shape, device="meta")[index].shape)
+
+
+def _local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The rank's local tensor of ``param`` and where it starts in the whole one (0s for a plain tensor)."""
+    if not isinstance(param, DTensor):
+        return param.detach(), (0,) * param.ndim
+    (chunk,) = param.__create_chunk_list__()  # DTensor's own account of its local shard, the one DCP plans reads by
+    return param.to_local().detach(), tuple(chunk.offsets)
+
+
+def piece_targets(name: str, param: torch.Tensor, pieces: Sequence[tuple[str, tuple]]) -> dict[str, torch.Tensor]:
+    """checkpoint key -> the view of this rank's local shard of ``param`` it is read into, for the pieces the shard
+    holds; the others are another rank's, and not read here. A piece the shard holds part of (a placement that cuts
+    inside one expert's tensor) is refused: it would need a partial read."""
+    local, offset = _local_box(param)
+    targets = {}
+    for key, index in pieces:
+        box = [(i, i + 1) if isinstance(i, int) else i.indices(param.shape[d])[:2] for d, i in enumerate(index)]
+        held = [(max(a, o), min(b, o + n)) for (a, b), o, n in zip(box, offset, local.shape, strict=False)]
+        if any(a >= b for a, b in held):
+            continue
+        if held != box or local.shape[len(index) :] != param.shape[len(index) :]:
+            raise CheckpointError(f"{name}: this rank's shard holds part of {key} only; its placement cuts inside one")
+        starts = offset[: len(index)]  # the dims the index names
+        local_index = tuple(
+            i - o if isinstance(i, int) else slice(a - o, b - o)
+            for i, (a, b), o in zip(index, box, starts, strict=True)
+        )
+        targets[key] = local[local_index]
+    return targets
+
+
 @torch.no_grad()
 def load_hf_folder(
     model: nn.Module,
@@ -247,20 +295,31 @@ def load_hf_folder(
     device: torch.device,
     ignored: tuple[str, ...] = (),
     keys: Callable[[str], bool] | None = None,
+    pieces: Pieces | None = None,
 ) -> None:
     """Fill every parameter of ``model`` (plain, DDP or FSDP2-sharded; any world size; call on every rank) from the
     safetensors of ``folder``; refused in one line, the same on every rank, before any tensor is read if the folder
-    does not fit (``fit_errors``), and after if the read fails."""
+    does not fit (``fit_errors``), and after if the read fails. A parameter of ``pieces`` is read piece by piece,
+    each rank reading only the pieces its shard holds (``piece_targets``)."""
     from torch.distributed.checkpoint import load as dcp_load
 
     error: BaseException | None = None
     try:
-        if problems := fit_errors(model, folder, names, ignored, keys):
+        if problems := fit_errors(model, folder, names, ignored, keys, pieces):
             raise CheckpointError(f"model.pretrained: {problems[0]}")
     except CheckpointError as e:
         error = e
     agreement.agree(error, f"model.pretrained: reading {folder}", device)
-    state = {names[name][0]: _target(p, names[name][1]) for name, p in _parameters(model, keys).items()}
+    state, pieces = {}, pieces or {}
+    try:
+        for name, p in _parameters(model, keys).items():
+            if name in pieces:
+                state |= piece_targets(name, p, pieces[name])
+            else:
+                state[names[name][0]] = _target(p, names[name][1])
+    except CheckpointError as e:
+        error = CheckpointError(f"model.pretrained: {e}")
+    agreement.agree(error, f"model.pretrained: placing {folder}", device)
     try:
         dcp_load(state, storage_reader=folder_reader(folder))
     except (Exception, CheckpointException) as e:  # DCP wraps a rank's failure in CheckpointException, a BaseException
@@ -324,8 +383,12 @@ class ExportTensor(NamedTuple):
     source: str
     """Its name where it is read from (the step folder's, without the DCP prefix)."""
     shape: tuple[int, ...]
-    """Its shape as stored in the source (the written one is the transpose when ``transposed``)."""
+    """Its shape as stored in the source (the written one is the transpose when ``transposed``); of the piece, for
+    one with an ``index``."""
     transposed: bool = False
+    index: tuple = ()
+    """Where in the source tensor it lies, ``source[index]`` (a piece of it: one expert of an MoE block's grouped
+    experts); () for the whole tensor."""
 
 
 Reader = Callable[[list[str]], dict[str, torch.Tensor]]
@@ -384,9 +447,9 @@ def _write_file(path: Path, tensors: list[ExportTensor], read: Reader, dtype: to
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for group in _groups(tensors, buffer_bytes):
-            state = read([t.source for t in group])
+            state = read(list(dict.fromkeys(t.source for t in group)))  # a source read once for all its pieces
             for t in group:
-                tensor = state.pop(t.source)
+                tensor = state[t.source][t.index]
                 tensor = (tensor.t() if t.transposed else tensor).to(dtype).contiguous()
                 if tuple(tensor.shape[::-1] if t.transposed else tensor.shape) != t.shape:
                     raise CheckpointError(f"{t.source} read as {list(tensor.shape)}, expected {list(t.shape)}")
@@ -397,8 +460,24 @@ def _write_file(path: Path, tensors: list[ExportTensor], read: Reader, dtype: to
 
 
 def _groups(tensors: list[ExportTensor], budget: int) -> list[list[ExportTensor]]:
-    """Consecutive tensors in groups of at most ``budget`` bytes as stored in fp32 (one tensor when larger)."""
-    return shard_plan(tensors, torch.float32, budget)
+    """Consecutive tensors in groups of at most ``budget`` bytes as stored in fp32 (one tensor when larger); the
+    consecutive pieces of one source stay in one group, so the source is read once for them all."""
+    runs: list[list[ExportTensor]] = []
+    for tensor in tensors:
+        if runs and tensor.index and runs[-1][-1].source == tensor.source:
+            runs[-1].append(tensor)
+        else:
+            runs.append([tensor])
+    groups: list[list[ExportTensor]] = [[]]
+    size = 0
+    for run in runs:
+        nbytes = sum(math.prod(t.shape) for t in run) * torch.float32.itemsize
+        if groups[-1] and size + nbytes > budget:
+            groups.append([])
+            size = 0
+        groups[-1] += run
+        size += nbytes
+    return groups
 
 
 def read_tensors(file: Path, keys: list[str], folder: Path | None = None) -> dict[str, torch.Tensor]:

@@ -191,23 +191,14 @@ def estimate_data_parallel(profile: ModelProfile, layout: Layout, ctx: PlanConte
     gathered = 0
     if sharded:
         f = layout.sharding_degree
-        groups = profile.groups()
-        # A unit's all-gather output is one flat buffer of f padded shards; its parameters are views of it.
-        unit_gathered = [f * shard_numel(g, f) for g in groups[:-1]]
-        biggest = max(unit_gathered, default=0)
-        biggest_grad = max((sum(r * w for r, w in g) for g in profile.trainable()[:-1]), default=0)
-        # The reduce-scatter's input holds the gradients of the unit's trainable parameters only (FSDP2 reduces those
+        groups, trained = profile.groups(), profile.trainable()
+        # A unit's all-gather output is one flat buffer of f padded shards; its parameters are views of it. The
+        # reduce-scatter's input holds the gradients of the unit's trainable parameters only (FSDP2 reduces those
         # with a gradient: a LoRA run's adapters), padded as their shards are.
-        biggest_reduced = max((f * shard_numel(g, f) for g in profile.trainable()[:-1]), default=0)
-        root = f * shard_numel(groups[-1], f) if profile.root_params else 0
-        if layout.reshard_after_forward:
-            # Backward of the last unit: the root (never resharded) and that unit still gathered, the previous unit
-            # prefetched, plus the unit's unsharded gradient and its reduce-scatter buffer.
-            in_flight = 2 + max(ctx.prefetch_units - 1, 0)
-            gathered = ctx.param_bytes * (root + in_flight * biggest)
-        else:  # every unit stays gathered from its forward to its backward
-            gathered = ctx.param_bytes * (root + sum(unit_gathered) + biggest)
-        gathered += ctx.param_bytes * biggest_grad + ctx.reduce_bytes * biggest_reduced
+        gathered = gathered_bytes(
+            layout, ctx, [f * shard_numel(g, f) for g in groups[:-1]], [sum(r * w for r, w in g) for g in trained[:-1]],
+            [f * shard_numel(g, f) for g in trained[:-1]], f * shard_numel(groups[-1], f) if profile.root_params else 0,
+        )  # fmt: skip
         if ctx.update_freq > 1 and not ctx.reduce_every_microbatch:
             T = profile.trainable_params  # unsharded gradients kept across micro-batches (a trap the plan warns of)
             gathered += 4 * (T - -(-T // f))
@@ -229,6 +220,23 @@ def estimate_data_parallel(profile: ModelProfile, layout: Layout, ctx: PlanConte
         est.outside = devices.CUDA_CONTEXT + communicators(layout, ctx) * devices.NCCL_PER_COMMUNICATOR
         est.allocator = _allocator_overhead(profile, layout, ctx, est)
     return est
+
+
+def gathered_bytes(
+    layout: Layout, ctx: PlanContext, unit_gathered: list[int], unit_grads: list[int], unit_reduced: list[int],
+    root: int,
+) -> int:  # fmt: skip
+    """fully_sharded: the gathered parameters and unsharded gradients in flight at the peak, from each unit's
+    all-gather output, unsharded gradient and reduce-scatter input (elements) and the root's all-gather output."""
+    biggest = max(unit_gathered, default=0)
+    if layout.reshard_after_forward:
+        # Backward of the last unit: the root (never resharded) and that unit still gathered, the previous unit
+        # prefetched, plus the unit's unsharded gradient and its reduce-scatter buffer.
+        in_flight = 2 + max(ctx.prefetch_units - 1, 0)
+        gathered = ctx.param_bytes * (root + in_flight * biggest)
+    else:  # every unit stays gathered from its forward to its backward
+        gathered = ctx.param_bytes * (root + sum(unit_gathered) + biggest)
+    return gathered + ctx.param_bytes * max(unit_grads, default=0) + ctx.reduce_bytes * max(unit_reduced, default=0)
 
 
 def _allocator_overhead(profile: ModelProfile, layout: Layout, ctx: PlanContext, est: MemoryEstimate) -> int:

@@ -7,6 +7,7 @@ model's names are re-exported here, where the plan's readers have always found t
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 from shardlab.memory.axes import estimate_axes
 from shardlab.memory.byte_model import (  # noqa: F401  (re-exported: the plan's readers import them from here)
@@ -23,6 +24,7 @@ from shardlab.memory.byte_model import (  # noqa: F401  (re-exported: the plan's
     unit_activation_bytes,
 )
 from shardlab.memory.devices import GiB
+from shardlab.memory.experts import expert_degree, experts_line, with_expert_parallel
 from shardlab.memory.layout import Layout, alternatives, axis_alternatives
 from shardlab.memory.profile import ModelProfile
 
@@ -32,7 +34,7 @@ def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryE
     step adds."""
     if layout.multi_axis:
         return estimate_axes(profile, layout, ctx)
-    return estimate_data_parallel(profile, layout, ctx)
+    return with_expert_parallel(estimate_data_parallel(profile, layout, ctx), profile, ctx)
 
 
 def warnings(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> Iterator[str]:
@@ -83,6 +85,8 @@ def describe(profile: ModelProfile, chosen: Layout, ctx: PlanContext, compare: b
     ]
     if est.axes is not None:
         lines.append(axes_line(est, ctx))
+    if (moe := experts_line(profile, chosen, ctx)) is not None:
+        lines.append(moe)
     if profile.activation_error:
         lines.append(f"activations not planned: the model's forward fails on meta ({profile.activation_error})")
     lines += list(warnings(profile, chosen, ctx))
@@ -106,6 +110,9 @@ def _alternatives_table(profile: ModelProfile, chosen: Layout, ctx: PlanContext)
         layouts = axis_alternatives(chosen, ctx.world_size, ctx.ranks_per_node)
     else:
         layouts = alternatives(ctx.world_size, ctx.ranks_per_node)
+    if chosen.ep > 1:  # the chosen expert-parallel degree, on the layouts it applies to
+        layouts = [replace(lay, ep=chosen.ep) if expert_degree(replace(lay, ep=chosen.ep), profile) > 1 else lay
+                   for lay in layouts]  # fmt: skip
     if chosen not in layouts:
         layouts.insert(0, chosen)
     cap = f"of {_capacity(ctx.capacity)}" if ctx.capacity else "of ?"

@@ -52,6 +52,9 @@ class Layout:
     """pp > 1: distributed.pipeline_schedule."""
     stages_per_rank: int = 1
     """pp > 1: distributed.pipeline_stages_per_rank."""
+    ep: int = 1
+    """Expert-parallel degree (distributed.expert_parallel_degree): ranks of the data-sharding ones that split an
+    MoE layer's experts between them (shardlab.memory.experts)."""
     stage_split: str = "shardlab"
     """pp > 1: how layers split into stages (shardlab.memory.pipeline.stage_sizes): shardlab's cut, or torchtitan's
     (for comparing with its published runs; no config key)."""
@@ -93,6 +96,8 @@ class Layout:
             text += f" except units {', '.join(map(str, self.ac_skip_units))}"
         if self.cpu_offload:
             text += " + cpu_offload"
+        if self.ep > 1:
+            text += f" + EP {self.ep}"
         return text
 
     def _axes_label(self, world_size: int) -> str:
@@ -125,6 +130,8 @@ class Layout:
             tensor_parallel_degree=self.tp, pipeline_parallel_degree=self.pp, context_parallel_degree=self.cp,
             pipeline_schedule=self.schedule, pipeline_stages_per_rank=self.stages_per_rank,
         )  # fmt: skip
+        if self.ep > 1:  # the key exists once expert parallelism does: left out at 1, so older configs compose
+            values["expert_parallel_degree"] = self.ep
         if self.backend == "fully_sharded":
             values.update(
                 sharding_degree=-1 if self.sharding_degree == self.data_ranks(world_size) else self.sharding_degree,
@@ -149,7 +156,7 @@ def layout_of(d, world_size: int) -> Layout:
     axes = {
         "tp": getattr(d, "tensor_parallel_degree", 1), "pp": getattr(d, "pipeline_parallel_degree", 1),
         "cp": getattr(d, "context_parallel_degree", 1), "schedule": getattr(d, "pipeline_schedule", "1f1b"),
-        "stages_per_rank": getattr(d, "pipeline_stages_per_rank", 1),
+        "stages_per_rank": getattr(d, "pipeline_stages_per_rank", 1), "ep": getattr(d, "expert_parallel_degree", 1),
     }  # fmt: skip
     if d.backend != "fully_sharded":
         return Layout(d.backend, 1, True, cpu_offload=False, **checkpointing, **axes)

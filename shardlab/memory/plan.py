@@ -26,6 +26,7 @@ from torch import nn
 from shardlab.distributed.units import describe_units, wrapped_units
 from shardlab.memory import devices
 from shardlab.memory.estimate import MemoryEstimate, PlanContext, describe, estimate
+from shardlab.memory.experts import expert_profile
 from shardlab.memory.layout import layout_of
 from shardlab.memory.profile import ModelProfile, profile_model
 
@@ -58,6 +59,10 @@ def _profile(model: nn.Module, units, task, local_batch: int, param_dtype: torch
     profile = profile_model(model, units, task, local_batch, param_dtype)
     if param_dtype != torch.float32:  # single and ddp reach it through autocast: profiled as they run
         profile.autocast = profile_model(model, units, task, local_batch, param_dtype, autocast_device=device)
+    ask = getattr(task, "expert_layers", None)  # a task method (tasks made outside shardlab.task.Task may lack it)
+    profile.experts = expert_profile(model, units, ask(model) if ask is not None else None)
+    if profile.autocast is not None:
+        profile.autocast.experts = profile.experts
     return profile
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,16 @@ from shardlab.memory import devices
 
 
 # ---- what the model is made of (one meta forward) --------------------------------------------------------------------
+@dataclass
+class ExpertProfile:
+    """A mixture-of-experts model's routed experts, as the plan places them (shardlab.memory.experts)."""
+
+    spec: Any
+    """What the task says of its MoE layers: a shardlab.task.ExpertLayers."""
+    group_shapes: list[list[tuple[int, int, int]]]
+    """The expert parameters of each FSDP unit, then the root's, as (experts, rows, width)."""
+
+
 @dataclass
 class ModelProfile:
     params: int
@@ -67,6 +78,8 @@ class ModelProfile:
     trainable_shapes: list[list[tuple[int, int]]] | None = None
     """groups() of the parameters that train (requires_grad), when some are frozen (LoRA's base): only they have
     gradients and optimizer state; None: all train."""
+    experts: ExpertProfile | None = None
+    """A mixture-of-experts model's routed experts (shardlab.memory.experts); None: a dense model."""
 
     @property
     def root_params(self) -> int:

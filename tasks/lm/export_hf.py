@@ -1,6 +1,7 @@
 """shardlab's LMs as Hugging Face models: config.json, safetensors shards with their index, tokenizer files. arch=gpt
 becomes a GPT-2 (``GPT2LMHeadModel``); arch=llama a ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``
-or ``MistralForCausalLM``: the family the run was loaded from (model.pretrained), else the one its options need.
+or ``MistralForCausalLM``, with model.moe a ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or
+``Qwen3MoeForCausalLM``: the family the run was loaded from (model.pretrained), else the one its options need.
 
 GPT-2 and shardlab's GPT agree point by point, checked against tasks/lm/model.py:
   learned token + position embeddings (wte, wpe), pre-LayerNorm blocks, eps 1e-5 (nn.LayerNorm's default = GPT-2's);
@@ -13,6 +14,9 @@ shardlab's Llama (tasks/lm/llama.py) follows LlamaForCausalLM's conventions, so 
 (the names: tasks/lm/hf_models.py, the mapping loading reads too). Its options choose the family: q/k RMSNorm is
 Qwen3's, q/k/v biases without an output bias Qwen2's, the four biases together any family's ``attention_bias``; an
 output bias alone, or q/k norms with q/k/v biases but none on the output, no family expresses, and is refused.
+With ``model.moe`` the family is Qwen3-MoE (q/k norms), Qwen2-MoE (a gated shared expert) or Mixtral
+(tasks/lm/moe_hub.py: ``moe_family``, ``export_refusal``, ``hf_moe_fields``), and the grouped experts are written
+back one hub tensor per expert, each a view of its grouped tensor (``ExportTensor.index``), bit-exact.
 
 The weights are streamed (shardlab/checkpoint/hf_folder.py): a group of tensors at a time is read from the
 checkpoint, converted to the export's dtype and appended to its shard, so no process holds the model. A LoRA run's
@@ -42,12 +46,14 @@ from shardlab.checkpoint.hf_folder import (
     write_shards,
 )
 from shardlab.errors import CheckpointError, ConfigError
-from tasks.lm.hf_models import read_config_json, weight_names
+from tasks.lm import moe_hub
+from tasks.lm.hf_models import expert_pieces, read_config_json, weight_names
 from tasks.lm.llama import ffn_width
 from tasks.lm.tokenizer import ByteTokenizer, Tokenizer, byte_tokenizer_json
 
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
-HF_ARCHITECTURES |= {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_ARCHITECTURES |= {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+HF_ARCHITECTURES |= {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 """config.json model_type -> the transformers class its export loads as."""
 
 EMBEDDINGS = ("transformer.wte.weight", "model.embed_tokens.weight")
@@ -76,11 +82,8 @@ def export_refusal(model_cfg: dict) -> str | None:
         return gpt2_refusal(model_cfg)
     if arch != "llama":
         return f"model.arch={arch!r} has no Hugging Face counterpart; exported are gpt (GPT-2) and llama"
-    if model_cfg.get("moe") is not None:  # issue 49: the next step of the MoE wiring
-        return (
-            "model.moe: writing the grouped experts back under the hub's per-expert names is not wired yet "
-            "(tasks/lm/moe_hub.py holds the mapping); dense models export"
-        )
+    if model_cfg.get("moe") is not None:
+        return moe_hub.export_refusal(model_cfg)
     return llama_refusal(model_cfg)
 
 
@@ -107,6 +110,8 @@ def family(model_cfg: dict, source: dict | None = None) -> str:
     the Llama's options need (Qwen3 for q/k norms, Qwen2 for q/k/v biases without an output bias, else Llama)."""
     if model_cfg.get("arch", "gpt") == "gpt":
         return "gpt2"
+    if model_cfg.get("moe") is not None:
+        return moe_hub.moe_family(model_cfg)
     if model_cfg.get("qk_norm"):
         return "qwen3"
     if model_cfg.get("qkv_bias") and not model_cfg.get("out_bias"):
@@ -120,7 +125,8 @@ def export_tensors(model_cfg: dict, shapes: dict[str, tuple]) -> list[ExportTens
     checkpoint (``shapes``: name -> shape as stored) and whether it is transposed; refused in one line when the
     checkpoint is not the model its config describes."""
     names = weight_names({**model_cfg, "arch": model_cfg.get("arch", "gpt")})
-    expected = set(names)
+    pieces = expert_pieces(model_cfg) if model_cfg.get("arch") == "llama" else {}
+    expected = set(names) | set(pieces)
     optional = {"head.out.weight"} if model_cfg.get("tie_embeddings") else set()  # a tied head: the embedding alone
     missing, extra = sorted(expected - set(shapes)), sorted(set(shapes) - expected - optional)
     if missing or extra:
@@ -128,7 +134,14 @@ def export_tensors(model_cfg: dict, shapes: dict[str, tuple]) -> list[ExportTens
             f"the checkpoint is not shardlab's {model_cfg.get('arch', 'gpt')} as its config describes it (missing: "
             f"{', '.join(missing[:3]) or '-'}; no Hugging Face place for: {', '.join(extra[:3]) or '-'}); not exported"
         )
-    return [ExportTensor(hf.key, ours, tuple(shapes[ours]), hf.transposed) for ours, hf in names.items()]
+    out = [ExportTensor(hf.key, ours, tuple(shapes[ours]), hf.transposed) for ours, hf in names.items()]
+    for ours, parts in pieces.items():  # an MoE block's grouped experts, written back one hub tensor per expert
+        out += [ExportTensor(key, ours, _piece_shape(shapes[ours], index), index=index) for key, index in parts]
+    return out
+
+
+def _piece_shape(shape: tuple, index: tuple) -> tuple[int, ...]:
+    return tuple(torch.empty(shape, device="meta")[index].shape)
 
 
 def llama_config(model_cfg: dict, vocab_size: int, model_type: str) -> dict:
@@ -159,9 +172,11 @@ def llama_config(model_cfg: dict, vocab_size: int, model_type: str) -> dict:
         "initializer_range": model_cfg["init_std"],
         "use_cache": True,
     }
-    if model_type != "qwen2":  # Qwen2's biases are fixed (q/k/v on, output off); the others' one switch sets all four
+    if model_type not in ("qwen2", "qwen2_moe", "mixtral"):  # Qwen2's biases: q/k/v on, output off; Mixtral's none
         config["attention_bias"] = bool(model_cfg.get("qkv_bias"))
-    if model_type in ("llama", "mistral"):
+    if model_cfg.get("moe") is not None:
+        config |= moe_hub.hf_moe_fields(model_cfg)
+    if model_type in ("llama", "mistral", "mixtral"):
         config |= {"mlp_bias": False, "pretraining_tp": 1} if model_type == "llama" else {"sliding_window": None}
     else:
         config |= {"use_sliding_window": False, "sliding_window": None}
@@ -286,27 +301,52 @@ def export_hf(
 # ---- a LoRA run's frozen base, read again for its merged export -----------------------------------------------------
 def hf_folder_reader(folder: Path, model_cfg: dict) -> tuple[dict[str, tuple], Reader]:
     """The tensors of the model ``model_cfg`` in the Hugging Face folder ``folder``, by shardlab name and in
-    shardlab's layout (GPT-2's Conv1D weights transposed back), as {name: shape}, and a Reader that reads each
-    tensor alone from its file (safetensors' safe_open: that tensor's bytes only)."""
+    shardlab's layout (GPT-2's Conv1D weights transposed back, an MoE block's experts stacked from the hub's
+    per-expert tensors), as {name: shape}, and a Reader that reads each tensor alone from its file (safetensors'
+    safe_open: that tensor's bytes only; a grouped expert tensor, its pieces)."""
     names = weight_names({**model_cfg, "arch": model_cfg.get("arch", "gpt")})
+    pieces = expert_pieces(model_cfg) if model_cfg.get("arch") == "llama" else {}
     stored = tensor_files(weight_files(folder))  # exactly the files the index names, each checked a file
-    if missing := [hf.key for hf in names.values() if hf.key not in stored]:
+    wanted = [hf.key for hf in names.values()] + [key for parts in pieces.values() for key, _ in parts]
+    if missing := [key for key in wanted if key not in stored]:
         raise CheckpointError(f"{folder} lacks tensor {missing[0]} ({len(missing)} such); is it the run's base?")
     shapes = {ours: tuple(stored[hf.key][1][:: -1 if hf.transposed else 1]) for ours, hf in names.items()}
+    shapes |= {
+        ours: _stacked_shape([(index, stored[key][1]) for key, index in parts]) for ours, parts in pieces.items()
+    }
+
+    def read_keys(keys: list[str]) -> dict[str, torch.Tensor]:
+        by_file: dict[Path, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(stored[key][0], []).append(key)
+        return {k: t for file, group in by_file.items() for k, t in read_tensors(file, group, folder).items()}
 
     def read(wanted: list[str]) -> dict[str, torch.Tensor]:
-        by_file: dict[Path, list[str]] = {}
-        for name in wanted:
-            by_file.setdefault(stored[names[name].key][0], []).append(name)
         out = {}
-        for file, group in by_file.items():
-            tensors = read_tensors(file, [names[name].key for name in group], folder)
-            for name in group:
-                tensor = tensors.pop(names[name].key)
-                out[name] = tensor.t() if names[name].transposed else tensor
+        for name in wanted:
+            if name in pieces:  # one grouped tensor: its experts read and stacked, the only one held
+                parts = read_keys([key for key, _ in pieces[name]])
+                out[name] = torch.empty(shapes[name], dtype=next(iter(parts.values())).dtype)
+                for key, index in pieces[name]:
+                    out[name][index] = parts.pop(key)
+        single = read_keys([names[name].key for name in wanted if name not in pieces])
+        for name in (n for n in wanted if n not in pieces):
+            tensor = single.pop(names[name].key)
+            out[name] = tensor.t() if names[name].transposed else tensor
         return out
 
     return shapes, read
+
+
+def _stacked_shape(parts: list[tuple[tuple, tuple]]) -> tuple[int, ...]:
+    """The shape of the tensor made of pieces (index, shape): each indexed dim as far as the pieces reach, the
+    rest the pieces' own."""
+    dims = len(parts[0][0])
+    reach = [
+        max(i + 1 if isinstance(i, int) else i.stop for i in (index[d] for index, _ in parts)) for d in range(dims)
+    ]
+    sliced = sum(not isinstance(i, int) for i in parts[0][0])  # the piece keeps a dim for each slice
+    return (*reach, *parts[0][1][sliced:])
 
 
 def lora_base(config: dict, base: Path | None) -> tuple[tuple[dict[str, tuple], Reader], Path]:

@@ -107,7 +107,12 @@ def shape_refusal(section: dict[str, Any], vocab_size: int) -> str | None:
     else:
         head_dim = section.get("head_dim") or dim // section["num_heads"]
         attention = dim * head_dim * (2 * section["num_heads"] + 2 * section["num_kv_heads"])
-        per_layer = attention + 3 * dim * section["ffn_dim"]
+        moe = section.get("moe")
+        if moe:  # routed experts, the shared one and the router in place of the dense MLP
+            experts = moe["num_experts"] * moe["ffn_dim"] + moe.get("shared_ffn_dim", 0)
+            per_layer = attention + 3 * dim * experts + dim * moe["num_experts"]
+        else:
+            per_layer = attention + 3 * dim * section["ffn_dim"]
     total = layers * per_layer + 2 * vocab_size * dim
     if total > MAX_PARAMETERS:
         return f"its shape plans {total:.3g} parameters, more than the {MAX_PARAMETERS:.0e} shardlab plans"

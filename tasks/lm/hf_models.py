@@ -3,7 +3,10 @@ between shardlab's parameter names and the checkpoint's, used both to load (task
 (tasks/lm/export_hf.py).
 
 Families: Llama 3.x, Qwen2/2.5, Qwen3 and Mistral become ``model.arch=llama`` (tasks/lm/llama.py) with the options
-each needs; GPT-2 becomes ``model.arch=gpt`` (tasks/lm/model.py). A field of config.json that would change the
+each needs; the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE the same with a ``model.moe`` section
+(tasks/lm/moe_hub.py: its fields, and where each hub per-expert tensor lands in the grouped experts, ``expert_pieces``);
+DeepSeek-V3 and gpt-oss are refused in one line naming what shardlab lacks for them; GPT-2 becomes
+``model.arch=gpt`` (tasks/lm/model.py). A field of config.json that would change the
 computation and that the architecture cannot express is refused in one line naming it (``HFConfigError``), before
 any weight is read. Fields that change nothing shardlab computes in training (token ids, ``use_cache``,
 ``initializer_range``, ``dtype``) are not read, nor GPT-2's dropout rates: model.dropout is the fine-tuner's choice.
@@ -19,11 +22,21 @@ from typing import Any, NamedTuple
 from shardlab.checkpoint.regular_file import NotAFile, read_small_file
 from shardlab.errors import first_cause
 from tasks.lm import hf_fields as fields
+from tasks.lm import moe_hub
 from tasks.lm.hf_fields import HFConfigError
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """config.json model_type values read as model.arch=llama."""
-FAMILIES = (*LLAMA_FAMILIES, "gpt2")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""config.json model_type values read as model.arch=llama with model.moe (every block's MLP a mixture of experts)."""
+FAMILIES = (*LLAMA_FAMILIES, *MOE_FAMILIES, "gpt2")
+REFUSED_FAMILIES = {
+    "deepseek_v3": "multi-head latent attention (q_lora_rank, kv_lora_rank, qk_rope_head_dim) and dense first layers "
+    "(first_k_dense_replace)",
+    "gpt_oss": "attention sinks, alternating sliding-window layers, biased experts and the clamped SwiGLU "
+    "(swiglu_limit)",
+}
+"""MoE families shardlab knows and does not load -> what it lacks for them (said before any weight is read)."""
 
 LLAMA_NAMES = {
     "attn_norm": "input_layernorm",
@@ -56,10 +69,22 @@ class HFName(NamedTuple):
 
 def weight_names(model_cfg: Any) -> dict[str, HFName]:
     """shardlab parameter name -> its Hugging Face name, for every parameter of the model section ``model_cfg``
-    (a tied output projection has none: the checkpoint holds the embedding only)."""
+    that is one checkpoint tensor (a tied output projection has none: the checkpoint holds the embedding only; an
+    MoE block's grouped experts are many: ``expert_pieces``)."""
     if model_cfg["arch"] == "gpt":
         return _gpt2_names(model_cfg["num_layers"], bool(model_cfg["tie_embeddings"]))
-    return _llama_names(model_cfg)
+    names = _llama_names(model_cfg)
+    if model_cfg.get("moe") is None:
+        return names
+    mlp = [f"blocks.{i}.mlp.{p}.weight" for i in range(model_cfg["num_layers"]) for p in ("gate", "up", "down")]
+    single = {ours: HFName(key) for ours, key in moe_hub.single_names(model_cfg).items()}
+    return {ours: hf for ours, hf in names.items() if ours not in mlp} | single
+
+
+def expert_pieces(model_cfg: Any) -> dict[str, list[moe_hub.Piece]]:
+    """An MoE model's grouped expert weights -> the hub's per-expert tensors each is made of, and where each lies in
+    it ({} for a dense model): what loading reads and the export writes back (tasks/lm/moe_hub.py)."""
+    return moe_hub.expert_pieces(model_cfg) if model_cfg.get("moe") is not None else {}
 
 
 def _gpt2_names(num_layers: int, tied: bool) -> dict[str, HFName]:
@@ -116,6 +141,11 @@ def model_section(hf: dict[str, Any], path: Path) -> dict[str, Any]:
     ``path``) describes; refused in one line naming the first field it cannot express, of the wrong type or out of
     range (tasks/lm/hf_fields.py), or a shape beyond the plan's bound (counted before any module is built)."""
     model_type = hf.get("model_type")
+    if isinstance(model_type, str) and model_type in REFUSED_FAMILIES:
+        raise HFConfigError(
+            f"{path}: model_type={model_type!r} is not loaded: shardlab does not implement its "
+            f"{REFUSED_FAMILIES[model_type]}; it loads {', '.join(FAMILIES)}"
+        )
     if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise HFConfigError(
             f"{path}: model_type={model_type!r} is not a family shardlab loads; it loads {', '.join(FAMILIES)}"
@@ -170,11 +200,16 @@ def _llama_section(hf: dict, path: Path, model_type: str) -> dict[str, Any]:
         "tie_embeddings": fields.flag(hf, "tie_word_embeddings", path, False),
         "qkv_bias": model_type == "qwen2" or bias,  # Qwen2's q/k/v always carry biases; its o_proj never
         "out_bias": bias and model_type != "qwen2",
-        "qk_norm": model_type == "qwen3",
+        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
         **_rope(hf, path),
     }
-    window = fields.optional_integer(hf, "sliding_window", path)
-    if window is not None and model_type == "mistral" and window < section["max_seq_len"]:
+    section["moe"] = None  # a dense folder is dense even where the run's model section had experts
+    if model_type in MOE_FAMILIES:
+        section |= moe_hub.attention_options(hf, path, model_type, bias)
+        section["moe"] = {k: v for k, v in moe_hub.moe_section(hf, path).items() if k != "family"}
+    # Qwen2-MoE writes sliding_window=0 beside use_sliding_window=false (refused above when true): no window.
+    window = fields.optional_integer(hf, "sliding_window", path, minimum=0 if model_type == "qwen2_moe" else 1)
+    if window and model_type in ("mistral", "mixtral") and window < section["max_seq_len"]:
         # Mistral 7B v0.1 attends to the last 4096 tokens: the same as full causal attention up to that length.
         section["max_seq_len"] = window
     return section

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.lm.config import MoEConfig
-from tasks.lm.moe_experts import EXPERT_IMPLS, GroupedExperts, dispatch
+from tasks.lm.moe_experts import EXPERT_IMPLS, GroupedExperts, dispatch, expert_counts
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -189,7 +189,7 @@ class MoEBlock(nn.Module):
         out = self.experts(tokens, route)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        load = torch.bincount(routing.indices.reshape(-1), minlength=self.cfg.num_experts)
+        load = expert_counts(routing.indices.reshape(-1), self.cfg.num_experts)
         z_loss = torch.logsumexp(routing.logits.float(), dim=-1).square().mean()
         stats = RoutingStats(routing.logits, load, routing.probs.sum(dim=0), z_loss, route.num_dropped)
         return out.view(x.shape), stats

@@ -61,16 +61,27 @@ class Dispatch(NamedTuple):
     """() assignments dropped because their expert was over capacity (0 without a capacity factor)."""
 
 
+def expert_counts(flat_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(experts,) how many of ``flat_indices`` chose each expert (int64). On the meta device (the memory plan's
+    shape-only forward) the counts are data it does not hold: zeros of the right shape, so the forward runs on."""
+    if flat_indices.is_meta:
+        return flat_indices.new_zeros(num_experts)
+    return torch.bincount(flat_indices, minlength=num_experts)
+
+
 def dispatch(indices: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity_factor: float | None) -> Dispatch:
     """Sort the (tokens, top_k) ``indices`` and their ``weights`` by expert. With a capacity factor, each expert keeps
     its first ceil(factor * tokens * top_k / experts) assignments in token order (Switch Transformer's rule); the rest
     are dropped (their token gets nothing from that expert: the residual carries it)."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     token = order // indices.shape[1]
     weight = weights.reshape(-1)[order]
     dropped = torch.zeros((), dtype=torch.int64, device=flat.device)
+    if capacity_factor is not None and flat.is_meta:  # the memory plan: at most every expert full, shapes only
+        kept = min(flat.numel(), num_experts * math.ceil(capacity_factor * indices.numel() / num_experts))
+        return Dispatch(token[:kept], weight[:kept], counts, dropped)
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * indices.numel() / num_experts)
         starts = torch.cumsum(counts, 0) - counts
@@ -104,11 +115,21 @@ def swiglu_loop(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, do
     return torch.cat(outputs)
 
 
+def swiglu_shapes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """On the meta device: every row through the first expert's weights. Which rows reach which expert is data meta
+    does not hold, but the tensors autograd saves (the rows, the gate/up output, the SiLU output, the product) have
+    the shapes of the grouped or looped run over all rows, which is what the memory plan counts."""
+    gate, up = F.linear(x, gate_up[0]).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down[0])
+
+
 def run_experts(
     rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, impl: str
 ) -> torch.Tensor:
     """Each expert's SwiGLU on its contiguous group of ``rows`` (``counts`` per expert), by ``impl``: auto takes
     grouped_mm where grouped_mm_usable says the device and dtype have it, else the loop."""
+    if rows.is_meta:
+        return swiglu_shapes(rows, gate_up, down)
     grouped = impl == "grouped_mm" or (impl == "auto" and grouped_mm_usable(rows, gate_up))
     if grouped and rows.shape[0]:
         return swiglu_grouped_mm(rows, counts, gate_up, down)

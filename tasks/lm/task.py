@@ -15,12 +15,12 @@ from torch import nn
 from shardlab.distributed.compile import compiled
 from shardlab.errors import CheckpointError, ConfigError, DataError
 from shardlab.registry import MODELS
-from shardlab.task import PipelineCut, Task
+from shardlab.task import ExpertLayers, PipelineCut, Task
 from tasks.lm import mixture
 from tasks.lm.architecture import LMArchitecture
 from tasks.lm.cache import corpus_sources, read_corpus_meta
 from tasks.lm.data import open_splits, prepare_corpus
-from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, weight_names
+from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, expert_pieces, weight_names
 from tasks.lm.moe_balance import StepLoad
 from tasks.lm.moe_metrics import add_routing_loss, routing_metrics
 from tasks.lm.sft import FORMATS, answer_token_loss, open_sft_splits
@@ -239,6 +239,7 @@ class LanguageModelingTask(Task):
         if self.pretrained is None or self.cfg.get("dry_run"):
             return None
         names = weight_names(self.cfg.model)  # the base's parameters: a LoRA adapter has no name here
+        names |= expert_pieces(self.cfg.model)
         return lambda name: name in names
 
     def load_pretrained(self, model: nn.Module, device: torch.device) -> Path | None:
@@ -250,8 +251,9 @@ class LanguageModelingTask(Task):
 
         names = weight_names(self.cfg.model)
         # A LoRA model's adapters are not in the folder: they keep their init (B = 0, so the model starts as the base).
-        ignored = IGNORED_CHECKPOINT_KEYS
-        load_hf_folder(model, self.pretrained, names, device, ignored, keys=lambda name: not is_adapter(name))
+        # An MoE model's grouped experts are read expert by expert, each rank only the experts it holds.
+        ignored, pieces = IGNORED_CHECKPOINT_KEYS, expert_pieces(self.cfg.model)
+        load_hf_folder(model, self.pretrained, names, device, ignored, lambda name: not is_adapter(name), pieces)
         return self.pretrained
 
     def prepare_data(self) -> None:
@@ -379,6 +381,17 @@ class LanguageModelingTask(Task):
 
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         return model.fsdp_units()
+
+    def expert_layers(self, model: nn.Module) -> ExpertLayers | None:
+        """model.moe: every block's routed experts (tasks/lm/moe_experts.GroupedExperts), each token's data.seq_len
+        rows through each of them."""
+        moe = getattr(self.cfg.model, "moe", None)
+        if moe is None:
+            return None
+        grouped = ("experts.gate_up_proj", "experts.down_proj")
+        names = tuple(name for name, _ in model.named_parameters() if name.endswith(grouped))
+        layers = len(names) // len(grouped)
+        return ExpertLayers(layers, moe.num_experts, moe.top_k, self.cfg.model.dim, self.cfg.data.seq_len, names)
 
     def collate(self, samples: list) -> torch.Tensor:
         """Unpacked fine-tuning rows (data.pack=false: a sample each, padded at its end) cut to the micro-batch's

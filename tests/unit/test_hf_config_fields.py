@@ -13,7 +13,7 @@ import pytest
 
 from tasks.lm.hf_fields import MAX_LAYERS
 from tasks.lm.hf_models import HFConfigError, model_section
-from tests.hf_folders import FAMILIES
+from tests.hf_folders import FAMILIES, MOE_FAMILIES
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,7 +23,7 @@ def configs(tmp_path_factory) -> dict[str, dict]:
     """family -> the config.json transformers writes for tests/hf_folders.py's small model of that family."""
     root = tmp_path_factory.mktemp("configs")
     out = {}
-    for family, (config_class, kwargs) in FAMILIES.items():
+    for family, (config_class, kwargs) in {**FAMILIES, **MOE_FAMILIES}.items():
         getattr(transformers, config_class)(**kwargs).save_pretrained(root / family)
         out[family] = json.loads((root / family / "config.json").read_text())
     return out
@@ -83,10 +83,37 @@ GPT2_FIELDS = [
 ]
 """(field, wrong values) of a GPT-2 config.json."""
 
+MOE_FIELDS = [
+    ("num_experts_per_tok", [0, 2.5, "2", None, 5]),
+    ("router_aux_loss_coef", [NAN, "0.02", -0.1, True]),
+    ("router_jitter_noise", [0.1, "0", NAN]),
+    ("decoder_sparse_step", [2, "1", 0]),
+    ("mlp_only_layers", [[0]]),
+]
+"""(field, wrong values) of every MoE family's config.json (5 experts per token: more than the 4 there are)."""
+MOE_FAMILY_FIELDS = {
+    "mixtral": [("num_local_experts", [0, 4.0, "4", None]), ("attention_bias", [True])],
+    "qwen2_moe": [
+        ("num_experts", [0, 4.0, "4"]),
+        ("moe_intermediate_size", [0, 16.5, "16", None]),
+        ("shared_expert_intermediate_size", [0, "24", None]),
+        ("norm_topk_prob", ["true", 1]),
+        ("qkv_bias", ["true", 1]),
+    ],
+    "qwen3_moe": [("moe_intermediate_size", [0, 16.5, "16"]), ("norm_topk_prob", ["false", 0])],
+}
+"""(field, wrong values) of one MoE family's config.json."""
+
 
 def cases():
-    for family in ("llama3", "qwen2", "qwen3", "mistral"):
+    for family in ("llama3", "qwen2", "qwen3", "mistral", *MOE_FAMILIES):
         for field, values in LLAMA_FIELDS:
+            # Qwen2-MoE writes sliding_window=0 beside use_sliding_window=false: no window, not a wrong one
+            yield from (
+                (family, field, field, v) for v in values if (family, field, v) != ("qwen2_moe", "sliding_window", 0)
+            )
+    for family in MOE_FAMILIES:
+        for field, values in MOE_FIELDS + MOE_FAMILY_FIELDS[family]:
             yield from ((family, field, field, v) for v in values)
     for field, values in LLAMA3_ROPE_FIELDS:
         yield from (("llama3", f"rope_parameters.{field}", f"rope_parameters.{field}", v) for v in values)
@@ -144,6 +171,7 @@ def test_gpt2_width_not_divisible_by_heads_is_refused(configs):
         ("llama3", {"num_hidden_layers": 2_000_000}, f"num_layers 2000000 is more than the {MAX_LAYERS}"),
         ("gpt2", {"n_layer": 2_000_000}, f"num_layers 2000000 is more than the {MAX_LAYERS}"),
         ("llama3", {"hidden_size": 2**23, "intermediate_size": 2**23, "num_hidden_layers": 4000}, "parameters"),
+        ("qwen3_moe", {"num_experts": 2**24, "moe_intermediate_size": 2**20}, "parameters"),  # the experts counted
     ],
 )
 def test_a_shape_beyond_the_plans_bound_is_refused_from_its_fields(configs, family, changes, words):

@@ -87,11 +87,3 @@ def test_bad_moe_configs_and_axes_without_an_moe_path_are_refused_before_launch(
         world_size = 2 if "distributed.world_size=2" in overrides else 1
         build_task(compose_config([*SMALL_MOE, *overrides]), world_size=world_size)
     assert expected in str(error.value)
-
-
-def test_an_moe_checkpoint_is_refused_by_the_export_in_one_line_until_the_hub_names_are_wired():
-    from tasks.lm.export_hf import export_refusal
-
-    assert export_refusal({"arch": "llama", "moe": None}) is None
-    reason = export_refusal({"arch": "llama", "moe": {"num_experts": 4}})
-    assert reason.startswith("model.moe: writing the grouped experts back under the hub's per-expert names")

@@ -1,7 +1,8 @@
 """The MoE Llama (model.moe) against transformers' own Mixtral, Qwen2-MoE and Qwen3-MoE models with the same weights
 (issue 49): the logits (fp32, rtol 1e-4) and the first step's loss, the cross-entropy plus router_aux_loss_coef x
 transformers' load-balancing loss (``output_router_logits=True``), on one process. Weights are copied in memory, as
-transformers 5 holds them (grouped experts); reading hub folders is tasks/lm/moe_hub.py's, not wired yet."""
+transformers 5 holds them (grouped experts); hub folders read and written: tests/unit/test_moe_pretrained.py and
+test_moe_export.py."""
 
 from __future__ import annotations
 
