@@ -89,7 +89,7 @@ def test_the_batch_splits_over_the_data_parallel_ranks_only(tiny_lm):
                              "validation.batch_size=6"), num_cuda_devices=0)  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["kv heads", "context on cpu"])
+@pytest.mark.parametrize("case", ["kv heads", "context on cpu", "experts the degree does not divide"])
 def test_the_command_line_refuses_before_any_rank_starts(case, tmp_path, corpus_cache):
     """One line, exit code 2, nothing written: the run folder is never made."""
     overrides, pattern = REFUSED[case]
