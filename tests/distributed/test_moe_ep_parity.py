@@ -27,6 +27,9 @@ MOE = [
     "model.moe.z_loss_coef=0.001", "model.moe.score_bias=true", "model.moe.bias_update_rate=0.05",
 ]  # fmt: skip
 CKPT = ["checkpoint.interval_steps=5"]
+ACCUMULATE = ["optimization.update_freq=2", "distributed.reduce_every_microbatch=false"]
+"""Two micro-batches a step, the gradients reduced after the last only (the experts' own FSDP unit included); the
+step's load, summed over both, moves the bias once."""
 
 
 def ep(degree: int) -> list[str]:
@@ -59,8 +62,13 @@ def runs(tiny_lm, tmp_path_factory) -> dict:
     run_dirs = [ep4_dir, *(tmp_path_factory.mktemp(name) for name in list(four)[1:])]
     results |= zip(four, run_spawned(list(four.values()), 4, run_dirs, inspect=inspect_experts), strict=True)
     step5 = ep4_dir / "checkpoints" / "step_00000005"
-    two = [tiny_lm(*MOE, *ep(2)), tiny_lm(*MOE, *ep(2), f"checkpoint.resume={step5}")]
-    results |= zip(("ep2", "ep2_from_ep4"), run_spawned(two, 2, inspect=inspect_experts), strict=True)
+    two = {
+        "ep2": tiny_lm(*MOE, *ep(2)),
+        "ep2_from_ep4": tiny_lm(*MOE, *ep(2), f"checkpoint.resume={step5}"),
+        "ep2_accumulating": tiny_lm(*MOE, *ep(2), *ACCUMULATE),
+    }
+    results |= zip(two, run_spawned(list(two.values()), 2, inspect=inspect_experts), strict=True)
+    results["reference_accumulating"] = single(tiny_lm(*MOE, *ACCUMULATE), tmp_path_factory.mktemp("acc"))
     results["single_from_ep4"] = single(tiny_lm(*MOE, f"checkpoint.resume={step5}"), tmp_path_factory.mktemp("s"))
     results["no_bias_update"] = single(tiny_lm(*MOE, "model.moe.bias_update_rate=0"), tmp_path_factory.mktemp("n"))
     return {**results, "ep4_step5": step5, "reference_step5": reference_dir / "checkpoints" / "step_00000005"}
@@ -74,13 +82,14 @@ def runs(tiny_lm, tmp_path_factory) -> dict:
         ("fsdp2_ep2", ("dp_shard_mod_ep", "ep"), 1),
         ("hybrid2_ep2", ("dp_replicate", "dp_shard_mod_ep", "ep"), 2),
         ("fsdp2_ep2_ac", ("dp_shard_mod_ep", "ep"), 1),
+        ("ep2_accumulating", ("dp_shard_mod_ep", "ep"), 2),
     ],
 )
 def test_expert_parallel_ranks_train_as_one_process(name, axes, rows, runs):
     """Each rank holds num_experts / ep experts (FSDP 2 x EP 2: half of its group's 2, by rows; hybrid 2 x EP 2:
     its group's 2, replicated across the other group), split by experts on the 'ep' axis; the balancing biases,
     moved from the summed load, equal one process's; activation checkpointing recomputes the exchanges alike."""
-    result, reference = runs[name], runs["reference"]
+    result, reference = runs[name], runs["reference_accumulating" if name.endswith("accumulating") else "reference"]
     assert result["experts"], "no expert weight was split"
     for layout in result["experts"].values():
         assert layout[0] == axes and layout[1][-1] == "S(0)" and layout[2] == rows, result["experts"]
