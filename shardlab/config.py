@@ -86,6 +86,11 @@ class DistributedConfig:
     fully_sharded, which then shards over data-shard x context ranks); data.seq_len must divide by 2 x it; 1 = off."""
     context_parallel_rotate_method: str = "allgather"
     """context_parallel_degree > 1: how the ring passes key/value chunks: allgather (once per attention) or alltoall."""
+    expert_parallel_degree: int = 1
+    """Ranks an MoE layer's routed experts are split over (each holds num_experts / degree of them; tokens travel to
+    them and back by all-to-all); 1 = off. Borrowed from the data-sharding ranks, as torchtitan's: must divide
+    them (fully_sharded), FSDP2 shards each expert over the data ranks outside its group (shardlab/distributed/
+    expert_parallel.py)."""
     async_tensor_parallel: bool = False
     """tensor_parallel_degree > 1 on CUDA: overlap TP's collectives with the matmuls (torch's async TP)."""
     loss_parallel: bool = True

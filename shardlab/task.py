@@ -248,6 +248,29 @@ class Task(ABC):
         the pre-flight when the degree is above 1 and "cp" is in model_parallel_axes."""
         return []
 
+    def after_update(
+        self, model: nn.Module, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], applied: bool
+    ) -> list[str]:
+        """Called on every rank after each optimizer step (``applied``: its update was not skipped), with the
+        backend's sum over the data-parallel ranks, for what a task changes outside autograd between steps (an MoE
+        router's balancing bias); the lines it returns rank 0 prints. Must decide the same on every rank."""
+        return []
+
+    def expert_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of ``model`` (built on meta) holding routed experts along dim 0 of each of their own
+        parameters, which distributed.expert_parallel_degree splits over its group; each must exchange its tokens over
+        the group the backend sets as its ``expert_group`` (shardlab/distributed/expert_parallel.py). [] (the
+        default): the task has no experts, and the pre-flight refuses a degree above 1."""
+        return []
+
+    def expert_parallel_errors(self, degree: int) -> list[str]:
+        """Why the model cannot split its experts over ``degree`` ranks, each line naming the key; asked by the
+        pre-flight when the degree is above 1."""
+        return [
+            f"distributed.expert_parallel_degree ({degree}): task {self.cfg.task.name}'s models have no experts to "
+            "split; set it to 1"
+        ]
+
     def full_precision_modules(self, model: nn.Module) -> list[nn.Module]:
         """Modules that must compute in fp32 whatever distributed.param_dtype says (e.g. BatchNorm). fully_sharded
         gives each its own FSDP unit with an fp32 mixed-precision policy; autocast backends leave them to autocast."""

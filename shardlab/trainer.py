@@ -156,12 +156,14 @@ class Trainer:
         if self.pipeline is None:
             full_precision = self.task.full_precision_modules(plan.model)
             tp_plan = self.task.tensor_parallel_plan(plan.model) if backend.dims.tp > 1 else None
+            experts = self.task.expert_modules(plan.model) if backend.dims.ep > 1 else ()
             self.model = backend.parallelize(
                 plan.model,
                 plan.units,
                 materialized,
                 full_precision_modules=full_precision,
                 tensor_parallel_plan=tp_plan,
+                expert_modules=experts,
             )
         else:
             self.model = self.pipeline.model  # this rank's stages' layers, under the unsplit model's names
@@ -263,6 +265,8 @@ class Trainer:
         while state.step < max_steps:
             step_started = time.perf_counter()
             lr, grad_norm = self.train_step(loader, window.sums)
+            for line in self.step_notes:  # the task's, after the update (Task.after_update)
+                log.info(line)
             if first_steps is not None and (line := first_steps.ended(time.perf_counter() - step_started)):
                 log.info(line)  # the compilation's cost, once
             with record_function("shardlab.meter"):
@@ -364,6 +368,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]  # the rate this step uses (_step advances the schedule)
         self.phase = "update"
         grad_norm, skipped = self._step()
+        self.step_notes = self.task.after_update(self.model, backend.all_reduce_sum, applied=not skipped)
         self.state.end_step(self.global_batch * o.update_freq, skipped)
         self.phase = "between"
         return lr, grad_norm

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -211,13 +211,15 @@ class Backend:
         materialize: Callable[[nn.Module], None],
         full_precision_modules: Sequence[nn.Module] = (),
         tensor_parallel_plan: dict | None = None,
+        expert_modules: Sequence[nn.Module] = (),
     ) -> nn.Module:
         """Wrap ``model`` (built on meta) for this backend and materialize its weights with ``materialize``.
         ``full_precision_modules`` (Task.full_precision_modules) compute in fp32 whatever the param dtype: their own
         fp32 units under fully_sharded; autocast leaves them alone elsewhere. ``tensor_parallel_plan``
         (Task.tensor_parallel_plan, given when distributed.tensor_parallel_degree > 1): only fully_sharded applies
-        one (the pre-flight refuses tensor parallelism elsewhere)."""
-        refuse_tensor_parallel(self.name, tensor_parallel_plan)
+        one (the pre-flight refuses tensor parallelism elsewhere); so for ``expert_modules`` (Task.expert_modules,
+        given when distributed.expert_parallel_degree > 1)."""
+        refuse_tensor_parallel(self.name, tensor_parallel_plan, expert_modules)
         materialize(model)
         if self.cfg.activation_checkpointing != "none":
             from shardlab.distributed.activation_checkpointing import checkpoint_units
@@ -272,12 +274,11 @@ class Backend:
         axes' shards summed, tensor-parallel replicas counted once); the norm is made whole before clipping, so the
         coefficient is one plain number however the gradients are placed.
         """
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        by_mesh = params_by_mesh(p for p in model.parameters() if p.grad is not None)
+        norm = total_grad_norm(by_mesh)
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            for params in by_mesh:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm.detach().cpu()
 
     def make_grad_scaler(self) -> torch.amp.GradScaler | None:
@@ -355,12 +356,32 @@ class Backend:
             yield f"compile: every unit builds its graphs in the first training step (inductor cache {cache})"
 
 
-def refuse_tensor_parallel(backend: str, plan: dict | None) -> None:
-    """A backend that does not apply tensor-parallel plans, given one (the pre-flight refuses this config first)."""
-    if plan is not None:
-        raise ConfigError(
-            f"distributed.tensor_parallel_degree > 1 needs distributed.backend=fully_sharded (not {backend})"
-        )
+def params_by_mesh(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` grouped by the mesh they are DTensors on (plain tensors together). DTensors of different meshes
+    (experts on the expert mesh beside the rest on the data mesh: shardlab/distributed/expert_parallel.py) cannot
+    meet in one op, foreach ops included."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for param in params:
+        groups.setdefault(param.device_mesh if isinstance(param, DTensor) else None, []).append(param)
+    return list(groups.values())
+
+
+def total_grad_norm(by_mesh: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The 2-norm of the gradients of every parameter of ``by_mesh`` (params_by_mesh) as a plain tensor: each
+    mesh's norm made whole on its own, then the norms combined."""
+    norms = []
+    for params in by_mesh or [[]]:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
+def refuse_tensor_parallel(backend: str, plan: dict | None, expert_modules: Sequence[nn.Module] = ()) -> None:
+    """A backend that does not apply tensor-parallel plans or split experts, given one (the pre-flight refuses this
+    config first)."""
+    for key, asked in (("tensor_parallel_degree", plan is not None), ("expert_parallel_degree", bool(expert_modules))):
+        if asked:
+            raise ConfigError(f"distributed.{key} > 1 needs distributed.backend=fully_sharded (not {backend})")
 
 
 @BACKENDS.register("single")

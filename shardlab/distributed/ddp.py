@@ -26,8 +26,9 @@ class DDPBackend(Backend):
         materialize: Callable[[nn.Module], None],
         full_precision_modules: Sequence[nn.Module] = (),
         tensor_parallel_plan: dict | None = None,
+        expert_modules: Sequence[nn.Module] = (),
     ) -> nn.Module:
-        refuse_tensor_parallel(self.name, tensor_parallel_plan)
+        refuse_tensor_parallel(self.name, tensor_parallel_plan, expert_modules)
         materialize(model)
         units = checkpoint_units(model, units, self.cfg)
         self.compile_units(units or [model])

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from shardlab.distributed import torch_internals
 from shardlab.distributed.activation_checkpointing import checkpoint_units
 from shardlab.distributed.base import Backend
+from shardlab.distributed.expert_parallel import expert_fsdp_mesh, split_experts
 from shardlab.distributed.gloo_comms import AllReduceReduceScatter, make_reduce_comm
 from shardlab.distributed.grad_scaler import ShardedGradScaler
 from shardlab.distributed.units import generic_units
@@ -72,11 +73,16 @@ class FullyShardedBackend(Backend):
         materialize: Callable[[nn.Module], None],
         full_precision_modules: Sequence[nn.Module] = (),
         tensor_parallel_plan: dict | None = None,
+        expert_modules: Sequence[nn.Module] = (),
     ) -> nn.Module:
-        """Tensor parallelism (the task's plan over mesh["tp"]), then activation checkpointing and compile, then FSDP2
-        over the data axes, then the weights materialized into the shards (torchtitan's order)."""
+        """Tensor parallelism (the task's plan over mesh["tp"]), expert parallelism (``expert_modules``, given when
+        distributed.expert_parallel_degree > 1), activation checkpointing and compile, then FSDP2 over the data
+        axes (experts first), then the weights materialized into the shards (torchtitan's order)."""
         if tensor_parallel_plan is not None:
             self.apply_tensor_parallel(model, tensor_parallel_plan)
+        expert_mesh = self.dims.expert_mesh(self.device.type) if expert_modules else None
+        if expert_mesh is not None:  # the experts split by rows over 'ep' (shardlab/distributed/expert_parallel.py)
+            split_experts(expert_modules, expert_mesh["ep"])
         units = units or generic_units(model, self.cfg.wrap_min_num_params)
         units = checkpoint_units(model, units, self.cfg)
         self.units = units
@@ -86,6 +92,7 @@ class FullyShardedBackend(Backend):
             fp32 = {**kwargs, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}
             for module in full_precision_modules:  # each its own fp32 unit (Task.full_precision_modules)
                 fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward, **fp32)
+        self.shard_experts(expert_modules, expert_mesh, kwargs)  # before the blocks that hold them
         for i, unit in enumerate(units):
             # The last unit's params are needed again at once by backward: resharding them would only re-gather.
             reshard = self.cfg.reshard_after_forward and i < len(units) - 1
@@ -117,6 +124,12 @@ class FullyShardedBackend(Backend):
                     if buf is not None:
                         module._buffers[key] = buf.to(self.device)
         return model
+
+    def shard_experts(self, modules: Sequence[nn.Module], expert_mesh: DeviceMesh | None, kwargs: dict) -> None:
+        """Each expert module its own FSDP2 unit over the expert mesh's data ranks outside 'ep'."""
+        for module in modules:
+            mesh = expert_fsdp_mesh(expert_mesh)
+            fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward, **kwargs | {"mesh": mesh})
 
     def apply_tensor_parallel(self, model: nn.Module, plan: dict) -> None:
         """The task's plan over the mesh's 'tp' axis (shardlab.distributed.tensor_parallel), and async TP where asked
@@ -209,3 +222,8 @@ class FullyShardedBackend(Backend):
             overlap = "async (overlapped in compiled graphs)" if overlapped else "sync"
             yield (f"tensor parallel: {self.dims.describe()}; each layer split over {self.dims.tp} ranks, sequence-"
                    f"parallel between blocks, collectives {overlap}")  # fmt: skip
+        if self.dims.ep > 1:
+            ep, rest = self.dims.ep, self.dims.dp_shard // self.dims.ep
+            yield (f"expert parallel: each MoE layer's experts split over groups of {ep} consecutive ranks (1/{ep} of "
+                   f"them per rank, tokens exchanged by all-to-all), each expert sharded over the {rest} data rank(s) "
+                   "outside its group")  # fmt: skip

@@ -39,6 +39,9 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert parallelism: not a factor of the world but a split of dp_shard (torchtitan's "ep borrows from
+    dp_shard"): each run of ``ep`` consecutive dp_shard ranks holds the experts between them (expert_mesh)."""
 
     @classmethod
     def from_config(cls, cfg: DistributedConfig, world_size: int) -> ParallelDims:
@@ -53,7 +56,7 @@ class ParallelDims:
             replicate = max(dp // max(shard, 1), 1)
         else:
             shard, replicate = 1, dp
-        return cls(pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp)
+        return cls(pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, ep=cfg.expert_parallel_degree)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -80,8 +83,15 @@ class ParallelDims:
                            ("context_parallel_degree", self.cp)):  # fmt: skip
             if value < 1:
                 problems.append(f"distributed.{key} ({value}) must be at least 1 (1 = off)")
+        if self.ep < 1:
+            problems.append(f"distributed.expert_parallel_degree ({self.ep}) must be at least 1 (1 = off)")
         if problems:
             return problems
+        if self.dp_shard % self.ep:
+            problems.append(
+                f"distributed.expert_parallel_degree ({self.ep}) must divide the data-sharding ranks ({self.dp_shard}:"
+                " distributed.sharding_degree, or the data-parallel ranks when it is -1) it borrows from"
+            )
         if self.world_size != world_size:
             problems.append(
                 f"the mesh's degrees multiply to {self.describe()} = {self.world_size} ranks, but the world size is "
@@ -143,6 +153,17 @@ class ParallelDims:
         call it: it makes each dimension's process groups."""
         names = self.enabled(keep)
         grid = self.rank_grid().reshape([getattr(self, name) for name in names])
+        return DeviceMesh(device_type, grid, mesh_dim_names=names)
+
+    def expert_mesh(self, device_type: str) -> DeviceMesh:
+        """The mesh expert parallelism places experts on: dp_shard split into ('dp_shard_mod_ep', 'ep'), the expert
+        group innermost (``ep`` consecutive ranks, within a host where the data axes allow), 'dp_replicate' kept
+        when above 1. A root of its own beside ``build``'s (so the data axes stay whole there): FSDP2 needs an
+        expert's EP and FSDP placements on one root, and the other parameters shard over ``build``'s 'dp_shard'.
+        Only with the data axes (the pre-flight refuses ep with tp, pp or cp)."""
+        sizes = {"dp_replicate": self.dp_replicate, "dp_shard_mod_ep": self.dp_shard // self.ep, "ep": self.ep}
+        names = tuple(name for name, size in sizes.items() if size > 1 or name != "dp_replicate")
+        grid = torch.arange(self.world_size).reshape([sizes[name] for name in names])
         return DeviceMesh(device_type, grid, mesh_dim_names=names)
 
 

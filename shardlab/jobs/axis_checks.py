@@ -1,6 +1,7 @@
 """The pre-flight's checks of the mesh's axes beyond data parallelism (distributed.tensor_parallel_degree,
-pipeline_parallel_degree, context_parallel_degree and context_parallel_rotate_method, async_tensor_parallel): each
-refusal one line naming the key, before any process starts (asked by shardlab.jobs.checks.check)."""
+pipeline_parallel_degree, context_parallel_degree and context_parallel_rotate_method, expert_parallel_degree,
+async_tensor_parallel): each refusal one line naming the key, before any process starts (asked by
+shardlab.jobs.checks.check)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ def axis_errors(cfg: Any, task, world: int, num_cuda_devices: int) -> list[str]:
     d = cfg.distributed
     dims = ParallelDims.from_config(d, world)
     asked = {axis: getattr(dims, axis) for axis in AXIS_KEYS if getattr(dims, axis) != 1}
-    errors = dims.errors(world) if asked else []
+    if dims.ep != 1 and (refusal := expert_parallel_refusal(cfg, dims, asked)):
+        return [refusal]
+    errors = dims.errors(world) if asked or dims.ep != 1 else []
     if errors:
         return errors
+    if dims.ep != 1:
+        errors += task.expert_parallel_errors(dims.ep)
     for axis, degree in asked.items():
         if axis not in task.model_parallel_axes:
             errors.append(
@@ -35,6 +40,23 @@ def axis_errors(cfg: Any, task, world: int, num_cuda_devices: int) -> list[str]:
     if d.async_tensor_parallel:
         errors += async_tensor_parallel_errors(cfg, dims.tp, num_cuda_devices)
     return errors
+
+
+def expert_parallel_refusal(cfg: Any, dims: ParallelDims, other_axes: dict[str, int]) -> str | None:
+    """Expert parallelism borrows from FSDP2's data-sharding ranks and composes with the data axes only."""
+    d = cfg.distributed
+    if d.backend != "fully_sharded":
+        return (
+            f"distributed.expert_parallel_degree ({dims.ep}) needs distributed.backend=fully_sharded (the expert "
+            f"groups are split from its data-sharding ranks; backend is {d.backend})"
+        )
+    if other_axes:
+        keys = ", ".join(f"{AXIS_KEYS[axis]}={degree}" for axis, degree in other_axes.items())
+        return (
+            f"distributed.expert_parallel_degree ({dims.ep}) composes with the data axes only, not yet with {keys}: "
+            "set one of them to 1"
+        )
+    return None
 
 
 def tensor_parallel_errors(cfg: Any, task, degree: int) -> list[str]:

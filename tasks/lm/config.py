@@ -101,6 +101,9 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     """Auxiliary-loss-free balancing: after each step the bias moves by this rate toward equal load (DeepSeek-V3:
     1e-3); 0 = the bias stays as loaded. Needs score_bias."""
+    idle_expert_warning_steps: int = 100
+    """Print a warning line when an expert has received no token on any rank for this many optimizer steps in a row
+    (tasks/lm/moe_balance.py); 0 = never."""
     capacity_factor: float | None = None
     """Each expert takes at most factor * tokens * top_k / experts assignments per batch, the rest dropped; null =
     no token is dropped."""

@@ -205,9 +205,12 @@ class Llama(LMArchitecture):
 
     def take_routing_stats(self) -> list:
         """The MoE blocks' RoutingStats of the last forward, in layer order ([] for a dense model), let go of by the
-        blocks so no graph outlives its step."""
-        stats = [block.routing_stats for block in self.blocks if block.routing_stats is not None]
-        for block in self.blocks:
+        blocks so no graph outlives its step. The Block modules themselves, not ``self.blocks``' entries: under
+        activation checkpointing those are wrappers, where setting the attribute would shadow the block's own from
+        the next step on (its loads and auxiliary loss silently gone)."""
+        blocks = [module for module in self.modules() if isinstance(module, Block)]
+        stats = [block.routing_stats for block in blocks if block.routing_stats is not None]
+        for block in blocks:
             block.routing_stats = None
         return stats
 
@@ -232,7 +235,7 @@ class Llama(LMArchitecture):
         if getattr(m, "moe", None) is not None:  # the grouped experts have no plan: expert parallelism comes first
             return [
                 f"distributed.tensor_parallel_degree ({degree}): model.moe's experts have no tensor-parallel plan "
-                "yet (expert parallelism on the mesh is a later step); set it to 1 or use data parallelism"
+                "yet: set it to 1 and split the experts with distributed.expert_parallel_degree instead"
             ]
         return divisibility_errors(degree, sizes)
 

@@ -78,6 +78,8 @@ def moe_config_errors(m: MoEConfig, prefix: str = "model.moe") -> list[str]:
         errors.append(f"{prefix}.topk_groups ({m.topk_groups}) groups hold fewer than top_k ({m.top_k}) experts")
     if m.bias_update_rate < 0 or (m.bias_update_rate > 0 and not m.score_bias):
         errors.append(f"{prefix}.bias_update_rate ({m.bias_update_rate}) must be >= 0, and > 0 needs score_bias=true")
+    if m.idle_expert_warning_steps < 0:
+        errors.append(f"{prefix}.idle_expert_warning_steps must be >= 0 (0: never), got {m.idle_expert_warning_steps}")
     if m.capacity_factor is not None and m.capacity_factor <= 0:
         errors.append(f"{prefix}.capacity_factor must be > 0 (or null: no dropping), got {m.capacity_factor}")
     if min(m.aux_loss_coef, m.z_loss_coef, m.shared_ffn_dim) < 0 or m.routed_scaling <= 0:

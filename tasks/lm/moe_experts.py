@@ -22,6 +22,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
+
+from shardlab.distributed.expert_parallel import local_experts
+from tasks.lm.moe_parallel import expert_parallel_run
 
 EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 """model.moe.experts_impl values: auto = grouped_mm where the device and dtype have it, else the loop."""
@@ -99,14 +103,16 @@ def swiglu_grouped_mm(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tens
 
 def swiglu_loop(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The same, one ``F.linear`` pair per expert on its contiguous slice (any device, any dtype); an expert with no
-    rows is skipped. One host sync for the counts."""
+    rows is skipped. One host sync for the counts. No rows at all (an expert-parallel rank whose experts got none)
+    still give a (0, dim) result computed from ``x`` and the weights: its backward must run on every rank, for the
+    all-to-all it contains, and give the weights a (zero) gradient, as FSDP2 reduces them on every rank."""
     outputs, start = [], 0
     for expert, count in enumerate(counts.tolist()):
-        if count:
+        if count or (expert == 0 and not x.shape[0]):
             gate, up = F.linear(x[start : start + count], gate_up[expert]).chunk(2, dim=-1)
             outputs.append(F.linear(F.silu(gate) * up, down[expert]))
         start += count
-    return torch.cat(outputs) if outputs else x.new_zeros(0, down.shape[1])
+    return torch.cat(outputs)
 
 
 def swiglu_shapes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -140,9 +146,20 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.impl = num_experts, impl
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_dim, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.expert_group: ProcessGroup | None = None
+        """Set by expert parallelism (shardlab/distributed/expert_parallel.py), which splits both weights by experts
+        over this group: the rows then travel to their experts' ranks and back (tasks/lm/moe_parallel.py)."""
 
     def forward(self, x: torch.Tensor, route: Dispatch) -> torch.Tensor:
         """(tokens, dim) ``x`` -> (tokens, dim): the sum over each token's kept assignments of weight * expert(x)."""
-        expert_out = run_experts(x[route.token], route.counts, self.gate_up_proj, self.down_proj, self.impl)
+        rows = x[route.token]
+        if self.expert_group is None:
+            expert_out = run_experts(rows, route.counts, self.gate_up_proj, self.down_proj, self.impl)
+        else:  # this rank's experts: the local rows of the split weights, whose gradients flow back into them
+            gate_up, down = local_experts(self.gate_up_proj), local_experts(self.down_proj)
+            expert_out = expert_parallel_run(
+                rows, route.counts, gate_up.shape[0], lambda r, c: run_experts(r, c, gate_up, down, self.impl),
+                self.expert_group,
+            )  # fmt: skip
         expert_out = expert_out * route.weight.unsqueeze(-1).to(expert_out.dtype)
         return torch.zeros_like(x).index_add_(0, route.token, expert_out.to(x.dtype))

@@ -8,17 +8,23 @@ from __future__ import annotations
 import torch
 
 from tasks.lm.moe import auxiliary_loss, load_summary
+from tasks.lm.moe_balance import StepLoad
 
 AUX_SUM, BATCHES, LOAD = "moe_aux_sum", "moe_batches", "moe_load/"
 
 
-def add_routing_loss(model, loss: torch.Tensor, sums: dict, model_cfg) -> tuple[torch.Tensor, dict]:
-    """``loss`` + the auxiliary loss of the forward ``model`` just ran, and ``sums`` with the routing statistics;
-    unchanged for a dense model (or an architecture without MoE blocks)."""
+def add_routing_loss(
+    model, loss: torch.Tensor, sums: dict, model_cfg, step_load: StepLoad | None = None
+) -> tuple[torch.Tensor, dict]:
+    """``loss`` + the auxiliary loss of the forward ``model`` just ran, and ``sums`` with the routing statistics
+    (a training forward's loads also into ``step_load``, for the step's end: tasks/lm/moe_balance.py); unchanged for a
+    dense model (or an architecture without MoE blocks)."""
     take = getattr(model, "take_routing_stats", None)
     stats = take() if take is not None else []
     if not stats:
         return loss, sums
+    if step_load is not None and model.training:
+        step_load.add([layer_stats.tokens_per_expert for layer_stats in stats])
     aux = auxiliary_loss(stats, model_cfg.moe)
     sums = {**sums, AUX_SUM: aux.detach().float(), BATCHES: torch.tensor(1.0)}
     for layer, layer_stats in enumerate(stats):

@@ -2,7 +2,8 @@
 of ranks, each rank holding ``num_experts / degree`` consecutive experts; a rank's assignment rows travel to the
 ranks holding their experts and their outputs travel back, by ``all_to_all_single`` of uneven sizes.
 
-``expert_parallel_run`` takes the place of ``moe_experts.run_experts`` between the dispatch (sort by expert, gather)
+``expert_parallel_run`` takes the place of ``moe_experts.run_experts`` (GroupedExperts calls it when the backend
+set its ``expert_group``: shardlab/distributed/expert_parallel.py) between the dispatch (sort by expert, gather)
 and the combine (weight, ``index_add_``), which stay on the token's own rank. Two exchanges each way: first the
 per-expert counts (equal splits: one count per expert), then the rows with the split sizes the counts give. The
 rows a rank receives are ordered by (source rank, expert); a stable sort by expert groups them for the local
@@ -15,35 +16,39 @@ the same experts at any expert-parallel degree; each row's output is the same Sw
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 
-from tasks.lm.moe_experts import run_experts
+DEPRECATION = r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated"
 
 
 def expert_parallel_run(
     rows: torch.Tensor,
     counts: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    num_local: int,
+    local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     group: dist.ProcessGroup | None = None,
-    impl: str = "auto",
 ) -> torch.Tensor:
     """The routed experts' outputs for this rank's ``rows`` (sorted by global expert, ``counts`` per expert over all
-    ``num_experts``), computed by the ranks of ``group`` that hold them; ``gate_up`` and ``down`` are this rank's
-    ``num_experts / group size`` experts (rank r holds experts r*L .. r*L + L - 1)."""
-    world, local = dist.get_world_size(group), gate_up.shape[0]
-    assert counts.numel() == world * local, "counts must cover every expert of the group"
+    ``num_experts``), computed by the ranks of ``group`` that hold them: each holds ``num_local`` = num_experts /
+    group size (rank r holds experts r*L .. r*L + L - 1) and runs ``local_experts(rows, counts)`` on the rows it
+    receives, grouped by its experts (moe_experts.run_experts on its slices)."""
+    world = dist.get_world_size(group)
+    if counts.numel() != world * num_local:
+        raise ValueError(f"counts cover {counts.numel()} experts, the group holds {world} x {num_local}")
     received_counts = torch.empty_like(counts)
     dist.all_to_all_single(received_counts, counts, group=group)  # [source rank, local expert]
-    by_source = received_counts.view(world, local)
-    send_splits = counts.view(world, local).sum(dim=1).tolist()
+    by_source = received_counts.view(world, num_local)
+    send_splits = counts.view(world, num_local).sum(dim=1).tolist()
     receive_splits = by_source.sum(dim=1).tolist()
     received = _exchange(rows, receive_splits, send_splits, group)
-    expert_of = torch.arange(local, device=rows.device).repeat(world).repeat_interleave(received_counts)
+    expert_of = torch.arange(num_local, device=rows.device).repeat(world).repeat_interleave(received_counts)
     order = torch.argsort(expert_of, stable=True)
-    outputs = run_experts(received[order], by_source.sum(dim=0), gate_up, down, impl)
+    outputs = local_experts(received[order], by_source.sum(dim=0))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return _exchange(outputs[inverse], send_splits, receive_splits, group)
@@ -52,6 +57,10 @@ def expert_parallel_run(
 def _exchange(
     rows: torch.Tensor, receive_splits: list[int], send_splits: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
-    """all_to_all_single of uneven sizes along dim 0, differentiable."""
+    """all_to_all_single of uneven sizes along dim 0, differentiable: torch's public autograd-aware one. Torch 2.14
+    marks it deprecated in favour of the private ``_functional_collectives`` (the project keeps to public APIs), and
+    says so in a FutureWarning on every rank's first call: that one warning is silenced here, nothing else."""
     output = rows.new_empty(sum(receive_splits), *rows.shape[1:])
-    return dist_autograd.all_to_all_single(output, rows.contiguous(), receive_splits, send_splits, group=group)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=DEPRECATION, category=FutureWarning)
+        return dist_autograd.all_to_all_single(output, rows.contiguous(), receive_splits, send_splits, group=group)

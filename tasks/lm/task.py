@@ -23,6 +23,7 @@ from tasks.lm.context_parallel import SequenceBatch
 from tasks.lm.data import open_splits, prepare_corpus
 from tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, expert_pieces, weight_names
 from tasks.lm.loss import token_cross_entropy
+from tasks.lm.moe_balance import StepLoad
 from tasks.lm.moe_metrics import add_routing_loss, routing_metrics
 from tasks.lm.sft import FORMATS, answer_loss, answer_token_loss, open_sft_splits
 from tasks.lm.sft_packing import IGNORE, real_positions, rounded_up
@@ -87,6 +88,9 @@ class LanguageModelingTask(Task):
         self.chat_template = find_chat_template(cfg.data.chat_template, cfg.data.tokenizer) if self.sft else None
         self.mixture: mixture.Mixture | None = None
         """data.sources' corpora once prepare_data opened them (tasks/lm/mixture.py); None: one corpus."""
+        moe = cfg.model.get("moe")
+        self.step_load = StepLoad(moe) if moe is not None else None
+        """An MoE model's per-step expert load, for what follows each optimizer step (after_update)."""
 
     @property
     def architecture(self) -> type[LMArchitecture]:
@@ -177,7 +181,8 @@ class LanguageModelingTask(Task):
              "segments (each sample's attention and positions) do not travel between pipeline stages yet; set "
              "data.pack=false (a sample per row) or distributed.pipeline_parallel_degree=1"),
             (m.get("moe") is not None, "model.moe: the pipeline stages do not carry the MoE blocks' auxiliary loss and "
-             "routing statistics yet (nor is there expert parallelism); use distributed.pipeline_parallel_degree=1"),
+             "routing statistics yet; use distributed.pipeline_parallel_degree=1 (and split experts with "
+             "distributed.expert_parallel_degree)"),
             (bool(d.get("sources")), "data.sources: a mixture's per-source validation does not run through the "
              "pipeline yet; train on one corpus or use distributed.pipeline_parallel_degree=1"),
         ) if refused]  # fmt: skip
@@ -385,6 +390,28 @@ class LanguageModelingTask(Task):
         takes_positions = "positions" in inspect.signature(self.architecture.forward).parameters
         return context_parallel_errors(self.cfg, degree, preference=own_loss, takes_positions=takes_positions)
 
+    def expert_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Every MoE block's routed experts (tasks/lm/moe_experts.GroupedExperts): split by
+        distributed.expert_parallel_degree."""
+        from tasks.lm.moe_experts import GroupedExperts
+
+        return [module for module in model.modules() if isinstance(module, GroupedExperts)]
+
+    def expert_parallel_errors(self, degree: int) -> list[str]:
+        """A dense model, and an expert count the degree does not divide."""
+        moe = getattr(self.cfg.model, "moe", None)
+        if moe is None:
+            return [
+                f"distributed.expert_parallel_degree ({degree}) needs a mixture-of-experts model (model.moe, e.g. "
+                "model=moe_tiny); this one is dense: set it to 1"
+            ]
+        if moe.num_experts % degree:
+            return [
+                f"distributed.expert_parallel_degree ({degree}) must divide model.moe.num_experts ({moe.num_experts}):"
+                " each rank of the group holds as many experts"
+            ]
+        return []
+
     def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
         return model.fsdp_units()
 
@@ -422,7 +449,11 @@ class LanguageModelingTask(Task):
 
     def loss(self, model: nn.Module, batch: torch.Tensor, device: torch.device):
         """The token loss, plus an MoE model's auxiliary loss and routing statistics (tasks/lm/moe_metrics.py)."""
-        return add_routing_loss(model, *self.token_loss(model, batch, device), self.cfg.model)
+        return add_routing_loss(model, *self.token_loss(model, batch, device), self.cfg.model, self.step_load)
+
+    def after_update(self, model: nn.Module, all_reduce_sum, applied: bool) -> list[str]:
+        """An MoE model's bias balancing and idle-expert warning (tasks/lm/moe_balance.py)."""
+        return self.step_load.after_update(model, all_reduce_sum, applied) if self.step_load is not None else []
 
     def token_loss(self, model: nn.Module, batch: torch.Tensor, device: torch.device):
         if self.sft:

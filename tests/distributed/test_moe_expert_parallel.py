@@ -22,7 +22,7 @@ ROUNDS = [  # per rank: rows it holds for each of the 4 experts
 
 def _rank(rank: int, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    from tasks.lm.moe_experts import swiglu_loop
+    from tasks.lm.moe_experts import run_experts, swiglu_loop
     from tasks.lm.moe_parallel import expert_parallel_run
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
@@ -40,7 +40,7 @@ def _rank(rank: int, store_path: str, out_dir: str) -> None:
             rows = torch.randn(int(counts.sum()), DIM, generator=data)
             upstream = torch.randn(rows.shape, generator=data)
             x, gu, dn = (t.clone().requires_grad_() for t in (rows, gate_up[mine], down[mine]))
-            out = expert_parallel_run(x, counts, gu, dn, impl=impl)
+            out = expert_parallel_run(x, counts, 2, lambda r, c, gu=gu, dn=dn, i=impl: run_experts(r, c, gu, dn, i))
             (out * upstream).sum().backward()
             x_ref, gu_ref, dn_ref = (t.clone().requires_grad_() for t in (rows, gate_up, down))
             expected = swiglu_loop(x_ref, counts, gu_ref, dn_ref)

@@ -12,6 +12,8 @@ from tests.unit.test_cli import train_cli
 
 LLAMA = ["model=llama_tiny", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_dim=128"]
 TP = ["distributed.backend=fully_sharded", "distributed.tensor_parallel_degree"]
+MOE = ["model=moe_tiny", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=2"]
+EP = "distributed.expert_parallel_degree"
 VISION = ["task=image_classification", "distributed.backend=fully_sharded", "optimization.batch_size=8",
           "validation.batch_size=8"]  # fmt: skip
 
@@ -45,7 +47,30 @@ REFUSED = {
                        r"^distributed.context_parallel_degree \(2\) needs CUDA"),
     "async tp on cpu": ([*LLAMA, TP[0], f"{TP[1]}=2", "distributed.async_tensor_parallel=true",
                          "distributed.world_size=2"], r"^distributed.async_tensor_parallel is a CUDA feature"),
+    "expert parallel on a dense model": ([*LLAMA, TP[0], f"{EP}=2", "distributed.world_size=2"],
+                                         r"^distributed.expert_parallel_degree \(2\) needs a mixture-of-experts model"),
+    "experts the degree does not divide": ([*MOE, TP[0], f"{EP}=4", "model.moe.num_experts=6",
+                                            "distributed.world_size=4"],
+                                           r"^distributed.expert_parallel_degree \(4\) must divide "
+                                           r"model.moe.num_experts \(6\)"),
+    "expert parallel beyond the sharding ranks": ([*MOE, TP[0], f"{EP}=4", "distributed.sharding_degree=2",
+                                                   "distributed.world_size=4"],
+                                                  r"^distributed.expert_parallel_degree \(4\) must divide the "
+                                                  r"data-sharding ranks \(2"),
+    "expert parallel under ddp": ([*MOE, "distributed.backend=ddp", f"{EP}=2", "distributed.world_size=2"],
+                                  r"^distributed.expert_parallel_degree \(2\) needs distributed.backend=fully_sharded"),
+    "expert parallel with tensor parallel": ([*MOE, TP[0], f"{EP}=2", f"{TP[1]}=2", "distributed.world_size=4"],
+                                             r"^distributed.expert_parallel_degree \(2\) composes with the data axes "
+                                             r"only, not yet with tensor_parallel_degree=2"),
+    "expert parallel degree zero": ([*MOE, TP[0], f"{EP}=0", "distributed.world_size=2"],
+                                    r"^distributed.expert_parallel_degree \(0\) must be at least 1"),
 }  # fmt: skip
+
+
+def test_expert_parallelism_within_the_data_sharding_ranks_passes(tiny_lm):
+    """EP 2 on 2 ranks, and FSDP 2 x EP 2 on 4 (each expert group of 2 inside 4 sharding ranks)."""
+    for world in (2, 4):
+        checks.check(tiny_lm(*MOE, TP[0], f"{EP}=2", f"distributed.world_size={world}"), num_cuda_devices=0)
 
 
 @pytest.mark.parametrize("case", REFUSED)
@@ -113,7 +138,7 @@ def test_context_parallel_passes_the_pre_flight_on_a_cuda_machine(tiny_lm):
                  num_cuda_devices=4)  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["kv heads", "context on cpu"])
+@pytest.mark.parametrize("case", ["kv heads", "context on cpu", "experts the degree does not divide"])
 def test_the_command_line_refuses_before_any_rank_starts(case, tmp_path, corpus_cache):
     """One line, exit code 2, nothing written: the run folder is never made."""
     overrides, pattern = REFUSED[case]
