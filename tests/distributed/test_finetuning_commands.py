@@ -32,7 +32,7 @@ from tests.conftest import ROOT
 from tests.hf_folders import make_folder
 from tests.unit.test_docs_commands import PYTHONS, line_commands, logical_lines, train_args
 
-STEPS = 2
+STEPS = 1
 """How many steps each documented training run trains here (appended as optimization.max_steps)."""
 STEP = re.compile(r"(?P<run>[^\s=]*?)/checkpoints/step_(?P<step>\d{8})\b")
 CHAT_TEMPLATE = (

@@ -15,7 +15,8 @@ commands train, download, need a GPU, a Slurm cluster or a checkpoint from an ea
 (/my/text/dir); composing a command and checking a tool's options catch what a renamed key or flag breaks, in about
 a second each. What a command does when it runs is the business of the tests that run it (the quickstart's and the
 README's runs: tests/unit/test_cli.py, test_finished_run.py, test_preprocess_command.py; the tutorial's:
-tests/distributed/test_tutorial.py).
+tests/distributed/test_tutorial.py). A page of RUN_AS_WRITTEN (docs/finetuning.md) its test runs whole, every
+command in order on stand-ins: its commands need no mark.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ NOT_CHECKED = {
 }
 """The kinds of command the docs mark as not checked, and why; the mark names the kind, and each kind here is marked
 somewhere (a train command on a marked line, the quickstart's, is still checked)."""
+RUN_AS_WRITTEN = {"finetuning.md": "tests/distributed/test_finetuning_commands.py"}
+"""Pages whose every command a test runs as written, in order, on stand-ins: each of their commands is checked there
+(the inline Python on an export too), so none of them carries a mark, and a mark there is wrong."""
 MARK = re.compile(r"(?:^|\s)#.*\bnot checked: ([a-z]+)")
 """A line's mark: in its trailing comment, ``not checked: KIND``."""
 
@@ -166,8 +170,9 @@ def check_tool(argv: list[str]) -> str | None:
     return f"{argv[1]} has no option {', '.join(unknown)} (its --help)" if unknown else None
 
 
-def problems(markdown: str) -> tuple[list[str], list[str]]:
-    """(the commands that fail their check and the marks that are wrong, with why; the commands marked not checked)."""
+def problems(markdown: str, run_as_written: bool = False) -> tuple[list[str], list[str]]:
+    """(the commands that fail their check and the marks that are wrong, with why; the commands marked not checked).
+    ``run_as_written``: a page of RUN_AS_WRITTEN, whose every command counts as checked."""
     failed, skipped = [], []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):  # once: each compose is then cheap
         for line in logical_lines(markdown):
@@ -177,6 +182,8 @@ def problems(markdown: str) -> tuple[list[str], list[str]]:
             for argv in line_commands(line):
                 shown = " ".join(argv)
                 if not checked_kind(argv):
+                    if run_as_written:
+                        continue  # run by its RUN_AS_WRITTEN test
                     line_skipped.append(shown)
                     if kind is None:
                         failed.append(f"{shown}: neither checked by this test nor marked `# not checked: KIND`")
@@ -211,7 +218,7 @@ def in_the_repository(monkeypatch):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_command_in_the_docs_composes_or_is_marked_not_checked(page):
-    failed, _ = problems(page.read_text())
+    failed, _ = problems(page.read_text(), page.name in RUN_AS_WRITTEN)
     assert not failed, "\n".join(failed)
 
 
@@ -235,6 +242,17 @@ def test_a_planted_broken_command_is_caught(line, why):
     assert len(failed) == 1 and why in failed[0], failed
 
 
+def test_a_page_run_as_written_needs_no_mark_and_keeps_its_checks():
+    run = "```bash\npython -c 'print(1)'\npython -m shardlab.train seed=2\n```\n"
+    assert problems(run, run_as_written=True) == ([], [])
+    assert "neither checked by this test nor marked" in problems(run)[0][0]
+    marked = "```bash\npython -c 'print(1)'   # not checked: export\n```\n"
+    assert "each of its commands is checked" in problems(marked, run_as_written=True)[0][0]
+    broken = "```bash\npython -m shardlab.train optimizer.lrr=1e-3\n```\n"
+    assert "optimizer.lrr" in problems(broken, run_as_written=True)[0][0]  # composed as on every page
+    assert all((REPO / "docs" / page).is_file() and (REPO / test).is_file() for page, test in RUN_AS_WRITTEN.items())
+
+
 def test_lines_split_as_the_shell_splits_them():
     markdown = (
         "```bash\n"
@@ -253,7 +271,7 @@ def test_lines_split_as_the_shell_splits_them():
 
 
 def test_the_commands_not_checked_are_few_and_each_marked_with_a_listed_kind(capsys):
-    skipped = [command for page in PAGES for command in problems(page.read_text())[1]]
+    skipped = [command for page in PAGES for command in problems(page.read_text(), page.name in RUN_AS_WRITTEN)[1]]
     with capsys.disabled():  # the list, for a reader of the suite's output (-s)
         print(f"\n{len(skipped)} doc commands not checked (NOT_CHECKED says why):", *skipped, sep="\n  ")
     assert 0 < len(skipped) <= 40  # installs, the Slurm test cluster, linters, inline Python: few
