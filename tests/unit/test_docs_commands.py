@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ValueType
@@ -40,6 +41,7 @@ from hydra.core.override_parser.types import ValueType
 from shardlab.config import CONF_DIR
 from shardlab.errors import ShardlabError
 from shardlab.jobs.preflight import check_command_line, job_overrides, with_home_expanded, with_user_dir
+from shardlab.jobs.run_dir import run_name
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -283,3 +285,31 @@ def test_a_mark_is_read_from_the_line_comment_only():
     assert MARK.search("pip install -e .   # not checked: install").group(1) == "install"
     assert MARK.search("source x   # first, each shell (not checked: shell)").group(1) == "shell"
     assert MARK.search("python -m shardlab.train run.note='not checked: install'") is None
+
+
+def run_folder(args: list[str]) -> str:
+    """The folder a training run's arguments name: hydra.run.dir, else runs/<task>/<run name> (conf/config.yaml)."""
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
+    task = next((o.split("=", 1)[1] for o in overrides if o.startswith("task=")), "lm")
+    return given[0] if given else f"runs/{task}/{run_name([o for o in overrides if not o.startswith('hydra')])}"
+
+
+def test_after_the_quickstart_each_everyday_command_trains_a_run_of_its_own():
+    """Issue #51: straight after the quickstart (runs/lm/default, complete at the LM's last step), a README everyday
+    command that trains names another folder than the quickstart's, and than any other of them: one that named the
+    same would only resume it, and find it complete. The step folders the tools read are the quickstart's last."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Everyday commands") :]
+    section = section[: section.index("\n## ", 1)]
+    folders = {}
+    for argv in commands(section):
+        args = train_args(argv)
+        if args is not None and not {"-m", "--help", "dry_run=true"} & set(args):
+            folders[shlex.join(argv)] = run_folder(args)
+    assert len(folders) >= 8, folders
+    assert "runs/lm/default" not in folders.values(), folders
+    assert len(set(folders.values())) == len(folders), folders
+    last = yaml.safe_load((CONF_DIR / "task" / "lm.yaml").read_text())["optimization"]["max_steps"]
+    steps = re.findall(r"runs/lm/default/checkpoints/step_(\d+)", readme)
+    assert steps and {int(s) for s in steps} == {last}, steps
