@@ -3,13 +3,14 @@
 comments dropped), from a working folder outside the repository whose HOME holds tiny stand-ins at the documented
 paths: Hugging Face folders made by transformers (hidden 32, 2 layers) with a byte-level tokenizer and a chat template,
 a text corpus, chat records and preference pairs. First the quickstart's ``python -m shardlab.train``, whose step
-folder the docs start from.
+folder the docs start from, and the README's everyday tools that read that folder (generate, consolidate).
 
 The one change: each training run is shortened to STEPS steps by an appended ``optimization.max_steps=STEPS`` (a key
 that does not name the run, so it trains in the folder the command names), and a later command naming that run's last
 step (``step_00000300`` for the LM's 300 steps) is given the run's last step, ``step_0000000{STEPS}``; any other step
 folder it names stays as written and must exist. Each command must exit 0 and make what it says: a training run its
-step folder and final validation, a dry run its plan, an export its folder, the inline Python its load.
+step folder and final validation, a dry run its plan, an export its folder, a tool its text or file, the
+inline Python its load.
 """
 
 from __future__ import annotations
@@ -41,17 +42,32 @@ CHAT_TEMPLATE = (
 )
 """ChatML, as Qwen2.5's Instruct folders write it (without the default system turn)."""
 README_SECTION = "## Fine-tuning open models"
+EVERYDAY_TOOLS = ("tools/generate.py", "tools/consolidate.py")
+"""The README's everyday tools that read the quickstart's step folder: run straight after it (issue #51). Its
+tools/evaluate.py lines read the SwAV run's step or download lm-eval's task: not run here."""
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
+def section(markdown: str, heading: str) -> str:
+    """The text from ``heading`` to the next section."""
+    text = markdown[markdown.index(heading) :]
+    end = text.find("\n## ", 1)
+    return text if end < 0 else text[:end]
 
 
 def fine_tuning_lines(readme: str, finetuning: str) -> list[str]:
     """The command lines of the README's fine-tuning section, then of docs/finetuning.md, in order (blank and
     comment-only lines left out)."""
-    section = readme[readme.index(README_SECTION) :]
-    end = section.find("\n## ", 1)
-    section = section if end < 0 else section[:end]  # to the next section
-    lines = logical_lines(section) + logical_lines(finetuning)
+    lines = logical_lines(section(readme, README_SECTION)) + logical_lines(finetuning)
     return [line for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def everyday_tool_lines(readme: str) -> list[str]:
+    """The README's everyday commands that read the quickstart's step folder with a tool of EVERYDAY_TOOLS (not
+    ``--lm-eval``, which downloads its task)."""
+    lines = logical_lines(section(readme, "## Everyday commands"))
+    reads = [line for line in lines if any(f"python {t} runs/lm/default/" in line for t in EVERYDAY_TOOLS)]
+    return [line for line in reads if "--lm-eval" not in line]
 
 
 def task_steps(args: list[str]) -> int:
@@ -106,6 +122,11 @@ class Walk:
             out = self.cwd / argv[argv.index("--out") + 1]
             made = "adapter_config.json" if "--adapter-only" in argv else "model.safetensors.index.json"
             assert (out / made).is_file() and (out / "shardlab_export.json").is_file(), f"{out}: no {made}"
+        elif len(argv) > 1 and argv[1] == "tools/generate.py":
+            prompt = argv[argv.index("--prompt") + 1]
+            assert proc.stdout.startswith(prompt) and len(proc.stdout) > len(prompt) + 1, proc.stdout
+        elif len(argv) > 1 and argv[1] == "tools/consolidate.py":
+            assert (self.cwd / argv[argv.index("--out") + 1]).is_file(), proc.stdout
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
@@ -160,7 +181,10 @@ def walk(tmp_path_factory) -> Walk:
 def test_every_fine_tuning_command_runs_as_written(walk, monkeypatch):
     monkeypatch.setenv("HOME", walk.env["HOME"])  # $HOME in the docs, expanded as the shell would (line_commands)
     walk.run("python -m shardlab.train")  # the quickstart: the docs start from its step folder
-    lines = fine_tuning_lines((ROOT / "README.md").read_text(), (ROOT / "docs" / "finetuning.md").read_text())
+    readme = (ROOT / "README.md").read_text()
+    everyday = [command for line in everyday_tool_lines(readme) for command in walk.run(line)]
+    assert {argv[1] for argv, _ in everyday} == set(EVERYDAY_TOOLS)
+    lines = fine_tuning_lines(readme, (ROOT / "docs" / "finetuning.md").read_text())
     ran = [command for line in lines for command in walk.run(line)]
     assert len(ran) >= 15
 
@@ -177,6 +201,17 @@ def test_the_lines_are_the_readme_section_then_the_page_in_order():
         "python -m shardlab.train seed=2      seed=3   # trailing",
         "python tools/export_hf.py a --out b",
     ]
+
+
+def test_the_everyday_tools_read_the_quickstarts_step():
+    later = "## Next\n```bash\npython tools/evaluate.py runs/lm/default/checkpoints/step_00000300\n```\n"
+    readme = "## Everyday commands\n```bash\n" + "\n".join(
+        ["python tools/generate.py runs/lm/default/checkpoints/step_00000300 --prompt x",
+         "python tools/evaluate.py runs/swav/default/checkpoints/step_00000540",
+         "python tools/evaluate.py runs/lm/default/checkpoints/step_00000300 --lm-eval hellaswag",
+         "python tools/consolidate.py runs/lm/default/checkpoints/step_00000300 --out m.safetensors"]
+    ) + "\n```\n" + later  # fmt: skip
+    assert [line.split()[1] for line in everyday_tool_lines(readme)] == ["tools/generate.py", "tools/consolidate.py"]
 
 
 def test_a_planted_broken_command_fails_the_walk(tmp_path):
@@ -212,6 +247,8 @@ def test_a_run_that_trained_nothing_fails_the_walk(tmp_path):
     done = subprocess.CompletedProcess([], 0, stdout="the run in runs/lm/default is complete at step 300\n")
     with pytest.raises(AssertionError):
         walk.check_result(["python", "-m", "shardlab.train"], done, set())
-    exported = subprocess.CompletedProcess([], 0, stdout="")
-    with pytest.raises(AssertionError):
-        walk.check_result(["python", "tools/export_hf.py", "x", "--out", "nothing"], exported, set())
+    quiet = subprocess.CompletedProcess([], 0, stdout="")
+    for tool in (["tools/export_hf.py", "x", "--out", "nothing"], ["tools/generate.py", "x", "--prompt", "def "],
+                 ["tools/consolidate.py", "x", "--out", "m.safetensors"]):  # fmt: skip
+        with pytest.raises(AssertionError):
+            walk.check_result(["python", *tool], quiet, set())

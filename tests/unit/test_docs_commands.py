@@ -9,6 +9,8 @@ is split as the shell splits it, and
   checked: KIND)`` at the end of the line's comment), KIND one of NOT_CHECKED (installs, the reader's shell, the
   Slurm test cluster, a GPU, the suite and linters, inline Python on exports): an unmarked one fails, and so do a
   mark on a line whose commands are all checked, a mark of a kind NOT_CHECKED does not list, and a kind no page marks.
+- after the quickstart, each README everyday command that trains names a run folder of its own (one that named the
+  quickstart's would find it complete and train nothing), and each step folder the README names is the quickstart's.
 
 The rule, for the suite's budget (15 min on 2 cores for ~1,000 tests): nothing is run for real. The docs' ~150
 commands train, download, need a GPU, a Slurm cluster or a checkpoint from an earlier line, or name placeholder paths
@@ -16,7 +18,8 @@ commands train, download, need a GPU, a Slurm cluster or a checkpoint from an ea
 a second each. What a command does when it runs is the business of the tests that run it (the quickstart's and the
 README's runs: tests/unit/test_cli.py, test_finished_run.py, test_preprocess_command.py; the tutorial's:
 tests/distributed/test_tutorial.py). A page of RUN_AS_WRITTEN (docs/finetuning.md) its test runs whole, every
-command in order on stand-ins: its commands need no mark.
+command in order on stand-ins (with the README's fine-tuning lines and the everyday tools that read the quickstart's
+step folder): its commands need no mark.
 """
 
 from __future__ import annotations
