@@ -455,7 +455,9 @@ class Trainer:
         dataset = self.task.valid_dataset
         if not len(dataset):  # data.valid_percent=0 with validation off (Task.data_errors): nothing held out
             return {}
-        vb = cfg.validation.batch_size
+        # The task's: fit_validation_batch lowers it there to fit a small split, and the task the CLI's pre-flight
+        # built holds its own copy of the config (shardlab.jobs.checks.checked), not this one.
+        vb = self.task.cfg.validation.batch_size
         available = len(dataset) // vb
         num_batches = min(cfg.validation.num_batches or available, available)
         self.model.eval()
