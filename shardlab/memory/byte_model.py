@@ -17,9 +17,11 @@ from shardlab.distributed.activation_checkpointing import checkpointed_units
 from shardlab.memory import devices
 from shardlab.memory.layout import Layout, shard_numel, shard_rows
 from shardlab.memory.profile import ModelProfile
+from shardlab.registry import OPTIMIZERS
 
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "cpu_adam": 8}
-"""fp32 bytes of optimizer state per parameter (two Adam moments); sgd and lars: their momentum buffer, when on."""
+UNDECLARED_STATE_TENSORS = 2
+"""What an optimizer whose registration declares no ``state_tensors`` is planned with: Adam's two moments (the plan
+says so in a warning)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class PlanContext:
     """Bytes per gathered parameter and activation element (distributed.param_dtype)."""
     reduce_bytes: int
     optimizer_state_bytes: int
+    """fp32 bytes of optimizer state per trainable parameter element: 4 per tensor its registration declares
+    (shardlab.registry.Registry.state_tensors), plus the EMA's copy."""
     update_freq: int = 1
     reduce_every_microbatch: bool = True
     prefetch_units: int = 0
@@ -44,6 +48,9 @@ class PlanContext:
     """The target's memory per rank, bytes (0: unknown)."""
     local: bool = True
     """Whether the target is this machine's own device (else no trial can run on it: backend=auto plans only)."""
+    undeclared_optimizer: str | None = None
+    """The optimizer's name where its registration declares no state per parameter (planned as
+    UNDECLARED_STATE_TENSORS); else None."""
 
     @classmethod
     def from_config(
@@ -54,10 +61,8 @@ class PlanContext:
 
         d, opt = cfg.distributed, cfg.optimizer
         param, reduce = resolve_dtypes(d)
-        if opt.name in ("sgd", "lars"):  # one momentum buffer
-            state = 4 if opt.momentum > 0 else 0
-        else:
-            state = OPTIMIZER_STATE_BYTES.get(opt.name, 8)
+        tensors = OPTIMIZERS.state_tensors(opt.name, opt)  # as the optimizer's registration declares
+        state = 4 * (UNDECLARED_STATE_TENSORS if tensors is None else tensors)
         ema = cfg.optimization.get("ema")
         if ema is not None and ema.enabled:  # optimization.ema: an fp32 average beside each local parameter shard
             state += 4
@@ -75,6 +80,7 @@ class PlanContext:
             target=target or device,
             capacity=capacity,
             local=target is None or target in devices.LOCAL,
+            undeclared_optimizer=opt.name if tensors is None else None,
         )
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 from shardlab.memory.axes import estimate_axes
 from shardlab.memory.byte_model import (  # noqa: F401  (re-exported: the plan's readers import them from here)
     CPU_RUNTIME_BYTES,
-    OPTIMIZER_STATE_BYTES,
+    UNDECLARED_STATE_TENSORS,
     Collective,
     MemoryEstimate,
     PlanContext,
@@ -38,6 +38,11 @@ def estimate(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryE
 
 
 def warnings(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> Iterator[str]:
+    if ctx.undeclared_optimizer is not None:
+        yield (
+            f"warning: optimizer '{ctx.undeclared_optimizer}' declares no state per parameter, so it is planned "
+            f"with {UNDECLARED_STATE_TENSORS} fp32 tensors per parameter as Adam; register it with state_tensors="
+        )
     sharded = layout.backend == "fully_sharded"
     P = profile.params
     if sharded and not profile.unit_params:
