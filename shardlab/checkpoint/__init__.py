@@ -9,8 +9,8 @@
 - ``run_line``: where a run began, so a requeue continues its own run whatever checkpoint.resume says.
 - ``agreement``: rank 0's decisions and any rank's failure, the same on every rank.
 - ``dcp_reader``: DCP's reader with its .metadata pickle read through an allow-list (reading never runs code);
-  ``metadata_pickle`` its interpreter, ``saved_values`` the values and chunks of the shard files, ``regular_file``
-  how every untrusted file is opened (a step or run folder's, the run lock, a corpus's, a pretrained weights file).
+  ``metadata_pickle`` its interpreter, ``saved_values`` the values and chunks of the shard files; each file opened
+  through shardlab.files.regular_file, the one reader of an untrusted file.
 - ``layout``: the folder on disk (``step_N/``, ``shardlab.json``), durable writes and renames, pruning rules.
 - ``async_save``: ``checkpoint.async_save``: staging buffers and the background write.
 - ``weights``: a model's weights outside training: read a step folder whole, write and read one safetensors file,

@@ -57,7 +57,8 @@ from shardlab.checkpoint.metadata_pickle import (  # noqa: F401  (re-exported: d
     _unsafe,
     unpickle_metadata,
 )
-from shardlab.checkpoint.regular_file import (
+from shardlab.errors import CheckpointError, UnsafeCheckpointError
+from shardlab.files.regular_file import (
     NotAFile,
     describe_os_error,
     open_regular,
@@ -66,7 +67,6 @@ from shardlab.checkpoint.regular_file import (
     read_regular,
     stat_file,
 )
-from shardlab.errors import CheckpointError, UnsafeCheckpointError
 from shardlab.train_state import nonfinite
 
 METADATA_FILE = ".metadata"

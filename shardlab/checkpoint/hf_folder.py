@@ -48,7 +48,9 @@ from torch.futures import Future
 
 from shardlab.checkpoint import agreement, dcp_reader
 from shardlab.checkpoint.dcp_reader import SafeLoadPlanner, SafeReader
-from shardlab.checkpoint.regular_file import (
+from shardlab.distributed.materialize import clean_name
+from shardlab.errors import CheckpointError, first_cause
+from shardlab.files.regular_file import (
     NotAFile,
     describe_os_error,
     open_file,
@@ -56,8 +58,6 @@ from shardlab.checkpoint.regular_file import (
     read_small_file,
     stat_file,
 )
-from shardlab.distributed.materialize import clean_name
-from shardlab.errors import CheckpointError, first_cause
 
 INDEX_FILE = "model.safetensors.index.json"
 

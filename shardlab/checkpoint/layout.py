@@ -43,7 +43,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    from shardlab.checkpoint.regular_file import read_regular  # a regular file of the folder, capped (issue 41)
+    from shardlab.files.regular_file import read_regular  # a regular file of the folder, capped (issue 41)
 
     meta_file = path / META_FILE
     try:
@@ -175,7 +175,7 @@ def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
 
 def save_index(path: Path) -> int:
     """The save counter of a checkpoint (0 for ones written before it existed, or with an unreadable shardlab.json)."""
-    from shardlab.checkpoint.regular_file import read_json_or_none
+    from shardlab.files.regular_file import read_json_or_none
 
     meta = read_json_or_none(path / META_FILE)
     try:

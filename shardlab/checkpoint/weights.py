@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from shardlab.checkpoint import dcp_reader
 from shardlab.checkpoint.layout import META_MAX_BYTES, complete_checkpoints, follow_umask, read_meta
-from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_regular, stat_file
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, first_cause
+from shardlab.files.regular_file import NotAFile, describe_os_error, read_regular, stat_file
 
 MODEL_PREFIX = "model."
 """DCP flattens the saved {"model": ..., "optim": ...} into keys "model.<name>" and "optim.<...>"."""

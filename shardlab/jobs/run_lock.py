@@ -58,9 +58,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from shardlab.checkpoint.regular_file import LINK, NotAFile, read_file
 from shardlab.distributed.env import current_job
 from shardlab.errors import ConfigError, RunFolderInUse
+from shardlab.files.regular_file import LINK, NotAFile, read_file
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 30.0
@@ -150,7 +150,7 @@ class NotALock(OSError):
 def _read_lock(path: Path) -> tuple[bytes, int]:
     """A lock's bytes and its heartbeat (its mtime), from one open file: the same file's both, however its name
     moves, and fresh on NFS (opening a file revalidates the attributes that a stat by name may take from a cache).
-    Opened as a file and nothing else (shardlab.checkpoint.regular_file): never through a symlink, never waiting on a
+    Opened as a file and nothing else (shardlab.files.regular_file): never through a symlink, never waiting on a
     FIFO's writer, a regular file only, at most MAX_LOCK_BYTES read (however it grows after its fstat); anything
     else raises NotALock saying what it is."""
     try:

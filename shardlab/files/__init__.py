@@ -1,0 +1,12 @@
+"""Files on disk, the way every part of shardlab touches them: below checkpoint/ and jobs/, which both lean on it.
+
+- ``regular_file``: the one reader of an untrusted file (a step folder's, the run lock, a corpus, a pretrained weights
+  file): opened as a regular file or refused in one line, never through a link out of its folder, never a FIFO,
+  capped in size.
+
+Torch-free and light: the LM's preprocessing workers, the run lock and status.json import it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["regular_file"]
