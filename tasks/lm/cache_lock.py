@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from shardlab.checkpoint.layout import write_json_atomic
 from shardlab.errors import DataError
+from shardlab.files.durable import write_json_atomic
 from shardlab.files.regular_file import MiB, NotAFile, read_json_file
 from shardlab.jobs.run_lock import HeartbeatWatch, process_alive, process_start, touch
 

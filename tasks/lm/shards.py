@@ -29,8 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from shardlab.checkpoint.layout import fsync_path, write_json_atomic
 from shardlab.errors import ConfigError, DataError
+from shardlab.files.durable import fsync_path, write_json_atomic
 from tasks.lm.binarize import FORMAT_VERSION, _encoded, temp_folder
 from tasks.lm.cache_files import open_cache_file, read_cache_json, token_file_size
 from tasks.lm.corpus import check_sources, read_blocks
