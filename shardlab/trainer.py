@@ -57,7 +57,7 @@ def assemble(
     trial: bool = False,
 ) -> Trainer:
     """A rank's run, put together in the one order that every run (shardlab.runner.run_rank) and every trial of
-    distributed.backend=auto (shardlab.jobs.autotune) follows; the only place a Trainer is made:
+    distributed.backend=auto (shardlab.runner.autotune) follows; the only place a Trainer is made:
 
     1. the process group and the data: ``backend.setup(prepare_data)`` (each rank opens its data before the group
        exists, so preprocessing never runs under distributed.timeout_s; a trial's group and data exist already, so

@@ -10,7 +10,7 @@
 - ``meter``: what a rank really held (the training-step peak above its start), printed beside the plan at the end.
 - ``devices``: the devices a plan can be made for, and what a CUDA rank holds besides its tensors.
 
-It plans and measures only: choosing a layout by running trials is the job's (shardlab.jobs.autotune).
+It plans and measures only: choosing a layout by running trials is the job's (shardlab.runner.autotune).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ own below them, where it had lived in checkpoint/ "because the top level is full
 LAYERS: list[tuple[str, ...]] = [
     ("tasks",),  # the plug-ins use shardlab; shardlab never imports a task
     ("shardlab.train",),  # the CLI
-    ("shardlab.runner", "shardlab.jobs.autotune"),  # the job; autotune measures trials that trainer.assemble builds
+    ("shardlab.runner",),  # the job: local ranks or a launcher's rank; autotune's trials, built by trainer.assemble
     ("shardlab.trainer",),
     ("shardlab.logging",),
     # the run's folder, lock, record and sweep manifest, the checks and the pre-flight: the trainer writes the record

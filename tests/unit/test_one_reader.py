@@ -19,7 +19,7 @@ ALLOWED = {
     # the temporary file this process wrote a line before, copied into a lock where hard links are not supported
     ("shardlab/jobs/run_lock.py", "RunLock._create"),
     # the result file in a temporary folder this process created (mkdtemp) for its spawned ranks
-    ("shardlab/runner.py", "launch_local"),
+    ("shardlab/runner/__init__.py", "launch_local"),
     # the kernel's /proc/self/status, through a module constant
     ("shardlab/memory/meter.py", "_status_kib"),
     # the measured-rates cache in the user's own ~/.cache, read under flock: distributed/ sits below checkpoint/ and
@@ -166,5 +166,6 @@ def test_the_check_fails_on_a_read_planted_in_a_copy_of_the_tree(tmp_path):
     # the reader itself and an allowed (file, function) are not reported
     (tmp_path / "shardlab" / "files").mkdir()
     (tmp_path / READER).write_text("def read(path):\n    return open(path).read()\n")
-    (tmp_path / "shardlab" / "runner.py").write_text("def launch_local(f):\n    return f.read_text()\n")
+    (tmp_path / "shardlab" / "runner").mkdir()
+    (tmp_path / "shardlab" / "runner" / "__init__.py").write_text("def launch_local(f):\n    return f.read_text()\n")
     assert reads_outside_the_reader(tmp_path) == ["tasks/lm/shards.py:5 (progress): read_text"]
