@@ -14,8 +14,9 @@ import shardlab.registry
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError
 from shardlab.memory import budget as memory_budget
+from shardlab.memory.console import describe
 from shardlab.memory.devices import GiB
-from shardlab.memory.estimate import describe, estimate
+from shardlab.memory.estimate import estimate
 from shardlab.memory.layout import Layout, layout_of
 from shardlab.memory.meter import PeakMeter, memory_gib, process_peak
 from shardlab.memory.plan import profile_config
@@ -235,7 +236,7 @@ def test_peak_meter_sees_a_step_allocation_and_forgets_it_after_reset():
 def test_a_model_that_cannot_run_on_meta_is_planned_without_activations_and_keeps_its_dtypes():
     from torch import nn
 
-    from shardlab.memory.estimate import describe
+    from shardlab.memory.console import describe
     from shardlab.memory.profile import profile_model
 
     class NoMetaTask:
