@@ -20,9 +20,9 @@ import torch
 from omegaconf import OmegaConf
 from torch.profiler import record_function
 
-from shardlab.checkpoint import dcp_reader
 from shardlab.checkpoint.manager import Checkpointer
 from shardlab.checkpoint.policy import SavePolicy, inconsistent_state, save_after_error, save_on_error_notice
+from shardlab.checkpoint.readers import dcp_reader
 from shardlab.checkpoint.restore import restore_training
 from shardlab.data import GlobalOrder, rank_loader, sample_seed, weighted_micro_batches
 from shardlab.distributed.base import Backend

@@ -8,9 +8,9 @@
 - ``policy``: when a run saves (interval_steps, milestones, interval_minutes), and checkpoint.save_on_error.
 - ``run_line``: where a run began, so a requeue continues its own run whatever checkpoint.resume says.
 - ``agreement``: rank 0's decisions and any rank's failure, the same on every rank.
-- ``dcp_reader``: DCP's reader with its .metadata pickle read through an allow-list (reading never runs code);
-  ``metadata_pickle`` its interpreter, ``saved_values`` the values and chunks of the shard files; each file opened
-  through shardlab.files.regular_file, the one reader of an untrusted file.
+- ``readers``: the hardened readers of a step folder (reading never runs code): ``dcp_reader``, DCP's reader with its
+  .metadata pickle read through an allow-list; ``metadata_pickle`` its interpreter, ``saved_values`` the values and
+  chunks of the shard files; each file opened through shardlab.files.regular_file.
 - ``layout``: the folder on disk (``step_N/``, ``shardlab.json``), its renames (through shardlab.files.durable),
   pruning rules.
 - ``async_save``: ``checkpoint.async_save``: staging buffers and the background write.
