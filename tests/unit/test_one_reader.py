@@ -22,9 +22,6 @@ ALLOWED = {
     ("shardlab/runner/__init__.py", "launch_local"),
     # the kernel's /proc/self/status, through a module constant
     ("shardlab/memory/meter.py", "_status_kib"),
-    # the measured-rates cache in the user's own ~/.cache, read under flock: distributed/ sits below checkpoint/ and
-    # cannot import the reader (DESIGN.md, Layers); a damaged file is measured again
-    ("shardlab/distributed/precision.py", "_cached"),
     # torch.load of /proc/self/fd/N: the descriptor the reader opened and checked (open_file), not a path
     ("tasks/image_classification/pretrained.py", "_load"),
 }
