@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a checkout (python tools/plot.py), or imported as tools.plot
     sys.path.insert(0, str(REPO))
 
-from shardlab.checkpoint.regular_file import SMALL_FILE_MAX_BYTES, read_regular  # noqa: E402
 from shardlab.errors import ConfigError, DataError  # noqa: E402
+from shardlab.files.regular_file import SMALL_FILE_MAX_BYTES, read_regular  # noqa: E402
 from shardlab.jobs.run_dir import names_the_run  # noqa: E402
 from shardlab.jobs.sweep import collect  # noqa: E402
 from shardlab.logging import LOG_FILE  # noqa: E402
