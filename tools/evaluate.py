@@ -31,8 +31,8 @@ trunk (--random-init) and averaged weights (--ema) have their BatchNorm statisti
 (--recompute-bn/--no-recompute-bn: any trunk, or none). Language models (--perplexity, the default): the task's loss
 over every block of data.seq_len tokens of the chosen split, as the trainer's validation computes it. --lm-eval TASKS
 (comma-separated) exports the checkpoint to Hugging Face (tools/export_hf.py; --export-dir keeps it) and runs
-EleutherAI's lm-evaluation-harness on it with a context window of data.seq_len (tasks/lm/harness.py says when its
-rolling log-likelihood equals the perplexity here). A run trained on a mixture is given its sources again as
+EleutherAI's lm-evaluation-harness on it with a context window of data.seq_len (shardlab_tasks/lm/harness.py says when
+its rolling log-likelihood equals the perplexity here). A run trained on a mixture is given its sources again as
 ``data.sources`` (a checkpoint's paths are never read; each source's weight and text_field default to the run's): each
 source's loss and ppl, and the mixture's (the weighted mean of the sources' losses), as its validation logged them.
 Everything is seeded; the same command gives the same figures.
@@ -104,7 +104,7 @@ def holds_its_trunk_file(cfg: DictConfig) -> bool:
     from shardlab.registry import MODELS
 
     arch = cfg.get("model", {}).get("arch")
-    vision = arch in MODELS.names() and MODELS.module_of(arch) == "tasks.image_classification.model"
+    vision = arch in MODELS.names() and MODELS.module_of(arch) == "shardlab_tasks.image_classification.model"
     return vision and bool(cfg.model.get("pretrained"))
 
 
@@ -157,7 +157,7 @@ def complete_sources(cfg: DictConfig, trained: dict[str, dict]) -> None:
     sources = cfg.get("data", {}).get("sources")
     if not sources:
         return
-    from tasks.lm.config import LMSourceConfig
+    from shardlab_tasks.lm.config import LMSourceConfig
 
     schema = dataclasses.asdict(LMSourceConfig())
     for name, source in sources.items():
@@ -227,8 +227,8 @@ def build_model(
 def labelled_data(cfg: DictConfig):
     """The image-source settings of cfg.data (any vision task's: the keys the image-classification data reads),
     unaugmented, or a ConfigError for a source without labels."""
-    from tasks.image_classification.config import ImageDataConfig
-    from tasks.image_classification.data import SOURCES, source_of
+    from shardlab_tasks.image_classification.config import ImageDataConfig
+    from shardlab_tasks.image_classification.data import SOURCES, source_of
 
     given = OmegaConf.to_container(cfg.data, resolve=True)
     names = {f.name for f in dataclasses.fields(ImageDataConfig)}
@@ -244,7 +244,7 @@ def labelled_data(cfg: DictConfig):
 def settle_split(data, args) -> None:
     """A folder without test/ is judged on its val/ (ImageNet's test labels are not public, so its val/ is what
     everyone reports), unless --split test was asked for; a source drawn with data.num_test=0 has no test split."""
-    from tasks.image_classification.data import folder_test_split, source_of
+    from shardlab_tasks.image_classification.data import folder_test_split, source_of
 
     if args.split != "test":
         return
@@ -264,7 +264,7 @@ def settle_split(data, args) -> None:
 
 def eval_datasets(data, args):
     """(train split, the split judged on: args.split)."""
-    from tasks.image_classification.data import open_datasets, open_test
+    from shardlab_tasks.image_classification.data import open_datasets, open_test
 
     train_set, valid_set, _ = open_datasets(data)
     return train_set, (valid_set if args.split == "valid" else open_test(data))
@@ -275,7 +275,7 @@ def features_and_labels(task, model, data, args, device, cache_key: str) -> dict
     With args.recompute_bn the BatchNorm statistics are re-estimated on the train split first."""
     from safetensors.torch import load_file, save_file
 
-    from tasks.image_classification.probe import extract_features, recompute_bn_stats
+    from shardlab_tasks.image_classification.probe import extract_features, recompute_bn_stats
 
     cache = args.cache_dir / f"features-{cache_key}.safetensors" if args.cache_dir else None
     if cache is not None and cache.is_file():
@@ -317,8 +317,8 @@ def features_and_labels(task, model, data, args, device, cache_key: str) -> dict
 
 
 def evaluate_trunk(task, model, cfg, args, modes: list[str], device, info: dict | None) -> dict[str, float]:
-    from tasks.image_classification.data import count_classes
-    from tasks.image_classification.probe import knn_scores, standardize, top_k_accuracy, train_linear
+    from shardlab_tasks.image_classification.data import count_classes
+    from shardlab_tasks.image_classification.probe import knn_scores, standardize, top_k_accuracy, train_linear
 
     data = labelled_data(cfg)
     settle_split(data, args)
@@ -355,10 +355,10 @@ def evaluate_trunk(task, model, cfg, args, modes: list[str], device, info: dict 
 def evaluate_perplexity(task, model, cfg, args, device) -> dict[str, float]:
     """The task's loss summed over every block of the split, then its metrics (loss, ppl) from the totals. A mixture
     (data.sources): each source's blocks in turn with their source's number, so its metrics are those training's
-    validation logs for it (tasks/lm/mixture.py: each source's loss and ppl, and the mixture's, weighed)."""
+    validation logs for it (shardlab_tasks/lm/mixture.py: each source's loss and ppl, and the mixture's, weighed)."""
     from torch.utils.data import DataLoader
 
-    from tasks.lm.mixture import MixtureValid
+    from shardlab_tasks.lm.mixture import MixtureValid
 
     seq_len = cfg.data.seq_len
     if cfg.data.get("sources"):
@@ -389,8 +389,8 @@ def split_blocks(corpus: Path, split: str, seq_len: int):
     block (a one-file corpus)."""
     from torch.utils.data import ConcatDataset
 
-    from tasks.lm.cache import read_corpus_meta
-    from tasks.lm.data import open_split
+    from shardlab_tasks.lm.cache import read_corpus_meta
+    from shardlab_tasks.lm.data import open_split
 
     splits = [split]
     if split == "all":
@@ -429,7 +429,7 @@ def evaluate_lm_eval(checkpoint: Path, cfg: DictConfig, args) -> dict:
     folder removed afterwards)."""
     import tempfile
 
-    from tasks.lm.harness import run_harness, summarize, task_manager
+    from shardlab_tasks.lm.harness import run_harness, summarize, task_manager
     from tools import export_hf
 
     if cfg.task.name != "lm":

@@ -41,7 +41,8 @@ compare): it tries again, and gives the lock up only when the file names another
 A checkpoint folder outside the run is locked at its real path, and refused if it lies in another run's folder
 (``another_runs_folder``); system folders and ``~`` are refused by the pre-flight (shardlab.jobs.run_dir).
 
-The pid check, the heartbeat's touch and its watch are shared with the corpus cache's lock (tasks/lm/cache_lock.py).
+The pid check, the heartbeat's touch and its watch are shared with the corpus cache's lock
+(shardlab_tasks/lm/cache_lock.py).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ HOLDER_ENV = "SHARDLAB_RUN_LOCKS"
 """Set by the holder for the ranks it spawns: the locks' paths and tokens, so rank 0 can tell whether they were lost."""
 
 
-# ---- shared with tasks/lm/cache_lock.py: is a holder alive? ----------------------------------------------------------
+# ---- shared with shardlab_tasks/lm/cache_lock.py: is a holder alive? -------------------------------------------------
 def process_start(pid: int) -> str | None:
     """When ``pid`` started (clock ticks since boot, from /proc), so a reused pid is told from the holder."""
     try:

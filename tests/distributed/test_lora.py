@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from shardlab.checkpoint import dcp_reader
-from tasks.lm.lora import is_adapter
+from shardlab_tasks.lm.lora import is_adapter
 from tests.distributed.harness import run_spawned
 from tests.hf_folders import make_folder
 from tools import export_hf

@@ -13,7 +13,7 @@ from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.jobs.preflight import preflight
 from shardlab.runner import run_rank
-from tasks.self_supervised.dino import Center, WeightNormLinear, collapse_stats, dino_loss, teacher_temperature
+from shardlab_tasks.self_supervised.dino import Center, WeightNormLinear, collapse_stats, dino_loss, teacher_temperature
 from tests.ssl_configs import STEPS, dino
 from tools import evaluate
 

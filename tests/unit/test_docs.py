@@ -47,7 +47,7 @@ def test_every_relative_link_and_anchor_in_the_docs_resolves():
 
 
 # ---- paths written in backticks --------------------------------------------------------------------------------------
-ROOTS = ("shardlab", "tasks", "tools", "tests", "conf", "docs", "examples", "hydra_plugins")
+ROOTS = ("shardlab", "shardlab_tasks", "tools", "tests", "conf", "docs", "examples", "hydra_plugins")
 PACKAGES = tuple(sorted(p.name for p in (REPO / "shardlab").iterdir() if (p / "__init__.py").is_file()))
 """shardlab's packages: `memory/plan.py` in the docs is shardlab/memory/plan.py."""
 SOURCE = re.compile(r"^[\w-]+\.(?:py|yaml|sh|toml|md)$")
@@ -123,11 +123,11 @@ def map_paths(block: str) -> list[str]:
 
 def map_omissions(block: str, repo: Path = REPO) -> list[str]:
     """What of the tree a map of the code leaves out: a top-level folder; a module or package of shardlab/ or a
-    package of tasks/ without its own line; a module of such a package not named (by its stem) in the package's
+    package of shardlab_tasks/ without its own line; a module of such a package not named (by its stem) in the package's
     description; a folder of tests/ not named (``unit/``) in tests/' description. tools/ is described by kind."""
     entries = dict(map_entries(block))
     missing = [f"{r}/" for r in ROOTS if not any(p.startswith(f"{r}/") for p in entries)]
-    for root in ("shardlab", "tasks"):
+    for root in ("shardlab", "shardlab_tasks"):
         for child in sorted((repo / root).iterdir()):
             is_package = (child / "__init__.py").is_file()
             if not is_package and (child.suffix != ".py" or child.name == "__init__.py"):
@@ -173,13 +173,14 @@ def placed(prose: str) -> list[str]:
 def stale_paths(markdown: str) -> list[str]:
     """Every path ``markdown`` writes in backticks that is not in the repository.
 
-    The rule: (1) in inline code and in fenced blocks, a word that begins with a top-level folder (shardlab/, tasks/,
-    tools/, tests/, conf/, docs/, examples/, hydra_plugins/) is a path from the repository root, and one that begins
-    with a package of shardlab/ (``memory/plan.py``) a path in shardlab/; (2) a bare file name (``name.py``, ``.yaml``,
-    ``.sh``, ``.toml``, ``.md``) is checked where the text places it: after a backticked folder in its paragraph, or
-    listed beside a backticked file (``placed``), and in a map of the code, in the folder it is drawn under
-    (``map_paths``). ``<name>`` and ``*`` stand for any name. A bare name the text places nowhere (``train.py`` alone)
-    and paths outside the repository (``/tmp/...``, ``runs/...``, another project's) are not checked."""
+    The rule: (1) in inline code and in fenced blocks, a word that begins with a top-level folder (shardlab/,
+    shardlab_tasks/, tools/, tests/, conf/, docs/, examples/, hydra_plugins/) is a path from the repository root, and
+    one that begins with a package of shardlab/ (``memory/plan.py``) a path in shardlab/; (2) a bare file name
+    (``name.py``, ``.yaml``, ``.sh``, ``.toml``, ``.md``) is checked where the text places it: after a backticked folder
+    in its paragraph, or listed beside a backticked file (``placed``), and in a map of the code, in the folder it is
+    drawn under (``map_paths``). ``<name>`` and ``*`` stand for any name. A bare name the text places nowhere
+    (``train.py`` alone) and paths outside the repository (``/tmp/...``, ``runs/...``, another project's) are not
+    checked."""
     prose = FENCE.sub("\n\n", markdown)
     words = [w for span in SPAN.findall(prose) for w in tokens(span)]
     found = [p for w in words if (p := rooted(w))] + placed(prose)
@@ -227,7 +228,7 @@ def test_a_planted_stale_path_in_the_readme_is_caught(old, new, stale):
     [
         ("The code: `shardlab/checkpoint/` (`manager.py`, `managers.py`).", ["shardlab/checkpoint/managers.py"]),
         ("Presets: `conf/hydra/launcher/slurm.yaml` and `remote.yaml`.", ["conf/hydra/launcher/remote.yaml"]),
-        ("`tasks/<name>/task.py` and `tasks/<name>/tasks.py`", ["tasks/<name>/tasks.py"]),
+        ("`shardlab_tasks/<name>/task.py` and `shardlab_tasks/<name>/tasks.py`", ["shardlab_tasks/<name>/tasks.py"]),
         ("`docs/bench/autotune_*.json` and `docs/bench/autotuned_*.json`", ["docs/bench/autotuned_*.json"]),
         ("`tests/unit/test_docs.py::test_x:12` and `tests/unit/test_doc.py:3`", ["tests/unit/test_doc.py"]),
         ("```text\nexamples/my_research/\n├── spirals.py\n└── conf/\n    └── task/spiral.yaml\n```",
@@ -314,7 +315,11 @@ def test_the_config_groups_table_lists_every_option_and_schema_in_conf():
     [
         (", `llama3_405b`", "", "model: llama3_405b not listed"),
         ("`lars` (SwAV's", "`larc` (SwAV's", "optimizer: lars not listed"),
-        (", `tasks.self_supervised.config.DINOConfig`", "", "task: schema tasks.self_supervised.config.DINOConfig"),
+        (
+            ", `shardlab_tasks.self_supervised.config.DINOConfig`",
+            "",
+            "task: schema shardlab_tasks.self_supervised.config.DINOConfig",
+        ),
         ("| `hydra/launcher` |", "| `launcher` |", "group hydra/launcher: no row"),
     ],
 )

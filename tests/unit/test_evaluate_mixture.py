@@ -1,5 +1,5 @@
-"""tools/evaluate.py on a run trained on a mixture (data.sources, tasks/lm/mixture.py): each source's loss and the
-mixture's, equal to what training's validation logged for the same weights, with the sources taken from the tool's
+"""tools/evaluate.py on a run trained on a mixture (data.sources, shardlab_tasks/lm/mixture.py): each source's loss and
+the mixture's, equal to what training's validation logged for the same weights, with the sources taken from the tool's
 own command line, never from the checkpoint's config."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.runner import run_rank
-from tasks.lm.export_hf import export_refusal
+from shardlab_tasks.lm.export_hf import export_refusal
 from tools import export_hf, generate, preprocess_lm
 
 transformers = pytest.importorskip("transformers")

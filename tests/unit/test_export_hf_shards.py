@@ -16,7 +16,7 @@ from shardlab.checkpoint import hf_folder
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.runner import run_rank
-from tasks.lm.export_hf import export_refusal, family
+from shardlab_tasks.lm.export_hf import export_refusal, family
 from tests.hf_folders import FAMILIES, make_folder
 from tools import export_hf
 

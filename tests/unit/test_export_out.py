@@ -112,7 +112,7 @@ def test_every_mode_stages_marks_and_replaces_only_its_own_earlier_export(lora_r
     before = snapshot(out)
 
     from shardlab.checkpoint import hf_folder
-    from tasks.lm import lora
+    from shardlab_tasks.lm import lora
 
     def broken(*args, **kwargs):
         raise OSError("disk full")

@@ -12,7 +12,7 @@ PACKAGE = ROOT / "shardlab"
 MAX_TOP_LEVEL = 16
 
 LAYERS: list[tuple[str, ...]] = [
-    ("tasks",),  # the plug-ins use shardlab; shardlab never imports a task
+    ("shardlab_tasks",),  # the built-in plug-ins (a package of their own) use shardlab; shardlab never imports a task
     ("shardlab.train",),  # the CLI
     ("shardlab.runner", "shardlab.jobs.autotune"),  # the job; autotune measures trials that trainer.assemble builds
     ("shardlab.trainer",),
@@ -37,10 +37,10 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def imports(root: Path = ROOT) -> dict[str, dict[str, int]]:
-    """Every module of shardlab/ and tasks/ under ``root`` and the modules of those two it imports anywhere in its
-    code (inside functions too), each with the line of its first import. ``from pkg import sub`` counts as importing
+    """Every module of shardlab/ and shardlab_tasks/ under ``root`` and the modules of those two it imports anywhere in
+    its code (inside functions too), each with the line of its first import. ``from pkg import sub`` counts as importing
     ``pkg.sub`` when that is a module; ``import pkg.sub`` imports ``pkg.sub``."""
-    modules = {module_name(p, root): p for top in ("shardlab", "tasks") for p in (root / top).rglob("*.py")}
+    modules = {module_name(p, root): p for top in ("shardlab", "shardlab_tasks") for p in (root / top).rglob("*.py")}
     graph: dict[str, dict[str, int]] = {m: {} for m in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -160,8 +160,8 @@ def test_the_cycle_finder_finds_a_planted_cycle():
 
 def test_the_floor_check_finds_a_planted_upward_import_inside_a_function(tmp_path):
     (tmp_path / "shardlab" / "jobs").mkdir(parents=True)
-    (tmp_path / "tasks").mkdir()
-    for init in ("shardlab", "shardlab/jobs", "tasks"):
+    (tmp_path / "shardlab_tasks").mkdir()
+    for init in ("shardlab", "shardlab/jobs", "shardlab_tasks"):
         (tmp_path / init / "__init__.py").write_text("")
     (tmp_path / "shardlab" / "jobs" / "checks.py").write_text("from shardlab.config import TrainConfig\n")
     (tmp_path / "shardlab" / "config.py").write_text("class TrainConfig: ...\n")
@@ -170,8 +170,8 @@ def test_the_floor_check_finds_a_planted_upward_import_inside_a_function(tmp_pat
     assert upward_imports(imports(tmp_path), tmp_path) == [
         "shardlab/config.py:2: shardlab.config -> shardlab.jobs.checks"
     ]
-    (tmp_path / "shardlab" / "config.py").write_text("import tasks\n")
-    assert upward_imports(imports(tmp_path), tmp_path) == ["shardlab/config.py:1: shardlab.config -> tasks"]
+    (tmp_path / "shardlab" / "config.py").write_text("import shardlab_tasks\n")
+    assert upward_imports(imports(tmp_path), tmp_path) == ["shardlab/config.py:1: shardlab.config -> shardlab_tasks"]
 
 
 def test_every_package_names_its_public_face():

@@ -14,7 +14,7 @@ import torch
 from shardlab.checkpoint import hf_folder
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
-from tasks.lm.export_hf import export_refusal
+from shardlab_tasks.lm.export_hf import export_refusal
 from tests.hf_folders import MOE_FAMILIES, make_folder
 from tests.unit.test_export_hf_shards import UNCHANGED, source_tensors
 from tools import export_hf, generate

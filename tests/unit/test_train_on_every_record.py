@@ -73,7 +73,7 @@ def test_a_validation_batch_larger_than_the_split_is_lowered_to_fit_it_with_a_li
 def test_unpacked_rows_are_padded_to_the_longest_sample_and_give_the_same_loss(tmp_path):
     import torch
 
-    from tasks.lm.sft import PackedRows, answer_token_loss, record_sample
+    from shardlab_tasks.lm.sft import PackedRows, answer_token_loss, record_sample
     from tests.unit.test_sft import sft_task
 
     task = sft_task(tmp_path, "data.pack=false", "data.seq_len=64")

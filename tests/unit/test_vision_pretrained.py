@@ -15,7 +15,7 @@ from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError
 from shardlab.runner import build_task, run_rank
-from tasks.image_classification import pretrained
+from shardlab_tasks.image_classification import pretrained
 from tests.conftest import compose_config
 from tests.ssl_configs import TINY_REGNET, TINY_SSL
 from tests.vision_weights import features, images, regnet_y_400mf_file, tiny_file
@@ -156,7 +156,7 @@ def test_a_fifo_or_a_folder_is_refused_without_blocking_and_a_file_over_the_cap_
 
 # ---- tools/evaluate.py probes it -------------------------------------------------------------------------------------
 def test_evaluate_probes_the_files_trunk_and_a_checkpoint_that_started_from_it_without_the_file(tiny, tmp_path):
-    from tasks.image_classification.data import open_datasets
+    from shardlab_tasks.image_classification.data import open_datasets
 
     source, path = tiny
     arch = ["task=image_classification", *TINY_REGNET, "data.num_train=64", "data.num_test=32"]
