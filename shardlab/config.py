@@ -342,7 +342,7 @@ class TrainConfig:
     composes (shardlab/registry/user_dir.py; docs/tutorial.md). Command line only; recorded as an absolute path."""
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 """The config groups' options (conf/<group>/<option>.yaml): shardlab.jobs.conf_options reads them."""
 
 

@@ -192,7 +192,9 @@ def _submit(args) -> Path:
     import submitit
     from omegaconf import OmegaConf
 
-    preset = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "hydra" / "launcher" / "slurm.yaml")
+    from shardlab.config import CONF_DIR
+
+    preset = OmegaConf.load(CONF_DIR / "hydra" / "launcher" / "slurm.yaml")
     keys = ("partition", "nodes", "tasks_per_node", "cpus_per_task", "timeout_min", "mem_gb")
     params = {k: getattr(args, k) if getattr(args, k) is not None else preset.get(k) for k in keys}
     params = {k: (int(v) if k != "partition" and v is not None else v) for k, v in params.items() if v is not None}

@@ -57,7 +57,7 @@ BAD_INPUTS = {
     "unknown optimizer": (
         ["optimizer=adamm"],
         r"known: "
-        + re.escape(", ".join(sorted(p.stem for p in (ROOT / "conf/optimizer").glob("*.yaml"))))
+        + re.escape(", ".join(sorted(p.stem for p in (ROOT / "shardlab/conf/optimizer").glob("*.yaml"))))
         + r"\. Did you mean 'adamw'\?",
     ),
     "unknown scheduler": (["lr_scheduler=cosin"], r"Did you mean 'cosine'\?"),

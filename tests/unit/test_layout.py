@@ -122,7 +122,8 @@ def cycle_from(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_package_has_at_most_16_top_level_entries():
-    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    # conf/ is the Hydra configs shipped as package data (issue 50), not a room of code
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name not in ("__pycache__", "conf"))
     assert len(entries) <= MAX_TOP_LEVEL, f"{len(entries)} entries in shardlab/: {entries}; group them into packages"
 
 
