@@ -1,10 +1,10 @@
 """Write a checkpoint's model as one safetensors file (unsharded, on the CPU) plus its description as JSON beside it.
 
-    python tools/consolidate.py runs/lm/default/checkpoints/step_00000300 --out model.safetensors   # + model.json
+    shardlab-consolidate runs/lm/default/checkpoints/step_00000300 --out model.safetensors   # + model.json
     python -m shardlab.train checkpoint.init_from=model.safetensors                         # a new run from it
 
 Reads only the model.* entries of the DCP checkpoint (the optimizer state never comes into memory), from a checkpoint
-of any backend and world size. The file loads with plain ``safetensors.torch.load_file``, tools/generate.py and
+of any backend and world size. The file loads with plain ``safetensors.torch.load_file``, shardlab-generate and
 ``checkpoint.init_from``.
 """
 
@@ -38,5 +38,10 @@ def main(argv: list[str] | None = None) -> Path:
     return out
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console script (pyproject.toml's [project.scripts]): a mistake is one line and exit code 2."""
     run_tool(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -2,12 +2,12 @@
 GPT2LMHeadModel, model.arch=llama as a Llama, Qwen2, Qwen3 or Mistral ForCausalLM, with model.moe as a Mixtral,
 Qwen2-MoE or Qwen3-MoE one, its experts one tensor per expert as the hub holds them (shardlab_tasks/lm/export_hf.py).
 
-    python tools/export_hf.py runs/lm/default/checkpoints/step_00000300 --out hf-export
-    python tools/export_hf.py runs/lm/sft/checkpoints/step_00001000 --dtype bf16 --out hf-bf16  # half the bytes
-    python tools/export_hf.py model.safetensors --out hf-export       # a file from tools/consolidate.py
-    python tools/export_hf.py runs/lm/default/checkpoints/step_00000300 --ema --out hf-ema  # optimization.ema's weights
-    python tools/export_hf.py runs/lm/lora/checkpoints/step_00000300 --out hf-merged  # LoRA: base + adapters merged
-    python tools/export_hf.py runs/lm/lora/checkpoints/step_00000300 --adapter-only --out adapter  # a peft folder
+    shardlab-export runs/lm/default/checkpoints/step_00000300 --out hf-export
+    shardlab-export runs/lm/sft/checkpoints/step_00001000 --dtype bf16 --out hf-bf16  # half the bytes
+    shardlab-export model.safetensors --out hf-export       # a file from shardlab-consolidate
+    shardlab-export runs/lm/default/checkpoints/step_00000300 --ema --out hf-ema  # optimization.ema's weights
+    shardlab-export runs/lm/lora/checkpoints/step_00000300 --out hf-merged  # LoRA: base + adapters merged
+    shardlab-export runs/lm/lora/checkpoints/step_00000300 --adapter-only --out adapter  # a peft folder
     python -c "from transformers import AutoModelForCausalLM, AutoTokenizer as T; \
 AutoModelForCausalLM.from_pretrained('hf-export'); T.from_pretrained('hf-export')"
 
@@ -182,8 +182,13 @@ def main(argv: list[str] | None = None) -> Path:
     return args.out
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console script (pyproject.toml's [project.scripts]): a mistake is one line and exit code 2."""
     # Each freed tensor group goes back to the OS (glibc would keep it for reuse): the export's memory stays its
     # bound, not the high-water mark of fragmented heaps (shardlab.distributed.cpu_allocator.configure_cpu_allocator).
     configure_cpu_allocator("lean")
     run_tool(main)
+
+
+if __name__ == "__main__":
+    cli()

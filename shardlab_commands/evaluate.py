@@ -1,20 +1,20 @@
 """Evaluate a checkpoint: a vision trunk by a linear probe and kNN on its frozen features (VISSL's benchmark), a
 language model by its perplexity on a corpus (fairseq's eval-lm).
 
-    python tools/evaluate.py runs/ssl/swav/checkpoints/step_00001000             # linear probe, kNN top-1: test split
-    python tools/evaluate.py CHECKPOINT --split valid                             # the split recipes are chosen on
-    python tools/evaluate.py CHECKPOINT --linear data.path=/imagenet data.num_workers=16 --batch-size 512
-    python tools/evaluate.py CHECKPOINT --random-init                             # same architecture, random weights
-    python tools/evaluate.py CHECKPOINT --ema                                     # the EMA weights (DINO's teacher)
-    python tools/evaluate.py --random-init task=image_classification model=regnet_cifar model.depth=8
-    python tools/evaluate.py task=image_classification model=regnet_y_400mf model.pretrained=regnet_y_400mf.pth
-    python tools/evaluate.py runs/lm/default/checkpoints/step_00000300                     # validation perplexity
-    python tools/evaluate.py model.safetensors data.path=held_out.txt --split all          # a whole other corpus
-    python tools/evaluate.py CHECKPOINT +data.sources='{web: {path: /a}, code: {path: /b}}'  # a mixture, by source
-    python tools/evaluate.py CHECKPOINT --lm-eval hellaswag,arc_easy                     # lm-evaluation-harness
-    python tools/evaluate.py CHECKPOINT --lm-eval my_task --lm-eval-include my_tasks/    # task YAMLs of your own
+    shardlab-evaluate runs/ssl/swav/checkpoints/step_00001000             # linear probe, kNN top-1: test split
+    shardlab-evaluate CHECKPOINT --split valid                             # the split recipes are chosen on
+    shardlab-evaluate CHECKPOINT --linear data.path=/imagenet data.num_workers=16 --batch-size 512
+    shardlab-evaluate CHECKPOINT --random-init                             # same architecture, random weights
+    shardlab-evaluate CHECKPOINT --ema                                     # the EMA weights (DINO's teacher)
+    shardlab-evaluate --random-init task=image_classification model=regnet_cifar model.depth=8
+    shardlab-evaluate task=image_classification model=regnet_y_400mf model.pretrained=regnet_y_400mf.pth
+    shardlab-evaluate runs/lm/default/checkpoints/step_00000300                     # validation perplexity
+    shardlab-evaluate model.safetensors data.path=held_out.txt --split all          # a whole other corpus
+    shardlab-evaluate CHECKPOINT +data.sources='{web: {path: /a}, code: {path: /b}}'  # a mixture, by source
+    shardlab-evaluate CHECKPOINT --lm-eval hellaswag,arc_easy                     # lm-evaluation-harness
+    shardlab-evaluate CHECKPOINT --lm-eval my_task --lm-eval-include my_tasks/    # task YAMLs of your own
 
-CHECKPOINT is a step_N folder (any backend and world size) or a .safetensors file from tools/consolidate.py. The
+CHECKPOINT is a step_N folder (any backend and world size) or a .safetensors file from shardlab-consolidate. The
 model is rebuilt from the checkpoint's own description (task and training config) through the task registry and
 loaded in one process, in eval mode. Arguments without a leading ``--`` are overrides: of the checkpoint's config
 (``data.*`` picks the evaluation data: data.path, data.source, data.num_workers, data.image_size, ...), or, with
@@ -30,7 +30,7 @@ features and reports top-1/top-5 on the judged split; kNN votes among the k most
 trunk (--random-init) and averaged weights (--ema) have their BatchNorm statistics re-estimated on the train split first
 (--recompute-bn/--no-recompute-bn: any trunk, or none). Language models (--perplexity, the default): the task's loss
 over every block of data.seq_len tokens of the chosen split, as the trainer's validation computes it. --lm-eval TASKS
-(comma-separated) exports the checkpoint to Hugging Face (tools/export_hf.py; --export-dir keeps it) and runs
+(comma-separated) exports the checkpoint to Hugging Face (shardlab-export; --export-dir keeps it) and runs
 EleutherAI's lm-evaluation-harness on it with a context window of data.seq_len (shardlab_tasks/lm/harness.py says when
 its rolling log-likelihood equals the perplexity here). A run trained on a mixture is given its sources again as
 ``data.sources`` (a checkpoint's paths are never read; each source's weight and text_field default to the run's): each
@@ -45,7 +45,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -59,9 +58,7 @@ from shardlab.jobs.preflight import GROUPS, check_group_choices, compose_config
 from shardlab.runner import build_task
 from shardlab.task import Task
 from shardlab.train import run_tool
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools import bench_meta  # noqa: E402
+from shardlab_commands import provenance
 
 VISION_MODES = ("linear", "knn")
 
@@ -429,8 +426,8 @@ def evaluate_lm_eval(checkpoint: Path, cfg: DictConfig, args) -> dict:
     folder removed afterwards)."""
     import tempfile
 
+    from shardlab_commands import export_hf
     from shardlab_tasks.lm.harness import run_harness, summarize, task_manager
-    from tools import export_hf
 
     if cfg.task.name != "lm":
         raise ConfigError(f"{checkpoint} is a {cfg.task.name} checkpoint; --lm-eval needs a language model")
@@ -585,9 +582,16 @@ def resolve_split(args, modes: list[str]) -> None:
         args.recompute_bn = args.random_init or args.ema
 
 
+def recorded_script() -> Path:
+    """What --out records as the command that ran: a clone's shardlab-evaluate (tools/bench_tables.py --rerun runs
+    tools/ scripts only), or this module in an install, which has no tools/."""
+    script = provenance.REPO / "tools" / "evaluate.py"
+    return script if script.is_file() else Path(__file__)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
-    meta = bench_meta.collect(__file__, argv) if args.out is not None else None
+    meta = provenance.collect(str(recorded_script()), argv) if args.out is not None else None
     where = str(args.checkpoint or args.pretrained or "the randomly initialised model")
     if args.checkpoint is not None:
         # data.* choose what to evaluate on; the model is built as it was trained (e.g. its classes from its data)
@@ -667,7 +671,7 @@ def file_identity(path: str | None) -> list | None:
 
 
 def write_report(args, cfg: DictConfig, info: dict | None, results: dict, meta: dict) -> None:
-    """The figures as JSON, with what they were measured on (bench_meta: command, commit, machine, load) and the
+    """The figures as JSON, with what they were measured on (provenance: command, commit, machine, load) and the
     trunk's training step, for tools/bench_tables.py's ssl_probe table."""
 
     def plain(v):
@@ -675,7 +679,7 @@ def write_report(args, cfg: DictConfig, info: dict | None, results: dict, meta: 
 
     settings = {k: plain(v) for k, v in vars(args).items() if k != "items"}
     report = {
-        "meta": bench_meta.finish({**meta, "settings": settings}),
+        "meta": provenance.finish({**meta, "settings": settings}),
         "results": results,
         "task": cfg.task.name,
         "step": None if args.random_init else (info or {}).get("step"),
@@ -687,5 +691,10 @@ def write_report(args, cfg: DictConfig, info: dict | None, results: dict, meta: 
     args.out.write_text(json.dumps(report, indent=1) + "\n")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console script (pyproject.toml's [project.scripts]): a mistake is one line and exit code 2."""
     run_tool(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,13 +1,13 @@
 """The summary table of a sweep, rebuilt from its directory: for a sweep that ran (or still runs) on Slurm, or a local
 one whose terminal is gone.
 
-    python tools/sweep_summary.py multirun/lm/optimizer.lr=1e-3,3e-3
-    python tools/sweep_summary.py <sweep dir> --json      # the rows as JSON on stdout
-    python tools/sweep_summary.py <sweep dir> --plot curves.png   # and every point's learning curves in one PNG
+    shardlab-sweep-summary multirun/lm/optimizer.lr=1e-3,3e-3
+    shardlab-sweep-summary <sweep dir> --json      # the rows as JSON on stdout
+    shardlab-sweep-summary <sweep dir> --plot curves.png   # and every point's learning curves in one PNG
 
 One row per point: overrides, status (pending, running, completed, stopped, failed, died (<Slurm state>)), step
 reached, wall time, final validation metrics, and for a failed point its one-line error. Also written to
-<sweep dir>/summary.json and summary.csv. --plot draws what tools/plot.py draws for the points that have logged.
+<sweep dir>/summary.json and summary.csv. --plot draws what shardlab-plot draws for the points that have logged.
 """
 
 from __future__ import annotations
@@ -17,13 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script from a checkout: tools.plot is imported from the repository
-    sys.path.insert(0, str(REPO))
-
-from shardlab.errors import ConfigError  # noqa: E402
-from shardlab.jobs.sweep import collect, summarize  # noqa: E402
-from shardlab.train import run_tool  # noqa: E402
+from shardlab.errors import ConfigError
+from shardlab.jobs.sweep import collect, summarize
+from shardlab.train import run_tool
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,11 +38,16 @@ def main(argv: list[str] | None = None) -> None:
     elif not summarize(args.sweep_dir):
         raise ConfigError(f"{args.sweep_dir} holds no sweep points (no sweep.json, no */.hydra/overrides.yaml)")
     if args.plot:
-        from tools.plot import plot_runs
+        from shardlab_commands.plot import plot_runs
 
         fig = plot_runs([args.sweep_dir], args.plot)
         print(f"{args.plot}: learning curves of {len(fig.axes[0].get_lines())} points", file=sys.stderr)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console script (pyproject.toml's [project.scripts]): a mistake is one line and exit code 2."""
     run_tool(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,12 +1,12 @@
 """Binarize a corpus for the LM task (the fairseq-preprocess analogue), optionally training its tokenizer first.
 
-    python tools/preprocess_lm.py /my/text/dir                          # -> ~/.cache/shardlab/<name>-<hash>/
-    python tools/preprocess_lm.py /data/shards --text-field text         # *.jsonl(.gz/.zst): a line; *.parquet: a row
-    python tools/preprocess_lm.py /my/text/dir --tokenizer gpt2/tokenizer.json
-    python tools/preprocess_lm.py --train-tokenizer bpe --vocab-size 4096   # a byte-level BPE of the embedded corpus
-    python tools/preprocess_lm.py /data/web --tasks 4                    # 4 shards, by 4 local processes
-    sbatch --array=0-63 --wrap "python tools/preprocess_lm.py /data/web --shards 64"   # one task per shard
-    python tools/preprocess_lm.py /data/web --shards 64 --slurm --nodes 2 --tasks-per-node 32  # the same, submitit
+    shardlab-preprocess /my/text/dir                          # -> ~/.cache/shardlab/<name>-<hash>/
+    shardlab-preprocess /data/shards --text-field text         # *.jsonl(.gz/.zst): a line; *.parquet: a row
+    shardlab-preprocess /my/text/dir --tokenizer gpt2/tokenizer.json
+    shardlab-preprocess --train-tokenizer bpe --vocab-size 4096   # a byte-level BPE of the embedded corpus
+    shardlab-preprocess /data/web --tasks 4                    # 4 shards, by 4 local processes
+    sbatch --array=0-63 --wrap "shardlab-preprocess /data/web --shards 64"   # one task per shard
+    shardlab-preprocess /data/web --shards 64 --slurm --nodes 2 --tasks-per-node 32  # the same, submitit
 
 Training runs this step themselves on first use (data.path=..., data.tokenizer=...) and reuse the result; run it
 ahead of time to preprocess once for many jobs. Output: train.bin / valid.bin (uint16 token ids, uint32 for
@@ -258,5 +258,10 @@ def _prepare(args, tokenizer, extra_files) -> Path:
     )
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console script (pyproject.toml's [project.scripts]): a mistake is one line and exit code 2."""
     run_tool(main)
+
+
+if __name__ == "__main__":
+    cli()

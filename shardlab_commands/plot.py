@@ -1,8 +1,8 @@
 """Learning curves of several runs or sweep points in one PNG, read from the runs' own train.log.
 
-    python tools/plot.py runs/lm/default runs/lm/optimizer.lr=1e-3 --out curves.png
-    python tools/plot.py multirun/lm/optimizer.lr=1e-3,3e-3               # a sweep folder: each of its points
-    python tools/sweep_summary.py multirun/lm/optimizer.lr=1e-3,3e-3 --plot curves.png   # the same, with the table
+    shardlab-plot runs/lm/default runs/lm/optimizer.lr=1e-3 --out curves.png
+    shardlab-plot multirun/lm/optimizer.lr=1e-3,3e-3               # a sweep folder: each of its points
+    shardlab-sweep-summary multirun/lm/optimizer.lr=1e-3,3e-3 --plot curves.png   # the same, with the table
 
 Four panels: training loss (top) and validation loss (bottom), against the optimizer step (left) and against the
 tokens seen (right; samples for tasks without data.seq_len: step x optimization.batch_size x update_freq
@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script from a checkout (python tools/plot.py), or imported as tools.plot
-    sys.path.insert(0, str(REPO))
-
-from shardlab.checkpoint.regular_file import SMALL_FILE_MAX_BYTES, read_regular  # noqa: E402
-from shardlab.errors import ConfigError, DataError  # noqa: E402
-from shardlab.jobs.run_dir import names_the_run  # noqa: E402
-from shardlab.jobs.sweep import collect  # noqa: E402
-from shardlab.logging import LOG_FILE  # noqa: E402
+from shardlab.checkpoint.regular_file import SMALL_FILE_MAX_BYTES, read_regular
+from shardlab.errors import ConfigError, DataError
+from shardlab.jobs.run_dir import names_the_run
+from shardlab.jobs.sweep import collect
+from shardlab.logging import LOG_FILE
 
 LINE = re.compile(r"\[(?P<split>train|valid)\] step (?P<step>\d+) \| (?P<metrics>.*)$")
 """A metrics line as shardlab.logging.RunLogger.log writes it (after the time stamp): [split] step N | k v | k v."""
@@ -107,7 +102,7 @@ def find_runs(paths: list[Path]) -> list[Path]:
             continue
         if not path.is_dir():
             raise ConfigError(f"{path} is not a directory; give run folders (with {LOG_FILE}) or a sweep folder")
-        # A sweep: its points in job order, as tools/sweep_summary.py lists them (a Slurm sweep's manifest too).
+        # A sweep: its points in job order, as shardlab-sweep-summary lists them (a Slurm sweep's manifest too).
         points = [Path(row["run_dir"]) for row in collect(path) if (Path(row["run_dir"]) / LOG_FILE).is_file()]
         if not points:
             raise DataError(f"{path} holds no {LOG_FILE}, nor do its sweep points: has the run (or sweep) started?")
@@ -145,7 +140,7 @@ def draw(runs: list[Curves], shared: list[str], out: Path):
         matplotlib.use("Agg")  # a file, never a window: runs on login nodes and in CI
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("tools/plot.py needs matplotlib, which is not installed: pip install -e '.[plot]'") from None
+        raise ConfigError("shardlab-plot needs matplotlib, which is not installed: pip install -e '.[plot]'") from None
     units = {r.unit for r in runs}
     unit = units.pop() if len(units) == 1 else "tokens or samples"
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col", sharey="row")
@@ -202,7 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.out}: {len(fig.axes[0].get_lines())} runs")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console script (pyproject.toml's [project.scripts]): a mistake is one line and exit code 2."""
     from shardlab.train import run_tool
 
     run_tool(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,8 +1,8 @@
 """Sample text from a language-model checkpoint, to see what a run learned.
 
-    python tools/generate.py runs/lm/default/checkpoints/step_00000300 --prompt "def " --max-new-tokens 200
-    python tools/generate.py runs/lm/default/checkpoints/step_00000300 --top-k 0     # greedy
-    python tools/generate.py model.safetensors                                        # from tools/consolidate.py
+    shardlab-generate runs/lm/default/checkpoints/step_00000300 --prompt "def " --max-new-tokens 200
+    shardlab-generate runs/lm/default/checkpoints/step_00000300 --top-k 0     # greedy
+    shardlab-generate model.safetensors                                        # from shardlab-consolidate
 
 Works with checkpoints from any backend and world size (DCP loads them into one process).
 """
@@ -100,5 +100,10 @@ def main(argv: list[str] | None = None) -> str:
     return text
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console script (pyproject.toml's [project.scripts]): a mistake is one line and exit code 2."""
     run_tool(main)
+
+
+if __name__ == "__main__":
+    cli()
