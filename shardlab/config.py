@@ -200,7 +200,7 @@ class DistributedConfig:
 class EMAConfig:
     enabled: bool = False
     """Keep an exponential moving average of the model's parameters (fp32, sharded like them), saved with the training
-    state; validation.ema validates with it, tools/export_hf.py --ema exports it, a teacher network reads it."""
+    state; validation.ema validates with it, shardlab-export --ema exports it, a teacher network reads it."""
     decay: float = 0.999
     """Weight of the old average at each update: average = decay * average + (1 - decay) * weights. With
     schedule=cosine, its value at start_step."""

@@ -542,7 +542,7 @@ def step_folder_reader(step: Path, prefixes: tuple[str, ...] = ("model.",)) -> t
 
 
 def safetensors_reader(file: Path) -> tuple[dict[str, tuple], Reader]:
-    """The tensors of one safetensors file (tools/consolidate.py's) by name, as {name: shape}, and a Reader of them
+    """The tensors of one safetensors file (shardlab-consolidate's) by name, as {name: shape}, and a Reader of them
     that reads each tensor alone."""
     files = [file]
     shapes = {key: shape for key, (shape, _) in tensor_shapes(files).items()}

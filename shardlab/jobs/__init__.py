@@ -9,7 +9,7 @@
   submitit's requeue.
 - ``submitit_launcher``: Hydra multirun through submitit (``hydra/launcher=slurm`` or ``local``); its Hydra plugin
   classes are declared in hydra_plugins/shardlab_launcher.
-- ``sweep``: the summary table of a sweep (``summary.json``, ``summary.csv``, tools/sweep_summary.py).
+- ``sweep``: the summary table of a sweep (``summary.json``, ``summary.csv``, shardlab-sweep-summary).
 - ``autotune``: distributed.backend=auto's trials on the ranks (each assembled as a run is), the fastest layout that
   fits kept and returned to the runner (it imports torch and the trainer: a rank's, not the CLI's).
 

@@ -66,9 +66,9 @@ class ImageDataConfig:
     num_train: int = 5000
     """embedded and fake: training images."""
     num_valid: int = 1000
-    """embedded and fake: validation images (for choosing recipes; tools/evaluate.py --split valid)."""
+    """embedded and fake: validation images (for choosing recipes; shardlab-evaluate --split valid)."""
     num_test: int = 1000
-    """embedded and fake: test images, drawn apart from train and validation and read only by tools/evaluate.py (its
+    """embedded and fake: test images, drawn apart from train and validation and read only by shardlab-evaluate (its
     default split), so nothing is tuned on them; folder: data.path/test/ if present."""
     num_fake_classes: int = 1000
     """fake: number of classes."""

@@ -283,10 +283,10 @@ class FakeImages(Dataset):
         return image, int(label), 0
 
 
-# ---- the held-out test split (tools/evaluate.py) ---------------------------------------------------------------------
+# ---- the held-out test split (shardlab-evaluate) ---------------------------------------------------------------------
 EVAL_SPLITS = ("valid", "test")
 """What a trunk is judged on: valid (for choosing recipes, as the training runs' validation) or test (nothing is
-tuned on it; tools/evaluate.py's default)."""
+tuned on it; shardlab-evaluate's default)."""
 
 
 def test_split_seed(seed: int) -> int:

@@ -4,7 +4,7 @@ A preprocessed corpus is a directory with train.bin / valid.bin (token ids, uint
 uint32) and meta.json (see shardlab_tasks/lm/binarize.py). Documents end with an end-of-document token; a document (a
 file, a JSONL line, a Parquet or Arrow row, or a ~1 MB block of a large file) goes to valid when a hash of its path (and
 line, row or block number) says so, so the split is stable as files are added. The embedded default corpus is this
-Python's standard library source: real text that every machine already has. No torch here: tools/preprocess_lm.py
+Python's standard library source: real text that every machine already has. No torch here: shardlab-preprocess
 and its workers stay small (importing torch alone is ~650 MB RSS).
 """
 

@@ -88,7 +88,7 @@ def _acquire(out: Path) -> Iterator[bool]:
     except OSError as e:
         raise DataError(
             f"data.cache_dir: cannot write {lock} to preprocess the corpus there ({e.strerror or e}); choose a "
-            "writable data.cache_dir (tools/preprocess_lm.py: --cache-dir)"
+            "writable data.cache_dir (shardlab-preprocess: --cache-dir)"
         ) from None
     token = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": process_start(os.getpid()),
              "started": time.time()}  # fmt: skip

@@ -18,7 +18,7 @@ from shardlab_tasks.lm.sources import Block, Source, read_small, regular_path, r
 ROWS_PER_BATCH = 256
 """Rows decoded at once from a Parquet row group: a transient ~MBs for documents of KBs (the batch is then cut into
 blocks of ~1 MB of text, as few or many rows as that takes)."""
-FIX_FIELD = "name the text column with data.text_field (tools/preprocess_lm.py: --text-field)"
+FIX_FIELD = "name the text column with data.text_field (shardlab-preprocess: --text-field)"
 FIX_DAMAGED = "the file is damaged: download or write it again, or remove it from data.path"
 
 

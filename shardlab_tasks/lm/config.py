@@ -190,7 +190,7 @@ class LMDataConfig:
     """Tokenizing processes at preprocessing; -1 = one per CPU core (none for corpora under 16 MB), 0 = in-process."""
     build_cache_max_mb: float = 512.0
     """A corpus larger than this (MB) with no finished cache is not preprocessed by the training job: it stops with
-    the tools/preprocess_lm.py command that builds it as many tasks; 0 = build any size here."""
+    the shardlab-preprocess command that builds it as many tasks; 0 = build any size here."""
     sources: dict[str, LMSourceConfig] = field(default_factory=dict)
     """A weighted mixture instead of data.path: name -> {path, weight, text_field}, each corpus its own cache
     (docs/corpora.md#mixtures); data.sources='{web: {path: /a, weight: 0.8}, code: {path: /b, weight: 0.2}}'."""

@@ -39,7 +39,7 @@ MAX_RECORD_BYTES = 1 << 28
 """The longest record (JSONL line) a reader holds, 256 MiB: a longer one is refused naming its file and line, since
 it is held whole to be parsed (a 4 MB .jsonl.gz can hold a 4 GiB line); data.max_corpus_mb, when lower, ends it
 first."""
-FIX_FIELD = "name the text field with data.text_field (tools/preprocess_lm.py: --text-field)"
+FIX_FIELD = "name the text field with data.text_field (shardlab-preprocess: --text-field)"
 
 
 def _format_of(path: Path) -> tuple[str, str] | None:

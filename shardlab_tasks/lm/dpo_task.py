@@ -2,7 +2,7 @@
 
 LanguageModelingTask builds this subclass for data.format=preference, so task.name stays lm: a DPO run begins from an
 SFT run's step folder (checkpoint.init_from compares task names), a model folder (model.pretrained) or LoRA adapters
-the same way, and its checkpoints export as any LM's (tools/export_hf.py). What differs is here: the pairs
+the same way, and its checkpoints export as any LM's (shardlab-export). What differs is here: the pairs
 (shardlab_tasks/lm/preference.py), the loss and its reference (shardlab_tasks/lm/dpo.py), the metrics.
 """
 

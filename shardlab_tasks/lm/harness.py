@@ -1,6 +1,6 @@
 """EleutherAI's lm-evaluation-harness (``lm-eval``) on a shardlab language model, through its Hugging Face export.
 
-The checkpoint is exported as tools/export_hf.py does (a GPT2LMHeadModel or LlamaForCausalLM, fp32, with the run's
+The checkpoint is exported as shardlab-export does (a GPT2LMHeadModel or LlamaForCausalLM, fp32, with the run's
 own tokenizer) and the harness loads that folder with its ``HFLM``: the model the harness scores is the one
 transformers loads, and tests/unit/test_lm_eval.py holds it to shardlab's own numbers.
 

@@ -136,7 +136,7 @@ def checkpoint_refusal(path: Path, saved: Mapping, current: Mapping, use: str) -
     holds the adapters alone: resuming it needs the same adapters (rank, target_modules; alpha and dropout may
     change), beginning from it needs a base it does not hold, and a folder without adapters resumes no LoRA run."""
     was, now = lora_on(saved), lora_on(current)
-    merged = f"its merged export (python tools/export_hf.py {path} --out DIR, then model.pretrained=DIR)"
+    merged = f"its merged export (shardlab-export {path} --out DIR, then model.pretrained=DIR)"
     if was and use == "init_from":
         return (
             f"checkpoint.init_from: {path} holds a LoRA run's adapters only, not a model's weights; begin from "

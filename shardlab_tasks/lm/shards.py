@@ -172,7 +172,7 @@ def write_manifest(out: Path, groups: list[list[Source]], tok: Tokenizer, meta_e
         raise DataError(
             f"{out}: no document of the corpus hashed into the validation split; a corpus this small is preprocessed "
             f"by one task, which holds documents out for it: delete the shards (rm -r {out}), then run "
-            "tools/preprocess_lm.py without --shards/--tasks"
+            "shardlab-preprocess without --shards/--tasks"
         )
     meta = {
         "format": FORMAT_VERSION,
@@ -232,12 +232,12 @@ def progress(out: Path) -> tuple[int, int] | None:
 
 
 def preprocess_command(path: str | None, cache_dir: str, tokenizer: str, valid_percent: float, field: str) -> str:
-    """The tools/preprocess_lm.py command that builds the cache training looks for (options only where they are not
+    """The shardlab-preprocess command that builds the cache training looks for (options only where they are not
     the defaults), as one shell line."""
     from shardlab_tasks.lm.config import LMDataConfig
 
     d = LMDataConfig()
-    cmd = ["python", "tools/preprocess_lm.py", *([str(Path(path).expanduser().resolve())] if path else [])]
+    cmd = ["python", "shardlab-preprocess", *([str(Path(path).expanduser().resolve())] if path else [])]
     for flag, value, default in (
         ("--cache-dir", cache_dir, d.cache_dir),
         ("--tokenizer", tokenizer, d.tokenizer),

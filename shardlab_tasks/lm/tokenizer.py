@@ -65,7 +65,7 @@ class FileTokenizer:
         except FileNotFoundError:
             raise ConfigError(
                 f"data.tokenizer: {self.path} does not exist; give 'byte' or the path of a tokenizer.json "
-                "(tools/preprocess_lm.py --train-tokenizer bpe writes one)"
+                "(shardlab-preprocess --train-tokenizer bpe writes one)"
             ) from None
         except (NotAFile, OSError) as e:
             reason = e.reason if isinstance(e, NotAFile) else f"is unreadable ({e.strerror or type(e).__name__})"

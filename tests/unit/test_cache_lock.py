@@ -203,7 +203,7 @@ def test_two_processes_preprocessing_one_corpus_get_identical_token_files(tmp_pa
 def test_preprocessing_modules_do_not_import_torch():
     """Preprocessing workers import them (spawned, one per core): torch alone would cost each ~650 MB and seconds."""
     code = (
-        "import sys, shardlab_tasks.lm.cache, tools.preprocess_lm; "
+        "import sys, shardlab_tasks.lm.cache, shardlab_commands.preprocess_lm; "
         "print(sorted(m for m in sys.modules if m == 'torch'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout

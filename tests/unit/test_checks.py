@@ -221,7 +221,7 @@ RAISES_CONFIG_ERROR = {
     "shardlab/memory/verify.py": "the real fully_shard against the plan (a dry run's)",
     "shardlab_tasks/lm/tokenizer.py": "the tokenizer file the data names",
     "shardlab_tasks/lm/shards.py": (
-        "the shard plan a cache being preprocessed already follows (tools/preprocess_lm.py --shards)"
+        "the shard plan a cache being preprocessed already follows (shardlab-preprocess --shards)"
     ),
     "shardlab_tasks/lm/sft_template.py": (
         "the chat template file data.chat_template names (or the tokenizer's folder holds)"

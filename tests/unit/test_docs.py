@@ -49,7 +49,7 @@ def test_every_relative_link_and_anchor_in_the_docs_resolves():
 
 
 # ---- paths written in backticks --------------------------------------------------------------------------------------
-ROOTS = ("shardlab", "shardlab_tasks", "tools", "tests", "docs", "examples", "hydra_plugins")
+ROOTS = ("shardlab", "shardlab_tasks", "shardlab_commands", "tools", "tests", "docs", "examples", "hydra_plugins")
 PACKAGES = tuple(sorted(p.name for p in (REPO / "shardlab").iterdir() if (p / "__init__.py").is_file()))
 """shardlab's packages: `memory/plan.py` in the docs is shardlab/memory/plan.py."""
 SOURCE = re.compile(r"^[\w-]+\.(?:py|yaml|sh|toml|md)$")
@@ -126,7 +126,8 @@ def map_paths(block: str) -> list[str]:
 def map_omissions(block: str, repo: Path = REPO) -> list[str]:
     """What of the tree a map of the code leaves out: a top-level folder; a module or package of shardlab/ or a
     package of shardlab_tasks/ without its own line; a module of such a package not named (by its stem) in the package's
-    description; a folder of tests/ not named (``unit/``) in tests/' description. tools/ is described by kind."""
+    description; a module of shardlab_commands/ not named in its description; a folder of tests/ not named (``unit/``)
+    in tests/' description. tools/ is described by kind."""
     entries = dict(map_entries(block))
     missing = [f"{r}/" for r in ROOTS if not any(p.startswith(f"{r}/") for p in entries)]
     for root in ("shardlab", "shardlab_tasks"):
@@ -140,6 +141,9 @@ def map_omissions(block: str, repo: Path = REPO) -> list[str]:
             elif is_package:
                 words = set(re.findall(r"\w+", entries[name]))
                 missing += [f"{name}{m.name}" for m in sorted(child.glob("*.py")) if m.stem not in words | {"__init__"}]
+    commands = set(re.findall(r"\w+", entries.get("shardlab_commands/", "")))
+    missing += [f"shardlab_commands/{m.name}" for m in sorted((repo / "shardlab_commands").glob("*.py"))
+                if m.stem not in commands | {"__init__"}]  # fmt: skip
     tests = set(re.findall(r"(\w+)/", entries.get("tests/", "")))
     missing += [f"tests/{d.name}/" for d in sorted((repo / "tests").iterdir()) if d.is_dir() and d.name not in tests]
     return [m for m in missing if "__pycache__" not in m]
@@ -209,8 +213,8 @@ def test_the_readmes_map_names_every_package_module_and_test_folder():
 
 
 PLANTED = [
-    ("`tools/plot.py`", "`tools/plots.py`", "tools/plots.py"),  # a rooted path in prose
-    ("python tools/generate.py", "python tools/sample.py", "tools/sample.py"),  # in a fenced command
+    ("`tools/slurm_cluster.sh`", "`tools/slurm_clusters.sh`", "tools/slurm_clusters.sh"),  # a rooted path in prose
+    ("python tools/bench_tables.py --check", "python tools/bench_table.py --check", "tools/bench_table.py"),  # fenced
     ("`memory/plan.py`", "`memory/planner.py`", "shardlab/memory/planner.py"),  # read in shardlab/
     ("  task.py                 the Task", "  tasks.py                the Task", "shardlab/tasks.py"),  # a map's name
     ("(user_dir.py: its", "(user_dirs.py: its", "shardlab/registry/user_dirs.py"),  # a name in a map's description
@@ -247,7 +251,7 @@ def test_the_path_rule(markdown, stale):
 def test_a_module_the_map_leaves_out_is_caught(tmp_path):
     block = next(b for b in FENCE.findall((REPO / "README.md").read_text()) if b.startswith("shardlab/"))
     assert map_omissions(block.replace("policy (when to save), ", "")) == ["shardlab/checkpoint/policy.py"]
-    assert map_omissions(block.replace("faults/ (the fault matrix), ", "")) == ["tests/faults/"]
+    assert map_omissions(block.replace("faults/ (fault matrix), ", "")) == ["tests/faults/"]
     assert map_omissions(
         block.replace("  errors.py               ConfigError", "  error.py                ConfigError")
     ) == ["shardlab/errors.py"]

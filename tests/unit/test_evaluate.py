@@ -1,4 +1,4 @@
-"""tools/evaluate.py: a linear probe and kNN on frozen features of a vision checkpoint (or of a random trunk), an LM
+"""shardlab-evaluate: a linear probe and kNN on frozen features of a vision checkpoint (or of a random trunk), an LM
 checkpoint's perplexity, and one-line answers to mistakes."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.runner import build_task, run_rank
 from shardlab.train import run_tool
+from shardlab_commands import consolidate, evaluate
 from shardlab_tasks.image_classification.probe import knn_scores, standardize, top_k_accuracy, train_linear
 from tests.conftest import compose_config
 from tests.ssl_configs import TINY_VISION
-from tools import consolidate, evaluate
 
 # tests/ssl_configs.py's tiny RegNetY classifier, trained 3 steps, checkpointed at the last.
 VISION_RUN = [

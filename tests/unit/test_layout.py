@@ -10,8 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "shardlab"
 MAX_TOP_LEVEL = 16
+TOPS = ("shardlab", "shardlab_tasks", "shardlab_commands")
+"""The packages a wheel installs (with hydra_plugins, which only Hydra loads): each under shardlab's own name."""
 
 LAYERS: list[tuple[str, ...]] = [
+    ("shardlab_commands",),  # the user commands on the PATH: the export, preprocessing and evaluation read task modules
     ("shardlab_tasks",),  # the built-in plug-ins (a package of their own) use shardlab; shardlab never imports a task
     ("shardlab.train",),  # the CLI
     ("shardlab.runner", "shardlab.jobs.autotune"),  # the job; autotune measures trials that trainer.assemble builds
@@ -37,10 +40,10 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def imports(root: Path = ROOT) -> dict[str, dict[str, int]]:
-    """Every module of shardlab/ and shardlab_tasks/ under ``root`` and the modules of those two it imports anywhere in
+    """Every module of the installed packages (TOPS) under ``root`` and the modules of those it imports anywhere in
     its code (inside functions too), each with the line of its first import. ``from pkg import sub`` counts as importing
     ``pkg.sub`` when that is a module; ``import pkg.sub`` imports ``pkg.sub``."""
-    modules = {module_name(p, root): p for top in ("shardlab", "shardlab_tasks") for p in (root / top).rglob("*.py")}
+    modules = {module_name(p, root): p for top in TOPS for p in (root / top).rglob("*.py")}
     graph: dict[str, dict[str, int]] = {m: {} for m in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):

@@ -173,7 +173,7 @@ def test_byte_level_training_imports_neither_tokenizers_nor_transformers(tiny_lm
 
 
 def test_preprocessing_modules_do_not_import_torch():
-    """tools/preprocess_lm.py and its worker processes read and tokenize text only: torch would cost each worker
+    """shardlab-preprocess and its worker processes read and tokenize text only: torch would cost each worker
     ~1 GiB of resident memory and seconds of start-up for nothing."""
     script = (
         "import sys; import shardlab_tasks.lm.cache, shardlab_tasks.lm.binarize, shardlab_tasks.lm.corpus, "
@@ -276,7 +276,7 @@ def test_a_cache_whose_meta_does_not_match_what_preprocessing_writes_is_refused(
 
 
 def test_trained_tokenizer_lands_beside_its_data_and_training_with_it_reuses_the_cache(tmp_path, capsys):
-    from tools import preprocess_lm
+    from shardlab_commands import preprocess_lm
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -225,7 +225,7 @@ def test_merged_export_of_a_lora_step_folder_loads_in_transformers_with_the_trai
     import peft
     import transformers
 
-    from tools import export_hf
+    from shardlab_commands import export_hf
 
     step = lora_runs[family]
     out = export_hf.main(
@@ -246,7 +246,7 @@ def test_merged_export_of_a_lora_step_folder_loads_in_transformers_with_the_trai
 
 
 def test_lora_export_options_and_a_missing_base_are_refused_in_one_line(lora_runs, folders, tmp_path, monkeypatch):
-    from tools import export_hf
+    from shardlab_commands import export_hf
 
     step = str(lora_runs["llama3"])
     gone = tmp_path / "moved_away"
@@ -309,7 +309,7 @@ def test_a_step_folder_with_other_lora_settings_is_refused_in_one_line_naming_th
     seeded_lora, full = (tmp_path / name / "checkpoints" / "step_00000001" for name in ("seeded_lora", "full"))
     cases += [
         ([f"checkpoint.init_from={seeded_lora}"], r"checkpoint.init_from: .* holds a LoRA run's adapters only, not a "
-         r"model's weights; begin from its merged export \(python tools/export_hf.py .* --out DIR"),
+         r"model's weights; begin from its merged export \(shardlab-export .* --out DIR"),
         ([f"checkpoint.resume={full}", *LORA], r"was saved without LoRA \(model.lora.rank=0\) and holds no adapters, "
          r"but this run has model.lora.rank=4: put new adapters on its weights with checkpoint.init_from="),
     ]  # fmt: skip

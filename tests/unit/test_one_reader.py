@@ -88,9 +88,9 @@ def unchecked_reads(source: str, name: str, allowed: set[tuple[str, str]] = ALLO
 
 
 def reads_outside_the_reader(root: Path) -> list[str]:
-    """Every unchecked read of shardlab/ and shardlab_tasks/ under ``root``."""
+    """Every unchecked read of shardlab/, shardlab_tasks/ and shardlab_commands/ under ``root``."""
     found = []
-    for folder in ("shardlab", "shardlab_tasks"):
+    for folder in ("shardlab", "shardlab_tasks", "shardlab_commands"):
         for path in sorted((root / folder).rglob("*.py")):
             name = str(path.relative_to(root))
             if name != READER:

@@ -118,11 +118,14 @@ def test_the_kind_namer_names_every_kind():
 
 # ---- one place opens an untrusted file -------------------------------------------------------------------------------
 def twins(root: Path) -> list[str]:
-    """``path:line`` of each module of shardlab/ and shardlab_tasks/ under ``root``, but regular_file.py, that opens a
-    file to read it as regular_file does (os.open with O_NOFOLLOW or O_NONBLOCK, not to create it: a run lock's guard
-    file is created so) or names a file's kind itself (S_ISFIFO): a twin of the one helper."""
+    """``path:line`` of each module of shardlab/, shardlab_tasks/ and shardlab_commands/ under ``root``, but
+    regular_file.py, that opens a file to read it as regular_file does (os.open with O_NOFOLLOW or O_NONBLOCK, not to
+    create it: a run lock's guard file is created so) or names a file's kind itself (S_ISFIFO): a twin of the one
+    helper."""
     found = []
-    for path in sorted(p for top in ("shardlab", "shardlab_tasks") for p in (root / top).rglob("*.py")):
+    for path in sorted(
+        p for top in ("shardlab", "shardlab_tasks", "shardlab_commands") for p in (root / top).rglob("*.py")
+    ):
         rel = path.relative_to(root)
         if rel == HOME:
             continue

@@ -133,7 +133,7 @@ def test_a_last_batchnorm_standardizes_the_embedding_over_the_batch():
 
 
 def test_a_checkpoint_from_before_the_last_batchnorm_key_builds_the_head_it_was_trained_with():
-    """A checkpoint's config is read as it was saved (tools/evaluate.py, resumes): one written before
+    """A checkpoint's config is read as it was saved (shardlab-evaluate, resumes): one written before
     task.projection_last_bn existed lacks it, and is the default head, not an error."""
     from omegaconf import OmegaConf
 
