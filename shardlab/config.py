@@ -147,7 +147,7 @@ class DistributedConfig:
     a layout within it; an explicit backend predicted to exceed it is refused before launch."""
     auto_tune: bool = True
     """backend=auto: measure a few real steps of each layout (and micro-batch split) predicted to fit, on the real
-    ranks, and keep the fastest (shardlab/jobs/autotune.py); false: the first that fits in a fixed order."""
+    ranks, and keep the fastest (shardlab/runner/autotune.py); false: the first that fits in a fixed order."""
     auto_tune_steps: int = 3
     """backend=auto with auto_tune: steps timed per candidate; the first is a warm-up and not counted."""
     auto_tune_max_trials: int = 6

@@ -20,9 +20,9 @@ import torch
 from omegaconf import OmegaConf
 from torch.profiler import record_function
 
-from shardlab.checkpoint import dcp_reader
 from shardlab.checkpoint.manager import Checkpointer
 from shardlab.checkpoint.policy import SavePolicy, inconsistent_state, save_after_error, save_on_error_notice
+from shardlab.checkpoint.readers import dcp_reader
 from shardlab.checkpoint.restore import restore_training
 from shardlab.data import GlobalOrder, rank_loader, sample_seed, weighted_micro_batches
 from shardlab.distributed.base import Backend
@@ -57,7 +57,7 @@ def assemble(
     trial: bool = False,
 ) -> Trainer:
     """A rank's run, put together in the one order that every run (shardlab.runner.run_rank) and every trial of
-    distributed.backend=auto (shardlab.jobs.autotune) follows; the only place a Trainer is made:
+    distributed.backend=auto (shardlab.runner.autotune) follows; the only place a Trainer is made:
 
     1. the process group and the data: ``backend.setup(prepare_data)`` (each rank opens its data before the group
        exists, so preprocessing never runs under distributed.timeout_s; a trial's group and data exist already, so
@@ -455,7 +455,9 @@ class Trainer:
         dataset = self.task.valid_dataset
         if not len(dataset):  # data.valid_percent=0 with validation off (Task.data_errors): nothing held out
             return {}
-        vb = cfg.validation.batch_size
+        # The task's: fit_validation_batch lowers it there to fit a small split, and the task the CLI's pre-flight
+        # built holds its own copy of the config (shardlab.jobs.checks.checked), not this one.
+        vb = self.task.cfg.validation.batch_size
         available = len(dataset) // vb
         num_batches = min(cfg.validation.num_batches or available, available)
         self.model.eval()

@@ -193,6 +193,7 @@ def _submit(args) -> Path:
     from omegaconf import OmegaConf
 
     from shardlab.config import CONF_DIR
+    from shardlab.jobs.sbatch_paths import escape_slurm_output_paths
 
     preset = OmegaConf.load(CONF_DIR / "hydra" / "launcher" / "slurm.yaml")
     keys = ("partition", "nodes", "tasks_per_node", "cpus_per_task", "timeout_min", "mem_gb")
@@ -201,6 +202,7 @@ def _submit(args) -> Path:
     num_tasks = params.get("nodes", 1) * params.get("tasks_per_node", 1)
     num_shards = args.shards or num_tasks
     folder = Path(args.cache_dir).expanduser() / "preprocess-jobs" / "%j"
+    escape_slurm_output_paths()  # a cache_dir with a '%' in it
     executor = submitit.AutoExecutor(folder=folder)
     executor.update_parameters(**{("slurm_" + k if k == "partition" else k): v for k, v in params.items()})
     argv = _task_argv(args, num_shards) + ["--workers", str(args.workers)]

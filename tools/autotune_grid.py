@@ -35,11 +35,11 @@ def grid(overrides: list[str]) -> tuple[list[dict], dict]:
     """Every (layout, split) the plan predicts to fit: the overrides that select it and its predicted peak."""
     from shardlab import runner
     from shardlab.distributed.units import model_on_meta
-    from shardlab.jobs.autotune import _splits
     from shardlab.jobs.preflight import compose_config
     from shardlab.memory.budget import fitting, sharded_only
     from shardlab.memory.devices import GiB
     from shardlab.memory.plan import profile_config
+    from shardlab.runner.autotune import _splits
 
     cfg = compose_config([*overrides, "distributed.backend=auto"])
     task = runner.build_task(cfg, check_budget=False)

@@ -8,17 +8,18 @@
 - ``policy``: when a run saves (interval_steps, milestones, interval_minutes), and checkpoint.save_on_error.
 - ``run_line``: where a run began, so a requeue continues its own run whatever checkpoint.resume says.
 - ``agreement``: rank 0's decisions and any rank's failure, the same on every rank.
-- ``dcp_reader``: DCP's reader with its .metadata pickle read through an allow-list (reading never runs code);
-  ``metadata_pickle`` its interpreter, ``saved_values`` the values and chunks of the shard files, ``regular_file``
-  how every untrusted file is opened (a step or run folder's, the run lock, a corpus's, a pretrained weights file).
-- ``layout``: the folder on disk (``step_N/``, ``shardlab.json``), durable writes and renames, pruning rules.
+- ``readers``: the hardened readers of a step folder (reading never runs code): ``dcp_reader``, DCP's reader with its
+  .metadata pickle read through an allow-list; ``metadata_pickle`` its interpreter, ``saved_values`` the values and
+  chunks of the shard files; each file opened through shardlab.files.regular_file.
+- ``layout``: the folder on disk (``step_N/``, ``shardlab.json``), its renames (through shardlab.files.durable),
+  pruning rules.
 - ``async_save``: ``checkpoint.async_save``: staging buffers and the background write.
 - ``weights``: a model's weights outside training: read a step folder whole, write and read one safetensors file,
   ``checkpoint.init_from``; used by shardlab-consolidate, generate.py and export_hf.py.
 
 What a checkpoint restores besides the weights and optimizer state is the training state, shardlab.train_state.
-Importing the package is light (no torch): ``layout`` serves torch-free code such as the LM's preprocessing workers,
-and the rest loads on first use.
+Importing the package is light (no torch): ``layout`` serves torch-free code such as tools/kill_loop.py, and the rest
+loads on first use.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from shardlab.checkpoint.regular_file import NotAFile, stat_file
 from shardlab.errors import ConfigError
+from shardlab.files.regular_file import NotAFile, stat_file
 
 EXPORT_MARKER = "shardlab_export.json"
 """The file each export writes into its folder: a folder that holds files is replaced only when it has this one."""

@@ -46,9 +46,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor, Shard
 from torch.futures import Future
 
-from shardlab.checkpoint import agreement, dcp_reader
-from shardlab.checkpoint.dcp_reader import SafeLoadPlanner, SafeReader
-from shardlab.checkpoint.regular_file import (
+from shardlab.checkpoint import agreement
+from shardlab.checkpoint.readers import dcp_reader
+from shardlab.checkpoint.readers.dcp_reader import SafeLoadPlanner, SafeReader
+from shardlab.distributed.materialize import clean_name
+from shardlab.errors import CheckpointError, first_cause
+from shardlab.files.regular_file import (
     NotAFile,
     describe_os_error,
     open_file,
@@ -56,8 +59,6 @@ from shardlab.checkpoint.regular_file import (
     read_small_file,
     stat_file,
 )
-from shardlab.distributed.materialize import clean_name
-from shardlab.errors import CheckpointError, first_cause
 
 INDEX_FILE = "model.safetensors.index.json"
 

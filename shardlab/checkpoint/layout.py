@@ -3,8 +3,9 @@
 Rank 0 alone calls what changes the folder (the manager decides when); every change is a rename or a write that is
 fsynced with its folder, so a kill at any instant leaves each step_N either complete or absent.
 
-``write_json_atomic`` serves every small JSON file a run keeps outside checkpoints too (status.json, tracker ids, rank
-notes, caches): this module stays torch-free for them.
+The durable writes themselves (``fsync_path``, ``write_json_durably``, ``write_json_atomic``) are
+shardlab.files.durable's, which every small JSON file a run keeps outside checkpoints shares (status.json, tracker
+ids, rank notes, caches).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 from pathlib import Path
 from typing import Any
 
 from shardlab.errors import CheckpointError
+from shardlab.files.durable import fsync_path, write_json_durably
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 META_FILE = "shardlab.json"
@@ -43,7 +44,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    from shardlab.checkpoint.regular_file import read_regular  # a regular file of the folder, capped (issue 41)
+    from shardlab.files.regular_file import read_regular  # a regular file of the folder, capped (issue 41)
 
     meta_file = path / META_FILE
     try:
@@ -57,69 +58,7 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{meta_file} is unreadable ({e}); delete that checkpoint or resume from another") from e
 
 
-# ---- durable file operations (rank 0) --------------------------------------------------------------------------------
-def fsync_path(path: Path) -> None:
-    """Make a file's data, or a folder's entries (new files, renames), durable; a rename is only as safe as its
-    parent's fsync."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_durably(path: Path, obj: Any) -> None:
-    """Write ``path`` in place and fsync it: not atomic, a kill mid-write leaves a torn file. Only for a file inside a
-    folder that is renamed into place whole afterwards (``publish``: shardlab.json in step_N.tmp), which no reader
-    sees before the rename and ``clean_stale`` deletes after a kill; anywhere else, ``write_json_atomic``."""
-    with open(path, "w") as f:
-        f.write(json.dumps(obj, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_json_atomic(path: Path, obj: Any, *, indent: int | None = None, durable: bool = False) -> None:
-    """Replace ``path`` with ``obj`` as JSON whole: a reader, or a kill at any instant, sees the old file or the new
-    one, never part of one. The temp file beside it has a unique name (processes on other hosts, threads) and is
-    removed on any failure, which is raised. ``durable``: fsync the file and then the folder, so the new content also
-    survives a power loss or node crash once this returns."""
-    text = json.dumps(obj, indent=indent)  # before any file exists: an object that cannot be written changes nothing
-    # Not tempfile.mkstemp: its 0600 would replace the file's umask permissions (status.json is read by others).
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "x") as f:
-            f.write(text)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if durable:
-        fsync_path(path.parent)
-
-
-def umask() -> int:
-    """This process's umask, read without setting it where Linux shows it (``os.umask`` sets it for every thread)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    current = os.umask(0o022)
-    os.umask(current)
-    return current
-
-
-def follow_umask(path: Path) -> Path:
-    """Give a file another library wrote with 0600 (safetensors' save_file) the mode a file created here gets, 0666
-    less the umask: a consolidated model or an adapter is meant to be read by others where the umask says so."""
-    os.chmod(path, 0o666 & ~umask())
-    return path
-
-
+# ---- the folder's changes (rank 0), each a rename or a write fsynced with its folder ------------------------------
 def set_aside(path: Path, reason: str) -> Path:
     """Rename ``path`` to ``<name>.<reason>-<k>`` (first free k): kept for the user, invisible to resume."""
     k = 1
@@ -175,7 +114,7 @@ def publish(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
 
 def save_index(path: Path) -> int:
     """The save counter of a checkpoint (0 for ones written before it existed, or with an unreadable shardlab.json)."""
-    from shardlab.checkpoint.regular_file import read_json_or_none
+    from shardlab.files.regular_file import read_json_or_none
 
     meta = read_json_or_none(path / META_FILE)
     try:

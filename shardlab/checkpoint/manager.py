@@ -38,9 +38,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from shardlab.checkpoint import agreement, dcp_reader
-from shardlab.checkpoint.layout import TMP, complete_checkpoints, fsync_path, publish, remove, step_name, to_prune
+from shardlab.checkpoint import agreement
+from shardlab.checkpoint.layout import TMP, complete_checkpoints, publish, remove, step_name, to_prune
+from shardlab.checkpoint.readers import dcp_reader
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, RunFolderInUse, first_cause
+from shardlab.files.durable import fsync_path
 from shardlab.train_state import TrainState
 
 # DCP warns that it assumes a single process when no process group exists: that is exactly the single backend's case.

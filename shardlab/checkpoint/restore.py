@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.optim import Optimizer
 
-from shardlab.checkpoint import agreement, dcp_reader, weights
+from shardlab.checkpoint import agreement, weights
+from shardlab.checkpoint.readers import dcp_reader
 from shardlab.checkpoint.resume import restore
 from shardlab.checkpoint.run_line import start_of
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError, first_cause

@@ -25,16 +25,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from shardlab.checkpoint import agreement, run_line
-from shardlab.checkpoint.dcp_reader import integrity_defect, read_metadata
-from shardlab.checkpoint.layout import (
-    STEP_DIR,
-    clean_stale,
-    complete_checkpoints,
-    fsync_path,
-    read_meta,
-    save_index,
-    set_aside,
-)
+from shardlab.checkpoint.layout import STEP_DIR, clean_stale, complete_checkpoints, read_meta, save_index, set_aside
+from shardlab.checkpoint.readers.dcp_reader import integrity_defect, read_metadata
 from shardlab.distributed.env import current_job
 from shardlab.errors import (
     CheckpointError,
@@ -42,6 +34,7 @@ from shardlab.errors import (
     UnsafeCheckpointError,
     first_cause,
 )
+from shardlab.files.durable import fsync_path
 from shardlab.train_state import TrainState
 
 if TYPE_CHECKING:

@@ -20,10 +20,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from shardlab.checkpoint import dcp_reader
-from shardlab.checkpoint.layout import META_MAX_BYTES, complete_checkpoints, follow_umask, read_meta
-from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_regular, stat_file
+from shardlab.checkpoint.layout import META_MAX_BYTES, complete_checkpoints, read_meta
+from shardlab.checkpoint.readers import dcp_reader
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, first_cause
+from shardlab.files.durable import follow_umask
+from shardlab.files.regular_file import NotAFile, describe_os_error, read_regular, stat_file
 
 MODEL_PREFIX = "model."
 """DCP flattens the saved {"model": ..., "optim": ...} into keys "model.<name>" and "optim.<...>"."""

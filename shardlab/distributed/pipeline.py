@@ -73,6 +73,14 @@ class KeptLayers(nn.ModuleDict):
         return iter(self._modules.values())
 
 
+class Absent(nn.Identity):
+    """Stands in for a first or last module on a stage that does not hold it: hands on the activation it is given and
+    ignores what else the model's forward passes that module (an embedding's positions under context parallelism)."""
+
+    def forward(self, input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return input
+
+
 def pruned(model: nn.Module, cut: PipelineCut, layer_ids: Sequence[int], first: bool, last: bool) -> nn.Module:
     """A shallow copy of ``model`` (its own root, sharing every submodule with it) that holds only the layers
     ``layer_ids``, and the cut's first/last modules where ``first``/``last`` (identities elsewhere)."""
@@ -83,7 +91,7 @@ def pruned(model: nn.Module, cut: PipelineCut, layer_ids: Sequence[int], first: 
     copy._modules[cut.layers] = KeptLayers({str(i): layers[i] for i in layer_ids})
     for names, keep in ((cut.first, first), (cut.last, last)):
         for name in names if not keep else ():
-            copy._modules[name] = nn.Identity()
+            copy._modules[name] = Absent()
     return copy
 
 

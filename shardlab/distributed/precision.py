@@ -26,6 +26,9 @@ from pathlib import Path
 
 import torch
 
+from shardlab.files.durable import write_json_atomic
+from shardlab.files.regular_file import read_json_or_none
+
 BF16_MARGIN = 1.2
 """bf16 must beat fp32 by this factor to be chosen: within it the two are a measurement's noise apart, and fp32 is
 the exact one."""
@@ -95,29 +98,12 @@ def machine_rates(device: torch.device, cache_dir: str | None, measure=measure_r
 def _cached(path: Path, device: torch.device, measure) -> tuple[dict, str]:
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists():
-            try:
-                rates = json.loads(path.read_text())
-                if {"bf16_gflops", "fp32_gflops"} <= set(rates):
-                    return rates, f"cached in {path}"
-            except (OSError, ValueError, TypeError):
-                pass  # a damaged file: measured again below
+        rates = read_json_or_none(path)  # the one reader: a damaged or absent file is measured again below
+        if isinstance(rates, dict) and {"bf16_gflops", "fp32_gflops"} <= set(rates):
+            return rates, f"cached in {path}"
         rates = measure(device)
-        _replace(path, rates)
+        write_json_atomic(path, rates)  # whole or not at all: a process killed mid-write leaves the old file, or none
     return rates, f"measured now, cached in {path}"
-
-
-def _replace(path: Path, rates: dict) -> None:
-    """Write the cache whole or not at all (a process killed mid-write leaves the old file, or none). Only the
-    holder of the cache's lock writes, so one temp name per process is enough; this stays here rather than borrowing
-    checkpoint/'s atomic JSON writer, a floor above distributed/."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(rates))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def choice(rates: dict) -> str:

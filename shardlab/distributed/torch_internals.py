@@ -11,9 +11,9 @@ own public code calls (an upgrade that moved one fails at import or in that modu
 - checkpoint/async_save.py: ``torch.distributed._state_dict_utils`` (the staging copy BlockingAsyncStager makes);
 - checkpoint/hf_folder.py: ``HuggingFaceStorageReader._process_read_request`` (the reader's own read of one slice,
   which ``folder_reader``'s read_data calls for the files it checked);
-- checkpoint/dcp_reader.py admits, by name, the private classes DCP pickles into ``.metadata`` (``_StorageInfo``,
-  ``_MEM_FORMAT_ENCODING``, ``torch.serialization._get_layout``); a torch that renamed one would have its own
-  checkpoints refused in one line, which tests/unit/test_dcp_reader.py shows at once;
+- checkpoint/readers/dcp_reader.py admits, by name, the private classes DCP pickles into ``.metadata``
+  (``_StorageInfo``, ``_MEM_FORMAT_ENCODING``, ``torch.serialization._get_layout``); a torch that renamed one would
+  have its own checkpoints refused in one line, which tests/unit/test_dcp_reader.py shows at once;
 - distributed/activation_checkpointing.py: ``checkpoint_wrapper`` from ``torch.distributed.algorithms._checkpoint``
   (torchtitan's wrapper too; DCP's state-dict helpers strip its prefix);
 - shardlab_tasks/self_supervised/comm.py: ``torch.distributed._functional_collectives`` too (SimCLR's differentiable

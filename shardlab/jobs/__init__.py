@@ -10,12 +10,11 @@
 - ``submitit_launcher``: Hydra multirun through submitit (``hydra/launcher=slurm`` or ``local``); its Hydra plugin
   classes are declared in hydra_plugins/shardlab_launcher.
 - ``sweep``: the summary table of a sweep (``summary.json``, ``summary.csv``, shardlab-sweep-summary).
-- ``autotune``: distributed.backend=auto's trials on the ranks (each assembled as a run is), the fastest layout that
-  fits kept and returned to the runner (it imports torch and the trainer: a rank's, not the CLI's).
 
 Light on purpose (no torch): the CLI, Hydra's launcher plugin and the callbacks import these before any training.
+What builds and times runs (autotune's trials) sits above the trainer, in shardlab.runner.
 """
 
 from __future__ import annotations
 
-__all__ = ["autotune", "checks", "preemption", "preflight", "run_dir", "run_record", "submitit_launcher", "sweep"]
+__all__ = ["checks", "preemption", "preflight", "run_dir", "run_record", "submitit_launcher", "sweep"]

@@ -182,8 +182,8 @@ partition or with a longer time limit continues the same sweep. Hydra's other ``
 
 def launcher_overrides(hydra_overrides: Iterable[str]) -> list[str]:
     """The command line's overrides of LAUNCHER_KEYS_NAMING_A_SWEEP, for the sweep folder's name; the launcher group
-    as ``launcher=slurm``: ``hydra/launcher``'s slash would be escaped as ``%2F``, and a ``%`` in the folder's path
-    is a filename pattern to sbatch (``--output``), which then writes the jobs' logs elsewhere."""
+    as ``launcher=slurm``, shorter than its slash escaped as ``%2F`` (a ``%`` in a sweep folder is escaped for sbatch:
+    shardlab/jobs/sbatch_paths.py)."""
     named = [o for o in hydra_overrides if _key(o) in LAUNCHER_KEYS_NAMING_A_SWEEP]
     return [f"launcher={o.partition('=')[2]}" if _key(o) == "hydra/launcher" else o for o in named]
 

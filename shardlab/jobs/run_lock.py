@@ -41,7 +41,7 @@ compare): it tries again, and gives the lock up only when the file names another
 A checkpoint folder outside the run is locked at its real path, and refused if it lies in another run's folder
 (``another_runs_folder``); system folders and ``~`` are refused by the pre-flight (shardlab.jobs.run_dir).
 
-The pid check, the heartbeat's touch and its watch are shared with the corpus cache's lock
+The pid check, the heartbeat's touch and its watch are shardlab.files.liveness, shared with the corpus cache's lock
 (shardlab_tasks/lm/cache_lock.py).
 """
 
@@ -59,9 +59,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from shardlab.checkpoint.regular_file import LINK, NotAFile, read_file
 from shardlab.distributed.env import current_job
 from shardlab.errors import ConfigError, RunFolderInUse
+from shardlab.files.liveness import HeartbeatWatch, process_alive, process_start, touch
+from shardlab.files.regular_file import LINK, NotAFile, read_file
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 30.0
@@ -87,54 +88,6 @@ HOLDER_ENV = "SHARDLAB_RUN_LOCKS"
 """Set by the holder for the ranks it spawns: the locks' paths and tokens, so rank 0 can tell whether they were lost."""
 
 
-# ---- shared with shardlab_tasks/lm/cache_lock.py: is a holder alive? -------------------------------------------------
-def process_start(pid: int) -> str | None:
-    """When ``pid`` started (clock ticks since boot, from /proc), so a reused pid is told from the holder."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def process_alive(pid: int, started: str | None = None) -> bool:
-    """Whether process ``pid`` of this host runs, and is the one that started at ``started`` (if known)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process: it exists
-    return started is None or process_start(pid) in (None, started)
-
-
-def touch(path: Path) -> None:
-    """A heartbeat: a new mtime for ``path``, the wall time or a second past its mtime now, whichever is later, so
-    that it changes even where the file system keeps whole seconds or this host's clock stepped back. Watchers look
-    for the change, never compare it with a clock."""
-    beat = max(time.time_ns(), os.stat(path).st_mtime_ns + 1_000_000_000)
-    os.utime(path, ns=(beat, beat))
-
-
-class HeartbeatWatch:
-    """How long a holder's heartbeat (a lock's mtime, with its bytes for the run lock) has stayed the same, on this
-    process's monotonic clock (never the holder's wall clock, which may run on another host, skewed): a watcher that
-    sees it change knows the holder is alive."""
-
-    def __init__(self) -> None:
-        self.value: Any = None
-        self.since: float | None = None
-        self.changed = False
-        """Whether the value changed after this watch first saw it."""
-
-    def see(self, value: Any) -> float:
-        """Seconds ``value`` has been seen unchanged (0 when it is new or changed)."""
-        now = time.monotonic()
-        if self.since is None or value != self.value:
-            self.changed = self.since is not None
-            self.value, self.since = value, now
-        return now - self.since
-
-
 # ---- who this job is -------------------------------------------------------------------------------------------------
 def current_restart() -> int:
     """Which incarnation of the job this is: Slurm counts requeues (unset before the first), torchrun its restarts."""
@@ -151,7 +104,7 @@ class NotALock(OSError):
 def _read_lock(path: Path) -> tuple[bytes, int]:
     """A lock's bytes and its heartbeat (its mtime), from one open file: the same file's both, however its name
     moves, and fresh on NFS (opening a file revalidates the attributes that a stat by name may take from a cache).
-    Opened as a file and nothing else (shardlab.checkpoint.regular_file): never through a symlink, never waiting on a
+    Opened as a file and nothing else (shardlab.files.regular_file): never through a symlink, never waiting on a
     FIFO's writer, a regular file only, at most MAX_LOCK_BYTES read (however it grows after its fstat); anything
     else raises NotALock saying what it is."""
     try:

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardlab.checkpoint.layout import write_json_atomic
-from shardlab.checkpoint.regular_file import read_json_or_none, read_regular
 from shardlab.errors import ShardlabError
+from shardlab.files.durable import write_json_atomic
+from shardlab.files.regular_file import read_json_or_none, read_regular
 
 STATUS_FILE = "status.json"
 

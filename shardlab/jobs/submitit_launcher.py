@@ -28,6 +28,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from omegaconf import OmegaConf, open_dict
 
 from shardlab.jobs import pending, run_record, sweep
+from shardlab.jobs.sbatch_paths import escape_slurm_output_paths
 
 log = logging.getLogger("shardlab.jobs.submitit_launcher")
 
@@ -51,6 +52,7 @@ def _executor(launcher: Any):
     executor.update_parameters(
         **{k if k in base else f"{kind}_{k}": v for k, v in params.items() if k not in init_keys}
     )
+    escape_slurm_output_paths()
     return executor
 
 

@@ -20,8 +20,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from shardlab.checkpoint.regular_file import SMALL_FILE_MAX_BYTES, NotAFile, read_json_file
 from shardlab.errors import ShardlabError, one_line
+from shardlab.files.regular_file import SMALL_FILE_MAX_BYTES, NotAFile, read_json_file
 from shardlab.jobs import run_record
 
 MANIFEST = "sweep.json"

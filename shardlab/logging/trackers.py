@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 from omegaconf import OmegaConf
 
-from shardlab.checkpoint.layout import write_json_atomic
-from shardlab.checkpoint.regular_file import read_json_or_none
 from shardlab.errors import one_line
+from shardlab.files.durable import write_json_atomic
+from shardlab.files.regular_file import read_json_or_none
 
 IDS_FILE = "trackers.json"
 MAX_BUFFERED = 100_000

@@ -37,15 +37,14 @@ from dataclasses import dataclass
 from shardlab.memory import devices
 from shardlab.memory.byte_model import (
     CPU_RUNTIME_BYTES,
-    Collective,
     MemoryEstimate,
-    PlanContext,
     _transient,
-    collectives,
     estimate_data_parallel,
     rank_state,
     unit_activation_bytes,
 )
+from shardlab.memory.communication import Collective, collectives
+from shardlab.memory.context import PlanContext
 from shardlab.memory.layout import Layout, shard_numel
 from shardlab.memory.pipeline import bubble_fraction, max_in_flight, rank_stages, schedule_ops, stage_sizes
 from shardlab.memory.profile import ModelProfile

@@ -2,7 +2,7 @@
 (shardlab.memory.plan) predicts to fit it, for distributed.backend=auto.
 
 With distributed.auto_tune (the default) the ranks measure those layouts and keep the fastest
-(shardlab.jobs.autotune); here it is only checked that one fits. With auto_tune=false auto takes the first that fits
+(shardlab.runner.autotune); here it is only checked that one fits. With auto_tune=false auto takes the first that fits
 in a fixed order (cheap: nothing measured). Every rank resolves the same config with the same inputs (world size,
 ranks per machine, device type) and a fixed runtime allowance, so all of them make the same choice without a
 collective; a local launch resolves it once, before spawning, and hands the ranks the resolved config.
@@ -200,7 +200,7 @@ def resolve(cfg, task, world_size: int, model) -> str | None:
             f"trial can run on a {ctx.target} from this machine, so distributed.auto_tune measured nothing): "
             f"{choice.reason}"
         )
-    if d.backend == "auto" and d.auto_tune:  # measured on the ranks (shardlab.jobs.autotune); check a fit exists
+    if d.backend == "auto" and d.auto_tune:  # measured on the ranks (shardlab.runner.autotune); check a fit exists
         fits = fitting(profile, cfg, ctx, sharded_only(d), axes)
         return (
             f"distributed.backend=auto: {len(fits)} layout(s) fit {d.memory_budget_gb:g} GiB per "

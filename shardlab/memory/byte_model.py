@@ -1,7 +1,7 @@
 """The byte model of one data-parallel layout (single, ddp, fully_sharded, hybrid): what each rank holds at the peak
-of a training step (``estimate_data_parallel``) and the collectives it issues. shardlab.memory.axes builds the model
-axes (tensor, pipeline, context) on these pieces; shardlab.memory.estimate chooses between the two and renders the
-console's lines.
+of a training step (``estimate_data_parallel``); the collectives it issues are shardlab.memory.communication's, what
+the bytes depend on besides the layout shardlab.memory.context's. shardlab.memory.axes builds the model axes (tensor,
+pipeline, context) on these pieces; shardlab.memory.estimate chooses between the two.
 
 Parameters, gradients and optimizer state follow from parameter counts. Gathered units follow from the FSDP unit
 sizes and the reshard/prefetch settings. Activations come from the model's profile on meta
@@ -15,67 +15,10 @@ from typing import Any
 
 from shardlab.distributed.activation_checkpointing import checkpointed_units
 from shardlab.memory import devices
+from shardlab.memory.communication import comm_bytes, communicators
+from shardlab.memory.context import PlanContext
 from shardlab.memory.layout import Layout, shard_numel, shard_rows
 from shardlab.memory.profile import ModelProfile
-
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "cpu_adam": 8}
-"""fp32 bytes of optimizer state per parameter (two Adam moments); sgd and lars: their momentum buffer, when on."""
-
-
-@dataclass(frozen=True)
-class PlanContext:
-    """Everything besides the layout that the bytes depend on."""
-
-    world_size: int
-    ranks_per_node: int
-    device: str
-    """cpu or cuda: the kind of device planned for (on CPU, offloaded state shares the memory it was moved from)."""
-    param_bytes: int
-    """Bytes per gathered parameter and activation element (distributed.param_dtype)."""
-    reduce_bytes: int
-    optimizer_state_bytes: int
-    update_freq: int = 1
-    reduce_every_microbatch: bool = True
-    prefetch_units: int = 0
-    offload_activations: bool = False
-    target: str = "cpu"
-    """distributed.plan_device as resolved: cpu, cuda (this machine's GPU) or a name of devices.DEVICES."""
-    capacity: int = 0
-    """The target's memory per rank, bytes (0: unknown)."""
-    local: bool = True
-    """Whether the target is this machine's own device (else no trial can run on it: backend=auto plans only)."""
-
-    @classmethod
-    def from_config(
-        cls, cfg, world_size: int, ranks_per_node: int, device: str, target: str | None = None, capacity: int = 0
-    ) -> PlanContext:
-        """``device``: cpu or cuda; ``target``: the plan_device it stands for (default: ``device`` itself, here)."""
-        from shardlab.distributed.base import resolve_dtypes
-
-        d, opt = cfg.distributed, cfg.optimizer
-        param, reduce = resolve_dtypes(d)
-        if opt.name in ("sgd", "lars"):  # one momentum buffer
-            state = 4 if opt.momentum > 0 else 0
-        else:
-            state = OPTIMIZER_STATE_BYTES.get(opt.name, 8)
-        ema = cfg.optimization.get("ema")
-        if ema is not None and ema.enabled:  # optimization.ema: an fp32 average beside each local parameter shard
-            state += 4
-        return cls(
-            world_size=world_size,
-            ranks_per_node=max(1, min(ranks_per_node, world_size)),
-            device=device,
-            param_bytes=param.itemsize,
-            reduce_bytes=reduce.itemsize,
-            optimizer_state_bytes=state,
-            update_freq=cfg.optimization.update_freq,
-            reduce_every_microbatch=d.reduce_every_microbatch,
-            prefetch_units=d.prefetch_units,
-            offload_activations=d.offload_activations,
-            target=target or device,
-            capacity=capacity,
-            local=target is None or target in devices.LOCAL,
-        )
 
 
 @dataclass
@@ -170,14 +113,6 @@ def rank_state(profile: ModelProfile, layout: Layout, ctx: PlanContext, rank: in
     return RankState(4 * padded, 4 * local, grads, ctx.optimizer_state_bytes * grads_local)
 
 
-def communicators(layout: Layout, ctx: PlanContext) -> int:
-    """NCCL communicators a rank of ``layout`` holds: the default group, and each mesh dimension's."""
-    if ctx.world_size == 1 or layout.backend == "single":
-        return 0
-    hybrid = layout.backend == "fully_sharded" and layout.sharding_degree < ctx.world_size
-    return 1 + (2 if hybrid else 1 if layout.backend == "fully_sharded" else 0)
-
-
 def estimate_data_parallel(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryEstimate:
     """Per-rank bytes of a training step of the data-parallel ``layout`` on the fullest rank: what is held between
     steps and what the step adds."""
@@ -212,7 +147,7 @@ def estimate_data_parallel(profile: ModelProfile, layout: Layout, ctx: PlanConte
             host += activations
             activations = _transient(profile)
     runtime = CPU_RUNTIME_BYTES if ctx.device == "cpu" else 0
-    comm = _comm_bytes(profile, layout, ctx)
+    comm = comm_bytes(profile, layout, ctx)
     est = MemoryEstimate(
         layout, params, optimizer, grad_buffers, grads, gathered, activations, runtime, host, comm, ctx.update_freq > 1
     )
@@ -296,62 +231,3 @@ def _kept_op_bytes(profile: ModelProfile, layout: Layout) -> tuple[list[int], li
             kept[i] -= sum(out for out, _ in dropped)
             reused[i] -= sum(overlap for _, overlap in dropped)
     return kept, reused
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective of a step as a rank issues it: what FSDP2 (or DDP) calls, on how many ranks, how many times."""
-
-    op: str
-    """all_gather, reduce_scatter, all_reduce, or send (a pipeline stage's point-to-point send)."""
-    group_size: int
-    bytes: int
-    """The per-rank buffer: an all-gather's input, a reduce-scatter's output, an all-reduce's tensor."""
-    count: int
-
-    @property
-    def sent(self) -> int:
-        """Bytes one rank sends for all ``count`` of them in a ring: (n-1) buffers for a gather or scatter, 2(n-1)/n
-        of the buffer for an all-reduce."""
-        n = self.group_size
-        if self.op == "send":
-            return self.bytes * self.count
-        per_call = 2 * (n - 1) * self.bytes // n if self.op == "all_reduce" else (n - 1) * self.bytes
-        return per_call * self.count
-
-
-def collectives(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> list[Collective]:
-    """The collectives of one optimizer step, per FSDP unit (then the root), as fully_sharded issues them: an
-    all-gather per micro-batch in forward and again in backward for each resharded unit (all but the last unit and
-    the root), a reduce-scatter per reduction, and on a hybrid mesh an all-reduce of each reduced shard across the
-    replicas. ddp: one all-reduce of the gradients per reduction. The all-gathers carry every parameter; the
-    reductions only the trainable ones' gradients (frozen weights have none: a LoRA run reduces its adapters)."""
-    n, micro = ctx.world_size, ctx.update_freq
-    if n == 1 or layout.backend == "single":
-        return []
-    reductions = micro if ctx.reduce_every_microbatch else 1
-    if layout.backend == "ddp":
-        return [Collective("all_reduce", n, profile.trainable_params * ctx.reduce_bytes, reductions)]
-    f = layout.sharding_degree
-    r = n // f
-    groups = profile.groups()
-    out = []
-    for i, (shapes, trained) in enumerate(zip(groups, profile.trainable(), strict=True)):
-        shard, reduced = shard_numel(shapes, f), shard_numel(trained, f)
-        if shard == 0:
-            continue  # no parameters: fully_shard makes no group
-        resharded = layout.reshard_after_forward and i < len(groups) - 2  # not the last unit, not the root
-        if f > 1:
-            out.append(Collective("all_gather", f, shard * ctx.param_bytes, micro * (2 if resharded else 1)))
-        if f > 1 and reduced:
-            out.append(Collective("reduce_scatter", f, reduced * ctx.reduce_bytes, reductions))
-        if r > 1 and reduced:
-            out.append(Collective("all_reduce", r, reduced * ctx.reduce_bytes, reductions))
-    return out
-
-
-def _comm_bytes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> int:
-    return sum(c.sent for c in collectives(profile, layout, ctx))
-
-
-# ---- text for the console --------------------------------------------------------------------------------------------

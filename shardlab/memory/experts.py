@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from shardlab.distributed.activation_checkpointing import checkpointed_units
-from shardlab.memory.byte_model import MemoryEstimate, PlanContext, gathered_bytes
+from shardlab.memory.byte_model import MemoryEstimate, gathered_bytes
+from shardlab.memory.context import PlanContext
 from shardlab.memory.devices import GiB
 from shardlab.memory.layout import Layout, shard_numel, shard_rows
 from shardlab.memory.profile import ExpertProfile, ModelProfile

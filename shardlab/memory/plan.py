@@ -25,7 +25,8 @@ from torch import nn
 
 from shardlab.distributed.units import describe_units, wrapped_units
 from shardlab.memory import devices
-from shardlab.memory.estimate import MemoryEstimate, PlanContext, describe, estimate
+from shardlab.memory.console import describe
+from shardlab.memory.estimate import MemoryEstimate, PlanContext, estimate
 from shardlab.memory.experts import expert_profile
 from shardlab.memory.layout import layout_of
 from shardlab.memory.profile import ModelProfile, profile_model

@@ -10,6 +10,10 @@ torchvision):
   (pyproject.toml), registered with ``register_lazy`` (the factory is imported when first built);
 - optimizers and schedules: ``shardlab/optim/__init__.py``, the same way;
 - a user directory's modules (``user_dir=``, shardlab/registry/user_dir.py), imported after the built-ins.
+
+An optimizer also declares, where it is registered, the state it keeps per parameter (``state_tensors=``: how many
+fp32 tensors of the parameter's shape, or a function of its config), which the memory plan asks for
+(``Registry.state_tensors``) instead of guessing from the name.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from shardlab.registry import user_dir
 from shardlab.registry.user_dir import import_user_dir
 
 T = TypeVar("T")
+StateTensors = int | Callable[..., int] | None
+"""An optimizer's state per parameter: a count of fp32 tensors of the parameter's shape, or a function of its config
+returning one (sgd: one momentum buffer when momentum > 0)."""
 
 __all__ = [
     "BACKENDS",
@@ -65,28 +72,46 @@ class Registry(Generic[T]):
         """A factory, or the ``module:attribute`` it is imported from on first use (register_lazy)."""
         self._origins: dict[str, str] = {}
         """Where each name was registered (file:line), for the message of a clash."""
+        self._state_tensors: dict[str, StateTensors] = {}
+        """What each optimizer declared with ``state_tensors=``."""
 
     def register(
-        self, name: str, dataclass: type | None = None, data: type | None = None
+        self, name: str, dataclass: type | None = None, data: type | None = None, state_tensors: StateTensors = None
     ) -> Callable[[Callable[..., T]], Callable[..., T]]:
         """Decorator: ``factory`` (a function or a class) builds ``name``. ``dataclass``: the schema of its config
         section, stored as ``schema/<section>/<name>``; ``data`` (tasks): the schema of the data section, stored as
-        ``schema/data/<name>``."""
+        ``schema/data/<name>``; ``state_tensors`` (optimizers): the fp32 tensors of a parameter's shape it keeps per
+        parameter (Adam: 2), or a function of the optimizer's config returning that count."""
 
         def decorator(factory: Callable[..., T]) -> Callable[..., T]:
-            self._add(name, factory, origin(factory), dataclass, data)
+            self._add(name, factory, origin(factory), dataclass, data, state_tensors)
             return factory
 
         return decorator
 
-    def register_lazy(self, name: str, target: str, dataclass: type | None = None, data: type | None = None) -> None:
+    def register_lazy(
+        self,
+        name: str,
+        target: str,
+        dataclass: type | None = None,
+        data: type | None = None,
+        state_tensors: StateTensors = None,
+    ) -> None:
         """Register ``name`` (and its schemas, as ``register``) from a light module, the factory being imported from
         ``target`` ("package.module:attribute") when first used: the built-ins keep torch and torchvision out of
         start-up this way."""
         caller = inspect.currentframe().f_back
-        self._add(name, target, f"{caller.f_code.co_filename}:{caller.f_lineno}", dataclass, data)
+        self._add(name, target, f"{caller.f_code.co_filename}:{caller.f_lineno}", dataclass, data, state_tensors)
 
-    def _add(self, name: str, entry: Callable[..., T] | str, where: str, dataclass: type | None, data: type | None):
+    def _add(
+        self,
+        name: str,
+        entry: Callable[..., T] | str,
+        where: str,
+        dataclass: type | None,
+        data: type | None,
+        state_tensors: StateTensors = None,
+    ):
         previous = self._factories.get(name)
         if previous is not None and not _same(previous, entry):
             raise ConfigError(
@@ -95,6 +120,13 @@ class Registry(Generic[T]):
             )
         if data is not None and self.section != "task":
             raise ConfigError(f"{self.kind} '{name}' ({where}): data= is a task's data section; drop it")
+        if state_tensors is not None and self.section != "optimizer":
+            raise ConfigError(f"{self.kind} '{name}' ({where}): state_tensors= is an optimizer's state; drop it")
+        if state_tensors is not None and not callable(state_tensors) and not _count(state_tensors):
+            raise ConfigError(
+                f"{self.kind} '{name}' ({where}): state_tensors={state_tensors!r} must be a count of tensors (an int "
+                ">= 0) or a function of the optimizer's config returning one"
+            )
         for section, schema, name_key, base in (
             (self.section, dataclass, self.name_key, self.base),
             ("data", data, None, None),
@@ -104,6 +136,8 @@ class Registry(Generic[T]):
         if previous is None or isinstance(previous, str):  # a lazy entry gives way to the object it names
             self._factories[name] = entry
             self._origins[name] = where
+        if state_tensors is not None:
+            self._state_tensors[name] = state_tensors
 
     def _store_schema(
         self, section: str | None, name: str, dataclass: type, where: str, name_key: str | None, base: type | None
@@ -150,6 +184,23 @@ class Registry(Generic[T]):
 
     def build(self, name: str, *args, key: str | None = None, **kwargs) -> T:
         return self.get(name, key)(*args, **kwargs)
+
+    def state_tensors(self, name: str, cfg: object) -> int | None:
+        """The fp32 tensors of a parameter's shape that optimizer ``name`` keeps per parameter, given its config
+        ``cfg`` (the optimizer section), as its registration declared; None where it declared nothing."""
+        declared = self._state_tensors.get(name)
+        count = declared(cfg) if callable(declared) else declared
+        if count is not None and not _count(count):
+            raise ConfigError(
+                f"optimizer.name: '{name}' ({self._origins[name]}) declares {count!r} state tensors per parameter "
+                "for this config; its state_tensors function must return an int >= 0"
+            )
+        return count
+
+
+def _count(value: object) -> bool:
+    """Whether ``value`` is a count of tensors (a bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _target(entry: Callable | str) -> str:

@@ -21,8 +21,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from shardlab.checkpoint.regular_file import MiB, NotAFile, open_file
 from shardlab.errors import DataError
+from shardlab.files.regular_file import MiB, NotAFile, open_file
 from shardlab_tasks.image_classification.config import ImageDataConfig
 
 SOURCES = ("embedded", "folder", "fake")

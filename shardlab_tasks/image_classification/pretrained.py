@@ -25,9 +25,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from shardlab.checkpoint import agreement
-from shardlab.checkpoint.regular_file import NotAFile, open_file
 from shardlab.distributed.materialize import clean_name
 from shardlab.errors import CheckpointError, first_cause
+from shardlab.files.regular_file import NotAFile, open_file
 
 MAX_BYTES = 4 * 2**30
 """The largest file read: torchvision's largest RegNet (regnet_y_128gf, 645M parameters) is 2.6 GB in fp32."""

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shardlab.checkpoint.layout import fsync_path
 from shardlab.errors import DataError
+from shardlab.files.durable import fsync_path
 from shardlab_tasks.lm.cache_files import open_cache_file, read_cache_json
 from shardlab_tasks.lm.cache_lock import temp_prefix
 from shardlab_tasks.lm.corpus import check_sources, jsonl_text, read_blocks

@@ -1,5 +1,5 @@
 """A corpus cache's own JSON files (meta.json, the shard plan and records, the build lock), read through the project's
-one reader (shardlab/checkpoint/regular_file.py): a cache folder is shared between runs and users, and what sits there
+one reader (shardlab/files/regular_file.py): a cache folder is shared between runs and users, and what sits there
 under one of these names may be a FIFO (a reader blocks for ever), a link to /dev/zero (a reader grows without end) or
 a file someone edited. Each is refused in one line naming the file and the fix (delete the cache to preprocess it
 again); shardlab never writes such a thing there itself."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shardlab.checkpoint.regular_file import MiB, NotAFile, describe_os_error, open_file, read_json_file, stat_file
 from shardlab.errors import DataError
+from shardlab.files.regular_file import MiB, NotAFile, describe_os_error, open_file, read_json_file, stat_file
 
 CACHE_JSON_MAX_BYTES = 256 * MiB
 """The largest JSON file of a cache read: a plan or record lists its files' paths (a million files of ~200 bytes)."""

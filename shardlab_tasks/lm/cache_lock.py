@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from shardlab.checkpoint.layout import write_json_atomic
-from shardlab.checkpoint.regular_file import MiB, NotAFile, read_json_file
 from shardlab.errors import DataError
-from shardlab.jobs.run_lock import HeartbeatWatch, process_alive, process_start, touch
+from shardlab.files.durable import write_json_atomic
+from shardlab.files.liveness import HeartbeatWatch, process_alive, process_start, touch
+from shardlab.files.regular_file import MiB, NotAFile, read_json_file
 
 HEARTBEAT_S = 5.0
 """How often a writer touches its lock."""

@@ -41,7 +41,7 @@ class PreferenceTask(LanguageModelingTask):
         return f"preference pairs (of at most data.seq_len={self.cfg.data.seq_len} tokens)"
 
     def more_samples_hint(self, split: str) -> str:
-        return f"{'raise data.valid_percent, ' if split == 'validation' else ''}or add pairs to data.path"
+        return f"{'raise data.valid_percent, or ' if split == 'validation' else ''}add pairs to data.path"
 
     def data_identity(self) -> str:
         s = self.preference_splits

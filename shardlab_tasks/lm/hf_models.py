@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from shardlab.checkpoint.regular_file import NotAFile, read_small_file
 from shardlab.errors import first_cause
+from shardlab.files.regular_file import NotAFile, read_small_file
 from shardlab_tasks.lm import hf_fields as fields
 from shardlab_tasks.lm import moe_hub
 from shardlab_tasks.lm.hf_fields import HFConfigError

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlab.checkpoint.layout import follow_umask
 from shardlab.errors import CheckpointError
+from shardlab.files.durable import follow_umask
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
 """The adapter submodules of a LoRALinear (peft's names): A projects down to the rank, B back up."""

@@ -35,8 +35,8 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-from shardlab.checkpoint.regular_file import NotAFile, describe_os_error, read_small_file
 from shardlab.errors import ConfigError, DataError
+from shardlab.files.regular_file import NotAFile, describe_os_error, read_small_file
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 """tokenizer_config.json entries a template may read (apply_chat_template passes the tokenizer's special tokens)."""

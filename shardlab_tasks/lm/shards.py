@@ -29,8 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from shardlab.checkpoint.layout import fsync_path, write_json_atomic
 from shardlab.errors import ConfigError, DataError
+from shardlab.files.durable import fsync_path, write_json_atomic
 from shardlab_tasks.lm.binarize import FORMAT_VERSION, _encoded, temp_folder
 from shardlab_tasks.lm.cache_files import open_cache_file, read_cache_json, token_file_size
 from shardlab_tasks.lm.corpus import check_sources, read_blocks
@@ -152,7 +152,7 @@ def _write_shard(group: list[Source], tmp: Path, tok: Tokenizer, vp: float, fiel
 def _remove_dead_temps(shards: Path, k: int) -> None:
     """A task killed mid-shard leaves its temporary directory: the task that redoes the shard removes it (only this
     host's, whose process is gone; another host's is left to the manifest step)."""
-    from shardlab.jobs.run_lock import process_alive
+    from shardlab.files.liveness import process_alive
 
     prefix = f"{TMP}{shard_name(k)}-{socket.gethostname()}-"
     for tmp in shards.glob(prefix + "*"):

@@ -4,7 +4,7 @@ asked for by name (``require``), and the one way a corpus file is opened (``open
 A leaf: shardlab_tasks/lm/corpus.py (text and JSONL, and finding the files) and shardlab_tasks/lm/columnar.py (Parquet
 and Arrow) both import it, and it imports neither, so the two readers never need each other. Nothing here imports torch.
 
-A corpus file is opened as a file, never as whatever the name points at (shardlab.checkpoint.regular_file, the one
+A corpus file is opened as a file, never as whatever the name points at (shardlab.files.regular_file, the one
 place that opens an untrusted file): the link it may be is resolved and must stay inside the corpus folder
 (``Source.root``), it is opened without blocking (a FIFO would wait for a writer for ever) and must then be a regular
 file (``/dev/zero`` would never end); here every refusal and OSError becomes one DataError line naming it.
@@ -17,9 +17,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardlab.checkpoint import regular_file
-from shardlab.checkpoint.regular_file import NotAFile
 from shardlab.errors import DataError
+from shardlab.files import regular_file
+from shardlab.files.regular_file import NotAFile
 
 COLUMNAR_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow"}
 EXTRA = "pip install 'shardlab[corpora]'"
@@ -87,7 +87,7 @@ def require(module: str, what: str):
 
 
 def refused(path: Path, refusal: NotAFile) -> DataError:
-    """A corpus file that shardlab.checkpoint.regular_file would not open, as the one line that names it."""
+    """A corpus file that shardlab.files.regular_file would not open, as the one line that names it."""
     if refusal.real is not None:
         return DataError(f"{path} is a link to {refusal.real}, outside the corpus folder {refusal.root}; {FIX_LINK}")
     return DataError(f"{path} is {refusal.kind}, not a regular file; a corpus holds files: remove it from data.path")

@@ -301,7 +301,7 @@ class LanguageModelingTask(Task):
 
     def more_samples_hint(self, split: str) -> str:
         if self.sft:
-            return f"{'raise data.valid_percent, ' if split == 'validation' else ''}or add records to data.path"
+            return f"{'raise data.valid_percent, or ' if split == 'validation' else ''}add records to data.path"
         more = "raise data.valid_percent, " if split == "validation" else ""
         return f"{more}lower data.seq_len, or add text to data.path"
 

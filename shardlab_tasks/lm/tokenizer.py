@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shardlab.checkpoint.regular_file import NotAFile, read_small_file
 from shardlab.errors import ConfigError, DataError
+from shardlab.files.regular_file import NotAFile, read_small_file
 
 TOKENIZER_MAX_BYTES = 1 << 30
 """A tokenizer.json larger than this is refused (the largest published ones hold tens of MB)."""

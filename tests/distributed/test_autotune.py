@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from shardlab.jobs.autotune import DECISION_FILE, _splits
+from shardlab.runner.autotune import DECISION_FILE, _splits
 from tests.distributed.harness import run_spawned
 
 # Seconds per step the fake clock gives each layout (by its label): fully_sharded without resharding is "fastest",
@@ -22,8 +22,8 @@ CALLS = {"trials": 0}
 def fake_clock() -> None:
     """Each rank: trials run their real steps, then report FAKE_SECONDS for their layout (x0.5 for micro-batch 4;
     for micro-batch 8 instead under auto_tune_steps=3, a machine on which the other split has become faster)."""
-    from shardlab.jobs import autotune
     from shardlab.memory.layout import layout_of
+    from shardlab.runner import autotune
 
     real = autotune.time_steps
 

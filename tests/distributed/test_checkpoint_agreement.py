@@ -41,7 +41,7 @@ def publish_fails_on_rank0_at_steps_4_and_8(rank: int) -> None:
 
 def load_fails_on_rank1_with_an_io_error(rank: int) -> None:
     """Rank 1's shard reads fail, as on a flaky network file system (inside DCP's collective load)."""
-    from shardlab.checkpoint.dcp_reader import SafeReader
+    from shardlab.checkpoint.readers.dcp_reader import SafeReader
 
     def read_data(self, plan, planner):
         raise OSError(errno.EIO, "Input/output error", str(self.path))

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from shardlab.checkpoint import dcp_reader
+from shardlab.checkpoint.readers import dcp_reader
 from shardlab_commands import export_hf
 from shardlab_tasks.lm.lora import is_adapter
 from tests.distributed.harness import run_spawned

@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 
-from shardlab.checkpoint import hf_folder
 from shardlab.data import GlobalOrder
 from tests.distributed.harness import run_spawned
 from tests.distributed.test_hf_pretrained import COMMON
@@ -21,24 +20,31 @@ from tests.hf_folders import MOE_FAMILIES, make_folder, moe_reference
 transformers = pytest.importorskip("transformers")
 
 READ: list[str] = []
-"""The hub tensors this rank's load asked for (``record_reads``)."""
+"""The hub expert tensors this rank read from the folder's files (``record_reads``)."""
 
 
 def record_reads() -> None:
-    """In each rank: record every piece of the grouped experts the rank's load reads."""
-    original = hf_folder.piece_targets
+    """In each rank: record every hub expert tensor the reader reads out of a file (DCP's read requests, where
+    safetensors' ``get_slice`` is taken: what leaves the file, not what the loader planned), refusing a partial one."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    def recorded(name, param, pieces):
-        targets = original(name, param, pieces)
-        READ.extend(targets)
-        return targets
+    original = HuggingFaceStorageReader._process_read_request
 
-    hf_folder.piece_targets = recorded
+    def recorded(self, f, req, planner):
+        key = req.storage_index.fqn
+        if ".experts." in key:
+            assert list(req.storage_offsets) == [0] * len(req.lengths), (key, req)
+            assert list(req.lengths) == list(f.get_slice(key).get_shape()), (key, req)  # the expert whole
+            READ.append(key)
+        original(self, f, req, planner)
+
+    HuggingFaceStorageReader._process_read_request = recorded
 
 
 def inspect(trainer) -> dict:
     """Rank 0's logits and loss (auxiliary loss included) on a fixed batch through the sharded model, the first
-    global batch, and every rank's experts and the hub expert tensors it read."""
+    global batch, and every rank's experts (how many, and which: its shard's rows of layer 0's grouped experts) and
+    the hub expert tensors it read."""
     import torch.distributed as dist
 
     task, cfg = trainer.task, trainer.cfg
@@ -51,7 +57,9 @@ def inspect(trainer) -> dict:
         trainer.model.take_routing_stats()
         loss, sums = task.loss(trainer.model, tokens, torch.device("cpu"))
     ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, {"read": sorted(READ), "local_experts": experts.to_local().shape[0]})
+    (chunk,) = experts.__create_chunk_list__()  # where this rank's rows start among all the experts
+    held = list(range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]))
+    dist.all_gather_object(ranks, {"read": sorted(READ), "local_experts": len(held), "held": held})
     READ.clear()
     return {"tokens": tokens, "logits": logits, "loss": loss, "aux": sums["moe_aux_sum"], "ranks": ranks,
             "first_batch": first_batch, "initialized_from": str(trainer.initialized_from)}  # fmt: skip
@@ -83,6 +91,7 @@ def test_moe_folders_load_into_two_sharded_ranks_each_reading_its_experts(tiny_l
         # each rank read the tensors of its own 2 experts of every layer, and no other
         every = [r["read"] for r in result["ranks"]]
         assert [r["local_experts"] for r in result["ranks"]] == [2, 2]
+        assert [r["held"] for r in result["ranks"]] == [[0, 1], [2, 3]]
         for rank, keys in enumerate(every):
             assert {expert_of(k)[1] for k in keys} == {2 * rank, 2 * rank + 1}, (family, rank)
             assert len(keys) == len(set(keys)) == 2 * 2 * 3  # layers x its experts x (gate, up, down)

@@ -35,7 +35,7 @@ def slow_phases() -> None:
 
     from shardlab import trainer as trainer_module
     from shardlab.checkpoint import manager
-    from shardlab.checkpoint.dcp_reader import SafeReader  # a resume reads through shardlab's reader, not DCP's
+    from shardlab.checkpoint.readers.dcp_reader import SafeReader  # a resume reads through shardlab's reader, not DCP's
 
     def slowed(name: str, rank: int, fn, when=lambda: True):
         def run(*args, **kwargs):

@@ -9,7 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from shardlab.checkpoint.layout import write_json_atomic
+from shardlab.files.durable import write_json_atomic
 from tests.slurm.conftest import multi_node_env, slurm_env  # noqa: F401  (the Slurm cells share its cluster)
 
 

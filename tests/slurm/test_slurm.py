@@ -110,14 +110,18 @@ def test_two_task_fully_sharded_job_matches_the_local_two_rank_run(slurm_env, co
 
 
 def test_sweep_runs_as_a_job_array_and_the_summary_tool_collects_it(slurm_env, corpus_cache, tmp_path):
-    out = finish(submit(slurm_env, tmp_path, corpus_cache, "optimizer.lr=1e-3,3e-3", "optimization.max_steps=10"))
-    jobs = manifest(tmp_path)
+    """In a folder with ``%`` in its name, as a sweep over absolute paths is named (``data.path=%2Fa,...``): sbatch
+    reads it as a filename pattern unless escaped (shardlab/jobs/sbatch_paths.py); unescaped, every job failed."""
+    sweep_dir = tmp_path / "path%2Fa%2Fb"  # (an override's "=" would need quoting for Hydra)
+    out = finish(submit(slurm_env, sweep_dir, corpus_cache, "optimizer.lr=1e-3,3e-3", "optimization.max_steps=10"))
+    jobs = manifest(sweep_dir)
+    assert jobs, out[-3000:]
     array_ids = {j["job_id"].split("_")[0] for j in jobs}
     assert len(jobs) == 2 and len(array_ids) == 1 and [j["job_id"].split("_")[1] for j in jobs] == ["0", "1"]
     assert len({j["run_dir"] for j in jobs}) == 2
     assert out.count("completed at step 10") == 2, out[-3000:]
     summary = subprocess.run(
-        [sys.executable, "-m", "shardlab_commands.sweep_summary", str(tmp_path), "--json"], cwd=ROOT, env=slurm_env,
+        [sys.executable, "-m", "shardlab_commands.sweep_summary", str(sweep_dir), "--json"], cwd=ROOT, env=slurm_env,
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     rows = json.loads(summary.stdout)

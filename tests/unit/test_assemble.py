@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from shardlab.checkpoint.manager import Checkpointer
 from shardlab.distributed import env as dist_env
-from shardlab.jobs.autotune import time_steps
 from shardlab.registry import BACKENDS
 from shardlab.runner import prepare_data, rank_task
+from shardlab.runner.autotune import time_steps
 from shardlab.trainer import assemble
 
 

@@ -180,7 +180,7 @@ def test_a_link_loop_or_a_dangling_link_is_one_line_naming_it(tmp_path):
 
 
 def test_a_link_repointed_out_of_the_folder_after_its_open_is_the_same_one_line(tmp_path, monkeypatch):
-    from shardlab.checkpoint import regular_file
+    from shardlab.files import regular_file
     from shardlab_tasks.lm import sources
 
     (tmp_path / "c").mkdir()

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from shardlab.checkpoint import dcp_reader
+from shardlab.checkpoint.readers import dcp_reader
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError
 from shardlab.runner import run_rank
@@ -192,7 +192,8 @@ READERS = {
 CHILD = """
 import json, re, sys, time
 from pathlib import Path
-from shardlab.checkpoint import dcp_reader, weights
+from shardlab.checkpoint import weights
+from shardlab.checkpoint.readers import dcp_reader
 from shardlab.errors import ShardlabError
 from shardlab_commands import generate
 
@@ -269,12 +270,12 @@ def test_a_normal_checkpoint_still_reads_through_the_same_child(normal):
 
 
 def test_the_hash_bomb_alone_is_refused_by_the_value_reader_in_under_a_second():
-    from shardlab.checkpoint.saved_values import read_value
+    from shardlab.checkpoint.readers.saved_values import read_value
 
     payload = torch_save_archive(hash_bomb())
     assert len(hash_bomb()) < 400
     code = (
-        "import sys, time; from shardlab.checkpoint.saved_values import read_value\n"
+        "import sys, time; from shardlab.checkpoint.readers.saved_values import read_value\n"
         "start = time.perf_counter()\n"
         "try: read_value(sys.stdin.buffer.read(), 'the value')\n"
         "except Exception as e: print(type(e).__name__, e)\n"
@@ -340,7 +341,7 @@ def test_fuzzed_values_and_chunks_are_read_or_refused_in_one_line_in_bounded_tim
     import re
     import time
 
-    from shardlab.checkpoint.saved_values import read_tensor, read_value
+    from shardlab.checkpoint.readers.saved_values import read_tensor, read_value
 
     metadata = dcp_reader.read_metadata(normal, values=False)
 

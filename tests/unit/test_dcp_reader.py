@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
-from shardlab.checkpoint import dcp_reader, weights
+from shardlab.checkpoint import weights
+from shardlab.checkpoint.readers import dcp_reader
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError, ConfigError, UnsafeCheckpointError, first_cause
 from shardlab.runner import run_rank
@@ -540,7 +541,8 @@ def test_a_metadata_whose_key_or_argument_would_take_forever_to_hash_is_refused_
         (tmp_path / name).mkdir()
         (tmp_path / name / ".metadata").write_bytes(payload)
     code = (
-        "import sys; from shardlab.checkpoint import dcp_reader; from shardlab.errors import UnsafeCheckpointError\n"
+        "import sys; from shardlab.checkpoint.readers import dcp_reader\n"
+        "from shardlab.errors import UnsafeCheckpointError\n"
         "for folder in sys.argv[1:]:\n"
         "    try: dcp_reader.read_metadata(folder)\n"
         "    except UnsafeCheckpointError as e: print(e)\n"

@@ -11,13 +11,17 @@ is split as the shell splits it, and
   checked: KIND)`` at the end of the line's comment), KIND one of NOT_CHECKED (installs, the reader's shell, the
   Slurm test cluster, a GPU, the suite and linters, inline Python on exports): an unmarked one fails, and so do a
   mark on a line whose commands are all checked, a mark of a kind NOT_CHECKED does not list, and a kind no page marks.
+- after the quickstart, each README everyday command that trains names a run folder of its own (one that named the
+  quickstart's would find it complete and train nothing), and each step folder the README names is the quickstart's.
 
 The rule, for the suite's budget (15 min on 2 cores for ~1,000 tests): nothing is run for real. The docs' ~150
 commands train, download, need a GPU, a Slurm cluster or a checkpoint from an earlier line, or name placeholder paths
 (/my/text/dir); composing a command and checking a tool's options catch what a renamed key or flag breaks, in about
 a second each. What a command does when it runs is the business of the tests that run it (the quickstart's and the
 README's runs: tests/unit/test_cli.py, test_finished_run.py, test_preprocess_command.py; the tutorial's:
-tests/distributed/test_tutorial.py).
+tests/distributed/test_tutorial.py). A page of RUN_AS_WRITTEN (docs/finetuning.md) its test runs whole, every
+command in order on stand-ins (with the README's fine-tuning lines and the everyday tools that read the quickstart's
+step folder): its commands need no mark.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ValueType
@@ -41,6 +46,7 @@ from hydra.core.override_parser.types import ValueType
 from shardlab.config import CONF_DIR
 from shardlab.errors import ShardlabError
 from shardlab.jobs.preflight import check_command_line, job_overrides, with_home_expanded, with_user_dir
+from shardlab.jobs.run_dir import run_name
 from shardlab_commands import COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,6 +65,9 @@ NOT_CHECKED = {
 }
 """The kinds of command the docs mark as not checked, and why; the mark names the kind, and each kind here is marked
 somewhere (a train command on a marked line, the quickstart's, is still checked)."""
+RUN_AS_WRITTEN = {"finetuning.md": "tests/distributed/test_finetuning_commands.py"}
+"""Pages whose every command a test runs as written, in order, on stand-ins: each of their commands is checked there
+(the inline Python on an export too), so none of them carries a mark, and a mark there is wrong."""
 MARK = re.compile(r"(?:^|\s)#.*\bnot checked: ([a-z]+)")
 """A line's mark: in its trailing comment, ``not checked: KIND``."""
 
@@ -180,8 +189,9 @@ def is_command(argv: list[str]) -> bool:
     return Path(argv[0]).name.startswith("shardlab-")
 
 
-def problems(markdown: str) -> tuple[list[str], list[str]]:
-    """(the commands that fail their check and the marks that are wrong, with why; the commands marked not checked)."""
+def problems(markdown: str, run_as_written: bool = False) -> tuple[list[str], list[str]]:
+    """(the commands that fail their check and the marks that are wrong, with why; the commands marked not checked).
+    ``run_as_written``: a page of RUN_AS_WRITTEN, whose every command counts as checked."""
     failed, skipped = [], []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):  # once: each compose is then cheap
         for line in logical_lines(markdown):
@@ -191,6 +201,8 @@ def problems(markdown: str) -> tuple[list[str], list[str]]:
             for argv in line_commands(line):
                 shown = " ".join(argv)
                 if not checked_kind(argv):
+                    if run_as_written:
+                        continue  # run by its RUN_AS_WRITTEN test
                     line_skipped.append(shown)
                     if kind is None:
                         failed.append(f"{shown}: neither checked by this test nor marked `# not checked: KIND`")
@@ -225,7 +237,7 @@ def in_the_repository(monkeypatch):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_command_in_the_docs_composes_or_is_marked_not_checked(page):
-    failed, _ = problems(page.read_text())
+    failed, _ = problems(page.read_text(), page.name in RUN_AS_WRITTEN)
     assert not failed, "\n".join(failed)
 
 
@@ -251,6 +263,17 @@ def test_a_planted_broken_command_is_caught(line, why):
     assert len(failed) == 1 and why in failed[0], failed
 
 
+def test_a_page_run_as_written_needs_no_mark_and_keeps_its_checks():
+    run = "```bash\npython -c 'print(1)'\npython -m shardlab.train seed=2\n```\n"
+    assert problems(run, run_as_written=True) == ([], [])
+    assert "neither checked by this test nor marked" in problems(run)[0][0]
+    marked = "```bash\npython -c 'print(1)'   # not checked: export\n```\n"
+    assert "each of its commands is checked" in problems(marked, run_as_written=True)[0][0]
+    broken = "```bash\npython -m shardlab.train optimizer.lrr=1e-3\n```\n"
+    assert "optimizer.lrr" in problems(broken, run_as_written=True)[0][0]  # composed as on every page
+    assert all((REPO / "docs" / page).is_file() and (REPO / test).is_file() for page, test in RUN_AS_WRITTEN.items())
+
+
 def test_lines_split_as_the_shell_splits_them():
     markdown = (
         "```bash\n"
@@ -269,7 +292,7 @@ def test_lines_split_as_the_shell_splits_them():
 
 
 def test_the_commands_not_checked_are_few_and_each_marked_with_a_listed_kind(capsys):
-    skipped = [command for page in PAGES for command in problems(page.read_text())[1]]
+    skipped = [command for page in PAGES for command in problems(page.read_text(), page.name in RUN_AS_WRITTEN)[1]]
     with capsys.disabled():  # the list, for a reader of the suite's output (-s)
         print(f"\n{len(skipped)} doc commands not checked (NOT_CHECKED says why):", *skipped, sep="\n  ")
     assert 0 < len(skipped) <= 40  # installs, the Slurm test cluster, linters, inline Python: few
@@ -281,3 +304,31 @@ def test_a_mark_is_read_from_the_line_comment_only():
     assert MARK.search("pip install -e .   # not checked: install").group(1) == "install"
     assert MARK.search("source x   # first, each shell (not checked: shell)").group(1) == "shell"
     assert MARK.search("python -m shardlab.train run.note='not checked: install'") is None
+
+
+def run_folder(args: list[str]) -> str:
+    """The folder a training run's arguments name: hydra.run.dir, else runs/<task>/<run name> (conf/config.yaml)."""
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
+    task = next((o.split("=", 1)[1] for o in overrides if o.startswith("task=")), "lm")
+    return given[0] if given else f"runs/{task}/{run_name([o for o in overrides if not o.startswith('hydra')])}"
+
+
+def test_after_the_quickstart_each_everyday_command_trains_a_run_of_its_own():
+    """Issue #51: straight after the quickstart (runs/lm/default, complete at the LM's last step), a README everyday
+    command that trains names another folder than the quickstart's, and than any other of them: one that named the
+    same would only resume it, and find it complete. The step folders the tools read are the quickstart's last."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Everyday commands") :]
+    section = section[: section.index("\n## ", 1)]
+    folders = {}
+    for argv in commands(section):
+        args = train_args(argv)
+        if args is not None and not {"-m", "--help", "dry_run=true"} & set(args):
+            folders[shlex.join(argv)] = run_folder(args)
+    assert len(folders) >= 8, folders
+    assert "runs/lm/default" not in folders.values(), folders
+    assert len(set(folders.values())) == len(folders), folders
+    last = yaml.safe_load((CONF_DIR / "task" / "lm.yaml").read_text())["optimization"]["max_steps"]
+    steps = re.findall(r"runs/lm/default/checkpoints/step_(\d+)", readme)
+    assert steps and {int(s) for s in steps} == {last}, steps

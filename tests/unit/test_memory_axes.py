@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 
 from shardlab.memory.axes import estimate_axes, model_rank_profile, stage_units
-from shardlab.memory.estimate import PlanContext, describe, estimate
+from shardlab.memory.console import describe
+from shardlab.memory.estimate import PlanContext, estimate
 from shardlab.memory.layout import Layout
 from shardlab.memory.pipeline import bubble_fraction, max_in_flight, rank_stages, schedule_ops, stage_sizes
 from shardlab.memory.profile import ModelProfile

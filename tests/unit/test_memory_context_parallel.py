@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from shardlab.memory.axes import estimate_axes
-from shardlab.memory.estimate import describe
+from shardlab.memory.console import describe
 from shardlab.memory.layout import Layout
 from tests.unit.test_memory_axes import INPUT, LAYERS, context, profile, tiny_task
 

@@ -10,14 +10,17 @@ import re
 import pytest
 import torch
 
+import shardlab.registry
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError
 from shardlab.memory import budget as memory_budget
+from shardlab.memory.console import describe
 from shardlab.memory.devices import GiB
-from shardlab.memory.estimate import describe, estimate
+from shardlab.memory.estimate import estimate
 from shardlab.memory.layout import Layout, layout_of
 from shardlab.memory.meter import PeakMeter, memory_gib, process_peak
 from shardlab.memory.plan import profile_config
+from shardlab.registry import OPTIMIZERS
 from shardlab.runner import build_task
 from tests.conftest import compose_config
 
@@ -106,6 +109,50 @@ def test_plan_warns_of_accumulation_without_sync_and_of_an_unsplit_model():
     assert any("one FSDP unit holds 100% of the parameters" in line for line in lines)
 
 
+@pytest.fixture
+def own_optimizers(monkeypatch):
+    """OPTIMIZERS as it is, with what a test registers forgotten afterwards."""
+    for table in ("_factories", "_origins", "_state_tensors"):
+        monkeypatch.setattr(OPTIMIZERS, table, dict(getattr(OPTIMIZERS, table)))
+    return OPTIMIZERS
+
+
+def test_a_registered_optimizer_is_planned_with_the_state_tensors_its_registration_declares(own_optimizers):
+    own_optimizers.register("three_moments", state_tensors=3)(lambda model, cfg: None)
+    own_optimizers.register("momentum_twice", state_tensors=lambda cfg: 2 * (cfg.momentum > 0))(lambda m, c: None)
+    own_optimizers.register("undeclared")(lambda model, cfg: None)
+    _, (profile, adam) = planned([*GPT_125M, "distributed=fully_sharded"], 4)
+    _, (_, three) = planned([*GPT_125M, "distributed=fully_sharded", "optimizer.name=three_moments"], 4)
+    T = profile.trainable_params
+    assert (adam.optimizer_state_bytes, three.optimizer_state_bytes) == (8, 12)
+    assert estimate(profile, Layout("ddp"), three).optimizer == 3 * 4 * T  # not Adam's 2 * 4 * T
+    assert estimate(profile, Layout("fully_sharded", 4), three).optimizer == pytest.approx(3 * 4 * T / 4, abs=64)
+    assert not any("declares no state" in line for line in describe(profile, Layout("ddp"), three, compare=False))
+    for momentum, expected in (("0.9", 8), ("0.0", 0)):  # a function of the optimizer's config
+        _, (_, ctx) = planned([*GPT_125M, "optimizer.name=momentum_twice", f"optimizer.momentum={momentum}"], 4)
+        assert ctx.optimizer_state_bytes == expected
+    _, (_, guessed) = planned([*GPT_125M, "optimizer.name=undeclared"], 4)
+    assert guessed.optimizer_state_bytes == 8  # planned as Adam, and the plan says so
+    assert any(
+        line.startswith("warning: optimizer 'undeclared' declares no state per parameter")
+        for line in describe(profile, Layout("ddp"), guessed, compare=False)
+    )
+
+
+@pytest.mark.parametrize(
+    "registry, declared, message",
+    [
+        ("OPTIMIZERS", -1, r"^optimizer 'bad' \(.*\): state_tensors=-1 must be a count of tensors"),
+        ("OPTIMIZERS", True, r"^optimizer 'bad' \(.*\): state_tensors=True must be a count of tensors"),
+        ("MODELS", 2, r"^model architecture 'bad' \(.*\): state_tensors= is an optimizer's state; drop it"),
+    ],
+)
+def test_a_wrong_state_declaration_is_refused_where_it_is_registered(own_optimizers, registry, declared, message):
+    with pytest.raises(ConfigError, match=message):
+        getattr(shardlab.registry, registry).register("bad", state_tensors=declared)(lambda model, cfg: None)
+    assert "bad" not in shardlab.registry.OPTIMIZERS.names() + shardlab.registry.MODELS.names()
+
+
 # auto_tune=false: the fixed preference, decided when the task is built (tests/distributed/test_autotune.py measures).
 def test_auto_picks_ddp_when_it_fits_and_sharding_when_it_does_not(capsys):
     overrides = [*GPT_125M, "distributed.backend=auto", "distributed.auto_tune=false", "distributed.world_size=4"]
@@ -189,7 +236,7 @@ def test_peak_meter_sees_a_step_allocation_and_forgets_it_after_reset():
 def test_a_model_that_cannot_run_on_meta_is_planned_without_activations_and_keeps_its_dtypes():
     from torch import nn
 
-    from shardlab.memory.estimate import describe
+    from shardlab.memory.console import describe
     from shardlab.memory.profile import profile_model
 
     class NoMetaTask:

@@ -12,7 +12,8 @@ import torch
 
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import meta_model, model_on_meta
-from shardlab.memory.estimate import describe, estimate
+from shardlab.memory.console import describe
+from shardlab.memory.estimate import estimate
 from shardlab.memory.experts import plan_experts
 from shardlab.memory.layout import Layout
 from shardlab.memory.plan import profile_config

@@ -1,4 +1,4 @@
-"""Every file a run reads is read through the project's one reader (shardlab/checkpoint/regular_file.py: no link out of
+"""Every file a run reads is read through the project's one reader (shardlab/files/regular_file.py: no link out of
 its folder, no FIFO or device, bounded size): no ``read_text``, ``read_bytes``, ``open(`` or ``json.load`` anywhere else
 in shardlab/ or shardlab_tasks/. A cache's plan.json as a FIFO once blocked every training start, and a
 tokenizer_config.json of 4 GB was read whole, because each was read by a ``read_text`` beside the reader.
@@ -13,18 +13,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-READER = "shardlab/checkpoint/regular_file.py"
+READER = "shardlab/files/regular_file.py"
 
 ALLOWED = {
     # the temporary file this process wrote a line before, copied into a lock where hard links are not supported
     ("shardlab/jobs/run_lock.py", "RunLock._create"),
     # the result file in a temporary folder this process created (mkdtemp) for its spawned ranks
-    ("shardlab/runner.py", "launch_local"),
+    ("shardlab/runner/__init__.py", "launch_local"),
     # the kernel's /proc/self/status, through a module constant
     ("shardlab/memory/meter.py", "_status_kib"),
-    # the measured-rates cache in the user's own ~/.cache, read under flock: distributed/ sits below checkpoint/ and
-    # cannot import the reader (DESIGN.md, Layers); a damaged file is measured again
-    ("shardlab/distributed/precision.py", "_cached"),
     # torch.load of /proc/self/fd/N: the descriptor the reader opened and checked (open_file), not a path
     ("shardlab_tasks/image_classification/pretrained.py", "_load"),
 }
@@ -101,7 +98,7 @@ def reads_outside_the_reader(root: Path) -> list[str]:
 def test_every_read_of_shardlab_and_tasks_goes_through_the_one_reader():
     found = reads_outside_the_reader(ROOT)
     assert not found, (
-        "reads outside shardlab/checkpoint/regular_file.py: " + "; ".join(found) + ". Read through open_file / "
+        "reads outside shardlab/files/regular_file.py: " + "; ".join(found) + ". Read through open_file / "
         "read_file / read_small_file / read_json_file (or a CheckpointError wrapper), or, for a file this process "
         "wrote itself, add it to ALLOWED with the reason"
     )
@@ -164,7 +161,8 @@ def test_the_check_fails_on_a_read_planted_in_a_copy_of_the_tree(tmp_path):
     )
     assert reads_outside_the_reader(tmp_path) == ["shardlab_tasks/lm/shards.py:5 (progress): read_text"]
     # the reader itself and an allowed (file, function) are not reported
-    (tmp_path / "shardlab" / "checkpoint").mkdir()
+    (tmp_path / "shardlab" / "files").mkdir()
     (tmp_path / READER).write_text("def read(path):\n    return open(path).read()\n")
-    (tmp_path / "shardlab" / "runner.py").write_text("def launch_local(f):\n    return f.read_text()\n")
+    (tmp_path / "shardlab" / "runner").mkdir()
+    (tmp_path / "shardlab" / "runner" / "__init__.py").write_text("def launch_local(f):\n    return f.read_text()\n")
     assert reads_outside_the_reader(tmp_path) == ["shardlab_tasks/lm/shards.py:5 (progress): read_text"]

@@ -51,8 +51,8 @@ def test_a_run_started_by_run_rank_profiles_its_model_once(tiny_lm, tmp_path, me
 def test_a_run_started_by_run_rank_enters_profile_config_once(tiny_lm, tmp_path, monkeypatch):
     """Every module that asks for a profile (the plan's entry, the budget, autotune, the plan's verification) is
     counted: a run with an explicit backend walks through the plan in one pass."""
-    from shardlab.jobs import autotune
     from shardlab.memory import budget, verify
+    from shardlab.runner import autotune
 
     entered: list[str] = []
     real = plan.profile_config

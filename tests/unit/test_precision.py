@@ -76,6 +76,17 @@ def test_a_damaged_or_unwritable_cache_measures_instead_of_failing(tmp_path):
     assert rates == SLOW_BF16 and where.startswith("measured now, not cached (")
 
 
+def test_a_cache_that_is_no_regular_file_is_measured_again_not_waited_on(tmp_path):
+    """The cache is read through the one reader (shardlab.files.regular_file): a FIFO under its name once blocked the
+    start in read_text for ever; now it counts as absent, and the measurement replaces it with a file."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.mkfifo(cache / f"{precision.machine_key(CPU)}.json")
+    rates, where = precision.machine_rates(CPU, str(cache), measure=lambda d: dict(FAST_BF16))
+    assert rates == FAST_BF16 and where.startswith("measured now, cached in ")
+    assert json.loads((cache / f"{precision.machine_key(CPU)}.json").read_text()) == FAST_BF16
+
+
 def test_another_torch_is_another_key_so_it_measures_again(monkeypatch):
     key = precision.machine_key(CPU)
     monkeypatch.setattr(torch, "__version__", "0.0.1")

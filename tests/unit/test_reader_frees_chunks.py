@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from shardlab.checkpoint import dcp_reader
-from shardlab.checkpoint.metadata_pickle import unpickle_metadata
-from shardlab.checkpoint.saved_values import read_tensor, read_value
+from shardlab.checkpoint.readers import dcp_reader
+from shardlab.checkpoint.readers.metadata_pickle import unpickle_metadata
+from shardlab.checkpoint.readers.saved_values import read_tensor, read_value
 
 
 def _unreachable_after(fn) -> int:

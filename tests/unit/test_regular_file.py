@@ -1,4 +1,4 @@
-"""shardlab.checkpoint.regular_file, the one way an untrusted file is opened: a regular file comes back open, with its
+"""shardlab.files.regular_file, the one way an untrusted file is opened: a regular file comes back open, with its
 fstat; a symlink (not followed), a FIFO (without blocking), a folder, a socket, a device and a file past its cap are
 refused saying what they are; a link the user may give is resolved, and kept inside its root when one is given. And
 no other module of shardlab/ or shardlab_tasks/ opens a file its own way (a twin of it could not come back)."""
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from shardlab.checkpoint.regular_file import LINK, NotAFile, kind_of, open_file, read_small_file, stat_file
+from shardlab.files.regular_file import LINK, NotAFile, kind_of, open_file, read_small_file, stat_file
 
 ROOT = Path(__file__).resolve().parents[2]
-HOME = Path("shardlab/checkpoint/regular_file.py")
+HOME = Path("shardlab/files/regular_file.py")
 
 
 def opened(path: Path, **how) -> bytes:
@@ -140,12 +140,12 @@ def twins(root: Path) -> list[str]:
 
 
 def test_no_other_module_opens_an_untrusted_file_its_own_way():
-    assert twins(ROOT) == [], "open it through shardlab.checkpoint.regular_file.open_file (or stat_file) instead"
+    assert twins(ROOT) == [], "open it through shardlab.files.regular_file.open_file (or stat_file) instead"
 
 
 def test_the_twin_finder_finds_a_planted_twin(tmp_path):
     (tmp_path / "shardlab_tasks").mkdir()
-    (tmp_path / "shardlab" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "shardlab" / "files").mkdir(parents=True)
     (tmp_path / HOME).write_text("import os\nos.open(p, os.O_RDONLY | os.O_NOFOLLOW)\n")  # the home may
     (tmp_path / "shardlab" / "lock.py").write_text("import os\nos.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW)\n")
     assert twins(tmp_path) == []

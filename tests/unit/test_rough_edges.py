@@ -38,7 +38,7 @@ def test_the_plan_names_the_attention_kernel_only_for_a_model_with_attention(cap
 def test_the_plan_table_at_1024_ranks_shows_a_capacity_and_shares_that_read(capsys):
     import re
 
-    from shardlab.memory.estimate import GiB, _capacity, _share
+    from shardlab.memory.console import GiB, _capacity, _share
 
     world = ["distributed=fully_sharded", "distributed.world_size=1024", "optimization.batch_size=1024"]
     lines = plan_lines(capsys, *world, "validation.batch_size=1024", "model=gpt_small")

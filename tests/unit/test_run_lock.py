@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from shardlab.errors import RunFolderInUse
+from shardlab.files import liveness
 from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.run_lock import LOCK_FILE, RunLock
 from tests.conftest import TINY_LM
@@ -53,7 +54,7 @@ def other_process():
 
 def test_a_live_holder_keeps_a_second_job_out_naming_it(tmp_path, other_process, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "222")
-    write_holder(tmp_path, job="111", pid=other_process.pid, pid_start=run_lock.process_start(other_process.pid))
+    write_holder(tmp_path, job="111", pid=other_process.pid, pid_start=liveness.process_start(other_process.pid))
     with pytest.raises(RunFolderInUse) as e:
         RunLock(tmp_path).acquire()
     message = str(e.value)
@@ -62,7 +63,7 @@ def test_a_live_holder_keeps_a_second_job_out_naming_it(tmp_path, other_process,
 
 
 def test_a_lock_whose_process_ended_is_taken_over(tmp_path, other_process):
-    pid, started = other_process.pid, run_lock.process_start(other_process.pid)
+    pid, started = other_process.pid, liveness.process_start(other_process.pid)
     other_process.kill()
     other_process.wait()
     write_holder(tmp_path, pid=pid, pid_start=started)
@@ -97,7 +98,7 @@ def test_a_second_job_with_the_same_slurm_job_id_is_refused(tmp_path, other_proc
     its restart count: the second is refused like any other job. It used to take the live lock over as a requeue."""
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     write_holder(tmp_path, job="4242", restart=0, pid=other_process.pid,
-                 pid_start=run_lock.process_start(other_process.pid))  # fmt: skip
+                 pid_start=liveness.process_start(other_process.pid))  # fmt: skip
     before = (tmp_path / LOCK_FILE).read_bytes()
     with pytest.raises(
         RunFolderInUse, match=f"in use by job 4242 \\(host {socket.gethostname()}, pid {other_process.pid}"
@@ -206,11 +207,11 @@ def test_a_heartbeat_moves_where_mtimes_keep_whole_seconds_and_the_clock_stepped
     path.write_text("{}")
     later = time.time_ns() + 3600 * 10**9  # the last beat came from a clock an hour ahead of this one now
     os.utime(path, ns=(later, later))
-    run_lock.touch(path)
+    liveness.touch(path)
     assert path.stat().st_mtime_ns >= later + 10**9
     now = time.time_ns()
     os.utime(path, ns=(now - 3600 * 10**9, now - 3600 * 10**9))
-    run_lock.touch(path)
+    liveness.touch(path)
     assert now <= path.stat().st_mtime_ns <= time.time_ns(), "the wall time otherwise, for people who list it"
 
 
@@ -567,7 +568,7 @@ def test_a_stale_lock_taken_over_by_another_job_since_it_was_judged_is_left_to_t
     dead.wait()
     write_holder(tmp_path, pid=dead.pid)
     first, second = RunLock(tmp_path), RunLock(tmp_path)
-    first.me = {**first.me, "pid": other_process.pid, "pid_start": run_lock.process_start(other_process.pid)}
+    first.me = {**first.me, "pid": other_process.pid, "pid_start": liveness.process_start(other_process.pid)}
     guard, taken = second._guard, []
 
     def the_other_job_takes_over_first():

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from shardlab.checkpoint import weights
-from shardlab.checkpoint.layout import META_FILE, umask
+from shardlab.checkpoint.layout import META_FILE
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError
+from shardlab.files.durable import umask
 from shardlab.runner import run_rank
 from tests.conftest import ROOT
 

@@ -69,6 +69,18 @@ def test_a_validation_batch_larger_than_the_split_is_lowered_to_fit_it_with_a_li
     assert result["final"]["loss"] > 0  # validated
 
 
+def test_the_lowered_batch_validates_when_the_task_holds_its_own_copy_of_the_config(tmp_path):
+    """The CLI's pre-flight builds the run's task from its own composition of the command line
+    (shardlab.jobs.checks.checked): the batch lowered in the task's config is the one validation reads (the README's
+    SFT line failed with 'stack expects a non-empty TensorList' at its first validation)."""
+    from shardlab.runner import rank_task
+
+    overrides = [*SFT, f"data.path={records(tmp_path, 60)}", "data.valid_percent=20", "validation.batch_size=32"]
+    task = rank_task(compose_config(overrides))
+    result = run_rank(compose_config(overrides), tmp_path / "run", dist_env.detect(), task=task)
+    assert result["final"]["loss"] > 0 and 0 < task.cfg.validation.batch_size < 32
+
+
 # ---- honest speed (issue 48, item 5) ---------------------------------------------------------------------------------
 def test_unpacked_rows_are_padded_to_the_longest_sample_and_give_the_same_loss(tmp_path):
     import torch

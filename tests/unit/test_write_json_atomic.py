@@ -1,4 +1,4 @@
-"""shardlab.checkpoint.layout.write_json_atomic: the one writer of status.json, tracker ids, rank notes and caches."""
+"""shardlab.files.durable.write_json_atomic: the one writer of status.json, tracker ids, rank notes and caches."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from shardlab.checkpoint import layout
-from shardlab.checkpoint.layout import write_json_atomic
+from shardlab.files.durable import write_json_atomic
 
 
 def test_writes_the_same_text_as_json_dumps(tmp_path: Path) -> None:

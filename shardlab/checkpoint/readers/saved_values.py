@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from shardlab.checkpoint.metadata_pickle import MetadataUnpickler, _shown, _Unreadable
+from shardlab.checkpoint.readers.metadata_pickle import MetadataUnpickler, _shown, _Unreadable
 from shardlab.errors import CheckpointError, UnsafeCheckpointError
 
 VALUE_MAX_BYTES = 64 * 2**20

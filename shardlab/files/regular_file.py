@@ -13,8 +13,8 @@ is resolved first, optionally kept inside a ``root`` folder (a corpus), and the 
 Face model folder's JSON). ``stat_file`` probes a path with the same refusals without opening it. Callers word the
 refusal in their own error type (the run lock's NotALock, the corpus's DataError, model.pretrained's CheckpointError);
 a step folder's files use the CheckpointError API below it (``open_regular``, ``read_regular``, ``read_at``).
-Torch-free: layout, the jobs' lock and status.json and the corpus workers import it. It lives in checkpoint/, the
-lowest floor of its callers (shardlab's top level is full).
+Torch-free: layout, the jobs' lock and status.json and the corpus workers import it, from shardlab.files, the floor
+below all of them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """Run one training job in this process, or start world_size local processes that each run it.
 
-train.py (the CLI), the tests and the benchmarks all come through here, so they exercise the same code path.
+train.py (the CLI), the tests and the benchmarks all come through here, so they exercise the same code path. The job
+is one floor above the trainer, so what builds runs lives here beside it:
+
+- ``autotune``: distributed.backend=auto with auto_tune: a few real steps of each layout that fits, each trial put
+  together by trainer.assemble, the fastest kept (``tune_layout`` below calls it on the ranks).
 """
 
 from __future__ import annotations
@@ -34,6 +38,17 @@ from shardlab.memory import budget as memory_budget
 from shardlab.memory.plan import one_profile_per_run, plan_run
 from shardlab.registry import BACKENDS, TASKS, load_plugins
 
+__all__ = [
+    "build_task",
+    "launch_local",
+    "point_at_former_folder",
+    "prepare_data",
+    "print_plan",
+    "rank_task",
+    "run_job",
+    "run_rank",
+]
+
 
 def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | None = None, check_budget: bool = True):
     """The task for ``cfg``, after every config check (shardlab.jobs.checks.check: one ConfigError for all), for tools
@@ -53,7 +68,7 @@ def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | N
 def choose_layout(cfg: DictConfig, task, world_size: int, planned: bool = True) -> None:
     """backend=auto becomes a layout by the memory plan alone (written into ``cfg``; with auto_tune, the ranks measure
     later and this only checks that one fits). ``planned=False``: only where the ranks will not tune (a rank given
-    backend=auto with auto_tune measures it itself, shardlab.jobs.autotune). A choice, not a check: the checks
+    backend=auto with auto_tune measures it itself, shardlab.runner.autotune). A choice, not a check: the checks
     (shardlab.jobs.checks) hold an explicit backend to the budget."""
     if cfg.distributed.backend == "auto" and (planned or not cfg.distributed.auto_tune):
         chosen = memory_budget.resolve(cfg, task, world_size, model_on_meta(task))
@@ -247,10 +262,10 @@ def prepare_data(task) -> str:
 
 def tune_layout(cfg: DictConfig, task, env: dist_env.DistEnv, run_dir: Path) -> None:
     """distributed.backend=auto with auto_tune: open the data and join the process group (as Backend.setup does), and
-    let the ranks measure the layouts that fit (shardlab.jobs.autotune); the choice is written into ``cfg``, and a
+    let the ranks measure the layouts that fit (shardlab.runner.autotune); the choice is written into ``cfg``, and a
     choice measured now into the run's status.json."""
     from shardlab.distributed.base import join_process_group, pick_device
-    from shardlab.jobs import autotune
+    from shardlab.runner import autotune
 
     join_process_group(
         env, pick_device(env.local_rank), cfg.distributed.timeout_s, lambda: prepare_data(task),

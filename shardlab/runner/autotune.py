@@ -49,13 +49,14 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from shardlab.checkpoint.agreement import broadcast_text
-from shardlab.checkpoint.layout import complete_checkpoints, write_json_atomic
-from shardlab.checkpoint.regular_file import read_json_or_none
+from shardlab.checkpoint.layout import complete_checkpoints
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.base import pick_device
 from shardlab.distributed.compile import FirstSteps
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError
+from shardlab.files.durable import write_json_atomic
+from shardlab.files.regular_file import read_json_or_none
 from shardlab.memory.budget import Choice, apply_choice, fitting, sharded_only, task_axes
 from shardlab.memory.devices import GiB
 from shardlab.memory.layout import Layout

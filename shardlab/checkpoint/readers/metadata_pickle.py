@@ -1,5 +1,5 @@
 """The pickle interpreter that reads DCP's ``.metadata`` without running it (``MetadataUnpickler``; why: the
-docstring of shardlab.checkpoint.dcp_reader), and the tables of what such a file may name, call and build.
+docstring of shardlab.checkpoint.readers.dcp_reader), and the tables of what such a file may name, call and build.
 saved_values extends it to the values and tensors torch.save writes; dcp_reader checks the index it returns against
 the step folder."""
 

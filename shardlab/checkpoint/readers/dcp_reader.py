@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from shardlab.checkpoint.metadata_pickle import (  # noqa: F401  (re-exported: dcp_reader is the reader's face)
+from shardlab.checkpoint.readers.metadata_pickle import (  # noqa: F401  (re-exported: dcp_reader is the reader's face)
     ARGUMENTS,
     CALLABLES,
     FIELD_TYPES,
@@ -57,7 +57,8 @@ from shardlab.checkpoint.metadata_pickle import (  # noqa: F401  (re-exported: d
     _unsafe,
     unpickle_metadata,
 )
-from shardlab.checkpoint.regular_file import (
+from shardlab.errors import CheckpointError, UnsafeCheckpointError
+from shardlab.files.regular_file import (
     NotAFile,
     describe_os_error,
     open_regular,
@@ -66,7 +67,6 @@ from shardlab.checkpoint.regular_file import (
     read_regular,
     stat_file,
 )
-from shardlab.errors import CheckpointError, UnsafeCheckpointError
 from shardlab.train_state import nonfinite
 
 METADATA_FILE = ".metadata"
@@ -91,7 +91,7 @@ def read_metadata(path: Path, *, values: bool = True) -> Metadata:
     metadata = unpickle_metadata(data, source)
     check_index(path, metadata)
     if values:
-        from shardlab.checkpoint.saved_values import read_value
+        from shardlab.checkpoint.readers.saved_values import read_value
 
         for index, info in metadata.storage_data.items():
             if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
@@ -273,7 +273,7 @@ def values_load_back(values: Any) -> str | None:
     """Why ``values`` (an optimizer's hyper-parameters, a task's state) would not read back from a checkpoint through
     ``load_value``, or None: a plug-in whose param groups hold, say, a numpy scalar would save, then be refused at
     its resume as a crafted file. Checked before training (Trainer.setup)."""
-    from shardlab.checkpoint.saved_values import read_value
+    from shardlab.checkpoint.readers.saved_values import read_value
 
     buffer = io.BytesIO()
     torch.save(values, buffer)  # as DCP's planner writes each value
@@ -287,7 +287,7 @@ def values_load_back(values: Any) -> str | None:
 def load_value(data: bytes, path: Path, fqn: str) -> Any:
     """A small value DCP pickled beside the tensors (a learning rate, betas, a list of names), read by
     saved_values.ValueUnpickler: plain values and tensors only, dict keys strings or ints, bounded depth and size."""
-    from shardlab.checkpoint.saved_values import read_value
+    from shardlab.checkpoint.readers.saved_values import read_value
 
     return read_value(data, f"{path}: its entry {fqn}")
 
@@ -332,7 +332,7 @@ class SafeReader(FileSystemReader):
     def _read_chunk(fd: int, file: Path, info: _StorageInfo, item: Any, planner: Any) -> None:
         """One stored chunk into the part of its destination ``item`` asks for: read into a buffer of its own
         length, a view of it checked against its bytes (saved_values), narrowed, copied."""
-        from shardlab.checkpoint.saved_values import read_tensor
+        from shardlab.checkpoint.readers.saved_values import read_tensor
 
         buffer = bytearray(info.length)
         read_into(fd, file, info.offset, buffer)
