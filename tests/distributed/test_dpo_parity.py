@@ -58,36 +58,54 @@ def runs(tmp_path_factory):
     reference = run_rank(dpo(), single, dist_env.detect())
     lora_reference = run_rank(dpo(*LORA), lora_single, dist_env.detect())
     packed_reference = run_rank(dpo(*PACK), tmp_path_factory.mktemp("packed_single"), dist_env.detect())
-    lora_packed_single = tmp_path_factory.mktemp("lora_packed_single")
-    lora_packed_reference = run_rank(dpo(*LORA, *PACK), lora_packed_single, dist_env.detect())
-    fsdp, lora_fsdp, fsdp_from_single, ddp, lora_from_single, packed, lora_packed, tp, tp_packed = run_spawned(
-        [dpo(FSDP), dpo(FSDP, *LORA), dpo(FSDP, f"checkpoint.resume={step3(single)}"), dpo("distributed.backend=ddp"),
-         dpo(FSDP, *LORA, f"checkpoint.resume={step3(lora_single)}"), dpo(FSDP, *PACK), dpo(FSDP, *LORA, *PACK),
-         dpo(FSDP, TP), dpo(FSDP, TP, *PACK)],
+    fsdp, lora_fsdp, fsdp_from_single, packed, tp = run_spawned(
+        [dpo(FSDP), dpo(FSDP, *LORA), dpo(FSDP, f"checkpoint.resume={step3(single)}"), dpo(FSDP, *PACK),
+         dpo(FSDP, TP)],
         world_size=2,
-        run_dirs=[fsdp_dir, *(tmp_path_factory.mktemp(n) for n in ("lora_fsdp", "resumed", "ddp", "lora_resumed",
-                                                                    "packed", "lora_packed", "tp", "tp_packed"))],
+        run_dirs=[fsdp_dir, *(tmp_path_factory.mktemp(n) for n in ("lora_fsdp", "resumed", "packed", "tp"))],
     )  # fmt: skip
     single_from_fsdp = run_rank(
         dpo(f"checkpoint.resume={step3(fsdp_dir)}"), tmp_path_factory.mktemp("from_fsdp"), dist_env.detect()
     )
     return {
         "reference": reference, "lora_reference": lora_reference, "fsdp": fsdp, "lora_fsdp": lora_fsdp,
-        "fsdp_from_single": fsdp_from_single, "single_from_fsdp": single_from_fsdp, "ddp": ddp,
-        "lora_fsdp_from_single": lora_from_single, "fsdp_packed": packed, "lora_fsdp_packed": lora_packed,
-        "packed_reference": packed_reference, "lora_packed_reference": lora_packed_reference, "tp": tp,
-        "tp_packed": tp_packed,
+        "fsdp_from_single": fsdp_from_single, "single_from_fsdp": single_from_fsdp, "fsdp_packed": packed,
+        "packed_reference": packed_reference, "tp": tp, "lora_single_dir": lora_single,
     }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def slow_runs(runs, tmp_path_factory):
+    """The rest of the matrix, with -m slow (the suite's 15 minutes): ddp, a LoRA resume across world sizes, packed
+    LoRA and packed tensor parallelism."""
+    lora_packed_single = tmp_path_factory.mktemp("lora_packed_single")
+    lora_packed_reference = run_rank(dpo(*LORA, *PACK), lora_packed_single, dist_env.detect())
+    ddp, lora_from_single, lora_packed, tp_packed = run_spawned(
+        [dpo("distributed.backend=ddp"), dpo(FSDP, *LORA, f"checkpoint.resume={step3(runs['lora_single_dir'])}"),
+         dpo(FSDP, *LORA, *PACK), dpo(FSDP, TP, *PACK)],
+        world_size=2,
+        run_dirs=[tmp_path_factory.mktemp(n) for n in ("ddp", "lora_resumed", "lora_packed", "tp_packed")],
+    )  # fmt: skip
+    return {
+        **runs, "ddp": ddp, "lora_fsdp_from_single": lora_from_single, "lora_fsdp_packed": lora_packed,
+        "lora_packed_reference": lora_packed_reference, "tp_packed": tp_packed,
+    }  # fmt: skip
+
+
+SLOW = {"ddp", "lora_fsdp_from_single", "lora_fsdp_packed", "tp_packed"}
 
 
 @pytest.mark.parametrize(
     ("name", "against"),
-    [("fsdp", "reference"), ("lora_fsdp", "lora_reference"), ("fsdp_from_single", "reference"),
-     ("single_from_fsdp", "reference"), ("ddp", "reference"), ("lora_fsdp_from_single", "lora_reference"),
-     ("fsdp_packed", "packed_reference"), ("lora_fsdp_packed", "lora_packed_reference"), ("tp", "reference"),
-     ("tp_packed", "packed_reference")],
+    [pytest.param(name, against, marks=[pytest.mark.slow] if name in SLOW else [])
+     for name, against in [
+         ("fsdp", "reference"), ("lora_fsdp", "lora_reference"), ("fsdp_from_single", "reference"),
+         ("single_from_fsdp", "reference"), ("ddp", "reference"), ("lora_fsdp_from_single", "lora_reference"),
+         ("fsdp_packed", "packed_reference"), ("lora_fsdp_packed", "lora_packed_reference"), ("tp", "reference"),
+         ("tp_packed", "packed_reference")]],
 )  # fmt: skip
-def test_two_ranks_and_resumes_follow_the_single_process_curve(runs, name, against):
+def test_two_ranks_and_resumes_follow_the_single_process_curve(request, name, against):
+    runs = request.getfixturevalue("slow_runs" if name in SLOW else "runs")
     got, expected = history(runs[name]), history(runs[against])
     first = 4 if "from" in name else 1  # a resumed run starts after its checkpoint's step
     assert sorted(got) == list(range(first, 7))

@@ -91,9 +91,13 @@ def hf_folders(tmp_path_factory):
     return {family: make_folder(family, root / family) for family in FAMILIES}
 
 
-@pytest.fixture(scope="module")
-def two_rank_results(tiny_lm, hf_folders):
-    cfgs = {
+SLOW_VARIANTS = ("llama_tp2_gathered", "llama_tp2_bf16", "qwen2_tp2", "mistral_tp2")
+"""Run with -m slow (the suite's 15 minutes): the gathered-logits loss, bf16, and two of the Hugging Face families
+(Qwen2's biases, Mistral); the default suite keeps Llama, GPT, Llama 3 tied, Qwen3, fine-tuning and LoRA."""
+
+
+def two_rank_configs(tiny_lm, hf_folders) -> dict:
+    return {
         "llama_tp2": tiny_lm(*LLAMA, *TP2),
         "llama_tp2_gathered": tiny_lm(*LLAMA, *TP2, "distributed.loss_parallel=false"),
         "gpt_tp2": tiny_lm(*TP2),
@@ -102,6 +106,19 @@ def two_rank_results(tiny_lm, hf_folders):
         "sft_tp2": compose_config([*SFT, *TP2]),
         "lora_tp2": tiny_lm(*TP2, *HF, *LORA, f"model.pretrained={hf_folders['qwen3']}"),
     }
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tiny_lm, hf_folders):
+    """The default suite's TP 2 runs, in one 2-rank spawn."""
+    cfgs = {k: v for k, v in two_rank_configs(tiny_lm, hf_folders).items() if k not in SLOW_VARIANTS}
+    return dict(zip(cfgs, run_spawned(list(cfgs.values()), world_size=2, inspect=inspect), strict=True))
+
+
+@pytest.fixture(scope="module")
+def slow_two_rank_results(tiny_lm, hf_folders):
+    """SLOW_VARIANTS, in a 2-rank spawn of their own."""
+    cfgs = {k: v for k, v in two_rank_configs(tiny_lm, hf_folders).items() if k in SLOW_VARIANTS}
     return dict(zip(cfgs, run_spawned(list(cfgs.values()), world_size=2, inspect=inspect), strict=True))
 
 
@@ -118,13 +135,21 @@ def single(cfg, tmp_path) -> dict:
 
 @pytest.mark.parametrize(
     "name",
-    ["llama_tp2", "llama_tp2_gathered", "gpt_tp2", *(f"{family}_tp2" for family in FAMILIES), "sft_tp2", "lora_tp2"],
+    [
+        pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_VARIANTS else [])
+        for name in [
+            "llama_tp2",
+            "llama_tp2_gathered",
+            "gpt_tp2",
+            *(f"{f}_tp2" for f in FAMILIES),
+            "sft_tp2",
+            "lora_tp2",
+        ]
+    ],
 )
-def test_tensor_parallel_ranks_train_as_one_process(
-    name, two_rank_results, llama_reference, tiny_lm, hf_folders, tmp_path
-):
+def test_tensor_parallel_ranks_train_as_one_process(name, request, llama_reference, tiny_lm, hf_folders, tmp_path):
     """The loss on logits split over the vocabulary (distributed.loss_parallel, the default) and on gathered ones."""
-    result = two_rank_results[name]
+    result = request.getfixturevalue("slow_two_rank_results" if name in SLOW_VARIANTS else "two_rank_results")[name]
     # loss parallel: the head hands on (batch, sequence, vocabulary / 2) per rank, never the whole logits
     assert result["logits"] == ("whole" if name.endswith("_gathered") else ["S(2)"]), result["logits"]
     family = name.removesuffix("_gathered").removesuffix("_tp2")
@@ -155,11 +180,12 @@ def test_tensor_parallel_ranks_train_as_one_process(
     assert_trains_as_one_process(result, reference)
 
 
-def test_bf16_under_tensor_parallelism_stays_finite_and_tracks_fp32(two_rank_results, llama_reference):
+@pytest.mark.slow
+def test_bf16_under_tensor_parallelism_stays_finite_and_tracks_fp32(slow_two_rank_results, llama_reference):
     """FSDP2's bf16 parameters on the tensor-parallel shards, fp32 reduction: within 2% of one fp32 process (bf16
     keeps ~3 significant digits)."""
     low, fp32 = (
-        train_records(two_rank_results["llama_tp2_bf16"], "loss"),
+        train_records(slow_two_rank_results["llama_tp2_bf16"], "loss"),
         train_records(llama_reference[0], "loss"),
     )
     assert torch.isfinite(low).all()

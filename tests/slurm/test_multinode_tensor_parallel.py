@@ -42,7 +42,12 @@ def run_tp_on_two_hosts(env, tmp_path, corpus_cache, *overrides) -> tuple[str, P
     return out, Path(job["run_dir"]), log
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "layout",
+    # one task per host starting its 2 ranks: with -m slow (the suite's 15 minutes); tests/slurm/test_multinode.py
+    # runs that layout by default for plain and hybrid sharding
+    [pytest.param(name, marks=[pytest.mark.slow] if name != "one_task_per_rank" else []) for name in LAYOUTS],
+)
 def test_fsdp_2_x_tensor_parallel_2_on_two_hosts_keeps_tp_in_each_host_and_matches_one_process(
     multi_node_env, corpus_cache, tmp_path, one_process, layout
 ):

@@ -138,7 +138,14 @@ def test_context_parallel_passes_the_pre_flight_on_a_cuda_machine(tiny_lm):
                  num_cuda_devices=4)  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["kv heads", "context on cpu", "experts the degree does not divide"])
+@pytest.mark.parametrize(
+    "case",
+    # each a CLI start (~15 s here): the others with -m slow, their refusals checked in-process above
+    [
+        "kv heads",
+        *(pytest.param(c, marks=pytest.mark.slow) for c in ("context on cpu", "experts the degree does not divide")),
+    ],
+)
 def test_the_command_line_refuses_before_any_rank_starts(case, tmp_path, corpus_cache):
     """One line, exit code 2, nothing written: the run folder is never made."""
     overrides, pattern = REFUSED[case]
