@@ -200,7 +200,7 @@ class DistributedConfig:
 class EMAConfig:
     enabled: bool = False
     """Keep an exponential moving average of the model's parameters (fp32, sharded like them), saved with the training
-    state; validation.ema validates with it, tools/export_hf.py --ema exports it, a teacher network reads it."""
+    state; validation.ema validates with it, shardlab-export --ema exports it, a teacher network reads it."""
     decay: float = 0.999
     """Weight of the old average at each update: average = decay * average + (1 - decay) * weights. With
     schedule=cosine, its value at start_step."""
@@ -342,7 +342,7 @@ class TrainConfig:
     composes (shardlab/registry/user_dir.py; docs/tutorial.md). Command line only; recorded as an absolute path."""
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 """The config groups' options (conf/<group>/<option>.yaml): shardlab.jobs.conf_options reads them."""
 
 

@@ -1,6 +1,6 @@
 """The Task interface: everything model- and data-specific the trainer needs, and nothing the trainer owns.
 
-A task plug-in (tasks/<name>/) subclasses Task and registers a factory in TASKS from its light config module.
+A task plug-in (shardlab_tasks/<name>/) subclasses Task and registers a factory in TASKS from its light config module.
 """
 
 from __future__ import annotations

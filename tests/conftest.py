@@ -78,7 +78,7 @@ def tiny_lm(corpus_cache):
 def crash_lm_loss_at(monkeypatch):
     """``crash_lm_loss_at(n)``: the LM's n-th loss call raises RuntimeError("simulated crash"); returns a function
     that puts the real loss back."""
-    from tasks.lm.task import LanguageModelingTask
+    from shardlab_tasks.lm.task import LanguageModelingTask
 
     original, calls = LanguageModelingTask.loss, {"n": 0}
 

@@ -14,7 +14,7 @@ import torchvision
 from torch import Tensor, nn
 from torchvision.models.regnet import BlockParams, RegNet
 
-from tasks.image_classification.model import CifarStem
+from shardlab_tasks.image_classification.model import CifarStem
 
 
 def tiny_regnet() -> RegNet:

@@ -38,8 +38,8 @@ from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
 
 from shardlab.distributed.torch_internals import local_shard as local  # noqa: E402
 from shardlab.optim.cpu_adam import CPUAdam  # noqa: E402
-from tasks.lm.config import GPTConfig  # noqa: E402
-from tasks.lm.model import GPT  # noqa: E402
+from shardlab_tasks.lm.config import GPTConfig  # noqa: E402
+from shardlab_tasks.lm.model import GPT  # noqa: E402
 
 SIZES = {  # name -> (num_layers, dim): GPT shapes with the byte vocabulary (320 padded) and 512 positions
     "25M": (8, 512),  # model=gpt_small

@@ -5,11 +5,12 @@ and unpacked, on the same micro-batches of pairs, one process.
     python tools/bench_dpo_packing.py --steps 2 --rounds 1 --out p.json model.dim=32    # Hydra overrides after options
 
 Each side collates the same first ``steps`` micro-batches of ``optimization.batch_size`` training pairs its own way
-(packed: tasks/lm/preference.py pack_pairs; unpacked: collate_pairs) and times a step on them (forward and backward of
-the DPO loss, the reference taken as the config says: adapters off with LoRA, a zero table for full fine-tuning, whose
-lookup costs nothing). The sides take turns, ``rounds`` times, each round starting with the other one, after one
-warm-up step each; the figure is the median step. Reported per side: rows and positions computed, the real tokens
-(Task.num_units), the median step and the real tokens per second. One machine's figures: the JSON records its load.
+(packed: shardlab_tasks/lm/preference.py pack_pairs; unpacked: collate_pairs) and times a step on them (forward and
+backward of the DPO loss, the reference taken as the config says: adapters off with LoRA, a zero table for full
+fine-tuning, whose lookup costs nothing). The sides take turns, ``rounds`` times, each round starting with the other
+one, after one warm-up step each; the figure is the median step. Reported per side: rows and positions computed, the
+real tokens (Task.num_units), the median step and the real tokens per second. One machine's figures: the JSON records
+its load.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from shardlab.distributed.materialize import materialize  # noqa: E402
 from shardlab.distributed.units import model_on_meta  # noqa: E402
 from shardlab.jobs.preflight import compose_config  # noqa: E402
 from shardlab.runner import build_task  # noqa: E402
-from tasks.lm.dpo import preference_loss  # noqa: E402
+from shardlab_tasks.lm.dpo import preference_loss  # noqa: E402
 
 SIDES = ("unpacked", "packed")
 

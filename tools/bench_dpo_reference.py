@@ -4,7 +4,7 @@ frozen second model forwarding every step (what it does not), on task=dpo's data
     python tools/bench_dpo_reference.py --out dpo_reference.json                 # the demo: gpt_tiny, 410 pairs
     python tools/bench_dpo_reference.py --steps 3 --out r.json model.dim=32      # Hydra overrides after the options
 
-Measured: the whole precomputing pass over the train and validation pairs (tasks.lm.dpo.ReferenceLogProbs), a
+Measured: the whole precomputing pass over the train and validation pairs (shardlab_tasks.lm.dpo.ReferenceLogProbs), a
 training step of ``optimization.batch_size`` pairs (forward and backward of the DPO loss), and a no-grad forward of
 the same pairs (what a frozen reference adds to every step); the bytes of the precomputed table and of a frozen fp32
 copy of the weights. The steps run after one warm-up on the first batches of the training split.
@@ -29,8 +29,8 @@ from shardlab.distributed.materialize import materialize  # noqa: E402
 from shardlab.distributed.units import model_on_meta  # noqa: E402
 from shardlab.jobs.preflight import compose_config  # noqa: E402
 from shardlab.runner import build_task  # noqa: E402
-from tasks.lm.dpo import ReferenceLogProbs, answer_logps, preference_loss  # noqa: E402
-from tasks.lm.preference import collate_pairs  # noqa: E402
+from shardlab_tasks.lm.dpo import ReferenceLogProbs, answer_logps, preference_loss  # noqa: E402
+from shardlab_tasks.lm.preference import collate_pairs  # noqa: E402
 
 
 def timed(fn, batches: list) -> float:

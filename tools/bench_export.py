@@ -64,7 +64,7 @@ def measure(argv: list[str]) -> dict:
 
     from shardlab.distributed.cpu_allocator import configure_cpu_allocator
     from shardlab.memory.meter import PeakMeter
-    from tools import export_hf
+    from shardlab_commands import export_hf
 
     configure_cpu_allocator("lean")  # as the command line runs it
     meter = PeakMeter(torch.device("cpu"))

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from bench_meta import collect, finish  # tools/bench_meta.py
 
-from tasks.lm.cache import embedded_corpus_files
-from tasks.lm.corpus import find_sources, iter_texts
-from tasks.lm.tokenizer import FileTokenizer, train_bpe
+from shardlab_tasks.lm.cache import embedded_corpus_files
+from shardlab_tasks.lm.corpus import find_sources, iter_texts
+from shardlab_tasks.lm.tokenizer import FileTokenizer, train_bpe
 
 ROOT = Path(__file__).resolve().parent.parent
 

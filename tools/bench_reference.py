@@ -2,7 +2,7 @@
 
     python tools/bench_reference.py --world-size 2 --steps 20 --warmup 5 --out bench_reference.json
 
-No shardlab code runs in the timed loop except tasks/lm/model.py, for the identical model (and the comm of
+No shardlab code runs in the timed loop except shardlab_tasks/lm/model.py, for the identical model (and the comm of
 --reduce-scatter); the launch uses shardlab's free-port and rank-environment helpers. The defaults are model=gpt_small
 with the LM task's defaults (seq_len 128, global batch 32, AdamW lr 3e-3 / betas 0.9, 0.95 / weight decay 0.1 on
 matrices, clip_norm 1.0); tokens are random. fully_shard goes on every block (all but the last reshard after forward,
@@ -38,8 +38,8 @@ from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
 
 from shardlab.distributed.cpu_allocator import configure_cpu_allocator  # noqa: E402
 from shardlab.distributed.env import free_port, set_local_rank_defaults  # noqa: E402
-from tasks.lm.config import GPTConfig  # noqa: E402
-from tasks.lm.model import GPT  # noqa: E402
+from shardlab_tasks.lm.config import GPTConfig  # noqa: E402
+from shardlab_tasks.lm.model import GPT  # noqa: E402
 
 
 def train(rank: int, args: argparse.Namespace, port: int, meta: dict) -> None:

@@ -56,10 +56,10 @@ def reference_rank(rank: int, world: int, port: int, cfg_yaml: str, opts: dict) 
 
     from shardlab.distributed.sync_bn import convert_sync_batchnorm
     from shardlab.optim.lars import build_lars
-    from tasks.self_supervised import model as ssl_model
-    from tasks.self_supervised.data import open_datasets
-    from tasks.self_supervised.swav import swav_loss
-    from tasks.self_supervised.task import normalize_prototypes
+    from shardlab_tasks.self_supervised import model as ssl_model
+    from shardlab_tasks.self_supervised.data import open_datasets
+    from shardlab_tasks.self_supervised.swav import swav_loss
+    from shardlab_tasks.self_supervised.task import normalize_prototypes
 
     cfg = OmegaConf.create(cfg_yaml)
     configure_cpu_allocator(resolve_cpu_allocator(cfg.distributed))  # as the shardlab run it is compared with

@@ -83,7 +83,7 @@ def completed(run_dir: Path) -> bool:
 
 def judge(argv: list[str], out: Path, split: str = "test") -> dict[str, float]:
     """tools/evaluate.py with ``argv`` on ``split``, the figures also written to ``out``."""
-    from tools import evaluate  # torch: not needed to print a table (tools/bench_tables.py renders studies)
+    from shardlab_commands import evaluate  # torch: not needed to print a table (tools/bench_tables.py renders studies)
 
     results = evaluate.main([*argv, "--split", split, "--out", str(out)])
     return {k: results[k] for k in METRICS}

@@ -1,52 +1,9 @@
-"""The summary table of a sweep, rebuilt from its directory: for a sweep that ran (or still runs) on Slurm, or a local
-one whose terminal is gone.
+"""`python tools/sweep_summary.py` as before: the command is now `shardlab-sweep-summary`
+(shardlab_commands/sweep_summary.py), installed on the PATH.
 
-    python tools/sweep_summary.py multirun/lm/optimizer.lr=1e-3,3e-3
-    python tools/sweep_summary.py <sweep dir> --json      # the rows as JSON on stdout
-    python tools/sweep_summary.py <sweep dir> --plot curves.png   # and every point's learning curves in one PNG
+Kept for a clone's habits and for the benchmark JSON that recorded this path (tools/bench_tables.py --rerun)."""
 
-One row per point: overrides, status (pending, running, completed, stopped, failed, died (<Slurm state>)), step
-reached, wall time, final validation metrics, and for a failed point its one-line error. Also written to
-<sweep dir>/summary.json and summary.csv. --plot draws what tools/plot.py draws for the points that have logged.
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script from a checkout: tools.plot is imported from the repository
-    sys.path.insert(0, str(REPO))
-
-from shardlab.errors import ConfigError  # noqa: E402
-from shardlab.jobs.sweep import collect, summarize  # noqa: E402
-from shardlab.train import run_tool  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dir", type=Path, help="the sweep's directory (hydra.sweep.dir)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
-    parser.add_argument("--plot", type=Path, metavar="OUT.png", help="also draw the points' learning curves there")
-    args = parser.parse_args(argv)
-    if not args.sweep_dir.is_dir():
-        raise ConfigError(
-            f"{args.sweep_dir} is not a directory; give the sweep's hydra.sweep.dir "
-            "(e.g. multirun/lm/optimizer.lr=1e-3,3e-3)"
-        )
-    if args.json:
-        print(json.dumps(collect(args.sweep_dir), indent=1))
-    elif not summarize(args.sweep_dir):
-        raise ConfigError(f"{args.sweep_dir} holds no sweep points (no sweep.json, no */.hydra/overrides.yaml)")
-    if args.plot:
-        from tools.plot import plot_runs
-
-        fig = plot_runs([args.sweep_dir], args.plot)
-        print(f"{args.plot}: learning curves of {len(fig.axes[0].get_lines())} points", file=sys.stderr)
-
+from shardlab_commands.sweep_summary import cli
 
 if __name__ == "__main__":
-    run_tool(main)
+    cli()

@@ -1,4 +1,4 @@
-"""shardlab's submitit launchers for Hydra (`hydra/launcher=slurm` or `local`, presets in conf/hydra/launcher/).
+"""shardlab's submitit launchers for Hydra (`hydra/launcher=slurm` or `local`; presets: shardlab/conf/hydra/launcher/).
 
 Hydra only loads launcher classes from the ``hydra_plugins`` namespace, so they are declared here; the logic is in
 shardlab/jobs/submitit_launcher.py. The configs extend hydra-submitit-launcher's with the keys shardlab consumes itself.

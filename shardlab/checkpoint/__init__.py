@@ -15,7 +15,7 @@
   pruning rules.
 - ``async_save``: ``checkpoint.async_save``: staging buffers and the background write.
 - ``weights``: a model's weights outside training: read a step folder whole, write and read one safetensors file,
-  ``checkpoint.init_from``; used by tools/consolidate.py, generate.py and export_hf.py.
+  ``checkpoint.init_from``; used by shardlab-consolidate, generate.py and export_hf.py.
 
 What a checkpoint restores besides the weights and optimizer state is the training state, shardlab.train_state.
 Importing the package is light (no torch): ``layout`` serves torch-free code such as tools/kill_loop.py, and the rest

@@ -83,7 +83,7 @@ def staged_folder(out: Path, protected: Mapping[str, Path | str | None] | None =
     staging.mkdir()
     try:
         yield staging
-        (staging / EXPORT_MARKER).write_text(json.dumps({"written_by": "tools/export_hf.py"}) + "\n")
+        (staging / EXPORT_MARKER).write_text(json.dumps({"written_by": "shardlab-export"}) + "\n")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -10,7 +10,7 @@ is one slice.
 The caller names the checkpoint tensor of each parameter (``names``: shardlab name -> (checkpoint key, transposed));
 a transposed one (GPT-2's Conv1D weights, stored (in, out)) is read into a transposed view of the local shard, so a
 rank holding rows of the parameter reads the matching columns of the file. The family-specific names live with the
-task (tasks/lm/hf_models.py); this module knows safetensors and DCP only.
+task (shardlab_tasks/lm/hf_models.py); this module knows safetensors and DCP only.
 
 The other direction (``write_shards``): a checkpoint's tensors written as Hugging Face safetensors shards with their
 index, streamed in groups of bounded size from a step folder (``step_folder_reader``: DCP reads only the entries
@@ -543,7 +543,7 @@ def step_folder_reader(step: Path, prefixes: tuple[str, ...] = ("model.",)) -> t
 
 
 def safetensors_reader(file: Path) -> tuple[dict[str, tuple], Reader]:
-    """The tensors of one safetensors file (tools/consolidate.py's) by name, as {name: shape}, and a Reader of them
+    """The tensors of one safetensors file (shardlab-consolidate's) by name, as {name: shape}, and a Reader of them
     that reads each tensor alone."""
     files = [file]
     shapes = {key: shape for key, (shape, _) in tensor_shapes(files).items()}

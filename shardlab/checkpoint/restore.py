@@ -139,7 +139,7 @@ def init_from(
     except Exception as e:
         error = CheckpointError(
             f"checkpoint.init_from: {path} could not be loaded ({first_cause(e)}); give a .safetensors file "
-            "from tools/consolidate.py or an intact step_N directory"
+            "from shardlab-consolidate or an intact step_N directory"
         )
     agreement.agree(error, f"checkpoint.init_from: loading {path}", device)
     return path

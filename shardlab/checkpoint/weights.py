@@ -4,7 +4,7 @@ start a run from either (checkpoint.init_from).
 Two sources, one description: a step_N checkpoint folder (DCP shards + shardlab.json) or a consolidated
 ``model.safetensors`` with ``model.json`` beside it (task name, model config, the training config). Nothing here
 unpickles a tensor file: safetensors and DCP only (its .metadata index through dcp_reader's MetadataUnpickler), JSON
-for metadata. Reused by tools/consolidate.py, tools/generate.py and exporters.
+for metadata. Reused by shardlab-consolidate, shardlab-generate and exporters.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def describe(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist; {_existing_checkpoints(path)}")
     if path.suffix != ".safetensors":
-        raise CheckpointError(f"{path} is not a .safetensors file; give one written by tools/consolidate.py")
+        raise CheckpointError(f"{path} is not a .safetensors file; give one written by shardlab-consolidate")
     described = config_file(path)
     try:
         _regular(described)
@@ -56,7 +56,7 @@ def describe(path: Path) -> dict[str, Any]:
     except (OSError, CheckpointError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(
             f"{described} (the model description beside {path.name}) is missing or unreadable ({e}); "
-            "tools/consolidate.py writes it next to the weights"
+            "shardlab-consolidate writes it next to the weights"
         ) from e
     return info
 
@@ -233,7 +233,7 @@ def _regular(path: Path) -> None:
         stat_file(path, follow_links=True)
     except NotAFile:
         raise CheckpointError(
-            f"{path} is not a regular file; give a .safetensors file written by tools/consolidate.py"
+            f"{path} is not a regular file; give a .safetensors file written by shardlab-consolidate"
         ) from None
     except OSError as e:
         raise CheckpointError(f"{path} {describe_os_error(path, e)}") from None

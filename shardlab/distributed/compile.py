@@ -4,7 +4,7 @@ Each unit the task declares (Task.fsdp_units, after activation-checkpoint wrappi
 before fully_shard or DDP wraps the model: parameter names do not change (checkpoints move freely between compiled and
 eager runs), and the hooks fully_shard registers afterwards (all-gather before a unit, reduce-scatter after its
 backward) run eagerly around each unit's graph. What is in no unit (the root's embeddings and head under tied
-embeddings, pooling) stays eager; the LM task compiles its loss too (tasks/lm/task.py).
+embeddings, pooling) stays eager; the LM task compiles its loss too (shardlab_tasks/lm/task.py).
 
 Compilation is lazy: the first training step traces and builds every graph (forward, and backward when it first
 runs). ``FirstSteps`` runs that step under distributed.compile_timeout_s and reports what it cost. Validation runs

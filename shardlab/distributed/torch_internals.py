@@ -16,7 +16,7 @@ own public code calls (an upgrade that moved one fails at import or in that modu
   have its own checkpoints refused in one line, which tests/unit/test_dcp_reader.py shows at once;
 - distributed/activation_checkpointing.py: ``checkpoint_wrapper`` from ``torch.distributed.algorithms._checkpoint``
   (torchtitan's wrapper too; DCP's state-dict helpers strip its prefix);
-- tasks/self_supervised/comm.py: ``torch.distributed._functional_collectives`` too (SimCLR's differentiable
+- shardlab_tasks/self_supervised/comm.py: ``torch.distributed._functional_collectives`` too (SimCLR's differentiable
   all-gather; both run on the meta device, where the memory plan traces the loss);
 - distributed/sync_bn.py: ``torch.distributed._functional_collectives`` (the differentiable all-reduce) and
   ``torch.nn.modules.batchnorm._BatchNorm`` (the base class every BatchNorm shares; the vision task uses it too);

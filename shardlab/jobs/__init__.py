@@ -9,7 +9,7 @@
   submitit's requeue.
 - ``submitit_launcher``: Hydra multirun through submitit (``hydra/launcher=slurm`` or ``local``); its Hydra plugin
   classes are declared in hydra_plugins/shardlab_launcher.
-- ``sweep``: the summary table of a sweep (``summary.json``, ``summary.csv``, tools/sweep_summary.py).
+- ``sweep``: the summary table of a sweep (``summary.json``, ``summary.csv``, shardlab-sweep-summary).
 
 Light on purpose (no torch): the CLI, Hydra's launcher plugin and the callbacks import these before any training.
 What builds and times runs (autotune's trials) sits above the trainer, in shardlab.runner.

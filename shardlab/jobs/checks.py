@@ -3,8 +3,8 @@
 ``check(cfg)`` asks each part for its problems and raises one ConfigError naming them all: the generic sections
 (``validate``: ranges, finite numbers, flag combinations, unknown keys), the names the config picks
 from the registries (backend, task, architecture, optimizer, schedule), the task's own checks (``Task.config_errors``
-and ``Task.world_errors``, written beside each task in tasks/<task>/), torch.compile's, and an explicit backend held to
-distributed.memory_budget_gb (the memory plan, on the meta device). The paths a run will write (``path_errors``)
+and ``Task.world_errors``, written beside each task in shardlab_tasks/<task>/), torch.compile's, and an explicit backend
+held to distributed.memory_budget_gb (the memory plan, on the meta device). The paths a run will write (``path_errors``)
 are checked here too, by writing there, by whoever is about to make them.
 
 Who runs it, once: the CLI's pre-flight (``shardlab.jobs.preflight``, a Hydra callback), after Hydra composed the
@@ -201,7 +201,7 @@ def registered_name_errors(cfg: DictConfig) -> list[str]:
 
 
 def plugin_package(factory) -> str:
-    """The task plug-in package a registered factory or schema class comes from (e.g. tasks.lm)."""
+    """The task plug-in package a registered factory or schema class comes from (e.g. shardlab_tasks.lm)."""
     return factory.__module__.rpartition(".")[0]
 
 

@@ -18,7 +18,8 @@ def group_options(group: str, user_conf: Path | None = None) -> list[str]:
 
 
 def option_package(group: str, option: str) -> str | None:
-    """The task plug-in package (e.g. ``tasks.lm``) whose schema conf/<group>/<option>.yaml builds on, if any."""
+    """The task plug-in package (e.g. ``shardlab_tasks.lm``) whose schema conf/<group>/<option>.yaml builds on, if
+    any."""
     path = CONF_DIR / group / f"{option}.yaml"
     if not path.is_file():
         return None

@@ -42,7 +42,7 @@ A checkpoint folder outside the run is locked at its real path, and refused if i
 (``another_runs_folder``); system folders and ``~`` are refused by the pre-flight (shardlab.jobs.run_dir).
 
 The pid check, the heartbeat's touch and its watch are shardlab.files.liveness, shared with the corpus cache's lock
-(tasks/lm/cache_lock.py).
+(shardlab_tasks/lm/cache_lock.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Written by global rank 0 only, atomically (temp file + rename), at start, at every log line, and at the end; a job
 that dies without a word (SIGKILL, node failure) is left "running" with its last update time, which
-``tools/sweep_summary.py`` shows.
+``shardlab-sweep-summary`` shows.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ researcher on a cluster needs from it.
 - Every point of the sweep is submitted as one job array; the terminal shows each job's id, run directory and log.
 - ``wait: true`` (default) follows every job to its end, reporting each as it finishes, a failed one with its
   one-line error (from the run's status.json); one failure does not stop the others. ``wait: false`` returns right
-  after submission: submit and walk away, and come back with ``tools/sweep_summary.py <sweep dir>``.
+  after submission: submit and walk away, and come back with ``shardlab-sweep-summary <sweep dir>``.
 - The sweep's ``sweep.json`` manifest lists every job, so a summary also shows jobs that have not started.
 - In the job, a failed run raises, so Slurm records the job as FAILED (Hydra's run_job would report success).
 - A run's ``user_dir`` is imported in the job before anything that refers to its classes is unpickled.
@@ -95,7 +95,7 @@ def launch(launcher: Any, job_overrides, initial_job_idx: int) -> list[JobReturn
     if not launcher.wait:
         log.info(
             f"submitted {len(jobs)} job(s) ({', '.join(j.job_id for j in jobs)}); not waiting (wait=false). "
-            f"Results: python tools/sweep_summary.py {sweep_dir}"
+            f"Results: shardlab-sweep-summary {sweep_dir}"
         )
         return [_job_return(e, None) for e in entries]
     return _follow(jobs, entries, launcher.poll_s, ask_slurm=launcher._EXECUTOR == "slurm")

@@ -3,7 +3,7 @@
 Rows come from each point's ``status.json`` (shardlab.jobs.run_record) and, for sweeps submitted through shardlab's
 submitit launchers, from the ``sweep.json`` manifest they write at submission (so points that have not started yet,
 or died without a word, are listed too). Printed and written as ``summary.json`` and ``summary.csv`` at the end of a
-multirun, and rebuilt at any time by ``tools/sweep_summary.py <sweep dir>``.
+multirun, and rebuilt at any time by ``shardlab-sweep-summary <sweep dir>``.
 """
 
 from __future__ import annotations

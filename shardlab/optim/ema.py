@@ -4,7 +4,7 @@ Each rank averages the parameter tensors it holds: under fully_sharded its own s
 so an update is one fused lerp over local memory and gathers nothing; under ddp and single the whole parameters. The
 average is fp32 whatever the parameters' dtype. It is saved through DCP beside the model, as ``ema.<name>`` with the
 names of ``model.<name>`` (DTensors under fully_sharded), so a resume restores it exactly and on another world size
-reshards it like the weights. Validation (validation.ema), tools/export_hf.py --ema and a teacher network read it.
+reshards it like the weights. Validation (validation.ema), shardlab-export --ema and a teacher network read it.
 
 Parameters only: buffers (BatchNorm statistics) are the model's own wherever the average is used.
 """

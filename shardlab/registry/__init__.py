@@ -6,7 +6,7 @@ dataclass=...)``): the schema is stored in Hydra's ConfigStore as ``schema/<sect
 modules (dataclasses and registrations only; heavy imports happen inside the factories, so the LM path never imports
 torchvision):
 
-- tasks and their models: ``tasks/<name>/config.py``, found through the ``shardlab.tasks`` entry-point group
+- tasks and their models: ``shardlab_tasks/<name>/config.py``, found through the ``shardlab.tasks`` entry-point group
   (pyproject.toml), registered with ``register_lazy`` (the factory is imported when first built);
 - optimizers and schedules: ``shardlab/optim/__init__.py``, the same way;
 - a user directory's modules (``user_dir=``, shardlab/registry/user_dir.py), imported after the built-ins.
@@ -242,8 +242,8 @@ def unknown_name_message(name: str, kind: str, known: list[str], key: str | None
 
 
 def plugin_packages() -> set[str]:
-    """The packages of the installed task plug-ins (entry points: tasks.lm, tasks.image_classification, ...); a
-    user_dir's package is not one of them."""
+    """The packages of the installed task plug-ins (entry points: shardlab_tasks.lm,
+    shardlab_tasks.image_classification, ...); a user_dir's package is not one of them."""
     return {ep.value.rpartition(".")[0] for ep in entry_points(group="shardlab.tasks")}
 
 

@@ -38,7 +38,7 @@ PRELOAD = [
     "shardlab.distributed.fully_sharded",
     "shardlab.runner",
     "shardlab.trainer",
-    "tasks.lm.task",
+    "shardlab_tasks.lm.task",
     "tests.distributed.harness",
 ]
 """What the fork server imports once: most of what a rank imports by the end of its first config (the trainer pulls

@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from shardlab.checkpoint import weights
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
+from shardlab_commands import consolidate
 from tests.distributed.harness import run_spawned
-from tools import consolidate
 
 RTOL = 1e-5
 CKPT = ["checkpoint.interval_steps=5", "validation.interval_steps=0"]

@@ -219,7 +219,7 @@ def stall_rank_one(step: int, seconds: float) -> None:
 
     import torch.distributed as dist
 
-    from tasks.lm.task import LanguageModelingTask
+    from shardlab_tasks.lm.task import LanguageModelingTask
 
     original, calls = LanguageModelingTask.loss, {"n": 0}
 

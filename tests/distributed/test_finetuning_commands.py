@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shardlab.config import CONF_DIR
+from shardlab_commands import COMMANDS
 from tests.conftest import ROOT
 from tests.hf_folders import make_folder
 from tests.unit.test_docs_commands import PYTHONS, line_commands, logical_lines, train_args
@@ -42,9 +44,9 @@ CHAT_TEMPLATE = (
 )
 """ChatML, as Qwen2.5's Instruct folders write it (without the default system turn)."""
 README_SECTION = "## Fine-tuning open models"
-EVERYDAY_TOOLS = ("tools/generate.py", "tools/consolidate.py")
+EVERYDAY_TOOLS = ("shardlab-generate", "shardlab-consolidate")
 """The README's everyday tools that read the quickstart's step folder: run straight after it (issue #51). Its
-tools/evaluate.py lines read the SwAV run's step or download lm-eval's task: not run here."""
+shardlab-evaluate lines read the SwAV run's step or download lm-eval's task: not run here."""
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -66,14 +68,14 @@ def everyday_tool_lines(readme: str) -> list[str]:
     """The README's everyday commands that read the quickstart's step folder with a tool of EVERYDAY_TOOLS (not
     ``--lm-eval``, which downloads its task)."""
     lines = logical_lines(section(readme, "## Everyday commands"))
-    reads = [line for line in lines if any(f"python {t} runs/lm/default/" in line for t in EVERYDAY_TOOLS)]
+    reads = [line for line in lines if any(line.startswith(f"{t} runs/lm/default/") for t in EVERYDAY_TOOLS)]
     return [line for line in reads if "--lm-eval" not in line]
 
 
 def task_steps(args: list[str]) -> int:
-    """How many steps the command's task trains by default (conf/task/<task>.yaml: optimization.max_steps)."""
+    """How many steps the command's task trains by default (shardlab/conf/task/<task>.yaml: optimization.max_steps)."""
     task = next((a.split("=", 1)[1] for a in args if a.startswith("task=")), "lm")
-    return yaml.safe_load((ROOT / "conf" / "task" / f"{task}.yaml").read_text())["optimization"]["max_steps"]
+    return yaml.safe_load((CONF_DIR / "task" / f"{task}.yaml").read_text())["optimization"]["max_steps"]
 
 
 @dataclass
@@ -86,12 +88,16 @@ class Walk:
     """'<run>/checkpoints/step_<its task's steps>' -> '<run>/checkpoints/step_<STEPS>'"""
 
     def argv(self, argv: list[str]) -> list[str]:
-        """argv as run here: this interpreter for ``python``, a training run shortened, a shortened run's last step
-        given as the step it reached."""
+        """argv as run here: this interpreter for ``python`` (and a shardlab-<name> command as its module, whose
+        ``cli`` the installed script calls), a training run shortened, a shortened run's last step given as the step it
+        reached."""
         args = train_args(argv)
         shorten = args is not None and "dry_run=true" not in args
         argv = [STEP.sub(lambda m: self.last_step.get(m.group(0), m.group(0)), a) for a in argv]
         argv = [sys.executable, *argv[1:]] if argv[0] in PYTHONS else argv
+        argv = (
+            [sys.executable, "-m", f"shardlab_commands.{COMMANDS[argv[0]]}", *argv[1:]] if argv[0] in COMMANDS else argv
+        )
         return [*argv, f"optimization.max_steps={STEPS}"] if shorten else argv
 
     def run(self, line: str) -> list[tuple[list[str], subprocess.CompletedProcess]]:
@@ -118,14 +124,14 @@ class Walk:
             assert step.name == f"step_{STEPS:08d}", new_steps
             run = step.parent.parent.relative_to(self.cwd).as_posix()
             self.last_step[f"{run}/checkpoints/step_{task_steps(args):08d}"] = f"{run}/checkpoints/{step.name}"
-        elif len(argv) > 1 and argv[1] == "tools/export_hf.py":
+        elif argv[0] == "shardlab-export":
             out = self.cwd / argv[argv.index("--out") + 1]
             made = "adapter_config.json" if "--adapter-only" in argv else "model.safetensors.index.json"
             assert (out / made).is_file() and (out / "shardlab_export.json").is_file(), f"{out}: no {made}"
-        elif len(argv) > 1 and argv[1] == "tools/generate.py":
+        elif argv[0] == "shardlab-generate":
             prompt = argv[argv.index("--prompt") + 1]
             assert proc.stdout.startswith(prompt) and len(proc.stdout) > len(prompt) + 1, proc.stdout
-        elif len(argv) > 1 and argv[1] == "tools/consolidate.py":
+        elif argv[0] == "shardlab-consolidate":
             assert (self.cwd / argv[argv.index("--out") + 1]).is_file(), proc.stdout
 
 
@@ -183,7 +189,7 @@ def test_every_fine_tuning_command_runs_as_written(walk, monkeypatch):
     walk.run("python -m shardlab.train")  # the quickstart: the docs start from its step folder
     readme = (ROOT / "README.md").read_text()
     everyday = [command for line in everyday_tool_lines(readme) for command in walk.run(line)]
-    assert {argv[1] for argv, _ in everyday} == set(EVERYDAY_TOOLS)
+    assert {argv[0] for argv, _ in everyday} == set(EVERYDAY_TOOLS)
     lines = fine_tuning_lines(readme, (ROOT / "docs" / "finetuning.md").read_text())
     ran = [command for line in lines for command in walk.run(line)]
     assert len(ran) >= 15
@@ -196,22 +202,22 @@ def test_the_lines_are_the_readme_section_then_the_page_in_order():
         "# a comment line\npython -m shardlab.train seed=2 \\\n    seed=3   # trailing\n```\n## Next\n"
         "```bash\npython -m shardlab.train seed=4\n```\n"
     )
-    page = "Text.\n\n```bash\npython tools/export_hf.py a --out b\n```\n"
+    page = "Text.\n\n```bash\nshardlab-export a --out b\n```\n"
     assert fine_tuning_lines(readme, page) == [
         "python -m shardlab.train seed=2      seed=3   # trailing",
-        "python tools/export_hf.py a --out b",
+        "shardlab-export a --out b",
     ]
 
 
 def test_the_everyday_tools_read_the_quickstarts_step():
-    later = "## Next\n```bash\npython tools/evaluate.py runs/lm/default/checkpoints/step_00000300\n```\n"
+    later = "## Next\n```bash\nshardlab-evaluate runs/lm/default/checkpoints/step_00000300\n```\n"
     readme = "## Everyday commands\n```bash\n" + "\n".join(
-        ["python tools/generate.py runs/lm/default/checkpoints/step_00000300 --prompt x",
-         "python tools/evaluate.py runs/swav/default/checkpoints/step_00000540",
-         "python tools/evaluate.py runs/lm/default/checkpoints/step_00000300 --lm-eval hellaswag",
-         "python tools/consolidate.py runs/lm/default/checkpoints/step_00000300 --out m.safetensors"]
+        ["shardlab-generate runs/lm/default/checkpoints/step_00000300 --prompt x",
+         "shardlab-evaluate runs/swav/default/checkpoints/step_00000540",
+         "shardlab-evaluate runs/lm/default/checkpoints/step_00000300 --lm-eval hellaswag",
+         "shardlab-consolidate runs/lm/default/checkpoints/step_00000300 --out m.safetensors"]
     ) + "\n```\n" + later  # fmt: skip
-    assert [line.split()[1] for line in everyday_tool_lines(readme)] == ["tools/generate.py", "tools/consolidate.py"]
+    assert [line.split()[0] for line in everyday_tool_lines(readme)] == ["shardlab-generate", "shardlab-consolidate"]
 
 
 def test_a_planted_broken_command_fails_the_walk(tmp_path):
@@ -226,16 +232,17 @@ def test_a_planted_broken_command_fails_the_walk(tmp_path):
 def test_only_a_shortened_runs_documented_last_step_is_given_the_step_it_reached(tmp_path):
     walk = Walk(cwd=tmp_path, env={})
     walk.last_step["runs/lm/lora/checkpoints/step_00000300"] = f"runs/lm/lora/checkpoints/step_{STEPS:08d}"
-    line = "python tools/export_hf.py runs/lm/lora/checkpoints/step_00000300 --out m"
+    line = "shardlab-export runs/lm/lora/checkpoints/step_00000300 --out m"
     assert walk.argv(line_commands(line)[0]) == [
         sys.executable,
-        "tools/export_hf.py",
+        "-m",
+        "shardlab_commands.export_hf",
         f"runs/lm/lora/checkpoints/step_{STEPS:08d}",
         "--out",
         "m",
     ]
     for other in ("runs/lm/lora/checkpoints/step_00001000", "runs/lm/default/checkpoints/step_00000300"):
-        assert walk.argv(["python", "tools/export_hf.py", other])[2] == other  # stays, and must exist
+        assert walk.argv(["shardlab-export", other])[3] == other  # stays, and must exist
     train = walk.argv(["python", "-m", "shardlab.train", "task=sft"])
     plan = walk.argv(["python", "-m", "shardlab.train", "dry_run=true"])
     assert train[-1] == f"optimization.max_steps={STEPS}" and plan[-1] == "dry_run=true"
@@ -248,7 +255,7 @@ def test_a_run_that_trained_nothing_fails_the_walk(tmp_path):
     with pytest.raises(AssertionError):
         walk.check_result(["python", "-m", "shardlab.train"], done, set())
     quiet = subprocess.CompletedProcess([], 0, stdout="")
-    for tool in (["tools/export_hf.py", "x", "--out", "nothing"], ["tools/generate.py", "x", "--prompt", "def "],
-                 ["tools/consolidate.py", "x", "--out", "m.safetensors"]):  # fmt: skip
+    for tool in (["shardlab-export", "x", "--out", "nothing"], ["shardlab-generate", "x", "--prompt", "def "],
+                 ["shardlab-consolidate", "x", "--out", "m.safetensors"]):  # fmt: skip
         with pytest.raises(AssertionError):
-            walk.check_result(["python", *tool], quiet, set())
+            walk.check_result(tool, quiet, set())

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from shardlab.checkpoint.weights import read_full
+from shardlab_commands import export_hf, generate
 from tests.distributed.harness import run_spawned
 from tests.hf_folders import FAMILIES, make_folder
-from tools import export_hf, generate
 
 
 def test_sharded_checkpoint_reads_whole_and_exports(tiny_lm, tmp_path):

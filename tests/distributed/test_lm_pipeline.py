@@ -239,11 +239,11 @@ def test_a_one_process_checkpoint_resumes_in_3d(three_d_results, references):
 
 
 def test_a_3d_step_folder_exports_the_weights_one_process_exports(three_d_results, references, tmp_path):
-    """tools/export_hf.py reads the FSDP 2 x TP 2 x PP 2 step folder (each stage's shards under the unsplit names)
+    """shardlab-export reads the FSDP 2 x TP 2 x PP 2 step folder (each stage's shards under the unsplit names)
     into the Hugging Face folder one process's step folder of the same training gives."""
     from safetensors.torch import load_file
 
-    from tools import export_hf
+    from shardlab_commands import export_hf
 
     exported = {}
     for name, result in (("three_d", three_d_results), ("reference", references["llama_gqa"])):

@@ -9,10 +9,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from shardlab.checkpoint.readers import dcp_reader
-from tasks.lm.lora import is_adapter
+from shardlab_commands import export_hf
+from shardlab_tasks.lm.lora import is_adapter
 from tests.distributed.harness import run_spawned
 from tests.hf_folders import make_folder
-from tools import export_hf
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[attn.*,mlp.*]"]
 

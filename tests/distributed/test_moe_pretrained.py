@@ -101,8 +101,8 @@ def test_moe_folders_load_into_two_sharded_ranks_each_reading_its_experts(tiny_l
 
 def check_export(folder, checkpoint, out) -> None:
     """The 2 ranks' checkpoint, exported in bf16, holds the source folder's tensors bit for bit."""
+    from shardlab_commands import export_hf
     from tests.unit.test_export_hf_shards import source_tensors
-    from tools import export_hf
 
     export_hf.main([str(checkpoint), "--out", str(out), "--dtype", "bf16", "--max-shard-mb", "0.02"])
     theirs, ours = source_tensors(folder), source_tensors(out)

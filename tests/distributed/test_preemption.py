@@ -21,7 +21,7 @@ def signal_rank1_during_step3() -> None:
     """Runs in each spawned rank before the configs: rank 1 sends itself SIGUSR1 in the middle of step 3."""
     import torch.distributed as dist
 
-    from tasks.lm.task import LanguageModelingTask
+    from shardlab_tasks.lm.task import LanguageModelingTask
 
     original, calls = LanguageModelingTask.loss, {"n": 0}
 

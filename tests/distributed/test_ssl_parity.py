@@ -41,7 +41,7 @@ def count_fit(trainer) -> dict:
 def local_collectives_from_config_k() -> None:
     """In each rank: from config FIRST_LOCAL on, Sinkhorn's all-reduces and SimCLR's all-gather see only this rank
     (which then holds the whole batch, from position 0)."""
-    from tasks.self_supervised import comm
+    from shardlab_tasks.self_supervised import comm
 
     all_reduce, gather, rank = comm.all_reduce, comm.all_gather_with_grad, comm.data_parallel_rank
 

@@ -261,11 +261,11 @@ def test_checkpoints_move_between_one_process_and_fsdp2_x_tp2(name, four_rank_re
 
 
 def test_a_tensor_parallel_step_folder_exports_the_weights_one_process_exports(four_rank_results, tmp_path):
-    """tools/export_hf.py reads a step folder of FSDP 2 x TP 2 (DTensors split two ways) into the same Hugging Face
+    """shardlab-export reads a step folder of FSDP 2 x TP 2 (DTensors split two ways) into the same Hugging Face
     folder as one process's step folder of the same training."""
     from safetensors.torch import load_file
 
-    from tools import export_hf
+    from shardlab_commands import export_hf
 
     exported = {}
     for name in ("fsdp2_tp2", "reference"):

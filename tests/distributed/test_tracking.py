@@ -33,7 +33,7 @@ def usr2_on_rank1_during_step3() -> None:
     """Runs in each spawned rank: rank 1 sends itself SIGUSR2 in its 3rd training forward."""
     import torch.distributed as dist
 
-    from tasks.lm.task import LanguageModelingTask
+    from shardlab_tasks.lm.task import LanguageModelingTask
 
     original, calls = LanguageModelingTask.loss, {"n": 0}
 
@@ -108,7 +108,7 @@ def stop_mlflow_server(server: subprocess.Popen) -> None:
 
 @pytest.mark.slow  # an mlflow server starts twice: ~1-2 min
 def test_an_mlflow_server_that_goes_away_is_reported_once_and_gets_the_whole_history(tiny_lm, tmp_path, monkeypatch):
-    from tasks.lm.task import LanguageModelingTask
+    from shardlab_tasks.lm.task import LanguageModelingTask
 
     db, port = f"sqlite:///{tmp_path / 'server.db'}", dist_env.free_port()
     servers = [start_mlflow_server(db, port)]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardlab_commands import COMMANDS
 from tests.conftest import ROOT
 from tests.events import scalars
 
@@ -37,11 +38,18 @@ def is_multirun(command: str) -> bool:
 
 
 def run_command(command: str, cwd: Path, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """A tutorial command as a user runs it, with this interpreter as ``python``."""
+    """A tutorial command as a user runs it, with this interpreter as ``python`` (a shardlab-<name> command as its
+    module, whose ``cli`` the installed script calls)."""
     args = shlex.split(command)
-    assert args[0] == "python", f"the tutorial's commands start with python: {command}"
+    assert args[0] == "python" or args[0] in COMMANDS, (
+        f"the tutorial's commands start with python or a command: {command}"
+    )
     env = {**env, "OMP_NUM_THREADS": "1", "HOME": str(cwd / "home")}
-    cmd = [sys.executable, *args[1:]]
+    cmd = (
+        [sys.executable, *args[1:]]
+        if args[0] == "python"
+        else [sys.executable, "-m", f"shardlab_commands.{COMMANDS[args[0]]}", *args[1:]]
+    )
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -77,7 +85,7 @@ def ran(research_root, earlier_sweeps) -> dict[str, subprocess.CompletedProcess]
 
 def test_the_tutorial_shows_what_it_promises():
     commands = tutorial_commands()
-    assert len(commands) >= 6 and all(c.startswith("python ") for c in commands)
+    assert len(commands) >= 6 and all(c.startswith(("python ", "shardlab-")) for c in commands)
     assert any("user_dir=examples/my_research" in c and is_multirun(c) and "world_size=2" in c for c in commands)
     assert any("dry_run=true" in c for c in commands) and sum(on_slurm(c) for c in commands) == 1
 
@@ -90,7 +98,7 @@ def test_every_command_of_the_tutorial_runs(ran):
             assert "gated_conv_tiny" in model_line and "spiral_mlp" in model_line
         elif "dry_run=true" in command:
             assert "FSDP units (8 + root)" in proc.stdout and "nothing allocated" in proc.stdout
-        elif "tools/generate.py" in command:
+        elif "shardlab-generate" in command:
             assert len(proc.stdout.strip()) > 0
         elif not is_multirun(command):
             assert "final validation: loss" in proc.stdout, proc.stdout[-2000:]

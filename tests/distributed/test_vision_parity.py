@@ -280,7 +280,7 @@ DEFAULT_SHAPE = [
 def in_float64() -> None:
     """Run the task in float64: the model's parameters and buffers, its inputs, and with them synced BN's statistics
     and all-reduce, DDP's gradient all-reduce and the loss (all follow their inputs' dtype)."""
-    from tasks.image_classification.task import ImageClassificationTask
+    from shardlab_tasks.image_classification.task import ImageClassificationTask
 
     build, collate = ImageClassificationTask.build_model, ImageClassificationTask.collate
     ImageClassificationTask.build_model = lambda self: build(self).double()
@@ -303,7 +303,7 @@ def in_float64_throughout() -> None:
 def prepared(prepare):
     """``prepare()`` for the duration (it patches classes; they are put back after)."""
     from shardlab.distributed.fully_sharded import FullyShardedBackend
-    from tasks.image_classification.task import ImageClassificationTask
+    from shardlab_tasks.image_classification.task import ImageClassificationTask
 
     saved = ImageClassificationTask.build_model, ImageClassificationTask.collate, FullyShardedBackend.shard_kwargs
     try:

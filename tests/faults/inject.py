@@ -55,7 +55,7 @@ def install(trainer_module) -> None:
 
     Trainer.setup = setup_and_record
     if SPEC["event"] in ("pause", "error"):
-        from tasks.lm.task import LanguageModelingTask
+        from shardlab_tasks.lm.task import LanguageModelingTask
 
         loss = LanguageModelingTask.loss
 

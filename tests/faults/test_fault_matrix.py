@@ -101,7 +101,7 @@ def cells():
 def references(tiny_lm, tmp_path_factory) -> dict:
     """One process's uninterrupted runs (world-size invariant to 1e-5): from scratch (its step_3 is where the path
     setting begins, and its losses from step 4 on are that run's too), and from step_3's weights (init_from)."""
-    from tools import consolidate
+    from shardlab_commands import consolidate
 
     tmp = tmp_path_factory.mktemp("fault_references")
     scratch = run_rank(tiny_lm(*RUN[len(TINY_LM) :]), tmp / "scratch", dist_env.detect())

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.lm.cache import prepare_corpus
+from shardlab_tasks.lm.cache import prepare_corpus
 from tests.faults.test_fault_matrix import SITE
 from tests.slurm.test_slurm import slurm_state, wait_for
 from tests.unit.test_lm_shards import WORDS, stream, write_corpus
@@ -23,7 +23,10 @@ HOSTS = {"shl-n1", "shl-n2"}
 
 def submit_array(env: dict, tmp_path: Path, corpus: Path, cache: Path, num_tasks: int, num_shards: int) -> str:
     """sbatch --array over partition multi, one exclusive task per element (so the two land on the two hosts)."""
-    command = f"{sys.executable} tools/preprocess_lm.py {corpus} --cache-dir {cache} --shards {num_shards} --workers 0"
+    command = (
+        f"{sys.executable} -m shardlab_commands.preprocess_lm {corpus} --cache-dir {cache} --shards {num_shards} "
+        "--workers 0"
+    )
     done = subprocess.run(
         ["sbatch", "--parsable", "-p", "multi", "--exclusive", f"--array=0-{num_tasks - 1}", f"--chdir={ROOT}",
          f"--output={tmp_path}/array-%A_%a.out", "--wrap", command],

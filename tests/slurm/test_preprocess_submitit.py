@@ -1,4 +1,4 @@
-"""tools/preprocess_lm.py --slurm: the corpus's shards tokenized by one Slurm job of several tasks, submitted through
+"""shardlab-preprocess --slurm: the corpus's shards tokenized by one Slurm job of several tasks, submitted through
 submitit on the test cluster's partition `debug`, give the tokens one process writes, token for token."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.lm.cache import prepare_corpus
+from shardlab_tasks.lm.cache import prepare_corpus
 from tests.unit.test_lm_shards import stream, write_corpus
 
 pytestmark = pytest.mark.slurm
@@ -23,10 +23,11 @@ def test_a_submitit_job_of_two_tasks_writes_one_process_tokens(slurm_env, tmp_pa
     corpus = write_corpus(tmp_path / "corpus", num_files=12)
     one = prepare_corpus(str(corpus), str(tmp_path / "one"), "byte", 5.0, 0, num_workers=0)
     cache = tmp_path / "job"
-    command = [sys.executable, "tools/preprocess_lm.py", str(corpus), "--cache-dir", str(cache), "--shards", "4",
-               "--workers", "0", "--slurm", "--partition", "debug", "--nodes", "1", "--tasks-per-node", "2",
+    command = [sys.executable, "-m", "shardlab_commands.preprocess_lm", str(corpus), "--cache-dir", str(cache),
+               "--shards", "4", "--workers", "0", "--slurm", "--partition", "debug", "--nodes", "1",
+               "--tasks-per-node", "2",
                "--cpus-per-task", "1", "--timeout-min", "10"]  # fmt: skip
-    # the tasks unpickle the tool's main on the node: they import shardlab, tasks and tools from this checkout
+    # the tasks unpickle the tool's main on the node: they import shardlab's three packages from this checkout
     done = subprocess.run(command, cwd=ROOT, env={**slurm_env, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

@@ -121,7 +121,7 @@ def test_sweep_runs_as_a_job_array_and_the_summary_tool_collects_it(slurm_env, c
     assert len({j["run_dir"] for j in jobs}) == 2
     assert out.count("completed at step 10") == 2, out[-3000:]
     summary = subprocess.run(
-        [sys.executable, "tools/sweep_summary.py", str(sweep_dir), "--json"], cwd=ROOT, env=slurm_env,
+        [sys.executable, "-m", "shardlab_commands.sweep_summary", str(sweep_dir), "--json"], cwd=ROOT, env=slurm_env,
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     rows = json.loads(summary.stdout)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from shardlab.errors import ConfigError, DataError
-from tasks.lm.cache import prepare_corpus, preprocess_shards, read_corpus_meta
-from tasks.lm.sft_template import find_chat_template, load_chat_template
-from tasks.lm.tokenizer import ByteTokenizer
+from shardlab_tasks.lm.cache import prepare_corpus, preprocess_shards, read_corpus_meta
+from shardlab_tasks.lm.sft_template import find_chat_template, load_chat_template
+from shardlab_tasks.lm.tokenizer import ByteTokenizer
 
 
 def finished(fn, timeout_s: float = 30.0) -> BaseException | None:
@@ -145,7 +145,7 @@ def test_an_image_that_is_a_fifo_or_a_link_out_of_the_folder_is_refused_as_undec
     ever; a link out of the folder is not followed. Both are undecodable images (skipped with data.skip_corrupt)."""
     from PIL import Image
 
-    from tasks.image_classification.data import ImageFiles
+    from shardlab_tasks.image_classification.data import ImageFiles
 
     (tmp_path / "data" / "cat").mkdir(parents=True)
     Image.new("RGB", (4, 4)).save(tmp_path / "data" / "cat" / "a.png")

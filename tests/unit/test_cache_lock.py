@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from shardlab.errors import DataError
-from tasks.lm import cache_lock
-from tasks.lm.cache import prepare_corpus
-from tasks.lm.cache_lock import build_once, lock_path, temp_prefix
+from shardlab_tasks.lm import cache_lock
+from shardlab_tasks.lm.cache import prepare_corpus
+from shardlab_tasks.lm.cache_lock import build_once, lock_path, temp_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -202,6 +202,9 @@ def test_two_processes_preprocessing_one_corpus_get_identical_token_files(tmp_pa
 
 def test_preprocessing_modules_do_not_import_torch():
     """Preprocessing workers import them (spawned, one per core): torch alone would cost each ~650 MB and seconds."""
-    code = "import sys, tasks.lm.cache, tools.preprocess_lm; print(sorted(m for m in sys.modules if m == 'torch'))"
+    code = (
+        "import sys, shardlab_tasks.lm.cache, shardlab_commands.preprocess_lm; "
+        "print(sorted(m for m in sys.modules if m == 'torch'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.strip() == "[]"

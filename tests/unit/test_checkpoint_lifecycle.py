@@ -13,7 +13,7 @@ from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError
 from shardlab.jobs import run_record
 from shardlab.runner import run_rank
-from tools import consolidate
+from shardlab_commands import consolidate
 
 CKPT = [
     "optimization.max_steps=12",

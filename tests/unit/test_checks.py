@@ -97,7 +97,7 @@ def test_the_run_finds_the_preflights_check_done_and_checks_a_config_it_was_not_
     from shardlab import runner
     from shardlab.jobs import checks
     from shardlab.jobs.preflight import check_composed
-    from tasks.lm.task import LanguageModelingTask
+    from shardlab_tasks.lm.task import LanguageModelingTask
 
     calls, validated = [], []
     own_checks, own_finite = LanguageModelingTask.config_errors, checks.nonfinite_errors
@@ -186,7 +186,7 @@ def test_values_found_after_status_json_or_at_the_optimizer_before_now_leave_the
 CHECKS_CALLED_ONLY_BY = {
     "validate": {"shardlab/jobs/checks.py"},
     # SSL's extend its parent's; the LM's asks its architecture's (model.arch) as a part of its own
-    "config_errors": {"shardlab/jobs/checks.py", "tasks/self_supervised/task.py", "tasks/lm/task.py"},
+    "config_errors": {"shardlab/jobs/checks.py", "shardlab_tasks/self_supervised/task.py", "shardlab_tasks/lm/task.py"},
     "world_errors": {"shardlab/jobs/checks.py"},
     "compile_errors": {"shardlab/jobs/checks.py"},
     "foreign_section_errors": {"shardlab/jobs/checks.py"},
@@ -201,9 +201,9 @@ RAISES_CONFIG_ERROR = {
     "shardlab/jobs/preflight.py": "the command line and its composition, before Hydra starts",
     "shardlab/registry/__init__.py": "unknown and clashing names (a lookup the checks make first)",
     "shardlab/registry/user_dir.py": "the user_dir folder and its imports, before the config composes",
-    "tasks/lm/task.py": "model.arch of another kind, asked by the LM's config_errors",
-    "tasks/lm/export_hf.py": "a tool's own command line and the model it exports",
-    "tasks/lm/harness.py": "a tool's own command line (evaluate --lm-eval) and the extra it needs installed",
+    "shardlab_tasks/lm/task.py": "model.arch of another kind, asked by the LM's config_errors",
+    "shardlab_tasks/lm/export_hf.py": "a tool's own command line and the model it exports",
+    "shardlab_tasks/lm/harness.py": "a tool's own command line (evaluate --lm-eval) and the extra it needs installed",
     # what only a rank, its machine, its data or the folder's contents show
     "shardlab/distributed/base.py": "backend=single on a rank of a world it finds at start (run_rank's callers)",
     "shardlab/distributed/sync_bn.py": "the process group's size (the checks ask the task's world_errors first)",
@@ -219,12 +219,18 @@ RAISES_CONFIG_ERROR = {
     "shardlab/memory/budget.py": "the memory plan against distributed.memory_budget_gb (asked by the checks)",
     "shardlab/runner/autotune.py": "the layouts measured on the ranks",
     "shardlab/memory/verify.py": "the real fully_shard against the plan (a dry run's)",
-    "tasks/lm/tokenizer.py": "the tokenizer file the data names",
-    "tasks/lm/shards.py": "the shard plan a cache being preprocessed already follows (tools/preprocess_lm.py --shards)",
-    "tasks/lm/sft_template.py": "the chat template file data.chat_template names (or the tokenizer's folder holds)",
+    "shardlab_tasks/lm/tokenizer.py": "the tokenizer file the data names",
+    "shardlab_tasks/lm/shards.py": (
+        "the shard plan a cache being preprocessed already follows (shardlab-preprocess --shards)"
+    ),
+    "shardlab_tasks/lm/sft_template.py": (
+        "the chat template file data.chat_template names (or the tokenizer's folder holds)"
+    ),
     "shardlab/checkpoint/export_folder.py": "a tool's --out, against the folders on disk it would replace",
-    "tasks/image_classification/task.py": "the classes the data holds",
-    "tasks/image_classification/model.py": "model.flavor, at the model's build (its config_errors checks it first)",
+    "shardlab_tasks/image_classification/task.py": "the classes the data holds",
+    "shardlab_tasks/image_classification/model.py": (
+        "model.flavor, at the model's build (its config_errors checks it first)"
+    ),
 }
 """Where a ConfigError may be raised, and why there: a new one elsewhere is either a pure config value, which belongs
 in shardlab.jobs.checks (or a task's config_errors), or something only a rank, its data or its machine shows, to add
@@ -232,7 +238,7 @@ here with its reason."""
 
 
 def python_files() -> list[Path]:
-    return sorted(p for folder in ("shardlab", "tasks") for p in (ROOT / folder).rglob("*.py"))
+    return sorted(p for folder in ("shardlab", "shardlab_tasks") for p in (ROOT / folder).rglob("*.py"))
 
 
 def called_names(tree: ast.AST) -> set[str]:

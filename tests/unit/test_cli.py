@@ -57,7 +57,7 @@ BAD_INPUTS = {
     "unknown optimizer": (
         ["optimizer=adamm"],
         r"known: "
-        + re.escape(", ".join(sorted(p.stem for p in (ROOT / "conf/optimizer").glob("*.yaml"))))
+        + re.escape(", ".join(sorted(p.stem for p in (ROOT / "shardlab/conf/optimizer").glob("*.yaml"))))
         + r"\. Did you mean 'adamw'\?",
     ),
     "unknown scheduler": (["lr_scheduler=cosin"], r"Did you mean 'cosine'\?"),
@@ -230,10 +230,10 @@ def test_train_log_holds_the_console_lines_and_the_logged_lr_is_the_steps_own(tm
     assert lrs == ["2.00e-04", "4.00e-04", "6.00e-04", "8.00e-04", "1.00e-03", "1.00e-03"]  # warmup (s+1)/5, then peak
 
 
-@pytest.mark.parametrize("shadow", ["tasks.py", "tasks/__init__.py"])
-def test_cli_runs_from_a_directory_holding_its_own_tasks_module(tmp_path, shadow):
-    """Python puts the working directory first on sys.path; a user's tasks.py or tasks/ there must not replace the
-    built-in task plug-ins (the top-level package ``tasks``)."""
+@pytest.mark.parametrize("shadow", ["tasks/__init__.py", "conf/config.yaml"])
+def test_cli_runs_from_a_directory_holding_its_own_tasks_and_conf(tmp_path, shadow):
+    """Python puts the working directory first on sys.path, and a project has its own tasks/ and conf/: neither may
+    replace the built-in task plug-ins (``shardlab_tasks``) or shardlab's configs (``shardlab/conf``)."""
     (tmp_path / shadow).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / shadow).write_text("raise RuntimeError('the user module was imported')\n")
     proc = subprocess.run(

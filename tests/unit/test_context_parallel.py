@@ -1,6 +1,6 @@
 """Context parallelism's pieces that run without CUDA attention (shardlab/distributed/context_parallel.py,
-tasks/lm/context_parallel.py): the load balancer's positions, the FSDP mesh over dp_shard x cp on the fake process
-group (torch's flatten and the public fallback alike), and the LM models at the positions a context rank holds.
+shardlab_tasks/lm/context_parallel.py): the load balancer's positions, the FSDP mesh over dp_shard x cp on the fake
+process group (torch's flatten and the public fallback alike), and the LM models at the positions a context rank holds.
 Sharding by torch's context_parallel over real ranks: tests/distributed/test_context_parallel.py."""
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def test_the_models_read_tokens_in_load_balanced_order_at_their_true_positions(a
     import torch.nn.functional as F
     from omegaconf import OmegaConf
 
-    from tasks.lm.config import GPTConfig, LlamaConfig
-    from tasks.lm.llama import Llama
-    from tasks.lm.model import GPT
+    from shardlab_tasks.lm.config import GPTConfig, LlamaConfig
+    from shardlab_tasks.lm.llama import Llama
+    from shardlab_tasks.lm.model import GPT
 
     torch.manual_seed(0)
     if arch == "gpt":

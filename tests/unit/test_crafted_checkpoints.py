@@ -195,7 +195,7 @@ from pathlib import Path
 from shardlab.checkpoint import weights
 from shardlab.checkpoint.readers import dcp_reader
 from shardlab.errors import ShardlabError
-from tools import generate
+from shardlab_commands import generate
 
 def rss_kib(field):
     return int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
@@ -252,7 +252,7 @@ def test_a_crafted_model_config_is_refused_before_its_model_is_materialized(norm
         (
             "huge config",
             str(folder),
-            f"__import__('tools.evaluate').evaluate.main([str(path), 'data.cache_dir={cache}'])",
+            f"__import__('shardlab_commands.evaluate').evaluate.main([str(path), 'data.cache_dir={cache}'])",
         ),
     ]
     for result in run_child(jobs, normal, timeout=300):

@@ -26,7 +26,7 @@ from shardlab.checkpoint.readers import dcp_reader
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError, ConfigError, UnsafeCheckpointError, first_cause
 from shardlab.runner import run_rank
-from tools import consolidate, evaluate, export_hf, generate
+from shardlab_commands import consolidate, evaluate, export_hf, generate
 
 RUN = ["optimization.max_steps=2", "checkpoint.interval_steps=2", "validation.interval_steps=0"]
 

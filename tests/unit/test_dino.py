@@ -13,9 +13,9 @@ from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.jobs.preflight import preflight
 from shardlab.runner import run_rank
-from tasks.self_supervised.dino import Center, WeightNormLinear, collapse_stats, dino_loss, teacher_temperature
+from shardlab_commands import evaluate
+from shardlab_tasks.self_supervised.dino import Center, WeightNormLinear, collapse_stats, dino_loss, teacher_temperature
 from tests.ssl_configs import STEPS, dino
-from tools import evaluate
 
 
 def softmax(row: list[float], temperature: float) -> list[float]:
@@ -127,7 +127,7 @@ def test_resume_restores_the_teacher_and_the_center_exactly(tmp_path):
     assert torch.equal(resumed["center"], whole["center"]) and whole["center"].abs().sum() > 0
     for name, tensor in whole["ema"].items():
         assert torch.equal(resumed["ema"][name], tensor), name
-    # tools/evaluate.py --ema probes the teacher: the checkpoint's average, not the student.
+    # shardlab-evaluate --ema probes the teacher: the checkpoint's average, not the student.
     _, teacher = evaluate.build_model(dino(), tmp_path / "whole" / "checkpoints" / "step_00000006", ema=True)
     weight = "prototypes.weight"
     assert torch.equal(teacher.state_dict()[weight], whole["ema"][weight])

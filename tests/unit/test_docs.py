@@ -1,6 +1,6 @@
 """The README is a door, not the house: short, linking every docs/ page; and the docs stay true of the tree: no link
 leads nowhere, no path written in backticks names a file that is not there, the README's map names every package,
-module and test folder, and docs/configuration.md lists every config group option in conf/."""
+module and test folder, and docs/configuration.md lists every config group option in shardlab/conf/."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from shardlab.config import CONF_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = sorted((REPO / "docs").glob("*.md"))
@@ -47,7 +49,7 @@ def test_every_relative_link_and_anchor_in_the_docs_resolves():
 
 
 # ---- paths written in backticks --------------------------------------------------------------------------------------
-ROOTS = ("shardlab", "tasks", "tools", "tests", "conf", "docs", "examples", "hydra_plugins")
+ROOTS = ("shardlab", "shardlab_tasks", "shardlab_commands", "tools", "tests", "docs", "examples", "hydra_plugins")
 PACKAGES = tuple(sorted(p.name for p in (REPO / "shardlab").iterdir() if (p / "__init__.py").is_file()))
 """shardlab's packages: `memory/plan.py` in the docs is shardlab/memory/plan.py."""
 SOURCE = re.compile(r"^[\w-]+\.(?:py|yaml|sh|toml|md)$")
@@ -73,7 +75,7 @@ def rooted(word: str) -> str | None:
     head = word.split("/", 1)[0]
     if "/" not in word or not re.fullmatch(r"[\w.<>*-]+(/[\w.<>*-]*)*", word):
         return None
-    if head in ROOTS:
+    if head in ROOTS or head == "conf":  # conf/: a user_dir's (the tutorial's, under examples/); shardlab/conf/ is ours
         return word
     return f"shardlab/{word}" if head in PACKAGES else None
 
@@ -123,11 +125,12 @@ def map_paths(block: str) -> list[str]:
 
 def map_omissions(block: str, repo: Path = REPO) -> list[str]:
     """What of the tree a map of the code leaves out: a top-level folder; a module or package of shardlab/ or a
-    package of tasks/ without its own line; a module of such a package not named (by its stem) in the package's
-    description; a folder of tests/ not named (``unit/``) in tests/' description. tools/ is described by kind."""
+    package of shardlab_tasks/ without its own line; a module of such a package not named (by its stem) in the package's
+    description; a module of shardlab_commands/ not named in its description; a folder of tests/ not named (``unit/``)
+    in tests/' description. tools/ is described by kind."""
     entries = dict(map_entries(block))
     missing = [f"{r}/" for r in ROOTS if not any(p.startswith(f"{r}/") for p in entries)]
-    for root in ("shardlab", "tasks"):
+    for root in ("shardlab", "shardlab_tasks"):
         for child in sorted((repo / root).iterdir()):
             is_package = (child / "__init__.py").is_file()
             if not is_package and (child.suffix != ".py" or child.name == "__init__.py"):
@@ -138,6 +141,9 @@ def map_omissions(block: str, repo: Path = REPO) -> list[str]:
             elif is_package:
                 words = set(re.findall(r"\w+", entries[name]))
                 missing += [f"{name}{m.name}" for m in sorted(child.glob("*.py")) if m.stem not in words | {"__init__"}]
+    commands = set(re.findall(r"\w+", entries.get("shardlab_commands/", "")))
+    missing += [f"shardlab_commands/{m.name}" for m in sorted((repo / "shardlab_commands").glob("*.py"))
+                if m.stem not in commands | {"__init__"}]  # fmt: skip
     tests = set(re.findall(r"(\w+)/", entries.get("tests/", "")))
     missing += [f"tests/{d.name}/" for d in sorted((repo / "tests").iterdir()) if d.is_dir() and d.name not in tests]
     return [m for m in missing if "__pycache__" not in m]
@@ -173,13 +179,14 @@ def placed(prose: str) -> list[str]:
 def stale_paths(markdown: str) -> list[str]:
     """Every path ``markdown`` writes in backticks that is not in the repository.
 
-    The rule: (1) in inline code and in fenced blocks, a word that begins with a top-level folder (shardlab/, tasks/,
-    tools/, tests/, conf/, docs/, examples/, hydra_plugins/) is a path from the repository root, and one that begins
-    with a package of shardlab/ (``memory/plan.py``) a path in shardlab/; (2) a bare file name (``name.py``, ``.yaml``,
-    ``.sh``, ``.toml``, ``.md``) is checked where the text places it: after a backticked folder in its paragraph, or
-    listed beside a backticked file (``placed``), and in a map of the code, in the folder it is drawn under
-    (``map_paths``). ``<name>`` and ``*`` stand for any name. A bare name the text places nowhere (``train.py`` alone)
-    and paths outside the repository (``/tmp/...``, ``runs/...``, another project's) are not checked."""
+    The rule: (1) in inline code and in fenced blocks, a word that begins with a top-level folder (shardlab/,
+    shardlab_tasks/, tools/, tests/, docs/, examples/, hydra_plugins/) is a path from the repository root, one that
+    begins with conf/ a user_dir's (shardlab's own is shardlab/conf/), and one that begins with a package of shardlab/
+    (``memory/plan.py``) a path in shardlab/; (2) a bare file name (``name.py``, ``.yaml``, ``.sh``, ``.toml``, ``.md``)
+    is checked where the text places it: after a backticked folder in its paragraph, or listed beside a backticked file
+    (``placed``), and in a map of the code, in the folder it is drawn under (``map_paths``). ``<name>`` and ``*`` stand
+    for any name. A bare name the text places nowhere (``train.py`` alone) and paths outside the repository
+    (``/tmp/...``, ``runs/...``, another project's) are not checked."""
     prose = FENCE.sub("\n\n", markdown)
     words = [w for span in SPAN.findall(prose) for w in tokens(span)]
     found = [p for w in words if (p := rooted(w))] + placed(prose)
@@ -206,8 +213,8 @@ def test_the_readmes_map_names_every_package_module_and_test_folder():
 
 
 PLANTED = [
-    ("`tools/plot.py`", "`tools/plots.py`", "tools/plots.py"),  # a rooted path in prose
-    ("python tools/generate.py", "python tools/sample.py", "tools/sample.py"),  # in a fenced command
+    ("`tools/slurm_cluster.sh`", "`tools/slurm_clusters.sh`", "tools/slurm_clusters.sh"),  # a rooted path in prose
+    ("python tools/bench_tables.py --check", "python tools/bench_table.py --check", "tools/bench_table.py"),  # fenced
     ("`memory/plan.py`", "`memory/planner.py`", "shardlab/memory/planner.py"),  # read in shardlab/
     ("  task.py                 the Task", "  tasks.py                the Task", "shardlab/tasks.py"),  # a map's name
     ("(user_dir.py: its", "(user_dirs.py: its", "shardlab/registry/user_dirs.py"),  # a name in a map's description
@@ -226,8 +233,10 @@ def test_a_planted_stale_path_in_the_readme_is_caught(old, new, stale):
     ("markdown", "stale"),
     [
         ("The code: `shardlab/checkpoint/` (`manager.py`, `managers.py`).", ["shardlab/checkpoint/managers.py"]),
-        ("Presets: `conf/hydra/launcher/slurm.yaml` and `remote.yaml`.", ["conf/hydra/launcher/remote.yaml"]),
-        ("`tasks/<name>/task.py` and `tasks/<name>/tasks.py`", ["tasks/<name>/tasks.py"]),
+        ("Presets: `shardlab/conf/hydra/launcher/slurm.yaml` and `remote.yaml`.",
+         ["shardlab/conf/hydra/launcher/remote.yaml"]),
+        ("Its `conf/model/mine.yaml`", ["conf/model/mine.yaml"]),  # a user_dir's conf/: the tutorial's has none
+        ("`shardlab_tasks/<name>/task.py` and `shardlab_tasks/<name>/tasks.py`", ["shardlab_tasks/<name>/tasks.py"]),
         ("`docs/bench/autotune_*.json` and `docs/bench/autotuned_*.json`", ["docs/bench/autotuned_*.json"]),
         ("`tests/unit/test_docs.py::test_x:12` and `tests/unit/test_doc.py:3`", ["tests/unit/test_doc.py"]),
         ("```text\nexamples/my_research/\n├── spirals.py\n└── conf/\n    └── task/spiral.yaml\n```",
@@ -242,7 +251,7 @@ def test_the_path_rule(markdown, stale):
 def test_a_module_the_map_leaves_out_is_caught(tmp_path):
     block = next(b for b in FENCE.findall((REPO / "README.md").read_text()) if b.startswith("shardlab/"))
     assert map_omissions(block.replace("policy (when to save), ", "")) == ["shardlab/checkpoint/policy.py"]
-    assert map_omissions(block.replace("faults/ (the fault matrix), ", "")) == ["tests/faults/"]
+    assert map_omissions(block.replace("faults/ (fault matrix), ", "")) == ["tests/faults/"]
     assert map_omissions(
         block.replace("  errors.py               ConfigError", "  error.py                ConfigError")
     ) == ["shardlab/errors.py"]
@@ -282,7 +291,7 @@ def option_schema(group: str, option: Path) -> str | None:
     return f"{kind.__module__}.{kind.__qualname__}" if isinstance(kind, type) else None
 
 
-def group_table_problems(markdown: str, conf: Path = REPO / "conf") -> list[str]:
+def group_table_problems(markdown: str, conf: Path = CONF_DIR) -> list[str]:
     """How the "Config groups" table differs from ``conf``: a group (a folder of option files, hydra/launcher too)
     without a row or a row without a group, an option missing or listed that has no file, a schema its options use
     that the row does not name, or one it names that none uses."""
@@ -314,7 +323,11 @@ def test_the_config_groups_table_lists_every_option_and_schema_in_conf():
     [
         (", `llama3_405b`", "", "model: llama3_405b not listed"),
         ("`lars` (SwAV's", "`larc` (SwAV's", "optimizer: lars not listed"),
-        (", `tasks.self_supervised.config.DINOConfig`", "", "task: schema tasks.self_supervised.config.DINOConfig"),
+        (
+            ", `shardlab_tasks.self_supervised.config.DINOConfig`",
+            "",
+            "task: schema shardlab_tasks.self_supervised.config.DINOConfig",
+        ),
         ("| `hydra/launcher` |", "| `launcher` |", "group hydra/launcher: no row"),
     ],
 )
@@ -327,7 +340,7 @@ def test_a_config_groups_table_that_falls_behind_conf_is_caught(old, new, proble
 def test_a_new_option_file_is_caught(tmp_path):
     import shutil
 
-    shutil.copytree(REPO / "conf", tmp_path / "conf")
+    shutil.copytree(CONF_DIR, tmp_path / "conf")
     (tmp_path / "conf" / "optimizer" / "adafactor.yaml").write_text("defaults:\n  - /schema/optimizer/adamw@_here_\n")
     page = (REPO / "docs" / "configuration.md").read_text()
     assert group_table_problems(page, tmp_path / "conf") == ["optimizer: adafactor not listed"]

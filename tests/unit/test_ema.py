@@ -15,7 +15,7 @@ from shardlab.errors import CheckpointError, ConfigError, IncompatibleCheckpoint
 from shardlab.jobs.preflight import preflight
 from shardlab.optim.ema import WeightAverage, ema_decay
 from shardlab.runner import run_rank
-from tools import export_hf
+from shardlab_commands import export_hf
 
 EMA = ["optimization.ema.enabled=true", "optimization.ema.decay=0.8", "optimization.ema.start_step=2"]
 
@@ -127,7 +127,7 @@ def test_validation_with_ema_reports_the_average_and_leaves_training_alone(lm_ru
 
 def test_export_with_ema_writes_the_average_that_validation_measured(lm_runs, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from tools import generate
+    from shardlab_commands import generate
 
     checkpoint = lm_runs["whole_dir"] / "checkpoints" / "step_00000010"
     state = weights.read_full(checkpoint, ema=True)

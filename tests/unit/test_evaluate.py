@@ -1,4 +1,4 @@
-"""tools/evaluate.py: a linear probe and kNN on frozen features of a vision checkpoint (or of a random trunk), an LM
+"""shardlab-evaluate: a linear probe and kNN on frozen features of a vision checkpoint (or of a random trunk), an LM
 checkpoint's perplexity, and one-line answers to mistakes."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.runner import build_task, run_rank
 from shardlab.train import run_tool
-from tasks.image_classification.probe import knn_scores, standardize, top_k_accuracy, train_linear
+from shardlab_commands import consolidate, evaluate
+from shardlab_tasks.image_classification.probe import knn_scores, standardize, top_k_accuracy, train_linear
 from tests.conftest import compose_config
 from tests.ssl_configs import TINY_VISION
-from tools import consolidate, evaluate
 
 # tests/ssl_configs.py's tiny RegNetY classifier, trained 3 steps, checkpointed at the last.
 VISION_RUN = [
@@ -157,8 +157,8 @@ def test_features_cache_is_reused_and_keyed_by_the_weights(vision_checkpoint, tm
 
 # ---- the splits: train, valid (choosing recipes), test (reported) ----------------------------------------------------
 def test_embedded_test_split_is_disjoint_and_the_same_whatever_the_train_and_validation_sizes():
-    from tasks.image_classification.config import ImageDataConfig
-    from tasks.image_classification.data import generate_shapes, open_datasets, open_test
+    from shardlab_tasks.image_classification.config import ImageDataConfig
+    from shardlab_tasks.image_classification.data import generate_shapes, open_datasets, open_test
 
     data = ImageDataConfig(image_size=16, num_train=80, num_valid=40, num_test=40, augment=False)
     train, valid, _ = open_datasets(data)
@@ -177,8 +177,8 @@ def test_embedded_test_split_is_disjoint_and_the_same_whatever_the_train_and_val
 
 
 def test_fake_test_split_follows_the_validation_samples():
-    from tasks.image_classification.config import ImageDataConfig
-    from tasks.image_classification.data import open_datasets, open_test
+    from shardlab_tasks.image_classification.config import ImageDataConfig
+    from shardlab_tasks.image_classification.data import open_datasets, open_test
 
     data = ImageDataConfig(source="fake", image_size=8, num_train=6, num_valid=4, num_test=3, num_fake_classes=5)
     train, valid, _ = open_datasets(data)
@@ -203,7 +203,7 @@ def test_recompute_bn_gives_each_layer_the_train_splits_batch_statistics_by_hand
     from torch import nn
     from torch.utils.data import TensorDataset
 
-    from tasks.image_classification.probe import recompute_bn_stats
+    from shardlab_tasks.image_classification.probe import recompute_bn_stats
 
     g = torch.Generator().manual_seed(0)
     conv, bn1, bn2 = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.BatchNorm1d(4)

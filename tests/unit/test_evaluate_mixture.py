@@ -1,5 +1,5 @@
-"""tools/evaluate.py on a run trained on a mixture (data.sources, tasks/lm/mixture.py): each source's loss and the
-mixture's, equal to what training's validation logged for the same weights, with the sources taken from the tool's
+"""shardlab-evaluate on a run trained on a mixture (data.sources, shardlab_tasks/lm/mixture.py): each source's loss and
+the mixture's, equal to what training's validation logged for the same weights, with the sources taken from the tool's
 own command line, never from the checkpoint's config."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
+from shardlab_commands import evaluate
 from tests.conftest import TINY_LM, compose_config
 from tests.unit.test_evaluate import _ARMED, OPENED, answer
-from tools import evaluate
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 

@@ -1,4 +1,4 @@
-"""tools/export_hf.py: a trained checkpoint loads in transformers as GPT-2 or Llama and computes what shardlab
+"""shardlab-export: a trained checkpoint loads in transformers as GPT-2 or Llama and computes what shardlab
 computes."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.runner import run_rank
-from tasks.lm.export_hf import export_refusal
-from tools import export_hf, generate, preprocess_lm
+from shardlab_commands import export_hf, generate, preprocess_lm
+from shardlab_tasks.lm.export_hf import export_refusal
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""tools/export_hf.py as a round trip: a Hugging Face folder of each family, loaded (model.pretrained) and saved by
+"""shardlab-export as a round trip: a Hugging Face folder of each family, loaded (model.pretrained) and saved by
 shardlab without its weights changing, exports as shards whose tensors equal the source files' bit for bit (bf16),
 with the source's tokenizer files and a config.json transformers reads as the same family. And the export's
 bookkeeping: shards and index, a re-run replaces the earlier export, a cut-short one leaves it as it was, and the
@@ -16,9 +16,9 @@ from shardlab.checkpoint import hf_folder
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.runner import run_rank
-from tasks.lm.export_hf import export_refusal, family
+from shardlab_commands import export_hf
+from shardlab_tasks.lm.export_hf import export_refusal, family
 from tests.hf_folders import FAMILIES, make_folder
-from tools import export_hf
 
 transformers = pytest.importorskip("transformers")
 

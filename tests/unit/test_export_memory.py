@@ -1,4 +1,4 @@
-"""tools/export_hf.py's memory per process is bounded by its read buffer and the largest tensor, not the model: a
+"""shardlab-export's memory per process is bounded by its read buffer and the largest tensor, not the model: a
 ~51 MB Llama (fp32) exported in a fresh process, its peak resident memory above its start measured
 (tools/bench_export.py, shardlab.memory.meter), beside the same export with a buffer that holds the whole model."""
 

@@ -1,4 +1,4 @@
-"""tools/export_hf.py never harms what it did not write: an --out that is, lies in or contains what the export reads
+"""shardlab-export never harms what it did not write: an --out that is, lies in or contains what the export reads
 (the run's model.pretrained, the step folder, the run's folder), a folder of someone else's files, or a symbolic link
 to any of these is refused in one line before anything is read, in every mode, and the folder is byte-identical
 afterwards; every mode writes into a staged folder renamed into place, marked as an export's."""
@@ -15,8 +15,8 @@ import pytest
 
 from shardlab.checkpoint.export_folder import EXPORT_MARKER
 from shardlab.errors import ConfigError
+from shardlab_commands import export_hf
 from tests.hf_folders import make_folder
-from tools import export_hf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,8 @@ def test_the_refusal_is_one_line_and_a_non_zero_exit_from_the_command(lora_run):
     before = snapshot(base)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "tools/export_hf.py", str(lora_run["step"]), "--adapter-only", "--out", str(base)],
+        [sys.executable, "-m", "shardlab_commands.export_hf", str(lora_run["step"]), "--adapter-only", "--out",
+         str(base)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode != 0 and done.stdout == ""
@@ -112,7 +113,7 @@ def test_every_mode_stages_marks_and_replaces_only_its_own_earlier_export(lora_r
     before = snapshot(out)
 
     from shardlab.checkpoint import hf_folder
-    from tasks.lm import lora
+    from shardlab_tasks.lm import lora
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
@@ -163,7 +164,7 @@ def test_a_lora_base_changed_since_the_run_recorded_it_is_refused_at_resume_and_
     with pytest.raises(IncompatibleCheckpointError, match="is not the one .* trained its adapters on") as refused:
         run_rank(compose_config([*run, "optimization.max_steps=2"]), tmp_path / "run", dist_env.detect())
     assert "\n" not in str(refused.value)
-    from tools import generate
+    from shardlab_commands import generate
 
     with pytest.raises(CheckpointError, match="is not the one the run trained its adapters on"):
         generate.load_model(step)  # a tool rebuilding the run from its checkpoint's config checks it too

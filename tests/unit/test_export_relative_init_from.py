@@ -1,4 +1,4 @@
-"""A relative checkpoint.init_from is the file the run read, wherever tools/export_hf.py runs: the saved config keeps
+"""A relative checkpoint.init_from is the file the run read, wherever shardlab-export runs: the saved config keeps
 the user's text (relative to the folder the run was started in), and the export takes the path each checkpoint
 recorded at the run's start (its line), never a file of the same name in the export's own folder; a checkpoint with
 no such record is refused in one line naming the key and --base."""
@@ -17,8 +17,8 @@ from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
+from shardlab_commands import consolidate, export_hf
 from tests.conftest import TINY_LM
-from tools import consolidate, export_hf
 
 RUN = ["optimization.max_steps=2", "checkpoint.interval_steps=2", "validation.interval_steps=0"]
 LORA = ["model=llama_tiny", "model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[attn.*,mlp.*]"]

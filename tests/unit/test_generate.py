@@ -1,4 +1,4 @@
-"""tools/generate.py loads a checkpoint into one process exactly and samples text from it."""
+"""shardlab-generate loads a checkpoint into one process exactly and samples text from it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError
 from shardlab.runner import run_rank
-from tools import evaluate, generate
+from shardlab_commands import evaluate, generate
 
 PROBE = torch.arange(0, 32).view(1, 32) * 7 % 256
 

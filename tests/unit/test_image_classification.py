@@ -132,7 +132,7 @@ def test_sync_batchnorm_without_a_process_group_is_batchnorm():
 
 # ---- data --------------------------------------------------------------------------------------------------------
 def test_embedded_images_are_deterministic_per_seed_and_balanced():
-    from tasks.image_classification.data import generate_shapes
+    from shardlab_tasks.image_classification.data import generate_shapes
 
     images, labels = generate_shapes(200, seed=5)
     again, again_labels = generate_shapes(200, seed=5)
@@ -158,7 +158,7 @@ def test_embedded_datasets_normalize_and_augment_with_the_global_rng():
 def test_reflect_pad_gives_the_bytes_of_torch_reflection_padding(pad):
     import torch.nn.functional as F
 
-    from tasks.image_classification.data import reflect_pad
+    from shardlab_tasks.image_classification.data import reflect_pad
 
     images = torch.randint(0, 256, (5, 3, 9, 12), dtype=torch.uint8)
     expected = F.pad(images.float(), [pad] * 4, mode="reflect").to(torch.uint8)

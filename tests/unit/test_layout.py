@@ -12,9 +12,12 @@ PACKAGE = ROOT / "shardlab"
 MAX_TOP_LEVEL = 17
 """16 rooms, and shardlab.files (issue #50): the file handling checkpoint/, jobs/ and the tasks share, a floor of its
 own below them, where it had lived in checkpoint/ "because the top level is full"."""
+TOPS = ("shardlab", "shardlab_tasks", "shardlab_commands")
+"""The packages a wheel installs (with hydra_plugins, which only Hydra loads): each under shardlab's own name."""
 
 LAYERS: list[tuple[str, ...]] = [
-    ("tasks",),  # the plug-ins use shardlab; shardlab never imports a task
+    ("shardlab_commands",),  # the user commands on the PATH: the export, preprocessing and evaluation read task modules
+    ("shardlab_tasks",),  # the built-in plug-ins (a package of their own) use shardlab; shardlab never imports a task
     ("shardlab.train",),  # the CLI
     ("shardlab.runner",),  # the job: local ranks or a launcher's rank; autotune's trials, built by trainer.assemble
     ("shardlab.trainer",),
@@ -40,10 +43,10 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def imports(root: Path = ROOT) -> dict[str, dict[str, int]]:
-    """Every module of shardlab/ and tasks/ under ``root`` and the modules of those two it imports anywhere in its
-    code (inside functions too), each with the line of its first import. ``from pkg import sub`` counts as importing
+    """Every module of the installed packages (TOPS) under ``root`` and the modules of those it imports anywhere in
+    its code (inside functions too), each with the line of its first import. ``from pkg import sub`` counts as importing
     ``pkg.sub`` when that is a module; ``import pkg.sub`` imports ``pkg.sub``."""
-    modules = {module_name(p, root): p for top in ("shardlab", "tasks") for p in (root / top).rglob("*.py")}
+    modules = {module_name(p, root): p for top in TOPS for p in (root / top).rglob("*.py")}
     graph: dict[str, dict[str, int]] = {m: {} for m in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -125,7 +128,8 @@ def cycle_from(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_package_has_at_most_17_top_level_entries():
-    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    # conf/ is the Hydra configs shipped as package data (issue 50), not a room of code
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name not in ("__pycache__", "conf"))
     assert len(entries) <= MAX_TOP_LEVEL, f"{len(entries)} entries in shardlab/: {entries}; group them into packages"
 
 
@@ -163,8 +167,8 @@ def test_the_cycle_finder_finds_a_planted_cycle():
 
 def test_the_floor_check_finds_a_planted_upward_import_inside_a_function(tmp_path):
     (tmp_path / "shardlab" / "jobs").mkdir(parents=True)
-    (tmp_path / "tasks").mkdir()
-    for init in ("shardlab", "shardlab/jobs", "tasks"):
+    (tmp_path / "shardlab_tasks").mkdir()
+    for init in ("shardlab", "shardlab/jobs", "shardlab_tasks"):
         (tmp_path / init / "__init__.py").write_text("")
     (tmp_path / "shardlab" / "jobs" / "checks.py").write_text("from shardlab.config import TrainConfig\n")
     (tmp_path / "shardlab" / "config.py").write_text("class TrainConfig: ...\n")
@@ -173,8 +177,8 @@ def test_the_floor_check_finds_a_planted_upward_import_inside_a_function(tmp_pat
     assert upward_imports(imports(tmp_path), tmp_path) == [
         "shardlab/config.py:2: shardlab.config -> shardlab.jobs.checks"
     ]
-    (tmp_path / "shardlab" / "config.py").write_text("import tasks\n")
-    assert upward_imports(imports(tmp_path), tmp_path) == ["shardlab/config.py:1: shardlab.config -> tasks"]
+    (tmp_path / "shardlab" / "config.py").write_text("import shardlab_tasks\n")
+    assert upward_imports(imports(tmp_path), tmp_path) == ["shardlab/config.py:1: shardlab.config -> shardlab_tasks"]
 
 
 def test_every_package_names_its_public_face():

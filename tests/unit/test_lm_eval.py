@@ -1,4 +1,4 @@
-"""tools/evaluate.py --lm-eval: EleutherAI's lm-evaluation-harness on a trained checkpoint's Hugging Face export,
+"""shardlab-evaluate --lm-eval: EleutherAI's lm-evaluation-harness on a trained checkpoint's Hugging Face export,
 on the tasks shipped in tests/data/lm_eval (local files, nothing downloaded), gives shardlab's own numbers."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, DataError
 from shardlab.runner import run_rank
-from tasks.lm.harness import check_task_names
+from shardlab_commands import evaluate, generate
+from shardlab_tasks.lm.harness import check_task_names
 from tests.conftest import ROOT
-from tools import evaluate, generate
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is in the test extra: pip install -e '.[test]'")
 
@@ -136,7 +136,7 @@ def test_a_dataset_the_hub_cannot_give_is_one_line_and_an_unresolvable_hub_means
     instead, and a hub host that does not resolve sets the offline flags before the harness is imported."""
     import lm_eval
 
-    from tasks.lm import harness
+    from shardlab_tasks.lm import harness
 
     monkeypatch.setenv("HF_ENDPOINT", "https://no-such-hub.invalid")
     for flag in harness.OFFLINE_FLAGS:

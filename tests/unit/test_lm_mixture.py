@@ -17,7 +17,7 @@ from shardlab.errors import DataError
 from shardlab.jobs.preflight import compose_config
 from shardlab.registry import TASKS
 from shardlab.runner import print_plan, run_rank
-from tasks.lm.mixture import MixtureOrder, MixtureValid, chunk_counts, mixture_errors, summarize_sources
+from shardlab_tasks.lm.mixture import MixtureOrder, MixtureValid, chunk_counts, mixture_errors, summarize_sources
 from tests.conftest import TINY_LM
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -135,7 +135,7 @@ def test_dry_run_prints_each_sources_tokens_weight_and_epochs_and_warns_on_repea
     out = capsys.readouterr().out
     assert "web: weight 0.800, not preprocessed yet" in out  # nothing is preprocessed by a dry run
     assert "warning" not in out
-    metas = opened(cfg).mixture.metas  # what tools/preprocess_lm.py or a first run would build
+    metas = opened(cfg).mixture.metas  # what shardlab-preprocess or a first run would build
     print_plan(cfg, task)
     out = capsys.readouterr().out
     samples = 5000 * 8

@@ -1,5 +1,5 @@
-"""A corpus preprocessed as shards by many tasks (tasks/lm/shards.py, tools/preprocess_lm.py --tasks/--shards) gives
-one process's tokens, survives a task killed mid-shard, and is read by training in the global sample order."""
+"""A corpus preprocessed as shards by many tasks (shardlab_tasks/lm/shards.py, shardlab-preprocess --tasks/--shards)
+gives one process's tokens, survives a task killed mid-shard, and is read by training in the global sample order."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ import torch
 
 from shardlab.errors import ConfigError, DataError
 from shardlab.runner import build_task, prepare_data
-from tasks.lm.cache import prepare_corpus, preprocess_shards
-from tasks.lm.corpus import find_sources
-from tasks.lm.data import TokenBlocks, open_splits
-from tasks.lm.shards import finished_shards, plan_shards
-from tasks.lm.tokenizer import ByteTokenizer
+from shardlab_commands import preprocess_lm
+from shardlab_tasks.lm.cache import prepare_corpus, preprocess_shards
+from shardlab_tasks.lm.corpus import find_sources
+from shardlab_tasks.lm.data import TokenBlocks, open_splits
+from shardlab_tasks.lm.shards import finished_shards, plan_shards
+from shardlab_tasks.lm.tokenizer import ByteTokenizer
 from tests.conftest import ROOT, compose_config
-from tools import preprocess_lm
 
 TOOL = ROOT / "tools" / "preprocess_lm.py"
 WORDS = ["alpha", "beta", "gamma", "delta", "épée", "naïve", "\n"]
@@ -127,7 +127,7 @@ def test_a_task_killed_mid_shard_is_redone_alone_and_the_manifest_waits_for_it(t
     with pytest.raises(DataError) as caught:
         prepare_corpus(str(corpus), str(cache), "byte", 5.0, 0, num_workers=0)
     assert re.search(r"being preprocessed as 4 shards \(3 finished, no manifest yet\); finish it with: python "
-                     rf"tools/preprocess_lm.py {corpus} --cache-dir {cache} --shards 4", str(caught.value))  # fmt: skip
+                     rf"shardlab-preprocess {corpus} --cache-dir {cache} --shards 4", str(caught.value))  # fmt: skip
 
     kept = {k: [(p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted((out / "shards" / f"0000{k}").iterdir())]
             for k in (0, 1, 3)}  # fmt: skip
@@ -169,7 +169,7 @@ def test_training_above_build_cache_max_mb_names_the_command_and_reads_what_it_b
         prepare_data(build_task(cfg, 1))
     message = str(caught.value)
     assert "\n" not in message and f"above data.build_cache_max_mb={size_mb / 2:g}" in message, message
-    assert f"python tools/preprocess_lm.py {corpus} --cache-dir {tmp_path} --valid-percent 10.0 --tasks 4" in message
+    assert f"shardlab-preprocess {corpus} --cache-dir {tmp_path} --valid-percent 10.0 --tasks 4" in message
     assert not list(tmp_path.iterdir())  # nothing started: no lock, no temporary directory
 
     preprocess_lm.main([str(corpus), "--cache-dir", str(tmp_path), "--valid-percent", "10.0", "--tasks", "2"])
@@ -205,8 +205,8 @@ def test_local_tasks_share_the_machines_cores_out_unless_workers_is_given(corpus
 def test_the_train_with_line_finds_this_cache_with_its_tokenizer(corpus, tmp_path, capfd, tasks):
     """The summary's overrides, pasted as they are printed, make training read this very cache: without its
     tokenizer (and end-of-document token) training keyed, and built, a byte-level one instead."""
-    from tasks.lm.corpus import iter_texts
-    from tasks.lm.tokenizer import train_bpe
+    from shardlab_tasks.lm.corpus import iter_texts
+    from shardlab_tasks.lm.tokenizer import train_bpe
 
     tok = train_bpe(iter_texts(find_sources(corpus), "text", 2**20), 300, tmp_path / "tok" / "tokenizer.json")
     cache = tmp_path / "cache"

@@ -14,7 +14,7 @@ from shardlab.errors import CheckpointError, ConfigError
 from shardlab.jobs.preflight import compose_config
 from shardlab.optim import OPTIMIZERS
 from shardlab.runner import build_task
-from tasks.lm.lora import LoRALinear, is_adapter, merge_lora, write_peft_adapter
+from shardlab_tasks.lm.lora import LoRALinear, is_adapter, merge_lora, write_peft_adapter
 from tests.hf_folders import make_folder
 
 SEQ = 16
@@ -225,7 +225,7 @@ def test_merged_export_of_a_lora_step_folder_loads_in_transformers_with_the_trai
     import peft
     import transformers
 
-    from tools import export_hf
+    from shardlab_commands import export_hf
 
     step = lora_runs[family]
     out = export_hf.main(
@@ -246,7 +246,7 @@ def test_merged_export_of_a_lora_step_folder_loads_in_transformers_with_the_trai
 
 
 def test_lora_export_options_and_a_missing_base_are_refused_in_one_line(lora_runs, folders, tmp_path, monkeypatch):
-    from tools import export_hf
+    from shardlab_commands import export_hf
 
     step = str(lora_runs["llama3"])
     gone = tmp_path / "moved_away"
@@ -273,7 +273,7 @@ def test_lora_export_options_and_a_missing_base_are_refused_in_one_line(lora_run
 
 
 def test_lora_base_refuses_the_seeded_init_and_adapter_only_a_run_without_lora(lora_runs, tmp_path):
-    from tasks.lm.export_hf import lora_base
+    from shardlab_tasks.lm.export_hf import lora_base
 
     with pytest.raises(ConfigError, match="base is the seeded init .* export the adapters alone with --adapter-only"):
         lora_base({"model": {"pretrained": None}, "checkpoint": {"init_from": None}}, None)
@@ -309,7 +309,7 @@ def test_a_step_folder_with_other_lora_settings_is_refused_in_one_line_naming_th
     seeded_lora, full = (tmp_path / name / "checkpoints" / "step_00000001" for name in ("seeded_lora", "full"))
     cases += [
         ([f"checkpoint.init_from={seeded_lora}"], r"checkpoint.init_from: .* holds a LoRA run's adapters only, not a "
-         r"model's weights; begin from its merged export \(python tools/export_hf.py .* --out DIR"),
+         r"model's weights; begin from its merged export \(shardlab-export .* --out DIR"),
         ([f"checkpoint.resume={full}", *LORA], r"was saved without LoRA \(model.lora.rank=0\) and holds no adapters, "
          r"but this run has model.lora.rank=4: put new adapters on its weights with checkpoint.init_from="),
     ]  # fmt: skip

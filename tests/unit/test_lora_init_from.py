@@ -1,5 +1,5 @@
 """The merged export of a LoRA run whose frozen base came from checkpoint.init_from (shardlab's own weights: a step
-folder or a consolidated .safetensors), not model.pretrained: tools/export_hf.py reads the base from there, folds the
+folder or a consolidated .safetensors), not model.pretrained: shardlab-export reads the base from there, folds the
 adapters in, and transformers computes the trained run's logits and peft's on the exported base."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task, run_rank
-from tasks.lm.lora import is_adapter
+from shardlab_tasks.lm.lora import is_adapter
 from tests.conftest import TINY_LM
 
 RUN = ["optimization.max_steps=2", "checkpoint.interval_steps=2", "validation.interval_steps=0"]
@@ -36,7 +36,7 @@ def train(run_dir: Path, corpus_cache: str, *overrides: str) -> Path:
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def runs(request, tmp_path_factory, corpus_cache) -> dict:
     """A full run (the base), its weights consolidated into one file, and a LoRA run begun from each."""
-    from tools import consolidate
+    from shardlab_commands import consolidate
 
     arch, root = request.param, tmp_path_factory.mktemp(f"init_from_{request.param}")
     model = MODELS[arch]
@@ -67,7 +67,7 @@ def test_merged_export_of_a_lora_run_begun_from_init_from_computes_the_trained_l
     import peft
     import transformers
 
-    from tools import export_hf
+    from shardlab_commands import export_hf
 
     step = runs["lora"][kind]
     out = export_hf.main(
@@ -89,7 +89,7 @@ def test_merged_export_of_a_lora_run_begun_from_init_from_computes_the_trained_l
 
 def test_merged_export_reads_the_init_from_base_again_and_refuses_one_that_moved(runs, tmp_path):
     from shardlab.errors import ConfigError
-    from tools import export_hf
+    from shardlab_commands import export_hf
 
     step = runs["lora"]["step_folder"]
     first = export_hf.main([str(step), "--out", str(tmp_path / "first")])

@@ -1,4 +1,4 @@
-"""tools/export_hf.py for mixtures of experts (issue 49): a Mixtral, Qwen2-MoE or Qwen3-MoE folder loaded by shardlab
+"""shardlab-export for mixtures of experts (issue 49): a Mixtral, Qwen2-MoE or Qwen3-MoE folder loaded by shardlab
 and saved without its weights changing exports the hub's per-expert tensors (written back out of the grouped
 experts) bit-equal to the source files; a few fine-tuning steps later, the export is a folder transformers loads as
 the same family, computing shardlab's logits. And the MoE options no exported family expresses are refused."""
@@ -14,10 +14,10 @@ import torch
 from shardlab.checkpoint import hf_folder
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
-from tasks.lm.export_hf import export_refusal
+from shardlab_commands import export_hf, generate
+from shardlab_tasks.lm.export_hf import export_refusal
 from tests.hf_folders import MOE_FAMILIES, make_folder
 from tests.unit.test_export_hf_shards import UNCHANGED, source_tensors
-from tools import export_hf, generate
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,8 +11,8 @@ from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import meta_model
 from shardlab.errors import ConfigError
 from shardlab.runner import build_task
-from tasks.lm.moe import MoEBlock, auxiliary_loss
-from tasks.lm.task import next_token_loss
+from shardlab_tasks.lm.moe import MoEBlock, auxiliary_loss
+from shardlab_tasks.lm.task import next_token_loss
 from tests.conftest import compose_config
 
 SMALL_MOE = ["model=moe_tiny", "model.num_layers=2", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=2",

@@ -12,7 +12,7 @@ from shardlab.config import OptimizerConfig
 from shardlab.distributed import env as dist_env
 from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
-from tools import evaluate, generate
+from shardlab_commands import evaluate, generate
 
 OLD_CHECKPOINT = Path(__file__).parent.parent / "data" / "checkpoint_0b6f597" / "step_00000002"
 OLD_RUN = [

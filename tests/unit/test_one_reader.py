@@ -1,7 +1,7 @@
 """Every file a run reads is read through the project's one reader (shardlab/files/regular_file.py: no link out of
 its folder, no FIFO or device, bounded size): no ``read_text``, ``read_bytes``, ``open(`` or ``json.load`` anywhere else
-in shardlab/ or tasks/. A cache's plan.json as a FIFO once blocked every training start, and a tokenizer_config.json of
-4 GB was read whole, because each was read by a ``read_text`` beside the reader.
+in shardlab/ or shardlab_tasks/. A cache's plan.json as a FIFO once blocked every training start, and a
+tokenizer_config.json of 4 GB was read whole, because each was read by a ``read_text`` beside the reader.
 
 What is exempt, and why: files opened for writing (a mode with w, a or x: shardlab creates them), the kernel's files
 (a path written as a "/proc/..." literal), and the short list below of reads of a file this process wrote itself or
@@ -23,7 +23,7 @@ ALLOWED = {
     # the kernel's /proc/self/status, through a module constant
     ("shardlab/memory/meter.py", "_status_kib"),
     # torch.load of /proc/self/fd/N: the descriptor the reader opened and checked (open_file), not a path
-    ("tasks/image_classification/pretrained.py", "_load"),
+    ("shardlab_tasks/image_classification/pretrained.py", "_load"),
 }
 """(file, function) pairs that may read outside the reader, each for the reason above it. Keep it short."""
 
@@ -85,9 +85,9 @@ def unchecked_reads(source: str, name: str, allowed: set[tuple[str, str]] = ALLO
 
 
 def reads_outside_the_reader(root: Path) -> list[str]:
-    """Every unchecked read of shardlab/ and tasks/ under ``root``."""
+    """Every unchecked read of shardlab/, shardlab_tasks/ and shardlab_commands/ under ``root``."""
     found = []
-    for folder in ("shardlab", "tasks"):
+    for folder in ("shardlab", "shardlab_tasks", "shardlab_commands"):
         for path in sorted((root / folder).rglob("*.py")):
             name = str(path.relative_to(root))
             if name != READER:
@@ -138,31 +138,31 @@ class Template:
 
 
 def test_the_check_finds_each_kind_of_planted_read_by_line_and_function():
-    found = unchecked_reads(PLANTED, "tasks/lm/planted.py")
+    found = unchecked_reads(PLANTED, "shardlab_tasks/lm/planted.py")
     assert found == [
-        "tasks/lm/planted.py:7 (plan): read_text",
-        "tasks/lm/planted.py:12 (Template.load): open(",
-        "tasks/lm/planted.py:13 (Template.load): json.load",
-        "tasks/lm/planted.py:16 (Template.raw): read_bytes",
-        "tasks/lm/planted.py:16 (Template.raw): open(",
-        "tasks/lm/planted.py:16 (Template.raw): open(",
-        "tasks/lm/planted.py:16 (Template.raw): open(",
+        "shardlab_tasks/lm/planted.py:7 (plan): read_text",
+        "shardlab_tasks/lm/planted.py:12 (Template.load): open(",
+        "shardlab_tasks/lm/planted.py:13 (Template.load): json.load",
+        "shardlab_tasks/lm/planted.py:16 (Template.raw): read_bytes",
+        "shardlab_tasks/lm/planted.py:16 (Template.raw): open(",
+        "shardlab_tasks/lm/planted.py:16 (Template.raw): open(",
+        "shardlab_tasks/lm/planted.py:16 (Template.raw): open(",
     ]
 
 
 def test_the_check_fails_on_a_read_planted_in_a_copy_of_the_tree(tmp_path):
-    for folder in ("shardlab", "tasks"):
+    for folder in ("shardlab", "shardlab_tasks"):
         (tmp_path / folder).mkdir()
-    (tmp_path / "tasks" / "clean.py").write_text("def f(path):\n    return path.name\n")
+    (tmp_path / "shardlab_tasks" / "clean.py").write_text("def f(path):\n    return path.name\n")
     assert reads_outside_the_reader(tmp_path) == []
-    (tmp_path / "tasks" / "lm").mkdir()
-    (tmp_path / "tasks" / "lm" / "shards.py").write_text(
+    (tmp_path / "shardlab_tasks" / "lm").mkdir()
+    (tmp_path / "shardlab_tasks" / "lm" / "shards.py").write_text(
         "import json\n\n\ndef progress(out):\n    return json.loads((out / 'plan.json').read_text())\n"
     )
-    assert reads_outside_the_reader(tmp_path) == ["tasks/lm/shards.py:5 (progress): read_text"]
+    assert reads_outside_the_reader(tmp_path) == ["shardlab_tasks/lm/shards.py:5 (progress): read_text"]
     # the reader itself and an allowed (file, function) are not reported
     (tmp_path / "shardlab" / "files").mkdir()
     (tmp_path / READER).write_text("def read(path):\n    return open(path).read()\n")
     (tmp_path / "shardlab" / "runner").mkdir()
     (tmp_path / "shardlab" / "runner" / "__init__.py").write_text("def launch_local(f):\n    return f.read_text()\n")
-    assert reads_outside_the_reader(tmp_path) == ["tasks/lm/shards.py:5 (progress): read_text"]
+    assert reads_outside_the_reader(tmp_path) == ["shardlab_tasks/lm/shards.py:5 (progress): read_text"]

@@ -9,9 +9,9 @@ from torch import nn
 
 from shardlab.distributed.pipeline import layer_ranges, pruned, rank_stages
 from shardlab.task import PipelineCut
-from tasks.lm.config import GPTConfig, LlamaConfig
-from tasks.lm.llama import Llama
-from tasks.lm.model import GPT
+from shardlab_tasks.lm.config import GPTConfig, LlamaConfig
+from shardlab_tasks.lm.llama import Llama
+from shardlab_tasks.lm.model import GPT
 
 CUT = PipelineCut(layers="blocks", num_layers=5, first=("embed",), last=("head",))
 

@@ -1,4 +1,4 @@
-"""tools/plot.py and sweep_summary --plot: learning curves of several runs in one PNG, read from their train.log."""
+"""shardlab-plot and sweep_summary --plot: learning curves of several runs in one PNG, read from their train.log."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from shardlab.logging import RunLogger
 
 pytest.importorskip("matplotlib")
 
-from tools import plot, sweep_summary  # noqa: E402
+from shardlab_commands import plot, sweep_summary  # noqa: E402
 
 POINTS = [("1e-3", 64), ("3e-3", 64), ("1e-3", 128), ("3e-3", 128)]
 

@@ -164,17 +164,18 @@ def test_splits_that_hold_a_batch_pass_and_report_what_was_opened(tiny_lm):
 OTHER_TASK = {
     "vision task, LM model": (
         ["task=image_classification", "model=gpt_tiny"],
-        r"^model=gpt_tiny is a model config of another task \(tasks.lm\); task=image_classification reads its own: "
-        r"model=regnet_cifar",
+        r"^model=gpt_tiny is a model config of another task \(shardlab_tasks.lm\); task=image_classification reads its "
+        r"own: model=regnet_cifar",
     ),
     "LM task, vision model": (
         ["model=regnet_y_400mf"],
-        r"^model=regnet_y_400mf is a model config of another task \(tasks.image_classification\); task=lm reads its "
-        r"own: model=gpt_125m \| gpt_1_3b",
+        r"^model=regnet_y_400mf is a model config of another task \(shardlab_tasks.image_classification\); task=lm "
+        r"reads its own: model=gpt_125m \| gpt_1_3b",
     ),
     "vision task, LM data": (
         ["task=image_classification", "data=lm"],
-        r"^data=lm is a data config of another task \(tasks.lm\); task=image_classification reads its own: data=image$",
+        r"^data=lm is a data config of another task \(shardlab_tasks.lm\); task=image_classification reads its own: "
+        r"data=image$",
     ),
     "LM task, vision data": (["data=image"], r"^data=image is a data config of another task"),
 }
@@ -192,7 +193,7 @@ def test_the_other_tasks_model_is_refused_when_composed_without_the_cli_too():
     """Tools and tests compose and build tasks directly: build_task checks the sections' schemas itself."""
     cfg = compose_config(["task=image_classification", "model=gpt_tiny"])
     with pytest.raises(ConfigError, match=r"^model: task image_classification cannot read a GPTConfig \(a model "
-                       r"config of tasks.lm\); use one of its own: model=regnet_cifar \| "):  # fmt: skip
+                       r"config of shardlab_tasks.lm\); use one of its own: model=regnet_cifar \| "):  # fmt: skip
         build_task(cfg, 1)
 
 

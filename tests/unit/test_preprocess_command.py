@@ -1,4 +1,4 @@
-"""tools/preprocess_lm.py's "train with:" line is a command that runs, as printed, and trains on the cache it made
+"""shardlab-preprocess's "train with:" line is a command that runs, as printed, and trains on the cache it made
 (not on a new one keyed by a tokenizer written as None)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def test_the_printed_train_with_command_runs_and_reuses_the_cache(tmp_path):
     corpus.mkdir()
     for i in range(8):
         (corpus / f"d{i}.txt").write_text(f"def function_{i}(x):\n    return x * {i} + len('hello world')\n" * 60)
-    done = run([sys.executable, "tools/preprocess_lm.py", str(corpus), "--cache-dir", str(cache)])
+    done = run([sys.executable, "-m", "shardlab_commands.preprocess_lm", str(corpus), "--cache-dir", str(cache)])
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("train with: ")]
     command = shlex.split(line.removeprefix("train with: "))

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from shardlab.config import CONF_DIR
 from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_job
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = sorted((REPO / "conf" / "experiment").glob("*.yaml"))
+RECIPES = sorted((CONF_DIR / "experiment").glob("*.yaml"))
 IMAGENET_TRAIN, IMAGENET_VAL = 1_281_167, 50_000
 
 NAMED = [  # the toy defaults of these would not do on ImageNet: every recipe sets each itself
@@ -48,7 +49,7 @@ def recipe(path: Path):
     raw = OmegaConf.load(path)
     model = re.search(r"^\s*- override /model: (\w+)", path.read_text(), re.MULTILINE)
     if model and OmegaConf.select(raw, "model.flavor") is None:
-        OmegaConf.update(raw, "model.flavor", OmegaConf.load(REPO / "conf" / "model" / f"{model[1]}.yaml").flavor)
+        OmegaConf.update(raw, "model.flavor", OmegaConf.load(CONF_DIR / "model" / f"{model[1]}.yaml").flavor)
     return raw
 
 
@@ -56,7 +57,7 @@ def test_the_swav_and_simclr_recipes_are_at_imagenet_scale():
     names = {p.stem for p in RECIPES}
     assert {"swav_in1k", "simclr_in1k"} <= names, names
     for name in ("swav_in1k", "simclr_in1k"):
-        raw = recipe(REPO / "conf" / "experiment" / f"{name}.yaml")
+        raw = recipe(CONF_DIR / "experiment" / f"{name}.yaml")
         assert (raw.optimization.batch_size, raw.distributed.world_size, raw.data.image_size) == (4096, 32, 224)
 
 
@@ -143,7 +144,7 @@ def test_docs_show_each_recipes_values_as_the_file_holds_them():
     for row in body:
         key = row[0].strip("`")
         for name, cell in zip(columns, row[1:], strict=True):
-            value = OmegaConf.select(recipe(REPO / "conf" / "experiment" / f"{name}.yaml"), key, default=UNSET)
+            value = OmegaConf.select(recipe(CONF_DIR / "experiment" / f"{name}.yaml"), key, default=UNSET)
             shown = cell_text(value)
             if cell.strip("`") != shown:
                 wrong.append(f"{key} of {name}: docs {cell}, file {shown}")

@@ -1,7 +1,7 @@
 """shardlab.files.regular_file, the one way an untrusted file is opened: a regular file comes back open, with its
 fstat; a symlink (not followed), a FIFO (without blocking), a folder, a socket, a device and a file past its cap are
 refused saying what they are; a link the user may give is resolved, and kept inside its root when one is given. And
-no other module of shardlab/ or tasks/ opens a file its own way (a twin of it could not come back)."""
+no other module of shardlab/ or shardlab_tasks/ opens a file its own way (a twin of it could not come back)."""
 
 from __future__ import annotations
 
@@ -118,11 +118,14 @@ def test_the_kind_namer_names_every_kind():
 
 # ---- one place opens an untrusted file -------------------------------------------------------------------------------
 def twins(root: Path) -> list[str]:
-    """``path:line`` of each module of shardlab/ and tasks/ under ``root``, but regular_file.py, that opens a file to
-    read it as regular_file does (os.open with O_NOFOLLOW or O_NONBLOCK, not to create it: a run lock's guard file is
-    created so) or names a file's kind itself (S_ISFIFO): a twin of the one helper."""
+    """``path:line`` of each module of shardlab/, shardlab_tasks/ and shardlab_commands/ under ``root``, but
+    regular_file.py, that opens a file to read it as regular_file does (os.open with O_NOFOLLOW or O_NONBLOCK, not to
+    create it: a run lock's guard file is created so) or names a file's kind itself (S_ISFIFO): a twin of the one
+    helper."""
     found = []
-    for path in sorted(p for top in ("shardlab", "tasks") for p in (root / top).rglob("*.py")):
+    for path in sorted(
+        p for top in ("shardlab", "shardlab_tasks", "shardlab_commands") for p in (root / top).rglob("*.py")
+    ):
         rel = path.relative_to(root)
         if rel == HOME:
             continue
@@ -141,14 +144,16 @@ def test_no_other_module_opens_an_untrusted_file_its_own_way():
 
 
 def test_the_twin_finder_finds_a_planted_twin(tmp_path):
-    (tmp_path / "tasks").mkdir()
+    (tmp_path / "shardlab_tasks").mkdir()
     (tmp_path / "shardlab" / "files").mkdir(parents=True)
     (tmp_path / HOME).write_text("import os\nos.open(p, os.O_RDONLY | os.O_NOFOLLOW)\n")  # the home may
     (tmp_path / "shardlab" / "lock.py").write_text("import os\nos.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW)\n")
     assert twins(tmp_path) == []
-    (tmp_path / "tasks" / "reader.py").write_text("import os\n\ndef f(p):\n    return os.open(p, os.O_NONBLOCK)\n")
+    (tmp_path / "shardlab_tasks" / "reader.py").write_text(
+        "import os\n\ndef f(p):\n    return os.open(p, os.O_NONBLOCK)\n"
+    )
     (tmp_path / "shardlab" / "kinds.py").write_text("import stat\nstat.S_ISFIFO(0)\n")
-    assert twins(tmp_path) == ["shardlab/kinds.py:2", "tasks/reader.py:4"]
+    assert twins(tmp_path) == ["shardlab/kinds.py:2", "shardlab_tasks/reader.py:4"]
 
 
 # ---- stat_file: the same refusals, without opening ----------------------------------------------------------------

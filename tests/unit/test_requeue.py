@@ -12,7 +12,7 @@ import torch
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError, ConfigError
 from shardlab.runner import run_rank
-from tools import consolidate
+from shardlab_commands import consolidate
 
 CKPT = [
     "optimization.max_steps=12",

@@ -117,7 +117,7 @@ def failed_with(run_dir, error) -> str:
 def test_a_loss_that_stays_nan_stops_the_run_as_failed_after_max_nonfinite_steps(tiny_lm, tmp_path, monkeypatch):
     from shardlab.errors import TrainingDiverged
     from shardlab.runner import run_job
-    from tasks.lm.task import LanguageModelingTask
+    from shardlab_tasks.lm.task import LanguageModelingTask
 
     original, calls = LanguageModelingTask.loss, {"n": 0}
 

@@ -57,7 +57,7 @@ def test_views_have_the_configured_sizes_and_are_drawn_from_the_sample_offset():
 
 
 def test_sinkhorn_codes_split_the_rows_equally_over_the_prototypes():
-    from tasks.self_supervised.swav import sinkhorn
+    from shardlab_tasks.self_supervised.swav import sinkhorn
 
     g = torch.Generator().manual_seed(0)  # seeded: how close 50 iterations come depends on the scores
     scores = (
@@ -70,7 +70,7 @@ def test_sinkhorn_codes_split_the_rows_equally_over_the_prototypes():
 
 def test_hard_codes_are_each_rows_largest_sinkhorn_code():
     """With ``hard``, each crop predicts the other crop's argmax prototype: the cross-entropy to a one-hot target."""
-    from tasks.self_supervised.swav import sinkhorn, swav_loss
+    from shardlab_tasks.self_supervised.swav import sinkhorn, swav_loss
 
     g = torch.Generator().manual_seed(0)
     n, k, temperature = 6, 5, 0.1
@@ -86,7 +86,7 @@ def test_hard_codes_are_each_rows_largest_sinkhorn_code():
 
 
 def test_nt_xent_is_the_cross_entropy_of_each_view_against_all_other_views():
-    from tasks.self_supervised.simclr import nt_xent
+    from shardlab_tasks.self_supervised.simclr import nt_xent
 
     n, temperature = 5, 0.3
     z = F.normalize(torch.randn(2 * n, 7), dim=1)
@@ -103,7 +103,7 @@ def test_checkpoint_trunk_is_the_supervised_regnet_without_its_classifier():
     """``trunk.<name>`` of a self-supervised model is ``<name>`` of the image-classification RegNet: loaded there (all
     but fc), the supervised model's pooled features are Task.features'."""
     from shardlab.registry import MODELS
-    from tasks.self_supervised.model import TRUNK_PREFIX
+    from shardlab_tasks.self_supervised.model import TRUNK_PREFIX
 
     task = build_task(swav())
     model = task.build_model()
@@ -133,11 +133,11 @@ def test_a_last_batchnorm_standardizes_the_embedding_over_the_batch():
 
 
 def test_a_checkpoint_from_before_the_last_batchnorm_key_builds_the_head_it_was_trained_with():
-    """A checkpoint's config is read as it was saved (tools/evaluate.py, resumes): one written before
+    """A checkpoint's config is read as it was saved (shardlab-evaluate, resumes): one written before
     task.projection_last_bn existed lacks it, and is the default head, not an error."""
     from omegaconf import OmegaConf
 
-    from tasks.self_supervised import model as ssl_model
+    from shardlab_tasks.self_supervised import model as ssl_model
 
     cfg = simclr()
     task = OmegaConf.masked_copy(cfg.task, [k for k in cfg.task if k != "projection_last_bn"])
@@ -189,7 +189,7 @@ def test_frozen_prototypes_are_left_at_their_normalized_values(swav_runs):
 
 def test_collapse_diagnostics_tell_uniform_codes_from_hard_ones_and_are_logged(swav_runs):
     """ln K for uniform codes and flat predictions (SwAV's collapse), 0 for one-hot ones; every logged step has them."""
-    from tasks.self_supervised.swav import collapse_stats
+    from shardlab_tasks.self_supervised.swav import collapse_stats
 
     k = 8
     flat = collapse_stats(torch.full((4, k), 1 / k), torch.zeros(4, k), torch.full((4, k), -math.log(k)))

@@ -51,7 +51,8 @@ def test_a_tools_normal_output_has_no_torch_distributed_warning(tmp_path, tiny_l
     run_rank(tiny_lm("optimization.max_steps=2", "checkpoint.interval_steps=2"), tmp_path, dist_env.detect())
     step = tmp_path / "checkpoints" / "step_00000002"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "tools/consolidate.py", str(step), "--out", str(tmp_path / "model.safetensors")]
+    out = tmp_path / "model.safetensors"
+    cmd = [sys.executable, "-m", "shardlab_commands.consolidate", str(step), "--out", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("wrote ") and done.stderr == "", done.stderr

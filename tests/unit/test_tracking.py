@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def usr2_at_step3(monkeypatch):
     """The LM's 3rd training forward sends this process SIGUSR2 (a Slurm pre-emption warning): the run saves at
     step 3 and stops; the returned function puts the real loss back, for the resume."""
-    from tasks.lm.task import LanguageModelingTask
+    from shardlab_tasks.lm.task import LanguageModelingTask
 
     original, calls = LanguageModelingTask.loss, {"n": 0}
 

@@ -89,7 +89,7 @@ def test_a_plugin_registering_lm_fails_before_training_naming_both_files(tmp_pat
     folder = write(tmp_path / "clashing_research", {"my_lm.py": plugin})
     proc = cli(f"user_dir={folder}", cwd=tmp_path)
     assert proc.returncode == 2 and proc.stdout == "" and not (tmp_path / "runs").exists()
-    builtin = ROOT / "tasks" / "lm" / "config.py"
+    builtin = ROOT / "shardlab_tasks" / "lm" / "config.py"
     assert proc.stderr.count("\n") == 1
     assert proc.stderr.startswith(
         f"error: user_dir: task 'lm' is registered twice: by {folder}/my_lm.py:4 and by {builtin}:"

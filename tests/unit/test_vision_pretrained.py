@@ -1,5 +1,5 @@
 """model.pretrained for the vision tasks: torchvision's RegNet weights as the trunk of image classification and of
-the self-supervised tasks, the head new; refused in one line where they do not fit; probed by tools/evaluate.py."""
+the self-supervised tasks, the head new; refused in one line where they do not fit; probed by shardlab-evaluate."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError
 from shardlab.runner import build_task, run_rank
-from tasks.image_classification import pretrained
+from shardlab_commands import evaluate
+from shardlab_tasks.image_classification import pretrained
 from tests.conftest import compose_config
 from tests.ssl_configs import TINY_REGNET, TINY_SSL
 from tests.vision_weights import features, images, regnet_y_400mf_file, tiny_file
-from tools import evaluate
 
 RUN = ["optimization.batch_size=8", "optimization.max_steps=2", "lr_scheduler.warmup_steps=0"]
 RUN += ["validation.interval_steps=0", "logging.interval_steps=1", "logging.progress_bar=false"]
@@ -154,9 +154,9 @@ def test_a_fifo_or_a_folder_is_refused_without_blocking_and_a_file_over_the_cap_
     assert f"more than the {pretrained.MAX_BYTES} of any torchvision" in refused(*vision, f"model.pretrained={tiny[1]}")
 
 
-# ---- tools/evaluate.py probes it -------------------------------------------------------------------------------------
+# ---- shardlab-evaluate probes it -------------------------------------------------------------------------------------
 def test_evaluate_probes_the_files_trunk_and_a_checkpoint_that_started_from_it_without_the_file(tiny, tmp_path):
-    from tasks.image_classification.data import open_datasets
+    from shardlab_tasks.image_classification.data import open_datasets
 
     source, path = tiny
     arch = ["task=image_classification", *TINY_REGNET, "data.num_train=64", "data.num_test=32"]

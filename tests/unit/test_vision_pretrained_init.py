@@ -69,8 +69,8 @@ def test_a_trial_or_a_dry_run_draws_every_weight_since_neither_reads_the_file(ti
 
 
 def test_evaluate_builds_a_pretrained_model_without_drawing_the_trunk_and_with_the_same_weights(tiny):
-    """tools/evaluate.py without a checkpoint (a probe of the file's trunk) starts as a run does."""
-    from tools import evaluate
+    """shardlab-evaluate without a checkpoint (a probe of the file's trunk) starts as a run does."""
+    from shardlab_commands import evaluate
 
     cfg = compose_config([*VISION, f"model.pretrained={tiny}"])
     drawn: list[str] = []

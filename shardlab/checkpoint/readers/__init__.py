@@ -1,5 +1,5 @@
 """The hardened readers of a step folder: every path that reads a checkpoint (resume, ``checkpoint.init_from``, an
-export, tools/consolidate.py) comes through here, and reading never runs code from the folder.
+export, shardlab-consolidate) comes through here, and reading never runs code from the folder.
 
 - ``dcp_reader``: DCP's reader with its ``.metadata`` pickle read through an allow-list (``read_metadata``, ``load``,
   ``SafeReader``), and what a torn or crafted folder is (``integrity_defect``).

@@ -1,0 +1,18 @@
+"""The lm task's factory: data.format=preference trains with the DPO loss (shardlab_tasks/lm/dpo_task.py), every other
+format with LanguageModelingTask. task.name stays lm either way, so checkpoint.init_from takes an SFT run's weights; the
+choice lives here because the DPO task subclasses the LM one (the LM task choosing its own subclass was an import
+cycle)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def build_lm_task(cfg: Any):
+    if cfg.data.get("format") == "preference":
+        from shardlab_tasks.lm.dpo_task import PreferenceTask
+
+        return PreferenceTask(cfg)
+    from shardlab_tasks.lm.task import LanguageModelingTask
+
+    return LanguageModelingTask(cfg)
