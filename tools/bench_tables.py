@@ -735,6 +735,41 @@ def moe_plan(sources: list[Source]) -> list[str]:
     return lines
 
 
+def _moe_shape(d: dict[str, Any], key: str) -> str:
+    shape, threads = key.rsplit("_threads", 1)
+    s = d["shapes"][shape]
+    plural = "" if threads == "1" else "s"
+    return f"{shape} (dim {s['dim']}, ffn {s['expert_ffn']}, {s['tokens']} tokens; {threads} thread{plural})"
+
+
+def moe_cpu(sources: list[Source]) -> list[str]:
+    """tools/bench_moe.py: the expert computation's implementations against the per-expert loop (forward + backward of
+    one MoE layer's routed experts), then how far the bias-based balancing keeps the collapse toy's load even."""
+    lines: list[str] = []
+    for _, d in sources:
+        first = next(iter(d["experts"].values()))
+        impls = list(first)
+        lines += [f"Experts: {d['num_experts']}, top {d['top_k']}, SwiGLU, forward + backward; median ms "
+                  "(speed-up over `per_expert_loop`).", ""]  # fmt: skip
+        lines += header("shape", *[f"`{c}`" for c in impls], "largest difference from the loop")
+        for key, r in d["experts"].items():
+            diff = max(r[c]["max_abs_diff_vs_per_expert_loop"] for c in impls)
+            cells = [f"{ms(r[c]['median_ms'])} ({r[c]['speedup_vs_per_expert_loop']:.2f}x)" for c in impls]
+            lines.append(row(_moe_shape(d, key), *cells, f"{diff:g}"))
+        settings = (d.get("meta") or {}).get("settings", {})
+        collapsed = d["num_experts"] / d["top_k"]
+        lines += ["", f"Balancing: {settings.get('balance_steps', '?')} steps of "
+                  f"{settings.get('balance_tokens', '?')} tokens on a router leaning to experts 0 and 1; busiest "
+                  f"expert's load over the mean (1 = even, {collapsed:g} = every token on the same {d['top_k']}).",
+                  ""]  # fmt: skip
+        lines += header("router", "max/mean over the last quarter of the steps (mean)", "worst step there")
+        for key, r in d["balancing"].items():
+            label = "plain (no score bias)" if key == "plain_router" else (
+                f"`score_bias`, `bias_update_rate={key.removeprefix('bias_rate_')}`")  # fmt: skip
+            lines.append(row(label, f"{r['max_over_mean_last_quarter_mean']:.2f}", f"{r['worst']:.2f}"))
+    return lines
+
+
 def precision(sources: list[Source]) -> list[str]:
     """tools/bench_precision.py: the default LM in each precision, the runs of a round side by side; auto's choice."""
     lines = header(
@@ -804,6 +839,7 @@ RENDERERS: dict[str, Callable[[list[Source]], list[str]]] = {
     "plan_axes_published": plan_axes_published,
     "layout_choice": layout_choice,
     "moe_plan": moe_plan,
+    "moe_cpu": moe_cpu,
     "checkpointing": checkpointing,
     "precision": precision,
     "sft_trl": sft_trl,
