@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 from bench_meta import collect, finish  # noqa: E402  (tools/bench_meta.py)
+from plan_axes import verify  # noqa: E402  (timed verify_plan of a layout, as plan_axes.json's)
 
 DENSE_TWIN = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "mistral"}
 """The dense family whose attention and fields an MoE family shares: its config.json is read as that family's for
@@ -108,21 +109,6 @@ def plan(overrides: list[str], ep: int) -> dict[str, Any]:
         "state_bytes": est.state, "gathered_bytes": est.gathered, "activation_bytes": est.activations or 0,
         "host_bytes": est.host, "sent_bytes": est.comm_bytes, **dataclasses.asdict(moe),
     }  # fmt: skip
-
-
-def verify(overrides: list[str]) -> dict[str, Any]:
-    """distributed.verify_plan of a layout (the real fully_shard on the fake process group), timed."""
-    import time
-
-    from shardlab.jobs.preflight import compose_config
-    from shardlab.memory.verify import verify_plan
-    from shardlab.runner import build_task
-
-    cfg = compose_config(overrides)
-    world = cfg.distributed.world_size
-    started = time.perf_counter()
-    lines = verify_plan(cfg, build_task(cfg, world_size=world), world)
-    return {"overrides": overrides, "seconds": round(time.perf_counter() - started, 1), "line": lines[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
