@@ -13,6 +13,11 @@ dimension does not divide evenly. Nothing is allocated: the parameters stay on m
   output, the hybrid mesh's all-reduce; how often each runs from the group's reshard setting) must equal
   shardlab.memory.estimate.collectives', and so the plan's bytes sent per step.
 
+Under distributed.expert_parallel_degree > 1 the backend's own expert split (shardlab.distributed.expert_parallel, on
+ParallelDims.expert_mesh built on the fake group) runs first, as in training: each expert module is its own FSDP2 unit
+over the ranks outside its expert group, and the plan's side is shardlab.memory.experts' expert_rank_state and
+expert_collectives. The tokens' all-to-all is the task's forward, not FSDP2's: not counted here.
+
 FSDP2 refuses to run forward on meta parameters (it checks they were materialized), so the step's collectives are
 counted from its parameter groups rather than recorded as they run. A mismatch raises PlanMismatch: one line.
 
