@@ -732,6 +732,8 @@ def moe_plan(sources: list[Source]) -> list[str]:
         if d.get("verify"):
             v = d["verify"]
             lines += ["", f"`distributed.verify_plan` of the first layout, timed: {v['seconds']} s. {v['line']}"]
+        for v in d.get("verify_ep", []):  # the same model at expert-parallel degrees (tools/plan_moe.py VERIFIED_EP)
+            lines += ["", f"`distributed.verify_plan` with expert parallelism, timed: {v['seconds']} s. {v['line']}"]
     return lines
 
 

@@ -7,7 +7,8 @@ docs/models.md's "Planning an MoE".
 Nothing is measured and no weight exists: each model is its published config.json (tests/data/qwen3_30b_a3b,
 tests/data/mixtral_8x22b), read as a model section (``moe_overrides``), built on the meta device and planned as
 dry_run plans it (seconds each, on any machine); then distributed.verify_plan shards Qwen3-30B-A3B's 48 layers of 128
-experts with the real fully_shard over 8 ranks of torch's fake process group and holds the plan to it.
+experts with the real fully_shard over 8 ranks of torch's fake process group and holds the plan to it, without expert
+parallelism and at EP 2 and 8 (the backend's expert split on its expert mesh, distributed.expert_parallel_degree).
 
 The expert-parallel degree is set on the planned layout (``Layout.ep``), the value distributed.expert_parallel_degree
 gives it. Every setting: bf16 parameters with fp32 gradient reduction, AdamW, full activation checkpointing of the
@@ -74,6 +75,9 @@ SETUPS = [
     ("Mixtral 8x22B", 64, 64, 4096, 8, ["distributed.cpu_offload=true"]),
 ]
 """(model, world size, global batch, sequence length, expert-parallel degree, further overrides)."""
+VERIFIED_EP = (2, 8)
+"""Expert-parallel degrees of Qwen3-30B-A3B on 8 ranks that verify_plan holds to the backend's expert mesh and
+fully_shard (the JSON's ``verify_ep``), beside the first layout's ``verify``."""
 
 
 def keys(model: str, world: int, batch: int, seq_len: int) -> list[str]:
@@ -121,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides = [*keys(model, world, batch, seq_len), *extra]
         rows.append({"model": model, "config": MODELS[model], "ep": ep, "overrides": overrides,
                      "plan": plan(overrides, ep)})  # fmt: skip
-    results = {"tool": "plan_moe", "plans": rows, "verify": verify(keys("Qwen3-30B-A3B", 8, 8, 4096))}
+    qwen = keys("Qwen3-30B-A3B", 8, 8, 4096)
+    with_ep = [verify([*qwen, f"distributed.expert_parallel_degree={ep}"]) for ep in VERIFIED_EP]
+    results = {"tool": "plan_moe", "plans": rows, "verify": verify(qwen), "verify_ep": with_ep}
     results["meta"] = finish(meta)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}: {len(rows)} layouts in {results['meta']['seconds']} s")

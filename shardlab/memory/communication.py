@@ -49,10 +49,10 @@ def collectives(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> list
     the root), a reduce-scatter per reduction, and on a hybrid mesh an all-reduce of each reduced shard across the
     replicas. ddp: one all-reduce of the gradients per reduction. The all-gathers carry every parameter; the
     reductions only the trainable ones' gradients (frozen weights have none: a LoRA run reduces its adapters)."""
-    n, micro = ctx.world_size, ctx.update_freq
+    n = ctx.world_size
     if n == 1 or layout.backend == "single":
         return []
-    reductions = micro if ctx.reduce_every_microbatch else 1
+    reductions = ctx.update_freq if ctx.reduce_every_microbatch else 1
     if layout.backend == "ddp":
         return [Collective("all_reduce", n, profile.trainable_params * ctx.reduce_bytes, reductions)]
     f = layout.sharding_degree
@@ -60,16 +60,27 @@ def collectives(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> list
     groups = profile.groups()
     out = []
     for i, (shapes, trained) in enumerate(zip(groups, profile.trainable(), strict=True)):
-        shard, reduced = shard_numel(shapes, f), shard_numel(trained, f)
-        if shard == 0:
-            continue  # no parameters: fully_shard makes no group
         resharded = layout.reshard_after_forward and i < len(groups) - 2  # not the last unit, not the root
-        if f > 1:
-            out.append(Collective("all_gather", f, shard * ctx.param_bytes, micro * (2 if resharded else 1)))
-        if f > 1 and reduced:
-            out.append(Collective("reduce_scatter", f, reduced * ctx.reduce_bytes, reductions))
-        if r > 1 and reduced:
-            out.append(Collective("all_reduce", r, reduced * ctx.reduce_bytes, reductions))
+        out += group_collectives(ctx, shard_numel(shapes, f), shard_numel(trained, f), f, r, resharded)
+    return out
+
+
+def group_collectives(ctx: PlanContext, shard: int, reduced: int, f: int, r: int, resharded: bool) -> list[Collective]:
+    """One FSDP2 parameter group's collectives in a step: ``shard`` elements per rank (padded) gathered over its
+    ``f`` sharding ranks per micro-batch (twice when ``resharded`` after forward), the ``reduced`` ones' gradients
+    reduce-scattered over them and all-reduced across its ``r`` replicas per reduction. None for a group without
+    parameters (fully_shard makes none)."""
+    if shard == 0:
+        return []
+    micro = ctx.update_freq
+    reductions = micro if ctx.reduce_every_microbatch else 1
+    out = []
+    if f > 1:
+        out.append(Collective("all_gather", f, shard * ctx.param_bytes, micro * (2 if resharded else 1)))
+    if f > 1 and reduced:
+        out.append(Collective("reduce_scatter", f, reduced * ctx.reduce_bytes, reductions))
+    if r > 1 and reduced:
+        out.append(Collective("all_reduce", r, reduced * ctx.reduce_bytes, reductions))
     return out
 
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from shardlab.distributed.activation_checkpointing import checkpointed_units
-from shardlab.memory.byte_model import MemoryEstimate, gathered_bytes
+from shardlab.memory.byte_model import MemoryEstimate, RankState, gathered_bytes, rank_state
+from shardlab.memory.communication import Collective, collectives, group_collectives
 from shardlab.memory.context import PlanContext
 from shardlab.memory.devices import GiB
 from shardlab.memory.layout import Layout, shard_numel, shard_rows
@@ -161,31 +162,79 @@ def _all_to_all_bytes(profile: ModelProfile, layout: Layout, ctx: PlanContext, e
 
 def with_expert_parallel(est: MemoryEstimate, profile: ModelProfile, ctx: PlanContext) -> MemoryEstimate:
     """``est`` (the data-parallel byte model, which shards the experts like every parameter over all the sharding
-    ranks) with the experts as expert parallelism places them: held state from E / ep experts over f / ep ranks,
-    each layer gathering only its E / ep experts, the experts' FSDP traffic over their smaller group, the
-    all-to-all traffic, and one layer's send and receive buffers in flight."""
+    ranks) with the experts as expert parallelism places them: held state from E / ep experts over f / ep ranks
+    (``expert_rank_state``), each layer gathering only its E / ep experts, the experts' FSDP traffic over their
+    smaller group (``expert_collectives``), the all-to-all traffic, and one layer's send and receive buffers in
+    flight."""
     layout = est.layout
     ep = expert_degree(layout, profile)
     if ep == 1:
         return est
-    f = layout.sharding_degree
-    ex = profile.experts
-    shapes = [s for g in ex.group_shapes for s in g]
-    held_ep = sum(expert_numel(s, ep, f // ep) for s in shapes)
-    held_one = sum(expert_numel(s, 1, f) for s in shapes)
-    delta = held_ep - held_one  # trainable: a frozen expert (LoRA's base) has neither gradient nor optimizer state
-    trains = profile.trainable_shapes is None
-    grads = est.grads + (4 * delta if trains else 0)
-    optimizer = est.optimizer + (ctx.optimizer_state_bytes * delta if trains else 0)
-    params = est.params + 4 * delta
+    one, placed = rank_state(profile, layout, ctx), expert_rank_state(profile, layout, ctx)
     gathered = est.gathered - _gathered(profile, layout, ctx, 1) + _gathered(profile, layout, ctx, ep)
     plan = plan_experts(profile, layout, ctx)
-    comm = est.comm_bytes - _expert_fsdp_sent(profile, layout, ctx, 1) + _expert_fsdp_sent(profile, layout, ctx, ep)
+    comm = sum(c.sent for c in expert_collectives(profile, layout, ctx))
     activations = None if est.activations is None else est.activations + 2 * plan.dispatch_bytes
     return replace(
-        est, params=params, grads=grads, optimizer=optimizer, gathered=gathered, activations=activations,
+        est, params=est.params + placed.params - one.params, grads=est.grads + placed.grads - one.grads,
+        optimizer=est.optimizer + placed.optimizer - one.optimizer, gathered=gathered, activations=activations,
         comm_bytes=comm + plan.all_to_all_bytes,
     )  # fmt: skip
+
+
+def expert_rank_state(profile: ModelProfile, layout: Layout, ctx: PlanContext, rank: int = 0) -> RankState:
+    """byte_model.rank_state of rank ``rank`` of the shard group (its dp_shard index) with the experts as expert
+    parallelism places them: each expert tensor's E / ep rows of the rank's group (the 'ep' index, rank % ep)
+    sharded over the f / ep ranks outside it, where the rank is rank // ep (mesh.ParallelDims.expert_mesh: 'ep'
+    innermost). Gradients: views of the padded reduce-scatter output in fp32, else cast copies of the local shard;
+    optimizer state shaped like the local shard; neither for frozen experts (a LoRA base)."""
+    base = rank_state(profile, layout, ctx, rank)
+    ep = expert_degree(layout, profile)
+    if ep == 1:
+        return base
+    f = layout.sharding_degree
+    shapes = [s for g in profile.experts.group_shapes for s in g]
+
+    def held(ep: int, degree: int, index: int | None) -> int:
+        return sum(shard_rows(e // ep, degree, index) * r * w for e, r, w in shapes)
+
+    padded = held(ep, f // ep, None) - held(1, f, None)
+    local = held(ep, f // ep, rank // ep) - held(1, f, rank)
+    trains = profile.trainable_shapes is None
+    grads = 4 * (padded if ctx.reduce_bytes == 4 else local) if trains else 0
+    optimizer = ctx.optimizer_state_bytes * local if trains else 0
+    return RankState(base.params + 4 * padded, base.local_params + 4 * local, base.grads + grads,
+                     base.optimizer + optimizer)  # fmt: skip
+
+
+def expert_collectives(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> list[Collective]:
+    """communication.collectives as the fully_sharded backend issues them under expert parallelism: per FSDP unit
+    (then the root), first its experts' group (each expert module is its own FSDP2 unit over the f / ep ranks
+    outside the expert group and the replicas; resharded after forward whenever distributed.reshard_after_forward
+    is set, the last unit's too: FullyShardedBackend.shard_experts), then the unit's other parameters over all f."""
+    ep = expert_degree(layout, profile)
+    if ep == 1:
+        return collectives(profile, layout, ctx)
+    f, r = layout.sharding_degree, ctx.world_size // layout.sharding_degree
+    groups, trained = profile.groups(), profile.trainable()
+    trains = profile.trainable_shapes is None
+    out = []
+    for i, experts in enumerate(profile.experts.group_shapes):
+        shard = sum(expert_numel(s, ep, f // ep) for s in experts)
+        out += group_collectives(ctx, shard, shard if trains else 0, f // ep, r, layout.reshard_after_forward)
+        whole = [(e, rows * w) for e, rows, w in experts]
+        rest, rest_trained = _without(groups[i], whole), _without(trained[i], whole) if trains else trained[i]
+        resharded = layout.reshard_after_forward and i < len(groups) - 2  # not the last unit, not the root
+        out += group_collectives(ctx, shard_numel(rest, f), shard_numel(rest_trained, f), f, r, resharded)
+    return out
+
+
+def _without(shapes: list[tuple[int, int]], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``shapes`` less one entry for each of ``taken`` (the unit's parameters less its experts)."""
+    left = list(shapes)
+    for shape in taken:
+        left.remove(shape)
+    return left
 
 
 def _gathered(profile: ModelProfile, layout: Layout, ctx: PlanContext, ep: int) -> int:
@@ -208,24 +257,6 @@ def _gathered(profile: ModelProfile, layout: Layout, ctx: PlanContext, ep: int) 
         [f * shard_numel(trained[i], f) + (expert_gathered(i) if trains else 0) for i in units],
         f * shard_numel(groups[-1], f) + expert_gathered(len(groups) - 1) if profile.root_params else 0,
     )  # fmt: skip
-
-
-def _expert_fsdp_sent(profile: ModelProfile, layout: Layout, ctx: PlanContext, ep: int) -> int:
-    """What FSDP2 sends per step for the experts alone at degree ``ep``: an all-gather per micro-batch in forward and
-    again in backward (resharded units), a reduce-scatter per reduction, over the f / ep ranks of their group."""
-    degree = layout.sharding_degree // ep
-    if degree == 1:
-        return 0
-    micro = ctx.update_freq
-    reductions = micro if ctx.reduce_every_microbatch else 1
-    groups = profile.experts.group_shapes
-    sent = 0
-    for i, shapes in enumerate(groups):
-        shard = sum(expert_numel(s, ep, degree) for s in shapes)
-        resharded = layout.reshard_after_forward and i < len(groups) - 2
-        gathers = micro * (2 if resharded else 1)
-        sent += (degree - 1) * shard * (ctx.param_bytes * gathers + ctx.reduce_bytes * reductions)
-    return sent
 
 
 def experts_line(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> str | None:

@@ -13,6 +13,11 @@ dimension does not divide evenly. Nothing is allocated: the parameters stay on m
   output, the hybrid mesh's all-reduce; how often each runs from the group's reshard setting) must equal
   shardlab.memory.estimate.collectives', and so the plan's bytes sent per step.
 
+Under distributed.expert_parallel_degree > 1 the backend's own expert split (shardlab.distributed.expert_parallel, on
+ParallelDims.expert_mesh built on the fake group) runs first, as in training: each expert module is its own FSDP2 unit
+over the ranks outside its expert group, and the plan's side is shardlab.memory.experts' expert_rank_state and
+expert_collectives. The tokens' all-to-all is the task's forward, not FSDP2's: not counted here.
+
 FSDP2 refuses to run forward on meta parameters (it checks they were materialized), so the step's collectives are
 counted from its parameter groups rather than recorded as they run. A mismatch raises PlanMismatch: one line.
 
@@ -37,7 +42,8 @@ from torch import nn
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError, ShardlabError
 from shardlab.memory.devices import GiB
-from shardlab.memory.estimate import Collective, collectives, rank_state
+from shardlab.memory.estimate import Collective, rank_state
+from shardlab.memory.experts import expert_collectives, expert_rank_state
 from shardlab.memory.layout import layout_of
 from shardlab.memory.plan import profile_config
 
@@ -71,9 +77,9 @@ def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
 
 def shard_on_fake_group(cfg, task, world_size: int, rank: int):
     """The task's model on meta, sharded as the fully_sharded backend shards it, seen from ``rank``; returns the
-    model and its FSDP modules in the order fully_shard was applied (units, then the root)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    model and its FSDP modules in the plan's order: per unit, the expert modules in it (under
+    distributed.expert_parallel_degree > 1 each its own FSDP2 unit on the expert mesh), then the unit; the root's
+    last."""
     from shardlab.distributed.env import DistEnv
     from shardlab.distributed.fully_sharded import FullyShardedBackend
 
@@ -81,14 +87,17 @@ def shard_on_fake_group(cfg, task, world_size: int, rank: int):
     units = task.fsdp_units(model)
     backend = FullyShardedBackend(cfg.distributed, DistEnv(rank, world_size, rank, "127.0.0.1", 0, "none"))
     backend.device = torch.device("cpu")  # the fake backend serves any device; nothing is placed on it
-    degree = world_size if cfg.distributed.sharding_degree == -1 else cfg.distributed.sharding_degree
     # The mesh FullyShardedBackend.setup makes (setup itself would join a real process group first).
-    shape, names = ((world_size,), ("shard",)) if degree == world_size else ((world_size // degree, degree), None)
-    backend.mesh = init_device_mesh("cpu", shape, mesh_dim_names=names or ("replicate", "shard"))
-    backend.sharding_degree = degree
-    model = backend.parallelize(model, units, materialize=lambda m: None)
-    fsdp_modules = [*backend.units, model] if backend.units else [model]
-    return model, fsdp_modules
+    backend.mesh = backend.dims.build("cpu", keep=("dp_shard",))
+    backend.sharding_degree = backend.dims.dp_shard
+    experts = task.expert_modules(model) if backend.dims.ep > 1 else []  # as the trainer asks for them
+    model = backend.parallelize(model, units, materialize=lambda m: None, expert_modules=experts)
+    ordered = []
+    for unit in backend.units or []:
+        inside = {id(m) for m in unit.modules()}
+        ordered += [m for m in experts if id(m) in inside and m not in ordered] + [unit]
+    ordered += [m for m in experts if m not in ordered]
+    return model, [*ordered, model]
 
 
 def _group(module: nn.Module):
@@ -158,14 +167,14 @@ def verify_plan(cfg, task, world_size: int) -> list[str]:
     profile, ctx = profile_config(cfg_plan, task, world_size, model_on_meta(task))
     f = layout.sharding_degree
     reductions = ctx.update_freq if ctx.reduce_every_microbatch else 1
-    planned_collectives = collectives(profile, layout, ctx)
+    planned_collectives = expert_collectives(profile, layout, ctx)  # collectives' own at expert-parallel degree 1
     for rank in sorted({0, world_size - 1}):
         with fake_process_group(world_size, rank):
             _, fsdp_modules = shard_on_fake_group(cfg, task, world_size, rank)
             state = measured_state(fsdp_modules, ctx.optimizer_state_bytes)
             if rank == 0:
                 measured = measured_collectives(fsdp_modules, ctx.update_freq, reductions)
-        planned = rank_state(profile, layout, ctx, rank % f).__dict__
+        planned = expert_rank_state(profile, layout, ctx, rank % f).__dict__
         for key, value in planned.items():
             if state[key] != value:
                 raise PlanMismatch(
@@ -181,8 +190,8 @@ def verify_plan(cfg, task, world_size: int) -> list[str]:
         )
         raise PlanMismatch(f"verify_plan: one step's collectives differ at {where}")
     sent = sum(c.sent for c in measured)
-    last = rank_state(profile, layout, ctx, (world_size - 1) % f)
-    first_rank = rank_state(profile, layout, ctx, 0)
+    last = expert_rank_state(profile, layout, ctx, (world_size - 1) % f)
+    first_rank = expert_rank_state(profile, layout, ctx, 0)
     return [
         f"verify_plan: the real fully_shard at world size {world_size} ({layout.label(world_size)}) on a fake "
         f"process group matches the plan: params {first_rank.params / GiB:.3f} GiB per rank (local shards: rank 0 "

@@ -237,12 +237,11 @@ def test_a_plan_broken_on_purpose_fails_verification_in_one_line(monkeypatch):
 
 
 def test_a_plan_that_miscounts_one_collective_fails_verification(monkeypatch):
-    from shardlab.memory import estimate
+    from shardlab.memory import experts
     from shardlab.memory.verify import PlanMismatch
 
-    real = estimate.collectives
-    monkeypatch.setattr(estimate, "collectives", lambda *a: real(*a)[:-1])  # one reduce-scatter left out
-    monkeypatch.setattr("shardlab.memory.verify.collectives", estimate.collectives)
+    real = experts.expert_collectives  # the plan's collectives as verify_plan reads them (communication's at EP 1)
+    monkeypatch.setattr("shardlab.memory.verify.expert_collectives", lambda *a: real(*a)[:-1])  # a reduce-scatter out
     with pytest.raises(PlanMismatch, match="one step's collectives differ"):
         verified(8)
 

@@ -160,3 +160,74 @@ def test_the_layout_reads_distributed_expert_parallel_degree_where_the_config_ha
     layout = layout_of(with_key, 8)
     assert layout.ep == 4 and layout.label(8).endswith("+ EP 4")
     assert layout.overrides(8)["expert_parallel_degree"] == 4
+
+
+def ep_config(world: int, ep: int, *overrides: str):
+    return compose_config([*SMALL_MOE, *ep_keys(world, ep, *overrides)])
+
+
+def ep_keys(world: int, ep: int, *overrides: str) -> list[str]:
+    return ["distributed=fully_sharded", f"optimization.batch_size={world}", f"validation.batch_size={world}",
+            f"distributed.expert_parallel_degree={ep}", *overrides]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("world", "ep", "extra"), [(8, 2, ()), (8, 8, ()), (16, 4, ("distributed.sharding_degree=8",))]
+)
+def test_verify_plan_holds_expert_parallelism_to_the_backends_expert_mesh_and_fully_shard(world, ep, extra):
+    """The backend's own expert split and FSDP2 on the fake group: each expert module its own FSDP2 unit over the
+    f / ep ranks outside its expert group (and the replicas, hybrid), holding E / ep experts of (experts, rows,
+    width) as a DTensor on the expert mesh; the rest over all f. Its state on the first and the last rank and its
+    collectives group by group are the plan's (shardlab.memory.experts.expert_rank_state, expert_collectives)."""
+    from shardlab.memory import verify
+    from shardlab.memory.experts import expert_collectives
+    from shardlab.memory.layout import layout_of
+
+    cfg = ep_config(world, ep, *extra)
+    task = build_task(cfg, world_size=world)
+    f = 8 if extra else world
+    with verify.fake_process_group(world, world - 1):
+        _, modules = verify.shard_on_fake_group(cfg, task, world, world - 1)
+        experts = [m for m in modules if type(m).__name__.startswith("FSDPGroupedExperts")]
+        assert len(experts) == 2  # one per MoE layer
+        for module in experts:
+            group = verify._group(module)
+            assert group.mesh_info.shard_mesh_size == f // ep
+            assert getattr(group.mesh_info, "replicate_mesh_size", 1) == world // f
+            weight = group.fsdp_params[0].sharded_param
+            assert weight.device_mesh.mesh_dim_names[-1] == "ep" and weight.shape[0] == 8  # the global experts
+            assert weight.to_local().shape[0] == max(8 // ep // (f // ep), 0)  # 8 experts: E / ep over f / ep
+        measured = verify.measured_collectives(modules, 1, 1)
+    _, profile, ctx = planned(world, *ep_keys(world, ep, *extra))
+    planned_ = expert_collectives(profile, layout_of(cfg.distributed, world), ctx)
+    assert measured == planned_
+    assert (f // ep in {c.group_size for c in measured}) == (f > ep)  # the experts' own groups (none at ep = f)
+    lines = verify.verify_plan(cfg, task, world)
+    assert "matches the plan" in lines[0] and f"+ EP {ep}" in lines[0]
+
+
+def test_verify_plan_reports_experts_the_backend_did_not_split_and_experts_it_reshards_unplanned(monkeypatch):
+    """Planted mismatches: the backend leaving the experts whole (FSDP2 then shards all 8 experts over the 4 ranks
+    outside the group: twice the plan's expert bytes), and the backend keeping the experts gathered after forward
+    (one all-gather per step where the plan has two)."""
+    from shardlab.distributed import fully_sharded
+    from shardlab.memory.verify import PlanMismatch, verify_plan
+
+    cfg = ep_config(8, 2)
+    task = build_task(cfg, world_size=8)
+    with monkeypatch.context() as patch:
+        patch.setattr(fully_sharded, "split_experts", lambda modules, mesh: None)
+        with pytest.raises(PlanMismatch, match=r"rank 0 of 8: fully_shard gives [\d,]+ bytes of params, the memory"):
+            verify_plan(cfg, task, 8)
+    kept = fully_sharded.FullyShardedBackend.shard_experts
+
+    def unresharded(backend, modules, mesh, kwargs):
+        backend.cfg.reshard_after_forward = False
+        try:
+            kept(backend, modules, mesh, kwargs)
+        finally:
+            backend.cfg.reshard_after_forward = True
+
+    monkeypatch.setattr(fully_sharded.FullyShardedBackend, "shard_experts", unresharded)
+    with pytest.raises(PlanMismatch, match=r"differ at collective \d+: fully_shard .*all_gather.*count=1\)"):
+        verify_plan(cfg, task, 8)

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 import plan_moe  # noqa: E402
@@ -45,3 +47,18 @@ def test_verify_plan_holds_the_qwen3_30b_a3b_plan_to_fully_shard_at_8_ranks():
     """48 layers of 128 experts sharded by the real fully_shard over 8 fake ranks (seconds, nothing allocated)."""
     result = plan_moe.verify(plan_moe.keys("Qwen3-30B-A3B", 8, 8, 4096))
     assert "matches the plan" in result["line"] and "world size 8" in result["line"]
+
+
+@pytest.mark.parametrize(("world", "ep"), [(8, 2), (16, 8)])
+def test_verify_plan_holds_the_qwen3_30b_a3b_plan_to_the_expert_mesh_and_fully_shard(world, ep):
+    """Qwen3-30B-A3B from its config.json at expert-parallel degree ``ep``: 128 experts of 48 layers split over the
+    backend's expert mesh on ``world`` fake ranks and sharded by FSDP2 over the ranks outside each group; the state
+    matches the plan on the first and the last rank, the collectives group by group, and what they send is the
+    plan's per-step traffic less its all-to-all (which verify_plan does not see: the task's, not FSDP2's)."""
+    overrides = [*plan_moe.keys("Qwen3-30B-A3B", world, world, 4096), f"distributed.expert_parallel_degree={ep}"]
+    line = plan_moe.verify(overrides)["line"]
+    planned = plan_moe.plan(overrides, ep)
+    fsdp_sent = (planned["sent_bytes"] - planned["all_to_all_bytes"]) / 2**30
+    assert "matches the plan" in line and f"world size {world}" in line and f"+ EP {ep}" in line
+    assert f"params {planned['params_bytes'] / 2**30:.3f} GiB per rank" in line
+    assert f"sending {fsdp_sent:.2f} GiB per step" in line
