@@ -9,7 +9,6 @@ multirun, and rebuilt at any time by ``shardlab-sweep-summary <sweep dir>``.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from shardlab.errors import ShardlabError, one_line
+from shardlab.files.durable import write_json_atomic
 from shardlab.files.regular_file import SMALL_FILE_MAX_BYTES, NotAFile, read_json_file
 from shardlab.jobs import run_record
 
@@ -34,7 +34,9 @@ def write_manifest(sweep_dir: Path, jobs: list[dict[str, Any]]) -> None:
     path = sweep_dir / MANIFEST
     known = {j["num"]: j for j in read_manifest(path)}
     known.update({j["num"]: j for j in jobs})
-    path.write_text(json.dumps([known[k] for k in sorted(known)], indent=1))
+    # whole or not at all: the submitter rewrites it while a summary or a waiting test may be reading it (a reader
+    # saw it empty mid-write and failed to parse it)
+    write_json_atomic(path, [known[k] for k in sorted(known)], indent=1)
 
 
 def read_manifest(path: Path) -> list[dict[str, Any]]:
@@ -147,7 +149,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def write_summary(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
     sweep_dir = Path(sweep_dir)
-    (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=1))
+    write_json_atomic(sweep_dir / "summary.json", rows, indent=1)
     metrics = _metric_names(rows)
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)

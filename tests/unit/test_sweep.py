@@ -57,6 +57,33 @@ def test_manifest_points_that_never_started_are_pending(tmp_path):
     ]
 
 
+def test_a_reader_never_sees_the_manifest_half_written(tmp_path):
+    """The submitter rewrites sweep.json as it submits while a summary (or a waiting test) reads it: every read is
+    the old manifest or the new one, never an empty or cut file (a Slurm test read it empty mid-write and failed)."""
+    import threading
+
+    jobs = [{"num": n, "overrides": [f"optimizer.lr={n}e-4"] * 20, "run_dir": f"/r/{n}"} for n in range(400)]
+    sweep.write_manifest(tmp_path, jobs[:1])
+    seen, errors, done = [], [], threading.Event()
+
+    def read():
+        while not done.is_set():
+            try:
+                seen.append(len(sweep.read_manifest(tmp_path / sweep.MANIFEST)))
+            except Exception as error:  # the point: nothing is raised
+                errors.append(error)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for k in range(2, 400, 4):
+        sweep.write_manifest(tmp_path, jobs[:k])
+    done.set()
+    reader.join()
+    assert not errors, errors[:3]
+    assert seen and all(n >= 1 for n in seen)
+    assert not [p for p in tmp_path.iterdir() if p.name != sweep.MANIFEST]  # no temp file left beside it
+
+
 def test_summary_callback_exits_nonzero_only_when_a_point_did_not_finish(tmp_path):
     from omegaconf import OmegaConf
 
