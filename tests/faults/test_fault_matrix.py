@@ -68,13 +68,13 @@ RESUMES = ("auto", "path", "none", "init_from")
 DEFAULT_CELLS = {
     ("torchrun", "sigterm", "init_from"),
     ("slurm_local", "usr2", "auto"),
-    ("slurm_local", "usr2", "path"),
 }
-"""The layouts the other default tests do not fault: torchrun, and a one-task Slurm job that starts its ranks (USR2 with
-auto and a path). Elsewhere by default: Slurm's one task per rank (tests/slurm/test_slurm.py: USR2, scontrol requeue,
-cancellation, SIGKILL), local ranks (tests/distributed/test_preemption.py: a signal on one rank, Ctrl-C; errors and
-requeues with every resume setting in tests/unit/test_requeue.py), SIGKILL (test_kill_loop.py), a failing save and a
-failing set-aside (tests/distributed/test_checkpoint_agreement.py). All 104 cells: -m "slow or not slow"."""
+"""The layouts the other default tests do not fault: torchrun, and a one-task Slurm job that starts its ranks (USR2,
+resumed by auto; by an explicit path with -m slow, as tests/unit/test_requeue.py resumes by path by default).
+Elsewhere by default: Slurm's one task per rank (tests/slurm/test_slurm.py: USR2, scontrol requeue, cancellation,
+SIGKILL), local ranks (tests/distributed/test_preemption.py: a signal on one rank, Ctrl-C; errors and requeues with
+every resume setting in tests/unit/test_requeue.py), SIGKILL (test_kill_loop.py), a failing save and a failing
+set-aside (tests/distributed/test_checkpoint_agreement.py). All 104 cells: -m "slow or not slow"."""
 SLURM_REQUEUES = ("usr2", "scontrol_requeue")
 """Events after which Slurm requeues the job itself (through submitit, or as scontrol asks); after the others the job
 ends and the test resubmits the same command."""

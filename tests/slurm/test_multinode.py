@@ -167,6 +167,7 @@ def torchrun_on(env, host: str, node_rank: int, port: int, args: list[str], out:
     )  # fmt: skip
 
 
+@pytest.mark.slow  # ~100 s; the submitit layouts of this file run one task per host by default
 def test_a_plain_sbatch_script_with_one_srun_task_per_host_starting_two_ddp_ranks_matches_one_process(
     multi_node_env, corpus_cache, tmp_path, one_process
 ):

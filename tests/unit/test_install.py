@@ -17,6 +17,10 @@ import pytest
 from shardlab.config import CONF_DIR
 from shardlab_commands import COMMANDS
 
+pytestmark = pytest.mark.slow
+"""~40 s (a wheel built): .ci/run's tools/check_wheel.sh builds, installs and runs the wheel after the suite, so the
+default suite leaves this quicker read of its file list to -m slow."""
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"shardlab", "shardlab_tasks", "shardlab_commands", "hydra_plugins"}
 """The top-level names the wheel may install: shardlab's own, and the namespace Hydra finds its plug-ins in."""
