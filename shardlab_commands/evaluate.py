@@ -354,19 +354,20 @@ def evaluation_of(task: Task) -> Evaluation:
     return evaluation
 
 
-def chosen_modes(args: argparse.Namespace, evaluation: Evaluation, where: str) -> tuple[str, ...]:
-    """The evaluations asked for, or the task's default ones; a ConfigError for one it does not offer."""
+def chosen_modes(args: argparse.Namespace, evaluation: Evaluation, task: str, where: str) -> tuple[str, ...]:
+    """The evaluations asked for, or the default ones of ``task``'s Evaluation; a ConfigError for one it does not
+    offer."""
     asked = tuple(m for m in MODES if getattr(args, m) not in (None, False))
     for mode in asked:
         if mode not in evaluation.modes:
             offered = " or ".join(MODES[m][0] if m in MODES else m for m in evaluation.modes)
             raise ConfigError(
-                f"{where} is a {evaluation.task.cfg.task.name} checkpoint; {MODES[mode][0].split()[0]} needs "
+                f"{where} is a {task} checkpoint; {MODES[mode][0].split()[0]} needs "
                 f"{MODES[mode][1]}" + (f"; use {offered}" if offered else "")
             )
     modes = asked or evaluation.default_modes
     if not modes:
-        raise ConfigError(f"{where}: task {evaluation.task.cfg.task.name}'s Evaluation offers no default evaluation")
+        raise ConfigError(f"{where}: task {task}'s Evaluation offers no default evaluation; ask for one of its modes")
     return tuple(modes)
 
 
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     task = model_task(model_cfg, args.checkpoint)
     evaluation = evaluation_of(task)
     evaluation.data_config(cfg, trained, saved_config_file(args.checkpoint))
-    modes = chosen_modes(args, evaluation, where)
+    modes = chosen_modes(args, evaluation, cfg.task.name, where)
     evaluation.settle(modes, args)
     request = EvaluationRequest(
         cfg=cfg,
