@@ -82,8 +82,8 @@ class EvaluationRequest:
     info: dict | None
     """The checkpoint's description (its step), or None: weights without a checkpoint (seeded, model.pretrained)."""
     model: Callable[[], nn.Module]
-    """The model with its weights, in eval mode on the CPU; loaded on the first call (an evaluation of an export
-    never calls it)."""
+    """The model with its weights, in eval mode on the CPU; loaded on the first call, which prints what is evaluated
+    (an evaluation of an export never calls it)."""
     data_task: Callable[[], Task]
     """The task of ``cfg`` (checked), built on the first call: its data, where the command line chose other data
     than the model was trained on."""
@@ -91,14 +91,14 @@ class EvaluationRequest:
     """Writes the checkpoint's Hugging Face export (shardlab-export) into a folder; None without a checkpoint."""
 
 
-class Evaluation:
+class Evaluation(ABC):
     """How shardlab-evaluate evaluates a task's models (Task.evaluation): which evaluations there are, and each run
     on the data the command line names. shardlab_commands/evaluate.py parses, builds the task, loads the weights and
     prints and writes the figures; everything that knows the task's data and metrics is here."""
 
     modes: tuple[str, ...] = ()
     """The evaluations offered, by the command's option (linear, knn, perplexity, lm_eval); one asked for outside
-    them is refused, naming these."""
+    them is refused, naming these. A mode the command has no option for runs only as one of default_modes."""
     default_modes: tuple[str, ...] = ()
     """Those run when none is asked for."""
     report_leaves_out: tuple[str, ...] = ()
@@ -112,14 +112,16 @@ class Evaluation:
         shardlab-evaluate has reset: a checkpoint's config never names what is read) before its task is built.
         ``trained``: the checkpoint's data section as saved (its paths too: never to be read), None without a
         checkpoint; ``described``: the file that holds it, for errors."""
+        return None  # the default: a task whose evaluation takes the data section as the command line gives it
 
     def settle(self, modes: tuple[str, ...], settings: Any) -> None:
         """Resolve the settings left at their None defaults for ``modes`` (the split) and refuse a combination the
         evaluation cannot run, in one line; asked before any weight is read."""
+        return None  # the default: nothing left to resolve, every offered mode runs with any settings
 
+    @abstractmethod
     def evaluate(self, request: EvaluationRequest) -> dict[str, Any]:
         """Run ``request.modes``, print a line of figures for each, and return them (JSON-able)."""
-        raise NotImplementedError(f"{type(self).__name__} evaluates nothing: implement Evaluation.evaluate")
 
 
 class Task(ABC):

@@ -96,3 +96,20 @@ def test_a_plugin_tasks_evaluation_gets_the_loaded_model_and_its_data(my_researc
     assert report["results"] == {"accuracy": results["accuracy"], "split": None}  # "points" left out
     with pytest.raises(ConfigError, match="is a spirals checkpoint; --knn needs a vision model; use --perplexity$"):
         evaluate.main(["--random-init", "--knn", f"user_dir={my_research}", *SPIRALS])
+
+
+def test_a_checkpoints_starting_weights_file_is_dropped_only_where_it_shapes_nothing(tmp_path):
+    """A vision run's model.pretrained (torchvision's trunk weights, in resumable_model_changes) is held by its
+    checkpoint, so the file may be gone; an LM's folder gives its architecture and tokenizer, and stays."""
+    from shardlab_tasks.image_classification.task import ImageClassificationTask
+    from tests.conftest import TINY_LM, compose_config
+    from tests.ssl_configs import TINY_VISION
+
+    vision = compose_config(TINY_VISION)
+    assert not evaluate.holds_its_starting_weights(vision)  # nothing to drop
+    vision.model.pretrained = str(tmp_path / "gone.pth")
+    assert "pretrained" in ImageClassificationTask.resumable_model_changes
+    assert evaluate.holds_its_starting_weights(vision)
+    lm = compose_config(TINY_LM)
+    lm.model.pretrained = str(tmp_path / "hf_folder")
+    assert not evaluate.holds_its_starting_weights(lm)
