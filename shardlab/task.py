@@ -8,6 +8,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,6 +64,64 @@ class SequenceShards:
     batch: Any
     buffers: tuple[torch.Tensor, ...]
     seq_dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EvaluationRequest:
+    """What shardlab-evaluate hands a task's Evaluation.evaluate: the command has parsed its arguments, built the
+    task and knows the weights; the evaluation reads the data, runs the model and returns its figures."""
+
+    cfg: Any
+    """The config evaluated on: the checkpoint's (or the composed one), with the command line's data.* overrides."""
+    modes: tuple[str, ...]
+    """The evaluations asked for, each one of Evaluation.modes (the command's option, by its argparse name)."""
+    settings: Any
+    """The command's parsed options (argparse.Namespace: split, batch_size, device, seed, and the probes' and the
+    harness's own). What the evaluation settles for itself (the split it judged on) it sets here, where --out
+    records it."""
+    info: dict | None
+    """The checkpoint's description (its step), or None: weights without a checkpoint (seeded, model.pretrained)."""
+    model: Callable[[], nn.Module]
+    """The model with its weights, in eval mode on the CPU; loaded on the first call, which prints what is evaluated
+    (an evaluation of an export never calls it)."""
+    data_task: Callable[[], Task]
+    """The task of ``cfg`` (checked), built on the first call: its data, where the command line chose other data
+    than the model was trained on."""
+    export: Callable[[Path], None] | None
+    """Writes the checkpoint's Hugging Face export (shardlab-export) into a folder; None without a checkpoint."""
+
+
+class Evaluation(ABC):
+    """How shardlab-evaluate evaluates a task's models (Task.evaluation): which evaluations there are, and each run
+    on the data the command line names. shardlab_commands/evaluate.py parses, builds the task, loads the weights and
+    prints and writes the figures; everything that knows the task's data and metrics is here."""
+
+    modes: tuple[str, ...] = ()
+    """The evaluations offered, by the command's option (linear, knn, perplexity, lm_eval); one asked for outside
+    them is refused, naming these. A mode the command has no option for runs only as one of default_modes."""
+    default_modes: tuple[str, ...] = ()
+    """Those run when none is asked for."""
+    report_leaves_out: tuple[str, ...] = ()
+    """Keys of evaluate's answer that --out's JSON leaves out (the harness's per-sample records)."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def data_config(self, cfg: Any, trained: dict | None, described: Path | None) -> None:
+        """Complete ``cfg`` (the data.* of the command line merged over a checkpoint's config, whose data paths
+        shardlab-evaluate has reset: a checkpoint's config never names what is read) before its task is built.
+        ``trained``: the checkpoint's data section as saved (its paths too: never to be read), None without a
+        checkpoint; ``described``: the file that holds it, for errors."""
+        return None  # the default: a task whose evaluation takes the data section as the command line gives it
+
+    def settle(self, modes: tuple[str, ...], settings: Any) -> None:
+        """Resolve the settings left at their None defaults for ``modes`` (the split) and refuse a combination the
+        evaluation cannot run, in one line; asked before any weight is read."""
+        return None  # the default: nothing left to resolve, every offered mode runs with any settings
+
+    @abstractmethod
+    def evaluate(self, request: EvaluationRequest) -> dict[str, Any]:
+        """Run ``request.modes``, print a line of figures for each, and return them (JSON-able)."""
 
 
 class Task(ABC):
@@ -321,3 +380,8 @@ class Task(ABC):
         """The trunk's pooled features of ``images`` (N, D), in eval mode without gradients: what a frozen-trunk
         evaluation (linear probe, kNN) trains on. Tasks whose models have no image trunk do not implement it."""
         raise NotImplementedError(f"task {self.cfg.task.name} has no image trunk to evaluate")
+
+    def evaluation(self) -> Evaluation | None:
+        """How shardlab-evaluate evaluates this task's models (an Evaluation: the LM's perplexity and harness, the
+        vision trunks' linear probe and kNN), or None (the default): the command says the task offers none."""
+        return None

@@ -3,9 +3,9 @@
 One command per tool, each named ``shardlab-<what it does>`` (as fairseq's ``fairseq-train``, ``fairseq-generate``):
 each is its module's ``main`` with its own argparse ``--help``; training stays ``python -m shardlab.train``, which
 Hydra's command line owns. They sit above ``shardlab`` and ``shardlab_tasks`` (tests/unit/test_layout.py): the
-export, the preprocessing and the evaluation read the LM and vision plug-ins' own modules, which ``shardlab`` never
-imports. ``python tools/<module>.py`` still runs each (tools/ keeps a two-line shim per command, for a clone's habits
-and the recorded benchmark commands).
+export and the preprocessing read the LM plug-in's own modules, which ``shardlab`` never imports; the evaluation asks
+the task instead (Task.evaluation). ``python tools/<module>.py`` still runs each (tools/ keeps a two-line shim per
+command, for a clone's habits and the recorded benchmark commands).
 """
 
 COMMANDS = {

@@ -42,10 +42,8 @@ Everything is seeded; the same command gives the same figures.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
 import json
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,18 +53,27 @@ from shardlab.checkpoint import weights
 from shardlab.distributed.materialize import materialize
 from shardlab.errors import CheckpointError, ConfigError, DataError, first_cause
 from shardlab.jobs.preflight import GROUPS, check_group_choices, compose_config
+from shardlab.registry import TASKS
 from shardlab.runner import build_task
-from shardlab.task import Task
+from shardlab.task import Evaluation, EvaluationRequest, Task
 from shardlab.train import run_tool
 from shardlab_commands import provenance
 
-VISION_MODES = ("linear", "knn")
+MODES = {
+    "linear": ("--linear", "a vision model"),
+    "knn": ("--knn", "a vision model"),
+    "perplexity": ("--perplexity", "a language model"),
+    "lm_eval": ("--lm-eval TASKS", "a language model"),
+}
+"""The evaluations the command line can ask for (argparse's names; Evaluation.modes names them so): each one's
+option, and what it needs, for the line that refuses it on a task whose Evaluation does not offer it."""
 
 
-# ---- the model -------------------------------------------------------------------------------------------------------
-def checkpoint_config(checkpoint: Path, overrides: list[str], user_dir: str | None) -> tuple[DictConfig, dict]:
-    """The training config a checkpoint describes, with ``overrides`` (key=value) applied, and its description
-    (``user_dir``: the plug-ins of a run that had them)."""
+# ---- the configs -----------------------------------------------------------------------------------------------------
+def checkpoint_config(checkpoint: Path, overrides: list[str], user_dir: str | None) -> tuple[DictConfig, dict, dict]:
+    """The training config a checkpoint describes, with ``overrides`` (key=value) applied, its description, and its
+    data section as saved, before own_data_paths reset its paths (``user_dir``: the plug-ins of a run that had
+    them)."""
     if checkpoint.is_dir() and not (checkpoint / "shardlab.json").is_file():
         raise CheckpointError(
             f"{checkpoint} is not a shardlab checkpoint (no shardlab.json); give a step_N folder or a .safetensors file"
@@ -79,30 +86,31 @@ def checkpoint_config(checkpoint: Path, overrides: list[str], user_dir: str | No
             f"{groups[0]}: a checkpoint brings its own {groups[0].partition('=')[0]}; give key=value overrides of "
             "its config (e.g. data.path=...), or --random-init without a checkpoint to choose an architecture"
         )
-    trained_sources = own_data_paths(cfg, checkpoint)
-    if holds_its_trunk_file(cfg):
+    trained = OmegaConf.to_container(cfg.data) if isinstance(cfg.get("data"), DictConfig) else {}
+    own_data_paths(cfg)
+    if holds_its_starting_weights(cfg):
         cfg.model.pretrained = None  # the checkpoint holds those weights now: the file need not exist any more
     OmegaConf.set_struct(cfg, True)  # a mistyped key is an error, not a new key nothing reads
     if "sources" in cfg.get("data", {}):
-        OmegaConf.set_struct(cfg.data.sources, False)  # its names are the user's; complete_sources checks the keys
+        OmegaConf.set_struct(cfg.data.sources, False)  # its names are the user's; Evaluation.data_config checks them
     # +data.sources=... as training spells it (the + adds to the schema's empty mapping there; here it is emptied)
     overrides = [o.lstrip("+") for o in overrides]
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
     except Exception as e:
         raise ConfigError(f"{' '.join(overrides)}: {first_cause(e)} (keys of the checkpoint's config)") from None
-    complete_sources(cfg, trained_sources)
-    return cfg, info
+    return cfg, info, trained
 
 
-def holds_its_trunk_file(cfg: DictConfig) -> bool:
-    """Whether ``cfg`` (a checkpoint's) names the torchvision weights file its vision run started from in
-    model.pretrained; a language model's model.pretrained folder gives its architecture too, and stays."""
-    from shardlab.registry import MODELS
-
-    arch = cfg.get("model", {}).get("arch")
-    vision = arch in MODELS.names() and MODELS.module_of(arch) == "shardlab_tasks.image_classification.model"
-    return vision and bool(cfg.model.get("pretrained"))
+def holds_its_starting_weights(cfg: DictConfig) -> bool:
+    """Whether a checkpoint's model.pretrained (the weights its run started from) can go: its task, registered by
+    its class, lists the key among resumable_model_changes (it shapes nothing: a vision trunk's torchvision file),
+    so the checkpoint holds all it gave. A language model's model.pretrained folder gives its architecture and
+    tokenizer too (and a LoRA run's base weights), and stays."""
+    if not cfg.get("model", {}).get("pretrained"):
+        return False
+    factory = TASKS.get(cfg.task.name, key="task.name")
+    return isinstance(factory, type) and "pretrained" in getattr(factory, "resumable_model_changes", ())
 
 
 DATA_PATH_KEYS = ("path", "cache_dir", "sources")
@@ -112,15 +120,9 @@ checkpoint's data.path could name any file the user can read, which the evaluati
 decode back)."""
 
 
-HAD_PATH = "had_path"
-"""In own_data_paths' answer: whether the run's source had a path of its own (its value is never kept)."""
-
-
-def own_data_paths(cfg: DictConfig, checkpoint: Path) -> dict[str, dict]:
+def own_data_paths(cfg: DictConfig) -> None:
     """Set cfg.data's DATA_PATH_KEYS to the defaults of the task's data schema (the command's overrides merge over
-    them afterwards). Returns the checkpoint's data.sources less their paths (name -> weight, text_field, and
-    HAD_PATH: whether it had one): what a source the command line names again keeps of its training
-    (complete_sources). A source that is no mapping is a CheckpointError naming ``checkpoint``'s description."""
+    them afterwards)."""
     from hydra.core.config_store import ConfigStore
 
     try:
@@ -128,49 +130,9 @@ def own_data_paths(cfg: DictConfig, checkpoint: Path) -> dict[str, dict]:
     except Exception:  # noqa: BLE001  (a plug-in task without a registered data schema: no default path)
         defaults = {}
     data = cfg.get("data", {})
-    trained = data.get("sources")
-    trained = OmegaConf.to_container(trained) if isinstance(trained, DictConfig) else {}
     for key in DATA_PATH_KEYS:
         if key in data:
             cfg.data[key] = defaults.get(key)
-    for name, source in trained.items():
-        if not isinstance(source, dict):  # training's schema would have refused it: the file was edited since
-            described = checkpoint / "shardlab.json" if checkpoint.is_dir() else weights.config_file(checkpoint)
-            raise CheckpointError(
-                f"{described}: config.data.sources.{name} is {source!r}, not a source ({{path, weight, text_field}}); "
-                "the file was changed after training: restore it"
-            )
-    return {
-        name: {**{k: v for k, v in source.items() if k != "path"}, HAD_PATH: bool(source.get("path"))}
-        for name, source in trained.items()
-    }
-
-
-def complete_sources(cfg: DictConfig, trained: dict[str, dict]) -> None:
-    """Give each source of the command line's data.sources the keys it leaves out: its training's (weight, text_field:
-    the mixture is weighed as it was trained) for a name the checkpoint had, else the schema's; refuse a key no
-    source has (training's schema would), and a source without a path that the run read from a corpus of its own
-    (else it would be scored on the embedded corpus under that source's name)."""
-    sources = cfg.get("data", {}).get("sources")
-    if not sources:
-        return
-    from shardlab_tasks.lm.config import LMSourceConfig
-
-    schema = dataclasses.asdict(LMSourceConfig())
-    for name, source in sources.items():
-        if not isinstance(source, DictConfig):
-            raise ConfigError(f"data.sources.{name}: expected {{path: ..., weight: ...}}, got {source!r}")
-        unknown = sorted(set(source) - set(schema))
-        if unknown:
-            raise ConfigError(f"data.sources.{name}.{unknown[0]} is not a key of a source; known: {', '.join(schema)}")
-        for key, default in schema.items():
-            if key not in source:
-                source[key] = trained.get(name, {}).get(key, default)
-        if not source.path and trained.get(name, {}).get(HAD_PATH):
-            raise ConfigError(
-                f"data.sources.{name}.path: the run trained {name} on a corpus of its own (its path is never read "
-                f"from the checkpoint); give data.sources.{name}.path=..."
-            )
 
 
 def composed_config(overrides: list[str]) -> DictConfig:
@@ -182,24 +144,57 @@ def composed_config(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"{' '.join(overrides)}: {first_cause(e)}") from None
 
 
-def build_model(
-    cfg: DictConfig, checkpoint: Path | None, ema: bool = False, pretrained: bool = False
-) -> tuple[Task, torch.nn.Module]:
-    """The task and its model in this process: seeded init (cfg.seed), then the checkpoint's weights if given (their
-    keys and shapes must fit the model the config describes); ``ema``: its optimization.ema average instead (DINO's
-    teacher); ``pretrained``: without a checkpoint, the weights model.pretrained names, as a run starts from them
-    (Task.load_pretrained: the trunk read, the head seeded)."""
+def configs(args: argparse.Namespace) -> tuple[DictConfig, DictConfig, dict | None, dict | None]:
+    """(the config evaluated on, the model's config, the checkpoint's description, its data section as saved): with a
+    checkpoint, data.* choose what to evaluate on and the model is built as it was trained (e.g. its classes from its
+    data); without one, both are the config the overrides compose to."""
+    if args.checkpoint is None:
+        cfg = composed_config(args.overrides)
+        return cfg, cfg, None, None
+    cfg, info, trained = checkpoint_config(args.checkpoint, args.overrides, args.user_dir)
+    model_overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("data.")]
+    model_cfg, _, _ = checkpoint_config(args.checkpoint, model_overrides, args.user_dir)
+    return cfg, model_cfg, info, trained
+
+
+def saved_config_file(checkpoint: Path | None) -> Path | None:
+    """The file that holds ``checkpoint``'s training config, for the errors that name it."""
+    if checkpoint is None:
+        return None
+    return checkpoint / "shardlab.json" if checkpoint.is_dir() else weights.config_file(checkpoint)
+
+
+# ---- the task and its model ------------------------------------------------------------------------------------------
+def model_task(cfg: DictConfig, checkpoint: Path | None) -> Task:
+    """The task of the model's config, checked, in this process."""
     try:
-        task = build_task(cfg, world_size=1, check_budget=False)
+        return build_task(cfg, world_size=1, check_budget=False)
+    except DataError as e:
+        raise reading_trained_data(e, checkpoint) from None
+
+
+def reading_trained_data(e: DataError, checkpoint: Path | None) -> DataError:
+    """``e``, raised building a checkpoint's task or model, with what the user can do about it."""
+    if checkpoint is None:
+        return e
+    return DataError(
+        f"{e} (building {checkpoint}'s model reads the data it was trained on, e.g. to count classes; "
+        "if that is gone, give the model key it derived, e.g. model.num_classes=N)"
+    )
+
+
+def load_model(
+    task: Task, cfg: DictConfig, checkpoint: Path | None, ema: bool = False, pretrained: bool = False
+) -> torch.nn.Module:
+    """``task``'s model in this process, in eval mode: seeded init (cfg.seed), then the checkpoint's weights if given
+    (their keys and shapes must fit the model the config describes); ``ema``: its optimization.ema average instead
+    (DINO's teacher); ``pretrained``: without a checkpoint, the weights model.pretrained names, as a run starts from
+    them (Task.load_pretrained: the trunk read, the head seeded)."""
+    try:
         with torch.device("meta"):
             model = task.build_model()
     except DataError as e:
-        if checkpoint is None:
-            raise
-        raise DataError(
-            f"{e} (building {checkpoint}'s model reads the data it was trained on, e.g. to count classes; "
-            "if that is gone, give the model key it derived, e.g. model.num_classes=N)"
-        ) from None
+        raise reading_trained_data(e, checkpoint) from None
     if checkpoint is not None:  # before materializing: a crafted config must not allocate first
         weights.check_shapes(checkpoint, model)
     from_folder = pretrained and checkpoint is None
@@ -217,239 +212,45 @@ def build_model(
             raise
         except Exception as e:  # DCP's and load_state_dict's shape and key mismatches
             raise CheckpointError(f"{checkpoint} does not fit the model its config describes ({first_cause(e)})") from e
-    return task, model.eval()
+    return model.eval()
 
 
-# ---- vision: features, linear probe, kNN -----------------------------------------------------------------------------
-def labelled_data(cfg: DictConfig):
-    """The image-source settings of cfg.data (any vision task's: the keys the image-classification data reads),
-    unaugmented, or a ConfigError for a source without labels."""
-    from shardlab_tasks.image_classification.config import ImageDataConfig
-    from shardlab_tasks.image_classification.data import SOURCES, source_of
-
-    given = OmegaConf.to_container(cfg.data, resolve=True)
-    names = {f.name for f in dataclasses.fields(ImageDataConfig)}
-    data = ImageDataConfig(**{k: v for k, v in given.items() if k in names})
-    if source_of(data) not in SOURCES:
-        raise ConfigError(
-            f"data.source={data.source} has no labels to probe with; use a labelled source: embedded, "
-            "folder (data.path with train/<class>/ and val/<class>/) or fake"
-        )
-    return dataclasses.replace(data, augment=False)
+def build_model(
+    cfg: DictConfig, checkpoint: Path | None, ema: bool = False, pretrained: bool = False
+) -> tuple[Task, torch.nn.Module]:
+    """The task of ``cfg`` and its model with the weights load_model gives it."""
+    task = model_task(cfg, checkpoint)
+    return task, load_model(task, cfg, checkpoint, ema, pretrained)
 
 
-def settle_split(data, args) -> None:
-    """A folder without test/ is judged on its val/ (ImageNet's test labels are not public, so its val/ is what
-    everyone reports), unless --split test was asked for; a source drawn with data.num_test=0 has no test split."""
-    from shardlab_tasks.image_classification.data import folder_test_split, source_of
+def model_loader(task: Task, cfg: DictConfig, args: argparse.Namespace, info: dict | None) -> Callable:
+    """EvaluationRequest.model: the weights asked for, loaded on the first call, which says what is evaluated."""
+    loaded: list[torch.nn.Module] = []
 
-    if args.split != "test":
-        return
-    if source_of(data) != "folder":
-        if data.num_test < 1:
-            raise ConfigError("data.num_test is 0: there is no test split; set data.num_test=N or use --split valid")
-        return
-    if folder_test_split(Path(data.path).expanduser().resolve()) is None:
-        if args.split_asked:
-            raise DataError(
-                f"--split test: data.path {data.path} has no test/ directory; add test/<class>/<image> or use "
-                "--split valid"
-            )
-        print(f"note: {data.path} has no test/ split: judging on its val/ split", flush=True)
-        args.split = "valid"
+    def model() -> torch.nn.Module:
+        if not loaded:
+            where = str(args.checkpoint or args.pretrained or "the randomly initialised model")
+            described = f"{where} (task {cfg.task.name}" + (f", step {info.get('step')}" if info else "")
+            seeded = f", random init seed {cfg.seed}" if args.random_init else ""
+            print(f"evaluating {described}{seeded})", flush=True)
+            pretrained = bool(args.pretrained) and not args.random_init  # --random-init: the seeded init, nothing read
+            loaded.append(load_model(task, cfg, None if args.random_init else args.checkpoint, args.ema, pretrained))
+        return loaded[0]
+
+    return model
 
 
-def eval_datasets(data, args):
-    """(train split, the split judged on: args.split)."""
-    from shardlab_tasks.image_classification.data import open_datasets, open_test
+def exporter(checkpoint: Path | None) -> Callable[[Path], None] | None:
+    """EvaluationRequest.export: shardlab-export of ``checkpoint`` into a folder."""
+    if checkpoint is None:
+        return None
 
-    train_set, valid_set, _ = open_datasets(data)
-    return train_set, (valid_set if args.split == "valid" else open_test(data))
+    def export(out: Path) -> None:
+        from shardlab_commands import export_hf
 
-
-def features_and_labels(task, model, data, args, device, cache_key: str) -> dict[str, torch.Tensor]:
-    """{train,eval}_{features,labels} (eval: the split judged on): extracted once, or read back from --cache-dir.
-    With args.recompute_bn the BatchNorm statistics are re-estimated on the train split first."""
-    from safetensors.torch import load_file, save_file
-
-    from shardlab_tasks.image_classification.probe import extract_features, recompute_bn_stats
-
-    cache = args.cache_dir / f"features-{cache_key}.safetensors" if args.cache_dir else None
-    if cache is not None and cache.is_file():
-        print(f"features: read from {cache}", flush=True)
-        return load_file(str(cache))
-    train_set, eval_set = eval_datasets(data, args)
-    started = time.perf_counter()
-    model.to(device)
-    if args.recompute_bn:
-        count = recompute_bn_stats(
-            model, lambda images: task.features(model, images), train_set, args.batch_size, data.num_workers, device
-        )
-        print(
-            f"BatchNorm: running statistics of {count} layers re-estimated on the {len(train_set)} train images",
-            flush=True,
-        )
-    out = {}
-    for split, dataset in (("train", train_set), ("eval", eval_set)):
-        feats, labels = extract_features(
-            lambda images: task.features(model, images),
-            dataset,
-            args.batch_size,
-            data.num_workers,
-            device,
-            name=f"features ({split if split == 'train' else args.split})",
-        )
-        out[f"{split}_features"], out[f"{split}_labels"] = feats, labels
-    seconds = time.perf_counter() - started
-    print(
-        f"features: {out['train_features'].shape[1]}-d, {len(train_set)} train and {len(eval_set)} {args.split} images "
-        f"in {seconds:.1f} s",
-        flush=True,
-    )
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        save_file(out, str(cache.with_suffix(".tmp")))
-        cache.with_suffix(".tmp").replace(cache)  # published whole: a killed run leaves no half-written cache
-    return out
-
-
-def evaluate_trunk(task, model, cfg, args, modes: list[str], device, info: dict | None) -> dict[str, float]:
-    from shardlab_tasks.image_classification.data import count_classes
-    from shardlab_tasks.image_classification.probe import knn_scores, standardize, top_k_accuracy, train_linear
-
-    data = labelled_data(cfg)
-    settle_split(data, args)
-    f = features_and_labels(task, model, data, args, device, cache_key(args, cfg, info))
-    train_x, train_y = f["train_features"].to(device), f["train_labels"].to(device)
-    valid_x, valid_y = f["eval_features"].to(device), f["eval_labels"].to(device)
-    num_classes = count_classes(data)
-    results: dict[str, float] = {}
-    if "linear" in modes:
-        started = time.perf_counter()
-        train_n, valid_n = standardize(train_x, valid_x)
-        linear = train_linear(
-            train_n, train_y, num_classes, args.epochs, args.probe_batch_size, args.lr, args.weight_decay, args.seed
-        )
-        with torch.no_grad():
-            scores = linear(valid_n)
-        results["linear_top1"] = top_k_accuracy(scores, valid_y, 1)
-        results["linear_top5"] = top_k_accuracy(scores, valid_y, 5)
-        print(
-            f"linear probe: top-1 {results['linear_top1']:.2f}%  top-5 {results['linear_top5']:.2f}%  "
-            f"({args.epochs} epochs, lr {args.lr}, {time.perf_counter() - started:.1f} s)",
-            flush=True,
-        )
-    if "knn" in modes:
-        scores = knn_scores(train_x, train_y, valid_x, num_classes, args.k, args.temperature)
-        results["knn_top1"] = top_k_accuracy(scores, valid_y, 1)
-        print(f"kNN: top-1 {results['knn_top1']:.2f}%  (k={args.k}, temperature {args.temperature})", flush=True)
-    print(f"(on the {len(valid_y)} images of the {args.split} split)", flush=True)
-    return results
-
-
-# ---- language models: perplexity -------------------------------------------------------------------------------------
-@torch.no_grad()
-def evaluate_perplexity(task, model, cfg, args, device) -> dict[str, float]:
-    """The task's loss summed over every block of the split, then its metrics (loss, ppl) from the totals. A mixture
-    (data.sources): each source's blocks in turn with their source's number, so its metrics are those training's
-    validation logs for it (shardlab_tasks/lm/mixture.py: each source's loss and ppl, and the mixture's, weighed)."""
-    from torch.utils.data import DataLoader
-
-    from shardlab_tasks.lm.mixture import MixtureValid
-
-    seq_len = cfg.data.seq_len
-    if cfg.data.get("sources"):
-        task.prepare_data()  # every source's cache, built first as data.path's is (task.mixture: names, weights)
-        dataset = MixtureValid([split_blocks(corpus, args.split, seq_len) for corpus in task.mixture.corpora])
-    else:
-        dataset = split_blocks(task.corpus(), args.split, seq_len)
-    if len(dataset) == 0:
-        raise DataError(f"the {args.split} split holds no block of data.seq_len={seq_len} tokens; lower data.seq_len")
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False, collate_fn=task.collate)
-    model.to(device)
-    sums: dict[str, float] = {}
-    for batch in loader:
-        _, stats = task.loss(model, batch, device)
-        for key, value in stats.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
-    metrics = task.summarize(sums)
-    metrics["tokens"] = int(sums["count"])
-    mixture = task.mixture if cfg.data.get("sources") else None
-    for name in mixture.names if mixture is not None else []:
-        metrics[f"{name}/tokens"] = int(sums.get(f"count/{name}", 0))
-    print_perplexity(metrics, mixture, cfg, args)
-    return metrics
-
-
-def split_blocks(corpus: Path, split: str, seq_len: int):
-    """The blocks of one split of a preprocessed corpus; all: every document, both splits less one too short for a
-    block (a one-file corpus)."""
-    from torch.utils.data import ConcatDataset
-
-    from shardlab_tasks.lm.cache import read_corpus_meta
-    from shardlab_tasks.lm.data import open_split
-
-    splits = [split]
-    if split == "all":
-        tokens = read_corpus_meta(corpus)
-        splits = [s for s in ("train", "valid") if tokens.get(f"{s}_tokens", 1 << 62) > seq_len] or ["train"]
-    return ConcatDataset([open_split(corpus, s, seq_len) for s in splits])
-
-
-def print_perplexity(metrics: dict, mixture, cfg, args) -> None:
-    """A line of the figures; a mixture's, then one per source."""
-    shown = (
-        "the mixture " + ", ".join(f"{n} x{w:.3g}" for n, w in zip(mixture.names, mixture.weights, strict=True))
-        if mixture is not None
-        else cfg.data.path or "the embedded corpus"
-    )
-    print(
-        f"perplexity: {metrics['ppl']:.4f}  loss {metrics['loss']:.4f}  ({metrics['tokens']} tokens of the "
-        f"{args.split} split of {shown}, blocks of {cfg.data.seq_len})",
-        flush=True,
-    )
-    for name in mixture.names if mixture is not None else []:
-        if f"{name}/loss" not in metrics:
-            print(f"  {name}: no block in its {args.split} split", flush=True)
-            continue
-        path = cfg.data.sources[name].path or "the embedded corpus"
-        print(
-            f"  {name}: perplexity {metrics[f'{name}/ppl']:.4f}  loss {metrics[f'{name}/loss']:.4f}  "
-            f"({metrics[f'{name}/tokens']} tokens of {path})",
-            flush=True,
-        )
-
-
-# ---- language models: lm-evaluation-harness --------------------------------------------------------------------------
-def evaluate_lm_eval(checkpoint: Path, cfg: DictConfig, args) -> dict:
-    """The harness's metrics per task on the checkpoint's Hugging Face export (in --export-dir, or a temporary
-    folder removed afterwards)."""
-    import tempfile
-
-    from shardlab_commands import export_hf
-    from shardlab_tasks.lm.harness import run_harness, summarize, task_manager
-
-    if cfg.task.name != "lm":
-        raise ConfigError(f"{checkpoint} is a {cfg.task.name} checkpoint; --lm-eval needs a language model")
-    tasks = [t for t in args.lm_eval.split(",") if t]
-    manager = task_manager(tasks, args.lm_eval_include)  # a missing extra or task: refused before the export
-    settings = dict(
-        max_length=cfg.data.seq_len,
-        device=args.device,
-        batch_size=args.batch_size,
-        limit=args.limit,
-        num_fewshot=args.num_fewshot,
-        bootstrap_iters=args.bootstrap_iters,
-    )
-    with tempfile.TemporaryDirectory(prefix="shardlab-hf-") as tmp:
-        out = args.export_dir or Path(tmp)
         export_hf.main([str(checkpoint), "--out", str(out)])
-        raw = run_harness(out, tasks, manager, **settings)
-    metrics = summarize(raw)
-    for task, values in metrics.items():
-        shown = "  ".join(f"{k} {v:.4f}" for k, v in values.items() if not k.endswith("_stderr"))
-        print(f"lm-eval {task}: {shown}", flush=True)
-    return {"lm_eval": metrics, "lm_eval_samples": raw.get("samples", {})}
+
+    return export
 
 
 # ---- the command -----------------------------------------------------------------------------------------------------
@@ -542,44 +343,32 @@ def refuse_unusable(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
 
-def chosen_modes(args, task: Task, where: str) -> list[str]:
-    """The evaluations asked for, or the task's default ones; a ConfigError for one the model cannot do."""
-    has_trunk = type(task).features is not Task.features
-    is_lm = task.unit == "tokens"
-    asked = [m for m in (*VISION_MODES, "perplexity") if getattr(args, m)]
-    for mode in asked:
-        if mode in VISION_MODES and not has_trunk:
-            raise ConfigError(
-                f"{where} is a {task.cfg.task.name} checkpoint without an image trunk; --{mode} needs a vision model"
-                + ("; use --perplexity" if is_lm else "")
-            )
-        if mode == "perplexity" and not is_lm:
-            raise ConfigError(f"{where} is a {task.cfg.task.name} checkpoint; --perplexity needs a language model")
-    modes = asked or (list(VISION_MODES) if has_trunk else ["perplexity"] if is_lm else [])
-    if modes:
-        resolve_split(args, modes)
-        return modes
-    raise ConfigError(f"{where}: task {task.cfg.task.name} has neither an image trunk nor a token loss to evaluate")
-
-
-def resolve_split(args, modes: list[str]) -> None:
-    """args.split for what is evaluated: a trunk is judged on test (default) or valid, never on the images its probe
-    trains on; a corpus has train and valid splits (valid by default). args.recompute_bn: on for a random trunk and for
-    averaged weights (--ema): neither has running statistics of its own (the average is of parameters; its buffers are
-    the student's), so each is probed as torch.optim.swa_utils.update_bn leaves an averaged model."""
-    if modes == ["perplexity"]:
-        if args.split == "test":
-            raise ConfigError("--split test: a corpus has train and valid splits; use --split valid, train or all")
-        args.split = args.split or "valid"
-        return
-    if args.split in ("train", "all"):
+def evaluation_of(task: Task) -> Evaluation:
+    """The task's Evaluation, or one line saying it has none and which hook gives one."""
+    evaluation = task.evaluation()
+    if evaluation is None:
         raise ConfigError(
-            f"--split {args.split}: the probe trains on the train split, so it is judged on held-out images; use "
-            "--split test (the default) or valid"
+            f"task {task.cfg.task.name} offers no evaluation: shardlab-evaluate asks Task.evaluation for one; "
+            "implement it to return a shardlab.task.Evaluation (docs/tutorial.md)"
         )
-    args.split = args.split or "test"
-    if args.recompute_bn is None:
-        args.recompute_bn = args.random_init or args.ema
+    return evaluation
+
+
+def chosen_modes(args: argparse.Namespace, evaluation: Evaluation, task: str, where: str) -> tuple[str, ...]:
+    """The evaluations asked for, or the default ones of ``task``'s Evaluation; a ConfigError for one it does not
+    offer."""
+    asked = tuple(m for m in MODES if getattr(args, m) not in (None, False))
+    for mode in asked:
+        if mode not in evaluation.modes:
+            offered = " or ".join(MODES[m][0] if m in MODES else m for m in evaluation.modes)
+            raise ConfigError(
+                f"{where} is a {task} checkpoint; {MODES[mode][0].split()[0]} needs "
+                f"{MODES[mode][1]}" + (f"; use {offered}" if offered else "")
+            )
+    modes = asked or evaluation.default_modes
+    if not modes:
+        raise ConfigError(f"{where}: task {task}'s Evaluation offers no default evaluation; ask for one of its modes")
+    return tuple(modes)
 
 
 def recorded_script() -> Path:
@@ -593,81 +382,28 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     meta = provenance.collect(str(recorded_script()), argv) if args.out is not None else None
     where = str(args.checkpoint or args.pretrained or "the randomly initialised model")
-    if args.checkpoint is not None:
-        # data.* choose what to evaluate on; the model is built as it was trained (e.g. its classes from its data)
-        cfg, info = checkpoint_config(args.checkpoint, args.overrides, args.user_dir)
-        model_overrides = [o for o in args.overrides if not o.lstrip("+~").startswith("data.")]
-        model_cfg, _ = checkpoint_config(args.checkpoint, model_overrides, args.user_dir)
-        note_trained_mixture(cfg, info)
-    else:
-        cfg, info = composed_config(args.overrides), None
-        model_cfg = cfg
+    cfg, model_cfg, info, trained = configs(args)
     args.batch_size = args.batch_size or cfg.validation.batch_size
     torch.manual_seed(args.seed)
-    if args.lm_eval is not None:
-        results = evaluate_lm_eval(args.checkpoint, cfg, args)
-        if args.perplexity:
-            resolve_split(args, ["perplexity"])  # both asked for: the perplexity beside the harness's figures
-            task, model = build_model(model_cfg, args.checkpoint)
-            data_task = task if cfg is model_cfg else build_task(cfg, world_size=1, check_budget=False)
-            results.update(evaluate_perplexity(data_task, model, cfg, args, torch.device(args.device)))
-        if args.out is not None:
-            write_report(args, cfg, info, {k: v for k, v in results.items() if k != "lm_eval_samples"}, meta)
-        return results
-    pretrained = bool(args.pretrained) and not args.random_init  # --random-init: the seeded init, nothing read
-    task, model = build_model(model_cfg, None if args.random_init else args.checkpoint, args.ema, pretrained)
-    modes = chosen_modes(args, task, where)
-    described = f"{where} (task {cfg.task.name}" + (f", step {info.get('step')}" if info else "")
-    print(f"evaluating {described}{', random init seed ' + str(cfg.seed) if args.random_init else ''})", flush=True)
-    device = torch.device(args.device)
-    if modes == ["perplexity"]:
-        data_task = task if cfg is model_cfg else build_task(cfg, world_size=1, check_budget=False)
-        results = evaluate_perplexity(data_task, model, cfg, args, device)
-    else:
-        results = evaluate_trunk(task, model, cfg, args, modes, device, info)
+    task = model_task(model_cfg, args.checkpoint)
+    evaluation = evaluation_of(task)
+    evaluation.data_config(cfg, trained, saved_config_file(args.checkpoint))
+    modes = chosen_modes(args, evaluation, cfg.task.name, where)
+    evaluation.settle(modes, args)
+    request = EvaluationRequest(
+        cfg=cfg,
+        modes=modes,
+        settings=args,
+        info=info,
+        model=model_loader(task, model_cfg, args, info),
+        data_task=lambda: task if cfg is model_cfg else build_task(cfg, world_size=1, check_budget=False),
+        export=exporter(args.checkpoint),
+    )
+    results = evaluation.evaluate(request)
     if args.out is not None:
-        write_report(args, cfg, info, results, meta)
+        reported = {k: v for k, v in results.items() if k not in evaluation.report_leaves_out}
+        write_report(args, cfg, info, reported, meta)
     return results
-
-
-def note_trained_mixture(cfg: DictConfig, info: dict) -> None:
-    """A run trained on data.sources, evaluated on no corpus of the command line's: say what is evaluated instead,
-    and how to evaluate its sources (their paths are never read from the checkpoint)."""
-    trained = ((info.get("config") or {}).get("data") or {}).get("sources") or {}
-    if trained and not cfg.data.get("sources") and cfg.data.get("path") is None:
-        print(
-            f"note: {', '.join(trained)} (the run's data.sources) are not read from its checkpoint: evaluating on the "
-            "embedded corpus; give +data.sources='{name: {path: ...}, ...}' (weights default to the run's) for each "
-            "source's figures and the mixture's",
-            flush=True,
-        )
-
-
-def cache_key(args, cfg: DictConfig, info: dict | None) -> str:
-    """What the features depend on: the weights (checkpoint path and step, its EMA average or not, or the random
-    init's seed), the model, the data settings, the split and whether BatchNorm statistics were re-estimated."""
-    key = {
-        "checkpoint": None if args.random_init or args.checkpoint is None else str(args.checkpoint.resolve()),
-        "pretrained": None if args.random_init else file_identity(getattr(args, "pretrained", None)),
-        "step": (info or {}).get("step"),
-        "ema": bool(args.ema) and not args.random_init,
-        "seed": cfg.seed if args.random_init else None,
-        "task": cfg.task.name,
-        "model": OmegaConf.to_container(cfg.model, resolve=True),
-        "data": dataclasses.asdict(labelled_data(cfg)),
-        "split": args.split,
-        "recompute_bn": bool(args.recompute_bn),
-    }
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def file_identity(path: str | None) -> list | None:
-    """A weights file as the features depend on it: where it is, its size and when it last changed."""
-    if not path:
-        return None
-    resolved = Path(path).expanduser().resolve()
-    st = resolved.stat()
-    return [str(resolved), st.st_size, st.st_mtime_ns]
 
 
 def write_report(args, cfg: DictConfig, info: dict | None, results: dict, meta: dict) -> None:

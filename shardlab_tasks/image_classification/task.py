@@ -235,3 +235,10 @@ class ImageClassificationTask(Task):
     def features(self, model: nn.Module, images: torch.Tensor) -> torch.Tensor:
         """What the classifier sees: the trunk's pooled features (the input of model.fc)."""
         return regnet.trunk_features(model, images)
+
+    def evaluation(self):
+        """shardlab-evaluate's linear probe and kNN on the trunk's features (shardlab_tasks/image_classification/
+        evaluation.py), for the self-supervised tasks too."""
+        from shardlab_tasks.image_classification.evaluation import TrunkEvaluation
+
+        return TrunkEvaluation(self)

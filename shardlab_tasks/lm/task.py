@@ -527,3 +527,9 @@ class LanguageModelingTask(Task):
         if isinstance(batch, SequenceBatch):  # context parallelism: the tokens of this rank's slices
             return batch.targets.numel()
         return batch.shape[0] * (batch.shape[1] - 1)
+
+    def evaluation(self):
+        """shardlab-evaluate's perplexity and lm-evaluation-harness (shardlab_tasks/lm/evaluation.py)."""
+        from shardlab_tasks.lm.evaluation import LMEvaluation
+
+        return LMEvaluation(self)

@@ -204,6 +204,8 @@ RAISES_CONFIG_ERROR = {
     "shardlab_tasks/lm/task.py": "model.arch of another kind, asked by the LM's config_errors",
     "shardlab_tasks/lm/export_hf.py": "a tool's own command line and the model it exports",
     "shardlab_tasks/lm/harness.py": "a tool's own command line (evaluate --lm-eval) and the extra it needs installed",
+    "shardlab_tasks/lm/evaluation.py": "shardlab-evaluate's command line (--split, the data.sources given again)",
+    "shardlab_tasks/image_classification/evaluation.py": "shardlab-evaluate's command line (--split, the data probed)",
     # what only a rank, its machine, its data or the folder's contents show
     "shardlab/distributed/base.py": "backend=single on a rank of a world it finds at start (run_rank's callers)",
     "shardlab/distributed/sync_bn.py": "the process group's size (the checks ask the task's world_errors first)",

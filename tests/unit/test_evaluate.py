@@ -17,6 +17,7 @@ from shardlab.errors import ConfigError
 from shardlab.runner import build_task, run_rank
 from shardlab.train import run_tool
 from shardlab_commands import consolidate, evaluate
+from shardlab_tasks.image_classification import evaluation as trunk_evaluation
 from shardlab_tasks.image_classification.probe import knn_scores, standardize, top_k_accuracy, train_linear
 from tests.conftest import compose_config
 from tests.ssl_configs import TINY_VISION
@@ -261,7 +262,7 @@ def test_averaged_weights_and_a_random_trunk_get_batchnorm_statistics_of_their_o
 
     def resolved(**given) -> bool:
         args = Namespace(**{"split": None, "random_init": False, "ema": False, "recompute_bn": None, **given})
-        evaluate.resolve_split(args, ["linear", "knn"])
+        trunk_evaluation.resolve_split(args, ("linear", "knn"))
         return args.recompute_bn
 
     assert resolved(ema=True) and resolved(random_init=True) and not resolved()
@@ -273,10 +274,10 @@ def test_the_feature_cache_is_keyed_by_split_batchnorm_statistics_and_ema_weight
 
     cfg = compose_config(VISION_RUN)
     base = dict(random_init=False, checkpoint=tmp_path, ema=False, split="test", recompute_bn=False)
-    key = evaluate.cache_key(argparse.Namespace(**base), cfg, {"step": 3})
-    assert key == evaluate.cache_key(argparse.Namespace(**base), cfg, {"step": 3})
+    key = trunk_evaluation.cache_key(argparse.Namespace(**base), cfg, {"step": 3})
+    assert key == trunk_evaluation.cache_key(argparse.Namespace(**base), cfg, {"step": 3})
     for change in ({"split": "valid"}, {"recompute_bn": True}, {"ema": True}):
-        assert evaluate.cache_key(argparse.Namespace(**{**base, **change}), cfg, {"step": 3}) != key, change
+        assert trunk_evaluation.cache_key(argparse.Namespace(**{**base, **change}), cfg, {"step": 3}) != key, change
 
 
 # ---- the command on LM checkpoints -----------------------------------------------------------------------------------
@@ -345,7 +346,7 @@ def test_mistakes_are_answered_in_one_line(vision_checkpoint, lm_checkpoint, tmp
 
 def test_a_source_without_labels_is_refused():
     with pytest.raises(ConfigError, match="has no labels"):
-        evaluate.labelled_data(OmegaConf.create({"data": {"source": "unlabelled_folder", "path": "/x"}}))
+        trunk_evaluation.labelled_data(OmegaConf.create({"data": {"source": "unlabelled_folder", "path": "/x"}}))
 
 
 # ---- a checkpoint's config steers no reads (issue 41) ----------------------------------------------------------------

@@ -16,7 +16,7 @@ TOPS = ("shardlab", "shardlab_tasks", "shardlab_commands")
 """The packages a wheel installs (with hydra_plugins, which only Hydra loads): each under shardlab's own name."""
 
 LAYERS: list[tuple[str, ...]] = [
-    ("shardlab_commands",),  # the user commands on the PATH: the export, preprocessing and evaluation read task modules
+    ("shardlab_commands",),  # the user commands on the PATH: the export and preprocessing read task modules
     ("shardlab_tasks",),  # the built-in plug-ins (a package of their own) use shardlab; shardlab never imports a task
     ("shardlab.train",),  # the CLI
     ("shardlab.runner",),  # the job: local ranks or a launcher's rank; autotune's trials, built by trainer.assemble

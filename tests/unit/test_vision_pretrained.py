@@ -157,6 +157,7 @@ def test_a_fifo_or_a_folder_is_refused_without_blocking_and_a_file_over_the_cap_
 # ---- shardlab-evaluate probes it -------------------------------------------------------------------------------------
 def test_evaluate_probes_the_files_trunk_and_a_checkpoint_that_started_from_it_without_the_file(tiny, tmp_path):
     from shardlab_tasks.image_classification.data import open_datasets
+    from shardlab_tasks.image_classification.evaluation import labelled_data
 
     source, path = tiny
     arch = ["task=image_classification", *TINY_REGNET, "data.num_train=64", "data.num_test=32"]
@@ -164,7 +165,7 @@ def test_evaluate_probes_the_files_trunk_and_a_checkpoint_that_started_from_it_w
     results = evaluate.main([*arch, f"model.pretrained={path}", *probe])
     assert set(results) == {"linear_top1", "linear_top5", "knn_top1"}
     (cached,) = (tmp_path / "cache").glob("features-*.safetensors")
-    train_set, _, _ = open_datasets(evaluate.labelled_data(compose_config(arch)))
+    train_set, _, _ = open_datasets(labelled_data(compose_config(arch)))
     train_images = torch.stack([train_set[i][0] for i in range(len(train_set))])
     # the features the probe trained on are torchvision's model's (BatchNorm's own statistics: none re-estimated)
     torch.testing.assert_close(load_file(str(cached))["train_features"], features(source, train_images), rtol=1e-4,
