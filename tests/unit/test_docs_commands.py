@@ -250,7 +250,7 @@ def test_every_command_in_the_docs_composes_or_is_marked_not_checked(page):
         ("python -m shardlab.train -m hydra/launcher=slurm hydra.launcher.nodez=2", "nodez"),
         ("shardlab-evaluate runs/x --no-such-option 3", "shardlab-evaluate has no option --no-such-option"),
         ("shardlab-evalute runs/x", "shardlab-evalute is no command pyproject.toml installs"),
-        ("python tools/bench_tables.py --no-such-option", "tools/bench_tables.py has no option --no-such-option"),
+        ("python -m shardlab_bench tables --no-such-option", "shardlab_bench/tables.py has no option --no-such-option"),
         ("python tools/no_such_tool.py x", "tools/no_such_tool.py does not exist"),
         ("wget https://example.org/data.tar", "wget https://example.org/data.tar: neither checked by this test nor"),
         ("wget https://example.org/data.tar   # not checked: download", "a kind NOT_CHECKED does not list"),
