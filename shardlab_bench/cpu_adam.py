@@ -208,6 +208,27 @@ def bench_layout(shapes, mesh, candidates: list[str], steps: int, warmup: int) -
     return out
 
 
+def choose(results: dict, candidates: list[str]) -> dict[str, int]:
+    """How often each candidate shardlab can use as it stands (flat_fused_ideal needs flat gradients) was fastest over
+    the settings of ``results``; each setting's timings gain its fastest usable candidate and cpu_adam's time against
+    the fastest torch variant's."""
+    usable = [c for c in candidates if c != "flat_fused_ideal"]
+    wins: dict[str, int] = {}
+    for entry in results.values():
+        for timings in entry.values():
+            if isinstance(timings, dict):
+                best = min(usable, key=lambda c: timings[c]["median_ms"])
+                wins[best] = wins.get(best, 0) + 1
+                fastest_torch = min((c for c in TORCH_VARIANTS if c in timings), key=lambda c: timings[c]["median_ms"])
+                timings["fastest_usable"] = best
+                timings["cpu_adam_vs_fastest_torch"] = (
+                    round(timings["cpu_adam"]["median_ms"] / timings[fastest_torch]["median_ms"], 3)
+                    if "cpu_adam" in timings
+                    else None
+                )
+    return wins
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="25M,100M", help=f"comma-separated, from {', '.join(SIZES)}")
@@ -249,22 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
                     shapes, mesh if layout == "dtensor" else None, candidates, args.steps, args.warmup
                 )
         results["results"][size] = entry
-    # The choice: among candidates shardlab can use as they stand (flat_fused_ideal needs flat gradients).
-    usable = [c for c in candidates if c != "flat_fused_ideal"]
-    wins: dict[str, int] = {}
-    for entry in results["results"].values():
-        for timings in entry.values():
-            if isinstance(timings, dict):
-                best = min(usable, key=lambda c: timings[c]["median_ms"])
-                wins[best] = wins.get(best, 0) + 1
-                fastest_torch = min((c for c in TORCH_VARIANTS if c in timings), key=lambda c: timings[c]["median_ms"])
-                timings["fastest_usable"] = best
-                timings["cpu_adam_vs_fastest_torch"] = (
-                    round(timings["cpu_adam"]["median_ms"] / timings[fastest_torch]["median_ms"], 3)
-                    if "cpu_adam" in timings
-                    else None
-                )
-    results["wins"] = wins
+    results["wins"] = wins = choose(results["results"], candidates)
     results["chosen"] = "cpu_adam"
     results["chosen_is"] = "torch._fused_adamw_ on the local shards (shardlab/optim/cpu_adam.py)"
     results["meta"] = finish(meta)

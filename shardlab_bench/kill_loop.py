@@ -89,7 +89,7 @@ def kill_once(run_dir: Path, overrides: list[str], during_save: bool, delay: flo
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--save-every", type=int, default=3, help="every k-th kill lands during a save")
@@ -104,7 +104,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workdir", type=Path, default=Path("runs/kill_loop"))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("overrides", nargs="*", help="training overrides (after --)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
     rng = random.Random(args.seed)
     ref_dir, run_dir = (args.workdir / "uninterrupted").absolute(), (args.workdir / "killed").absolute()
     for d in (ref_dir, run_dir):

@@ -34,6 +34,28 @@ def run(cmd: list[str], out: Path) -> dict:
     return result
 
 
+def one_pair(backend: str, i: int, commands: dict[str, list[str]], runs_dir: Path) -> dict:
+    """Pair ``i`` of ``backend``: both sides run one after the other, which goes first alternating with ``i``."""
+    order = ("shardlab", "loop") if i % 2 == 0 else ("loop", "shardlab")
+    got = {side: run(commands[side], runs_dir / f"{backend}-{i}-{side}.json") for side in order}
+    pair = {
+        "order": list(order),
+        "shardlab_tokens_per_s": got["shardlab"]["tokens_per_s"],
+        "loop_tokens_per_s": got["loop"]["tokens_per_s"],
+        "ratio": got["shardlab"]["tokens_per_s"] / got["loop"]["tokens_per_s"],
+        "shardlab_median_step_ms": got["shardlab"]["median_step_ms"],
+        "loop_median_step_ms": got["loop"]["median_step_ms"],
+        "loadavg_1min": [got[side]["loadavg_1min_before"] for side in order],
+    }
+    print(
+        f"{backend} pair {i + 1}: shardlab {pair['shardlab_tokens_per_s']:.0f} tokens/s, bare loop "
+        f"{pair['loop_tokens_per_s']:.0f} ({pair['ratio']:.3f}x); load "
+        f"{pair['loadavg_1min'][0]:.1f}/{pair['loadavg_1min'][1]:.1f}",
+        flush=True,
+    )
+    return pair
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="ddp,fully_sharded", help="comma-separated: ddp, fully_sharded")
@@ -66,26 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
                 *timing,
             ],
         }
-        pairs = []
-        for i in range(args.pairs):
-            order = ("shardlab", "loop") if i % 2 == 0 else ("loop", "shardlab")
-            got = {side: run(commands[side], runs_dir / f"{backend}-{i}-{side}.json") for side in order}
-            pair = {
-                "order": list(order),
-                "shardlab_tokens_per_s": got["shardlab"]["tokens_per_s"],
-                "loop_tokens_per_s": got["loop"]["tokens_per_s"],
-                "ratio": got["shardlab"]["tokens_per_s"] / got["loop"]["tokens_per_s"],
-                "shardlab_median_step_ms": got["shardlab"]["median_step_ms"],
-                "loop_median_step_ms": got["loop"]["median_step_ms"],
-                "loadavg_1min": [got[side]["loadavg_1min_before"] for side in order],
-            }
-            pairs.append(pair)
-            print(
-                f"{backend} pair {i + 1}: shardlab {pair['shardlab_tokens_per_s']:.0f} tokens/s, bare loop "
-                f"{pair['loop_tokens_per_s']:.0f} ({pair['ratio']:.3f}x); load "
-                f"{pair['loadavg_1min'][0]:.1f}/{pair['loadavg_1min'][1]:.1f}",
-                flush=True,
-            )
+        pairs = [one_pair(backend, i, commands, runs_dir) for i in range(args.pairs)]
         summary["backends"][backend] = {
             "pairs": pairs,
             "median_ratio": statistics.median(p["ratio"] for p in pairs),

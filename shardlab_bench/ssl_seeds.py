@@ -187,10 +187,8 @@ def rows(study: dict, common: tuple[str, ...] = ()) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
-    mine = argv[: argv.index("--")] if "--" in argv else argv
+def parse(mine: list[str]) -> argparse.Namespace:
+    """The study's own options (those before ``--``; the training overrides follow it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="*", default=["swav", "simclr", "dino"], help="tasks to pretrain (none: "
                         "the random trunk only)")  # fmt: skip
@@ -204,7 +202,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--table", type=Path, default=None, help="print the table of this study's JSON and stop")
     parser.add_argument("--name", default=None, help="the study's name for its one method's variant (its runs' "
                         "folder too), e.g. simclr_last_bn with -- task.projection_last_bn=true")  # fmt: skip
-    args = parser.parse_args(mine)
+    return parser.parse_args(mine)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
+    mine = argv[: argv.index("--")] if "--" in argv else argv
+    args = parse(mine)
     if args.table is not None:
         study = json.loads(args.table.read_text())
         print(table(study))

@@ -46,23 +46,16 @@ SWAV = [
 SHARED_PREFIXES = ("model.", "data.num_workers=", "optimization.batch_size=")
 
 
-def reference_rank(rank: int, world: int, port: int, cfg_yaml: str, opts: dict) -> None:
+def sharded_model(cfg) -> torch.nn.Module:
+    """The SwAV model of ``cfg`` with synced BN, fully sharded per unit (the last unit and the root kept gathered after
+    forward), its local shards filled from its seeded init plan."""
     from torch.distributed.fsdp import fully_shard
-    from torch.utils.data import DataLoader, DistributedSampler
 
     from shardlab.distributed.sync_bn import convert_sync_batchnorm
-    from shardlab.optim.lars import build_lars
     from shardlab_tasks.self_supervised import model as ssl_model
-    from shardlab_tasks.self_supervised.data import open_datasets
-    from shardlab_tasks.self_supervised.swav import swav_loss
-    from shardlab_tasks.self_supervised.task import normalize_prototypes
 
-    cfg = OmegaConf.create(cfg_yaml)
-    configure_cpu_allocator(resolve_cpu_allocator(cfg.distributed))  # as the shardlab run it is compared with
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    t, o = cfg.task, cfg.optimization
     with torch.device("meta"):
-        model = convert_sync_batchnorm(ssl_model.build(cfg.model, t))
+        model = convert_sync_batchnorm(ssl_model.build(cfg.model, cfg.task))
     units = ssl_model.fsdp_units(model)
     for i, unit in enumerate(units):
         fully_shard(unit, reshard_after_forward=i < len(units) - 1)
@@ -75,6 +68,22 @@ def reference_rank(rank: int, world: int, port: int, cfg_yaml: str, opts: dict) 
             plan[name](full, g)
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             local.copy_(full[tuple(slice(0, s) for s in local.shape)])  # any values of the right scale will do
+    return model
+
+
+def reference_rank(rank: int, world: int, port: int, cfg_yaml: str, opts: dict) -> None:
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from shardlab.optim.lars import build_lars
+    from shardlab_tasks.self_supervised.data import open_datasets
+    from shardlab_tasks.self_supervised.swav import swav_loss
+    from shardlab_tasks.self_supervised.task import normalize_prototypes
+
+    cfg = OmegaConf.create(cfg_yaml)
+    configure_cpu_allocator(resolve_cpu_allocator(cfg.distributed))  # as the shardlab run it is compared with
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    t, o = cfg.task, cfg.optimization
+    model = sharded_model(cfg)
     optimizer = build_lars(model, cfg.optimizer)
     train, _, _ = open_datasets(cfg.data)
     local_batch = o.batch_size // world

@@ -351,6 +351,20 @@ def bench_rank(cfg, env: dist_env.DistEnv, run_dir: str, opts: dict) -> dict | N
     return assemble(cfg, opts, probe, result)
 
 
+def run_env(cfg) -> dict:
+    """What of the process's environment the figures depend on: torch, threads, the allocator, the load at the end."""
+    return {
+        "torch": torch.__version__,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "torch_threads": torch.get_num_threads(),
+        "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "cpu_allocator": resolve_cpu_allocator(cfg.distributed),
+        "cpu_count": os.cpu_count(),
+        "loadavg_1min_at_end": os.getloadavg()[0],
+    }
+
+
 def assemble(cfg, opts: dict, probe: StepProbe, result: dict) -> dict:
     warmup, steps = opts["warmup"], opts["steps"]
     if len(probe.starts) <= warmup + steps:
@@ -403,16 +417,7 @@ def assemble(cfg, opts: dict, probe: StepProbe, result: dict) -> dict:
         "collectives_per_step": probe.counts,
         "expected_collectives": result["expected"],
         "backend_description": result["backend_lines"],
-        "env": {
-            "torch": torch.__version__,
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-            "torch_threads": torch.get_num_threads(),
-            "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-            "cpu_allocator": resolve_cpu_allocator(cfg.distributed),
-            "cpu_count": os.cpu_count(),
-            "loadavg_1min_at_end": os.getloadavg()[0],
-        },
+        "env": run_env(cfg),
         "profiled": bool(opts.get("profile")),
         "framework_parts_ms_per_step": probe.parts_ms or None,
         "framework_parts_share_of_step": {k: v / median for k, v in probe.parts_ms.items()} or None,
