@@ -3,10 +3,10 @@
     python -m shardlab_bench compile --out docs/bench/compile.json  # every case, 3 pairs (~20 min, 2 quiet cores)
     python -m shardlab_bench compile --cases lm_ddp --pairs 2 --steps 10 optimization.batch_size=16
 
-Each case runs bench.py (a fresh process per run, so nothing compiled survives in memory) with distributed.compile
+Each case runs train.py (a fresh process per run, so nothing compiled survives in memory) with distributed.compile
 false and true, alternating which goes first (eager-compiled, then compiled-eager, ...) so a drift in the machine's load
 does not favour one side. Each case gets its own empty inductor cache under --out-dir: its first compiled run compiles
-from scratch (cold), the later ones reload what it wrote (warm), and each reports its compile time (bench.py's
+from scratch (cold), the later ones reload what it wrote (warm), and each reports its compile time (train.py's
 compile_s: first step minus the median step). Arguments without a leading ``--`` are Hydra overrides added to every
 run. Writes every run's bench JSON to --out-dir, the summary (pairs, throughput ratios, compile times, load averages,
 and the meta tables.py renders under docs/compile.md's table) to --out, and prints one line per pair.
@@ -38,7 +38,7 @@ CASES = {  # the issue's must-show: gpt_small at world size 2 (fully_sharded and
 
 
 def run_bench(overrides: list[str], out: Path, steps: int, warmup: int) -> dict:
-    """One bench.py run in its own process; its JSON plus the load average around it."""
+    """One train.py run in its own process; its JSON plus the load average around it."""
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     cmd = command("train", *overrides, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out))
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     parser.add_argument("--pairs", type=int, default=3, help="eager/compiled pairs per case (>= 2: one cold, warm)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per run (bench.py --steps)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (bench.py --warmup)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run (train.py --steps)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (train.py --warmup)")
     parser.add_argument("--out-dir", default="bench_compile", help="every run's bench JSON and the inductor caches")
     parser.add_argument("--out", help="the summary JSON (default: OUT_DIR/summary.json)")
     args, overrides = parser.parse_known_args(argv)

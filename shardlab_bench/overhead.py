@@ -4,8 +4,8 @@
     python -m shardlab_bench overhead --backends fully_sharded --steps 10 --warmup 2
 
 For each backend, ``--pairs`` pairs of runs on the same shapes (gpt_small, global batch 32 x 128 tokens, world size
-2): shardlab's own path (bench.py, i.e. runner.run_rank with the trainer as users run it) and a hand-written FSDP2 or
-DDP loop over the same model with FSDP2's and torch's defaults (bench_reference.py: random tokens, no data loading,
+2): shardlab's own path (train.py, i.e. runner.run_rank with the trainer as users run it) and a hand-written FSDP2 or
+DDP loop over the same model with FSDP2's and torch's defaults (reference.py: random tokens, no data loading,
 no checks, no logging). The order alternates within each pair (shardlab first, then the loop first, ...) so that a
 drift in the machine's load favours neither; each pair gives a ratio of tokens/s (shardlab / loop), the figure is
 the median ratio, and the framework keeps up where it is >= 0.99. Each run is a fresh process. Every run's JSON is

@@ -557,7 +557,7 @@ def ssl_screen(sources: list[Source]) -> list[str]:
 
 
 def compiled(sources: list[Source]) -> list[str]:
-    """compile.py: eager against compiled in interleaved pairs of bench.py runs, and each compile time."""
+    """compile.py: eager against compiled in interleaved pairs of train.py runs, and each compile time."""
     lines = header("run", "pair (order)", "eager", "compiled", "compiled / eager", "compile time (cache)")
     for n, (_, d) in enumerate(sources, start=1):
         for case in d["cases"].values():
