@@ -1,5 +1,5 @@
 """shardlab_bench/moe.py writes its JSON: every expert candidate timed and exact against the per-expert loop, the
-balancing toy's plain router collapsed, and the metadata of bench_meta."""
+balancing toy's plain router collapsed, and the metadata of shardlab_bench.provenance."""
 
 from __future__ import annotations
 

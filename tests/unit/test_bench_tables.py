@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardlab_bench import provenance as bench_meta
+from shardlab_bench import provenance
 from shardlab_bench import tables as bench_tables
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ def test_the_committed_docs_hold_exactly_what_their_json_renders():
 
 def test_meta_records_the_commit_machine_and_command():
     argv = ["model=gpt_small", "--out", "x.json"]
-    meta = bench_meta.finish(bench_meta.collect(str(REPO / "shardlab_bench" / "train.py"), argv))
+    meta = provenance.finish(provenance.collect(str(REPO / "shardlab_bench" / "train.py"), argv))
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     assert meta["commit"] == head
     assert all(not (p.startswith("docs/") or p.endswith(".md")) for p in meta["dirty"])
@@ -61,8 +61,8 @@ def bench_json(tokens_per_s: float, backend: str, meta: dict) -> dict:
 
 
 def test_a_table_is_rendered_from_its_json_between_its_markers(tmp_path):
-    meta = bench_meta.finish(
-        bench_meta.collect(str(REPO / "shardlab_bench" / "train.py"), ["model=gpt_small", "--out", "a"])
+    meta = provenance.finish(
+        provenance.collect(str(REPO / "shardlab_bench" / "train.py"), ["model=gpt_small", "--out", "a"])
     )
     meta["load_average_at_start"] = 8.0 * meta["machine"]["cores"]
     (tmp_path / "docs" / "bench").mkdir(parents=True)

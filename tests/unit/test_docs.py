@@ -183,13 +183,12 @@ def stale_paths(markdown: str) -> list[str]:
 
     The rule: (1) in inline code and in fenced blocks, a word that begins with a top-level folder (shardlab/,
     shardlab_tasks/, shardlab_bench/, tools/, tests/, docs/, examples/, hydra_plugins/) is a path from the repository
-    root, one that
-    begins with conf/ a user_dir's (shardlab's own is shardlab/conf/), and one that begins with a package of shardlab/
-    (``memory/plan.py``) a path in shardlab/; (2) a bare file name (``name.py``, ``.yaml``, ``.sh``, ``.toml``, ``.md``)
-    is checked where the text places it: after a backticked folder in its paragraph, or listed beside a backticked file
-    (``placed``), and in a map of the code, in the folder it is drawn under (``map_paths``). ``<name>`` and ``*`` stand
-    for any name. A bare name the text places nowhere (``train.py`` alone) and paths outside the repository
-    (``/tmp/...``, ``runs/...``, another project's) are not checked."""
+    root, one that begins with conf/ a user_dir's (shardlab's own is shardlab/conf/), and one that begins with a package
+    of shardlab/ (``memory/plan.py``) a path in shardlab/; (2) a bare file name (``name.py``, ``.yaml``, ``.sh``,
+    ``.toml``, ``.md``) is checked where the text places it: after a backticked folder in its paragraph, or listed
+    beside a backticked file (``placed``), and in a map of the code, in the folder it is drawn under (``map_paths``).
+    ``<name>`` and ``*`` stand for any name. A bare name the text places nowhere (``train.py`` alone) and paths outside
+    the repository (``/tmp/...``, ``runs/...``, another project's) are not checked."""
     prose = FENCE.sub("\n\n", markdown)
     words = [w for span in SPAN.findall(prose) for w in tokens(span)]
     found = [p for w in words if (p := rooted(w))] + placed(prose)
