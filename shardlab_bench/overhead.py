@@ -92,9 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
         summary["backends"][backend] = {
             "pairs": pairs,
             "median_ratio": statistics.median(p["ratio"] for p in pairs),
-            "commands": {side: ["python", *(Path(c).name if c.endswith(".py") else c for c in cmd)]
-                         for side, cmd in commands.items()},
-        }  # fmt: skip
+            "commands": {side: ["python", "-m", "shardlab_bench", *cmd] for side, cmd in commands.items()},
+        }
         summary["load_average_end"] = os.getloadavg()
         args.out.write_text(json.dumps(summary, indent=1) + "\n")  # partial results survive a stop
     for backend, result in summary["backends"].items():
