@@ -48,6 +48,7 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def command(name: str, *args: str) -> list[str]:
-    """The argv that runs benchmark ``name`` with ``args`` in a child process (with ``child_env()``)."""
-    return [sys.executable, "-m", "shardlab_bench", name, *args]
+def command(*argv: str) -> list[str]:
+    """The argv that runs the runner with ``argv`` (a benchmark's name and its arguments; none: the list) in a child
+    process (with ``child_env()``)."""
+    return [sys.executable, "-m", "shardlab_bench", *argv]

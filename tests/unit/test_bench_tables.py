@@ -160,3 +160,23 @@ def test_rerun_runs_only_a_tool_of_the_repository(tmp_path):
     with pytest.raises(SystemExit, match="records no benchmark to rerun"):
         bench_tables.main(["--rerun", "collectives"], root=tmp_path)
     assert not marker.exists()
+
+
+def test_the_runner_lists_every_benchmark_and_refuses_an_unknown_one_in_one_line(tmp_path):
+    """``python -m shardlab_bench`` from another folder (a benchmark's child runs wherever its parent put it): the list
+    names each module with a main and no helper; an unknown name is one line and exit code 2."""
+    import shardlab_bench
+
+    modules = {p.stem for p in (REPO / "shardlab_bench").glob("*.py") if not p.stem.startswith("_")}
+    assert set(shardlab_bench.benchmarks()) == modules - set(shardlab_bench.HELPERS)
+    assert {"train", "reference", "tables", "plan_moe", "max_model"} <= set(shardlab_bench.benchmarks())
+    env = shardlab_bench.child_env()
+    listing = subprocess.run(shardlab_bench.command(), cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert listing.returncode == 0
+    assert all(f"\n  {name} " in listing.stdout for name in shardlab_bench.benchmarks()), listing.stdout
+    unknown = subprocess.run(shardlab_bench.command("trian"), cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1
+    assert "no benchmark named 'trian'; known: activation_checkpointing" in unknown.stderr
+    usage = subprocess.run(shardlab_bench.command("plan_moe", "--help"), cwd=tmp_path, env=env, capture_output=True,
+                           text=True, check=True)  # fmt: skip
+    assert usage.stdout.startswith("usage: python -m shardlab_bench plan_moe ")
