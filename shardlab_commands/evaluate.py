@@ -583,8 +583,8 @@ def resolve_split(args, modes: list[str]) -> None:
 
 
 def recorded_script() -> Path:
-    """What --out records as the command that ran: a clone's shardlab-evaluate (shardlab_bench/tables.py --rerun runs
-    tools/ scripts only), or this module in an install, which has no tools/."""
+    """What --out records as the command that ran: a clone's shardlab-evaluate (shardlab_bench/tables.py --rerun runs a
+    benchmark or a tools/ script), or this module in an install, which has no tools/."""
     script = provenance.REPO / "tools" / "evaluate.py"
     return script if script.is_file() else Path(__file__)
 
