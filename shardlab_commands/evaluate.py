@@ -372,8 +372,8 @@ def chosen_modes(args: argparse.Namespace, evaluation: Evaluation, task: str, wh
 
 
 def recorded_script() -> Path:
-    """What --out records as the command that ran: a clone's shardlab-evaluate (tools/bench_tables.py --rerun runs
-    tools/ scripts only), or this module in an install, which has no tools/."""
+    """What --out records as the command that ran: a clone's shardlab-evaluate (shardlab_bench/tables.py --rerun runs a
+    benchmark or a tools/ script), or this module in an install, which has no tools/."""
     script = provenance.REPO / "tools" / "evaluate.py"
     return script if script.is_file() else Path(__file__)
 
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def write_report(args, cfg: DictConfig, info: dict | None, results: dict, meta: dict) -> None:
     """The figures as JSON, with what they were measured on (provenance: command, commit, machine, load) and the
-    trunk's training step, for tools/bench_tables.py's ssl_probe table."""
+    trunk's training step, for shardlab_bench/tables.py's ssl_probe table."""
 
     def plain(v):
         return str(v) if isinstance(v, Path) else [plain(x) for x in v] if isinstance(v, list) else v

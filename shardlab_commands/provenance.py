@@ -1,9 +1,9 @@
 """What a benchmark figure was measured with, recorded in the JSON beside it.
 
-Every benchmark tool (bench.py, bench_reference.py, bench_checkpoint.py, bench_collectives.py, bench_cpu_adam.py,
-max_model.py, bench_preprocess.py) writes ``"meta": collect(...)`` into its JSON: the commit (and the code files
+Every benchmark (shardlab_bench, through shardlab_bench/provenance.py) and shardlab-evaluate --out write
+``"meta": collect(...)`` into their JSON: the commit (and the code files
 that differed from it), the date, the machine (CPU model, vector extension, cores, memory, GPUs), the torch and
-Python versions, the load average, and the exact command, so tools/bench_tables.py can print all of it under each
+Python versions, the load average, and the exact command, so shardlab_bench/tables.py can print all of it under each
 table in docs/ and rerun the command. Nothing here imports torch: the tools that do not need it stay light.
 """
 

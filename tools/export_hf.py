@@ -1,7 +1,7 @@
 """`python tools/export_hf.py` as before: the command is now `shardlab-export` (shardlab_commands/export_hf.py),
 installed on the PATH.
 
-Kept for a clone's habits and for the benchmark JSON that recorded this path (tools/bench_tables.py --rerun)."""
+Kept for a clone's habits."""
 
 from shardlab_commands.export_hf import cli
 

@@ -16,11 +16,11 @@
 #      torch's ring attention over NCCL, FSDP2 over dp_shard x cp; 2+ GPUs; its parity with one GPU is
 #      tests/gpu/test_context_parallel_cuda.py, in step 1). Each recorded as skipped, with the reason, where the GPUs
 #      are fewer.
-#   3. tools/bench.py: tokens/s and MFU of gpt_125m and gpt_350m, fully_sharded, bf16, 1 GPU.
+#   3. python -m shardlab_bench train: tokens/s and MFU of gpt_125m and gpt_350m, fully_sharded, bf16, 1 GPU.
 #   bash tools/gpu_check.sh compile   (~10.5 minutes at most)
 #   4. distributed.compile on CUDA: tests/gpu -k compiled (fully_sharded fp32, ddp, bf16 + activation checkpointing,
 #      each held to the CPU fp32 run's losses).
-#   5. tools/bench.py on gpt_125m and gpt_350m (fully_sharded, bf16, 1 GPU), eager then compiled for each model, in a
+#   5. shardlab_bench train on gpt_125m and gpt_350m (fully_sharded, bf16, 1 GPU), eager then compiled for each model, in a
 #      fresh inductor cache: tokens/s and MFU of both, the speed-up, and the cold compile time (gpu_check.json's
 #      "compile" block). MFU counts the model's FLOPs, not the kernels inductor fused them into.
 # Usage: bash tools/gpu_check.sh [compile]   (from the repository root, with the project installed; PYTHON=... to pick)
@@ -46,11 +46,11 @@ TINY_LM=(model.num_layers=2 model.dim=64 model.num_heads=4 model.max_seq_len=32 
     validation.batch_size=8 checkpoint.interval_steps=0 logging.interval_steps=1 logging.progress_bar=false
     logging.tensorboard=false)
 
-bench() {  # bench NAME LIMIT_S MODEL [OVERRIDES...]: tools/bench.py, fully_sharded bf16 on 1 GPU, to $out/NAME.json
+bench() {  # bench NAME LIMIT_S MODEL [OVERRIDES...]: shardlab_bench train, fully_sharded bf16 on 1 GPU, to $out/NAME.json
     local name=$1 limit=$2 model=$3
     shift 3
     # 20 MB of the corpus: enough for the steps, and its one-off preprocessing stays well inside the limit.
-    step "$name" "$limit" "$py" tools/bench.py "model=$model" data.seq_len=1024 data.max_corpus_mb=20 \
+    step "$name" "$limit" "$py" -m shardlab_bench train "model=$model" data.seq_len=1024 data.max_corpus_mb=20 \
         optimization.batch_size=8 distributed.backend=fully_sharded distributed.precision=bf16 "$@" --steps 10 \
         --warmup 3 --out "$out/$name.json"
 }

@@ -1,7 +1,7 @@
 """`python tools/plot.py` as before: the command is now `shardlab-plot` (shardlab_commands/plot.py), installed on the
 PATH.
 
-Kept for a clone's habits and for the benchmark JSON that recorded this path (tools/bench_tables.py --rerun)."""
+Kept for a clone's habits."""
 
 from shardlab_commands.plot import cli
 

@@ -18,7 +18,7 @@
   ``checkpoint.init_from``; used by shardlab-consolidate, generate.py and export_hf.py.
 
 What a checkpoint restores besides the weights and optimizer state is the training state, shardlab.train_state.
-Importing the package is light (no torch): ``layout`` serves torch-free code such as tools/kill_loop.py, and the rest
+Importing the package is light (no torch): ``layout`` serves torch-free code (shardlab_bench/kill_loop.py), and the rest
 loads on first use.
 """
 

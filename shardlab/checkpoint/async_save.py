@@ -7,7 +7,7 @@ mix up data. It is gloo, because DCP's async save needs a CPU-capable group also
 
 The staging buffers are allocated at the first save and reused (pinned on CUDA): a fresh copy per save paid the
 allocation's page faults every time. They hold one copy of this rank's model and optimizer state for the whole run,
-the price of not blocking (tools/bench_checkpoint.py measures both).
+the price of not blocking (shardlab_bench/checkpoint.py measures both).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """FSDP2's reduce-scatter issued as one all-reduce, through FSDP2's custom-comm hook; optionally overlapped. Opt-in.
 
 Why: gloo's ring all-reduce is its best-tuned collective; on CPU its reduce_scatter measured slower for the same buffer
-(tools/bench_collectives.py; the table is in docs/benchmarks.md). And on CPU FSDP2 blocks on every unit's reduce-scatter
+(shardlab_bench/collectives.py; the table: docs/benchmarks.md). And on CPU FSDP2 blocks on every unit's reduce-scatter
 in backward (CUDA hides it on a side stream), so the slower rank's lag is paid at every unit. Only the collective
 changes: FSDP2 still owns the sharding, the buffers, the copy-in/out and the reduce op it asks for. On NCCL a
 reduce-scatter moves half an all-reduce's bytes, so this is for gloo only (distributed.reduce_scatter=all_reduce,

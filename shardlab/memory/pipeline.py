@@ -30,7 +30,7 @@ def stage_sizes(num_layers: int, num_stages: int, split: str = "shardlab") -> li
     """Layers of each stage. ``shardlab``: as even as the count allows, the first stages taking one more
     (shardlab.distributed.pipeline's cut); ``torchtitan``: its default split points (generate_split_points at
     9dec370), ``num_layers // num_stages`` each and one more for each middle stage while the remainder lasts, the
-    last stage taking what is left (the published runs tools/plan_axes.py compares with)."""
+    last stage taking what is left (the published runs shardlab_bench/plan_axes.py compares with)."""
     if split == "shardlab":  # the real cut's own function, so the plan cannot drift from what runs
         return [len(layers) for layers in layer_ranges(num_layers, num_stages)]
     base, extra = divmod(num_layers, num_stages)

@@ -13,7 +13,7 @@ kernel has nothing left to win. One flat buffer per group measured 1.3-1.6x slow
 allocate gradients per tensor and they must be copied in; even with gradients already flat it gained 0-15%.
 DeepSpeed's CPUAdam was measured 1.15x slower than the fused kernel on this machine (a new dependency: not kept).
 On gpt_small, 2 ranks, fully_sharded + cpu_offload, the optimizer step took 31.8 ms with optimizer=adamw (fused) and
-22.5 ms with cpu_adam; tools/bench_cpu_adam.py times every candidate.
+22.5 ms with cpu_adam; shardlab_bench/cpu_adam.py times every candidate.
 """
 
 from __future__ import annotations

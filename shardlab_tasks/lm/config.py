@@ -109,7 +109,7 @@ class MoEConfig:
     no token is dropped."""
     experts_impl: str = "auto"
     """How the experts run: auto (grouped_mm where the device and dtype have it, else a loop over experts),
-    grouped_mm or loop; all exact (tools/bench_moe.py times them)."""
+    grouped_mm or loop; all exact (shardlab_bench/moe.py times them)."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ tokens keep their order), the token rows are gathered in that order, each expert
 SwiGLU, and the results, scaled by their routing weights, are added back to their tokens. Two exact ways to run the
 groups: ``torch.nn.functional.grouped_mm`` (public since torch 2.10; one call for all experts, the CUDA kernel on
 SM80+ in bf16, a CPU kernel in fp32/bf16 too) and a loop of ``F.linear`` over the contiguous slices (any device,
-any dtype). tools/bench_moe.py measures them against transformers' per-expert loop.
+any dtype). shardlab_bench/moe.py measures them against transformers' per-expert loop.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ is part of the run (a resume reuses it) and cached for the next run of the same 
 
 Step times on a shared 2-core machine are noise at this size, so the trials' real steps run but their clock is replaced
 by a fixed speed per layout (``prepare``, in every rank): the test then knows which candidate must win. Whether the
-choice is really fastest is a benchmark's question (tools/autotune_grid.py, docs/benchmarks.md).
+choice is really fastest is a benchmark's question (shardlab_bench/autotune_grid.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ memory above the rank's start, and what it holds between steps, beside the plan'
 Peak within 25% and what is held between steps (parameters, optimizer state, gradient buckets: the state) within
 10%, for the LM at world size 2 under ddp and fully_sharded, and (-m slow) at world sizes 2 and 4 under those,
 fully_sharded with cpu_offload and cpu_adam, and fully_sharded with activation checkpointing. Larger models:
-tools/max_model.py (docs/memory-plan.md).
+shardlab_bench/max_model.py (docs/memory-plan.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The fault matrix's results: with ``SHARDLAB_FAULT_MATRIX_OUT=<file.json>`` each cell's outcome is merged into that
 file as soon as the cell ends (so a partial run, or a run of some cells, updates what the file held), for
-tools/fault_matrix.py to render."""
+shardlab_bench/fault_matrix.py to render."""
 
 from __future__ import annotations
 

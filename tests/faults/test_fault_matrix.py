@@ -15,7 +15,7 @@ rely on:
 
 The cells that run by default are DEFAULT_CELLS (about a minute and a half on 2 cores); the rest run with ``-m slow``.
 ``SHARDLAB_FAULT_MATRIX_OUT=<json>`` collects each cell's outcome (tests/faults/conftest.py) for
-tools/fault_matrix.py to render as docs/fault-matrix.md.
+shardlab_bench/fault_matrix.py to render as docs/fault-matrix.md.
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from shardlab.distributed import env as dist_env
 from shardlab.distributed.env import free_port
 from shardlab.jobs import run_record
 from shardlab.runner import run_rank
+from shardlab_bench.fault_matrix import applies
 from tests.conftest import TINY_LM
 from tests.events import scalars
 from tests.faults.conftest import record_cell
 from tests.slurm.conftest import cluster
 from tests.slurm.test_multinode import node_state, start_once_pending
 from tests.slurm.test_slurm import start_requeued_job_now
-from tools.fault_matrix import applies
 
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "tests" / "faults" / "site"

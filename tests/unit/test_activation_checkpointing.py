@@ -3,7 +3,7 @@ torchtitan's choice: ac_matmul_save_every=2 and ac_skip_units=[0,-1]): the same 
 the plan predicts for it, its config checks, and torch.compile over it.
 
 Against measured memory: tests/distributed/test_memory_plan.py; on ddp and fully_sharded: tests/distributed/
-test_lm_parity.py; the CPU table of memory against recompute time: tools/bench_checkpointing.py.
+test_lm_parity.py; the CPU table of memory against recompute time: shardlab_bench/activation_checkpointing.py.
 """
 
 from __future__ import annotations

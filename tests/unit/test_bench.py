@@ -1,18 +1,15 @@
-"""tools/bench.py: one JSON with throughput, step time, state bytes, peak memory and collective counts."""
+"""shardlab_bench/train.py: one JSON with throughput, step time, state bytes, peak memory and collective counts."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-# tools/ is not a package; on sys.path, spawned ranks (which get the parent's sys.path) can import bench too.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import bench  # noqa: E402
+from shardlab_bench import train as bench
 
 
 def tiny_overrides(tmp_path: Path) -> list[str]:
@@ -42,7 +39,7 @@ def test_bench_writes_json_with_positive_figures(tmp_path):
         assert written[key] > 0, key
     assert written["unit"] == "tokens" and written["tokens_per_step"] == 4 * 16
     assert len(written["step_ms"]) == 2
-    assert written["meta"]["argv"][0] == "tools/bench.py" and written["meta"]["settings"]["steps"] == 2
+    assert written["meta"]["argv"][0] == "train" and written["meta"]["settings"]["steps"] == 2
     (rank,) = written["per_rank"]
     num_params = written["num_params"]
     assert rank["param_bytes"] == rank["grad_bytes"] == 4 * num_params  # fp32, one rank holds everything
@@ -119,12 +116,12 @@ def test_bench_counts_fully_sharded_collectives_as_the_plan_expects(tmp_path):
 
 
 def test_bench_collectives_times_each_op_and_the_all_reduce_form_matches_native(tmp_path):
-    import bench_collectives
+    from shardlab_bench import collectives as bench_collectives
 
     out = tmp_path / "collectives.json"
     result = bench_collectives.main(["--world-sizes", "2", "--sizes", "10K,64K", "--iters", "2", "--out", str(out)])
     assert json.loads(out.read_text()) == result
-    assert result["meta"]["settings"]["sizes"] == "10K,64K"  # what it was measured with (tools/bench_meta.py)
+    assert result["meta"]["settings"]["sizes"] == "10K,64K"  # what it was measured with (shardlab_bench/provenance.py)
     rows = result["rows"]
     assert [(r["world_size"], r["numel"]) for r in rows] == [(2, 10_000), (2, 64_000)]
     for row in rows:

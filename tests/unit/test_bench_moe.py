@@ -1,14 +1,11 @@
-"""tools/bench_moe.py writes its JSON: every expert candidate timed and exact against the per-expert loop, the
-balancing toy's plain router collapsed, and the metadata of bench_meta."""
+"""shardlab_bench/moe.py writes its JSON: every expert candidate timed and exact against the per-expert loop, the
+balancing toy's plain router collapsed, and the metadata of shardlab_bench.provenance."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import bench_moe  # noqa: E402
+from shardlab_bench import moe as bench_moe
 
 
 def test_bench_moe_writes_exact_timed_candidates_and_the_balancing_figures(tmp_path):

@@ -241,7 +241,8 @@ def constructions_of_trainer(path: Path) -> list[str]:
 
 def test_only_the_assembly_makes_a_trainer():
     places = []
-    for folder in ("shardlab", "shardlab_tasks", "tools", "tests", "benchmarks", "hydra_plugins"):
+    folders = ("shardlab", "shardlab_tasks", "shardlab_commands", "shardlab_bench", "tools", "tests", "hydra_plugins")
+    for folder in (*folders, "examples"):
         places += [p for path in sorted((REPO / folder).rglob("*.py")) for p in constructions_of_trainer(path)]
     elsewhere = [p for p in places if not p.startswith(f"{ASSEMBLY[0]}:") or not p.endswith(f" in {ASSEMBLY[1]}")]
     assert places and not elsewhere, (

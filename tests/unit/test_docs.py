@@ -49,7 +49,8 @@ def test_every_relative_link_and_anchor_in_the_docs_resolves():
 
 
 # ---- paths written in backticks --------------------------------------------------------------------------------------
-ROOTS = ("shardlab", "shardlab_tasks", "shardlab_commands", "tools", "tests", "docs", "examples", "hydra_plugins")
+ROOTS = ("shardlab", "shardlab_tasks", "shardlab_commands", "shardlab_bench", "tools", "tests", "docs", "examples")
+ROOTS += ("hydra_plugins",)
 PACKAGES = tuple(sorted(p.name for p in (REPO / "shardlab").iterdir() if (p / "__init__.py").is_file()))
 """shardlab's packages: `memory/plan.py` in the docs is shardlab/memory/plan.py."""
 SOURCE = re.compile(r"^[\w-]+\.(?:py|yaml|sh|toml|md)$")
@@ -70,8 +71,9 @@ def tokens(span: str) -> list[str]:
 
 
 def rooted(word: str) -> str | None:
-    """The repository path ``word`` names, if it names one: it begins with a top-level folder (``tools/bench.py``)
-    or with a package of shardlab/ (``memory/plan.py``, read as shardlab/memory/plan.py)."""
+    """The repository path ``word`` names, if it names one: it begins with a top-level folder
+    (``shardlab_bench/train.py``) or with a package of shardlab/ (``memory/plan.py``, read as
+    shardlab/memory/plan.py)."""
     head = word.split("/", 1)[0]
     if "/" not in word or not re.fullmatch(r"[\w.<>*-]+(/[\w.<>*-]*)*", word):
         return None
@@ -127,7 +129,7 @@ def map_omissions(block: str, repo: Path = REPO) -> list[str]:
     """What of the tree a map of the code leaves out: a top-level folder; a module or package of shardlab/ or a
     package of shardlab_tasks/ without its own line; a module of such a package not named (by its stem) in the package's
     description; a module of shardlab_commands/ not named in its description; a folder of tests/ not named (``unit/``)
-    in tests/' description. tools/ is described by kind."""
+    in tests/' description. tools/ and shardlab_bench/ are described by kind."""
     entries = dict(map_entries(block))
     missing = [f"{r}/" for r in ROOTS if not any(p.startswith(f"{r}/") for p in entries)]
     for root in ("shardlab", "shardlab_tasks"):
@@ -180,13 +182,13 @@ def stale_paths(markdown: str) -> list[str]:
     """Every path ``markdown`` writes in backticks that is not in the repository.
 
     The rule: (1) in inline code and in fenced blocks, a word that begins with a top-level folder (shardlab/,
-    shardlab_tasks/, tools/, tests/, docs/, examples/, hydra_plugins/) is a path from the repository root, one that
-    begins with conf/ a user_dir's (shardlab's own is shardlab/conf/), and one that begins with a package of shardlab/
-    (``memory/plan.py``) a path in shardlab/; (2) a bare file name (``name.py``, ``.yaml``, ``.sh``, ``.toml``, ``.md``)
-    is checked where the text places it: after a backticked folder in its paragraph, or listed beside a backticked file
-    (``placed``), and in a map of the code, in the folder it is drawn under (``map_paths``). ``<name>`` and ``*`` stand
-    for any name. A bare name the text places nowhere (``train.py`` alone) and paths outside the repository
-    (``/tmp/...``, ``runs/...``, another project's) are not checked."""
+    shardlab_tasks/, shardlab_bench/, tools/, tests/, docs/, examples/, hydra_plugins/) is a path from the repository
+    root, one that begins with conf/ a user_dir's (shardlab's own is shardlab/conf/), and one that begins with a package
+    of shardlab/ (``memory/plan.py``) a path in shardlab/; (2) a bare file name (``name.py``, ``.yaml``, ``.sh``,
+    ``.toml``, ``.md``) is checked where the text places it: after a backticked folder in its paragraph, or listed
+    beside a backticked file (``placed``), and in a map of the code, in the folder it is drawn under (``map_paths``).
+    ``<name>`` and ``*`` stand for any name. A bare name the text places nowhere (``train.py`` alone) and paths outside
+    the repository (``/tmp/...``, ``runs/...``, another project's) are not checked."""
     prose = FENCE.sub("\n\n", markdown)
     words = [w for span in SPAN.findall(prose) for w in tokens(span)]
     found = [p for w in words if (p := rooted(w))] + placed(prose)
@@ -214,7 +216,7 @@ def test_the_readmes_map_names_every_package_module_and_test_folder():
 
 PLANTED = [
     ("`tools/slurm_cluster.sh`", "`tools/slurm_clusters.sh`", "tools/slurm_clusters.sh"),  # a rooted path in prose
-    ("python tools/bench_tables.py --check", "python tools/bench_table.py --check", "tools/bench_table.py"),  # fenced
+    ("pretrained=tests/data/llama3_1_8b ", "pretrained=tests/data/llama3_1_9b ", "tests/data/llama3_1_9b"),  # fenced
     ("`memory/plan.py`", "`memory/planner.py`", "shardlab/memory/planner.py"),  # read in shardlab/
     ("  task.py                 the Task", "  tasks.py                the Task", "shardlab/tasks.py"),  # a map's name
     ("(user_dir.py: its", "(user_dirs.py: its", "shardlab/registry/user_dirs.py"),  # a name in a map's description

@@ -4,9 +4,10 @@ is split as the shell splits it, and
 - every ``python -m shardlab.train ...`` (``.venv/bin/python``, ``torchrun ... -m shardlab.train`` too) passes the
   CLI's command-line checks and is composed by Hydra with all its overrides, the launcher's included: a misspelt or
   renamed key, group or option, or a value of the wrong type, fails. A sweep (``-m``) is composed at its first point.
-- every user command on the PATH (``shardlab-export ...``, shardlab_commands.COMMANDS) and every ``python tools/X.py
-  ...``: the command is one pyproject.toml installs, or tools/X.py exists, and each ``--option`` the line gives is one
-  its ``--help`` lists.
+- every user command on the PATH (``shardlab-export ...``, shardlab_commands.COMMANDS), every benchmark
+  (``python -m shardlab_bench NAME ...``) and every ``python tools/X.py ...``: the command is one pyproject.toml
+  installs, a benchmark the runner lists, or tools/X.py exists, and each ``--option`` the line gives is one its
+  ``--help`` lists.
 - every other command stands on a line marked in the docs with a trailing ``# not checked: KIND`` (or ``(not
   checked: KIND)`` at the end of the line's comment), KIND one of NOT_CHECKED (installs, the reader's shell, the
   Slurm test cluster, a GPU, the suite and linters, inline Python on exports): an unmarked one fails, and so do a
@@ -34,7 +35,6 @@ import io
 import os
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +47,7 @@ from shardlab.config import CONF_DIR
 from shardlab.errors import ShardlabError
 from shardlab.jobs.preflight import check_command_line, job_overrides, with_home_expanded, with_user_dir
 from shardlab.jobs.run_dir import run_name
+from shardlab_bench import benchmarks
 from shardlab_commands import COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,13 +153,9 @@ def check_train(args: list[str]) -> str | None:
 
 @functools.cache
 def tool_help(module_name: str) -> str | None:
-    """The --help text of a command's module (shardlab_commands.X) or of tools/<X>.py (tools.X), read in this process
-    (None where its main takes no argument list)."""
-    sys.path.insert(0, str(REPO / "tools"))  # as for the script: its folder first (tools import their neighbours)
-    try:
-        module = importlib.import_module(module_name)
-    finally:
-        sys.path.remove(str(REPO / "tools"))
+    """The --help text of a command's module (shardlab_commands.X), a benchmark (shardlab_bench.X) or tools/<X>.py
+    (tools.X), read in this process (None where its main takes no argument list)."""
+    module = importlib.import_module(module_name)
     if not inspect.signature(module.main).parameters:
         return None
     out = io.StringIO()
@@ -168,12 +165,18 @@ def tool_help(module_name: str) -> str | None:
 
 
 def check_tool(argv: list[str]) -> str | None:
-    """Why this command (shardlab-X, or python tools/X.py) would be refused by its parser (None: it exists and takes
-    every option)."""
+    """Why this command (shardlab-X, python -m shardlab_bench X or python tools/X.py) would be refused by its parser
+    (None: it exists and takes every option)."""
     if is_command(argv):
         if argv[0] not in COMMANDS:
             return f"{argv[0]} is no command pyproject.toml installs (known: {', '.join(sorted(COMMANDS))})"
         name, args, text = argv[0], argv[1:], tool_help(f"shardlab_commands.{COMMANDS[argv[0]]}")
+    elif is_benchmark(argv):
+        if len(argv) < 4 or argv[3].startswith("-"):
+            return None  # the bare runner lists the benchmarks
+        if argv[3] not in benchmarks():
+            return f"shardlab_bench has no benchmark {argv[3]} (known: {', '.join(benchmarks())})"
+        name, args, text = f"shardlab_bench {argv[3]}", argv[4:], tool_help(f"shardlab_bench.{argv[3]}")
     else:
         if not (REPO / argv[1]).is_file():
             return f"{argv[1]} does not exist"
@@ -182,6 +185,11 @@ def check_tool(argv: list[str]) -> str | None:
         return None
     unknown = [o for o in (a.split("=", 1)[0] for a in args if a.startswith("--")) if o not in text]
     return f"{name} has no option {', '.join(unknown)} (its --help)" if unknown else None
+
+
+def is_benchmark(argv: list[str]) -> bool:
+    """``python -m shardlab_bench ...``: the benchmarks' runner."""
+    return argv[0] in PYTHONS and argv[1:3] == ["-m", "shardlab_bench"]
 
 
 def is_command(argv: list[str]) -> bool:
@@ -218,13 +226,14 @@ def problems(markdown: str, run_as_written: bool = False) -> tuple[list[str], li
 
 
 def checked_kind(argv: list[str]) -> bool:
-    """Whether this test checks commands like argv: a training run, a user command or a tools/ script run by Python."""
+    """Whether this test checks commands like argv: a training run, a user command, a benchmark or a tools/ script run
+    by Python."""
     tool = argv[0] in PYTHONS and len(argv) > 1 and argv[1].startswith("tools/") and argv[1].endswith(".py")
-    return train_args(argv) is not None or tool or is_command(argv)
+    return train_args(argv) is not None or tool or is_command(argv) or is_benchmark(argv)
 
 
 def why_refused(argv: list[str]) -> str | None:
-    """What fails the check of a training run, a user command or a tools/ script; None if it passes."""
+    """What fails the check of a training run, a user command, a benchmark or a tools/ script; None if it passes."""
     if (args := train_args(argv)) is not None:
         return check_train(args)
     return check_tool(argv)
@@ -250,7 +259,8 @@ def test_every_command_in_the_docs_composes_or_is_marked_not_checked(page):
         ("python -m shardlab.train -m hydra/launcher=slurm hydra.launcher.nodez=2", "nodez"),
         ("shardlab-evaluate runs/x --no-such-option 3", "shardlab-evaluate has no option --no-such-option"),
         ("shardlab-evalute runs/x", "shardlab-evalute is no command pyproject.toml installs"),
-        ("python tools/bench_tables.py --no-such-option", "tools/bench_tables.py has no option --no-such-option"),
+        ("python -m shardlab_bench tables --no-such-option", "shardlab_bench tables has no option --no-such-option"),
+        ("python -m shardlab_bench no_such_bench --out x", "shardlab_bench has no benchmark no_such_bench"),
         ("python tools/no_such_tool.py x", "tools/no_such_tool.py does not exist"),
         ("wget https://example.org/data.tar", "wget https://example.org/data.tar: neither checked by this test nor"),
         ("wget https://example.org/data.tar   # not checked: download", "a kind NOT_CHECKED does not list"),

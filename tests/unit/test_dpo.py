@@ -167,11 +167,7 @@ def test_dpo_config_mistakes_are_refused_naming_the_key(override, message):
 
 
 def test_the_reference_benchmark_writes_its_figures(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import bench_dpo_reference
+    from shardlab_bench import dpo_reference as bench_dpo_reference
 
     out = tmp_path / "r.json"
     result = bench_dpo_reference.main(["--steps", "2", "--out", str(out), *TINY[1:], "data.seq_len=256"])

@@ -110,11 +110,7 @@ def test_packed_pairs_train_as_unpacked_ones_in_fewer_rows(runs, lora):
 
 
 def test_the_packing_benchmark_writes_its_figures(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import bench_dpo_packing
+    from shardlab_bench import dpo_packing as bench_dpo_packing
 
     out = tmp_path / "p.json"
     tiny = ["model.num_layers=1", "model.dim=32", "model.num_heads=2", "optimization.batch_size=4"]

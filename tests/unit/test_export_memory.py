@@ -1,6 +1,6 @@
 """shardlab-export's memory per process is bounded by its read buffer and the largest tensor, not the model: a
 ~51 MB Llama (fp32) exported in a fresh process, its peak resident memory above its start measured
-(tools/bench_export.py, shardlab.memory.meter), beside the same export with a buffer that holds the whole model."""
+(shardlab_bench/export.py, shardlab.memory.meter), beside the same export with a buffer that holds the whole model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tools import bench_export
+from shardlab_bench import export as bench_export
 
 MB = 1 << 20
 

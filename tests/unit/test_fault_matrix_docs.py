@@ -1,17 +1,17 @@
 """The fault matrix's pages say what its JSON holds: docs/fault-matrix.md and the README's summary are what
-tools/fault_matrix.py renders from docs/fault_matrix.json (rerun it after a run of the matrix)."""
+shardlab_bench/fault_matrix.py renders from docs/fault_matrix.json (rerun it after a run of the matrix)."""
 
 from __future__ import annotations
 
 import json
 
+from shardlab_bench import fault_matrix
 from tests.conftest import ROOT
-from tools import fault_matrix
 
 
 def test_the_fault_matrix_page_and_the_readme_summary_are_rendered_from_the_json():
     results = json.loads((ROOT / "docs" / "fault_matrix.json").read_text())
-    fix = "python tools/fault_matrix.py docs/fault_matrix.json --out docs/fault-matrix.md --readme README.md"
+    fix = "python -m shardlab_bench fault_matrix docs/fault_matrix.json --out docs/fault-matrix.md --readme README.md"
     assert (ROOT / "docs" / "fault-matrix.md").read_text() == fault_matrix.render(results), f"stale: run {fix}"
     block = fault_matrix.README_BLOCK.search((ROOT / "README.md").read_text())
     assert block is not None and block[0] == block[1] + fault_matrix.summary(results) + block[2], f"stale: run {fix}"

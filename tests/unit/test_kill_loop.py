@@ -1,13 +1,12 @@
 """A run killed with SIGKILL at random moments and during saves, restarted each time, ends like an uninterrupted one.
 
-The fast variant of tools/kill_loop.py (two kills of a tiny LM); docs/checkpoints.md reports the script on the default
-run.
-"""
+The fast variant of shardlab_bench/kill_loop.py (two kills of a tiny LM); docs/checkpoints.md reports the script on the
+default run."""
 
 from __future__ import annotations
 
+from shardlab_bench import kill_loop
 from tests.conftest import TINY_LM
-from tools import kill_loop
 
 
 def test_killed_and_restarted_run_ends_with_the_uninterrupted_weights_and_loss(corpus_cache, tmp_path):

@@ -7,6 +7,8 @@ import ast
 import functools
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "shardlab"
 MAX_TOP_LEVEL = 17
@@ -14,8 +16,11 @@ MAX_TOP_LEVEL = 17
 own below them, where it had lived in checkpoint/ "because the top level is full"."""
 TOPS = ("shardlab", "shardlab_tasks", "shardlab_commands")
 """The packages a wheel installs (with hydra_plugins, which only Hydra loads): each under shardlab's own name."""
+COVERED = (*TOPS, "shardlab_bench")
+"""The packages the floors hold: the installed ones and the clone's benchmarks (issue #50)."""
 
 LAYERS: list[tuple[str, ...]] = [
+    ("shardlab_bench",),  # the benchmarks and evidence (the clone's, not the wheel's): they run and measure all below
     ("shardlab_commands",),  # the user commands on the PATH: the export and preprocessing read task modules
     ("shardlab_tasks",),  # the built-in plug-ins (a package of their own) use shardlab; shardlab never imports a task
     ("shardlab.train",),  # the CLI
@@ -43,10 +48,10 @@ def module_name(path: Path, root: Path = ROOT) -> str:
 
 
 def imports(root: Path = ROOT) -> dict[str, dict[str, int]]:
-    """Every module of the installed packages (TOPS) under ``root`` and the modules of those it imports anywhere in
+    """Every module of the packages COVERED under ``root`` and the modules of those it imports anywhere in
     its code (inside functions too), each with the line of its first import. ``from pkg import sub`` counts as importing
     ``pkg.sub`` when that is a module; ``import pkg.sub`` imports ``pkg.sub``."""
-    modules = {module_name(p, root): p for top in TOPS for p in (root / top).rglob("*.py")}
+    modules = {module_name(p, root): p for top in COVERED for p in (root / top).rglob("*.py")}
     graph: dict[str, dict[str, int]] = {m: {} for m in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -189,3 +194,61 @@ def test_every_package_names_its_public_face():
         assert ast.get_docstring(tree), f"{init} has no docstring saying what the package holds"
         names = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if hasattr(t, "id")}
         assert "__all__" in names, f"{init} does not name its public face in __all__"
+
+
+def test_the_benchmarks_are_on_the_top_floor_and_a_command_importing_them_is_caught(tmp_path):
+    """shardlab_bench measures everything below it and nothing imports it: a user command that did would need the
+    clone's package in the wheel."""
+    assert all(unit_of(m) == "shardlab_bench" for m in repo_imports() if m.startswith("shardlab_bench."))
+    assert [m for m, targets in repo_imports().items() if unit_of(m) != "shardlab_bench" and any(
+        unit_of(t) == "shardlab_bench" for t in targets)] == []  # fmt: skip
+    for package in ("shardlab_commands", "shardlab_bench"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "shardlab_bench" / "train.py").write_text("from shardlab_commands import evaluate\n")
+    (tmp_path / "shardlab_commands" / "evaluate.py").write_text("x = 1\n")
+    assert upward_imports(imports(tmp_path), tmp_path) == []
+    (tmp_path / "shardlab_commands" / "evaluate.py").write_text("def f():\n    from shardlab_bench import train\n")
+    assert upward_imports(imports(tmp_path), tmp_path) == [
+        "shardlab_commands/evaluate.py:2: shardlab_commands.evaluate -> shardlab_bench.train"
+    ]
+
+
+def sys_path_edits(source: str) -> list[int]:
+    """The lines of ``source`` that change the import path: a call of a method of ``sys.path`` (insert, append,
+    extend, ...) or an assignment to it or to an item of it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            target = next((t.value if isinstance(t, ast.Subscript) else t for t in targets), None)
+        else:
+            continue
+        if target is not None and ast.unparse(target) == "sys.path":
+            found.append(node.lineno)
+    return found
+
+
+def test_no_code_outside_tests_edits_sys_path():
+    """Issue #50: every package imports as a package (the benchmarks through ``python -m shardlab_bench``), so no
+    module of the repository outside tests/ puts a folder on the import path."""
+    edits = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.relative_to(ROOT).parts[0] != "tests"
+        and not any(p.startswith(".") for p in path.relative_to(ROOT).parts)
+        for line in sys_path_edits(path.read_text())
+    ]
+    assert edits == [], f"sys.path edited outside tests/: {edits}; import the package instead"
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["import sys\nsys.path.insert(0, 'x')\n", "import sys\nsys.path.append('x')\n",
+     "import sys\nsys.path[:0] = ['x']\n", "import sys\nsys.path = ['x']\n", "import sys\nsys.path += ['x']\n"],
+)  # fmt: skip
+def test_the_sys_path_check_finds_each_kind_of_edit(source):
+    assert sys_path_edits(source) == [2]
+    assert sys_path_edits("import os\nos.path.join('a', 'b')\nprint(sys.path)\n") == []

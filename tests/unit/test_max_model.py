@@ -1,5 +1,5 @@
-"""tools/max_model.py's parts that need no long run: the budget watcher's memory reading, the line it parses from a
-run, and the ratios it reports. The measured figures are in docs/memory-plan.md."""
+"""shardlab_bench/max_model.py's parts that need no long run: the budget watcher's memory reading, the line it parses
+from a run, and the ratios it reports. The measured figures are in docs/memory-plan.md."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tools import max_model
+from shardlab_bench import max_model
 
 
 def test_the_watcher_sums_a_process_group_and_parses_the_trainers_memory_line():

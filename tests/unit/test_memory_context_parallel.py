@@ -87,28 +87,24 @@ def test_verify_plan_builds_the_mesh_with_cp_and_fully_shards_over_dp_shard_x_cp
 TITAN_TABLE_2 = {2: 84.2, 4: 84.0, 8: 84.5}
 """torchtitan's benchmarks/llama3_h100_202412_torchtitan.md (commit 31a17bfdb7), Table 2: Llama 3.1 8B on 8 H100s,
 FSDP 8/C x CP C at sequence 32768 x C, local batch 1, full activation checkpointing, compiled, float8 linears: peak
-reserved GiB (the FSDP 8, CP 1 row, 83.9, is in tools/plan_vs_published.py's table)."""
+reserved GiB (the FSDP 8, CP 1 row, 83.9, is in shardlab_bench/plan_vs_published.py's table)."""
 
 
 @pytest.mark.parametrize("cp", sorted(TITAN_TABLE_2))
 def test_the_plan_of_torchtitans_context_parallel_runs_is_within_ten_percent(cp):
     """Each rank holds 32768 tokens of one sequence and 1/8 of the state at every row, so the plan is the CP 1 row's
     (82.54 GiB); torchtitan's grows by 0.1-0.6 GiB with C (the ring's transient key/value chunks, which the plan does
-    not count). Planned as tools/plan_vs_published.py plans the CP 1 row, with the global batch over the data ranks
-    only (local batch 1 x 8/C) and dry_run=true: context parallelism is planned on a machine without CUDA. Float8
-    and compile enter as for that row: inside the one recomputed block under full AC, they change nothing kept."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import plan_vs_published as pvp
-
+    not count). Planned as shardlab_bench/plan_vs_published.py plans the CP 1 row, with the global batch over the data
+    ranks only (local batch 1 x 8/C) and dry_run=true: context parallelism is planned on a machine without CUDA.
+    Float8 and compile enter as for that row: inside the one recomputed block under full AC, they change nothing
+    kept."""
     from shardlab.distributed.units import model_on_meta
     from shardlab.jobs.preflight import compose_config
     from shardlab.memory.estimate import estimate
     from shardlab.memory.layout import layout_of
     from shardlab.memory.plan import profile_config
     from shardlab.runner import build_task
+    from shardlab_bench import plan_vs_published as pvp
 
     row = {**next(p for p in pvp.PUBLISHED if p["key"] == "t2_fsdp8_cp1"), "seq_len": 32768 * cp}
     batch = f"{8 // cp}"

@@ -1,6 +1,6 @@
 """The memory plan's arithmetic and its use before launch: backend=auto, memory_budget_gb, the peak meter.
 
-What it predicts against what runs really use is tests/distributed/test_memory_plan.py and tools/max_model.py.
+What it predicts against what runs really use is tests/distributed/test_memory_plan.py and shardlab_bench/max_model.py.
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ def collapse_toy(cfg: MoEConfig, steps: int) -> list[float]:
 
 
 def test_bias_balancing_moves_a_collapsed_router_toward_even_load():
-    """Direction only (the bound it reaches is tools/bench_moe.py's to measure): 8 experts, top 2, so 4.0 is total
+    """Direction only (the bound it reaches is shardlab_bench/moe.py's to measure): 8 experts, top 2, so 4.0 is total
     collapse; the plain router stays collapsed, the bias-balanced one ends well below (its sign rule with a fixed
     rate oscillates: the mean of its last 20 steps is checked, at 60% of collapse)."""
     sizes = dict(num_experts=8, top_k=2, ffn_dim=8)

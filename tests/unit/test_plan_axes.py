@@ -1,20 +1,20 @@
-"""tools/plan_axes.py: the tables of multi-axis layouts in docs/distributed.md hold what the plan gives now, and the
-plan stands where it stands against torchtitan's published 2D and 3D runs (computed on the meta device, no GPU)."""
+"""shardlab_bench/plan_axes.py: the tables of multi-axis layouts in docs/distributed.md hold what the plan gives now,
+and the plan stands where it stands against torchtitan's published 2D and 3D runs (computed on the meta device, no
+GPU)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from shardlab_bench import plan_axes
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-import plan_axes  # noqa: E402
 
 JSON = REPO / "docs" / "bench" / "plan_axes.json"
-STALE = "the plan changed since docs/bench/plan_axes.json was written: run python tools/plan_axes.py"
+STALE = "the plan changed since docs/bench/plan_axes.json was written: run python -m shardlab_bench plan_axes"
 GiB = 2**30
 
 

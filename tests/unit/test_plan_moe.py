@@ -1,20 +1,19 @@
-"""tools/plan_moe.py: MoE models planned from their published config.json alone (tests/data), the table in
+"""shardlab_bench/plan_moe.py: MoE models planned from their published config.json alone (tests/data), the table in
 docs/models.md holding what the plan gives now, and the parameter counts the configs' fields give."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from shardlab_bench import plan_moe
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-import plan_moe  # noqa: E402
 
 JSON = REPO / "docs" / "bench" / "plan_moe.json"
-STALE = "the plan changed since docs/bench/plan_moe.json was written: run python tools/plan_moe.py"
+STALE = "the plan changed since docs/bench/plan_moe.json was written: run python -m shardlab_bench plan_moe"
 
 
 def qwen3_30b_a3b_params(hf: dict) -> tuple[int, int]:

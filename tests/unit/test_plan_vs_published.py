@@ -1,20 +1,22 @@
-"""tools/plan_vs_published.py: the table of the plan against published GPU measurements in docs/memory-plan.md holds
-what the plan gives now, and every published figure names where it was published."""
+"""shardlab_bench/plan_vs_published.py: the table of the plan against published GPU measurements in docs/memory-plan.md
+holds what the plan gives now, and every published figure names where it was published."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from shardlab_bench import plan_vs_published
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-import plan_vs_published  # noqa: E402
 
 JSON = REPO / "docs" / "bench" / "plan_vs_published.json"
-STALE = "the plan changed since docs/bench/plan_vs_published.json was written: run python tools/plan_vs_published.py"
+STALE = (
+    "the plan changed since docs/bench/plan_vs_published.json was written: "
+    "run python -m shardlab_bench plan_vs_published"
+)
 
 
 def recorded() -> dict[str, dict]:

@@ -1,4 +1,4 @@
-"""tools/ssl_seeds.py: the self-supervised defaults over seeds, judged on the test split, as mean ± sd."""
+"""shardlab_bench/ssl_seeds.py: the self-supervised defaults over seeds, judged on the test split, as mean ± sd."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tools import ssl_seeds
+from shardlab_bench import ssl_seeds
 
 TINY = [  # a 2-step SimCLR of a ~3k-parameter trunk on 16 px images (tests/ssl_configs.py's shape)
     *("distributed=single", "distributed.world_size=1", "model.depth=2", "model.w_0=8", "model.w_a=8"),
