@@ -22,14 +22,15 @@ FSDP2 refuses to run forward on meta parameters (it checks they were materialize
 counted from its parameter groups rather than recorded as they run. A mismatch raises PlanMismatch: one line.
 
 A second check, which reads no FSDP2 internals (``tracked_state``): rank 0's sharded model is given fake storage
-(torch's FakeTensorMode: shapes, dtypes and devices, no bytes) and runs one real step - the task's loss on its
-example batch, backward through FSDP2's all-gathers and reduce-scatters on the fake group, an optimizer step with the
-plan's number of fp32 moments - under torch's FSDPMemTracker (torchtitan's memory estimation does the same), whose
-sharded parameters, sharded gradients and optimizer state must equal the plan's too. It runs where a fake step can:
-not under expert parallelism (the tokens' all-to-all sizes depend on the routing, which fake tensors do not hold),
-nor for a task without an example batch or an optimizer the plan does not count in fp32 moments; the lines say when
-it did not run and why. FSDPMemTracker is private torch API: shardlab.distributed.torch_internals.fsdp_mem_tracker
-gives it on a tested torch only, and tests/unit/test_torch_internals.py fails loudly when torch changes it.
+(torch's FakeTensorMode: shapes, dtypes and devices, no bytes) and runs one real step - the task's loss on its example
+batch, backward through FSDP2's all-gathers and reduce-scatters on the fake group, an optimizer step with the plan's
+number of fp32 moments - under torch's FSDPMemTracker (torchtitan's memory estimation does the same), whose sharded
+parameters, sharded gradients and optimizer state must equal the plan's too. It runs where a fake step can: not under
+expert parallelism (the tokens' all-to-all sizes depend on the routing, which fake tensors do not hold), nor for a task
+without an example batch or an optimizer the plan does not count in fp32 moments, nor where the step needs values (an
+MoE's routing counts tokens per expert with bincount); the line says when it did not run and why. FSDPMemTracker is
+private torch API: shardlab.distributed.torch_internals.fsdp_mem_tracker gives it on a tested torch only, and
+tests/unit/test_torch_internals.py fails loudly when torch changes it.
 
 Private torch names, used on a tested torch only (shardlab.distributed.torch_internals.TESTED_TORCH), checked by
 tests/unit/test_memory_plan.py::test_verify_plan_private_torch_names_still_behave: the fake backend's FakeStore
