@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from shardlab.checkpoint.manager import Checkpointer
 from shardlab.checkpoint.policy import SavePolicy, inconsistent_state, save_after_error, save_on_error_notice
 from shardlab.checkpoint.readers import dcp_reader
-from shardlab.checkpoint.restore import restore_training
+from shardlab.checkpoint.resume import restore_training
 from shardlab.data import GlobalOrder, rank_loader, sample_seed, weighted_micro_batches
 from shardlab.distributed.base import Backend
 from shardlab.distributed.compile import FirstSteps
@@ -482,7 +482,7 @@ class Trainer:
     # ---- helpers -------------------------------------------------------------------------------------------------
     def _restore(self) -> None:
         """The training state from the folder's run, checkpoint.resume, checkpoint.init_from or the seeded init
-        (shardlab.checkpoint.restore); a rollback goes into status.json."""
+        (shardlab.checkpoint.resume); a rollback goes into status.json."""
         cfg, backend = self.cfg, self.backend
         self.resumed_from, self.initialized_from = restore_training(
             cfg, self.checkpointer, self.model, self.optimizer, self.state, backend, model_config=self.model_config,

@@ -129,9 +129,9 @@ def protected_paths(args: argparse.Namespace, info: dict) -> dict[str, Path | st
 def init_from_as_read(info: dict, checkpoint: Path) -> dict:
     """The run's config with a relative checkpoint.init_from made the path the run read. The config keeps the text
     the user wrote (as for data.path and the run's folder name), which the run resolved from the folder it was
-    started in; each checkpoint records that path made absolute at the run's start (its ``line``: run_line.py), so
-    the export reads the same base wherever it runs. Refused in one line where the checkpoint has no such record,
-    since this process's folder could hold another file of that name."""
+    started in; each checkpoint records that path made absolute at the run's start (its ``line``:
+    shardlab/checkpoint/resume/line.py), so the export reads the same base wherever it runs. Refused in one line where
+    the checkpoint has no such record, since this process's folder could hold another file of that name."""
     config = info["config"]
     init_from = config["checkpoint"].get("init_from")
     if not init_from or Path(init_from).expanduser().is_absolute():

@@ -1,12 +1,11 @@
 """Checkpoints that are never lost and resume on any world size.
 
 - ``manager``: ``Checkpointer``, the object the trainer saves through: save (sync or async), prune.
-- ``resume``: ``restore``: continue the folder's run or begin one (rank 0 decides which step; every rank agrees);
-  what an unreadable checkpoint is, and rollbacks.
-- ``restore``: the trainer's start: the folder's run or checkpoint.resume (through ``resume``), else
-  ``checkpoint.init_from``'s weights, else the seeded init.
+- ``resume``: the trainer's start, in one place (``restore_training``, its one entry): the folder's run or
+  checkpoint.resume, else ``checkpoint.init_from``'s weights, else the seeded init. ``resume.line``: where a run
+  began, so a requeue continues its own run whatever checkpoint.resume says; ``resume.candidates``: which step (rank 0
+  decides, every rank agrees), loading it, what an unreadable checkpoint is, and rollbacks.
 - ``policy``: when a run saves (interval_steps, milestones, interval_minutes), and checkpoint.save_on_error.
-- ``run_line``: where a run began, so a requeue continues its own run whatever checkpoint.resume says.
 - ``agreement``: rank 0's decisions and any rank's failure, the same on every rank.
 - ``readers``: the hardened readers of a step folder (reading never runs code): ``dcp_reader``, DCP's reader with its
   .metadata pickle read through an allow-list; ``metadata_pickle`` its interpreter, ``saved_values`` the values and

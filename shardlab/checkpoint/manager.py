@@ -10,8 +10,8 @@ why (step_N.superseded-1, step_N.unreadable-1): nothing but pruned and stale tem
 Rank 0 alone looks at the folder and decides (which checkpoint to resume, what to prune); the others receive its choice,
 since on a network file system ranks can list different contents, and any failure of rank 0's (a full disk, a quota,
 permissions) is raised on every rank at once with the same message (agreement.py). What resuming means, and when a
-checkpoint is set aside, is resume.py; which run a folder holds, run_line.py. The folder's names and durable renames
-live in layout.py, the background write in async_save.py, weights outside training in weights.py.
+checkpoint is set aside, is the resume sub-package (which calls this class's load_shards). The folder's names and
+durable renames live in layout.py, the background write in async_save.py, weights outside training in weights.py.
 """
 
 from __future__ import annotations
@@ -118,9 +118,9 @@ class Checkpointer:
         self.newest: Path | None = None
         """The newest checkpoint this run can go back to (resumed or saved), for the message of a failed save."""
         self.line: dict[str, Any] = {}
-        """Where this run began (run_line.py), written into every checkpoint it saves; set by resume.restore."""
+        """Where this run began (resume/line.py), written into every checkpoint it saves; set by the resume."""
         self.rollback: dict[str, Any] | None = None
-        """Set when resume.restore resumed an older step than the folder's newest (the trainer puts it in
+        """Set when the resume resumed an older step than the folder's newest (the trainer puts it in
         status.json)."""
         self.next_index = 1
         self._async = None

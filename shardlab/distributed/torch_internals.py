@@ -138,3 +138,23 @@ def set_context_parallel_rotate_method(method: str) -> bool:
         return False
     set_rotate_method(method)
     return True
+
+
+TRACKED_KINDS = ("Sharded Param", "Sharded Grad", "OptState")
+"""The FSDPMemTracker categories (``_FSDPRefType`` values) distributed.verify_plan's second check reads."""
+
+
+def fsdp_mem_tracker() -> type | None:
+    """torch's FSDPMemTracker (the private ``torch.distributed._tools.fsdp2_mem_tracker``: a dispatch mode that
+    counts each storage FSDP2 and the optimizer allocate, by kind, as torchtitan's memory estimation uses it under fake
+    tensors), or None where it moved or no longer names the kinds in TRACKED_KINDS: distributed.verify_plan then runs
+    its first check only and says so."""
+    if not tested():
+        return None
+    try:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    except ImportError:
+        return None
+    if not set(TRACKED_KINDS) <= {kind.value for kind in _FSDPRefType}:
+        return None
+    return FSDPMemTracker

@@ -41,8 +41,7 @@ compare): it tries again, and gives the lock up only when the file names another
 A checkpoint folder outside the run is locked at its real path, and refused if it lies in another run's folder
 (``another_runs_folder``); system folders and ``~`` are refused by the pre-flight (shardlab.jobs.run_dir).
 
-The pid check, the heartbeat's touch and its watch are shardlab.files.liveness, shared with the corpus cache's lock
-(shardlab_tasks/lm/cache_lock.py).
+The pid check, the heartbeat's touch and its watch are shardlab.files.liveness.
 """
 
 from __future__ import annotations

@@ -21,6 +21,17 @@ expert_collectives. The tokens' all-to-all is the task's forward, not FSDP2's: n
 FSDP2 refuses to run forward on meta parameters (it checks they were materialized), so the step's collectives are
 counted from its parameter groups rather than recorded as they run. A mismatch raises PlanMismatch: one line.
 
+A second check, which reads no FSDP2 internals (``tracked_state``): rank 0's sharded model is given fake storage
+(torch's FakeTensorMode: shapes, dtypes and devices, no bytes) and runs one real step - the task's loss on its example
+batch, backward through FSDP2's all-gathers and reduce-scatters on the fake group, an optimizer step with the plan's
+number of fp32 moments - under torch's FSDPMemTracker (torchtitan's memory estimation does the same), whose sharded
+parameters, sharded gradients and optimizer state must equal the plan's too. It runs where a fake step can: not under
+expert parallelism (the tokens' all-to-all sizes depend on the routing, which fake tensors do not hold), nor for a task
+without an example batch or an optimizer the plan does not count in fp32 moments, nor where the step needs values (an
+MoE's routing counts tokens per expert with bincount); the line says when it did not run and why. FSDPMemTracker is
+private torch API: shardlab.distributed.torch_internals.fsdp_mem_tracker gives it on a tested torch only, and
+tests/unit/test_torch_internals.py fails loudly when torch changes it.
+
 Private torch names, used on a tested torch only (shardlab.distributed.torch_internals.TESTED_TORCH), checked by
 tests/unit/test_memory_plan.py::test_verify_plan_private_torch_names_still_behave: the fake backend's FakeStore
 (torch.testing._internal.distributed.fake_pg), FSDPModule._get_fsdp_state(), its _fsdp_param_group (fsdp_params,
@@ -39,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardlab.distributed import torch_internals
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError, ShardlabError
 from shardlab.memory.devices import GiB
@@ -57,8 +69,6 @@ class PlanMismatch(ShardlabError):
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
     """The default process group as torch's fake backend, rank ``rank`` of ``world_size``, for the block."""
-    from shardlab.distributed import torch_internals
-
     if not torch_internals.tested():
         raise ConfigError(
             "distributed.verify_plan uses torch's fake process group and FSDP2 internals, checked on torch "
@@ -170,10 +180,11 @@ def verify_plan(cfg, task, world_size: int) -> list[str]:
     planned_collectives = expert_collectives(profile, layout, ctx)  # collectives' own at expert-parallel degree 1
     for rank in sorted({0, world_size - 1}):
         with fake_process_group(world_size, rank):
-            _, fsdp_modules = shard_on_fake_group(cfg, task, world_size, rank)
+            model, fsdp_modules = shard_on_fake_group(cfg, task, world_size, rank)
             state = measured_state(fsdp_modules, ctx.optimizer_state_bytes)
             if rank == 0:
                 measured = measured_collectives(fsdp_modules, ctx.update_freq, reductions)
+                tracked = tracked_state(task, model, ctx.optimizer_state_bytes, layout.ep)
         planned = expert_rank_state(profile, layout, ctx, rank % f).__dict__
         for key, value in planned.items():
             if state[key] != value:
@@ -181,6 +192,8 @@ def verify_plan(cfg, task, world_size: int) -> list[str]:
                     f"verify_plan: rank {rank} of {world_size}: fully_shard gives {state[key]:,} bytes of {key}, the "
                     f"memory plan {value:,} ({layout.label(world_size)})"
                 )
+        if rank == 0 and isinstance(tracked, dict):  # the second check, once the first agrees
+            _compare_tracked(tracked, planned, world_size, layout.label(world_size))
     if measured != planned_collectives:
         first = next((i for i, (m, p) in enumerate(zip(measured, planned_collectives, strict=False)) if m != p), None)
         where = (
@@ -198,8 +211,63 @@ def verify_plan(cfg, task, world_size: int) -> list[str]:
         f"{first_rank.local_params / GiB:.3f}, rank {world_size - 1} {last.local_params / GiB:.3f}), grads "
         f"{first_rank.grads / GiB:.3f}, optimizer rank 0 {first_rank.optimizer / GiB:.3f} / rank {world_size - 1} "
         f"{last.optimizer / GiB:.3f}; {len(measured)} collectives sending {sent / GiB:.2f} GiB per step; checked in "
-        f"{time.perf_counter() - started:.1f} s, nothing allocated"
+        f"{time.perf_counter() - started:.1f} s, nothing allocated; "
+        + (
+            "torch's FSDPMemTracker over one fake step on rank 0 counts the same params, grads and optimizer state"
+            if isinstance(tracked, dict)
+            else f"the FSDPMemTracker check did not run: {tracked}"
+        )
     ]
+
+
+def tracked_state(task, model: nn.Module, optimizer_state_bytes: int, expert_degree: int) -> dict[str, int] | str:
+    """The second check's side: this rank's bytes of sharded params, sharded grads and optimizer state (less the
+    optimizer's step counters, which the plan leaves out) as torch's FSDPMemTracker counts them over one step of
+    ``model`` (sharded on meta by shard_on_fake_group, given fake storage here); or why it cannot run."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+    from torch.utils._pytree import tree_map
+
+    tracker_class = torch_internals.fsdp_mem_tracker()
+    if tracker_class is None:
+        return f"torch {torch.__version__} has no FSDPMemTracker as tested (shardlab.distributed.torch_internals)"
+    if expert_degree > 1:
+        return "under expert parallelism the tokens' all-to-all sizes depend on routing, which fake tensors lack"
+    moments = {0: 0, 4: 1, 8: 2}.get(optimizer_state_bytes)
+    example = task.example_batch(1)
+    if example is None or moments is None:
+        why = "no example batch" if example is None else f"{optimizer_state_bytes} bytes of optimizer state"
+        return f"the plan counts {why}, so one step cannot be run as planned"
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # as many fp32 moments per parameter as the plan counts: SGD (0), SGD with momentum (1), AdamW (2)
+        optimizer = torch.optim.AdamW(trainable) if moments == 2 else torch.optim.SGD(trainable, momentum=moments)
+        batch = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t, example)
+        tracker = tracker_class(model, optimizer)
+        try:
+            with tracker:
+                loss, _ = task.loss(model, batch, torch.device("cpu"))
+                loss.backward()
+                optimizer.step()
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            return f"the task's step needs values fake tensors do not hold ({type(e).__name__}: {e})"
+        except Exception as e:  # a second check that cannot run says so; the first one runs either way
+            return f"the task's step failed under fake tensors ({type(e).__name__}: {e})"
+        counts = {
+            getattr(kind, "value", kind): n for kind, n in tracker.get_tracker_snapshot()[torch.device("cpu")].items()
+        }
+        steps = sum(s["step"].numel() * s["step"].element_size() for s in optimizer.state.values() if "step" in s)
+    params, grads, state = (counts.get(kind, 0) for kind in torch_internals.TRACKED_KINDS)
+    return {"params": params, "grads": grads, "optimizer": state - steps}
+
+
+def _compare_tracked(tracked: dict[str, int], planned: dict[str, int], world_size: int, label: str) -> None:
+    for key, value in tracked.items():
+        if value != planned[key]:
+            raise PlanMismatch(
+                f"verify_plan: rank 0 of {world_size}: torch's FSDPMemTracker counts {value:,} bytes of {key} over "
+                f"one step, the memory plan {planned[key]:,} ({label})"
+            )
 
 
 # ---- layouts with tensor, pipeline or context axes ------------------------------------------------------------------

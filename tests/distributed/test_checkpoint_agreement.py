@@ -51,13 +51,13 @@ def load_fails_on_rank1_with_an_io_error(rank: int) -> None:
 
 
 def set_aside_fails_on_rank0(rank: int) -> None:
-    from shardlab.checkpoint import resume
+    from shardlab.checkpoint.resume import candidates
 
     def set_aside(path, reason):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
     if rank == 0:
-        resume.set_aside = set_aside
+        candidates.set_aside = set_aside
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from tests.conftest import TINY_LM
 from tests.distributed.harness import run_spawned
@@ -220,6 +221,8 @@ def verified(world: int, *overrides: str) -> list[str]:
 def test_plan_matches_the_real_fully_shard_on_a_fake_process_group(world, overrides):
     (line,) = verified(world, *overrides)
     assert line.startswith(f"verify_plan: the real fully_shard at world size {world}") and "matches the plan" in line
+    assert line.endswith("torch's FSDPMemTracker over one fake step on rank 0 counts the same params, grads and "
+                         "optimizer state")  # fmt: skip
     if world >= 512:  # uneven: the last rank's local shards are smaller than rank 0's
         local = re.search(rf"rank 0 ([\d.]+), rank {world - 1} ([\d.]+)\)", line)
         assert local and float(local.group(1)) >= float(local.group(2))
@@ -234,6 +237,39 @@ def test_a_plan_broken_on_purpose_fails_verification_in_one_line(monkeypatch):
     with pytest.raises(PlanMismatch) as e:
         verified(512)
     assert str(e.value).startswith("verify_plan: rank 0 of 512: fully_shard gives") and "\n" not in str(e.value)
+
+
+def test_fsdp_mem_tracker_alone_catches_a_plan_broken_on_purpose(monkeypatch):
+    """The second check (torch's FSDPMemTracker over one fake step, shardlab.memory.verify.tracked_state) with the
+    first one blinded (every byte count it reads agrees with the plan): the forgotten padding is still caught."""
+    from shardlab.memory import layout, verify
+
+    class Agrees:
+        def __ne__(self, other):
+            return False
+
+    class Blind(dict):
+        def __getitem__(self, key):
+            return Agrees()
+
+    monkeypatch.setattr(layout, "shard_rows", lambda rows, degree, rank=None: rows // degree)
+    monkeypatch.setattr(verify, "measured_state", lambda *a: Blind())
+    with pytest.raises(verify.PlanMismatch) as e:
+        verified(512)
+    assert str(e.value).startswith("verify_plan: rank 0 of 512: torch's FSDPMemTracker counts") and "\n" not in str(
+        e.value
+    )
+
+
+def test_the_fsdp_mem_tracker_check_says_why_it_did_not_run(monkeypatch):
+    from shardlab.distributed import torch_internals
+
+    monkeypatch.setattr(torch_internals, "fsdp_mem_tracker", lambda: None)
+    (line,) = verified(8)
+    assert "matches the plan" in line and line.endswith(
+        f"the FSDPMemTracker check did not run: torch {torch.__version__} has no FSDPMemTracker as tested "
+        "(shardlab.distributed.torch_internals)"
+    )
 
 
 def test_a_plan_that_miscounts_one_collective_fails_verification(monkeypatch):

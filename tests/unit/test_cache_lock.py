@@ -10,11 +10,14 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from filelock import OwnerRecord, SoftFileLease
+from filelock._soft import encode_marker  # the marker's format, to stage writers that are not there
 
 from shardlab.errors import DataError
 from shardlab_tasks.lm import cache_lock
@@ -24,9 +27,11 @@ from shardlab_tasks.lm.cache_lock import build_once, lock_path, temp_prefix
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _build_slowly(out: str, log: str, seconds: float, heartbeat_s: float = cache_lock.HEARTBEAT_S) -> None:
+def _build_slowly(
+    out: str, log: str, seconds: float, heartbeat_s: float = cache_lock.HEARTBEAT_S, stale_s: float = cache_lock.STALE_S
+) -> None:
     """A process that wants the cache: its builder writes a marker naming itself, slowly."""
-    cache_lock.HEARTBEAT_S = heartbeat_s
+    cache_lock.HEARTBEAT_S, cache_lock.STALE_S = heartbeat_s, stale_s
 
     def build():
         with open(log, "a") as f:
@@ -38,6 +43,19 @@ def _build_slowly(out: str, log: str, seconds: float, heartbeat_s: float = cache
         os.replace(tmp, out)
 
     build_once(Path(out), build, lambda line: None)
+
+
+def _marker(out: Path, pid: int, host: str, start: int | None = None) -> None:
+    """A lock as filelock's SoftFileLease writes it, of a writer this test makes up (its pid, host, start token)."""
+    record = OwnerRecord(pid, host, "lease", token="0" * 32, lease_duration=cache_lock.STALE_S, start=start)
+    lock_path(out).write_bytes(encode_marker(record))
+
+
+def _this_host() -> str:
+    """This host as filelock records it (with a container's pid-namespace mark), read from a lease held here."""
+    lease = SoftFileLease(Path(tempfile.mkdtemp()) / "probe.lock")
+    with lease:
+        return lease.owner.hostname
 
 
 def finish(out: Path) -> None:
@@ -61,32 +79,36 @@ def test_concurrent_processes_build_a_cache_once_and_all_find_it(tmp_path):
     assert not lock_path(out).exists()
 
 
-def test_lock_of_a_dead_process_on_this_host_is_taken_over_and_its_temp_dir_removed(tmp_path):
+def test_lock_of_a_killed_process_on_this_host_is_taken_over_and_its_temp_dir_removed(tmp_path):
+    """A writer killed (SIGKILL: nothing of it runs to release the lock) while it holds the lock and its temporary
+    directory: the next process takes the lock over at once, not after the stale timeout, and removes the directory."""
     out = tmp_path / "corpus-abc"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)  # a process that has ended: its pid runs nothing now (or something unrelated)
-    host = socket.gethostname()
-    lock_path(out).write_text(json.dumps({"host": host, "pid": pid, "started": 0}))
-    orphan = tmp_path / (temp_prefix(out, host, pid) + "xyz")
-    orphan.mkdir()
+    code = (
+        "import os, signal, sys; from pathlib import Path\n"
+        "from shardlab_tasks.lm.cache_lock import _lease, temp_prefix\n"
+        "out = Path(sys.argv[1]); lease = _lease(out); lease.acquire(); print(os.getpid(), flush=True);"
+        "(out.parent / (temp_prefix(out) + 'xyz')).mkdir(); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    killed = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert killed.returncode == -9, killed.stderr
+    orphan = tmp_path / (temp_prefix(out, socket.gethostname(), int(killed.stdout)) + "xyz")
+    assert orphan.is_dir() and lock_path(out).exists()
     built = []
     started = time.monotonic()
     build_once(out, lambda: built.append(finish(out)), lambda line: None)
-    if built:  # the pid was not reused meanwhile: taken over at once, not after the stale timeout
-        assert time.monotonic() - started < cache_lock.STALE_S / 2
+    assert time.monotonic() - started < cache_lock.STALE_S / 2
     assert built and (out / "meta.json").is_file()
     assert not orphan.exists() and not lock_path(out).exists()
 
 
 def test_a_dead_writers_pid_now_running_another_process_does_not_keep_its_lock(tmp_path, monkeypatch):
-    """The writer's pid was reused by an unrelated process: its start time tells them apart (run_lock's check, shared),
-    so the lock is taken over at once rather than after STALE_S without heartbeats."""
+    """The writer's pid was reused by an unrelated process: its start time tells them apart (filelock's check), so the
+    lock is taken over at once rather than after STALE_S without heartbeats."""
     monkeypatch.setattr(cache_lock, "STALE_S", 30.0)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         out = tmp_path / "corpus-abc"
-        owner = {"host": socket.gethostname(), "pid": other.pid, "pid_start": "1", "started": 0}
-        lock_path(out).write_text(json.dumps(owner))
+        _marker(out, other.pid, _this_host(), start=1)
         started = time.monotonic()
         build_once(out, lambda: finish(out), lambda line: None)
         assert (out / "meta.json").is_file() and time.monotonic() - started < 5
@@ -99,11 +121,12 @@ def test_lock_from_another_host_is_taken_over_once_its_heartbeat_stops(tmp_path,
     monkeypatch.setattr(cache_lock, "STALE_S", 1.0)
     monkeypatch.setattr(cache_lock, "POLL_S", 0.05)
     out = tmp_path / "corpus-abc"
-    lock_path(out).write_text(json.dumps({"host": "another-node", "pid": 1, "started": 0}))
+    _marker(out, 1, "another-node")
     said = []
+    started = time.monotonic()
     build_once(out, lambda: finish(out), said.append)
-    assert (out / "meta.json").is_file()
-    assert said and "another-node" in said[0]  # it waited first, naming the writer
+    assert (out / "meta.json").is_file() and time.monotonic() - started >= 1.0  # not before STALE_S
+    assert said == [f"waiting for another-node pid 1, which is preprocessing {out}"]  # once, naming the writer
 
 
 def test_a_live_writers_lock_is_waited_for_not_broken(tmp_path, monkeypatch):
@@ -111,7 +134,7 @@ def test_a_live_writers_lock_is_waited_for_not_broken(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_lock, "POLL_S", 0.05)
     out = tmp_path / "corpus-abc"
     ctx = mp.get_context("spawn")
-    writer = ctx.Process(target=_build_slowly, args=(str(out), str(tmp_path / "log"), 2.0, 0.1))
+    writer = ctx.Process(target=_build_slowly, args=(str(out), str(tmp_path / "log"), 2.0, 0.1, 0.5))
     writer.start()
     while not lock_path(out).exists():
         time.sleep(0.01)

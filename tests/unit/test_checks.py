@@ -214,7 +214,7 @@ RAISES_CONFIG_ERROR = {
     "shardlab/trainer.py": "the values an optimizer plug-in put in its param groups, once built",
     "shardlab/jobs/run_lock.py": "the run folder, when the lock is taken",
     "shardlab/runner/__init__.py": "whether the disk lets a tool's run folder be written (build_task's run_dir)",
-    "shardlab/checkpoint/run_line.py": "the checkpoints the folder holds",
+    "shardlab/checkpoint/resume/line.py": "the checkpoints the folder holds",
     "shardlab/checkpoint/shared.py": "whether the hosts share the checkpoint folder",
     "shardlab/memory/plan.py": "the rank's machine's GPU for distributed.plan_device=cuda (the checks ask first)",
     "shardlab/distributed/activation_checkpointing.py": "the model's units for ac_skip_units (the checks ask first)",

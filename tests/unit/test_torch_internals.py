@@ -142,3 +142,41 @@ def test_outside_the_tested_range_every_private_path_falls_back(monkeypatch):
             dist.destroy_process_group()
     finally:
         torch_internals.reduce_scatter_base.cache_clear()
+
+
+def test_fsdp_mem_tracker_counts_shards_grads_and_moments_under_fake_tensors():
+    """distributed.verify_plan's second check (shardlab.memory.verify.tracked_state): torch's FSDPMemTracker, over one
+    step on fake storage and the fake process group, counts a sharded layer's parameter storage, the gradients FSDP2
+    reduce-scatters into it and AdamW's two moments (its step counters left out). Linear(10, 37) over 8 ranks: 5 rows
+    (and 5 bias entries) per rank. On the last rank, whose 2 rows are padded to 5, the tracker files the padded storage
+    under activations once forward has run (a view of it is made there), which is why verify_plan asks it of rank 0
+    only: the day torch changes that, this test says so and the last rank can be checked too."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardlab.memory.verify import fake_process_group, tracked_state
+
+    assert torch_internals.fsdp_mem_tracker() is not None, (
+        "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker moved, or _FSDPRefType no longer names "
+        f"{torch_internals.TRACKED_KINDS}: re-check shardlab.memory.verify.tracked_state"
+    )
+    init = list(inspect.signature(torch_internals.fsdp_mem_tracker().__init__).parameters)
+    assert init == ["self", "mod", "optm"], init
+
+    class Task:
+        def example_batch(self, n):
+            return torch.zeros(n, 10, device="meta")
+
+        def loss(self, model, batch, device):
+            return model(batch).sum(), {}
+
+    counted = {}
+    for rank in (0, 7):
+        with fake_process_group(8, rank):
+            mesh = init_device_mesh("cpu", (8,))
+            with torch.device("meta"):
+                layer = nn.Linear(10, 37)
+            fully_shard(layer, mesh=mesh)
+            counted[rank] = tracked_state(Task(), layer, optimizer_state_bytes=8, expert_degree=1)
+    assert counted[0] == {"params": 55 * 4, "grads": 55 * 4, "optimizer": 2 * 55 * 4}, counted
+    assert counted[7] == {"params": 0, "grads": 55 * 4, "optimizer": 2 * 22 * 4}, counted

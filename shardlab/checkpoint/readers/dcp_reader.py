@@ -21,7 +21,7 @@ with ``weights_only=False``.
 ``SafeReader`` is DCP's FileSystemReader with that ``read_metadata`` (the public StorageReader method),
 ``SafeLoadPlanner`` its DefaultLoadPlanner with that ``load_bytes``, and ``load`` checks the folder first, so a
 refusal is one line rather than DCP's wrapped collective error. Every path that opens a step folder comes through
-here: resume (checkpoint.manager, checkpoint.resume), ``init_from`` and the tools (checkpoint.weights: generate,
+here: resume (checkpoint.resume, through checkpoint.manager), ``init_from`` and the tools (checkpoint.weights: generate,
 consolidate, export_hf, evaluate).
 """
 

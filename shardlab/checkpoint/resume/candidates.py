@@ -1,7 +1,7 @@
 """Resuming a run: which checkpoint (rank 0 decides, every rank agrees), loading it, and what a failure means.
 
 1. Rank 0 cleans what a killed save left, lists the folder and decides, by the resume setting and the run line of the
-   newest checkpoint (run_line.py), whether this start continues the folder's run or begins a new one; every rank
+   newest checkpoint (line.py), whether this start continues the folder's run or begins a new one; every rank
    receives the decision (as JSON text, never a pickle).
 2. Each candidate, newest first, is checked (shardlab.json read and compared with this run: the keys that name the
    run when continuing it, the task and model shape when beginning from it) and loaded; every phase is agreed, so a
@@ -18,15 +18,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
-from shardlab.checkpoint import agreement, run_line
+from shardlab.checkpoint import agreement
 from shardlab.checkpoint.layout import STEP_DIR, clean_stale, complete_checkpoints, read_meta, save_index, set_aside
+from shardlab.checkpoint.manager import Checkpointer
 from shardlab.checkpoint.readers.dcp_reader import integrity_defect, read_metadata
+from shardlab.checkpoint.resume import line as run_line
 from shardlab.distributed.env import current_job
 from shardlab.errors import (
     CheckpointError,
@@ -36,9 +37,6 @@ from shardlab.errors import (
 )
 from shardlab.files.durable import fsync_path
 from shardlab.train_state import TrainState
-
-if TYPE_CHECKING:
-    from shardlab.checkpoint.manager import Checkpointer
 
 REFUSED = (IncompatibleCheckpointError, UnsafeCheckpointError)
 """Errors that stop a resume at once: never a reason to fall back to an older checkpoint, never set aside."""

@@ -1,29 +1,37 @@
-"""Where a trainer's state comes from at its start: the folder's run continued or a checkpoint.resume path (resume.py
-picks and loads it), else checkpoint.init_from's weights (loaded here), else the seeded init the model already has.
+"""Resume, in one place: where a trainer's state comes from at its start. The trainer calls ``restore_training``,
+the one entry, once, from Trainer.setup, after the model, optimizer and training state exist; what the restore needs
+from above this package (the rule that says which config keys name a run, the task's hooks) is passed in.
 
-The trainer calls ``restore_training`` once, from Trainer.setup, after the model, optimizer and training state exist;
-what the restore needs from above this package (the rule that says which config keys name a run) is passed in.
+1. Continue the folder's run or begin one (``line``: what checkpoint.resume and checkpoint.init_from mean on a first
+   start and on every requeue, from the run line each checkpoint records).
+2. Load the chosen checkpoint, falling back past unreadable ones of the same run (``candidates``: rank 0 decides,
+   every rank agrees; a refused checkpoint stops the run, a torn one is set aside and the rollback announced).
+3. Else checkpoint.init_from's weights (``init_from`` here), else the task's pretrained weights, else the seeded init
+   the model already has.
+
+The step folders are read through the hardened readers (shardlab.checkpoint.readers) and loaded by the Checkpointer
+(shardlab.checkpoint.manager), which this package drives and which knows nothing of resume decisions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import OmegaConf
 from torch import nn
 from torch.optim import Optimizer
 
 from shardlab.checkpoint import agreement, weights
+from shardlab.checkpoint.manager import Checkpointer
 from shardlab.checkpoint.readers import dcp_reader
-from shardlab.checkpoint.resume import restore
-from shardlab.checkpoint.run_line import start_of
+from shardlab.checkpoint.resume.candidates import restore
+from shardlab.checkpoint.resume.line import start_of
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError, first_cause
 from shardlab.train_state import TrainState
 
-if TYPE_CHECKING:
-    from shardlab.checkpoint.manager import Checkpointer
+__all__ = ["init_from", "restore_training"]
 
 Refusal = Callable[[Path, dict, str], str | None]
 """(checkpoint, its saved model section, "resume" or "init_from") -> why the task cannot use it so, or None
@@ -49,7 +57,7 @@ def restore_training(
     refusal: Refusal = lambda *_: None,
 ) -> tuple[Path | None, Path | None]:
     """Continue the folder's run, or begin one per checkpoint.resume (a checkpoint path), checkpoint.init_from
-    (weights) or the seeded init (shardlab.checkpoint.run_line: what each setting means on a requeue); (the
+    (weights) or the seeded init (``line``: what each setting means on a requeue); (the
     checkpoint resumed, the init_from weights loaded), at most one of them set. ``resumable_changes``: the model
     keys a resume may change (the task's); ``load_pretrained`` loads the task's own starting weights
     (model.pretrained) into the sharded model when neither a checkpoint nor init_from gives them, and names them;
