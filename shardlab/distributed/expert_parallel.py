@@ -6,7 +6,9 @@ the replicated router, and send each (token, expert) row to the rank holding tha
 task's expert module does the exchange, with ``expert_group``). Each expert module's parameters, experts along dim 0,
 become DTensors sharded by rows over 'ep' (rank r of the group holds experts r * E/ep ...), then FSDP2 shards them
 further over the data ranks outside the group ('dp_shard_mod_ep', with 'dp_replicate' when hybrid), while every
-other parameter shards over all of dp_shard as without experts.
+other parameter shards over all of dp_shard as without experts. With tensor parallelism the expert mesh keeps 'tp'
+innermost: an expert group is the ranks of ``ep`` consecutive dp_shard indices at one tensor-parallel index, each
+exchanging its own slice of the sequence's tokens, and the experts are whole across the tensor-parallel group.
 
 Gradients. An expert's gradient on its rank already sums the contributions of the whole group's tokens (the
 all-to-all's backward brings them), and FSDP2 then averages over the 'dp_shard_mod_ep' ranks only: ``local_experts``
@@ -39,8 +41,10 @@ def split_experts(modules: Sequence[nn.Module], ep_mesh: DeviceMesh) -> None:
 
 
 def expert_fsdp_mesh(expert_mesh: DeviceMesh) -> DeviceMesh:
-    """The data axes of the expert mesh that FSDP2 shards (and replicates) the experts over: all but 'ep'."""
-    names = tuple(name for name in expert_mesh.mesh_dim_names or () if name != "ep")
+    """The data axes of the expert mesh that FSDP2 shards (and replicates) the experts over: all but 'ep' and 'tp'
+    (the experts are whole on every rank of a tensor-parallel group, their gradients summed over it in the
+    backward: shardlab_tasks/lm/moe_parallel.grad_summed)."""
+    names = tuple(name for name in expert_mesh.mesh_dim_names or () if name not in ("ep", "tp"))
     return expert_mesh[names]
 
 
