@@ -21,8 +21,11 @@ layer (``dispatch_bytes`` each) while it exchanges, and per layer and micro-batc
 combine, in forward and again in backward; six for a layer that recomputes its forward), each sending the
 ``(ep - 1) / ep`` of the rows bound for other ranks.
 
-Tensor, pipeline and context axes with experts: the byte model of shardlab.memory.axes sees the experts as ordinary
-parameters; only the data-parallel layouts take expert parallelism into account here.
+Tensor parallelism with experts (shardlab.memory.axes): the MoE blocks are not split (each rank runs them on its
+slice of the sequence, ``ExpertProfile.block_shapes`` stay whole in the rank's profile) and route ``T / tp`` rows each;
+expert parallelism then places the experts over the data-sharding ranks as above (the expert mesh keeps 'tp'
+innermost: shardlab.distributed.mesh.ParallelDims.expert_mesh). Pipeline and context axes with expert parallelism are
+not composed (the pre-flight refuses them); with those axes the experts are planned as ordinary parameters.
 """
 
 from __future__ import annotations
@@ -55,7 +58,21 @@ def expert_profile(model: nn.Module, units: list[nn.Module], spec) -> ExpertProf
                 groups[i].append(_expert_shape(p))
                 seen.add(id(p))
     groups[-1] = [_expert_shape(named[n]) for n in spec.expert_params if id(named[n]) not in seen]
-    return ExpertProfile(spec, groups)
+    return ExpertProfile(spec, groups, _block_shapes(model, units, spec))
+
+
+def _block_shapes(model: nn.Module, units: list[nn.Module], spec) -> list[list[tuple[int, int]]]:
+    """ExpertProfile.block_shapes: the parameters under each module that holds an expert module (an expert weight
+    ``<block>.<experts>.<name>``), per unit then the root."""
+    blocks = {name.rsplit(".", 2)[0] + "." for name in spec.expert_params}
+    in_block = {id(p) for name, p in model.named_parameters() if name.startswith(tuple(blocks))}
+    seen: set[int] = set()
+    groups = []
+    for unit in [*units, model]:
+        params = [p for p in unit.parameters() if id(p) in in_block and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        groups.append([(p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1) for p in params])
+    return groups
 
 
 def _expert_shape(p: nn.Parameter) -> tuple[int, int, int]:
@@ -97,10 +114,11 @@ class ExpertPlan:
 
 
 def expert_degree(layout: Layout, profile: ModelProfile) -> int:
-    """The layout's expert-parallel degree where the plan applies it: fully_sharded data-parallel layouts whose
-    sharding degree it divides; else 1."""
+    """The layout's expert-parallel degree where the plan applies it: fully_sharded layouts of data axes (and
+    tensor parallelism) whose sharding degree it divides; else 1."""
     ep = layout.ep
-    if ep > 1 and layout.backend == "fully_sharded" and not layout.multi_axis and profile.experts is not None:
+    beside = layout.pp == 1 and layout.cp == 1  # the data axes and tensor parallelism; not composed with pp or cp
+    if ep > 1 and layout.backend == "fully_sharded" and beside and profile.experts is not None:
         if layout.sharding_degree % ep == 0 and profile.experts.spec.num_experts % ep == 0:
             return ep
     return 1
@@ -125,7 +143,7 @@ def plan_experts(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> Exp
     expert_total = sum(e * r * w for e, r, w in shapes)
     active = profile.params - expert_total + expert_total * spec.top_k // spec.num_experts
     per_layer = [s for s in shapes[: max(len(shapes) // max(spec.num_layers, 1), 1)]]
-    tokens = profile.local_batch * spec.tokens_per_sample // max(layout.cp, 1)
+    tokens = profile.local_batch * spec.tokens_per_sample // (max(layout.cp, 1) * max(layout.tp, 1))
     rows = tokens * spec.top_k
     dispatch = rows * spec.dim * ctx.param_bytes
     return ExpertPlan(
