@@ -40,6 +40,17 @@ def split_experts(modules: Sequence[nn.Module], ep_mesh: DeviceMesh) -> None:
         module.expert_group = ep_mesh.get_group()
 
 
+def expert_shard_placement(param: nn.Parameter, degree: int) -> Shard | None:
+    """Where FSDP2 shards an expert weight over ``degree`` ranks (``fully_shard``'s shard_placement_fn): by rows
+    (Shard(1), torchtitan's choice) when this rank's experts are fewer than the ranks and the rows split evenly
+    (FSDP2 shards dims above 0 evenly only), so no rank holds a padded whole expert; else along the experts (None:
+    FSDP2's Shard(0))."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if local.shape[0] < degree and local.dim() > 1 and local.shape[1] % degree == 0:
+        return Shard(1)
+    return None
+
+
 def expert_fsdp_mesh(expert_mesh: DeviceMesh) -> DeviceMesh:
     """The data axes of the expert mesh that FSDP2 shards (and replicates) the experts over: all but 'ep' and 'tp'
     (the experts are whole on every rank of a tensor-parallel group, their gradients summed over it in the

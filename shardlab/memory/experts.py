@@ -124,11 +124,22 @@ def expert_degree(layout: Layout, profile: ModelProfile) -> int:
     return 1
 
 
-def expert_numel(shape: tuple[int, int, int], ep: int, degree: int) -> int:
-    """Elements of one expert weight of ``shape`` (experts, rows, width) a rank holds: its E / ep experts, sharded by
-    FSDP2 over ``degree`` ranks along the experts (dim 0, padded to the first shard)."""
+def rows_sharded(shape: tuple[int, int, int], ep: int, degree: int) -> bool:
+    """Whether FSDP2 shards an expert weight of ``shape`` by rows (dim 1) rather than by experts: under expert
+    parallelism, when a rank's E / ep experts are fewer than the ``degree`` sharding ranks and the rows split evenly
+    (shardlab.distributed.expert_parallel.expert_shard_placement, as the backend shards them)."""
+    experts, rows, _ = shape
+    return ep > 1 and experts // ep < degree and rows % degree == 0
+
+
+def expert_numel(shape: tuple[int, int, int], ep: int, degree: int, index: int | None = None) -> int:
+    """Elements of one expert weight of ``shape`` (experts, rows, width) rank ``index`` (None: the padded shard) of
+    ``degree`` holds: its E / ep experts sharded by FSDP2 along the experts (dim 0, padded to the first shard), or by
+    rows (even: no padding) where ``rows_sharded``."""
     experts, rows, width = shape
-    return shard_rows(experts // ep, degree) * rows * width
+    if rows_sharded(shape, ep, degree):
+        return experts // ep * (rows // degree) * width
+    return shard_rows(experts // ep, degree, index) * rows * width
 
 
 def plan_experts(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> ExpertPlan | None:
@@ -214,7 +225,7 @@ def expert_rank_state(profile: ModelProfile, layout: Layout, ctx: PlanContext, r
     shapes = [s for g in profile.experts.group_shapes for s in g]
 
     def held(ep: int, degree: int, index: int | None) -> int:
-        return sum(shard_rows(e // ep, degree, index) * r * w for e, r, w in shapes)
+        return sum(expert_numel(shape, ep, degree, index) for shape in shapes)
 
     padded = held(ep, f // ep, None) - held(1, f, None)
     local = held(ep, f // ep, rank // ep) - held(1, f, rank)

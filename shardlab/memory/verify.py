@@ -298,7 +298,7 @@ def _shard_experts(task, model, dims, cfg) -> list:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from shardlab.distributed.base import resolve_dtypes
-    from shardlab.distributed.expert_parallel import expert_fsdp_mesh, split_experts
+    from shardlab.distributed.expert_parallel import expert_fsdp_mesh, expert_shard_placement, split_experts
 
     if dims.ep == 1:
         return []
@@ -307,6 +307,8 @@ def _shard_experts(task, model, dims, cfg) -> list:
     split_experts(experts, expert_mesh["ep"])
     param_dtype, reduce_dtype = resolve_dtypes(cfg.distributed)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mesh = expert_fsdp_mesh(expert_mesh)
     for module in experts:
-        fully_shard(module, mesh=expert_fsdp_mesh(expert_mesh), mp_policy=policy, reshard_after_forward=False)
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False,
+                    shard_placement_fn=lambda p: expert_shard_placement(p, mesh.size(mesh.ndim - 1)))  # fmt: skip
     return experts

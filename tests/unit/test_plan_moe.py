@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.tensor import Shard
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -109,3 +111,25 @@ def test_the_tp_x_ep_plan_routes_each_ranks_slice_of_the_sequence_and_sends_its_
     tp1 = plan_experts(axes.profile_at(tp_ep), Layout("fully_sharded", 4, ep=2), ctx)
     assert 2 * est.axes.traffic["ep"] == tp1.all_to_all_bytes > 0
     assert est.axes.traffic["tp"] > 0 and est.axes.traffic["fsdp"] > 0
+
+
+def test_experts_fewer_than_their_sharding_ranks_are_sharded_by_rows_and_planned_so(monkeypatch):
+    """EP 8 on 16 ranks: each rank's 1 expert of every layer is sharded over the 2 ranks outside its group by rows
+    (Shard(1), expert_parallel.expert_shard_placement), half an expert each, not a padded whole one; the plan holds
+    to the real fully_shard, and a plan that padded whole experts does not."""
+    from shardlab.distributed.expert_parallel import expert_shard_placement
+    from shardlab.memory import experts as plan_experts_module
+    from shardlab.memory.verify import PlanMismatch, verify_plan
+    from tests.unit.test_memory_axes import tiny_task
+
+    overrides = ["model=moe_tiny", "distributed=fully_sharded", "distributed.world_size=16", "dry_run=true",
+                 "optimization.batch_size=16", "validation.batch_size=16",
+                 "distributed.expert_parallel_degree=8"]  # fmt: skip
+    assert expert_shard_placement(torch.empty(1, 384, 192), 2) == Shard(1)
+    assert expert_shard_placement(torch.empty(2, 384, 192), 2) is None and expert_shard_placement(
+        torch.empty(1, 383, 192), 2) is None  # fmt: skip
+    cfg, task = tiny_task(overrides, 16)
+    assert "matches the plan" in verify_plan(cfg, task, 16)[0]
+    monkeypatch.setattr(plan_experts_module, "rows_sharded", lambda shape, ep, degree: False)
+    with pytest.raises(PlanMismatch):
+        verify_plan(cfg, task, 16)
