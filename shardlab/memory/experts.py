@@ -204,11 +204,13 @@ def with_expert_parallel(est: MemoryEstimate, profile: ModelProfile, ctx: PlanCo
     plan = plan_experts(profile, layout, ctx)
     comm = sum(c.sent for c in expert_collectives(profile, layout, ctx))
     activations = None if est.activations is None else est.activations + 2 * plan.dispatch_bytes
-    return replace(
-        est, params=est.params + placed.params - one.params, grads=est.grads + placed.grads - one.grads,
-        optimizer=est.optimizer + placed.optimizer - one.optimizer, gathered=gathered, activations=activations,
-        comm_bytes=comm + plan.all_to_all_bytes,
-    )  # fmt: skip
+    moved = {"params": placed.params - one.params, "grads": placed.grads - one.grads,
+             "optimizer": placed.optimizer - one.optimizer}  # fmt: skip
+    if layout.cpu_offload and ctx.device == "cuda":  # the state lives on the host (byte_model: host, not params)
+        state = {"host": est.host + sum(moved.values())}
+    else:
+        state = {key: getattr(est, key) + value for key, value in moved.items()}
+    return replace(est, **state, gathered=gathered, activations=activations, comm_bytes=comm + plan.all_to_all_bytes)
 
 
 def expert_rank_state(profile: ModelProfile, layout: Layout, ctx: PlanContext, rank: int = 0) -> RankState:
