@@ -5,7 +5,8 @@ dp_shard into 'dp_shard_mod_ep' x 'ep'): the ranks of one group read different s
 the replicated router, and send each (token, expert) row to the rank holding that expert and back by all-to-all (the
 task's expert module does the exchange, with ``expert_group``). Each expert module's parameters, experts along dim 0,
 become DTensors sharded by rows over 'ep' (rank r of the group holds experts r * E/ep ...), then FSDP2 shards them
-further over the data ranks outside the group ('dp_shard_mod_ep', with 'dp_replicate' when hybrid), while every
+further over the data ranks outside the group ('dp_shard_mod_ep', with 'dp_replicate' when hybrid; along each
+expert's rows where a rank holds fewer experts than those ranks: ``expert_shard_placement``), while every
 other parameter shards over all of dp_shard as without experts. With tensor parallelism the expert mesh keeps 'tp'
 innermost: an expert group is the ranks of ``ep`` consecutive dp_shard indices at one tensor-parallel index, each
 exchanging its own slice of the sequence's tokens, and the experts are whole across the tensor-parallel group.

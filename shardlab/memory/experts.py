@@ -5,9 +5,11 @@ What a task says of its MoE layers is a shardlab.task.ExpertLayers (Task.expert_
 their parameters in the model's FSDP units. Expert parallelism (distributed.expert_parallel_degree, ``ep``) borrows
 its ranks from the data-sharding ones, as torchtitan does: each rank of an expert group holds ``E / ep`` consecutive
 experts of every layer, and FSDP2 shards those over the ``f / ep`` sharding ranks outside the group (``f``:
-distributed.sharding_degree), by rows of dim 0 like every other parameter: fewer local experts than those ranks
-leaves each one a padded whole expert (``shard_rows``), which the plan shows. Every other parameter shards over all
-``f``. So a rank holds about the same expert state at any ``ep`` (1/f of the experts when ``E`` divides evenly);
+distributed.sharding_degree), along the experts (dim 0) like every other parameter, or, where a rank has fewer
+experts than those ranks, along each expert's rows (dim 1, ``rows_sharded``: torchtitan's placement), so no rank
+holds a padded whole expert. Every other parameter shards over all ``f``; without expert parallelism the experts
+shard with their block along dim 0, a rank with fewer experts than ranks holding one padded whole expert. So a
+rank holds about the same expert state at any ``ep`` (1/f of the experts when ``E`` divides evenly);
 what expert parallelism shrinks is what a layer gathers to compute (``E / ep`` experts, not ``E``) and the FSDP
 traffic of the experts, paid for by all-to-all traffic of the tokens.
 
