@@ -92,3 +92,18 @@ def test_moe_folders_at_tp2_x_ep2_compute_transformers_loss_and_aux_loss(family,
     train = [r for r in result["history"] if r["split"] == "train"][0]
     assert train["aux_loss"] == pytest.approx(sum(p[2].item() for p in parts) / 2, rel=1e-5)
     assert train["loss"] == pytest.approx(sum(p[1].item() for p in parts) / 2, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_tp2_alone_with_the_auxiliary_loss_trains_as_one_process(tiny_lm, tmp_path_factory):
+    """TP 2 without expert parallelism on 2 ranks (one data rank: the same batches as one process), every expert on
+    both ranks, the auxiliary balancing loss on: each rank routes half of every sequence, and the summed statistics
+    give one process's auxiliary loss, curve and gradient norms."""
+    aux = [*(o for o in MOE if not o.startswith("model.moe.aux_loss_coef")), "model.moe.aux_loss_coef=0.02"]
+    tp2 = ["distributed.backend=fully_sharded", "distributed.tensor_parallel_degree=2"]
+    (result,) = run_spawned([tiny_lm(*aux, *tp2)], 2, [tmp_path_factory.mktemp("tp2")], inspect=inspect_experts)
+    reference = single(tiny_lm(*aux), tmp_path_factory.mktemp("single_aux"))
+    assert_trains_as_one_process(result, reference)
+    torch.testing.assert_close(
+        train_records(result, "aux_loss"), train_records(reference, "aux_loss"), rtol=1e-5, atol=0
+    )
