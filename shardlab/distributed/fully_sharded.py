@@ -18,7 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from shardlab.distributed import torch_internals
 from shardlab.distributed.activation_checkpointing import checkpoint_units
 from shardlab.distributed.base import Backend
-from shardlab.distributed.expert_parallel import expert_fsdp_mesh, split_experts
+from shardlab.distributed.expert_parallel import expert_fsdp_mesh, expert_shard_placement, split_experts
 from shardlab.distributed.gloo_comms import AllReduceReduceScatter, make_reduce_comm
 from shardlab.distributed.grad_scaler import ShardedGradScaler
 from shardlab.distributed.units import generic_units
@@ -126,10 +126,17 @@ class FullyShardedBackend(Backend):
         return model
 
     def shard_experts(self, modules: Sequence[nn.Module], expert_mesh: DeviceMesh | None, kwargs: dict) -> None:
-        """Each expert module its own FSDP2 unit over the expert mesh's data ranks outside 'ep'."""
+        """Each expert module its own FSDP2 unit over the expert mesh's data ranks outside 'ep', by rows where a rank
+        has fewer experts than those ranks (expert_parallel.expert_shard_placement)."""
+        if expert_mesh is None:
+            return
+        mesh = expert_fsdp_mesh(expert_mesh)
+        degree = mesh.size(mesh.ndim - 1)  # the shard axis (HSDP: replicated over the one before)
         for module in modules:
-            mesh = expert_fsdp_mesh(expert_mesh)
-            fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward, **kwargs | {"mesh": mesh})
+            fully_shard(
+                module, reshard_after_forward=self.cfg.reshard_after_forward,
+                shard_placement_fn=lambda p: expert_shard_placement(p, degree), **kwargs | {"mesh": mesh},
+            )  # fmt: skip
 
     def apply_tensor_parallel(self, model: nn.Module, plan: dict) -> None:
         """The task's plan over the mesh's 'tp' axis (shardlab.distributed.tensor_parallel), and async TP where asked

@@ -158,11 +158,14 @@ class ParallelDims:
     def expert_mesh(self, device_type: str) -> DeviceMesh:
         """The mesh expert parallelism places experts on: dp_shard split into ('dp_shard_mod_ep', 'ep'), the expert
         group innermost (``ep`` consecutive ranks, within a host where the data axes allow), 'dp_replicate' kept
-        when above 1. A root of its own beside ``build``'s (so the data axes stay whole there): FSDP2 needs an
-        expert's EP and FSDP placements on one root, and the other parameters shard over ``build``'s 'dp_shard'.
-        Only with the data axes (the pre-flight refuses ep with tp, pp or cp)."""
+        when above 1, and 'tp' innermost when above 1: the ranks of an expert group share their tensor-parallel
+        index (each routes its own slice of the sequence, shardlab_tasks/lm/tensor_parallel.py), and the experts are
+        whole on every rank of a tensor-parallel group. A root of its own beside ``build``'s (so the data axes stay
+        whole there): FSDP2 needs an expert's EP and FSDP placements on one root, and the other parameters shard over
+        ``build``'s 'dp_shard'. Not with pp or cp (the pre-flight refuses them with ep: not composed yet)."""
         sizes = {"dp_replicate": self.dp_replicate, "dp_shard_mod_ep": self.dp_shard // self.ep, "ep": self.ep}
-        names = tuple(name for name, size in sizes.items() if size > 1 or name != "dp_replicate")
+        sizes["tp"] = self.tp
+        names = tuple(name for name, size in sizes.items() if size > 1 or name not in ("dp_replicate", "tp"))
         grid = torch.arange(self.world_size).reshape([sizes[name] for name in names])
         return DeviceMesh(device_type, grid, mesh_dim_names=names)
 

@@ -43,18 +43,21 @@ def axis_errors(cfg: Any, task, world: int, num_cuda_devices: int) -> list[str]:
 
 
 def expert_parallel_refusal(cfg: Any, dims: ParallelDims, other_axes: dict[str, int]) -> str | None:
-    """Expert parallelism borrows from FSDP2's data-sharding ranks and composes with the data axes only."""
+    """Expert parallelism borrows from FSDP2's data-sharding ranks; it composes with the data axes and tensor
+    parallelism (attention split, the MoE blocks on each rank's tokens), not yet with pipeline or context parallelism
+    (the stages do not carry the routing statistics; the ring would need the experts' exchange per sequence chunk)."""
     d = cfg.distributed
     if d.backend != "fully_sharded":
         return (
             f"distributed.expert_parallel_degree ({dims.ep}) needs distributed.backend=fully_sharded (the expert "
             f"groups are split from its data-sharding ranks; backend is {d.backend})"
         )
-    if other_axes:
-        keys = ", ".join(f"{AXIS_KEYS[axis]}={degree}" for axis, degree in other_axes.items())
+    uncomposed = {axis: degree for axis, degree in other_axes.items() if axis != "tp"}
+    if uncomposed:
+        keys = " or ".join(f"distributed.{AXIS_KEYS[axis]} ({degree})" for axis, degree in uncomposed.items())
         return (
-            f"distributed.expert_parallel_degree ({dims.ep}) composes with the data axes only, not yet with {keys}: "
-            "set one of them to 1"
+            f"distributed.expert_parallel_degree ({dims.ep}) is not composed yet with {keys} (it composes with the "
+            "data axes and distributed.tensor_parallel_degree): set one of them to 1"
         )
     return None
 

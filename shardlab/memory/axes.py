@@ -45,6 +45,7 @@ from shardlab.memory.byte_model import (
 )
 from shardlab.memory.communication import Collective, collectives
 from shardlab.memory.context import PlanContext
+from shardlab.memory.experts import plan_experts, with_expert_parallel
 from shardlab.memory.layout import Layout, shard_numel
 from shardlab.memory.pipeline import bubble_fraction, max_in_flight, rank_stages, schedule_ops, stage_sizes
 from shardlab.memory.profile import ModelProfile
@@ -65,9 +66,17 @@ class AxesDetail:
     """Bytes one rank sends per optimizer step on each axis: fsdp (data), tp, pp, and cp where the layout has it."""
 
 
-def tp_shapes(shapes: list[tuple[int, int]], tp: int) -> list[tuple[int, int]]:
-    """A rank's TP share of parameters given as (rows, elements per row): matrices split in ``tp``, vectors whole."""
-    return [(-(-rows // tp), width) if rows > 1 and width > 1 else (rows, width) for rows, width in shapes]
+def tp_shapes(shapes: list[tuple[int, int]], tp: int, whole: list[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """A rank's TP share of parameters given as (rows, elements per row): matrices split in ``tp``, vectors whole,
+    and one entry left whole for each of ``whole`` (an MoE block's parameters: ExpertProfile.block_shapes)."""
+    left, out = list(whole), []
+    for rows, width in shapes:
+        if (rows, width) in left:
+            left.remove((rows, width))
+            out.append((rows, width))
+        else:
+            out.append((-(-rows // tp), width) if rows > 1 and width > 1 else (rows, width))
+    return out
 
 
 def model_rank_profile(profile: ModelProfile, tp: int, cp: int) -> ModelProfile:
@@ -78,7 +87,9 @@ def model_rank_profile(profile: ModelProfile, tp: int, cp: int) -> ModelProfile:
     def part(n: int) -> int:
         return -(-n // split)
 
-    groups = [tp_shapes(g, tp) for g in profile.groups()]
+    experts = profile.experts
+    whole = experts.block_shapes if experts is not None and experts.block_shapes else None
+    groups = [tp_shapes(g, tp, whole[i] if whole else ()) for i, g in enumerate(profile.groups())]
     acts = [part(n) for n in profile.unit_activations]
     if tp > 1:
         # torch's sequence parallelism all-gathers the normed input of the attention's and the MLP's column-wise
@@ -89,7 +100,12 @@ def model_rank_profile(profile: ModelProfile, tp: int, cp: int) -> ModelProfile:
     # In backward, the row-wise linear's output gradient is gathered to the full sequence and the column-wise one's
     # input gradient is full before its reduce-scatter: two full layer inputs where one rank's shards would be.
     workspace = max((-(-n // cp) - part(n) for n in profile.unit_inputs), default=0) * 2 if tp > 1 else 0
-    trained = None if profile.trainable_shapes is None else [tp_shapes(g, tp) for g in profile.trainable_shapes]
+    trained = None if profile.trainable_shapes is None else [
+        tp_shapes(g, tp, whole[i] if whole else ()) for i, g in enumerate(profile.trainable_shapes)]  # fmt: skip
+    if experts is not None:  # each rank routes its slice of the sequence
+        spec = experts.spec
+        experts = dataclasses.replace(experts, spec=dataclasses.replace(
+            spec, tokens_per_sample=-(-spec.tokens_per_sample // split)))  # fmt: skip
     return dataclasses.replace(
         profile,
         params=sum(r * w for g in groups for r, w in g),
@@ -97,6 +113,7 @@ def model_rank_profile(profile: ModelProfile, tp: int, cp: int) -> ModelProfile:
         unit_shapes=groups[:-1],
         root_shapes=groups[-1],
         trainable_shapes=trained,
+        experts=experts,
         activations=None if profile.activations is None else part(profile.activations) + sum(acts) - sum(
             part(n) for n in profile.unit_activations),
         unit_activations=acts,
@@ -184,10 +201,14 @@ def estimate_axes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> Me
     data_layout = dataclasses.replace(layout, sharding_degree=shard, tp=1, pp=1, cp=1)
     data_ctx = dataclasses.replace(ctx, world_size=data * layout.cp)
     if layout.pp == 1:
-        # today's data-parallel plan, on the model's rank share
-        est = estimate_data_parallel(rank_profile, data_layout, data_ctx)
+        # today's data-parallel plan, on the model's rank share; its experts placed by expert parallelism
+        est = with_expert_parallel(estimate_data_parallel(rank_profile, data_layout, data_ctx), rank_profile, data_ctx)
+        moe = plan_experts(rank_profile, data_layout, data_ctx)
+        exchanged = moe.all_to_all_bytes if moe is not None else 0
         layers = tuple(range(len(profile.unit_params)))
-        traffic = {"fsdp": est.comm_bytes, "tp": _tp_sent(rank_profile, layout, ctx, layers), "pp": 0}
+        traffic = {"fsdp": est.comm_bytes - exchanged, "tp": _tp_sent(rank_profile, layout, ctx, layers), "pp": 0}
+        if exchanged:
+            traffic["ep"] = exchanged
         traffic.update(_cp_sent(rank_profile, layout, ctx, layers))
         est.axes = AxesDetail(0, ((layers,),), 1, 0.0, traffic)
     else:
@@ -304,6 +325,8 @@ def _tp_sent(profile: ModelProfile, layout: Layout, ctx: PlanContext, units: tup
     layers = set(layer_units(profile)) & set(units)
     picked = set(_picked(profile, layout))
     calls = sum(profile.unit_inputs[u] * (12 if u in picked else 8) for u in layers)
+    if profile.experts is not None:  # an MoE block gathers nothing (SequenceShardedMoE): attention's half only
+        calls //= 2
     return Collective("all_gather", layout.tp, calls, ctx.update_freq).sent
 
 

@@ -5,9 +5,11 @@ What a task says of its MoE layers is a shardlab.task.ExpertLayers (Task.expert_
 their parameters in the model's FSDP units. Expert parallelism (distributed.expert_parallel_degree, ``ep``) borrows
 its ranks from the data-sharding ones, as torchtitan does: each rank of an expert group holds ``E / ep`` consecutive
 experts of every layer, and FSDP2 shards those over the ``f / ep`` sharding ranks outside the group (``f``:
-distributed.sharding_degree), by rows of dim 0 like every other parameter: fewer local experts than those ranks
-leaves each one a padded whole expert (``shard_rows``), which the plan shows. Every other parameter shards over all
-``f``. So a rank holds about the same expert state at any ``ep`` (1/f of the experts when ``E`` divides evenly);
+distributed.sharding_degree), along the experts (dim 0) like every other parameter, or, where a rank has fewer
+experts than those ranks, along each expert's rows (dim 1, ``rows_sharded``: torchtitan's placement), so no rank
+holds a padded whole expert. Every other parameter shards over all ``f``; without expert parallelism the experts
+shard with their block along dim 0, a rank with fewer experts than ranks holding one padded whole expert. So a
+rank holds about the same expert state at any ``ep`` (1/f of the experts when ``E`` divides evenly);
 what expert parallelism shrinks is what a layer gathers to compute (``E / ep`` experts, not ``E``) and the FSDP
 traffic of the experts, paid for by all-to-all traffic of the tokens.
 
@@ -21,8 +23,11 @@ layer (``dispatch_bytes`` each) while it exchanges, and per layer and micro-batc
 combine, in forward and again in backward; six for a layer that recomputes its forward), each sending the
 ``(ep - 1) / ep`` of the rows bound for other ranks.
 
-Tensor, pipeline and context axes with experts: the byte model of shardlab.memory.axes sees the experts as ordinary
-parameters; only the data-parallel layouts take expert parallelism into account here.
+Tensor parallelism with experts (shardlab.memory.axes): the MoE blocks are not split (each rank runs them on its
+slice of the sequence, ``ExpertProfile.block_shapes`` stay whole in the rank's profile) and route ``T / tp`` rows each;
+expert parallelism then places the experts over the data-sharding ranks as above (the expert mesh keeps 'tp'
+innermost: shardlab.distributed.mesh.ParallelDims.expert_mesh). Pipeline and context axes with expert parallelism are
+not composed (the pre-flight refuses them); with those axes the experts are planned as ordinary parameters.
 """
 
 from __future__ import annotations
@@ -55,7 +60,21 @@ def expert_profile(model: nn.Module, units: list[nn.Module], spec) -> ExpertProf
                 groups[i].append(_expert_shape(p))
                 seen.add(id(p))
     groups[-1] = [_expert_shape(named[n]) for n in spec.expert_params if id(named[n]) not in seen]
-    return ExpertProfile(spec, groups)
+    return ExpertProfile(spec, groups, _block_shapes(model, units, spec))
+
+
+def _block_shapes(model: nn.Module, units: list[nn.Module], spec) -> list[list[tuple[int, int]]]:
+    """ExpertProfile.block_shapes: the parameters under each module that holds an expert module (an expert weight
+    ``<block>.<experts>.<name>``), per unit then the root."""
+    blocks = {name.rsplit(".", 2)[0] + "." for name in spec.expert_params}
+    in_block = {id(p) for name, p in model.named_parameters() if name.startswith(tuple(blocks))}
+    seen: set[int] = set()
+    groups = []
+    for unit in [*units, model]:
+        params = [p for p in unit.parameters() if id(p) in in_block and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        groups.append([(p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1) for p in params])
+    return groups
 
 
 def _expert_shape(p: nn.Parameter) -> tuple[int, int, int]:
@@ -97,20 +116,32 @@ class ExpertPlan:
 
 
 def expert_degree(layout: Layout, profile: ModelProfile) -> int:
-    """The layout's expert-parallel degree where the plan applies it: fully_sharded data-parallel layouts whose
-    sharding degree it divides; else 1."""
+    """The layout's expert-parallel degree where the plan applies it: fully_sharded layouts of data axes (and
+    tensor parallelism) whose sharding degree it divides; else 1."""
     ep = layout.ep
-    if ep > 1 and layout.backend == "fully_sharded" and not layout.multi_axis and profile.experts is not None:
+    beside = layout.pp == 1 and layout.cp == 1  # the data axes and tensor parallelism; not composed with pp or cp
+    if ep > 1 and layout.backend == "fully_sharded" and beside and profile.experts is not None:
         if layout.sharding_degree % ep == 0 and profile.experts.spec.num_experts % ep == 0:
             return ep
     return 1
 
 
-def expert_numel(shape: tuple[int, int, int], ep: int, degree: int) -> int:
-    """Elements of one expert weight of ``shape`` (experts, rows, width) a rank holds: its E / ep experts, sharded by
-    FSDP2 over ``degree`` ranks along the experts (dim 0, padded to the first shard)."""
+def rows_sharded(shape: tuple[int, int, int], ep: int, degree: int) -> bool:
+    """Whether FSDP2 shards an expert weight of ``shape`` by rows (dim 1) rather than by experts: under expert
+    parallelism, when a rank's E / ep experts are fewer than the ``degree`` sharding ranks and the rows split evenly
+    (shardlab.distributed.expert_parallel.expert_shard_placement, as the backend shards them)."""
+    experts, rows, _ = shape
+    return ep > 1 and experts // ep < degree and rows % degree == 0
+
+
+def expert_numel(shape: tuple[int, int, int], ep: int, degree: int, index: int | None = None) -> int:
+    """Elements of one expert weight of ``shape`` (experts, rows, width) rank ``index`` (None: the padded shard) of
+    ``degree`` holds: its E / ep experts sharded by FSDP2 along the experts (dim 0, padded to the first shard), or by
+    rows (even: no padding) where ``rows_sharded``."""
     experts, rows, width = shape
-    return shard_rows(experts // ep, degree) * rows * width
+    if rows_sharded(shape, ep, degree):
+        return experts // ep * (rows // degree) * width
+    return shard_rows(experts // ep, degree, index) * rows * width
 
 
 def plan_experts(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> ExpertPlan | None:
@@ -125,7 +156,7 @@ def plan_experts(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> Exp
     expert_total = sum(e * r * w for e, r, w in shapes)
     active = profile.params - expert_total + expert_total * spec.top_k // spec.num_experts
     per_layer = [s for s in shapes[: max(len(shapes) // max(spec.num_layers, 1), 1)]]
-    tokens = profile.local_batch * spec.tokens_per_sample // max(layout.cp, 1)
+    tokens = profile.local_batch * spec.tokens_per_sample // (max(layout.cp, 1) * max(layout.tp, 1))
     rows = tokens * spec.top_k
     dispatch = rows * spec.dim * ctx.param_bytes
     return ExpertPlan(
@@ -175,11 +206,13 @@ def with_expert_parallel(est: MemoryEstimate, profile: ModelProfile, ctx: PlanCo
     plan = plan_experts(profile, layout, ctx)
     comm = sum(c.sent for c in expert_collectives(profile, layout, ctx))
     activations = None if est.activations is None else est.activations + 2 * plan.dispatch_bytes
-    return replace(
-        est, params=est.params + placed.params - one.params, grads=est.grads + placed.grads - one.grads,
-        optimizer=est.optimizer + placed.optimizer - one.optimizer, gathered=gathered, activations=activations,
-        comm_bytes=comm + plan.all_to_all_bytes,
-    )  # fmt: skip
+    moved = {"params": placed.params - one.params, "grads": placed.grads - one.grads,
+             "optimizer": placed.optimizer - one.optimizer}  # fmt: skip
+    if layout.cpu_offload and ctx.device == "cuda":  # the state lives on the host (byte_model: host, not params)
+        state = {"host": est.host + sum(moved.values())}
+    else:
+        state = {key: getattr(est, key) + value for key, value in moved.items()}
+    return replace(est, **state, gathered=gathered, activations=activations, comm_bytes=comm + plan.all_to_all_bytes)
 
 
 def expert_rank_state(profile: ModelProfile, layout: Layout, ctx: PlanContext, rank: int = 0) -> RankState:
@@ -196,7 +229,7 @@ def expert_rank_state(profile: ModelProfile, layout: Layout, ctx: PlanContext, r
     shapes = [s for g in profile.experts.group_shapes for s in g]
 
     def held(ep: int, degree: int, index: int | None) -> int:
-        return sum(shard_rows(e // ep, degree, index) * r * w for e, r, w in shapes)
+        return sum(expert_numel(shape, ep, degree, index) for shape in shapes)
 
     padded = held(ep, f // ep, None) - held(1, f, None)
     local = held(ep, f // ep, rank // ep) - held(1, f, rank)

@@ -31,6 +31,10 @@ class ExpertProfile:
     """What the task says of its MoE layers: a shardlab.task.ExpertLayers."""
     group_shapes: list[list[tuple[int, int, int]]]
     """The expert parameters of each FSDP unit, then the root's, as (experts, rows, width)."""
+    block_shapes: list[list[tuple[int, int]]] | None = None
+    """Every parameter of the MoE blocks (the modules holding the experts: router, experts, shared expert) of each
+    unit, then the root's, as (rows, elements per row): what tensor parallelism leaves whole on each rank (the
+    blocks run on each rank's slice of the sequence: shardlab_tasks/lm/tensor_parallel.py's SequenceShardedMoE)."""
 
 
 @dataclass

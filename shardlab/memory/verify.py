@@ -54,7 +54,7 @@ from shardlab.distributed import torch_internals
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError, ShardlabError
 from shardlab.memory.devices import GiB
-from shardlab.memory.estimate import Collective, rank_state
+from shardlab.memory.estimate import Collective
 from shardlab.memory.experts import expert_collectives, expert_rank_state
 from shardlab.memory.layout import layout_of
 from shardlab.memory.plan import profile_config
@@ -302,7 +302,8 @@ def verify_axes(cfg, task, world_size: int) -> list[str]:
             state, tp_applied = _sharded_stage_state(cfg, task, mesh, dims, units, ctx.optimizer_state_bytes)
         rank_profile = model_rank_profile(profile, dims.tp if tp_applied else 1, 1)
         shard_index = coords["dp_shard"] * dims.cp + coords["cp"]
-        planned = rank_state(_sub_profile(rank_profile, units, False), data_layout, ctx, shard_index).__dict__
+        # expert_rank_state: rank_state with the experts as expert parallelism places them (rank_state's without)
+        planned = expert_rank_state(_sub_profile(rank_profile, units, False), data_layout, ctx, shard_index).__dict__
         for key, value in planned.items():
             if state[key] != value:
                 raise PlanMismatch(
@@ -338,6 +339,7 @@ def _sharded_stage_state(cfg, task, mesh, dims, units: list[int], state_bytes: i
     tp_plan = ask(model) if ask is not None and dims.tp > 1 else None
     if tp_plan is not None:
         parallelize_module(model, mesh["tp"], tp_plan)
+    sharded = _shard_experts(task, model, dims, cfg)
     data_dims = tuple(name for name in ("dp_replicate", "dp_shard", "cp") if getattr(dims, name) > 1)
     data_mesh = None
     if "cp" in data_dims:  # FSDP over dp_shard x cp flattened, as the fully_sharded backend shards
@@ -348,7 +350,6 @@ def _sharded_stage_state(cfg, task, mesh, dims, units: list[int], state_bytes: i
         data_mesh = mesh[data_dims]
     param_dtype, reduce_dtype = resolve_dtypes(cfg.distributed)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    sharded = []
     for i in units:
         if data_mesh is not None:
             fully_shard(task_units[i], mesh=data_mesh, mp_policy=policy, reshard_after_forward=False)
@@ -356,3 +357,26 @@ def _sharded_stage_state(cfg, task, mesh, dims, units: list[int], state_bytes: i
     if not sharded:
         raise ConfigError("distributed.verify_plan checks fully_shard over the data ranks; this layout has one")
     return measured_state(sharded, state_bytes), tp_plan is not None
+
+
+def _shard_experts(task, model, dims, cfg) -> list:
+    """Under distributed.expert_parallel_degree > 1 (with tensor parallelism: ep is refused with pp and cp), the
+    backend's expert split on the expert mesh and each expert module's own fully_shard over the ranks outside its
+    group (FullyShardedBackend.parallelize's order: before the units that hold them); the modules sharded."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from shardlab.distributed.base import resolve_dtypes
+    from shardlab.distributed.expert_parallel import expert_fsdp_mesh, expert_shard_placement, split_experts
+
+    if dims.ep == 1:
+        return []
+    experts = task.expert_modules(model)
+    expert_mesh = dims.expert_mesh("cpu")
+    split_experts(experts, expert_mesh["ep"])
+    param_dtype, reduce_dtype = resolve_dtypes(cfg.distributed)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mesh = expert_fsdp_mesh(expert_mesh)
+    for module in experts:
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False,
+                    shard_placement_fn=lambda p: expert_shard_placement(p, mesh.size(mesh.ndim - 1)))  # fmt: skip
+    return experts

@@ -224,20 +224,16 @@ class Llama(LMArchitecture):
     def tensor_parallel_plan(self) -> dict:
         from shardlab_tasks.lm.tensor_parallel import llama_plan
 
-        return llama_plan(qk_norm=self.cfg.qk_norm)
+        return llama_plan(qk_norm=self.cfg.qk_norm, moe=getattr(self.cfg, "moe", None) is not None)
 
     @classmethod
     def tensor_parallel_errors(cls, m: LlamaConfig, vocab_size: int, degree: int) -> list[str]:
         from shardlab_tasks.lm.tensor_parallel import divisibility_errors
 
         sizes = {"model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads}
-        sizes |= {"model.ffn_dim (the FFN width)": ffn_width(m.dim, m.ffn_dim), "the vocabulary": vocab_size}
-        if getattr(m, "moe", None) is not None:  # the grouped experts have no plan: expert parallelism comes first
-            return [
-                f"distributed.tensor_parallel_degree ({degree}): model.moe's experts have no tensor-parallel plan "
-                "yet: set it to 1 and split the experts with distributed.expert_parallel_degree instead"
-            ]
-        return divisibility_errors(degree, sizes)
+        if getattr(m, "moe", None) is None:  # an MoE block is not split: it runs on each rank's tokens
+            sizes["model.ffn_dim (the FFN width)"] = ffn_width(m.dim, m.ffn_dim)
+        return divisibility_errors(degree, sizes | {"the vocabulary": vocab_size})
 
     @classmethod
     def config_errors(cls, m: LlamaConfig) -> list[str]:

@@ -24,6 +24,12 @@ Hub names. Per expert, one tensor each: Qwen2/3-MoE and DeepSeek-V3 ``model.laye
 _proj.weight`` and ``mlp.gate.weight`` (the router); Mixtral ``block_sparse_moe.experts.E.w1`` (gate), ``w3`` (up),
 ``w2`` (down) and ``block_sparse_moe.gate.weight``. ``experts.gate_up_proj[E] = cat(gate_E, up_E)``,
 ``experts.down_proj[E] = down_E``; the split back is exact (no arithmetic).
+
+Under tensor parallelism (shardlab_tasks/lm/tensor_parallel.py's SequenceShardedMoE) the block runs on this rank's
+slice of the sequence, its weights whole on every rank of the group (``token_group``): each rank routes its own
+tokens, so the routing statistics are summed over the group (``over_tokens``: the loads, the probabilities' sum, the
+z-loss's terms) and every rank holds what one process computes; each weight's gradient, its tokens' share, is summed
+over the group on its way back (``grad_summed``), as FSDP2 sums a replicated DTensor's partial gradient.
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ from dataclasses import replace
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from shardlab_tasks.lm.config import MoEConfig
 from shardlab_tasks.lm.moe_experts import EXPERT_IMPLS, GroupedExperts, dispatch, expert_counts
+from shardlab_tasks.lm.moe_parallel import grad_summed, summed_over
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -103,6 +111,9 @@ class Routing(NamedTuple):
 class Router(nn.Module):
     """Logits = linear(token), then the family's scores, choice and weights (see the module docstring)."""
 
+    token_group = None
+    """The tensor-parallel group whose ranks route different tokens with this router (module docstring)."""
+
     def __init__(self, cfg: MoEConfig, dim: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -114,7 +125,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         cfg = self.cfg
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, grad_summed(self.weight, self.token_group))
         if cfg.score_func == "softmax":
             scores = torch.softmax(logits.float(), dim=-1)
             probs = scores
@@ -145,6 +156,9 @@ class SharedExpert(nn.Module):
     """The always-on SwiGLU expert(s) (Qwen2-MoE's shared_expert, DeepSeek-V3's shared_experts as one wide one),
     optionally scaled by sigmoid(gate(token))."""
 
+    token_group = None
+    """The tensor-parallel group whose ranks run it on different tokens (module docstring)."""
+
     def __init__(self, dim: int, ffn_dim: int, gated: bool) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, ffn_dim, bias=False)
@@ -153,15 +167,18 @@ class SharedExpert(nn.Module):
         self.output_gate = nn.Linear(dim, 1, bias=False) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down(F.silu(self.gate(x)) * self.up(x))
-        return out if self.output_gate is None else torch.sigmoid(self.output_gate(x)) * out
+        def linear(inputs: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+            return F.linear(inputs, grad_summed(layer.weight, self.token_group))
+
+        out = linear(F.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+        return out if self.output_gate is None else torch.sigmoid(linear(x, self.output_gate)) * out
 
 
 class RoutingStats(NamedTuple):
     """One MoE layer's routing on one batch: what its losses and the load logging need."""
 
     logits: torch.Tensor
-    """(tokens, experts) router logits."""
+    """(tokens, experts) router logits (this rank's tokens)."""
     tokens_per_expert: torch.Tensor
     """(experts,) assignments each expert was chosen for, before any capacity drop (int64, no gradient)."""
     prob_sum: torch.Tensor
@@ -170,10 +187,15 @@ class RoutingStats(NamedTuple):
     """() mean over tokens of logsumexp(logits)^2."""
     num_dropped: torch.Tensor
     """() assignments dropped by the capacity factor."""
+    rows: int
+    """Tokens the statistics above cover (all of the tensor-parallel group's, under tensor parallelism)."""
 
 
 class MoEBlock(nn.Module):
     """(…, dim) -> (…, dim) and the layer's RoutingStats: the routed experts' weighted sum, plus the shared expert."""
+
+    token_group = None
+    """The tensor-parallel group whose ranks hold different tokens of the sequence (module docstring); None: all."""
 
     def __init__(self, cfg: MoEConfig, dim: int) -> None:
         super().__init__()
@@ -189,10 +211,16 @@ class MoEBlock(nn.Module):
         out = self.experts(tokens, route)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        load = expert_counts(routing.indices.reshape(-1), self.cfg.num_experts)
-        z_loss = torch.logsumexp(routing.logits.float(), dim=-1).square().mean()
-        stats = RoutingStats(routing.logits, load, routing.probs.sum(dim=0), z_loss, route.num_dropped)
-        return out.view(x.shape), stats
+        return out.view(x.shape), self.routing_stats(routing, route.num_dropped)
+
+    def routing_stats(self, routing: Routing, num_dropped: torch.Tensor) -> RoutingStats:
+        """The layer's statistics over all the tokens of the group that routed them (summed over ``token_group``:
+        one process's numbers; the gradients of the sums reach each rank's own terms unchanged)."""
+        load = summed_over(expert_counts(routing.indices.reshape(-1), self.cfg.num_experts), self.token_group)
+        prob_sum = summed_over(routing.probs.sum(dim=0), self.token_group)
+        z_sum = summed_over(torch.logsumexp(routing.logits.float(), dim=-1).square().sum(), self.token_group)
+        rows = routing.logits.shape[0] * (1 if self.token_group is None else dist.get_world_size(self.token_group))
+        return RoutingStats(routing.logits, load, prob_sum, z_sum / rows, num_dropped, rows)
 
     @torch.no_grad()
     def update_score_bias(self, tokens_per_expert: torch.Tensor) -> None:
@@ -208,7 +236,7 @@ class MoEBlock(nn.Module):
 def load_balancing_loss(stats: Sequence[RoutingStats]) -> torch.Tensor:
     """Switch Transformer's loss over the layers' ``stats``, pooled as transformers' ``load_balancing_loss_func``:
     num_experts * sum_i (assignments_i / rows) * (prob_sum_i / rows), rows = tokens x layers."""
-    rows = sum(s.logits.shape[0] for s in stats)
+    rows = sum(s.rows for s in stats)
     load = torch.stack([s.tokens_per_expert for s in stats]).sum(dim=0).float() / rows
     probs = torch.stack([s.prob_sum for s in stats]).sum(dim=0) / rows
     return load.numel() * torch.sum(load * probs)

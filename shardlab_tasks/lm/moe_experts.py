@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardlab.distributed.expert_parallel import local_experts
-from shardlab_tasks.lm.moe_parallel import expert_parallel_run
+from shardlab_tasks.lm.moe_parallel import expert_parallel_run, grad_summed
 
 EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 """model.moe.experts_impl values: auto = grouped_mm where the device and dtype have it, else the loop."""
@@ -149,14 +149,18 @@ class GroupedExperts(nn.Module):
         self.expert_group: ProcessGroup | None = None
         """Set by expert parallelism (shardlab/distributed/expert_parallel.py), which splits both weights by experts
         over this group: the rows then travel to their experts' ranks and back (shardlab_tasks/lm/moe_parallel.py)."""
+        self.token_group: ProcessGroup | None = None
+        """Set by tensor parallelism (shardlab_tasks/lm/tensor_parallel.py's SequenceShardedMoE): its ranks route
+        different tokens through the same experts, so each weight's gradient is summed over it
+        (moe_parallel.grad_summed)."""
 
     def forward(self, x: torch.Tensor, route: Dispatch) -> torch.Tensor:
         """(tokens, dim) ``x`` -> (tokens, dim): the sum over each token's kept assignments of weight * expert(x)."""
         rows = x[route.token]
+        gate_up, down = (grad_summed(local_experts(w), self.token_group) for w in (self.gate_up_proj, self.down_proj))
         if self.expert_group is None:
-            expert_out = run_experts(rows, route.counts, self.gate_up_proj, self.down_proj, self.impl)
+            expert_out = run_experts(rows, route.counts, gate_up, down, self.impl)
         else:  # this rank's experts: the local rows of the split weights, whose gradients flow back into them
-            gate_up, down = local_experts(self.gate_up_proj), local_experts(self.down_proj)
             expert_out = expert_parallel_run(
                 rows, route.counts, gate_up.shape[0], lambda r, c: run_experts(r, c, gate_up, down, self.impl),
                 self.expert_group,

@@ -64,3 +64,54 @@ def _exchange(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=DEPRECATION, category=FutureWarning)
         return dist_autograd.all_to_all_single(output, rows.contiguous(), receive_splits, send_splits, group=group)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """The sum over a group's ranks of each one's ``tensor``; backward: each rank's gradient to its own term as is
+    (every rank's loss holds the same sum, whose gradient per term is the one upstream gradient: DTensor's Partial to
+    Replicate)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def summed_over(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``tensor`` summed over ``group`` (None, or a meta tensor of the memory plan's trace: as is), differentiable."""
+    if group is None or tensor.is_meta:
+        return tensor
+    if not tensor.requires_grad:
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+    return _SumOverGroup.apply(tensor, group)
+
+
+class _GradientSummed(torch.autograd.Function):
+    """Identity forward; backward: the gradient summed over the group."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def grad_summed(weight: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``weight`` for a forward on this rank's tokens only, whose gradient is summed over ``group``'s ranks (each of
+    which ran it on other tokens of the same sequences) before it reaches the parameter: the gradient one process
+    gets; ``weight`` itself without a group (or on meta, the memory plan's trace)."""
+    if group is None or weight.is_meta or not weight.requires_grad:
+        return weight
+    return _GradientSummed.apply(weight, group)

@@ -11,6 +11,14 @@ left split over the vocabulary (vocabulary_split_logits) for torch's loss-parall
 norms are sequence-parallel over the heads dimension (their weight's gradient is summed over the tensor-parallel ranks,
 each of which saw its heads). LoRA's adapted layers are split with their adapters (SplitAdaptedLinear); GPT's fused qkv
 projection with its output regrouped by heads (FusedQKVColwise).
+
+A mixture-of-experts block (model.moe) is not split: it runs on each rank's slice of the sequence as it comes
+(SequenceShardedMoE), each rank routing its own tokens with the whole router, experts and shared expert, held alike on
+every rank of the group (expert parallelism splits the experts over data ranks instead: shardlab/distributed/
+expert_parallel.py). Tokens never gather for it, so attention's all-gather and reduce-scatter are the only collectives a
+layer adds; the block sums its routing statistics and its weights' gradients over the group (shardlab_tasks/lm/moe.py).
+torchtitan gathers the tokens for its MoE and splits the experts' FFN width or the tokens again after routing; here
+the tokens are already split, and the experts, sized for expert parallelism, stay whole.
 """
 
 from __future__ import annotations
@@ -42,9 +50,30 @@ def vocabulary_split_logits(plan: dict) -> dict:
     return {**plan, HEAD: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
 
 
-def llama_plan(qk_norm: bool) -> dict:
+class SequenceShardedMoE(ParallelStyle):
+    """An MoE block (shardlab_tasks.lm.moe.MoEBlock) on this rank's slice of the sequence: its input (the sequence-
+    parallel norm's Shard(1) DTensor) handed on as the local tensor, its output local like a row-wise layer's, its
+    weights left plain tensors (whole on every rank); the tensor-parallel group set as ``token_group`` of the block
+    and of its router, experts and shared expert, which sum their statistics and gradients over it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        for part in module.modules():
+            if hasattr(part, "token_group"):
+                part.token_group = group
+        module.register_forward_pre_hook(lambda mod, args: tuple(local_tokens(a) for a in args))
+        return module
+
+
+def local_tokens(x):
+    """This rank's tokens of a sequence-split DTensor (its gradient comes back split alike); anything else as is."""
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def llama_plan(qk_norm: bool, moe: bool = False) -> dict:
     """shardlab_tasks.lm.llama.Llama (Llama 3.x, Qwen2 with biases, Qwen3 with q/k norms, Mistral): Block.forward takes
-    (x, cos, sin, mask), so attention's prepared inputs are four, the rotary tables and mask left alone."""
+    (x, cos, sin, mask), so attention's prepared inputs are four, the rotary tables and mask left alone. With ``moe``
+    (Mixtral, Qwen2/3-MoE) every block's MLP is an MoE block on the local tokens (SequenceShardedMoE)."""
     plan = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "blocks.*.attn_norm": SequenceParallel(),
@@ -67,6 +96,10 @@ def llama_plan(qk_norm: bool) -> dict:
         "head.norm": SequenceParallel(),
         HEAD: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
+    if moe:
+        for key in ("blocks.*.mlp", "blocks.*.mlp.gate", "blocks.*.mlp.up", "blocks.*.mlp.down"):
+            del plan[key]
+        plan["blocks.*.mlp"] = SequenceShardedMoE()
     if qk_norm:  # (batch, length, local heads, head_dim): the local heads are dimension 2's shard
         plan["blocks.*.attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["blocks.*.attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

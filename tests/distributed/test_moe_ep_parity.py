@@ -1,8 +1,9 @@
 """Expert parallelism (distributed.expert_parallel_degree) trains exactly like one process (CPU, gloo): EP 2 on 2
 ranks, EP 4 on 4 ranks (one expert per rank), FSDP 2 x EP 2 on 4 ranks (each group's experts sharded again over
-the other group; also under activation checkpointing) and hybrid 2 x EP 2 (replicated across it), 10 steps of a
-tiny MoE whose router moves its balancing bias after every step (DeepSeek-V3's update, from the load summed over
-the ranks). Losses, gradient norms and the final weights and biases are compared.
+the other group; also under activation checkpointing; with 2 experts, each rank's one sharded by rows) and hybrid
+2 x EP 2 (replicated across it), 10 steps of a tiny MoE whose router moves its balancing bias after every step
+(DeepSeek-V3's update, from the load summed over the ranks). Losses, gradient norms and the final weights and biases
+are compared.
 A step folder written at EP 4 holds the unsplit model's names and shapes; it resumes at EP 2 and on one process,
 continuing the uninterrupted curve.
 
@@ -26,6 +27,9 @@ MOE = [
     f"model.moe.num_experts={EXPERTS}", "model.moe.ffn_dim=32", "model.moe.aux_loss_coef=0",
     "model.moe.z_loss_coef=0.001", "model.moe.score_bias=true", "model.moe.bias_update_rate=0.05",
 ]  # fmt: skip
+TWO_EXPERTS = [*(o for o in MOE if not o.startswith("model.moe.num_experts")), "model.moe.num_experts=2",
+               "model.moe.top_k=1"]  # fmt: skip
+"""Fewer experts than ranks: at FSDP 2 x EP 2 each rank's one expert is sharded over the other group by rows."""
 CKPT = ["checkpoint.interval_steps=5"]
 ACCUMULATE = ["optimization.update_freq=2", "distributed.reduce_every_microbatch=false"]
 """Two micro-batches a step, the gradients reduced after the last only (the experts' own FSDP unit included); the
@@ -58,6 +62,7 @@ def runs(tiny_lm, tmp_path_factory) -> dict:
         "fsdp2_ep2": tiny_lm(*MOE, *ep(2)),
         "hybrid2_ep2": tiny_lm(*MOE, *ep(2), "distributed.sharding_degree=2"),
         "fsdp2_ep2_ac": tiny_lm(*MOE, *ep(2), "distributed.activation_checkpointing=full"),
+        "fsdp2_ep2_rows": tiny_lm(*TWO_EXPERTS, *ep(2)),
     }
     run_dirs = [ep4_dir, *(tmp_path_factory.mktemp(name) for name in list(four)[1:])]
     results |= zip(four, run_spawned(list(four.values()), 4, run_dirs, inspect=inspect_experts), strict=True)
@@ -70,6 +75,7 @@ def runs(tiny_lm, tmp_path_factory) -> dict:
     results |= zip(two, run_spawned(list(two.values()), 2, inspect=inspect_experts), strict=True)
     results["reference_accumulating"] = single(tiny_lm(*MOE, *ACCUMULATE), tmp_path_factory.mktemp("acc"))
     results["single_from_ep4"] = single(tiny_lm(*MOE, f"checkpoint.resume={step5}"), tmp_path_factory.mktemp("s"))
+    results["reference_two_experts"] = single(tiny_lm(*TWO_EXPERTS), tmp_path_factory.mktemp("two"))
     results["no_bias_update"] = single(tiny_lm(*MOE, "model.moe.bias_update_rate=0"), tmp_path_factory.mktemp("n"))
     return {**results, "ep4_step5": step5, "reference_step5": reference_dir / "checkpoints" / "step_00000005"}
 
@@ -94,6 +100,16 @@ def test_expert_parallel_ranks_train_as_one_process(name, axes, rows, runs):
     for layout in result["experts"].values():
         assert layout[0] == axes and layout[1][-1] == "S(0)" and layout[2] == rows, result["experts"]
     assert_trains_as_one_process(result, reference)
+
+
+def test_an_expert_per_rank_over_two_sharding_ranks_is_sharded_by_rows_and_trains_as_one_process(runs):
+    """2 experts at FSDP 2 x EP 2: each rank's group holds 1 expert, which FSDP2 shards over the 2 ranks outside the
+    group by rows (Shard(1): half an expert each, no padded whole expert); the curve is one process's."""
+    result = runs["fsdp2_ep2_rows"]
+    assert result["experts"], "no expert weight was split"
+    for axes, placements, rows in result["experts"].values():
+        assert axes == ("dp_shard_mod_ep", "ep") and placements == ["S(1)", "S(0)"] and rows == 1, result["experts"]
+    assert_trains_as_one_process(result, runs["reference_two_experts"])
 
 
 def test_the_balancing_bias_moves_and_changes_the_routing(runs):

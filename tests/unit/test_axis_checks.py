@@ -59,18 +59,32 @@ REFUSED = {
                                                   r"data-sharding ranks \(2"),
     "expert parallel under ddp": ([*MOE, "distributed.backend=ddp", f"{EP}=2", "distributed.world_size=2"],
                                   r"^distributed.expert_parallel_degree \(2\) needs distributed.backend=fully_sharded"),
-    "expert parallel with tensor parallel": ([*MOE, TP[0], f"{EP}=2", f"{TP[1]}=2", "distributed.world_size=4"],
-                                             r"^distributed.expert_parallel_degree \(2\) composes with the data axes "
-                                             r"only, not yet with tensor_parallel_degree=2"),
+    "expert parallel with pipeline stages": ([*MOE, TP[0], f"{EP}=2", "distributed.pipeline_parallel_degree=2",
+                                              "distributed.world_size=4"],
+                                             r"distributed.expert_parallel_degree \(2\) is not composed yet with "
+                                             r"distributed.pipeline_parallel_degree \(2\) \(it composes with the data "
+                                             r"axes and distributed.tensor_parallel_degree\): set one of them to 1"),
+    "expert parallel with context parallel": ([*MOE, TP[0], f"{EP}=2", f"{TP[1]}=2",
+                                               "distributed.context_parallel_degree=2", "distributed.world_size=8"],
+                                              r"^distributed.expert_parallel_degree \(2\) is not composed yet with "
+                                              r"distributed.context_parallel_degree \(2\) \(it composes"),
+    "expert parallel with tensor parallel, heads": ([*MOE, TP[0], f"{EP}=2", f"{TP[1]}=4", "model.num_kv_heads=2",
+                                                     "distributed.world_size=8"],
+                                                    r"^distributed.tensor_parallel_degree \(4\) must divide "
+                                                    r"model.num_kv_heads \(2\)"),
     "expert parallel degree zero": ([*MOE, TP[0], f"{EP}=0", "distributed.world_size=2"],
                                     r"^distributed.expert_parallel_degree \(0\) must be at least 1"),
 }  # fmt: skip
 
 
 def test_expert_parallelism_within_the_data_sharding_ranks_passes(tiny_lm):
-    """EP 2 on 2 ranks, and FSDP 2 x EP 2 on 4 (each expert group of 2 inside 4 sharding ranks)."""
+    """EP 2 on 2 ranks, and FSDP 2 x EP 2 on 4 (each expert group of 2 inside 4 sharding ranks); TP 2 x EP 2 on 4
+    and TP 2 alone on an MoE model (its FFN width not a multiple of the degree: the MoE blocks are not split)."""
     for world in (2, 4):
         checks.check(tiny_lm(*MOE, TP[0], f"{EP}=2", f"distributed.world_size={world}"), num_cuda_devices=0)
+    checks.check(tiny_lm(*MOE, TP[0], f"{TP[1]}=2", f"{EP}=2", "distributed.world_size=4"), num_cuda_devices=0)
+    odd_width = ["model.moe.ffn_dim=33", "model.moe.num_experts=3", "model.moe.top_k=1"]
+    checks.check(tiny_lm(*MOE, *odd_width, TP[0], f"{TP[1]}=2", "distributed.world_size=2"), num_cuda_devices=0)
 
 
 @pytest.mark.parametrize("case", REFUSED)

@@ -76,8 +76,8 @@ def test_a_dense_llama_reports_no_routing_metrics():
     [
         (["model.moe.top_k=5"], "model.moe.top_k (5) must be <= model.moe.num_experts (4)"),
         (["model.moe.score_func=relu"], "model.moe.score_func='relu' is not one of softmax, sigmoid"),
-        (["distributed=fully_sharded", "distributed.world_size=2", "distributed.tensor_parallel_degree=2"],
-         "model.moe's experts have no tensor-parallel plan yet: set it to 1 and split the experts"),
+        (["distributed=fully_sharded", "distributed.world_size=2", "distributed.tensor_parallel_degree=2",
+          "model.num_kv_heads=1"], "distributed.tensor_parallel_degree (2) must divide model.num_kv_heads (1)"),
         (["distributed=fully_sharded", "distributed.world_size=2", "distributed.pipeline_parallel_degree=2"],
          "model.moe: the pipeline stages do not carry the MoE blocks' auxiliary loss"),
     ],

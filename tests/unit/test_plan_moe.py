@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.tensor import Shard
 
 from shardlab_bench import plan_moe
 
@@ -61,3 +63,72 @@ def test_verify_plan_holds_the_qwen3_30b_a3b_plan_to_the_expert_mesh_and_fully_s
     assert "matches the plan" in line and f"world size {world}" in line and f"+ EP {ep}" in line
     assert f"params {planned['params_bytes'] / 2**30:.3f} GiB per rank" in line
     assert f"sending {fsdp_sent:.2f} GiB per step" in line
+
+
+TP2_EP2 = ["model=moe_tiny", "distributed=fully_sharded", "distributed.world_size=8", "optimization.batch_size=8",
+           "validation.batch_size=8", "distributed.tensor_parallel_degree=2", "distributed.expert_parallel_degree=2",
+           "dry_run=true"]  # fmt: skip
+
+
+def test_verify_plan_holds_the_tp_x_ep_plan_where_the_moe_blocks_stay_whole_under_tensor_parallelism(monkeypatch):
+    """TP 2 x EP 2 on 8 fake ranks (dp_shard 4): the LM's tensor-parallel plan splits attention, embedding and head
+    while each MoE block stays whole on every tensor-parallel rank, the experts split on the expert mesh and
+    fully_shard-ed over the ranks outside each group; the plan's bytes are the real ones. A plan that split the MoE
+    blocks like every other matrix does not match."""
+    from shardlab.memory import experts as plan_experts_module
+    from shardlab.memory.verify import PlanMismatch, verify_plan
+    from tests.unit.test_memory_axes import tiny_task
+
+    cfg, task = tiny_task(TP2_EP2, 8)
+    line = verify_plan(cfg, task, 8)[0]
+    assert "dp_shard 4 x tp 2" in line and "the task's tensor-parallel plan applied" in line, line
+    monkeypatch.setattr(plan_experts_module, "_block_shapes", lambda model, units, spec: None)
+    cfg, task = tiny_task(TP2_EP2, 8)
+    with pytest.raises(PlanMismatch, match="bytes of params"):
+        verify_plan(cfg, task, 8)
+
+
+def test_the_tp_x_ep_plan_routes_each_ranks_slice_of_the_sequence_and_sends_its_all_to_all_on_the_ep_axis():
+    """At TP 2 a rank routes half of each sample's tokens: half the dispatch and all-to-all of TP 1 at the same
+    EP 2, the all-to-all counted on its own 'ep' axis beside FSDP's and TP's traffic."""
+    from shardlab.distributed.units import model_on_meta
+    from shardlab.memory import budget
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.experts import plan_experts
+    from shardlab.memory.layout import Layout
+    from shardlab.memory.plan import profile_config
+    from tests.unit.test_memory_axes import tiny_task
+
+    cfg, task = tiny_task(TP2_EP2, 8)
+    model = model_on_meta(task)
+    profile, ctx = profile_config(cfg, task, 8, model)
+    tp_ep = Layout("fully_sharded", 4, tp=2, ep=2)
+    axes = budget.task_axes(cfg, task, 8, model, ctx.ranks_per_node)
+    est = estimate(axes.profile_at(tp_ep), tp_ep, ctx)
+    with_tp, without = plan_experts(profile, tp_ep, ctx), plan_experts(profile, Layout("fully_sharded", 8, ep=2), ctx)
+    assert with_tp.ep == 2 and with_tp.tokens * 2 == without.tokens
+    tp1 = plan_experts(axes.profile_at(tp_ep), Layout("fully_sharded", 4, ep=2), ctx)
+    assert 2 * est.axes.traffic["ep"] == tp1.all_to_all_bytes > 0
+    assert est.axes.traffic["tp"] > 0 and est.axes.traffic["fsdp"] > 0
+
+
+def test_experts_fewer_than_their_sharding_ranks_are_sharded_by_rows_and_planned_so(monkeypatch):
+    """EP 8 on 16 ranks: each rank's 1 expert of every layer is sharded over the 2 ranks outside its group by rows
+    (Shard(1), expert_parallel.expert_shard_placement), half an expert each, not a padded whole one; the plan holds
+    to the real fully_shard, and a plan that padded whole experts does not."""
+    from shardlab.distributed.expert_parallel import expert_shard_placement
+    from shardlab.memory import experts as plan_experts_module
+    from shardlab.memory.verify import PlanMismatch, verify_plan
+    from tests.unit.test_memory_axes import tiny_task
+
+    overrides = ["model=moe_tiny", "distributed=fully_sharded", "distributed.world_size=16", "dry_run=true",
+                 "optimization.batch_size=16", "validation.batch_size=16",
+                 "distributed.expert_parallel_degree=8"]  # fmt: skip
+    assert expert_shard_placement(torch.empty(1, 384, 192), 2) == Shard(1)
+    assert expert_shard_placement(torch.empty(2, 384, 192), 2) is None and expert_shard_placement(
+        torch.empty(1, 383, 192), 2) is None  # fmt: skip
+    cfg, task = tiny_task(overrides, 16)
+    assert "matches the plan" in verify_plan(cfg, task, 16)[0]
+    monkeypatch.setattr(plan_experts_module, "rows_sharded", lambda shape, ep, degree: False)
+    with pytest.raises(PlanMismatch):
+        verify_plan(cfg, task, 16)
