@@ -10,9 +10,9 @@ micro-batches of 8 sequences of 128 tokens per step (shardlab: optimization.batc
 3e-3, clipping by the norm over both stages. The loop: each rank builds its own stage (nn.Modules written here
 around shardlab_tasks/lm/model.py's blocks), PipelineStage + Schedule1F1B, random tokens, no FSDP (one rank per stage:
 nothing to shard), no data loading, checks or logging; freed pages kept (glibc's mmap threshold at its ceiling) as a
-shardlab CPU rank does without a memory budget. shardlab wraps each stage in FSDP2 over its one data-parallel
-rank and reads the corpus. Each pair alternates which side runs first; the figure is the median ratio of tokens/s
-(shardlab / loop). Each run is a fresh set of processes.
+shardlab CPU rank does without a memory budget. shardlab keeps each stage plain (one data-parallel rank, fp32:
+fully_sharded's stages_unsharded) and reads the corpus. Each pair alternates which side runs first; the figure is
+the median ratio of tokens/s (shardlab / loop). Each run is a fresh set of processes.
 """
 
 from __future__ import annotations

@@ -87,6 +87,11 @@ class FullyShardedBackend(Backend):
         units = checkpoint_units(model, units, self.cfg)
         self.units = units
         self.compile_units(units or [model])
+        self.reduce_comm: AllReduceReduceScatter | None = None
+        self.unshard_async = False
+        if self.stages_unsharded:  # a pipeline stage alone on its data axis, in fp32: FSDP2 would only copy
+            materialize(model)
+            return model
         kwargs = self.shard_kwargs()
         if self.param_dtype != torch.float32 or self.reduce_dtype != torch.float32:
             fp32 = {**kwargs, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)}
@@ -99,17 +104,7 @@ class FullyShardedBackend(Backend):
             fully_shard(unit, reshard_after_forward=reshard, **kwargs)
         # The root's params (embeddings, head) are used again first thing in backward: resharding them only re-gathers.
         fully_shard(model, reshard_after_forward=False, **kwargs)
-        k = self.cfg.prefetch_units
-        self.unshard_async = False
-        if k > 0:  # issue the next units' all-gathers before this unit's compute, so they overlap it
-            for i, unit in enumerate(units):
-                unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + k])
-                unit.set_modules_to_backward_prefetch(units[max(0, i - k) : i][::-1])
-            if self.device.type == "cpu":
-                # On CPU FSDP2 issues a prefetched all-gather as a blocking op unless unshards are async; on CUDA
-                # they overlap on FSDP2's side streams, where the async flag would stop copy-in/casts overlapping.
-                self.unshard_async = torch_internals.set_unshard_async_op(model)
-        self.reduce_comm: AllReduceReduceScatter | None = None
+        self.prefetch(model, units)
         self._forwarded: set[int] = set()
         if self.reduce_scatter_via_all_reduce:
             self.reduce_comm = make_reduce_comm()  # None on an untested torch: the native reduce-scatter runs
@@ -124,6 +119,32 @@ class FullyShardedBackend(Backend):
                     if buf is not None:
                         module._buffers[key] = buf.to(self.device)
         return model
+
+    @property
+    def stages_unsharded(self) -> bool:
+        """Whether pipeline stages stay plain modules: each stage alone on its data axis (pipeline parallelism and no
+        other axis), fp32 parameters and reductions, no CPU offload. FSDP2 over a group of one only copies each unit's
+        parameters into its unsharded buffer and back, and its hooks around every unit and micro-batch cost ~20% of a
+        small PP step's CPU (docs/benchmarks.md, pipeline section). Plain stages hold the same values under the same
+        names: the schedule accumulates their gradients, clipping and the optimizer see plain tensors, and DCP saves
+        and loads them to and from any layout. Mixed precision or offload keeps FSDP2, which casts and offloads."""
+        d = self.dims
+        fp32 = self.param_dtype == torch.float32 and self.reduce_dtype == torch.float32
+        return d.pp > 1 and d.world_size == d.pp and d.ep == 1 and fp32 and not self.cfg.cpu_offload
+
+    def prefetch(self, model: nn.Module, units: list[nn.Module]) -> None:
+        """distributed.prefetch_units > 0: issue the next units' all-gathers before this unit's compute, so they overlap
+        it."""
+        k = self.cfg.prefetch_units
+        if k == 0:
+            return
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + k])
+            unit.set_modules_to_backward_prefetch(units[max(0, i - k) : i][::-1])
+        if self.device.type == "cpu":
+            # On CPU FSDP2 issues a prefetched all-gather as a blocking op unless unshards are async; on CUDA
+            # they overlap on FSDP2's side streams, where the async flag would stop copy-in/casts overlapping.
+            self.unshard_async = torch_internals.set_unshard_async_op(model)
 
     def shard_experts(self, modules: Sequence[nn.Module], expert_mesh: DeviceMesh | None, kwargs: dict) -> None:
         """Each expert module its own FSDP2 unit over the expert mesh's data ranks outside 'ep', by rows where a rank
@@ -218,8 +239,11 @@ class FullyShardedBackend(Backend):
         )
         if self.dims.pp > 1:
             per_rank = self.cfg.pipeline_stages_per_rank
+            placed = (
+                "plain modules (one data rank each)" if self.stages_unsharded else "each sharded over its data ranks"
+            )
             yield (f"pipeline: {self.dims.describe()}; {self.cfg.pipeline_schedule} over {self.dims.pp * per_rank} "
-                   f"stages ({per_rank} per rank), each sharded over its data-parallel ranks")  # fmt: skip
+                   f"stages ({per_rank} per rank), {placed}")  # fmt: skip
         if self.dims.cp > 1:
             ring, shard = self.cfg.context_parallel_rotate_method, self.fsdp_mesh().mesh_dim_names
             yield (f"context parallel: {self.dims.describe()}; each sequence split over {self.dims.cp} ranks (torch's "

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from shardlab.distributed import env as dist_env
 from shardlab.jobs.preflight import compose_config
@@ -54,7 +55,10 @@ def full_params(trainer) -> dict:
         full = {k: v for part in gathered for k, v in part.items()}
         every_rank = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, logged)
-    return {"params": full, "held": held, "layout": trainer.backend.dims.describe(), "logged": every_rank}
+    # whether this rank's stages are FSDP2 modules (fully_sharded.stages_unsharded: not when alone on the data axis)
+    fsdp = any(isinstance(m, FSDPModule) for m in trainer.model.modules())
+    layout = trainer.backend.dims.describe()
+    return {"params": full, "held": held, "layout": layout, "logged": every_rank, "fsdp": fsdp}
 
 
 def train_records(result: dict, key: str) -> torch.Tensor:
@@ -221,6 +225,13 @@ def test_each_rank_holds_its_stages_layers_under_the_unsplit_names(two_rank_resu
     assert two_rank_results["1f1b"]["held"] == ["blocks.0", "blocks.1", "embed.pos", "embed.tok"]
     # interleaved: stage i on rank i mod 2, so rank 0 holds stages 0 and 2 (blocks 0 and 2)
     assert two_rank_results["interleaved_1f1b"]["held"] == ["blocks.0", "blocks.2", "embed.pos", "embed.tok"]
+
+
+def test_stages_are_fsdp2_modules_only_where_a_stage_has_data_parallel_ranks(two_rank_results, four_rank_results):
+    """PP 2 alone in fp32: each stage is the only rank of its data axis, where FSDP2 would only copy, so it stays a
+    plain module (the parity tests above hold it to one process all the same); PP 2 x FSDP 2 shards each stage."""
+    assert [two_rank_results[name]["fsdp"] for name in VARIANTS_2] == [False] * len(VARIANTS_2)
+    assert four_rank_results["fsdp"]["fsdp"] and four_rank_results["tp"]["fsdp"]
 
 
 def test_a_3d_checkpoint_resumes_on_one_process(tiny_lm, three_d_results, references, tmp_path):
