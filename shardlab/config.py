@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -418,14 +418,15 @@ def register_schemas() -> None:
 # ---- every field's choices and range, checked over a composed config -------------------------------------------------
 def field_errors(cfg: DictConfig) -> list[str]:
     """Each value of the composed config outside its field's ``choice`` or ``bounded``, one line per key, in the
-    config's order. Left out: keys of sections without a schema, Hydra's own node, and interpolations (the value is
-    checked where it is set)."""
-    errors: list[str] = []
-    _visit(cfg, "", errors)
-    return errors
+    config's order."""
+    problems = (value_problem(key, value, meta) for key, value, meta, _ in declared_values(cfg))
+    return [problem for problem in problems if problem]
 
 
-def _visit(node: DictConfig, prefix: str, errors: list[str]) -> None:
+def declared_values(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, Any, Any, type]]:
+    """(dotted key, value, its field's metadata, the schema declaring it) for every value of ``node`` whose field
+    has metadata (``choice``, ``bounded``, ``registry_name``), at any depth. Left out: keys of sections without a
+    schema, Hydra's own node, null or missing values, and interpolations (the value is checked where it is set)."""
     schema = OmegaConf.get_type(node)
     declared = {f.name: f.metadata for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
     for key in node:
@@ -433,12 +434,10 @@ def _visit(node: DictConfig, prefix: str, errors: list[str]) -> None:
         if dotted == "hydra" or child._is_missing() or child._is_none() or child._is_interpolation():
             continue
         if isinstance(child, DictConfig):
-            _visit(child, f"{dotted}.", errors)
+            yield from declared_values(child, f"{dotted}.")
         elif declared.get(key):
             value = list(child) if isinstance(child, ListConfig) else child._value()
-            problem = value_problem(dotted, value, declared[key])
-            if problem:
-                errors.append(problem)
+            yield dotted, value, declared[key], schema
 
 
 def value_problem(key: str, value: Any, meta: Any) -> str | None:

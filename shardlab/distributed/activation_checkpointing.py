@@ -22,7 +22,6 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from shardlab.config import AC_MODES as MODES  # the values of distributed.activation_checkpointing: the schema's
 from shardlab.errors import ConfigError
 
 

@@ -1,7 +1,9 @@
 """Every check of a config's values, in one place, run once per start.
 
-``check(cfg)`` asks each part for its problems and raises one ConfigError naming them all: the generic sections
-(``validate``: ranges, finite numbers, flag combinations, unknown keys), the names the config picks
+``check(cfg)`` first refuses every value outside its field's choices or range (``shardlab.config.field_errors``: they
+are declared beside each field, in the schemas, task plug-ins' included) and every number that is not finite, alone;
+then asks each part for its problems and raises one ConfigError naming them all: the generic sections
+(``validate``: flag combinations across keys and sections, unknown keys), the names the config picks
 from the registries (backend, task, architecture, optimizer, schedule), the task's own checks (``Task.config_errors``
 and ``Task.world_errors``, written beside each task in shardlab_tasks/<task>/), torch.compile's, and an explicit backend
 held to distributed.memory_budget_gb (the memory plan, on the meta device). The paths a run will write (``path_errors``)
@@ -53,6 +55,9 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
     load_backends()  # registers single, ddp, fully_sharded
     world_size = world_size or job_world_size(cfg)
     num_cuda_devices = torch.cuda.device_count() if num_cuda_devices is None else num_cuda_devices
+    outside = nonfinite_errors(cfg) or field_errors(cfg)
+    if outside:  # alone: every rule below, the task's included, reads these values
+        raise ConfigError("; ".join(outside))
     problems: list[str] = []
     try:
         validate(cfg, world_size if world_size > 1 else None, num_cuda_devices)
@@ -238,9 +243,10 @@ def architecture_errors(cfg: DictConfig) -> list[str]:
     return []
 
 
-# ---- the generic sections' values: ranges, finite numbers, flag combinations, unknown keys ---------------------------
-def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0) -> None:
-    """Check ranges and cross-field rules of the generic sections; raise one ConfigError listing all problems.
+# ---- the generic sections: finite numbers, declared choices and ranges, flag combinations, unknown keys -------------
+def validate(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int = 0) -> None:
+    """Check the values (finite, within their fields' choices and ranges: shardlab.config.field_errors) and the
+    cross-field rules of the generic sections; raise one ConfigError listing all problems.
 
     ``world_size`` is the job's (from the launcher, else distributed.world_size); invalid flag combinations are
     caught here, before any process starts or any memory is allocated.
@@ -276,7 +282,7 @@ AUTO_NEEDS_BUDGET = (
 )
 
 
-def ema_errors(cfg: Any) -> list[str]:
+def ema_errors(cfg: DictConfig) -> list[str]:
     """validation.ema without optimization.ema (its values' ranges are the schema's)."""
     ema, errors = cfg.optimization.ema, []
     if cfg.validation.ema and not ema.enabled:
@@ -286,7 +292,7 @@ def ema_errors(cfg: Any) -> list[str]:
     return errors
 
 
-def checkpointing_errors(d: Any) -> list[str]:
+def checkpointing_errors(d: DictConfig) -> list[str]:
     """distributed.activation_checkpointing against its keys (``d``: the distributed section; each key's values are
     the schema's)."""
     mode, errors = d.activation_checkpointing, []
@@ -318,7 +324,7 @@ TRACKER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
 """The module each tracker imports (logging.<tracker>.enabled), by the name of the extra that installs it."""
 
 
-def tracker_errors(log_cfg: Any) -> list[str]:
+def tracker_errors(log_cfg: DictConfig) -> list[str]:
     """An enabled tracker must be installed (found, not imported: its import takes seconds); MLflow's URI a URI."""
     import importlib.util
 
@@ -340,7 +346,7 @@ def tracker_errors(log_cfg: Any) -> list[str]:
     return errors
 
 
-def nonfinite_errors(cfg: Any) -> list[str]:
+def nonfinite_errors(cfg: DictConfig) -> list[str]:
     """Every number of the config (all sections, plug-ins' included, lists too) that is NaN or infinite, by dotted
     key. Range checks let them through: ``lr > 0`` holds for inf, and optimizer.lr=inf trained a NaN loss from step 2
     and ended "completed" with a NaN checkpoint. No shardlab setting means infinity (0 is "off" where one can be)."""
@@ -363,7 +369,7 @@ def nonfinite_errors(cfg: Any) -> list[str]:
     return errors
 
 
-def plan_device_errors(cfg: Any) -> list[str]:
+def plan_device_errors(cfg: DictConfig) -> list[str]:
     """distributed.plan_device must name a device of shardlab.memory.devices; verify_plan needs a dry run."""
     from shardlab.memory import devices
 
@@ -376,7 +382,7 @@ def plan_device_errors(cfg: Any) -> list[str]:
 
 
 # ---- the paths a run writes: checked by writing there --------------------------------------------------------------
-def path_errors(cfg: Any, run_dir: str | os.PathLike, keep_run_dir: bool = False) -> list[str]:
+def path_errors(cfg: DictConfig, run_dir: str | os.PathLike, keep_run_dir: bool = False) -> list[str]:
     """The run directory and ``<run dir>/<checkpoint.dir>`` must be directories this process can create and write
     in, so a bad path stops the run before its first step, not at its first save. Checked by doing it: each is
     created (with its missing parents), a file is written and removed in it, and what the check created is removed
@@ -443,7 +449,7 @@ def _writable_dir_problem(path: Path, keep: bool) -> tuple[str | None, bool]:
 
 
 # ---- keys and flag combinations ------------------------------------------------------------------------------------
-def unknown_key_errors(cfg: Any) -> list[str]:
+def unknown_key_errors(cfg: DictConfig) -> list[str]:
     """Keys the schemas do not declare. Hydra rejects a mistyped ``key=value`` itself, but a ``+key=value`` is added
     to the config unchecked, and nothing would ever read it."""
     from omegaconf import DictConfig, OmegaConf
@@ -472,7 +478,7 @@ def unknown_key_errors(cfg: Any) -> list[str]:
     return errors
 
 
-def data_parallel_readers(cfg: Any, world: int) -> int:
+def data_parallel_readers(cfg: DictConfig, world: int) -> int:
     """The ranks that read different samples: the data-parallel ones (world / tensor x pipeline x context)."""
     from shardlab.distributed.mesh import ParallelDims
 
@@ -480,7 +486,7 @@ def data_parallel_readers(cfg: Any, world: int) -> int:
     return dims.dp if dims.multi_axis and dims.world_size == world else world
 
 
-def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
+def distributed_errors(cfg: DictConfig, world: int, num_cuda_devices: int) -> list[str]:
     """Flag combinations that cannot work (or silently would not do what they say)."""
     d, errors = cfg.distributed, []
     sharded = d.backend in ("fully_sharded", "auto")  # auto keeps fully_sharded knobs (and then shards)
@@ -523,7 +529,7 @@ def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]
     return errors + placement_errors(cfg, world, num_cuda_devices)
 
 
-def placement_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
+def placement_errors(cfg: DictConfig, world: int, num_cuda_devices: int) -> list[str]:
     """Where parameters, optimizer steps and activations go, and in which dtypes, against the backend and devices."""
     d, errors = cfg.distributed, []
     if d.cpu_offload and d.backend not in ("fully_sharded", "auto"):
@@ -548,7 +554,7 @@ def placement_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
     return errors
 
 
-def tracker_uri_errors(log_cfg: Any) -> list[str]:
+def tracker_uri_errors(log_cfg: DictConfig) -> list[str]:
     """The pre-flight's check of the MLflow tracking URI (the configured one, else MLFLOW_TRACKING_URI): a scheme that
     MLflow's store registry has no store for (``nosuchscheme://x``) can never work, so it is refused before training,
     by the registry the client asks (plug-in schemes included); nothing is connected to or created. A server that

@@ -31,7 +31,7 @@ REFUSED = {  # what a config changes from FITS (overrides split by spaces) -> th
     r"than the 2 stages 1f1b needs",
     "distributed.pipeline_schedule=zbv_zero_bubble": r"distributed.pipeline_schedule must be one of gpipe, 1f1b, "
     r"interleaved_1f1b, got 'zbv_zero_bubble' \(its forward-only pass fails",
-    "distributed.pipeline_schedule=2f2b": r"distributed.pipeline_schedule must be one of gpipe, 1f1b, interleaved_1f1b, "
+    "distributed.pipeline_schedule=2f2b": r"pipeline_schedule must be one of gpipe, 1f1b, interleaved_1f1b, "
     r"got '2f2b'",
     "distributed.backend=ddp": r"distributed.pipeline_parallel_degree \(2\) runs each stage under fully_sharded",
     "optimization.update_freq=4 validation.batch_size=6": r"validation.batch_size \(6\) must be a multiple of "
