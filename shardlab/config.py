@@ -24,6 +24,7 @@ checks them against the registry, listing the names it knows.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -463,8 +464,9 @@ def value_problem(key: str, value: Any, meta: Any) -> str | None:
 
 
 def in_range(value: Any, meta: Any) -> bool:
-    """Whether a number is within the field's bounds (a value that is no number: its type is Hydra's to check)."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    """Whether a number is within the field's bounds (a value that is no number: its type is Hydra's to check; NaN
+    and infinity: shardlab.jobs.checks.nonfinite_errors's, which says so for every number of the config)."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
         return True
     tests = {"gt": value.__gt__, "ge": value.__ge__, "lt": value.__lt__, "le": value.__le__}
     return all(test(meta[b]) is True for b, test in tests.items() if b in meta)

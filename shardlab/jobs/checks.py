@@ -1,9 +1,10 @@
 """Every check of a config's values, in one place, run once per start.
 
 ``check(cfg)`` first refuses every value outside its field's choices or range (``shardlab.config.field_errors``: they
-are declared beside each field, in the schemas, task plug-ins' included) and every number that is not finite, alone;
-then asks each part for its problems and raises one ConfigError naming them all: the generic sections
-(``validate``: flag combinations across keys and sections, unknown keys), the names the config picks
+are declared beside each field, in the schemas, task plug-ins' included), all of them at once and alone: every rule
+after it reads these values, and a task's checks may build its model from them. Then it asks each part for its
+problems and raises one ConfigError naming them all: the generic sections (``validate``: numbers that are not finite,
+flag combinations across keys and sections, unknown keys), the names the config picks
 from the registries (backend, task, architecture, optimizer, schedule), the task's own checks (``Task.config_errors``
 and ``Task.world_errors``, written beside each task in shardlab_tasks/<task>/), torch.compile's, and an explicit backend
 held to distributed.memory_budget_gb (the memory plan, on the meta device). The paths a run will write (``path_errors``)
@@ -55,8 +56,8 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
     load_backends()  # registers single, ddp, fully_sharded
     world_size = world_size or job_world_size(cfg)
     num_cuda_devices = torch.cuda.device_count() if num_cuda_devices is None else num_cuda_devices
-    outside = nonfinite_errors(cfg) or field_errors(cfg)
-    if outside:  # alone: every rule below, the task's included, reads these values
+    outside = field_errors(cfg)
+    if outside:  # alone, all of them: every rule below reads these values, a task's may build a model from them
         raise ConfigError("; ".join(outside))
     problems: list[str] = []
     try:
