@@ -11,11 +11,13 @@ values. shardlab.jobs.checks runs it first on every composed config, before any 
 a folder, lock or process exists), and keeps only the rules that span sections or need the world and the device.
 
 Why metadata and not ``Enum`` fields: OmegaConf (2.3) has no ``Literal``, and its EnumNode matches a string by the
-member's *name*, hands ``Enum`` members to every reader and writes names back: '1f1b' is no identifier; the config
-travels into places that take plain values only - the checkpoints' saved config (read back by the hardened
-unpickler of checkpoint/readers, which refuses any class it does not know), yaml.safe_dump, JSON records - and code
-compares values with strings throughout. A ``choice`` keeps the value a plain ``str`` everywhere (the saved
-config.yaml, the run folder's name, a requeue's re-composition read exactly as before) and still gives the one place.
+member's *name* and hands ``Enum`` members to every reader: the names would have to be the yaml values ('1f1b' is no
+Python identifier), and each reader (string comparisons, f-strings, JSON and YAML writers of the run record and of
+shardlab.json, the run folder's name) would get a ``str`` subclass or an ``Enum`` where it gets a ``str`` today. The
+ranges need a walker over the composed config anyway (OmegaConf has no bounds), so choices and ranges are one
+mechanism, and the values stay plain ``str``: the saved config.yaml, shardlab.json, the run folder's name and a
+requeue's re-composition read exactly as before.
+
 Keys that name a registry entry (task.name, model.arch, optimizer.name, lr_scheduler.name, distributed.backend,
 distributed.plan_device) are open sets that plug-ins extend: ``registry_name`` marks them, and shardlab.jobs.checks
 checks them against the registry, listing the names it knows.
