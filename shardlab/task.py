@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -135,7 +136,7 @@ class Task(ABC):
     resumable_model_changes: tuple[str, ...] = ("dropout",)
     """Model config keys that may differ between a checkpoint and the run resuming it (no effect on shapes)."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.train_dataset: Dataset | None = None
         self.valid_dataset: Dataset | None = None

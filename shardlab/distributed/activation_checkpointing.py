@@ -24,9 +24,6 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from shardlab.errors import ConfigError
 
-MODES = ("none", "full", "selective_layer", "selective_op")
-"""The values of distributed.activation_checkpointing."""
-
 
 def _ops(*names: str) -> frozenset:
     """The aten overloads of ``names`` this torch build has (a CPU-only or older build lacks some)."""

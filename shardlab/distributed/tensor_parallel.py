@@ -10,8 +10,8 @@ materialization (shardlab.distributed.materialize) fills its shard from the same
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
+from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
@@ -59,7 +59,7 @@ def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> bool:
     return True
 
 
-def loss_parallel_on(cfg: Any) -> bool:
+def loss_parallel_on(cfg: DictConfig) -> bool:
     """Whether the run's loss takes logits split over the vocabulary (distributed.loss_parallel under tensor
     parallelism); false for a stored config written before the key (it gathered them)."""
     d = cfg.distributed

@@ -1,7 +1,10 @@
 """Every check of a config's values, in one place, run once per start.
 
-``check(cfg)`` asks each part for its problems and raises one ConfigError naming them all: the generic sections
-(``validate``: ranges, finite numbers, flag combinations, unknown keys), the names the config picks
+``check(cfg)`` first refuses every value outside its field's choices or range (``shardlab.config.field_errors``: they
+are declared beside each field, in the schemas, task plug-ins' included), all of them at once and alone: every rule
+after it reads these values, and a task's checks may build its model from them. Then it asks each part for its
+problems and raises one ConfigError naming them all: the generic sections (``validate``: numbers that are not finite,
+flag combinations across keys and sections, unknown keys), the names the config picks
 from the registries (backend, task, architecture, optimizer, schedule), the task's own checks (``Task.config_errors``
 and ``Task.world_errors``, written beside each task in shardlab_tasks/<task>/), torch.compile's, and an explicit backend
 held to distributed.memory_budget_gb (the memory plan, on the meta device). The paths a run will write (``path_errors``)
@@ -26,7 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from shardlab.config import DistributedConfig
+from shardlab.config import DistributedConfig, field_errors
 from shardlab.errors import ConfigError
 from shardlab.jobs.conf_options import options_of, task_section_package
 from shardlab.registry import BACKENDS, LR_SCHEDULERS, MODELS, OPTIMIZERS, TASKS, load_plugins, plugin_packages
@@ -53,6 +56,9 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
     load_backends()  # registers single, ddp, fully_sharded
     world_size = world_size or job_world_size(cfg)
     num_cuda_devices = torch.cuda.device_count() if num_cuda_devices is None else num_cuda_devices
+    outside = field_errors(cfg)
+    if outside:  # alone, all of them: every rule below reads these values, a task's may build a model from them
+        raise ConfigError("; ".join(outside))
     problems: list[str] = []
     try:
         validate(cfg, world_size if world_size > 1 else None, num_cuda_devices)
@@ -146,7 +152,7 @@ def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
     """distributed.pipeline_*: what shardlab.distributed.pipeline can run, given the task's cut (None: the task's model
     cannot be pipelined) and the world size (the degree against the world and the task: axis_checks)."""
     from shardlab.distributed.mesh import ParallelDims
-    from shardlab.distributed.pipeline import MULTI_STAGE, SCHEDULES, UNOFFERED
+    from shardlab.distributed.pipeline import MULTI_STAGE
 
     d, o = cfg.distributed, cfg.optimization
     pp, per_rank, schedule = d.pipeline_parallel_degree, d.pipeline_stages_per_rank, d.pipeline_schedule
@@ -155,13 +161,6 @@ def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
                                          "pipeline_parallel_degree > 1; drop it"]  # fmt: skip
     if pp < 1 or world % pp or cut is None:  # shardlab.jobs.axis_checks says why (the degree, the task)
         return []
-    if schedule not in SCHEDULES:
-        why = (
-            "its forward-only pass fails in torch 2.14, so validation cannot run through it"
-            if schedule in UNOFFERED
-            else "not a schedule"
-        )
-        return [f"distributed.pipeline_schedule={schedule!r}: {why}; known: {', '.join(SCHEDULES)}"]
     stages, micro = pp * per_rank, o.update_freq
     data = ParallelDims.from_config(d, world).dp  # the ranks a validation batch splits over (not the TP/CP ones)
     errors = failed([
@@ -245,12 +244,10 @@ def architecture_errors(cfg: DictConfig) -> list[str]:
     return []
 
 
-# ---- the generic sections' values: ranges, finite numbers, flag combinations, unknown keys ---------------------------
-DTYPES = ("fp32", "bf16", "fp16")
-
-
-def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0) -> None:
-    """Check ranges and cross-field rules of the generic sections; raise one ConfigError listing all problems.
+# ---- the generic sections: finite numbers, declared choices and ranges, flag combinations, unknown keys -------------
+def validate(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int = 0) -> None:
+    """Check the values (finite, within their fields' choices and ranges: shardlab.config.field_errors) and the
+    cross-field rules of the generic sections; raise one ConfigError listing all problems.
 
     ``world_size`` is the job's (from the launcher, else distributed.world_size); invalid flag combinations are
     caught here, before any process starts or any memory is allocated.
@@ -258,12 +255,13 @@ def validate(cfg: Any, world_size: int | None = None, num_cuda_devices: int = 0)
     nonfinite = nonfinite_errors(cfg)
     if nonfinite:  # alone: the range checks below would only repeat them (NaN fails every comparison, inf passes >)
         raise ConfigError("; ".join(nonfinite))
+    outside = field_errors(cfg)
+    if outside:  # alone: the rules below, and the task's, read these values and would only follow from them
+        raise ConfigError("; ".join(outside))
     d = cfg.distributed
     errors = [
-        *training_errors(cfg),
+        *(() if d.backend != "auto" or d.memory_budget_gb > 0 else [AUTO_NEEDS_BUDGET]),
         *ema_errors(cfg),
-        *checkpoint_errors(cfg),
-        *distributed_range_errors(d),
         *checkpointing_errors(d),
         *plan_device_errors(cfg),
         *tracker_errors(cfg.logging),
@@ -280,102 +278,14 @@ def failed(checks: list[tuple[bool, str]]) -> list[str]:
     return [msg for ok, msg in checks if not ok]
 
 
-def training_errors(cfg: Any) -> list[str]:
-    """The ranges of optimization, optimizer, lr_scheduler and validation."""
-    o, opt, sch, v = cfg.optimization, cfg.optimizer, cfg.lr_scheduler, cfg.validation
-    return failed([
-        (o.max_steps > 0, f"optimization.max_steps must be > 0, got {o.max_steps}"),
-        (o.max_nonfinite_steps >= 1, f"optimization.max_nonfinite_steps must be >= 1, got {o.max_nonfinite_steps}"),
-        (o.batch_size > 0, f"optimization.batch_size must be > 0, got {o.batch_size}"),
-        (o.update_freq > 0, f"optimization.update_freq must be >= 1, got {o.update_freq}"),
-        (o.clip_norm >= 0, f"optimization.clip_norm must be >= 0 (0 disables), got {o.clip_norm}"),
-        (opt.lr > 0, f"optimizer.lr must be > 0, got {opt.lr}"),
-        (opt.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {opt.weight_decay}"),
-        (opt.trust_coefficient > 0, f"optimizer.trust_coefficient must be > 0, got {opt.trust_coefficient}"),
-        (opt.eps > 0, f"optimizer.eps must be > 0 (it keeps a denominator off zero), got {opt.eps}"),
-        (0 <= opt.momentum < 1, f"optimizer.momentum must be in [0, 1), got {opt.momentum}"),
-        (
-            len(opt.betas) == 2 and all(0 <= b < 1 for b in opt.betas),
-            f"optimizer.betas must be two numbers in [0, 1), got {list(opt.betas)}",
-        ),
-        (
-            opt.implementation in ("auto", "fused", "foreach", "loop"),
-            f"optimizer.implementation must be auto, fused, foreach or loop, got '{opt.implementation}'",
-        ),
-        (sch.warmup_steps >= 0, f"lr_scheduler.warmup_steps must be >= 0, got {sch.warmup_steps}"),
-        (0 <= sch.min_lr_ratio <= 1, f"lr_scheduler.min_lr_ratio must be in [0, 1], got {sch.min_lr_ratio}"),
-        (v.interval_steps >= 0, "validation.interval_steps must be >= 0"),
-        (v.num_batches >= 0, "validation.num_batches must be >= 0"),
-        (v.batch_size > 0, f"validation.batch_size must be > 0, got {v.batch_size}"),
-    ])  # fmt: skip
+AUTO_NEEDS_BUDGET = (
+    "distributed.backend=auto chooses a layout to fit distributed.memory_budget_gb; set it (GiB per rank)"
+)
 
 
-def checkpoint_errors(cfg: Any) -> list[str]:
-    """The ranges of checkpoint and logging."""
-    c = cfg.checkpoint
-    return failed([
-        (c.interval_steps >= 0, "checkpoint.interval_steps must be >= 0"),
-        (c.timeout_s > 0, f"checkpoint.timeout_s must be > 0, got {c.timeout_s}"),
-        (c.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {c.keep_last}"),
-        (c.interval_minutes >= 0, f"checkpoint.interval_minutes must be >= 0, got {c.interval_minutes}"),
-        (c.keep_every_steps >= 0, f"checkpoint.keep_every_steps must be >= 0, got {c.keep_every_steps}"),
-        (cfg.logging.interval_steps > 0, f"logging.interval_steps must be > 0, got {cfg.logging.interval_steps}"),
-    ])  # fmt: skip
-
-
-def distributed_range_errors(d: Any) -> list[str]:
-    """The ranges and the named choices of the distributed section (``d``), each on its own."""
-    return failed([
-        (d.world_size >= 1, f"distributed.world_size must be >= 1, got {d.world_size}"),
-        (d.timeout_s > 0, f"distributed.timeout_s must be > 0, got {d.timeout_s}"),
-        (d.compile_timeout_s > 0, f"distributed.compile_timeout_s must be > 0, got {d.compile_timeout_s}"),
-        (d.init_timeout_s > 0, f"distributed.init_timeout_s must be > 0, got {d.init_timeout_s}"),
-        (d.memory_budget_gb >= 0, f"distributed.memory_budget_gb must be >= 0 (0 = none), got {d.memory_budget_gb}"),
-        (
-            d.cpu_allocator in ("auto", "lean", "fast"),
-            f"distributed.cpu_allocator must be auto, lean or fast, got '{d.cpu_allocator}'",
-        ),
-        (
-            d.memory_budget_per in ("rank", "machine"),
-            f"distributed.memory_budget_per must be rank or machine, got '{d.memory_budget_per}'",
-        ),
-        (
-            d.on_lost_host in ("requeue", "fail"),
-            f"distributed.on_lost_host must be requeue or fail, got '{d.on_lost_host}'",
-        ),
-        (
-            d.backend != "auto" or d.memory_budget_gb > 0,
-            "distributed.backend=auto chooses a layout to fit distributed.memory_budget_gb; set it (GiB per rank)",
-        ),
-        (d.auto_tune_steps >= 2, f"distributed.auto_tune_steps must be >= 2 (one warm-up), got {d.auto_tune_steps}"),
-        (d.auto_tune_max_trials >= 1, f"distributed.auto_tune_max_trials must be >= 1, got {d.auto_tune_max_trials}"),
-        (d.prefetch_units >= 0, f"distributed.prefetch_units must be >= 0, got {d.prefetch_units}"),
-        (
-            d.reduce_scatter in ("native", "all_reduce"),
-            f"distributed.reduce_scatter must be native or all_reduce, got '{d.reduce_scatter}'",
-        ),
-        (
-            d.precision in (*DTYPES, "auto"),
-            f"distributed.precision must be one of {', '.join(DTYPES)}, auto, got '{d.precision}'",
-        ),
-        *(
-            (getattr(d, key) is None or getattr(d, key) in DTYPES,
-             f"distributed.{key} must be one of {', '.join(DTYPES)}, got '{getattr(d, key)}'")
-            for key in ("param_dtype", "reduce_dtype")
-        ),
-    ])  # fmt: skip
-
-
-def ema_errors(cfg: Any) -> list[str]:
-    """optimization.ema's ranges, and validation.ema without it."""
+def ema_errors(cfg: DictConfig) -> list[str]:
+    """validation.ema without optimization.ema (its values' ranges are the schema's)."""
     ema, errors = cfg.optimization.ema, []
-    for key in ("decay", "final_decay"):
-        if not 0 <= getattr(ema, key) <= 1:
-            errors.append(f"optimization.ema.{key} must be in [0, 1], got {getattr(ema, key)}")
-    if ema.schedule not in ("constant", "cosine"):
-        errors.append(f"optimization.ema.schedule must be constant or cosine, got '{ema.schedule}'")
-    if ema.start_step < 0:
-        errors.append(f"optimization.ema.start_step must be >= 0, got {ema.start_step}")
     if cfg.validation.ema and not ema.enabled:
         errors.append(
             "validation.ema validates with the average of optimization.ema; set optimization.ema.enabled=true"
@@ -383,29 +293,11 @@ def ema_errors(cfg: Any) -> list[str]:
     return errors
 
 
-def checkpointing_errors(d: Any) -> list[str]:
-    """distributed.activation_checkpointing and its keys (``d``: the distributed section)."""
-    from shardlab.distributed.activation_checkpointing import MODES, SAVE_OP_GROUPS
-
+def checkpointing_errors(d: DictConfig) -> list[str]:
+    """distributed.activation_checkpointing against its keys (``d``: the distributed section; each key's values are
+    the schema's)."""
     mode, errors = d.activation_checkpointing, []
-    if mode not in MODES:
-        errors.append(f"distributed.activation_checkpointing must be one of {', '.join(MODES)}, got '{mode}'")
-    if d.ac_every_k_units < 2:
-        errors.append(
-            f"distributed.ac_every_k_units must be >= 2, got {d.ac_every_k_units}; every unit (k=1) is "
-            "activation_checkpointing=full"
-        )
-    unknown = [g for g in d.ac_save_ops if g not in SAVE_OP_GROUPS]
-    if unknown or not d.ac_save_ops:
-        errors.append(
-            f"distributed.ac_save_ops must be a non-empty list of {', '.join(SAVE_OP_GROUPS)}, "
-            f"got {list(d.ac_save_ops)}"
-        )
-    if d.ac_matmul_save_every < 1:
-        errors.append(
-            f"distributed.ac_matmul_save_every must be >= 1 (1 keeps every matmul), got {d.ac_matmul_save_every}"
-        )
-    elif d.ac_matmul_save_every > 1 and "matmul" not in d.ac_save_ops:
+    if d.ac_matmul_save_every > 1 and "matmul" not in d.ac_save_ops:
         errors.append(
             f"distributed.ac_matmul_save_every={d.ac_matmul_save_every} thins the kept matmul outputs, but "
             f"distributed.ac_save_ops={list(d.ac_save_ops)} keeps none; add matmul to ac_save_ops or drop it"
@@ -433,8 +325,8 @@ TRACKER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
 """The module each tracker imports (logging.<tracker>.enabled), by the name of the extra that installs it."""
 
 
-def tracker_errors(log_cfg: Any) -> list[str]:
-    """An enabled tracker must be installed (found, not imported: its import takes seconds) and its mode known."""
+def tracker_errors(log_cfg: DictConfig) -> list[str]:
+    """An enabled tracker must be installed (found, not imported: its import takes seconds); MLflow's URI a URI."""
     import importlib.util
 
     errors = []
@@ -445,9 +337,6 @@ def tracker_errors(log_cfg: Any) -> list[str]:
                 f"logging.{extra}.enabled needs the {module} package, which is not installed; "
                 f"pip install -e '.[{extra}]' or drop logging.{extra}.enabled"
             )
-    mode = log_cfg.get("wandb", {}).get("mode", "online")
-    if mode not in ("online", "offline"):
-        errors.append(f"logging.wandb.mode must be online or offline, got '{mode}'")
     uri = log_cfg.get("mlflow", {}).get("tracking_uri")
     if uri is not None and "://" not in uri and not uri.startswith("databricks"):
         # a bare path is MLflow's folder store, which MLflow 3 refuses (in maintenance mode) at the first call
@@ -458,7 +347,7 @@ def tracker_errors(log_cfg: Any) -> list[str]:
     return errors
 
 
-def nonfinite_errors(cfg: Any) -> list[str]:
+def nonfinite_errors(cfg: DictConfig) -> list[str]:
     """Every number of the config (all sections, plug-ins' included, lists too) that is NaN or infinite, by dotted
     key. Range checks let them through: ``lr > 0`` holds for inf, and optimizer.lr=inf trained a NaN loss from step 2
     and ended "completed" with a NaN checkpoint. No shardlab setting means infinity (0 is "off" where one can be)."""
@@ -481,7 +370,7 @@ def nonfinite_errors(cfg: Any) -> list[str]:
     return errors
 
 
-def plan_device_errors(cfg: Any) -> list[str]:
+def plan_device_errors(cfg: DictConfig) -> list[str]:
     """distributed.plan_device must name a device of shardlab.memory.devices; verify_plan needs a dry run."""
     from shardlab.memory import devices
 
@@ -494,7 +383,7 @@ def plan_device_errors(cfg: Any) -> list[str]:
 
 
 # ---- the paths a run writes: checked by writing there --------------------------------------------------------------
-def path_errors(cfg: Any, run_dir: str | os.PathLike, keep_run_dir: bool = False) -> list[str]:
+def path_errors(cfg: DictConfig, run_dir: str | os.PathLike, keep_run_dir: bool = False) -> list[str]:
     """The run directory and ``<run dir>/<checkpoint.dir>`` must be directories this process can create and write
     in, so a bad path stops the run before its first step, not at its first save. Checked by doing it: each is
     created (with its missing parents), a file is written and removed in it, and what the check created is removed
@@ -561,7 +450,7 @@ def _writable_dir_problem(path: Path, keep: bool) -> tuple[str | None, bool]:
 
 
 # ---- keys and flag combinations ------------------------------------------------------------------------------------
-def unknown_key_errors(cfg: Any) -> list[str]:
+def unknown_key_errors(cfg: DictConfig) -> list[str]:
     """Keys the schemas do not declare. Hydra rejects a mistyped ``key=value`` itself, but a ``+key=value`` is added
     to the config unchecked, and nothing would ever read it."""
     from omegaconf import DictConfig, OmegaConf
@@ -590,7 +479,7 @@ def unknown_key_errors(cfg: Any) -> list[str]:
     return errors
 
 
-def data_parallel_readers(cfg: Any, world: int) -> int:
+def data_parallel_readers(cfg: DictConfig, world: int) -> int:
     """The ranks that read different samples: the data-parallel ones (world / tensor x pipeline x context)."""
     from shardlab.distributed.mesh import ParallelDims
 
@@ -598,7 +487,7 @@ def data_parallel_readers(cfg: Any, world: int) -> int:
     return dims.dp if dims.multi_axis and dims.world_size == world else world
 
 
-def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
+def distributed_errors(cfg: DictConfig, world: int, num_cuda_devices: int) -> list[str]:
     """Flag combinations that cannot work (or silently would not do what they say)."""
     d, errors = cfg.distributed, []
     sharded = d.backend in ("fully_sharded", "auto")  # auto keeps fully_sharded knobs (and then shards)
@@ -641,7 +530,7 @@ def distributed_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]
     return errors + placement_errors(cfg, world, num_cuda_devices)
 
 
-def placement_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
+def placement_errors(cfg: DictConfig, world: int, num_cuda_devices: int) -> list[str]:
     """Where parameters, optimizer steps and activations go, and in which dtypes, against the backend and devices."""
     d, errors = cfg.distributed, []
     if d.cpu_offload and d.backend not in ("fully_sharded", "auto"):
@@ -666,7 +555,7 @@ def placement_errors(cfg: Any, world: int, num_cuda_devices: int) -> list[str]:
     return errors
 
 
-def tracker_uri_errors(log_cfg: Any) -> list[str]:
+def tracker_uri_errors(log_cfg: DictConfig) -> list[str]:
     """The pre-flight's check of the MLflow tracking URI (the configured one, else MLFLOW_TRACKING_URI): a scheme that
     MLflow's store registry has no store for (``nosuchscheme://x``) can never work, so it is refused before training,
     by the registry the client asks (plug-in schemes included); nothing is connected to or created. A server that

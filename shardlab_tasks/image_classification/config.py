@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardlab.config import choice, registry_name
 from shardlab.registry import MODELS, TASKS
 
 
 @dataclass
 class RegNetConfig:
-    arch: str = "regnet_cifar"
+    arch: str = registry_name("regnet_cifar", "MODELS")
     """A name in MODELS: regnet (a torchvision flavor, by model.flavor) or regnet_cifar (a small RegNet for 32 px
     images, shaped by the design-space fields below)."""
-    flavor: str | None = None
+    flavor: str | None = registry_name(None, "torchvision RegNet builders")
     """arch=regnet: torchvision's builder name, e.g. regnet_y_400mf, regnet_y_16gf, regnet_x_8gf."""
     num_classes: int | None = None
     """Classifier outputs; null = the number of classes in the data."""
@@ -48,7 +49,7 @@ class RegNetConfig:
 
 @dataclass
 class ImageDataConfig:
-    source: str | None = None
+    source: str | None = choice(None, ("embedded", "folder", "fake"))
     """embedded (generated shapes and textures), folder (an ImageFolder tree at data.path) or fake (torchvision
     FakeData, for throughput runs); null = folder when data.path is set, else embedded."""
     path: str | None = None

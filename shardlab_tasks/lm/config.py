@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardlab.config import TaskConfig
+from shardlab.config import TaskConfig, choice, registry_name
 from shardlab.registry import MODELS, TASKS
 
 
@@ -29,7 +29,7 @@ class LoraConfig:
 
 @dataclass
 class GPTConfig:
-    arch: str = "gpt"
+    arch: str = registry_name("gpt", "MODELS")
     """A name in MODELS: a model architecture for the LM task (gpt, or one of a user_dir)."""
     num_layers: int = 4
     """Transformer blocks."""
@@ -57,7 +57,7 @@ class GPTConfig:
 
 @dataclass
 class RopeScalingConfig:
-    rope_type: str = "llama3"
+    rope_type: str = choice("llama3", ("llama3",))
     """How the rotary frequencies are stretched for long context: llama3 (Llama 3.1's) is the one implemented."""
     factor: float = 8.0
     """Low frequencies are divided by it."""
@@ -78,7 +78,7 @@ class MoEConfig:
     """Experts each token is sent to (num_experts_per_tok)."""
     ffn_dim: int = 256
     """Hidden width of each routed expert's SwiGLU (Qwen/DeepSeek moe_intermediate_size; Mixtral intermediate_size)."""
-    score_func: str = "softmax"
+    score_func: str = choice("softmax", ("softmax", "sigmoid"))
     """Router scores over the logits: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)."""
     norm_topk_prob: bool = True
     """Renormalise the k chosen weights to sum to 1 (Mixtral always; Qwen and DeepSeek per their config)."""
@@ -107,14 +107,14 @@ class MoEConfig:
     capacity_factor: float | None = None
     """Each expert takes at most factor * tokens * top_k / experts assignments per batch, the rest dropped; null =
     no token is dropped."""
-    experts_impl: str = "auto"
+    experts_impl: str = choice("auto", ("auto", "grouped_mm", "loop"))
     """How the experts run: auto (grouped_mm where the device and dtype have it, else a loop over experts),
     grouped_mm or loop; all exact (shardlab_bench/moe.py times them)."""
 
 
 @dataclass
 class LlamaConfig:
-    arch: str = "llama"
+    arch: str = registry_name("llama", "MODELS")
     """A name in MODELS: a model architecture for the LM task (set by the registration)."""
     num_layers: int = 4
     """Transformer blocks."""
@@ -195,7 +195,7 @@ class LMDataConfig:
     """A weighted mixture instead of data.path: name -> {path, weight, text_field}, each corpus its own cache
     (docs/corpora.md#mixtures); data.sources='{web: {path: /a, weight: 0.8}, code: {path: /b, weight: 0.2}}'."""
     # Supervised fine-tuning (shardlab_tasks/lm/sft.py, docs/finetuning.md#supervised-fine-tuning)
-    format: str = "text"
+    format: str = choice("text", ("text", "chat", "prompt_completion", "preference"))
     """text (documents, pretraining), chat (records of role/content messages), prompt_completion (records of a
     prompt and its answer) or preference (prompt/chosen/rejected pairs, DPO: conf/task/dpo.yaml); all but text train
     on answer tokens only; with data.path=null, the stdlib demo."""
@@ -227,7 +227,7 @@ class LMDataConfig:
 class DPOConfig:
     beta: float = 0.1
     """The strength of the pull toward the reference: rewards are beta * (log pi - log pi_ref) (TRL's beta)."""
-    loss_type: str = "sigmoid"
+    loss_type: str = choice("sigmoid", ("sigmoid", "ipo"))
     """sigmoid (DPO) or ipo (IPO, log-ratios averaged over answer tokens), as TRL's DPOTrainer computes them."""
     label_smoothing: float = 0.0
     """loss_type=sigmoid: the assumed share of flipped preference labels (conservative DPO); 0 = plain DPO."""

@@ -5,10 +5,10 @@ cycle)."""
 
 from __future__ import annotations
 
-from typing import Any
+from omegaconf import DictConfig
 
 
-def build_lm_task(cfg: Any):
+def build_lm_task(cfg: DictConfig):
     if cfg.data.get("format") == "preference":
         from shardlab_tasks.lm.dpo_task import PreferenceTask
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardlab.config import TaskConfig
+from shardlab.config import TaskConfig, choice
 from shardlab.registry import TASKS
 from shardlab_tasks.image_classification.config import ImageDataConfig
 
@@ -69,7 +69,7 @@ class DINOConfig(SelfSupervisedConfig):
     """The DINO head's MLP widths; the last is the bottleneck, L2-normalized before the last layer."""
     projection_bn: bool = False
     """BatchNorm in the head's MLP (DINO's use_bn_in_head; off by default)."""
-    projection_activation: str = "gelu"
+    projection_activation: str = choice("gelu", ("gelu", "relu"))
     """The activation between the head's linear layers: gelu (DINO's) or relu."""
     num_prototypes: int = 65536
     """Output dimensions of the weight-normalized last layer (DINO's out_dim, K)."""

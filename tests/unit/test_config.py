@@ -133,7 +133,7 @@ def test_unknown_backend_names_known_ones_and_suggests():
         ),
         (["distributed.offload_activations=true", "distributed.activation_checkpointing=full"], 1, "choose one"),
         (["distributed.world_size=2"], 1, "needs distributed.backend=ddp or fully_sharded"),
-        (["distributed.cpu_allocator=tight"], 1, "distributed.cpu_allocator must be auto, lean or fast, got 'tight'"),
+        (["distributed.cpu_allocator=tight"], 1, "cpu_allocator must be one of auto, lean, fast, got 'tight'"),
         (["data.seq_len=512"], 1, "data.seq_len (512) must be in [1, model.max_seq_len=256]"),
         (["model.num_heads=5"], 1, "model.num_heads (5) must divide model.dim"),
         (["model.num_heads=0"], 1, "model.num_heads must be >= 1, got 0"),

@@ -157,7 +157,7 @@ def test_adapters_off_computes_the_base_layer_and_turns_them_back_on():
     ("override", "message"),
     [
         ("task.dpo.beta=0", r"task.dpo.beta must be > 0"),
-        ("task.dpo.loss_type=kto", r"task.dpo.loss_type='kto' is not a DPO loss; known: sigmoid, ipo"),
+        ("task.dpo.loss_type=kto", r"task.dpo.loss_type must be one of sigmoid, ipo, got 'kto'"),
         ("task.dpo.label_smoothing=0.5", r"task.dpo.label_smoothing must be in \[0, 0.5\)"),
     ],
 )

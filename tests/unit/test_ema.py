@@ -76,7 +76,10 @@ def test_swapping_the_average_in_gives_the_weights_back_exactly():
     "overrides, expected",
     [
         (["optimization.ema.decay=1.5"], "optimization.ema.decay must be in [0, 1], got 1.5"),
-        (["optimization.ema.schedule=linear"], "optimization.ema.schedule must be constant or cosine, got 'linear'"),
+        (
+            ["optimization.ema.schedule=linear"],
+            "optimization.ema.schedule must be one of constant, cosine, got 'linear'",
+        ),
         (["optimization.ema.start_step=-1"], "optimization.ema.start_step must be >= 0, got -1"),
         (["validation.ema=true"], "validation.ema validates with the average of optimization.ema; set optimization"),
     ],

@@ -209,7 +209,7 @@ def test_an_explicit_backend_over_its_budget_is_refused_before_launch():
             ["distributed.backend=auto", "distributed.memory_budget_gb=8", "distributed.cpu_offload=true"],
             "distributed.cpu_offload is what distributed.backend=auto chooses",
         ),
-        (["distributed.memory_budget_per=node"], "distributed.memory_budget_per must be rank or machine"),
+        (["distributed.memory_budget_per=node"], "memory_budget_per must be one of rank, machine, got 'node'"),
     ],
 )
 def test_budget_keys_are_checked(overrides, expected):

@@ -75,7 +75,7 @@ def test_a_dense_llama_reports_no_routing_metrics():
     ("overrides", "expected"),
     [
         (["model.moe.top_k=5"], "model.moe.top_k (5) must be <= model.moe.num_experts (4)"),
-        (["model.moe.score_func=relu"], "model.moe.score_func='relu' is not one of softmax, sigmoid"),
+        (["model.moe.score_func=relu"], "model.moe.score_func must be one of softmax, sigmoid, got 'relu'"),
         (["distributed=fully_sharded", "distributed.world_size=2", "distributed.tensor_parallel_degree=2",
           "model.num_kv_heads=1"], "distributed.tensor_parallel_degree (2) must divide model.num_kv_heads (1)"),
         (["distributed=fully_sharded", "distributed.world_size=2", "distributed.pipeline_parallel_degree=2"],

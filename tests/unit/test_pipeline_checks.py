@@ -29,9 +29,10 @@ REFUSED = {  # what a config changes from FITS (overrides split by spaces) -> th
     "distributed.pipeline_stages_per_rank=2": r"distributed.pipeline_stages_per_rank \(2\) needs an interleaved",
     "optimization.update_freq=1": r"optimization.update_freq \(1\) gives 1 pipeline micro-batches per step, fewer "
     r"than the 2 stages 1f1b needs",
-    "distributed.pipeline_schedule=zbv_zero_bubble": r"distributed.pipeline_schedule='zbv_zero_bubble': its "
-    r"forward-only pass fails",
-    "distributed.pipeline_schedule=2f2b": r"distributed.pipeline_schedule='2f2b': not a schedule; known: gpipe, 1f1b",
+    "distributed.pipeline_schedule=zbv_zero_bubble": r"distributed.pipeline_schedule must be one of gpipe, 1f1b, "
+    r"interleaved_1f1b, got 'zbv_zero_bubble' \(its forward-only pass fails",
+    "distributed.pipeline_schedule=2f2b": r"pipeline_schedule must be one of gpipe, 1f1b, interleaved_1f1b, "
+    r"got '2f2b'",
     "distributed.backend=ddp": r"distributed.pipeline_parallel_degree \(2\) runs each stage under fully_sharded",
     "optimization.update_freq=4 validation.batch_size=6": r"validation.batch_size \(6\) must be a multiple of "
     r"data-parallel ranks x optimization.update_freq \(4\)",
