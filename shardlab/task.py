@@ -72,7 +72,7 @@ class EvaluationRequest:
     """What shardlab-evaluate hands a task's Evaluation.evaluate: the command has parsed its arguments, built the
     task and knows the weights; the evaluation reads the data, runs the model and returns its figures."""
 
-    cfg: Any
+    cfg: DictConfig
     """The config evaluated on: the checkpoint's (or the composed one), with the command line's data.* overrides."""
     modes: tuple[str, ...]
     """The evaluations asked for, each one of Evaluation.modes (the command's option, by its argparse name)."""
@@ -108,7 +108,7 @@ class Evaluation(ABC):
     def __init__(self, task: Task) -> None:
         self.task = task
 
-    def data_config(self, cfg: Any, trained: dict | None, described: Path | None) -> None:
+    def data_config(self, cfg: DictConfig, trained: dict | None, described: Path | None) -> None:
         """Complete ``cfg`` (the data.* of the command line merged over a checkpoint's config, whose data paths
         shardlab-evaluate has reset: a checkpoint's config never names what is read) before its task is built.
         ``trained``: the checkpoint's data section as saved (its paths too: never to be read), None without a

@@ -14,10 +14,9 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch.profiler import record_function
 
 from shardlab.checkpoint.manager import Checkpointer
@@ -47,7 +46,7 @@ from shardlab.train_state import TrainState
 
 
 def assemble(
-    cfg: Any,
+    cfg: DictConfig,
     task: Task,
     backend: Backend,
     run_dir: Path,
@@ -104,7 +103,7 @@ def assemble(
 
 class Trainer:
     def __init__(
-        self, cfg: Any, task: Task, backend: Backend, run_dir: Path, stop_signals: StopSignals | None = None
+        self, cfg: DictConfig, task: Task, backend: Backend, run_dir: Path, stop_signals: StopSignals | None = None
     ) -> None:
         self.cfg = cfg
         self.task = task

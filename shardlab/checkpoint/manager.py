@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -94,7 +95,7 @@ class Checkpointer:
     def __init__(
         self,
         root: Path,
-        cfg: Any,
+        cfg: DictConfig,
         comm,
         log: Callable[[str], None] = print,
         folder_lost: Callable[[], str | None] = lambda: None,

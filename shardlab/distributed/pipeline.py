@@ -18,10 +18,10 @@ every rank logs the same numbers everywhere. Gradient clipping measures the norm
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -42,9 +42,6 @@ SCHEDULES = {
 """distributed.pipeline_schedule's names for torch's schedules. Not the zero-bubble ones (ScheduleInterleavedZeroBubble,
 ScheduleZBVZeroBubble): they train on CPU, but torch 2.14's forward-only eval() of them fails ("can't
 steal_bwd_input if this stage doesn't have backward"), so validation could not run through them."""
-
-UNOFFERED = ("interleaved_zero_bubble", "zbv_zero_bubble")
-"""Schedules torch ships that the pre-flight refuses, naming why (see SCHEDULES)."""
 
 MULTI_STAGE = ("interleaved_1f1b",)
 """Schedules that run several stages per rank (distributed.pipeline_stages_per_rank >= 2)."""
@@ -98,7 +95,9 @@ def pruned(model: nn.Module, cut: PipelineCut, layer_ids: Sequence[int], first: 
 class Pipeline:
     """This rank's stages, their schedule, and what a training step and a validation batch run through them."""
 
-    def __init__(self, cfg: Any, task: Task, stages: list[PipelineStage], model: nn.Module, group, device) -> None:
+    def __init__(
+        self, cfg: DictConfig, task: Task, stages: list[PipelineStage], model: nn.Module, group, device
+    ) -> None:
         d = cfg.distributed
         self.task, self.stages, self.group, self.device = task, stages, group, device
         self.model = model
@@ -188,7 +187,7 @@ class Pipeline:
 
 
 def build_pipeline(
-    cfg: Any,
+    cfg: DictConfig,
     task: Task,
     backend,
     model: nn.Module,

@@ -5,7 +5,7 @@ shardlab.jobs.checks.check)."""
 
 from __future__ import annotations
 
-from typing import Any
+from omegaconf import DictConfig
 
 from shardlab.distributed.mesh import ParallelDims
 
@@ -13,7 +13,7 @@ AXIS_KEYS = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree", "
 """Each axis beyond the data ones, by its mesh name, and the key that sizes it."""
 
 
-def axis_errors(cfg: Any, task, world: int, num_cuda_devices: int) -> list[str]:
+def axis_errors(cfg: DictConfig, task, world: int, num_cuda_devices: int) -> list[str]:
     """The degrees against the world size, the backend, the task's models and this machine's devices."""
     d = cfg.distributed
     dims = ParallelDims.from_config(d, world)
@@ -42,7 +42,7 @@ def axis_errors(cfg: Any, task, world: int, num_cuda_devices: int) -> list[str]:
     return errors
 
 
-def expert_parallel_refusal(cfg: Any, dims: ParallelDims, other_axes: dict[str, int]) -> str | None:
+def expert_parallel_refusal(cfg: DictConfig, dims: ParallelDims, other_axes: dict[str, int]) -> str | None:
     """Expert parallelism borrows from FSDP2's data-sharding ranks; it composes with the data axes and tensor
     parallelism (attention split, the MoE blocks on each rank's tokens), not yet with pipeline or context parallelism
     (the stages do not carry the routing statistics; the ring would need the experts' exchange per sequence chunk)."""
@@ -62,7 +62,7 @@ def expert_parallel_refusal(cfg: Any, dims: ParallelDims, other_axes: dict[str, 
     return None
 
 
-def tensor_parallel_errors(cfg: Any, task, degree: int) -> list[str]:
+def tensor_parallel_errors(cfg: DictConfig, task, degree: int) -> list[str]:
     """Tensor parallelism composes with FSDP2 over one mesh (fully_sharded); the model must split evenly."""
     backend = cfg.distributed.backend
     if backend != "fully_sharded":
@@ -73,12 +73,10 @@ def tensor_parallel_errors(cfg: Any, task, degree: int) -> list[str]:
     return task.tensor_parallel_errors(degree)
 
 
-def context_parallel_errors(cfg: Any, task, dims: ParallelDims, num_cuda_devices: int) -> list[str]:
+def context_parallel_errors(cfg: DictConfig, task, dims: ParallelDims, num_cuda_devices: int) -> list[str]:
     """Context parallelism runs torch's ring attention on CUDA (torch 2.14 has no sharding rule for a CPU attention
     kernel; a dry run only plans, so it passes anywhere), under fully_sharded, without pipeline stages; the task says
     what of its model and data cannot split."""
-    from shardlab.distributed.context_parallel import ROTATE_METHODS
-
     d, key = cfg.distributed, f"distributed.context_parallel_degree ({dims.cp})"
     if not num_cuda_devices and not cfg.get("dry_run"):  # a dry run only plans: on any machine
         return [
@@ -93,13 +91,11 @@ def context_parallel_errors(cfg: Any, task, dims: ParallelDims, num_cuda_devices
         (d.compile, f"{key} with distributed.compile=true: torch's context_parallel swaps scaled_dot_product_attention "
          "per micro-batch, which graphs compiled from the units do not follow (not checked together); set "
          "distributed.compile=false"),
-        (d.context_parallel_rotate_method not in ROTATE_METHODS, "distributed.context_parallel_rotate_method="
-         f"{d.context_parallel_rotate_method!r} is not one of {', '.join(ROTATE_METHODS)}"),
     )  # fmt: skip
     return [message for refused, message in refusals if refused] + task.context_parallel_errors(dims.cp)
 
 
-def async_tensor_parallel_errors(cfg: Any, tp: int, num_cuda_devices: int) -> list[str]:
+def async_tensor_parallel_errors(cfg: DictConfig, tp: int, num_cuda_devices: int) -> list[str]:
     d = cfg.distributed
     if not num_cuda_devices:
         return ["distributed.async_tensor_parallel is a CUDA feature (symmetric memory between GPUs); drop it on CPU"]

@@ -33,7 +33,7 @@ class LMEvaluation(Evaluation):
     default_modes = ("perplexity",)
     report_leaves_out = ("lm_eval_samples",)
 
-    def data_config(self, cfg: Any, trained: dict | None, described: Path | None) -> None:
+    def data_config(self, cfg: DictConfig, trained: dict | None, described: Path | None) -> None:
         if trained is None:
             return
         complete_sources(cfg, trained_sources(trained, described))

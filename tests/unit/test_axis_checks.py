@@ -116,7 +116,7 @@ REFUSED_ON_CUDA = {
                   "optimization.update_freq=2"],
                  r"^distributed.context_parallel_degree \(2\) with distributed.pipeline_parallel_degree \(2\)"),
     "rotate method": ([*LLAMA, *CP, "distributed.context_parallel_rotate_method=ring"],
-                      r"^distributed.context_parallel_rotate_method='ring' is not one of allgather, alltoall"),
+                      r"^distributed.context_parallel_rotate_method must be one of allgather, alltoall, got 'ring'"),
     "dropout": ([*CP, "model.dropout=0.1"], r"^distributed.context_parallel_degree \(2\): model.dropout \(0.1\)"),
     "fine-tuning rows": ([*LLAMA, *CP, "task=sft"], r"^distributed.context_parallel_degree \(2\): data.format="),
     "vision": ([*VISION, "distributed.context_parallel_degree=2", "distributed.world_size=2"],

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.optim import Optimizer
 
@@ -43,7 +43,7 @@ KeyDifferences = Callable[[Mapping[str, Any], Mapping[str, Any]], list[tuple[str
 
 
 def restore_training(
-    cfg: Any,
+    cfg: DictConfig,
     ckpt: Checkpointer,
     model: nn.Module,
     optimizer: Optimizer,
@@ -91,7 +91,7 @@ def restore_training(
 
 
 def _checker(
-    cfg: Any, model_config: dict, resumable_changes, run_key_differences: KeyDifferences, refusal: Refusal
+    cfg: DictConfig, model_config: dict, resumable_changes, run_key_differences: KeyDifferences, refusal: Refusal
 ) -> Callable[[Path, bool], dict]:
     """``check(path, continuing) -> meta`` for resume.restore: a checkpoint of this task and model shape, and when
     continuing, of this very run."""
