@@ -163,6 +163,8 @@ class Walk:
             assert "Usage: python -m shardlab.train" in proc.stdout, proc.stdout[-2000:]
         elif "dry_run=true" in args:
             assert "nothing allocated" in proc.stdout, proc.stdout[-2000:]
+        elif "hydra.launcher.wait=false" in args:  # submitted, not waited for (tests/slurm follows it)
+            assert "not waiting (wait=false)" in proc.stdout, proc.stdout[-2000:]
         elif "-m" in args or "--multirun" in args:
             (summary,) = [p for p in new if p.name == "summary.json"]
             rows = json.loads(summary.read_text())
