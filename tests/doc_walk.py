@@ -8,12 +8,14 @@ working folder outside the repository whose HOME is a temporary folder, with thi
 and says in each command's printed line:
 
 - a training run is shortened to STEPS steps by an appended ``optimization.max_steps=STEPS`` (a key that does not name
-  the run, so it trains in the folder the command names; the last override wins, a documented max_steps too);
+  the run, so it trains in the folder the command names; the last override wins, a documented max_steps too), and
+  backend=auto's measurement cut short (TINY_RUN);
 - a placeholder path of the docs (PLACEHOLDERS: /my/text/dir, /imagenet, ...) is the stand-in the walk made for it;
 - a later command naming a shortened run's documented last step (``step_00000300`` for the LM's 300 steps) is given
   the step it reached, and a sweep's documented folder the one the shortened sweep made (its max_steps names it).
 
-Each command must exit 0 without a traceback and make what it says (Walk.check_result).
+Each command must exit 0 without a traceback and make what it says (Walk.check_result); one the docs show failing
+(a ``# error: ...`` line below it) must fail with that error.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ PLACEHOLDERS = {
 """The docs' placeholder paths -> the stand-ins a walk runs them on (a path with * is the one file it matches when
 the command runs: the tokenizer an earlier command trained). Paths under $HOME (~/models, ~/data/flowers, ...),
 held_out.txt and regnet_y_400mf.pth are made where the docs name them (stand_ins)."""
+TINY_RUN = {"distributed.backend=auto": ["distributed.auto_tune_steps=2", "distributed.auto_tune_max_trials=2"]}
+"""Overrides the walk appends to a training run whose line holds the key: backend=auto's measurement cut to 2 steps
+of 2 candidates (distributed.* keys name no run); with distributed.auto_tune=false nothing is measured."""
 TOOLS_OUTPUT = {
     "shardlab-evaluate": r"top-1|ppl|perplexity|loss",
     "shardlab-sweep-summary": r"completed",
@@ -89,12 +94,20 @@ class Walk:
             token = token.replace(token.split("=", 1)[-1], found[0])  # the tokenizer an earlier command trained
         return token
 
+    def injected(self, argv: list[str]) -> list[str]:
+        """What the walk appends to a documented command: a training run's SHORTEN and TINY_RUN's overrides."""
+        args = train_args(argv)
+        if args is None or "dry_run=true" in args or "--help" in args:
+            return []
+        tiny = [o for key, extra in TINY_RUN.items() if key in args and "distributed.auto_tune=false" not in args
+                for o in extra]  # fmt: skip
+        return [SHORTEN, *tiny]
+
     def argv(self, argv: list[str]) -> list[str]:
         """argv as run here: this interpreter for ``python`` (torchrun as torch.distributed.run, a shardlab-<name>
         command as its module, whose ``cli`` the installed script calls), placeholders as their stand-ins, a training
-        run shortened, a shortened run's last step given as the step it reached."""
-        args = train_args(argv)
-        shorten = args is not None and "dry_run=true" not in args and "--help" not in args
+        run shortened (self.injected), a shortened run's last step given as the step it reached."""
+        injected = self.injected(argv)
         argv = [self.placeholders(a) for a in argv]
         for doc, reached in self.last_step.items():
             argv = [a.replace(doc, reached) for a in argv]
@@ -104,11 +117,20 @@ class Walk:
             argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
         elif argv[0] in COMMANDS:
             argv = [sys.executable, "-m", f"shardlab_commands.{COMMANDS[argv[0]]}", *argv[1:]]
-        return [*argv, SHORTEN] if shorten else argv
+        return [*argv, *injected]
 
-    def run(self, line: str) -> list[tuple[list[str], subprocess.CompletedProcess]]:
+    def run(self, line: str, error: str | None = None) -> list[tuple[list[str], subprocess.CompletedProcess]]:
         """Each command of a documented line, run as written (self.argv) and checked for what it promises; a line
-        ending in ``&`` started in the background and checked with the next line."""
+        ending in ``&`` started in the background and checked with the next line. ``error``: the one-line error the
+        docs show the line ending with (``# error: ...`` below it), which it must print, exiting non-zero."""
+        if error is not None:
+            (argv,) = line_commands(line)
+            popen, started = self.start(argv), time.perf_counter()
+            out, err = popen.communicate()
+            print(f"{time.perf_counter() - started:5.1f} s  {shlex.join(argv)}   [the error the docs show]", flush=True)
+            assert popen.returncode not in (0, None) and "Traceback" not in out + err, f"{line}\n{out}\n{err}"
+            assert error in out + err, f"{line}: not the documented error {error!r}\n{out[-2000:]}\n{err[-2000:]}"
+            return []
         if re.search(r"&\s*(#.*)?$", line) and not re.search(r"&&\s*(#.*)?$", line):
             (argv,) = line_commands(line)
             self.background.append((argv, self.start(argv)))
@@ -128,7 +150,7 @@ class Walk:
     def finish(self, argv: list[str], popen: subprocess.Popen, started: float) -> subprocess.CompletedProcess:
         stdout, stderr = popen.communicate()
         proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
-        injected = " ".join(a for a in popen.args[len(argv) :] if a == SHORTEN)
+        injected = " ".join(self.injected(argv))
         shown = shlex.join(argv) + (f"   [+ {injected}]" if injected else "")
         print(f"{time.perf_counter() - started:5.1f} s  {shown}", flush=True)  # the suite's -s
         why = f"{shlex.join(popen.args)}\nexit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"

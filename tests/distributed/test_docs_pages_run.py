@@ -62,13 +62,26 @@ def on_slurm(line: str) -> bool:
 
 def page_lines(page: str) -> list[str]:
     """The page's command lines in order (blank and comment-only lines left out, sections ELSEWHERE too)."""
+    lines = [line for line, _ in page_commands(page)]
+    return lines
+
+
+def page_commands(page: str) -> list[tuple[str, str | None]]:
+    """(line, the error the docs show it ending with: a ``# error: ...`` line right below it, its first 60
+    characters; else None) for each command line of the page, in order (sections ELSEWHERE left out)."""
     text = (ROOT / page).read_text()
     for heading in ELSEWHERE:
         if heading in text:
             start = text.index(heading)
             end = text.find("\n## ", start + 1)
             text = text[:start] + (text[end:] if end >= 0 else "")
-    return [line for line in logical_lines(text) if line.strip() and not line.strip().startswith("#")]
+    lines = [line.strip() for line in logical_lines(text) if line.strip()]
+    found = []
+    for i, line in enumerate(lines):
+        if not line.startswith("#"):
+            below = lines[i + 1] if i + 1 < len(lines) else ""
+            found.append((line, below.removeprefix("# error: ")[:60] if below.startswith("# error: ") else None))
+    return found
 
 
 def skipped_why(line: str) -> str | None:
@@ -96,17 +109,17 @@ def new_walk(root) -> Walk:
     return Walk(cwd=work, env=env)
 
 
-def walk_page(walk: Walk, page: str, lines: list[str]) -> list[str]:
-    """Run ``lines`` of ``page`` in order (the quickstart first where the page reads its step folder); the skipped
-    lines, printed with why."""
-    if any("runs/lm/default/" in line or "CHECKPOINT" in line for line in lines):
+def walk_page(walk: Walk, page: str, lines: list[tuple[str, str | None]]) -> list[str]:
+    """Run ``lines`` of ``page`` (page_commands) in order, the quickstart first where the page reads its step folder;
+    the skipped lines, printed with why."""
+    if any("runs/lm/default/" in line or "CHECKPOINT" in line for line, _ in lines):
         walk.run("python -m shardlab.train")  # the quickstart: these commands read its step folder
     skipped = []
-    for line in lines:
+    for line, error in lines:
         if why := skipped_why(line):
             skipped.append(f"{line.split('#')[0].strip()}   [{why}]")
         else:
-            walk.run(line)
+            walk.run(line, error)
     print(f"{page}: {len(lines) - len(skipped)} lines run, {len(skipped)} not here:", *skipped, sep="\n  ")
     return skipped
 
@@ -116,7 +129,7 @@ def walk_page(walk: Walk, page: str, lines: list[str]) -> list[str]:
 def test_every_command_of_the_page_runs(page, tmp_path, monkeypatch):
     walk = new_walk(tmp_path)
     monkeypatch.setenv("HOME", walk.env["HOME"])  # $HOME in the docs, expanded as the shell would (line_commands)
-    skipped = walk_page(walk, page, page_lines(page))
+    skipped = walk_page(walk, page, page_commands(page))
     assert len(skipped) <= len(page_lines(page)) // 2, skipped
 
 
@@ -131,7 +144,7 @@ def test_the_cheapest_commands_run(tmp_path, monkeypatch):
     walk = new_walk(tmp_path)
     monkeypatch.setenv("HOME", walk.env["HOME"])
     for page, line in cheap_lines():
-        assert not walk_page(walk, page, [line])
+        assert not walk_page(walk, page, [(line, None)])
 
 
 def test_a_planted_broken_command_fails_the_walk(tmp_path):
