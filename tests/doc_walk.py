@@ -67,6 +67,7 @@ TOOLS_OUTPUT = {
     "shardlab-evaluate": r"top-1|ppl|perplexity|loss",
     "shardlab-sweep-summary": r"completed",
     "shardlab-preprocess": r"\S",
+    "shardlab-plot": r"^curves\.png: [1-9]\d* runs",
 }
 """What a tool that writes no --out prints when it did its work (a regular expression its stdout must match)."""
 
