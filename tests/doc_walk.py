@@ -177,7 +177,7 @@ class Walk:
             out = Path(argv[argv.index("--out") + 1])
             assert (self.cwd / out).exists(), f"{shlex.join(argv)}: no {out}\n{proc.stdout[-2000:]}"
         elif argv[0] in TOOLS_OUTPUT:
-            assert re.search(TOOLS_OUTPUT[argv[0]], proc.stdout), proc.stdout[-2000:]
+            assert re.search(TOOLS_OUTPUT[argv[0]], proc.stdout, re.M), proc.stdout[-2000:]
 
     def check_training(self, args: list[str], proc: subprocess.CompletedProcess, new: set[Path]) -> None:
         """A plan its plan, --help its usage, a sweep its completed points, a run its step and final validation (or
