@@ -8,8 +8,8 @@ working folder outside the repository whose HOME is a temporary folder, with thi
 and says in each command's printed line:
 
 - a training run is shortened to STEPS steps by an appended ``optimization.max_steps=STEPS`` (a key that does not name
-  the run, so it trains in the folder the command names; the last override wins, a documented max_steps too), and
-  backend=auto's measurement cut short (TINY_RUN);
+  the run, so it trains in the folder the command names; the last override wins, a documented max_steps too), its
+  validations cut to one batch (``validation.num_batches=1``) and backend=auto's measurement cut short (TINY_RUN);
 - a placeholder path of the docs (PLACEHOLDERS: /my/text/dir, /imagenet, ...) is the stand-in the walk made for it;
 - a later command naming a shortened run's documented last step (``step_00000300`` for the LM's 300 steps) is given
   the step it reached, and a sweep's documented folder the one the shortened sweep made (its max_steps names it).
@@ -40,6 +40,9 @@ from tests.unit.test_docs_commands import PYTHONS, line_commands, train_args
 STEPS = 1
 """How many steps each documented training run trains here (appended as optimization.max_steps)."""
 SHORTEN = f"optimization.max_steps={STEPS}"
+ONE_VALIDATION_BATCH = "validation.num_batches=1"
+"""Appended to each training run with SHORTEN: one batch per validation (validation.* keys name no run either; a
+gpt_small run's ten batches of its final validation took minutes of a loaded 2-core machine)."""
 STEP = re.compile(r"(?P<run>[^\s=]*?)/checkpoints/step_(?P<step>\d{8})\b")
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -102,7 +105,7 @@ class Walk:
             return []
         tiny = [o for key, extra in TINY_RUN.items() if key in args and "distributed.auto_tune=false" not in args
                 for o in extra]  # fmt: skip
-        return [SHORTEN, *tiny]
+        return [SHORTEN, ONE_VALIDATION_BATCH, *tiny]
 
     def argv(self, argv: list[str]) -> list[str]:
         """argv as run here: this interpreter for ``python`` (torchrun as torch.distributed.run, a shardlab-<name>
