@@ -28,7 +28,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.doc_walk import Walk, page_stand_ins
-from tests.unit.test_docs_commands import MARK, logical_lines
+from tests.unit.test_docs_commands import MARK, line_commands, logical_lines
 
 PAGES = [
     "README.md",
@@ -57,7 +57,7 @@ export, the CLI's help)."""
 
 def on_slurm(line: str) -> bool:
     """A line that submits to Slurm: run on the test cluster by tests/slurm/test_docs_slurm_commands.py."""
-    return "hydra/launcher=slurm" in line or " --slurm" in line
+    return any("hydra/launcher=slurm" in argv or "--slurm" in argv for argv in line_commands(line))  # not a comment
 
 
 def page_lines(page: str) -> list[str]:
@@ -165,4 +165,5 @@ def test_a_marked_or_slurm_line_is_skipped_and_says_why():
     assert skipped_why("pip install -e .   # not checked: install") == "not checked: install"
     assert "tests/slurm" in skipped_why("python -m shardlab.train -m hydra/launcher=slurm hydra.launcher.nodes=2")
     assert skipped_why("python -m shardlab.train seed=2   # a seed") is None
+    assert skipped_why("python -m shardlab.train -m seed=1,2   # hydra/launcher=slurm: on Slurm") is None
     assert all((ROOT / page).is_file() for page in PAGES)

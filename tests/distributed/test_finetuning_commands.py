@@ -5,12 +5,12 @@ paths: Hugging Face folders made by transformers (hidden 32, 2 layers) with a by
 a text corpus, chat records and preference pairs. First the quickstart's ``python -m shardlab.train``, whose step
 folder the docs start from, and the README's everyday tools that read that folder (generate, consolidate).
 
-The changes: each training run is shortened to STEPS steps by an appended ``optimization.max_steps=STEPS`` (a key
-that does not name the run, so it trains in the folder the command names) and validates one batch, and a later command naming that run's last
-step (``step_00000300`` for the LM's 300 steps) is given the run's last step, ``step_0000000{STEPS}``; any other step
-folder it names stays as written and must exist. Each command must exit 0 and make what it says: a training run its
-step folder and final validation, a dry run its plan, an export its folder, a tool its text or file, the
-inline Python its load. The walk, its stand-ins and what it changes: tests/doc_walk.py.
+The changes: each training run is shortened to STEPS steps by an appended ``optimization.max_steps=STEPS`` (a key that
+does not name the run, so it trains in the folder the command names) and validates one batch, and a later command naming
+that run's last step (``step_00000300`` for the LM's 300 steps) is given the run's last step, ``step_0000000{STEPS}``;
+any other step folder it names stays as written and must exist. Each command must exit 0 and make what it says: a
+training run its step folder and final validation, a dry run its plan, an export its folder, a tool its text or file,
+the inline Python its load. The walk, its stand-ins and what it changes: tests/doc_walk.py.
 """
 
 from __future__ import annotations
