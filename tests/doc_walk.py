@@ -127,6 +127,8 @@ class Walk:
         """Each command of a documented line, run as written (self.argv) and checked for what it promises; a line
         ending in ``&`` started in the background and checked with the next line. ``error``: the one-line error the
         docs show the line ending with (``# error: ...`` below it), which it must print, exiting non-zero."""
+        for doc, stand_in in PLACEHOLDERS.items():  # one the shell would split (<hash>): replaced in the line
+            line = line.replace(doc, stand_in) if "<" in doc else line
         if error is not None:
             (argv,) = line_commands(line)
             popen, started = self.start(argv), time.perf_counter()
