@@ -169,6 +169,8 @@ class Walk:
     def check_result(self, argv: list[str], proc: subprocess.CompletedProcess, new: set[Path]) -> None:
         """What the command says it makes, it made."""
         args = train_args(argv)
+        if any(a.startswith("--node_rank=") and a != "--node_rank=0" for a in argv):
+            return  # another agent of a torchrun across nodes: node_rank 0's agent validates and names the step
         if args is not None:
             self.check_training(args, proc, new)
         elif argv[0] == "shardlab-export":
