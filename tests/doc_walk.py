@@ -200,7 +200,10 @@ class Walk:
             rows = json.loads(summary.read_text())
             assert rows and all(r["status"] == "completed" for r in rows), rows
             folder = summary.parent.relative_to(self.cwd).as_posix()
-            self.last_step[folder.replace(f"{SHORTEN},", "").replace(f",{SHORTEN}", "")] = folder
+            documented = folder
+            for injected in (SHORTEN, ONE_VALIDATION_BATCH, *(o for extra in TINY_RUN.values() for o in extra)):
+                documented = documented.replace(f"{injected},", "").replace(f",{injected}", "")
+            self.last_step[documented] = folder  # the sweep's folder is named by every override, the injected too
         elif complete := re.search(r"^run complete: (\S+) has reached", proc.stdout, re.M):
             assert complete.group(1) in self.trained, f"{complete.group(1)}: complete before this walk trained it"
         else:
