@@ -86,7 +86,7 @@ class Walk:
     folder -> the folder the shortened sweep made."""
     trained: set[str] = field(default_factory=set)
     """The run folders a command of this walk trained (a later start of one finds it complete)."""
-    background: list[tuple[list[str], subprocess.Popen]] = field(default_factory=list)
+    background: list[tuple[list[str], subprocess.Popen, float]] = field(default_factory=list)
     """Commands a line started with a trailing ``&``: waited for after the next line."""
 
     def placeholders(self, token: str) -> str:
@@ -139,11 +139,11 @@ class Walk:
             return []
         if re.search(r"&\s*(#.*)?$", line) and not re.search(r"&&\s*(#.*)?$", line):
             (argv,) = line_commands(line)
-            self.background.append((argv, self.start(argv)))
+            self.background.append((argv, self.start(argv), time.perf_counter()))
             return []
         ran = [(argv, self.finish(argv, self.start(argv), time.perf_counter())) for argv in line_commands(line)]
-        for argv, proc in self.background:
-            ran.append((argv, self.finish(argv, proc, time.perf_counter())))
+        for argv, proc, started in self.background:
+            ran.append((argv, self.finish(argv, proc, started)))
         self.background = []
         return ran
 

@@ -119,7 +119,11 @@ def walk_page(walk: Walk, page: str, lines: list[tuple[str, str | None]]) -> lis
         if why := skipped_why(line):
             skipped.append(f"{line.split('#')[0].strip()}   [{why}]")
         else:
-            walk.run(line, error)
+            try:
+                walk.run(line, error)
+            except AssertionError as e:
+                print(f"FAILED: {line}\n{e}", flush=True)  # at once, in -s output (pytest's report comes at the end)
+                raise
     print(f"{page}: {len(lines) - len(skipped)} lines run, {len(skipped)} not here:", *skipped, sep="\n  ")
     return skipped
 

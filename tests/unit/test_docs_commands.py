@@ -312,9 +312,9 @@ def test_the_commands_not_checked_are_few_and_each_marked_with_a_listed_kind(cap
     skipped = [command for page in PAGES for command in problems(page.read_text(), page.name in RUN_AS_WRITTEN)[1]]
     with capsys.disabled():  # the list, for a reader of the suite's output (-s)
         print(f"\n{len(skipped)} doc commands not checked (NOT_CHECKED says why):", *skipped, sep="\n  ")
-    # 45 on 35 lines: 17 installs, shells and the suite's own commands, 10 Slurm beyond the test cluster, 8 GPU (the
-    # ImageNet recipes), 5 downloads (lm-eval, torchvision), 3 benchmarks, 2 tracking services
-    assert 0 < len(skipped) <= 45
+    # 46 on 36 lines: 17 installs, shells and the suite's own commands, 10 Slurm beyond the test cluster, 9 GPU (the
+    # ImageNet recipes, context parallelism), 5 downloads (lm-eval, torchvision), 3 benchmarks, 2 tracking services
+    assert 0 < len(skipped) <= 46
     marked = {m.group(1) for page in PAGES for line in logical_lines(page.read_text()) if (m := MARK.search(line))}
     assert set(NOT_CHECKED) <= marked, f"kinds NOT_CHECKED lists and no page marks: {set(NOT_CHECKED) - marked}"
 
