@@ -281,8 +281,8 @@ def test_a_page_run_as_written_needs_no_mark_and_keeps_its_checks():
     run = "```bash\npython -c 'print(1)'\npython -m shardlab.train seed=2\n```\n"
     assert problems(run, run_as_written=True) == ([], [])
     assert "neither checked by this test nor marked" in problems(run)[0][0]
-    marked = "```bash\npython -c 'print(1)'   # not checked: export\n```\n"
-    assert problems(marked, run_as_written=True) == ([], ["python -c print(1)   [export]"])  # its walk skips it
+    marked = "```bash\npython -c 'print(1)'   # not checked: download\n```\n"
+    assert problems(marked, run_as_written=True) == ([], ["python -c print(1)   [download]"])  # its walk skips it
     wrong = "```bash\npython -c 'print(1)'   # not checked: later\n```\n"
     assert "a kind NOT_CHECKED does not list" in problems(wrong, run_as_written=True)[0][0]
     broken = "```bash\npython -m shardlab.train optimizer.lrr=1e-3\n```\n"
