@@ -215,17 +215,20 @@ class Walk:
             assert step.name == f"step_{STEPS:08d}", new
             run = step.parent.parent.relative_to(self.cwd).as_posix()
             self.trained.add(run)
-            self.last_step[f"{run}/checkpoints/step_{task_steps(args):08d}"] = f"{run}/checkpoints/{step.name}"
+            documented = task_steps(args, self.cwd)
+            self.last_step[f"{run}/checkpoints/step_{documented:08d}"] = f"{run}/checkpoints/{step.name}"
 
 
-def task_steps(args: list[str]) -> int:
+def task_steps(args: list[str], cwd: Path = Path()) -> int:
     """How many steps the command trains as documented: its own optimization.max_steps, else its task's
-    (shardlab/conf/task/<task>.yaml)."""
+    (shardlab/conf/task/<task>.yaml, or a user_dir's conf/task/<task>.yaml, the user_dir from ``cwd``)."""
     given = [a.split("=", 1)[1] for a in args if a.startswith("optimization.max_steps=")]
     if given:
         return int(given[-1])
     task = next((a.split("=", 1)[1] for a in args if a.startswith("task=")), "lm")
-    return yaml.safe_load((CONF_DIR / "task" / f"{task}.yaml").read_text())["optimization"]["max_steps"]
+    user_dirs = [cwd / a.split("=", 1)[1] / "conf" for a in args if a.startswith("user_dir=")]
+    (conf,) = [c for c in (*user_dirs, CONF_DIR) if (c / "task" / f"{task}.yaml").is_file()][:1]
+    return yaml.safe_load((conf / "task" / f"{task}.yaml").read_text())["optimization"]["max_steps"]
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:

@@ -134,7 +134,7 @@ def test_every_command_of_the_page_runs(page, tmp_path, monkeypatch):
     walk = new_walk(tmp_path)
     monkeypatch.setenv("HOME", walk.env["HOME"])  # $HOME in the docs, expanded as the shell would (line_commands)
     skipped = walk_page(walk, page, page_commands(page))
-    assert len(skipped) <= len(page_lines(page)) // 2, skipped
+    assert len(skipped) < len(page_lines(page)), skipped  # the page's other lines ran
 
 
 def cheap_lines() -> list[tuple[str, str]]:
