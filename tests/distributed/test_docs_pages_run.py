@@ -128,7 +128,7 @@ def walk_page(walk: Walk, page: str, lines: list[tuple[str, str | None]]) -> lis
     return skipped
 
 
-@pytest.mark.slow  # the slow set: ~N min for every page on 2 loaded cores (-s prints each command's time)
+@pytest.mark.slow  # a page takes 1.5-13 min at load 10-20 on 2 cores (memory-plan.md 13, sweeps ~10); -s: each time
 @pytest.mark.parametrize("page", PAGES)
 def test_every_command_of_the_page_runs(page, tmp_path, monkeypatch):
     walk = new_walk(tmp_path)
