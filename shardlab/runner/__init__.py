@@ -297,7 +297,8 @@ def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port
         print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
     if env.local_rank == 0:
-        handed = {key: result[key] for key in ("final", "stopped_by", "memory")}
+        # complete_at too: a start of a run already at max_steps says so (run_job), on spawned ranks as in one process
+        handed = {key: result.get(key) for key in ("final", "stopped_by", "memory", "complete_at")}
         Path(result_file).write_text(json.dumps(handed))
     dist_env.end_finished_rank()
 

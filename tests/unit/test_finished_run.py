@@ -7,6 +7,8 @@ import json
 import signal
 import time
 
+import pytest
+
 from shardlab.jobs import run_record
 from shardlab.jobs.preemption import STOPPED_EXIT_CODE
 from tests.conftest import TINY_LM
@@ -39,6 +41,19 @@ def test_a_start_of_a_complete_run_says_so_in_one_line_and_validates_nothing(tmp
     code, out, err = run_cli(*args[:-1], "optimization.max_steps=6")
     assert code == 0, err[-3000:]
     assert "resumed from" in out and out.count("final validation:") == 1 and "run complete:" not in out
+
+
+@pytest.mark.slow  # 2 spawned ranks twice (~40 s on 2 loaded cores); found by docs/vision.md's walk (issue #51)
+def test_a_start_of_a_complete_run_on_spawned_ranks_says_so_too(tmp_path, corpus_cache):
+    """distributed.* keys name no run: the same command on 2 local ranks finds the run complete, and says so (the
+    spawned ranks hand the launcher their complete_at, as one process has it)."""
+    run_dir = tmp_path / "runs" / "lm" / "default"
+    args = [*TINY_LM, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={run_dir}", "optimization.max_steps=2"]
+    assert run_cli(*args)[0] == 0
+    code, out, err = run_cli(*args, "distributed.backend=fully_sharded", "distributed.world_size=2")
+    assert code == 0, err[-3000:]
+    assert [line for line in out.splitlines() if line.startswith("run complete:")], out[-3000:]
+    assert "final validation:" not in out and "[train]" not in out, out
 
 
 def test_a_run_stopped_by_a_signal_prints_no_final_validation(tmp_path, corpus_cache):
