@@ -35,7 +35,7 @@ from shardlab.distributed.torch_internals import local_shard as local
 from shardlab.optim.cpu_adam import CPUAdam
 from shardlab_bench.provenance import collect, finish
 from shardlab_tasks.lm.config import GPTConfig
-from shardlab_tasks.lm.model import GPT
+from shardlab_tasks.lm.models.model import GPT
 
 SIZES = {  # name -> (num_layers, dim): GPT shapes with the byte vocabulary (320 padded) and 512 positions
     "25M": (8, 512),  # model=gpt_small

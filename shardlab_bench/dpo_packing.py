@@ -5,12 +5,12 @@ and unpacked, on the same micro-batches of pairs, one process.
     python -m shardlab_bench dpo_packing --steps 2 --rounds 1 --out p.json model.dim=32  # Hydra overrides after options
 
 Each side collates the same first ``steps`` micro-batches of ``optimization.batch_size`` training pairs its own way
-(packed: shardlab_tasks/lm/preference.py pack_pairs; unpacked: collate_pairs) and times a step on them (forward and
-backward of the DPO loss, the reference taken as the config says: adapters off with LoRA, a zero table for full
-fine-tuning, whose lookup costs nothing). The sides take turns, ``rounds`` times, each round starting with the other
-one, after one warm-up step each; the figure is the median step. Reported per side: rows and positions computed, the
-real tokens (Task.num_units), the median step and the real tokens per second. One machine's figures: the JSON records
-its load.
+(packed: shardlab_tasks/lm/finetuning/preference.py pack_pairs; unpacked: collate_pairs) and times a step on them
+(forward and backward of the DPO loss, the reference taken as the config says: adapters off with LoRA, a zero table for
+full fine-tuning, whose lookup costs nothing). The sides take turns, ``rounds`` times, each round starting with the
+other one, after one warm-up step each; the figure is the median step. Reported per side: rows and positions computed,
+the real tokens (Task.num_units), the median step and the real tokens per second. One machine's figures: the JSON
+records its load.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from shardlab.distributed.units import model_on_meta
 from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task
 from shardlab_bench.provenance import collect, finish
-from shardlab_tasks.lm.dpo import preference_loss
+from shardlab_tasks.lm.finetuning.dpo import preference_loss
 
 SIDES = ("unpacked", "packed")
 

@@ -4,10 +4,11 @@ frozen second model forwarding every step (what it does not), on task=dpo's data
     python -m shardlab_bench dpo_reference --out dpo_reference.json                 # the demo: gpt_tiny, 410 pairs
     python -m shardlab_bench dpo_reference --steps 3 --out r.json model.dim=32      # Hydra overrides after the options
 
-Measured: the whole precomputing pass over the train and validation pairs (shardlab_tasks.lm.dpo.ReferenceLogProbs), a
-training step of ``optimization.batch_size`` pairs (forward and backward of the DPO loss), and a no-grad forward of
-the same pairs (what a frozen reference adds to every step); the bytes of the precomputed table and of a frozen fp32
-copy of the weights. The steps run after one warm-up on the first batches of the training split.
+Measured: the whole precomputing pass over the train and validation pairs
+(shardlab_tasks.lm.finetuning.dpo.ReferenceLogProbs), a training step of ``optimization.batch_size`` pairs (forward and
+backward of the DPO loss), and a no-grad forward of the same pairs (what a frozen reference adds to every step); the
+bytes of the precomputed table and of a frozen fp32 copy of the weights. The steps run after one warm-up on the first
+batches of the training split.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from shardlab.distributed.units import model_on_meta
 from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task
 from shardlab_bench.provenance import collect, finish
-from shardlab_tasks.lm.dpo import ReferenceLogProbs, answer_logps, preference_loss
-from shardlab_tasks.lm.preference import collate_pairs
+from shardlab_tasks.lm.finetuning.dpo import ReferenceLogProbs, answer_logps, preference_loss
+from shardlab_tasks.lm.finetuning.preference import collate_pairs
 
 
 def timed(fn, batches: list) -> float:

@@ -9,7 +9,8 @@ hits them alike; the JSON gives median and min ms, each candidate's largest outp
 each median's speed-up over it. Candidates:
 - ``per_expert_loop`` (the baseline): transformers 5's eager experts (``MixtralExperts.forward``): a one-hot mask of
   the choices, then for each expert hit a ``torch.where`` for its tokens, a gather, the SwiGLU, an ``index_add_``.
-- ``grouped_mm`` and ``sorted_loop``: shardlab_tasks/lm/moe_experts.py (``GroupedExperts`` with experts_impl grouped_mm
+- ``grouped_mm`` and ``sorted_loop``: shardlab_tasks/lm/models/moe_experts.py (``GroupedExperts`` with experts_impl
+grouped_mm
   or loop), the dispatch (sort by expert, one gather, one ``index_add_``) included in the time.
 - ``padded_bmm``: each expert's rows padded to the largest group, one ``torch.bmm`` per projection.
 
@@ -31,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from shardlab_bench.provenance import collect, finish
-from shardlab_tasks.lm.moe import MoEBlock, family_config, load_summary
-from shardlab_tasks.lm.moe_experts import GroupedExperts, dispatch
+from shardlab_tasks.lm.models.moe import MoEBlock, family_config, load_summary
+from shardlab_tasks.lm.models.moe_experts import GroupedExperts, dispatch
 
 SHAPES = {  # name -> (dim, expert ffn, tokens per batch)
     "tiny": (64, 128, 512),  # the scale of a 2-core CPU config

@@ -8,11 +8,11 @@ Shapes (both sides): model=gpt_tiny untied (4 blocks, dim 192, 6 heads, vocabula
 padded), 2 pipeline ranks of 2 blocks (the embedding on the first, final norm + head + loss on the last), 1F1B over 4
 micro-batches of 8 sequences of 128 tokens per step (shardlab: optimization.batch_size=8, update_freq=4), AdamW lr
 3e-3, clipping by the norm over both stages. The loop: each rank builds its own stage (nn.Modules written here
-around shardlab_tasks/lm/model.py's blocks), PipelineStage + Schedule1F1B, random tokens, no FSDP (one rank per stage:
-nothing to shard), no data loading, checks or logging; freed pages kept (glibc's mmap threshold at its ceiling) as a
-shardlab CPU rank does without a memory budget. shardlab keeps each stage plain (one data-parallel rank, fp32:
-fully_sharded's stages_unsharded) and reads the corpus. Each pair alternates which side runs first; the figure is
-the median ratio of tokens/s (shardlab / loop). Each run is a fresh set of processes.
+around shardlab_tasks/lm/models/model.py's blocks), PipelineStage + Schedule1F1B, random tokens, no FSDP (one rank per
+stage: nothing to shard), no data loading, checks or logging; freed pages kept (glibc's mmap threshold at its ceiling)
+as a shardlab CPU rank does without a memory budget. shardlab keeps each stage plain (one data-parallel rank, fp32:
+fully_sharded's stages_unsharded) and reads the corpus. Each pair alternates which side runs first; the figure is the
+median ratio of tokens/s (shardlab / loop). Each run is a fresh set of processes.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def loop_rank(rank: int, args: argparse.Namespace, port: int) -> None:
 
     from shardlab.distributed.cpu_allocator import configure_cpu_allocator
     from shardlab_tasks.lm.config import GPTConfig
-    from shardlab_tasks.lm.model import GPT
+    from shardlab_tasks.lm.models.model import GPT
 
     configure_cpu_allocator("fast")  # as a shardlab CPU rank without a memory budget (and reference.py)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -38,10 +38,10 @@ everything but the MoE block."""
 
 def moe_overrides(folder: Path) -> list[str]:
     """The model section of an MoE config.json as overrides of model=moe_tiny: the dense fields as
-    shardlab_tasks.lm.hf_models reads them for the dense twin, the MoE fields as shardlab_tasks.lm.moe_hub.moe_section
-    reads them."""
-    from shardlab_tasks.lm.hf_models import model_section, read_config_json
-    from shardlab_tasks.lm.moe_hub import moe_section
+    shardlab_tasks.lm.hf.hf_models reads them for the dense twin, the MoE fields as
+    shardlab_tasks.lm.hf.moe_hub.moe_section reads them."""
+    from shardlab_tasks.lm.hf.hf_models import model_section, read_config_json
+    from shardlab_tasks.lm.hf.moe_hub import moe_section
 
     hf = read_config_json(folder)
     path = folder / "config.json"

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from shardlab_bench import child_env, command
 from shardlab_bench.provenance import collect, finish
-from shardlab_tasks.lm.cache import embedded_corpus_files
-from shardlab_tasks.lm.corpus import find_sources, iter_texts
-from shardlab_tasks.lm.tokenizer import FileTokenizer, train_bpe
+from shardlab_tasks.lm.corpus.cache import embedded_corpus_files
+from shardlab_tasks.lm.corpus.corpus import find_sources, iter_texts
+from shardlab_tasks.lm.corpus.tokenizer import FileTokenizer, train_bpe
 
 ROOT = Path(__file__).resolve().parent.parent
 

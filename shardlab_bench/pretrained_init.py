@@ -44,7 +44,7 @@ def make_folder(root: Path, layers: int, dim: int, ffn_dim: int, vocab: int) -> 
     (folder / "config.json").write_text(json.dumps(config))
     write_tokenizer(folder)
     task, model = _task_and_model(folder, "dry_run=true")  # no weights yet: a config.json alone plans
-    from shardlab_tasks.lm.hf_models import weight_names
+    from shardlab_tasks.lm.hf.hf_models import weight_names
 
     names = weight_names(task.cfg.model)
     shapes = {names[n].key: tuple(p.shape) for n, p in model.named_parameters()}

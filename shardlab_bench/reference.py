@@ -2,7 +2,8 @@
 
     python -m shardlab_bench reference --world-size 2 --steps 20 --warmup 5 --out bench_reference.json
 
-No shardlab code runs in the timed loop except shardlab_tasks/lm/model.py, for the identical model (and the comm of
+No shardlab code runs in the timed loop except shardlab_tasks/lm/models/model.py, for the identical model (and the comm
+of
 --reduce-scatter); the launch uses shardlab's free-port and rank-environment helpers. The defaults are model=gpt_small
 with the LM task's defaults (seq_len 128, global batch 32, AdamW lr 3e-3 / betas 0.9, 0.95 / weight decay 0.1 on
 matrices, clip_norm 1.0); tokens are random. fully_shard goes on every block (all but the last reshard after forward,
@@ -35,7 +36,7 @@ from shardlab.distributed.cpu_allocator import configure_cpu_allocator
 from shardlab.distributed.env import free_port, set_local_rank_defaults
 from shardlab_bench.provenance import collect, finish
 from shardlab_tasks.lm.config import GPTConfig
-from shardlab_tasks.lm.model import GPT
+from shardlab_tasks.lm.models.model import GPT
 
 
 def shard(model: GPT, args: argparse.Namespace):

@@ -86,7 +86,8 @@ def initial_adapters(folder: Path, data: Path, args: argparse.Namespace, out: Pa
     from shardlab.distributed.units import model_on_meta
     from shardlab.jobs.preflight import compose_config
     from shardlab.runner import build_task
-    from shardlab_tasks.lm.lora import is_adapter, write_peft_adapter
+    from shardlab_tasks.lm.hf.peft import write_peft_adapter
+    from shardlab_tasks.lm.models.lora import is_adapter
 
     cfg = compose_config(shardlab_overrides(folder, data, args, packed=False))
     task = build_task(cfg, world_size=1)

@@ -8,10 +8,10 @@ Shapes (both sides): model=llama_tiny (4 blocks, dim 192, 6 query and 2 key/valu
 vocabulary 320: the byte tokenizer's, padded), 2 tensor-parallel ranks with sequence parallelism, 8 sequences of 128
 tokens per step (shardlab: optimization.batch_size=8), fused AdamW (shardlab's optimizer.implementation=auto) lr
 3e-3 betas (0.9, 0.95) weight decay 0.1 (shardlab exempts norms from the decay: the same work), clipping by the
-global norm 1.0. The loop: each rank builds the same shardlab_tasks.lm.llama.Llama, applies torch's parallelize_module
-with the same plan (shardlab_tasks/lm/tensor_parallel.py's llama_plan, its logits split over the vocabulary and the loss
-on the splits inside torch's loss_parallel, as distributed.loss_parallel's default) over a 1-D mesh of the 2 ranks,
-random tokens, no FSDP
+global norm 1.0. The loop: each rank builds the same shardlab_tasks.lm.models.llama.Llama, applies torch's
+parallelize_module with the same plan (shardlab_tasks/lm/models/tensor_parallel.py's llama_plan, its logits split over
+the vocabulary and the loss on the splits inside torch's loss_parallel, as distributed.loss_parallel's default) over a
+1-D mesh of the 2 ranks, random tokens, no FSDP
 (one data-parallel rank: nothing to shard), no data loading, checks or logging; freed pages kept (glibc's mmap
 threshold at its ceiling) as a shardlab CPU rank does without a memory budget. shardlab also wraps the model in FSDP2
 over its one data-parallel rank (the mesh's dp_shard axis, kept at size 1 so TP and FSDP share one root mesh) and
@@ -54,8 +54,8 @@ def loop_rank(rank: int, args: argparse.Namespace, port: int) -> None:
 
     from shardlab.distributed.cpu_allocator import configure_cpu_allocator
     from shardlab_tasks.lm.config import LlamaConfig
-    from shardlab_tasks.lm.llama import Llama
-    from shardlab_tasks.lm.tensor_parallel import llama_plan, vocabulary_split_logits
+    from shardlab_tasks.lm.models.llama import Llama
+    from shardlab_tasks.lm.models.tensor_parallel import llama_plan, vocabulary_split_logits
 
     configure_cpu_allocator("fast")  # as a shardlab CPU rank without a memory budget (and reference.py)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,6 +1,6 @@
 """Export an LM checkpoint as a Hugging Face folder (no custom code needed to load it): model.arch=gpt as a
 GPT2LMHeadModel, model.arch=llama as a Llama, Qwen2, Qwen3 or Mistral ForCausalLM, with model.moe as a Mixtral,
-Qwen2-MoE or Qwen3-MoE one, its experts one tensor per expert as the hub holds them (shardlab_tasks/lm/export_hf.py).
+Qwen2-MoE or Qwen3-MoE one, its experts one tensor per expert as the hub holds them (shardlab_tasks/lm/hf/export_hf.py).
 
     shardlab-export runs/lm/default/checkpoints/step_00000300 --out hf-export
     shardlab-export runs/lm/sft/checkpoints/step_00001000 --dtype bf16 --out hf-bf16  # half the bytes
@@ -39,9 +39,10 @@ from shardlab.checkpoint.hf_folder import safetensors_reader, step_folder_reader
 from shardlab.distributed.cpu_allocator import configure_cpu_allocator
 from shardlab.errors import CheckpointError, ConfigError
 from shardlab.train import run_tool
-from shardlab_tasks.lm.export_hf import DTYPES, export_hf, export_refusal, lora_base
-from shardlab_tasks.lm.lora import adapter_from_checkpoint, base_refusal, lora_on, merged_reader
-from shardlab_tasks.lm.tokenizer import load_tokenizer
+from shardlab_tasks.lm.corpus.tokenizer import load_tokenizer
+from shardlab_tasks.lm.hf.export_hf import DTYPES, export_hf, export_refusal, lora_base
+from shardlab_tasks.lm.hf.peft import adapter_from_checkpoint
+from shardlab_tasks.lm.models.lora import base_refusal, lora_on, merged_reader
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -13,10 +13,10 @@ ahead of time to preprocess once for many jobs. Output: train.bin / valid.bin (u
 vocabularies above 65,536), meta.json, and with --train-tokenizer the tokenizer.json to train with.
 
 With --shards or --tasks the corpus's files are cut into shards that tasks tokenize at once
-(shardlab_tasks/lm/shards.py): a task of a Slurm array or of a multi-task job takes its part from Slurm's environment,
-and the task that finishes the last shard writes the manifest (meta.json). A task that dies leaves its shards unfinished
-and the others whole: rerunning the same command redoes only those. The tokens are those one process writes, token for
-token.
+(shardlab_tasks/lm/corpus/shards.py): a task of a Slurm array or of a multi-task job takes its part from Slurm's
+environment, and the task that finishes the last shard writes the manifest (meta.json). A task that dies leaves its
+shards unfinished and the others whole: rerunning the same command redoes only those. The tokens are those one process
+writes, token for token.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from pathlib import Path
 
 from shardlab.errors import ConfigError, DataError
 from shardlab.train import run_tool
-from shardlab_tasks.lm.cache import corpus_sources, prepare_corpus, preprocess_shards, read_corpus_meta
 from shardlab_tasks.lm.config import LMDataConfig
-from shardlab_tasks.lm.corpus import iter_texts
-from shardlab_tasks.lm.tokenizer import FileTokenizer, load_tokenizer, train_bpe
+from shardlab_tasks.lm.corpus.cache import corpus_sources, prepare_corpus, preprocess_shards, read_corpus_meta
+from shardlab_tasks.lm.corpus.corpus import iter_texts
+from shardlab_tasks.lm.corpus.tokenizer import FileTokenizer, load_tokenizer, train_bpe
 
 
 def main(argv: list[str] | None = None) -> Path:

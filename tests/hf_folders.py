@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 VOCAB = 320
-"""256 byte tokens, <|endoftext|> at 256, padding ids up to 320 (shardlab_tasks.lm.tokenizer.byte_tokenizer_json)."""
+"""256 byte tokens, <|endoftext|> at 256, padding ids up to 320 (shardlab_tasks.lm.corpus.tokenizer's
+byte_tokenizer_json)."""
 
 _LLAMA_SHAPE = dict(
     vocab_size=VOCAB,
@@ -76,7 +77,7 @@ expert, Qwen3-MoE with q/k norms and a head_dim apart from hidden_size / heads."
 
 
 def write_tokenizer(folder: Path) -> None:
-    from shardlab_tasks.lm.tokenizer import byte_tokenizer_json
+    from shardlab_tasks.lm.corpus.tokenizer import byte_tokenizer_json
 
     (folder / "tokenizer.json").write_text(byte_tokenizer_json(VOCAB))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}

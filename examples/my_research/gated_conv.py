@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlab.registry import MODELS
-from shardlab_tasks.lm.architecture import LMArchitecture
+from shardlab_tasks.lm.models.architecture import LMArchitecture
 
 
 @dataclass

@@ -10,7 +10,7 @@ is one slice.
 The caller names the checkpoint tensor of each parameter (``names``: shardlab name -> (checkpoint key, transposed));
 a transposed one (GPT-2's Conv1D weights, stored (in, out)) is read into a transposed view of the local shard, so a
 rank holding rows of the parameter reads the matching columns of the file. The family-specific names live with the
-task (shardlab_tasks/lm/hf_models.py); this module knows safetensors and DCP only.
+task (shardlab_tasks/lm/hf/hf_models.py); this module knows safetensors and DCP only.
 
 The other direction (``write_shards``): a checkpoint's tensors written as Hugging Face safetensors shards with their
 index, streamed in groups of bounded size from a step folder (``step_folder_reader``: DCP reads only the entries

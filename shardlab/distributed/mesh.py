@@ -159,8 +159,8 @@ class ParallelDims:
         """The mesh expert parallelism places experts on: dp_shard split into ('dp_shard_mod_ep', 'ep'), the expert
         group innermost (``ep`` consecutive ranks, within a host where the data axes allow), 'dp_replicate' kept
         when above 1, and 'tp' innermost when above 1: the ranks of an expert group share their tensor-parallel
-        index (each routes its own slice of the sequence, shardlab_tasks/lm/tensor_parallel.py), and the experts are
-        whole on every rank of a tensor-parallel group. A root of its own beside ``build``'s (so the data axes stay
+        index (each routes its own slice of the sequence, shardlab_tasks/lm/models/tensor_parallel.py), and the experts
+        are whole on every rank of a tensor-parallel group. A root of its own beside ``build``'s (so the data axes stay
         whole there): FSDP2 needs an expert's EP and FSDP placements on one root, and the other parameters shard over
         ``build``'s 'dp_shard'. Not with pp or cp (the pre-flight refuses them with ep: not composed yet)."""
         sizes = {"dp_replicate": self.dp_replicate, "dp_shard_mod_ep": self.dp_shard // self.ep, "ep": self.ep}

@@ -1,7 +1,7 @@
 """Is the holder of a lock alive? The checks of the run lock (shardlab.jobs.run_lock): a process of this host by its
 pid and its start time (a reused pid is not the holder), and a heartbeat (a file's mtime) that a holder on another host
-touches and a watcher sees change on its own clock. (The corpus cache's lock, shardlab_tasks/lm/cache_lock.py, gets
-the same two checks from filelock's SoftFileLease.)
+touches and a watcher sees change on its own clock. (The corpus cache's lock, shardlab_tasks/lm/corpus/cache_lock.py,
+gets the same two checks from filelock's SoftFileLease.)
 """
 
 from __future__ import annotations

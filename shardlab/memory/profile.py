@@ -34,7 +34,8 @@ class ExpertProfile:
     block_shapes: list[list[tuple[int, int]]] | None = None
     """Every parameter of the MoE blocks (the modules holding the experts: router, experts, shared expert) of each
     unit, then the root's, as (rows, elements per row): what tensor parallelism leaves whole on each rank (the
-    blocks run on each rank's slice of the sequence: shardlab_tasks/lm/tensor_parallel.py's SequenceShardedMoE)."""
+    blocks run on each rank's slice of the sequence: shardlab_tasks/lm/models/tensor_parallel.py's
+    SequenceShardedMoE)."""
 
 
 @dataclass

@@ -240,5 +240,5 @@ class LMTaskConfig(TaskConfig):
 
 
 TASKS.register_lazy("lm", "shardlab_tasks.lm.task_choice:build_lm_task", dataclass=LMTaskConfig, data=LMDataConfig)
-MODELS.register_lazy("gpt", "shardlab_tasks.lm.model:GPT", dataclass=GPTConfig)
-MODELS.register_lazy("llama", "shardlab_tasks.lm.llama:Llama", dataclass=LlamaConfig)
+MODELS.register_lazy("gpt", "shardlab_tasks.lm.models.model:GPT", dataclass=GPTConfig)
+MODELS.register_lazy("llama", "shardlab_tasks.lm.models.llama:Llama", dataclass=LlamaConfig)

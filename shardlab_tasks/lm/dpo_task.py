@@ -3,7 +3,8 @@
 LanguageModelingTask builds this subclass for data.format=preference, so task.name stays lm: a DPO run begins from an
 SFT run's step folder (checkpoint.init_from compares task names), a model folder (model.pretrained) or LoRA adapters
 the same way, and its checkpoints export as any LM's (shardlab-export). What differs is here: the pairs
-(shardlab_tasks/lm/preference.py), the loss and its reference (shardlab_tasks/lm/dpo.py), the metrics.
+(shardlab_tasks/lm/finetuning/preference.py), the loss and its reference (shardlab_tasks/lm/finetuning/dpo.py), the
+metrics.
 """
 
 from __future__ import annotations
@@ -11,9 +12,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardlab_tasks.lm.dpo import DPOSettings, ReferenceLogProbs, dpo_errors, preference_loss, summarize_preference
-from shardlab_tasks.lm.lora import lora_on
-from shardlab_tasks.lm.preference import collate_pairs, open_preference_splits, pack_pairs
+from shardlab_tasks.lm.finetuning.dpo import (
+    DPOSettings,
+    ReferenceLogProbs,
+    dpo_errors,
+    preference_loss,
+    summarize_preference,
+)
+from shardlab_tasks.lm.finetuning.preference import collate_pairs, open_preference_splits, pack_pairs
+from shardlab_tasks.lm.models.lora import lora_on
 from shardlab_tasks.lm.sft_packing import PAD_SEGMENT
 from shardlab_tasks.lm.task import LanguageModelingTask
 

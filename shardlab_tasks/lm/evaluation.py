@@ -19,11 +19,11 @@ from torch.utils.data import ConcatDataset, DataLoader
 
 from shardlab.errors import CheckpointError, ConfigError, DataError
 from shardlab.task import Evaluation, EvaluationRequest
-from shardlab_tasks.lm.cache import read_corpus_meta
 from shardlab_tasks.lm.config import LMSourceConfig
-from shardlab_tasks.lm.data import open_split
+from shardlab_tasks.lm.corpus.cache import read_corpus_meta
+from shardlab_tasks.lm.corpus.data import open_split
+from shardlab_tasks.lm.corpus.mixture import MixtureValid
 from shardlab_tasks.lm.harness import run_harness, summarize, task_manager
-from shardlab_tasks.lm.mixture import MixtureValid
 
 
 class LMEvaluation(Evaluation):
@@ -123,7 +123,8 @@ def note_trained_mixture(cfg: DictConfig, trained: dict) -> None:
 def evaluate_perplexity(task, model, cfg, args) -> dict[str, float]:
     """The task's loss summed over every block of the split, then its metrics (loss, ppl) from the totals. A mixture
     (data.sources): each source's blocks in turn with their source's number, so its metrics are those training's
-    validation logs for it (shardlab_tasks/lm/mixture.py: each source's loss and ppl, and the mixture's, weighed)."""
+    validation logs for it (shardlab_tasks/lm/corpus/mixture.py: each source's loss and ppl, and the mixture's,
+    weighed)."""
     device = torch.device(args.device)
     seq_len = cfg.data.seq_len
     if cfg.data.get("sources"):

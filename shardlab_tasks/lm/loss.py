@@ -1,6 +1,6 @@
 """The one cross-entropy of the LM losses (pretraining, fine-tuning's answer tokens, DPO's log-probabilities, a
 mixture's validation): on whole logits, or on logits split over the vocabulary by tensor parallelism
-(distributed.loss_parallel: shardlab_tasks/lm/tensor_parallel.py's vocabulary_split_logits).
+(distributed.loss_parallel: shardlab_tasks/lm/models/tensor_parallel.py's vocabulary_split_logits).
 
 Split logits are DTensors, and F.cross_entropy on them, inside torch's loss_parallel context (which the trainer holds
 around forward and backward: shardlab.distributed.tensor_parallel.split_vocabulary_loss), computes each token's

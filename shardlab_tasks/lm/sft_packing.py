@@ -6,7 +6,8 @@ padding, so the tokens a row really holds are counted without knowing its sample
 the models take per-sample positions (RoPE angles, GPT-2's position table restart at 0 for each sample) and a
 block-diagonal causal mask (no position attends to another sample's), so a packed row computes what the same samples
 compute each in a row of its own; the models need only that neighbouring samples' ids differ (DPO's packed rows
-number answers across the micro-batch: shardlab_tasks/lm/preference.py). Light on purpose: the models import it.
+number answers across the micro-batch: shardlab_tasks/lm/finetuning/preference.py). Light on purpose: the models import
+it.
 """
 
 from __future__ import annotations

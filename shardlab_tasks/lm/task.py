@@ -1,6 +1,6 @@
 """Causal language modelling: next-token cross-entropy on fixed-length blocks of a preprocessed corpus, or, with
 data.format=chat or prompt_completion, supervised fine-tuning on the answer tokens of packed records
-(shardlab_tasks/lm/sft.py)."""
+(shardlab_tasks/lm/finetuning/sft.py)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,19 @@ from shardlab.distributed.compile import compiled
 from shardlab.errors import CheckpointError, ConfigError, DataError
 from shardlab.registry import MODELS
 from shardlab.task import ExpertLayers, PipelineCut, Task
-from shardlab_tasks.lm import mixture
-from shardlab_tasks.lm.architecture import LMArchitecture
-from shardlab_tasks.lm.cache import corpus_sources, read_corpus_meta
-from shardlab_tasks.lm.context_parallel import SequenceBatch
-from shardlab_tasks.lm.data import open_splits, prepare_corpus
-from shardlab_tasks.lm.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, expert_pieces, weight_names
+from shardlab_tasks.lm.corpus import mixture
+from shardlab_tasks.lm.corpus.cache import corpus_sources, read_corpus_meta
+from shardlab_tasks.lm.corpus.data import open_splits, prepare_corpus
+from shardlab_tasks.lm.corpus.tokenizer import load_tokenizer
+from shardlab_tasks.lm.finetuning.sft import FORMATS, answer_loss, answer_token_loss, open_sft_splits
+from shardlab_tasks.lm.finetuning.sft_template import find_chat_template
+from shardlab_tasks.lm.hf.hf_models import IGNORED_CHECKPOINT_KEYS, apply_pretrained, expert_pieces, weight_names
 from shardlab_tasks.lm.loss import token_cross_entropy
-from shardlab_tasks.lm.moe_balance import StepLoad
-from shardlab_tasks.lm.moe_metrics import add_routing_loss, routing_metrics
-from shardlab_tasks.lm.sft import FORMATS, answer_loss, answer_token_loss, open_sft_splits
+from shardlab_tasks.lm.models.architecture import LMArchitecture
+from shardlab_tasks.lm.models.context_parallel import SequenceBatch
+from shardlab_tasks.lm.models.moe_balance import StepLoad
+from shardlab_tasks.lm.models.moe_metrics import add_routing_loss, routing_metrics
 from shardlab_tasks.lm.sft_packing import IGNORE, real_positions, rounded_up
-from shardlab_tasks.lm.sft_template import find_chat_template
-from shardlab_tasks.lm.tokenizer import load_tokenizer
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -44,10 +44,10 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 def record_lora_base(cfg, pretrained: Path | None) -> None:
     """With LoRA on, model.lora.base_digest := the digest of the frozen base (model.pretrained's folder, else
     checkpoint.init_from) as it is at this start, saved with every checkpoint's config: a resume and the merged
-    export compare it with the base they read (shardlab_tasks.lm.lora.base_refusal), and a config that already records
-    one (a checkpoint's, rebuilt by generate or evaluate) is refused here when the base differs. None where the base
-    cannot be read: the load refuses it in its own words."""
-    from shardlab_tasks.lm.lora import base_refusal, lora_on
+    export compare it with the base they read (shardlab_tasks.lm.models.lora.base_refusal), and a config that already
+    records one (a checkpoint's, rebuilt by generate or evaluate) is refused here when the base differs. None where the
+    base cannot be read: the load refuses it in its own words."""
+    from shardlab_tasks.lm.models.lora import base_refusal, lora_on
 
     if not lora_on(cfg.model):
         return
@@ -87,7 +87,8 @@ class LanguageModelingTask(Task):
         self.sft = cfg.data.get("format", "text") != "text"
         self.chat_template = find_chat_template(cfg.data.chat_template, cfg.data.tokenizer) if self.sft else None
         self.mixture: mixture.Mixture | None = None
-        """data.sources' corpora once prepare_data opened them (shardlab_tasks/lm/mixture.py); None: one corpus."""
+        """data.sources' corpora once prepare_data opened them (shardlab_tasks/lm/corpus/mixture.py); None: one
+        corpus."""
         moe = cfg.model.get("moe")
         self.step_load = StepLoad(moe) if moe is not None else None
         """An MoE model's per-step expert load, for what follows each optimizer step (after_update)."""
@@ -99,7 +100,7 @@ class LanguageModelingTask(Task):
         if not (isinstance(arch, type) and issubclass(arch, LMArchitecture)):
             raise ConfigError(
                 f"model.arch: '{self.cfg.model.arch}' is not a language-model architecture (a subclass of "
-                "shardlab_tasks.lm.architecture.LMArchitecture, docs/tutorial.md); "
+                "shardlab_tasks.lm.models.architecture.LMArchitecture, docs/tutorial.md); "
                 "pick a model=gpt_* or model=llama_* flavor"
             )
         return arch
@@ -192,7 +193,7 @@ class LanguageModelingTask(Task):
         """model.lora: a valid rank, alpha and dropout, and target patterns that each select a linear layer."""
         if not self.cfg.model.get("lora"):
             return []
-        from shardlab_tasks.lm.lora import lora_errors
+        from shardlab_tasks.lm.models.lora import lora_errors
 
         with torch.device("meta"):  # shapes only: cheap at any size
             model = self.architecture(self.cfg.model, self.vocab_size)
@@ -201,15 +202,16 @@ class LanguageModelingTask(Task):
     def checkpointed_keys(self):
         """With LoRA on, only the adapters: the frozen base comes back from model.pretrained or checkpoint.init_from
         (or the seeded init) at every start."""
-        from shardlab_tasks.lm.lora import is_adapter, lora_on
+        from shardlab_tasks.lm.models.lora import is_adapter, lora_on
 
         return is_adapter if lora_on(self.cfg.model) else None
 
     def checkpoint_refusal(self, path: Path, saved_model_config: dict, use: str) -> str | None:
-        """model.lora: a LoRA step folder holds its adapters alone (shardlab_tasks.lm.lora.checkpoint_refusal)."""
+        """model.lora: a LoRA step folder holds its adapters alone (shardlab_tasks/lm/models/lora.py's
+        checkpoint_refusal)."""
         from omegaconf import OmegaConf
 
-        from shardlab_tasks.lm.lora import checkpoint_refusal
+        from shardlab_tasks.lm.models.lora import checkpoint_refusal
 
         current = OmegaConf.to_container(self.cfg.model, resolve=True)
         return checkpoint_refusal(path, saved_model_config, current, use)
@@ -254,7 +256,7 @@ class LanguageModelingTask(Task):
         if self.pretrained is None:
             return None
         from shardlab.checkpoint.hf_folder import load_hf_folder
-        from shardlab_tasks.lm.lora import is_adapter
+        from shardlab_tasks.lm.models.lora import is_adapter
 
         names = weight_names(self.cfg.model)
         # A LoRA model's adapters are not in the folder: they keep their init (B = 0, so the model starts as the base).
@@ -330,14 +332,14 @@ class LanguageModelingTask(Task):
 
     def build_model(self) -> nn.Module:
         model = self.architecture(self.cfg.model, self.vocab_size)
-        from shardlab_tasks.lm.lora import apply_lora, lora_on
+        from shardlab_tasks.lm.models.lora import apply_lora, lora_on
 
         if lora_on(self.cfg.model):  # adapters swapped in on meta, before sharding; the rest frozen
             apply_lora(model, self.cfg.model.lora)
         return model
 
     def init_tensor(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        from shardlab_tasks.lm.lora import init_adapter, is_adapter
+        from shardlab_tasks.lm.models.lora import init_adapter, is_adapter
 
         if is_adapter(name):
             init_adapter(name, tensor, generator)
@@ -347,12 +349,12 @@ class LanguageModelingTask(Task):
     model_parallel_axes = ("tp", "pp", "cp")
 
     def tensor_parallel_plan(self, model: nn.Module) -> dict | None:
-        """The architecture's plan (shardlab_tasks/lm/tensor_parallel.py), its logits left split over the vocabulary
-        under distributed.loss_parallel (every loss here takes them: shardlab_tasks/lm/loss.py), its LoRA-adapted layers
-        split with their adapters."""
+        """The architecture's plan (shardlab_tasks/lm/models/tensor_parallel.py), its logits left split over the
+        vocabulary under distributed.loss_parallel (every loss here takes them: shardlab_tasks/lm/loss.py), its
+        LoRA-adapted layers split with their adapters."""
         from shardlab.distributed.tensor_parallel import loss_parallel_on
-        from shardlab_tasks.lm.lora import lora_on
-        from shardlab_tasks.lm.tensor_parallel import vocabulary_split_logits, with_adapters
+        from shardlab_tasks.lm.models.lora import lora_on
+        from shardlab_tasks.lm.models.tensor_parallel import vocabulary_split_logits, with_adapters
 
         plan = model.tensor_parallel_plan()
         if plan is not None and loss_parallel_on(self.cfg):
@@ -367,7 +369,8 @@ class LanguageModelingTask(Task):
         if arch.tensor_parallel_plan is LMArchitecture.tensor_parallel_plan:
             return [
                 f"distributed.tensor_parallel_degree ({degree}): model.arch={m.arch} has no tensor-parallel plan "
-                "(LMArchitecture.tensor_parallel_plan; shardlab_tasks/lm/tensor_parallel.py has GPT's and Llama's); "
+                "(LMArchitecture.tensor_parallel_plan; shardlab_tasks/lm/models/tensor_parallel.py has GPT's and "
+                "Llama's); "
                 "set it to 1"
             ]
         rows = [] if self.cfg.data.seq_len % degree == 0 else [
@@ -378,15 +381,15 @@ class LanguageModelingTask(Task):
 
     def sequence_shards(self, batch: torch.Tensor, device: torch.device):
         """Context parallelism: a block as (inputs, targets, positions) split along the sequence
-        (shardlab_tasks/lm/context_parallel.py)."""
-        from shardlab_tasks.lm.context_parallel import sequence_shards
+        (shardlab_tasks/lm/models/context_parallel.py)."""
+        from shardlab_tasks.lm.models.context_parallel import sequence_shards
 
         return sequence_shards(batch, device)
 
     def context_parallel_errors(self, degree: int) -> list[str]:
         """A length the load balancer cannot cut, fine-tuning rows, a mixture, dropout; a subclass with a loss of its
         own (the preference task's) too."""
-        from shardlab_tasks.lm.context_parallel import context_parallel_errors
+        from shardlab_tasks.lm.models.context_parallel import context_parallel_errors
 
         own_loss = type(self).loss is not LanguageModelingTask.loss
         takes_positions = "positions" in inspect.signature(self.architecture.forward).parameters
@@ -395,7 +398,7 @@ class LanguageModelingTask(Task):
     def expert_modules(self, model: nn.Module) -> list[nn.Module]:
         """Every MoE block's routed experts (shardlab_tasks/lm/moe_experts.GroupedExperts): split by
         distributed.expert_parallel_degree."""
-        from shardlab_tasks.lm.moe_experts import GroupedExperts
+        from shardlab_tasks.lm.models.moe_experts import GroupedExperts
 
         return [module for module in model.modules() if isinstance(module, GroupedExperts)]
 
@@ -451,11 +454,11 @@ class LanguageModelingTask(Task):
 
     def loss(self, model: nn.Module, batch: torch.Tensor, device: torch.device):
         """The token loss, plus an MoE model's auxiliary loss and routing statistics
-        (shardlab_tasks/lm/moe_metrics.py)."""
+        (shardlab_tasks/lm/models/moe_metrics.py)."""
         return add_routing_loss(model, *self.token_loss(model, batch, device), self.cfg.model, self.step_load)
 
     def after_update(self, model: nn.Module, all_reduce_sum, applied: bool) -> list[str]:
-        """An MoE model's bias balancing and idle-expert warning (shardlab_tasks/lm/moe_balance.py)."""
+        """An MoE model's bias balancing and idle-expert warning (shardlab_tasks/lm/models/moe_balance.py)."""
         return self.step_load.after_update(model, all_reduce_sum, applied) if self.step_load is not None else []
 
     def token_loss(self, model: nn.Module, batch: torch.Tensor, device: torch.device):
@@ -513,7 +516,7 @@ class LanguageModelingTask(Task):
     def train_order(self, seed: int):
         if (
             self.mixture is not None
-        ):  # each global sample offset -> a source and a block of it (shardlab_tasks/lm/mixture.py)
+        ):  # each global sample offset -> a source and a block of it (shardlab_tasks/lm/corpus/mixture.py)
             return self.mixture.order(seed)
         return super().train_order(seed)
 

@@ -26,7 +26,7 @@ WORLD, SEQ, BATCH, VOCAB, DIM = 2, 16, 2, 11, 8
 
 def _sharding(rank: int, mesh, dims) -> dict:
     from shardlab.distributed.context_parallel import head_tail_positions, sequence_sharded
-    from shardlab_tasks.lm.context_parallel import sequence_shards
+    from shardlab_tasks.lm.models.context_parallel import sequence_shards
 
     block = torch.arange(BATCH * (SEQ + 1)).reshape(BATCH, SEQ + 1)  # token = 17 x row + position
     shards = sequence_shards(block, torch.device("cpu"))
@@ -54,7 +54,7 @@ def _sharding(rank: int, mesh, dims) -> dict:
 def _sums(rank: int, mesh, dims) -> dict:
     from shardlab.distributed.base import Backend
     from shardlab.distributed.context_parallel import head_tail_positions
-    from shardlab_tasks.lm.context_parallel import SequenceBatch
+    from shardlab_tasks.lm.models.context_parallel import SequenceBatch
     from shardlab_tasks.lm.task import LanguageModelingTask
 
     data = torch.Generator().manual_seed(7)

@@ -29,8 +29,8 @@ DPO_TINY = [
 TP = "distributed.tensor_parallel_degree=2"
 """Sequence-parallel tensor parallelism: each micro-batch's rows a multiple of 2 long (PreferenceTask.collate)."""
 PACK = ["data.pack=true", "model.max_seq_len=512", "data.seq_len=512"]
-"""Each rank's micro-batch of pairs packed into shared rows (shardlab_tasks/lm/preference.py: pack_pairs), two of the
-demo's answers (~200 tokens) to a row."""
+"""Each rank's micro-batch of pairs packed into shared rows (shardlab_tasks/lm/finetuning/preference.py: pack_pairs),
+two of the demo's answers (~200 tokens) to a row."""
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[attn.*,mlp.*]"]
 REWARD_ATOL = 1e-5
 """A reward is beta times the difference of two sums of ~200 log-probabilities (~-300 each, fp32): a rank's other

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlab.checkpoint.readers import dcp_reader
 from shardlab_commands import export_hf
-from shardlab_tasks.lm.lora import is_adapter
+from shardlab_tasks.lm.models.lora import is_adapter
 from tests.distributed.harness import run_spawned
 from tests.hf_folders import make_folder
 

@@ -1,5 +1,5 @@
-"""Expert parallelism (shardlab_tasks/lm/moe_parallel.py) on 2 gloo ranks: each rank holds 2 of 4 experts, sends its
-rows to their experts' ranks and gets the outputs back; outputs and gradients (rows, and each rank's experts, summed
+"""Expert parallelism (shardlab_tasks/lm/models/moe_parallel.py) on 2 gloo ranks: each rank holds 2 of 4 experts, sends
+its rows to their experts' ranks and gets the outputs back; outputs and gradients (rows, and each rank's experts, summed
 over the ranks' contributions) equal one process computing every expert itself. Uneven sizes, a rank that sends nothing
 to the other, and an expert with no rows included."""
 
@@ -22,8 +22,8 @@ ROUNDS = [  # per rank: rows it holds for each of the 4 experts
 
 def _rank(rank: int, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    from shardlab_tasks.lm.moe_experts import run_experts, swiglu_loop
-    from shardlab_tasks.lm.moe_parallel import expert_parallel_run
+    from shardlab_tasks.lm.models.moe_experts import run_experts, swiglu_loop
+    from shardlab_tasks.lm.models.moe_parallel import expert_parallel_run
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     weights = torch.Generator().manual_seed(0)

@@ -7,7 +7,7 @@ resumes on one process continuing the curve. Under -m slow (a spawn of its own),
 expert) and a Qwen3-MoE folder (q/k norms) made by transformers, loaded at TP 2 x EP 2 with the auxiliary balancing
 loss on: the logits and loss are transformers', and the first step's loss and aux_loss are the mean of transformers'
 on each data rank's part of the batch; each tensor-parallel rank routes only half of a part's tokens, so these hold
-only if the loads and probabilities are summed over the pair (shardlab_tasks/lm/moe.py). Also under -m slow: TP 2
+only if the loads and probabilities are summed over the pair (shardlab_tasks/lm/models/moe.py). Also under -m slow: TP 2
 alone (2 ranks, one data rank) with the auxiliary loss on trains as one process, aux_loss included."""
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from shardlab.distributed.env import free_port
-from shardlab_tasks.lm.cache import embedded_corpus_files, prepare_corpus, read_corpus_meta
-from shardlab_tasks.lm.tokenizer import train_bpe
+from shardlab_tasks.lm.corpus.cache import embedded_corpus_files, prepare_corpus, read_corpus_meta
+from shardlab_tasks.lm.corpus.tokenizer import train_bpe
 from tests.conftest import TINY_LM
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardlab_tasks.lm.cache import prepare_corpus
+from shardlab_tasks.lm.corpus.cache import prepare_corpus
 from tests.faults.test_fault_matrix import SITE
 from tests.slurm.test_slurm import slurm_state, wait_for
 from tests.unit.test_lm_shards import WORDS, stream, write_corpus

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardlab_tasks.lm.cache import prepare_corpus
+from shardlab_tasks.lm.corpus.cache import prepare_corpus
 from tests.unit.test_lm_shards import stream, write_corpus
 
 pytestmark = pytest.mark.slurm

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from shardlab.errors import ConfigError, DataError
-from shardlab_tasks.lm.cache import prepare_corpus, preprocess_shards, read_corpus_meta
-from shardlab_tasks.lm.sft_template import find_chat_template, load_chat_template
-from shardlab_tasks.lm.tokenizer import ByteTokenizer
+from shardlab_tasks.lm.corpus.cache import prepare_corpus, preprocess_shards, read_corpus_meta
+from shardlab_tasks.lm.corpus.tokenizer import ByteTokenizer
+from shardlab_tasks.lm.finetuning.sft_template import find_chat_template, load_chat_template
 
 
 def finished(fn, timeout_s: float = 30.0) -> BaseException | None:

@@ -20,9 +20,9 @@ from filelock import OwnerRecord, SoftFileLease
 from filelock._soft import encode_marker  # the marker's format, to stage writers that are not there
 
 from shardlab.errors import DataError
-from shardlab_tasks.lm import cache_lock
-from shardlab_tasks.lm.cache import prepare_corpus
-from shardlab_tasks.lm.cache_lock import build_once, lock_path, temp_prefix
+from shardlab_tasks.lm.corpus import cache_lock
+from shardlab_tasks.lm.corpus.cache import prepare_corpus
+from shardlab_tasks.lm.corpus.cache_lock import build_once, lock_path, temp_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_lock_of_a_killed_process_on_this_host_is_taken_over_and_its_temp_dir_re
     out = tmp_path / "corpus-abc"
     code = (
         "import os, signal, sys; from pathlib import Path\n"
-        "from shardlab_tasks.lm.cache_lock import _lease, temp_prefix\n"
+        "from shardlab_tasks.lm.corpus.cache_lock import _lease, temp_prefix\n"
         "out = Path(sys.argv[1]); lease = _lease(out); lease.acquire(); print(os.getpid(), flush=True);"
         "(out.parent / (temp_prefix(out) + 'xyz')).mkdir(); os.kill(os.getpid(), signal.SIGKILL)"
     )
@@ -226,7 +226,7 @@ def test_two_processes_preprocessing_one_corpus_get_identical_token_files(tmp_pa
 def test_preprocessing_modules_do_not_import_torch():
     """Preprocessing workers import them (spawned, one per core): torch alone would cost each ~650 MB and seconds."""
     code = (
-        "import sys, shardlab_tasks.lm.cache, shardlab_commands.preprocess_lm; "
+        "import sys, shardlab_tasks.lm.corpus.cache, shardlab_commands.preprocess_lm; "
         "print(sorted(m for m in sys.modules if m == 'torch'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout

@@ -202,7 +202,7 @@ RAISES_CONFIG_ERROR = {
     "shardlab/registry/__init__.py": "unknown and clashing names (a lookup the checks make first)",
     "shardlab/registry/user_dir.py": "the user_dir folder and its imports, before the config composes",
     "shardlab_tasks/lm/task.py": "model.arch of another kind, asked by the LM's config_errors",
-    "shardlab_tasks/lm/export_hf.py": "a tool's own command line and the model it exports",
+    "shardlab_tasks/lm/hf/export_hf.py": "a tool's own command line and the model it exports",
     "shardlab_tasks/lm/harness.py": "a tool's own command line (evaluate --lm-eval) and the extra it needs installed",
     "shardlab_tasks/lm/evaluation.py": "shardlab-evaluate's command line (--split, the data.sources given again)",
     "shardlab_tasks/image_classification/evaluation.py": "shardlab-evaluate's command line (--split, the data probed)",
@@ -221,11 +221,11 @@ RAISES_CONFIG_ERROR = {
     "shardlab/memory/budget.py": "the memory plan against distributed.memory_budget_gb (asked by the checks)",
     "shardlab/runner/autotune.py": "the layouts measured on the ranks",
     "shardlab/memory/verify.py": "the real fully_shard against the plan (a dry run's)",
-    "shardlab_tasks/lm/tokenizer.py": "the tokenizer file the data names",
-    "shardlab_tasks/lm/shards.py": (
+    "shardlab_tasks/lm/corpus/tokenizer.py": "the tokenizer file the data names",
+    "shardlab_tasks/lm/corpus/shards.py": (
         "the shard plan a cache being preprocessed already follows (shardlab-preprocess --shards)"
     ),
-    "shardlab_tasks/lm/sft_template.py": (
+    "shardlab_tasks/lm/finetuning/sft_template.py": (
         "the chat template file data.chat_template names (or the tokenizer's folder holds)"
     ),
     "shardlab/checkpoint/export_folder.py": "a tool's --out, against the folders on disk it would replace",

@@ -228,9 +228,9 @@ def test_the_codes_own_tables_agree_with_the_schemas_choices():
     from shardlab.distributed.activation_checkpointing import SAVE_OP_GROUPS
     from shardlab.distributed.pipeline import SCHEDULES
     from shardlab_tasks.image_classification.data import SOURCES
-    from shardlab_tasks.lm.dpo import LOSS_TYPES
-    from shardlab_tasks.lm.moe import SCORE_FUNCS
-    from shardlab_tasks.lm.moe_experts import EXPERT_IMPLS
+    from shardlab_tasks.lm.finetuning.dpo import LOSS_TYPES
+    from shardlab_tasks.lm.models.moe import SCORE_FUNCS
+    from shardlab_tasks.lm.models.moe_experts import EXPERT_IMPLS
 
     choices = {key: TABLE[key][1]["choices"] for key in CHOICES}
     assert tuple(SCHEDULES) == PIPELINE_SCHEDULES == choices["distributed.pipeline_schedule"]

@@ -1,7 +1,7 @@
 """Context parallelism's pieces that run without CUDA attention (shardlab/distributed/context_parallel.py,
-shardlab_tasks/lm/context_parallel.py): the load balancer's positions, the FSDP mesh over dp_shard x cp on the fake
-process group (torch's flatten and the public fallback alike), and the LM models at the positions a context rank holds.
-Sharding by torch's context_parallel over real ranks: tests/distributed/test_context_parallel.py."""
+shardlab_tasks/lm/models/context_parallel.py): the load balancer's positions, the FSDP mesh over dp_shard x cp on the
+fake process group (torch's flatten and the public fallback alike), and the LM models at the positions a context rank
+holds. Sharding by torch's context_parallel over real ranks: tests/distributed/test_context_parallel.py."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def test_the_models_read_tokens_in_load_balanced_order_at_their_true_positions(a
     from omegaconf import OmegaConf
 
     from shardlab_tasks.lm.config import GPTConfig, LlamaConfig
-    from shardlab_tasks.lm.llama import Llama
-    from shardlab_tasks.lm.model import GPT
+    from shardlab_tasks.lm.models.llama import Llama
+    from shardlab_tasks.lm.models.model import GPT
 
     torch.manual_seed(0)
     if arch == "gpt":

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from shardlab.errors import DataError
-from shardlab_tasks.lm import corpus
-from shardlab_tasks.lm.cache import prepare_corpus
-from shardlab_tasks.lm.corpus import find_sources, iter_texts, read_blocks
+from shardlab_tasks.lm.corpus import corpus
+from shardlab_tasks.lm.corpus.cache import prepare_corpus
+from shardlab_tasks.lm.corpus.corpus import find_sources, iter_texts, read_blocks
 from tests.unit.test_cli import ROOT
 
 
@@ -74,7 +74,7 @@ def test_max_corpus_mb_ends_the_corpus_inside_a_long_record_without_reading_it(t
 
 FIND = """import json, sys
 from pathlib import Path
-from shardlab_tasks.lm.corpus import find_sources
+from shardlab_tasks.lm.corpus.corpus import find_sources
 print(json.dumps([s.rel for s in find_sources(Path(sys.argv[1]))]))
 """
 
@@ -181,7 +181,7 @@ def test_a_link_loop_or_a_dangling_link_is_one_line_naming_it(tmp_path):
 
 def test_a_link_repointed_out_of_the_folder_after_its_open_is_the_same_one_line(tmp_path, monkeypatch):
     from shardlab.files import regular_file
-    from shardlab_tasks.lm import sources
+    from shardlab_tasks.lm.corpus import sources
 
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "a.parquet").write_bytes(b"x")

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from shardlab.errors import DataError
-from shardlab_tasks.lm import corpus
-from shardlab_tasks.lm.binarize import encode_block
-from shardlab_tasks.lm.corpus import check_sources, find_sources, read_blocks
-from shardlab_tasks.lm.tokenizer import ByteTokenizer
+from shardlab_tasks.lm.corpus import corpus
+from shardlab_tasks.lm.corpus.binarize import encode_block
+from shardlab_tasks.lm.corpus.corpus import check_sources, find_sources, read_blocks
+from shardlab_tasks.lm.corpus.tokenizer import ByteTokenizer
 from tests import fuzzing
 
 SEED = 41

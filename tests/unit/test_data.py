@@ -9,9 +9,9 @@ import pytest
 
 from shardlab.data import GlobalOrder, RankBatchSampler
 from shardlab.errors import DataError
-from shardlab_tasks.lm.corpus import find_sources
-from shardlab_tasks.lm.data import TokenBlocks, prepare_corpus
-from shardlab_tasks.lm.tokenizer import ByteTokenizer
+from shardlab_tasks.lm.corpus.corpus import find_sources
+from shardlab_tasks.lm.corpus.data import TokenBlocks, prepare_corpus
+from shardlab_tasks.lm.corpus.tokenizer import ByteTokenizer
 
 
 def global_batches(world: int, start: int, batch: int, steps: int) -> list[list[int]]:

@@ -125,6 +125,18 @@ def map_paths(block: str) -> list[str]:
     return found
 
 
+def unnamed_modules(package: Path, name: str, entries: dict[str, str], rooms: bool) -> list[str]:
+    """The modules of ``package`` (drawn as ``name``) its description does not name, and with ``rooms`` (a task
+    plug-in's: shardlab_tasks/lm/corpus/) its sub-packages without a line of their own or with modules their line does
+    not name (shardlab/'s packages name theirs in their description: checkpoint/'s readers/)."""
+    words = set(re.findall(r"\w+", entries[name]))
+    missing = [f"{name}{m.name}" for m in sorted(package.glob("*.py")) if m.stem not in words | {"__init__"}]
+    for sub in sorted(p for p in package.iterdir() if rooms and (p / "__init__.py").is_file()):
+        inner = f"{name}{sub.name}/"
+        missing += unnamed_modules(sub, inner, entries, rooms) if inner in entries else [inner]
+    return missing
+
+
 def map_omissions(block: str, repo: Path = REPO) -> list[str]:
     """What of the tree a map of the code leaves out: a top-level folder; a module or package of shardlab/ or a
     package of shardlab_tasks/ without its own line; a module of such a package not named (by its stem) in the package's
@@ -141,8 +153,7 @@ def map_omissions(block: str, repo: Path = REPO) -> list[str]:
             if name not in entries:
                 missing.append(name)
             elif is_package:
-                words = set(re.findall(r"\w+", entries[name]))
-                missing += [f"{name}{m.name}" for m in sorted(child.glob("*.py")) if m.stem not in words | {"__init__"}]
+                missing += unnamed_modules(child, name, entries, rooms=root == "shardlab_tasks")
     commands = set(re.findall(r"\w+", entries.get("shardlab_commands/", "")))
     missing += [f"shardlab_commands/{m.name}" for m in sorted((repo / "shardlab_commands").glob("*.py"))
                 if m.stem not in commands | {"__init__"}]  # fmt: skip
@@ -254,6 +265,9 @@ def test_a_module_the_map_leaves_out_is_caught(tmp_path):
     block = next(b for b in FENCE.findall((REPO / "README.md").read_text()) if b.startswith("shardlab/"))
     assert map_omissions(block.replace("policy (when to save), ", "")) == ["shardlab/checkpoint/policy.py"]
     assert map_omissions(block.replace("faults/ (fault matrix), ", "")) == ["tests/faults/"]
+    assert map_omissions(block.replace(", moe_hub, export_hf", ", export_hf")) == ["shardlab_tasks/lm/hf/moe_hub.py"]
+    lm_hf = re.search(r"\n    hf/ .*", block)[0]
+    assert map_omissions(block.replace(lm_hf, "")) == ["shardlab_tasks/lm/hf/"]
     assert map_omissions(
         block.replace("  errors.py               ConfigError", "  error.py                ConfigError")
     ) == ["shardlab/errors.py"]

@@ -1,7 +1,7 @@
 """task=dpo with data.pack=true: a micro-batch's chosen and rejected answers packed into shared rows as segments
-(shardlab_tasks/lm/preference.py: pack_pairs) give each pair the log-probabilities, and a run the losses, rewards and
-gradients, that one answer a row gives (rtol 1e-5), with LoRA (reference: the adapters off, packed too) and full
-fine-tuning (reference: precomputed through the same packing, each pair at its own index), in fewer rows."""
+(shardlab_tasks/lm/finetuning/preference.py: pack_pairs) give each pair the log-probabilities, and a run the losses,
+rewards and gradients, that one answer a row gives (rtol 1e-5), with LoRA (reference: the adapters off, packed too) and
+full fine-tuning (reference: precomputed through the same packing, each pair at its own index), in fewer rows."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from shardlab.distributed import env as dist_env
 from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
 from shardlab_tasks.lm.dpo_task import PreferenceTask
-from shardlab_tasks.lm.preference import collate_pairs, pack_pairs
+from shardlab_tasks.lm.finetuning.preference import collate_pairs, pack_pairs
 from shardlab_tasks.lm.sft_packing import IGNORE, PAD_SEGMENT, packed_row
 from tests.unit.test_dpo_trl import records
 

@@ -18,7 +18,8 @@ from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task, run_rank
-from shardlab_tasks.lm.lora import is_adapter, write_peft_adapter
+from shardlab_tasks.lm.hf.peft import write_peft_adapter
+from shardlab_tasks.lm.models.lora import is_adapter
 from tests.hf_folders import make_folder
 
 STEPS = 20

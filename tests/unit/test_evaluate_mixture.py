@@ -1,6 +1,6 @@
-"""shardlab-evaluate on a run trained on a mixture (data.sources, shardlab_tasks/lm/mixture.py): each source's loss and
-the mixture's, equal to what training's validation logged for the same weights, with the sources taken from the tool's
-own command line, never from the checkpoint's config."""
+"""shardlab-evaluate on a run trained on a mixture (data.sources, shardlab_tasks/lm/corpus/mixture.py): each source's
+loss and the mixture's, equal to what training's validation logged for the same weights, with the sources taken from the
+tool's own command line, never from the checkpoint's config."""
 
 from __future__ import annotations
 

@@ -44,8 +44,10 @@ def test_the_command_check_finds_a_planted_task_import_inside_a_function(tmp_pat
     (tmp_path / "shardlab_tasks" / "lm" / "data.py").write_text("")
     (tmp_path / "shardlab_commands" / "evaluate.py").write_text("def f():\n    return 1\n")
     assert task_readers(imports(tmp_path)) == {}
-    (tmp_path / "shardlab_commands" / "evaluate.py").write_text("def f():\n    from shardlab_tasks.lm import data\n")
-    assert task_readers(imports(tmp_path)) == {"shardlab_commands.evaluate": ["shardlab_tasks.lm.data"]}
+    (tmp_path / "shardlab_commands" / "evaluate.py").write_text(
+        "def f():\n    from shardlab_tasks.lm.corpus import data\n"
+    )
+    assert task_readers(imports(tmp_path)) == {"shardlab_commands.evaluate": ["shardlab_tasks.lm.corpus.data"]}
 
 
 # ---- a user's task ---------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.runner import run_rank
 from shardlab_commands import export_hf, generate, preprocess_lm
-from shardlab_tasks.lm.export_hf import export_refusal
+from shardlab_tasks.lm.hf.export_hf import export_refusal
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,7 +17,7 @@ from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.runner import run_rank
 from shardlab_commands import export_hf
-from shardlab_tasks.lm.export_hf import export_refusal, family
+from shardlab_tasks.lm.hf.export_hf import export_refusal, family
 from tests.hf_folders import FAMILIES, make_folder
 
 transformers = pytest.importorskip("transformers")

@@ -113,12 +113,12 @@ def test_every_mode_stages_marks_and_replaces_only_its_own_earlier_export(lora_r
     before = snapshot(out)
 
     from shardlab.checkpoint import hf_folder
-    from shardlab_tasks.lm import lora
+    from shardlab_tasks.lm.hf import peft
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(lora, "write_peft_adapter", broken)
+    monkeypatch.setattr(peft, "write_peft_adapter", broken)
     monkeypatch.setattr(hf_folder, "_write_file", broken)
     with pytest.raises(OSError, match="disk full"):
         export_hf.main([step, "--out", str(out), *mode])

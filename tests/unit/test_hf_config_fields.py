@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shardlab_tasks.lm.hf_fields import MAX_LAYERS
-from shardlab_tasks.lm.hf_models import HFConfigError, model_section
+from shardlab_tasks.lm.hf.hf_fields import MAX_LAYERS
+from shardlab_tasks.lm.hf.hf_models import HFConfigError, model_section
 from tests.hf_folders import FAMILIES, MOE_FAMILIES
 
 transformers = pytest.importorskip("transformers")

@@ -17,8 +17,8 @@ import pytest
 
 from shardlab.checkpoint.hf_folder import INDEX_FILE, read_tensors, tensor_files, weight_files
 from shardlab.errors import ShardlabError
-from shardlab_tasks.lm.hf_models import eos_token, model_section, read_config_json
-from shardlab_tasks.lm.tokenizer import FileTokenizer
+from shardlab_tasks.lm.corpus.tokenizer import FileTokenizer
+from shardlab_tasks.lm.hf.hf_models import eos_token, model_section, read_config_json
 from tests import fuzzing
 from tests.hf_folders import make_folder
 

@@ -15,7 +15,7 @@ import torch
 
 from shardlab.checkpoint.hf_folder import INDEX_FILE, weight_files
 from shardlab.errors import CheckpointError, ConfigError
-from shardlab_tasks.lm.hf_models import HFConfigError, eos_token, read_config_json
+from shardlab_tasks.lm.hf.hf_models import HFConfigError, eos_token, read_config_json
 from tests.hf_folders import make_folder
 from tests.unit.test_hf_pretrained import loaded, task_of
 
@@ -68,7 +68,7 @@ def test_a_fifo_tokenizer_config_is_refused_at_once_in_one_line(folder, tmp_path
 def test_a_fifo_or_device_tokenizer_json_is_refused_at_once_not_taken_for_no_tokenizer(folder, tmp_path):
     """A folder's tokenizer.json that is no file is refused (it used to be skipped: the run fell back to bytes), and
     the tokenizers library is never handed a FIFO to open by name."""
-    from shardlab_tasks.lm.tokenizer import FileTokenizer
+    from shardlab_tasks.lm.corpus.tokenizer import FileTokenizer
 
     copy = copy_with(folder, tmp_path, "tokenizer.json", os.mkfifo)
     refused = within(10, lambda: task_of(copy))

@@ -23,6 +23,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("shardlab_bench",),  # the benchmarks and evidence (the clone's, not the wheel's): they run and measure all below
     ("shardlab_commands",),  # the user commands on the PATH: the export and preprocessing read task modules
     ("shardlab_tasks",),  # the built-in plug-ins (a package of their own) use shardlab; shardlab never imports a task
+    # the LM plug-in's rooms (issue #50): its task glue on top, then fine-tuning, the Hugging Face interop, the models
+    # and corpora, and the leaves every room shares (the schemas, the loss, the packed-row format) at the bottom
+    ("shardlab_tasks.lm",),
+    ("shardlab_tasks.lm.finetuning",),
+    ("shardlab_tasks.lm.hf",),
+    ("shardlab_tasks.lm.models", "shardlab_tasks.lm.corpus"),
+    ("shardlab_tasks.lm.config", "shardlab_tasks.lm.loss", "shardlab_tasks.lm.sft_packing"),
     ("shardlab.train",),  # the CLI
     ("shardlab.runner",),  # the job: local ranks or a launcher's rank; autotune's trials, built by trainer.assemble
     ("shardlab.trainer",),

@@ -89,7 +89,7 @@ def test_init_is_seeded_per_parameter_with_unit_norms_and_scaled_residual_projec
 def test_rope_makes_attention_see_relative_positions_only():
     """RoPE's promise: the same tokens shifted later in the sequence attend the same way. With causal attention the
     logits of a suffix depend on the prefix, so compare a sequence with itself under a shift of its positions."""
-    from shardlab_tasks.lm.llama import rotary_tables, rotate
+    from shardlab_tasks.lm.models.llama import rotary_tables, rotate
 
     cos, sin = rotary_tables(40, 16, 10000.0, torch.device("cpu"), torch.float32)
     q, k = torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)

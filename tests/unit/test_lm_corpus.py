@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from shardlab.errors import ConfigError, DataError
-from shardlab_tasks.lm.binarize import FORMAT_VERSION
-from shardlab_tasks.lm.cache import prepare_corpus
-from shardlab_tasks.lm.corpus import find_sources, read_blocks
-from shardlab_tasks.lm.data import open_splits
-from shardlab_tasks.lm.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from shardlab_tasks.lm.corpus.binarize import FORMAT_VERSION
+from shardlab_tasks.lm.corpus.cache import prepare_corpus
+from shardlab_tasks.lm.corpus.corpus import find_sources, read_blocks
+from shardlab_tasks.lm.corpus.data import open_splits
+from shardlab_tasks.lm.corpus.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from tests.unit.test_cli import ROOT, run_cli
 
 
@@ -81,7 +81,7 @@ def test_worker_processes_write_exactly_what_one_process_writes(tmp_path):
 
 def after_a_failed_build(cache: Path) -> tuple[list[str], list[str]]:
     """What a failed preprocessing left in ``cache``: the names of everything but its failure note, and the note's
-    errors (shardlab_tasks/lm/cache_lock.py: the processes that waited for that build stop with its error)."""
+    errors (shardlab_tasks/lm/corpus/cache_lock.py: the processes that waited for that build stop with its error)."""
     notes = sorted(cache.glob("*.failed"))
     errors = [json.loads(note.read_text())["error"] for note in notes]
     return sorted(p.name for p in cache.iterdir() if p not in notes), errors
@@ -117,7 +117,7 @@ def test_corpus_too_small_for_a_block_says_which_split_and_the_fix(tmp_path):
 
 
 def test_an_interrupted_binarization_leaves_no_complete_looking_cache(tmp_path, monkeypatch):
-    from shardlab_tasks.lm import binarize
+    from shardlab_tasks.lm.corpus import binarize
 
     (tmp_path / "a.txt").write_text("some text\n" * 1000)
     monkeypatch.setattr(binarize, "_hold_out_tail", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -176,8 +176,9 @@ def test_preprocessing_modules_do_not_import_torch():
     """shardlab-preprocess and its worker processes read and tokenize text only: torch would cost each worker
     ~1 GiB of resident memory and seconds of start-up for nothing."""
     script = (
-        "import sys; import shardlab_tasks.lm.cache, shardlab_tasks.lm.binarize, shardlab_tasks.lm.corpus, "
-        "shardlab_tasks.lm.tokenizer; "
+        "import sys; import shardlab_tasks.lm.corpus.cache, shardlab_tasks.lm.corpus.binarize, "
+        "shardlab_tasks.lm.corpus.corpus, "
+        "shardlab_tasks.lm.corpus.tokenizer; "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -17,7 +17,7 @@ from shardlab.errors import DataError
 from shardlab.jobs.preflight import compose_config
 from shardlab.registry import TASKS
 from shardlab.runner import print_plan, run_rank
-from shardlab_tasks.lm.mixture import MixtureOrder, MixtureValid, chunk_counts, mixture_errors, summarize_sources
+from shardlab_tasks.lm.corpus.mixture import MixtureOrder, MixtureValid, chunk_counts, mixture_errors, summarize_sources
 from tests.conftest import TINY_LM
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

@@ -1,5 +1,6 @@
-"""A corpus preprocessed as shards by many tasks (shardlab_tasks/lm/shards.py, shardlab-preprocess --tasks/--shards)
-gives one process's tokens, survives a task killed mid-shard, and is read by training in the global sample order."""
+"""A corpus preprocessed as shards by many tasks (shardlab_tasks/lm/corpus/shards.py, shardlab-preprocess
+--tasks/--shards) gives one process's tokens, survives a task killed mid-shard, and is read by training in the global
+sample order."""
 
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ import torch
 from shardlab.errors import ConfigError, DataError
 from shardlab.runner import build_task, prepare_data
 from shardlab_commands import preprocess_lm
-from shardlab_tasks.lm.cache import prepare_corpus, preprocess_shards
-from shardlab_tasks.lm.corpus import find_sources
-from shardlab_tasks.lm.data import TokenBlocks, open_splits
-from shardlab_tasks.lm.shards import finished_shards, plan_shards
-from shardlab_tasks.lm.tokenizer import ByteTokenizer
+from shardlab_tasks.lm.corpus.cache import prepare_corpus, preprocess_shards
+from shardlab_tasks.lm.corpus.corpus import find_sources
+from shardlab_tasks.lm.corpus.data import TokenBlocks, open_splits
+from shardlab_tasks.lm.corpus.shards import finished_shards, plan_shards
+from shardlab_tasks.lm.corpus.tokenizer import ByteTokenizer
 from tests.conftest import ROOT, compose_config
 
 TOOL = ROOT / "tools" / "preprocess_lm.py"
@@ -205,8 +206,8 @@ def test_local_tasks_share_the_machines_cores_out_unless_workers_is_given(corpus
 def test_the_train_with_line_finds_this_cache_with_its_tokenizer(corpus, tmp_path, capfd, tasks):
     """The summary's overrides, pasted as they are printed, make training read this very cache: without its
     tokenizer (and end-of-document token) training keyed, and built, a byte-level one instead."""
-    from shardlab_tasks.lm.corpus import iter_texts
-    from shardlab_tasks.lm.tokenizer import train_bpe
+    from shardlab_tasks.lm.corpus.corpus import iter_texts
+    from shardlab_tasks.lm.corpus.tokenizer import train_bpe
 
     tok = train_bpe(iter_texts(find_sources(corpus), "text", 2**20), 300, tmp_path / "tok" / "tokenizer.json")
     cache = tmp_path / "cache"

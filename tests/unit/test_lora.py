@@ -14,7 +14,8 @@ from shardlab.errors import CheckpointError, ConfigError
 from shardlab.jobs.preflight import compose_config
 from shardlab.optim import OPTIMIZERS
 from shardlab.runner import build_task
-from shardlab_tasks.lm.lora import LoRALinear, is_adapter, merge_lora, write_peft_adapter
+from shardlab_tasks.lm.hf.peft import write_peft_adapter
+from shardlab_tasks.lm.models.lora import LoRALinear, is_adapter, merge_lora
 from tests.hf_folders import make_folder
 
 SEQ = 16
@@ -273,7 +274,7 @@ def test_lora_export_options_and_a_missing_base_are_refused_in_one_line(lora_run
 
 
 def test_lora_base_refuses_the_seeded_init_and_adapter_only_a_run_without_lora(lora_runs, tmp_path):
-    from shardlab_tasks.lm.export_hf import lora_base
+    from shardlab_tasks.lm.hf.export_hf import lora_base
 
     with pytest.raises(ConfigError, match="base is the seeded init .* export the adapters alone with --adapter-only"):
         lora_base({"model": {"pretrained": None}, "checkpoint": {"init_from": None}}, None)

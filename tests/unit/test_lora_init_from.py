@@ -16,7 +16,7 @@ from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task, run_rank
-from shardlab_tasks.lm.lora import is_adapter
+from shardlab_tasks.lm.models.lora import is_adapter
 from tests.conftest import TINY_LM
 
 RUN = ["optimization.max_steps=2", "checkpoint.interval_steps=2", "validation.interval_steps=0"]

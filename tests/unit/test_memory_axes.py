@@ -171,7 +171,8 @@ def test_verify_plan_builds_the_3d_mesh_and_holds_the_plan_to_fully_shard_on_eac
     cfg, task = tiny_task(TINY_3D)
     lines = verify_plan(cfg, task, 16)
     assert "pp 2 x dp_shard 4 x tp 2" in lines[0] and "pipeline rank 1" in lines[0]
-    # the LM task's own tensor-parallel plan (shardlab_tasks/lm/tensor_parallel.py), checked against the plan's TP bytes
+    # the LM task's own tensor-parallel plan (shardlab_tasks/lm/models/tensor_parallel.py), checked against the plan's
+    # TP bytes
     assert "the task's tensor-parallel plan applied" in lines[0] and "NOT applied" not in lines[0]
 
 

@@ -1,6 +1,7 @@
-"""What an MoE model does after each optimizer step (shardlab_tasks/lm/moe_balance.py): the step's per-layer load,
-summed over its micro-batches and then over the ranks, moves DeepSeek-V3's balancing bias (only after an applied update)
-and counts each expert's idle steps, warning once, in one line, when one reaches model.moe.idle_expert_warning_steps."""
+"""What an MoE model does after each optimizer step (shardlab_tasks/lm/models/moe_balance.py): the step's per-layer
+load, summed over its micro-batches and then over the ranks, moves DeepSeek-V3's balancing bias (only after an applied
+update) and counts each expert's idle steps, warning once, in one line, when one reaches
+model.moe.idle_expert_warning_steps."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from torch import nn
 
 from shardlab_tasks.lm.config import MoEConfig
-from shardlab_tasks.lm.moe import MoEBlock
-from shardlab_tasks.lm.moe_balance import StepLoad, moe_blocks
+from shardlab_tasks.lm.models.moe import MoEBlock
+from shardlab_tasks.lm.models.moe_balance import StepLoad, moe_blocks
 
 RATE = 0.1
 

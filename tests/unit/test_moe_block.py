@@ -1,6 +1,6 @@
-"""The MoE feed-forward block (shardlab_tasks/lm/moe.py) against transformers' own blocks, built from small configs with
-random weights copied over: outputs, router logits and the load-balancing loss; then what transformers does not
-have: both expert implementations agree, gradients reach every weight, capacity drops are counted, and
+"""The MoE feed-forward block (shardlab_tasks/lm/models/moe.py) against transformers' own blocks, built from small
+configs with random weights copied over: outputs, router logits and the load-balancing loss; then what transformers does
+not have: both expert implementations agree, gradients reach every weight, capacity drops are counted, and
 DeepSeek-V3's bias-based balancing moves a collapsed router toward even load."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardlab_tasks.lm.moe import (
+from shardlab_tasks.lm.models.moe import (
     MoEBlock,
     MoEConfig,
     auxiliary_loss,
@@ -19,7 +19,7 @@ from shardlab_tasks.lm.moe import (
     load_summary,
     moe_config_errors,
 )
-from shardlab_tasks.lm.moe_experts import dispatch, grouped_mm_function, grouped_mm_usable, swiglu_loop
+from shardlab_tasks.lm.models.moe_experts import dispatch, grouped_mm_function, grouped_mm_usable, swiglu_loop
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ from shardlab.checkpoint import hf_folder
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
 from shardlab_commands import export_hf, generate
-from shardlab_tasks.lm.export_hf import export_refusal
+from shardlab_tasks.lm.hf.export_hf import export_refusal
 from tests.hf_folders import MOE_FAMILIES, make_folder
 from tests.unit.test_export_hf_shards import UNCHANGED, source_tensors
 

@@ -1,5 +1,5 @@
-"""shardlab_tasks/lm/moe_hub.py against the files transformers itself writes: a tiny MoE model of each family saved with
-save_pretrained, its config.json read as a model.moe section, its per-expert tensors placed into the grouped
+"""shardlab_tasks/lm/hf/moe_hub.py against the files transformers itself writes: a tiny MoE model of each family saved
+with save_pretrained, its config.json read as a model.moe section, its per-expert tensors placed into the grouped
 weights (equal to transformers' own in-memory ones, the block's output equal to the layer's) and read back out
 bit-exact; and the fields that cannot be expressed refused in one line."""
 
@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from shardlab_tasks.lm.hf_models import HFConfigError
-from shardlab_tasks.lm.moe import MoEBlock, MoEConfig
-from shardlab_tasks.lm.moe_hub import layer_placements, moe_section
+from shardlab_tasks.lm.hf.hf_models import HFConfigError
+from shardlab_tasks.lm.hf.moe_hub import layer_placements, moe_section
+from shardlab_tasks.lm.models.moe import MoEBlock, MoEConfig
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

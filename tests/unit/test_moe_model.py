@@ -11,7 +11,7 @@ from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import meta_model
 from shardlab.errors import ConfigError
 from shardlab.runner import build_task
-from shardlab_tasks.lm.moe import MoEBlock, auxiliary_loss
+from shardlab_tasks.lm.models.moe import MoEBlock, auxiliary_loss
 from shardlab_tasks.lm.task import next_token_loss
 from tests.conftest import compose_config
 

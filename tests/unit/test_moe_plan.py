@@ -18,7 +18,7 @@ from shardlab.memory.experts import plan_experts
 from shardlab.memory.layout import Layout
 from shardlab.memory.plan import profile_config
 from shardlab.runner import build_task
-from shardlab_tasks.lm.moe_experts import dispatch
+from shardlab_tasks.lm.models.moe_experts import dispatch
 from tests.conftest import compose_config
 
 SMALL_MOE = ["model=moe_tiny", "model.num_layers=2", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=2",

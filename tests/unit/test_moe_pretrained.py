@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardlab.errors import CheckpointError, ConfigError
-from shardlab_tasks.lm.hf_models import expert_pieces, weight_names
+from shardlab_tasks.lm.hf.hf_models import expert_pieces, weight_names
 from tests.hf_folders import MOE_FAMILIES, make_folder, moe_reference
 from tests.unit.test_hf_pretrained import SEQ, loaded, task_of
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import meta_model
 from shardlab.runner import build_task
-from shardlab_tasks.lm.hf_models import LLAMA_NAMES
+from shardlab_tasks.lm.hf.hf_models import LLAMA_NAMES
 from tests.conftest import compose_config
 
 transformers = pytest.importorskip("transformers")

@@ -155,14 +155,14 @@ def test_the_check_fails_on_a_read_planted_in_a_copy_of_the_tree(tmp_path):
         (tmp_path / folder).mkdir()
     (tmp_path / "shardlab_tasks" / "clean.py").write_text("def f(path):\n    return path.name\n")
     assert reads_outside_the_reader(tmp_path) == []
-    (tmp_path / "shardlab_tasks" / "lm").mkdir()
-    (tmp_path / "shardlab_tasks" / "lm" / "shards.py").write_text(
+    (tmp_path / "shardlab_tasks" / "lm" / "corpus").mkdir(parents=True)
+    (tmp_path / "shardlab_tasks" / "lm" / "corpus" / "shards.py").write_text(
         "import json\n\n\ndef progress(out):\n    return json.loads((out / 'plan.json').read_text())\n"
     )
-    assert reads_outside_the_reader(tmp_path) == ["shardlab_tasks/lm/shards.py:5 (progress): read_text"]
+    assert reads_outside_the_reader(tmp_path) == ["shardlab_tasks/lm/corpus/shards.py:5 (progress): read_text"]
     # the reader itself and an allowed (file, function) are not reported
     (tmp_path / "shardlab" / "files").mkdir()
     (tmp_path / READER).write_text("def read(path):\n    return open(path).read()\n")
     (tmp_path / "shardlab" / "runner").mkdir()
     (tmp_path / "shardlab" / "runner" / "__init__.py").write_text("def launch_local(f):\n    return f.read_text()\n")
-    assert reads_outside_the_reader(tmp_path) == ["shardlab_tasks/lm/shards.py:5 (progress): read_text"]
+    assert reads_outside_the_reader(tmp_path) == ["shardlab_tasks/lm/corpus/shards.py:5 (progress): read_text"]

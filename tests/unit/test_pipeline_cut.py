@@ -10,8 +10,8 @@ from torch import nn
 from shardlab.distributed.pipeline import layer_ranges, pruned, rank_stages
 from shardlab.task import PipelineCut
 from shardlab_tasks.lm.config import GPTConfig, LlamaConfig
-from shardlab_tasks.lm.llama import Llama
-from shardlab_tasks.lm.model import GPT
+from shardlab_tasks.lm.models.llama import Llama
+from shardlab_tasks.lm.models.model import GPT
 
 CUT = PipelineCut(layers="blocks", num_layers=5, first=("embed",), last=("head",))
 

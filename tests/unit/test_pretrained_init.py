@@ -12,7 +12,7 @@ import torch
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.runner import build_task
-from shardlab_tasks.lm.lora import is_adapter
+from shardlab_tasks.lm.models.lora import is_adapter
 from tests.hf_folders import make_folder
 from tests.pretrained_starts import full_init_then_load, recording, started
 

@@ -14,7 +14,7 @@ from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, DataError
 from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task, run_rank
-from shardlab_tasks.lm.sft import (
+from shardlab_tasks.lm.finetuning.sft import (
     RECORD_MAX_CHARS,
     PackedRows,
     Sample,
@@ -23,9 +23,9 @@ from shardlab_tasks.lm.sft import (
     open_sft_splits,
     record_sample,
 )
+from shardlab_tasks.lm.finetuning.sft_render import BoundedRenderer
+from shardlab_tasks.lm.finetuning.sft_template import PREFIX_RENDER_MAX_TURNS, ChatTemplate, load_chat_template
 from shardlab_tasks.lm.sft_packing import IGNORE, document_mask, pack, segment_positions
-from shardlab_tasks.lm.sft_render import BoundedRenderer
-from shardlab_tasks.lm.sft_template import PREFIX_RENDER_MAX_TURNS, ChatTemplate, load_chat_template
 from tests.hf_folders import write_tokenizer
 
 LLAMA3_TEMPLATE = (

@@ -1,6 +1,6 @@
-"""A chat template's render is bounded in time, memory and output (shardlab_tasks/lm/sft_render.py), each refusal one
-line naming the record and the template; compiling a template computes nothing of it; the sandbox still blocks a
-template reaching Python (issue 47, item 4)."""
+"""A chat template's render is bounded in time, memory and output (shardlab_tasks/lm/finetuning/sft_render.py), each
+refusal one line naming the record and the template; compiling a template computes nothing of it; the sandbox still
+blocks a template reaching Python (issue 47, item 4)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import json
 import pytest
 
 from shardlab.errors import DataError
-from shardlab_tasks.lm import sft_template
-from shardlab_tasks.lm.sft_render import BoundedRenderer
-from shardlab_tasks.lm.sft_template import ChatTemplate
+from shardlab_tasks.lm.finetuning import sft_template
+from shardlab_tasks.lm.finetuning.sft_render import BoundedRenderer
+from shardlab_tasks.lm.finetuning.sft_template import ChatTemplate
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
 PLAIN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}{% if add_generation_prompt %}<assistant>"
@@ -80,7 +80,7 @@ def test_the_sandbox_still_refuses_a_template_reaching_python(payload):
 
 def test_a_chat_corpus_is_rendered_in_the_bounded_child(tmp_path, monkeypatch):
     """data.format=chat through prepare_data: a template that loops for ever is refused naming the file and line."""
-    from shardlab_tasks.lm import sft_render
+    from shardlab_tasks.lm.finetuning import sft_render
     from tests.unit.test_sft import chat_folder, sft_task
 
     monkeypatch.setattr(sft_render, "RENDER_TIMEOUT_S", 2.0)

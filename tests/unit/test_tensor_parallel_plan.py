@@ -1,6 +1,6 @@
-"""The Llama family's tensor-parallel plan (shardlab_tasks/lm/tensor_parallel.py) applied by shardlab.distributed.
-tensor_parallel on a one-rank mesh: every parameter of every option (GQA, biases, q/k norms, tied embeddings) is
-placed, a tied weight stays one parameter, and a frozen one stays frozen."""
+"""The Llama family's tensor-parallel plan (shardlab_tasks/lm/models/tensor_parallel.py) applied by
+shardlab.distributed. tensor_parallel on a one-rank mesh: every parameter of every option (GQA, biases, q/k norms, tied
+embeddings) is placed, a tied weight stays one parameter, and a frozen one stays frozen."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from shardlab.distributed.tensor_parallel import apply_tensor_parallel
 from shardlab_tasks.lm.config import LlamaConfig
-from shardlab_tasks.lm.llama import Llama
+from shardlab_tasks.lm.models.llama import Llama
 
 OPTIONS = {
     "llama3": {},
@@ -62,7 +62,7 @@ def test_a_plan_that_places_a_tied_weight_two_ways_is_refused(tp_mesh):
 def test_gpts_fused_qkv_columns_reach_the_rank_of_their_head(ranks):
     """Rank s holds the fused output's columns s*3d/T .. (s+1)*3d/T (contiguous rows of the qkv weight); after the
     exchange head_exchange plans, rank r holds the queries, then keys, then values of its own heads, in order."""
-    from shardlab_tasks.lm.tensor_parallel import head_exchange
+    from shardlab_tasks.lm.models.tensor_parallel import head_exchange
 
     dim = 12
     width = 3 * dim // ranks
@@ -84,7 +84,7 @@ def test_gpts_fused_qkv_columns_reach_the_rank_of_their_head(ranks):
 @pytest.mark.parametrize("tied", [True, False])
 def test_every_gpt_parameter_is_placed(tied, tp_mesh):
     from shardlab_tasks.lm.config import GPTConfig
-    from shardlab_tasks.lm.model import GPT
+    from shardlab_tasks.lm.models.model import GPT
 
     cfg = OmegaConf.structured(GPTConfig(num_layers=2, dim=64, num_heads=4, max_seq_len=32, tie_embeddings=tied))
     with torch.device("meta"):

@@ -85,7 +85,7 @@ def test_the_lowered_batch_validates_when_the_task_holds_its_own_copy_of_the_con
 def test_unpacked_rows_are_padded_to_the_longest_sample_and_give_the_same_loss(tmp_path):
     import torch
 
-    from shardlab_tasks.lm.sft import PackedRows, answer_token_loss, record_sample
+    from shardlab_tasks.lm.finetuning.sft import PackedRows, answer_token_loss, record_sample
     from tests.unit.test_sft import sft_task
 
     task = sft_task(tmp_path, "data.pack=false", "data.seq_len=64")

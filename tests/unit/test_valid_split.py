@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardlab_tasks.lm.binarize import (
+from shardlab_tasks.lm.corpus.binarize import (
     TAIL_MIN_TOKENS,
     held_out_count,
     is_valid_document,
@@ -17,10 +17,10 @@ from shardlab_tasks.lm.binarize import (
     tail_count,
     too_few_units,
 )
-from shardlab_tasks.lm.cache import prepare_corpus
-from shardlab_tasks.lm.corpus import find_sources, jsonl_text, read_blocks
-from shardlab_tasks.lm.data import open_splits
-from shardlab_tasks.lm.tokenizer import load_tokenizer, segments, train_bpe
+from shardlab_tasks.lm.corpus.cache import prepare_corpus
+from shardlab_tasks.lm.corpus.corpus import find_sources, jsonl_text, read_blocks
+from shardlab_tasks.lm.corpus.data import open_splits
+from shardlab_tasks.lm.corpus.tokenizer import load_tokenizer, segments, train_bpe
 from tests.unit.test_lm_corpus import tokens, write_parquet_shards, zstd_frames
 
 
@@ -242,7 +242,7 @@ def test_valid_percent_0_holds_nothing_out_and_says_what_to_set(tmp_path):
 def test_a_cache_of_the_earlier_rule_is_not_found_by_the_new_key(tmp_path, monkeypatch):
     """The split of such a corpus changed: so does its cache's name (the format is in the key), and an old cache
     (all of a one-file corpus held out) is never read as the new one."""
-    from shardlab_tasks.lm import cache
+    from shardlab_tasks.lm.corpus import cache
 
     path = text_file(tmp_path / "input.txt", 48_000)
     tok = load_tokenizer("byte")

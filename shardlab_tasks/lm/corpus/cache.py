@@ -1,10 +1,10 @@
 """The cache of preprocessed corpora: one directory per (corpus files, tokenizer, split settings), built once.
 
 A preprocessed corpus is a directory with train.bin / valid.bin (token ids, uint16 when the vocabulary fits, else
-uint32) and meta.json (see shardlab_tasks/lm/binarize.py). Documents end with an end-of-document token; a document (a
-file, a JSONL line, a Parquet or Arrow row, or a ~1 MB block of a large file) goes to valid when a hash of its path (and
-line, row or block number) says so, so the split is stable as files are added. The embedded default corpus is this
-Python's standard library source: real text that every machine already has. No torch here: shardlab-preprocess
+uint32) and meta.json (see shardlab_tasks/lm/corpus/binarize.py). Documents end with an end-of-document token; a
+document (a file, a JSONL line, a Parquet or Arrow row, or a ~1 MB block of a large file) goes to valid when a hash of
+its path (and line, row or block number) says so, so the split is stable as files are added. The embedded default corpus
+is this Python's standard library source: real text that every machine already has. No torch here: shardlab-preprocess
 and its workers stay small (importing torch alone is ~650 MB RSS).
 """
 
@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from shardlab.errors import DataError
-from shardlab_tasks.lm import shards
-from shardlab_tasks.lm.binarize import FORMAT_VERSION, binarize
-from shardlab_tasks.lm.cache_files import read_cache_json, token_file_size
-from shardlab_tasks.lm.cache_lock import build_once
-from shardlab_tasks.lm.corpus import find_sources, glob_root
-from shardlab_tasks.lm.sources import Source
-from shardlab_tasks.lm.tokenizer import Tokenizer, load_tokenizer
+from shardlab_tasks.lm.corpus import shards
+from shardlab_tasks.lm.corpus.binarize import FORMAT_VERSION, binarize
+from shardlab_tasks.lm.corpus.cache_files import read_cache_json, token_file_size
+from shardlab_tasks.lm.corpus.cache_lock import build_once
+from shardlab_tasks.lm.corpus.corpus import find_sources, glob_root
+from shardlab_tasks.lm.corpus.sources import Source
+from shardlab_tasks.lm.corpus.tokenizer import Tokenizer, load_tokenizer
 
 
 def embedded_corpus_files() -> list[Path]:

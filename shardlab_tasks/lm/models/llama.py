@@ -1,9 +1,9 @@
 """A Llama-style decoder: pre-RMSNorm blocks, rotary positions, grouped-query causal attention, SwiGLU MLP; by default
 an untied output projection and no biases. The options of the families it loads from Hugging Face folders
-(shardlab_tasks/lm/hf_models.py): an explicit head_dim, tied embeddings, q/k/v (and output) biases (Qwen2), q/k RMSNorm
-(Qwen3), Llama 3.1's RoPE frequency scaling.
+(shardlab_tasks/lm/hf/hf_models.py): an explicit head_dim, tied embeddings, q/k/v (and output) biases (Qwen2), q/k
+RMSNorm (Qwen3), Llama 3.1's RoPE frequency scaling.
 
-Every convention is Hugging Face's LlamaForCausalLM, so an export is a renaming (shardlab_tasks/lm/export_hf.py):
+Every convention is Hugging Face's LlamaForCausalLM, so an export is a renaming (shardlab_tasks/lm/hf/export_hf.py):
 RMSNorm in fp32 cast back before the weight; RoPE in the rotate-half layout (the first half of each head pairs with the
 second, not neighbouring channels), frequencies theta^(-2i/head_dim) in fp32; query head h reads key/value head
 h // (num_heads / num_kv_heads); softmax scale 1/sqrt(head_dim).
@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlab_tasks.lm.architecture import LMArchitecture, below_one
 from shardlab_tasks.lm.config import LlamaConfig
-from shardlab_tasks.lm.moe import MoEBlock, init_moe_tensor, moe_config_errors
+from shardlab_tasks.lm.models.architecture import LMArchitecture, below_one
+from shardlab_tasks.lm.models.moe import MoEBlock, init_moe_tensor, moe_config_errors
 from shardlab_tasks.lm.sft_packing import document_mask, segment_positions
 
 
@@ -145,8 +145,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg) if getattr(cfg, "moe", None) is None else MoEBlock(cfg.moe, cfg.dim)
         self.routing_stats = None
-        """An MoE block's RoutingStats of its last forward (shardlab_tasks/lm/moe.py), for the task's auxiliary loss:
-        kept here rather than returned so the blocks keep one tensor in, one out (pipeline stages, checkpointing)."""
+        """An MoE block's RoutingStats of its last forward (shardlab_tasks/lm/models/moe.py), for the task's auxiliary
+        loss: kept here rather than returned so the blocks keep one tensor in, one out (pipeline stages,
+        checkpointing)."""
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
@@ -188,7 +189,7 @@ class Llama(LMArchitecture):
         """Logits of ``idx`` (batch, length); ``segments`` (batch, length), for packed rows: which sample each
         position belongs to (shardlab_tasks/lm/sft_packing.py): positions restart and attention stays within each.
         ``positions`` (length,): each token's index in the whole sequence, under context parallelism (this rank's
-        load-balanced slice of it, shardlab_tasks/lm/context_parallel.py)."""
+        load-balanced slice of it, shardlab_tasks/lm/models/context_parallel.py)."""
         x = self.embed(idx)
         cos, sin = rotary_tables(
             idx.shape[1], head_width(self.cfg), self.cfg.rope_theta, x.device, x.dtype, self.cfg.rope_scaling,
@@ -222,13 +223,13 @@ class Llama(LMArchitecture):
         return [self.embed, *self.blocks, self.head]
 
     def tensor_parallel_plan(self) -> dict:
-        from shardlab_tasks.lm.tensor_parallel import llama_plan
+        from shardlab_tasks.lm.models.tensor_parallel import llama_plan
 
         return llama_plan(qk_norm=self.cfg.qk_norm, moe=getattr(self.cfg, "moe", None) is not None)
 
     @classmethod
     def tensor_parallel_errors(cls, m: LlamaConfig, vocab_size: int, degree: int) -> list[str]:
-        from shardlab_tasks.lm.tensor_parallel import divisibility_errors
+        from shardlab_tasks.lm.models.tensor_parallel import divisibility_errors
 
         sizes = {"model.num_heads": m.num_heads, "model.num_kv_heads": m.num_kv_heads}
         if getattr(m, "moe", None) is None:  # an MoE block is not split: it runs on each rank's tokens
@@ -264,7 +265,7 @@ class Llama(LMArchitecture):
     def init_tensor(cls, cfg: LlamaConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """N(0, init_std) weights (embedding and head too), the residual projections (attn.o, mlp.down) scaled by
         1/sqrt(2 * layers) as in GPT-2, unit norms; an MoE block's tensors alike
-        (shardlab_tasks.lm.moe.init_moe_tensor)."""
+        (shardlab_tasks.lm.models.moe.init_moe_tensor)."""
         std, residual_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
         if getattr(cfg, "moe", None) is not None and init_moe_tensor(name, tensor, generator, std, residual_std):
             return

@@ -3,26 +3,26 @@ becomes a GPT-2 (``GPT2LMHeadModel``); arch=llama a ``LlamaForCausalLM``, ``Qwen
 or ``MistralForCausalLM``, with model.moe a ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or
 ``Qwen3MoeForCausalLM``: the family the run was loaded from (model.pretrained), else the one its options need.
 
-GPT-2 and shardlab's GPT agree point by point, checked against shardlab_tasks/lm/model.py:
+GPT-2 and shardlab's GPT agree point by point, checked against shardlab_tasks/lm/models/model.py:
   learned token + position embeddings (wte, wpe), pre-LayerNorm blocks, eps 1e-5 (nn.LayerNorm's default = GPT-2's);
   fused q|k|v projection with bias, heads split as (3, heads, head_dim), softmax scale 1/sqrt(head_dim) (SDPA's
   default = GPT-2's scale_attn_weights, no per-layer scaling); MLP of width int(mlp_ratio * dim) with biases and
   tanh-approximated GELU (GPT-2's "gelu_new"); final LayerNorm; output projection without bias, tied or not.
 GPT-2's Conv1D stores weights as (in, out), the transpose of nn.Linear's (out, in).
 
-shardlab's Llama (shardlab_tasks/lm/llama.py) follows LlamaForCausalLM's conventions, so its export renames and nothing
-more (the names: shardlab_tasks/lm/hf_models.py, the mapping loading reads too). Its options choose the family: q/k
-RMSNorm is Qwen3's, q/k/v biases without an output bias Qwen2's, the four biases together any family's
+shardlab's Llama (shardlab_tasks/lm/models/llama.py) follows LlamaForCausalLM's conventions, so its export renames and
+nothing more (the names: shardlab_tasks/lm/hf/hf_models.py, the mapping loading reads too). Its options choose the
+family: q/k RMSNorm is Qwen3's, q/k/v biases without an output bias Qwen2's, the four biases together any family's
 ``attention_bias``; an output bias alone, or q/k norms with q/k/v biases but none on the output, no family expresses,
 and is refused. With ``model.moe`` the family is Qwen3-MoE (q/k norms), Qwen2-MoE (a gated shared expert) or Mixtral
-(shardlab_tasks/lm/moe_hub.py: ``moe_family``, ``export_refusal``, ``hf_moe_fields``), and the grouped experts are
+(shardlab_tasks/lm/hf/moe_hub.py: ``moe_family``, ``export_refusal``, ``hf_moe_fields``), and the grouped experts are
 written back one hub tensor per expert, each a view of its grouped tensor (``ExportTensor.index``), bit-exact.
 
 The weights are streamed (shardlab/checkpoint/hf_folder.py): a group of tensors at a time is read from the
 checkpoint, converted to the export's dtype and appended to its shard, so no process holds the model. A LoRA run's
 step folder holds its adapters only: its export reads each base tensor from where the run began (``lora_base``:
 model.pretrained's folder or checkpoint.init_from) and merges the adapters into it on the way
-(shardlab_tasks.lm.lora.merged_reader), tensor by tensor, the same streaming.
+(shardlab_tasks.lm.models.lora.merged_reader), tensor by tensor, the same streaming.
 transformers is not imported: the files are written by hand (safetensors' format, JSON).
 """
 
@@ -46,10 +46,10 @@ from shardlab.checkpoint.hf_folder import (
     write_shards,
 )
 from shardlab.errors import CheckpointError, ConfigError
-from shardlab_tasks.lm import moe_hub
-from shardlab_tasks.lm.hf_models import expert_pieces, read_config_json, weight_names
-from shardlab_tasks.lm.llama import ffn_width
-from shardlab_tasks.lm.tokenizer import ByteTokenizer, Tokenizer, byte_tokenizer_json
+from shardlab_tasks.lm.corpus.tokenizer import ByteTokenizer, Tokenizer, byte_tokenizer_json
+from shardlab_tasks.lm.hf import moe_hub
+from shardlab_tasks.lm.hf.hf_models import expert_pieces, read_config_json, weight_names
+from shardlab_tasks.lm.models.llama import ffn_width
 
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
 HF_ARCHITECTURES |= {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}

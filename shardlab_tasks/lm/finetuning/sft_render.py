@@ -1,14 +1,15 @@
 """A chat template rendered in a child process with limits: a wall-clock limit per record, a memory limit and an
 output-size limit, each refused in one line naming the record and the template.
 
-Jinja2's sandbox (shardlab_tasks/lm/sft_template.py) keeps a template from reaching Python (it blocked 22 injection
-attempts), but not from costing without bound: nested ``range(100000)`` loops ran past 15 s, and ``'a'*10**10``,
+Jinja2's sandbox (shardlab_tasks/lm/finetuning/sft_template.py) keeps a template from reaching Python (it blocked 22
+injection attempts), but not from costing without bound: nested ``range(100000)`` loops ran past 15 s, and
+``'a'*10**10``,
 ``tojson(indent=10**9)`` and ``strftime_now('%Y'*10**8)`` each passed 1.5 GB in seconds. A template is a model
 folder's file, that is someone else's code: every record of data.format=chat is rendered by one child process
-(``python -m shardlab_tasks.lm.sft_render``: jinja2 and this module, no torch), started once per data load, whose
-address space is capped (RLIMIT_AS: its size at start plus ``memory_bytes``) and which the parent kills when a record
-takes longer than ``timeout_s``. The child streams the output and stops past RENDER_MAX_CHARS. Records go in as pickles
-(the parent's own objects), answers come back as JSON.
+(``python -m shardlab_tasks.lm.finetuning.sft_render``: jinja2 and this module, no torch), started once per data load,
+whose address space is capped (RLIMIT_AS: its size at start plus ``memory_bytes``) and which the parent kills when a
+record takes longer than ``timeout_s``. The child streams the output and stops past RENDER_MAX_CHARS. Records go in as
+pickles (the parent's own objects), answers come back as JSON.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _HEADER = struct.Struct("<Q")
 
 class BoundedRenderer:
     """``assistant_spans`` of a ChatTemplate, computed in a child process with limits; a context manager (the child
-    ends with it). Duck-types the template for shardlab_tasks/lm/sft.py's chat_sample."""
+    ends with it). Duck-types the template for shardlab_tasks/lm/finetuning/sft.py's chat_sample."""
 
     def __init__(self, template, timeout_s: float | None = None, memory_bytes: int | None = None) -> None:
         self.template, self.origin, self.marks_generation = template, template.origin, template.marks_generation
@@ -61,7 +62,7 @@ class BoundedRenderer:
             )  # the folder holding shardlab_tasks/, whatever sys.path says
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
             self._child = subprocess.Popen(
-                [sys.executable, "-m", "shardlab_tasks.lm.sft_render", str(self.memory_bytes),
+                [sys.executable, "-m", "shardlab_tasks.lm.finetuning.sft_render", str(self.memory_bytes),
                  str(self.memory_bytes >> 20)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
             )  # fmt: skip
@@ -146,7 +147,7 @@ def _answer(template, messages, where: str, memory_mib: str) -> dict:
 
 
 def main() -> None:
-    from shardlab_tasks.lm.sft_template import ChatTemplate
+    from shardlab_tasks.lm.finetuning.sft_template import ChatTemplate
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     header = _read_exact(stdin, _HEADER.size)

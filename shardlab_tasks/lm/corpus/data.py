@@ -1,5 +1,5 @@
-"""The LM's training data: fixed-length blocks of a preprocessed corpus (shardlab_tasks/lm/cache.py: one train.bin, or
-shards through a manifest), read through np.memmap."""
+"""The LM's training data: fixed-length blocks of a preprocessed corpus (shardlab_tasks/lm/corpus/cache.py: one
+train.bin, or shards through a manifest), read through np.memmap."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import Dataset
 
 from shardlab.errors import DataError
-from shardlab_tasks.lm.cache import prepare_corpus, read_corpus_meta
-from shardlab_tasks.lm.shards import shard_files
+from shardlab_tasks.lm.corpus.cache import prepare_corpus, read_corpus_meta
+from shardlab_tasks.lm.corpus.shards import shard_files
 
 __all__ = ["TokenBlocks", "open_split", "open_splits", "prepare_corpus"]
 
@@ -20,10 +20,10 @@ class TokenBlocks(Dataset):
     """Sample i = tokens [i * seq_len, (i + 1) * seq_len + 1) of the split's stream: input is the first seq_len, target
     the last.
 
-    The stream is one token file or the shards of a manifest end to end (shardlab_tasks/lm/shards.py): the sample order
-    is the same either way, so a run resumes on a cache built by 1 task or by 64. A sample that crosses a shard boundary
-    is put together from the two; nothing else is copied. The tokens stay in read-only memory maps, opened when first
-    read: a corpus of any size costs only the pages being read."""
+    The stream is one token file or the shards of a manifest end to end (shardlab_tasks/lm/corpus/shards.py): the sample
+    order is the same either way, so a run resumes on a cache built by 1 task or by 64. A sample that crosses a shard
+    boundary is put together from the two; nothing else is copied. The tokens stay in read-only memory maps, opened when
+    first read: a corpus of any size costs only the pages being read."""
 
     def __init__(self, bin_files: Path | list[Path], seq_len: int, dtype: str = "uint16") -> None:
         files = [bin_files] if isinstance(bin_files, Path) else list(bin_files)

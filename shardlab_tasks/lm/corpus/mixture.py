@@ -24,8 +24,8 @@ from torch.utils.data import Dataset
 
 from shardlab.data import GlobalOrder
 from shardlab.errors import DataError
-from shardlab_tasks.lm.cache import cache_key, corpus_sources, read_corpus_meta
-from shardlab_tasks.lm.data import open_splits, prepare_corpus
+from shardlab_tasks.lm.corpus.cache import cache_key, corpus_sources, read_corpus_meta
+from shardlab_tasks.lm.corpus.data import open_splits, prepare_corpus
 from shardlab_tasks.lm.loss import token_cross_entropy
 
 PERIOD = 4096

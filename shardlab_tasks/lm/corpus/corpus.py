@@ -3,9 +3,9 @@ of them, text and JSONL compressed with gzip or zstd.
 
 A text file is one document; it is read in blocks cut at line ends, so one 50 GB file streams like many small ones.
 A JSONL file holds one document per line (the ``text_field`` of each JSON object); its blocks hold whole lines.
-A Parquet or Arrow file (shardlab_tasks/lm/columnar.py) holds one document per row (the column ``text_field``).
-What the readers share (Source, Block, how a file is opened) is in shardlab_tasks/lm/sources.py; docs/corpora.md says
-what a corpus reader refuses ("What a corpus reader refuses"). Nothing here imports torch or tokenizers: worker
+A Parquet or Arrow file (shardlab_tasks/lm/corpus/columnar.py) holds one document per row (the column ``text_field``).
+What the readers share (Source, Block, how a file is opened) is in shardlab_tasks/lm/corpus/sources.py; docs/corpora.md
+says what a corpus reader refuses ("What a corpus reader refuses"). Nothing here imports torch or tokenizers: worker
 processes import this module and stay light; pyarrow and zstandard (the ``corpora`` extra) are imported only when a
 corpus has such files.
 """
@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from shardlab.errors import DataError
-from shardlab_tasks.lm import columnar
-from shardlab_tasks.lm.sources import COLUMNAR_SUFFIXES, Block, Source, identity_of, open_file, require
+from shardlab_tasks.lm.corpus import columnar
+from shardlab_tasks.lm.corpus.sources import COLUMNAR_SUFFIXES, Block, Source, identity_of, open_file, require
 
 __all__ = ["Block", "Source", "check_sources", "find_sources", "glob_root", "iter_texts", "jsonl_text", "read_blocks"]
 
@@ -233,8 +233,8 @@ class ZstdReader:
 
 
 def _open(source: Source) -> io.BufferedIOBase | gzip.GzipFile | ZstdReader:
-    """The file's bytes, decompressed, from a file opened as a file (shardlab_tasks/lm/sources.py: no FIFO, device or
-    link out of the corpus folder); closed by the caller."""
+    """The file's bytes, decompressed, from a file opened as a file (shardlab_tasks/lm/corpus/sources.py: no FIFO,
+    device or link out of the corpus folder); closed by the caller."""
     zstd = require("zstandard", f"{source.path} (a zstd file)") if source.compression == "zst" else None
     f = open_file(source.path, source.root)
     if zstd is not None:

@@ -1,8 +1,8 @@
 """A corpus preprocessed as shards by many tasks (local processes, a Slurm array, a multi-task job), and the manifest
 that makes them one cache.
 
-The shards live in the cache directory of today's key (shardlab_tasks/lm/cache.py), so training finds them where it
-would find one train.bin:
+The shards live in the cache directory of today's key (shardlab_tasks/lm/corpus/cache.py), so training finds them where
+it would find one train.bin:
 
     <out>/shards/plan.json              which corpus files each shard holds: contiguous runs of the canonical order
     <out>/shards/00002/train.bin        a finished shard: its tokens ...
@@ -31,11 +31,11 @@ from pathlib import Path
 
 from shardlab.errors import ConfigError, DataError
 from shardlab.files.durable import fsync_path, write_json_atomic
-from shardlab_tasks.lm.binarize import FORMAT_VERSION, _encoded, temp_folder
-from shardlab_tasks.lm.cache_files import open_cache_file, read_cache_json, token_file_size
-from shardlab_tasks.lm.corpus import check_sources, read_blocks
-from shardlab_tasks.lm.sources import Block, Source
-from shardlab_tasks.lm.tokenizer import Tokenizer, token_dtype
+from shardlab_tasks.lm.corpus.binarize import FORMAT_VERSION, _encoded, temp_folder
+from shardlab_tasks.lm.corpus.cache_files import open_cache_file, read_cache_json, token_file_size
+from shardlab_tasks.lm.corpus.corpus import check_sources, read_blocks
+from shardlab_tasks.lm.corpus.sources import Block, Source
+from shardlab_tasks.lm.corpus.tokenizer import Tokenizer, token_dtype
 
 SHARDS = "shards"
 PLAN = "plan.json"

@@ -16,9 +16,10 @@ A mixture-of-experts block (model.moe) is not split: it runs on each rank's slic
 (SequenceShardedMoE), each rank routing its own tokens with the whole router, experts and shared expert, held alike on
 every rank of the group (expert parallelism splits the experts over data ranks instead: shardlab/distributed/
 expert_parallel.py). Tokens never gather for it, so attention's all-gather and reduce-scatter are the only collectives a
-layer adds; the block sums its routing statistics and its weights' gradients over the group (shardlab_tasks/lm/moe.py).
-torchtitan gathers the tokens for its MoE and splits the experts' FFN width or the tokens again after routing; here
-the tokens are already split, and the experts, sized for expert parallelism, stay whole.
+layer adds; the block sums its routing statistics and its weights' gradients over the group
+(shardlab_tasks/lm/models/moe.py). torchtitan gathers the tokens for its MoE and splits the experts' FFN width or the
+tokens again after routing; here the tokens are already split, and the experts, sized for expert parallelism, stay
+whole.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def vocabulary_split_logits(plan: dict) -> dict:
 
 
 class SequenceShardedMoE(ParallelStyle):
-    """An MoE block (shardlab_tasks.lm.moe.MoEBlock) on this rank's slice of the sequence: its input (the sequence-
-    parallel norm's Shard(1) DTensor) handed on as the local tensor, its output local like a row-wise layer's, its
-    weights left plain tensors (whole on every rank); the tensor-parallel group set as ``token_group`` of the block
+    """An MoE block (shardlab_tasks.lm.models.moe.MoEBlock) on this rank's slice of the sequence: its input (the
+    sequence-parallel norm's Shard(1) DTensor) handed on as the local tensor, its output local like a row-wise layer's,
+    its weights left plain tensors (whole on every rank); the tensor-parallel group set as ``token_group`` of the block
     and of its router, experts and shared expert, which sum their statistics and gradients over it."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -71,9 +72,9 @@ def local_tokens(x):
 
 
 def llama_plan(qk_norm: bool, moe: bool = False) -> dict:
-    """shardlab_tasks.lm.llama.Llama (Llama 3.x, Qwen2 with biases, Qwen3 with q/k norms, Mistral): Block.forward takes
-    (x, cos, sin, mask), so attention's prepared inputs are four, the rotary tables and mask left alone. With ``moe``
-    (Mixtral, Qwen2/3-MoE) every block's MLP is an MoE block on the local tokens (SequenceShardedMoE)."""
+    """shardlab_tasks.lm.models.llama.Llama (Llama 3.x, Qwen2 with biases, Qwen3 with q/k norms, Mistral): Block.forward
+    takes (x, cos, sin, mask), so attention's prepared inputs are four, the rotary tables and mask left alone. With
+    ``moe`` (Mixtral, Qwen2/3-MoE) every block's MLP is an MoE block on the local tokens (SequenceShardedMoE)."""
     plan = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "blocks.*.attn_norm": SequenceParallel(),
@@ -116,9 +117,9 @@ def divisibility_errors(degree: int, sizes: dict[str, int]) -> list[str]:
 
 
 class SplitAdaptedLinear(ParallelStyle):
-    """A LoRA-adapted linear (shardlab_tasks.lm.lora.LoRALinear) split like ColwiseParallel or RowwiseParallel, its
-    adapters with it: column-wise, the weight, bias and B (out, rank) by output rows, A (rank, in) whole on every rank;
-    row-wise, the weight and A by input columns, the bias and B whole. Everything inside runs on DTensors, so the
+    """A LoRA-adapted linear (shardlab_tasks.lm.models.lora.LoRALinear) split like ColwiseParallel or RowwiseParallel,
+    its adapters with it: column-wise, the weight, bias and B (out, rank) by output rows, A (rank, in) whole on every
+    rank; row-wise, the weight and A by input columns, the bias and B whole. Everything inside runs on DTensors, so the
     adapter's partial sums reduce with the base's. (torch's styles split every parameter of the module alike, and
     cannot name a submodule's.)"""
 
@@ -164,7 +165,7 @@ class SplitAdaptedLinear(ParallelStyle):
 def with_adapters(plan: dict, model: nn.Module) -> dict:
     """``plan`` with each column- or row-wise entry whose layers LoRA adapted (model.lora.target_modules) split by
     SplitAdaptedLinear instead."""
-    from shardlab_tasks.lm.lora import LoRALinear
+    from shardlab_tasks.lm.models.lora import LoRALinear
 
     adapted = [name.split(".") for name, module in model.named_modules() if isinstance(module, LoRALinear)]
 
@@ -240,8 +241,8 @@ class AllToAll(torch.autograd.Function):
 
 
 def gpt_plan(dim: int) -> dict:
-    """shardlab_tasks.lm.model.GPT: the token and position embeddings split by rows (the sum gathered whole, then handed
-    on split by sequence), the fused qkv projection by FusedQKVColwise, the rest as the Llama plan."""
+    """shardlab_tasks.lm.models.model.GPT: the token and position embeddings split by rows (the sum gathered whole, then
+    handed on split by sequence), the fused qkv projection by FusedQKVColwise, the rest as the Llama plan."""
     return {
         "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "embed.pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),

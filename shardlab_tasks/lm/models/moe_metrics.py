@@ -1,14 +1,14 @@
 """What an MoE model adds to the LM task's loss and metrics (issue 49): the blocks' auxiliary loss (balancing and
-z-loss, shardlab_tasks.lm.moe.auxiliary_loss) added to the loss to backpropagate, and the statistics the trainer sums
-over micro-batches and ranks: the auxiliary loss, and each layer's assignments per expert, which ``routing_metrics``
-turns into the logged ``aux_loss`` and per-layer load (max over mean: 1 = balanced)."""
+z-loss, shardlab_tasks.lm.models.moe.auxiliary_loss) added to the loss to backpropagate, and the statistics the trainer
+sums over micro-batches and ranks: the auxiliary loss, and each layer's assignments per expert, which
+``routing_metrics`` turns into the logged ``aux_loss`` and per-layer load (max over mean: 1 = balanced)."""
 
 from __future__ import annotations
 
 import torch
 
-from shardlab_tasks.lm.moe import auxiliary_loss, load_summary
-from shardlab_tasks.lm.moe_balance import StepLoad
+from shardlab_tasks.lm.models.moe import auxiliary_loss, load_summary
+from shardlab_tasks.lm.models.moe_balance import StepLoad
 
 AUX_SUM, BATCHES, LOAD = "moe_aux_sum", "moe_batches", "moe_load/"
 
@@ -17,7 +17,7 @@ def add_routing_loss(
     model, loss: torch.Tensor, sums: dict, model_cfg, step_load: StepLoad | None = None
 ) -> tuple[torch.Tensor, dict]:
     """``loss`` + the auxiliary loss of the forward ``model`` just ran, and ``sums`` with the routing statistics
-    (a training forward's loads also into ``step_load``, for the step's end: shardlab_tasks/lm/moe_balance.py);
+    (a training forward's loads also into ``step_load``, for the step's end: shardlab_tasks/lm/models/moe_balance.py);
     unchanged for a dense model (or an architecture without MoE blocks)."""
     take = getattr(model, "take_routing_stats", None)
     stats = take() if take is not None else []

@@ -1,12 +1,12 @@
 """What the LM task asks of a model architecture, so that it serves GPT, Llama and a user's own without knowing them.
 
 An architecture is an ``nn.Module`` subclass of ``LMArchitecture`` registered in MODELS under the name that
-``model.arch`` selects, with its config dataclass: ``MODELS.register_lazy("llama", "shardlab_tasks.lm.llama:Llama",
-dataclass=LlamaConfig)`` in shardlab_tasks/lm/config.py, or ``@MODELS.register(name, dataclass=...)`` on a user_dir's
-class. It is built as ``cls(model_cfg, vocab_size)`` and maps ``(batch, length)`` token ids to ``(batch, length,
-vocab_size)`` logits. Its model section has at least ``max_seq_len`` and ``vocab_size`` (the task reads both); every
-other key is the architecture's own, and the task refuses keys of the section that ``config_class`` does not declare
-(a GPT key set on a Llama, say).
+``model.arch`` selects, with its config dataclass: ``MODELS.register_lazy("llama",
+"shardlab_tasks.lm.models.llama:Llama", dataclass=LlamaConfig)`` in shardlab_tasks/lm/config.py, or
+``@MODELS.register(name, dataclass=...)`` on a user_dir's class. It is built as ``cls(model_cfg, vocab_size)`` and maps
+``(batch, length)`` token ids to ``(batch, length, vocab_size)`` logits. Its model section has at least ``max_seq_len``
+and ``vocab_size`` (the task reads both); every other key is the architecture's own, and the task refuses keys of the
+section that ``config_class`` does not declare (a GPT key set on a Llama, say).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class LMArchitecture(nn.Module):
         return []
 
     def tensor_parallel_plan(self) -> dict | None:
-        """This model's tensor-parallel plan (shardlab_tasks/lm/tensor_parallel.py: module paths to torch
+        """This model's tensor-parallel plan (shardlab_tasks/lm/models/tensor_parallel.py: module paths to torch
         ParallelStyles), or None: it cannot split over distributed.tensor_parallel_degree ranks."""
         return None
 

@@ -29,11 +29,11 @@ import numpy as np
 
 from shardlab.errors import DataError
 from shardlab.files.durable import fsync_path
-from shardlab_tasks.lm.cache_files import open_cache_file, read_cache_json
-from shardlab_tasks.lm.cache_lock import temp_prefix
-from shardlab_tasks.lm.corpus import check_sources, jsonl_text, read_blocks
-from shardlab_tasks.lm.sources import Block, Source
-from shardlab_tasks.lm.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
+from shardlab_tasks.lm.corpus.cache_files import open_cache_file, read_cache_json
+from shardlab_tasks.lm.corpus.cache_lock import temp_prefix
+from shardlab_tasks.lm.corpus.corpus import check_sources, jsonl_text, read_blocks
+from shardlab_tasks.lm.corpus.sources import Block, Source
+from shardlab_tasks.lm.corpus.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
 
 FORMAT_VERSION = 4
 """4: a corpus with too few documents for whole ones to make data.valid_percent (one text file) holds out the last

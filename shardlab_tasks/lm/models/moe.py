@@ -1,6 +1,6 @@
 """A mixture-of-experts feed-forward block (issue 49, item 1): a router, top-k routed SwiGLU experts held as grouped
-weights (shardlab_tasks/lm/moe_experts.py), optional shared experts, and the balancing signals: the families' auxiliary
-loss, the router z-loss, DeepSeek-V3's bias-based balancing, and the per-expert load for logging.
+weights (shardlab_tasks/lm/models/moe_experts.py), optional shared experts, and the balancing signals: the families'
+auxiliary loss, the router z-loss, DeepSeek-V3's bias-based balancing, and the per-expert load for logging.
 
 The families, as ``MoEConfig`` values (``family_config`` builds them; transformers 5.25's blocks are the reference,
 tests/unit/test_moe_block.py compares outputs):
@@ -25,8 +25,8 @@ _proj.weight`` and ``mlp.gate.weight`` (the router); Mixtral ``block_sparse_moe.
 ``w2`` (down) and ``block_sparse_moe.gate.weight``. ``experts.gate_up_proj[E] = cat(gate_E, up_E)``,
 ``experts.down_proj[E] = down_E``; the split back is exact (no arithmetic).
 
-Under tensor parallelism (shardlab_tasks/lm/tensor_parallel.py's SequenceShardedMoE) the block runs on this rank's
-slice of the sequence, its weights whole on every rank of the group (``token_group``): each rank routes its own
+Under tensor parallelism (shardlab_tasks/lm/models/tensor_parallel.py's SequenceShardedMoE) the block runs on this
+rank's slice of the sequence, its weights whole on every rank of the group (``token_group``): each rank routes its own
 tokens, so the routing statistics are summed over the group (``over_tokens``: the loads, the probabilities' sum, the
 z-loss's terms) and every rank holds what one process computes; each weight's gradient, its tokens' share, is summed
 over the group on its way back (``grad_summed``), as FSDP2 sums a replicated DTensor's partial gradient.
@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlab_tasks.lm.config import MoEConfig
-from shardlab_tasks.lm.moe_experts import EXPERT_IMPLS, GroupedExperts, dispatch, expert_counts
-from shardlab_tasks.lm.moe_parallel import grad_summed, summed_over
+from shardlab_tasks.lm.models.moe_experts import EXPERT_IMPLS, GroupedExperts, dispatch, expert_counts
+from shardlab_tasks.lm.models.moe_parallel import grad_summed, summed_over
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 

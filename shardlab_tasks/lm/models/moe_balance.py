@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardlab_tasks.lm.config import MoEConfig
-from shardlab_tasks.lm.moe import MoEBlock
+from shardlab_tasks.lm.models.moe import MoEBlock
 
 
 class StepLoad:

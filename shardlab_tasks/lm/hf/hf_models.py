@@ -1,12 +1,12 @@
 """The Hugging Face families shardlab's LMs read and write: a ``config.json`` as a model section, and the one mapping
 between shardlab's parameter names and the checkpoint's, used both to load (shardlab_tasks/lm/task.py) and to export
-(shardlab_tasks/lm/export_hf.py).
+(shardlab_tasks/lm/hf/export_hf.py).
 
-Families: Llama 3.x, Qwen2/2.5, Qwen3 and Mistral become ``model.arch=llama`` (shardlab_tasks/lm/llama.py) with the
-options each needs; the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE the same with a ``model.moe`` section
-(shardlab_tasks/lm/moe_hub.py: its fields, and where each hub per-expert tensor lands in the grouped experts,
+Families: Llama 3.x, Qwen2/2.5, Qwen3 and Mistral become ``model.arch=llama`` (shardlab_tasks/lm/models/llama.py) with
+the options each needs; the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE the same with a ``model.moe`` section
+(shardlab_tasks/lm/hf/moe_hub.py: its fields, and where each hub per-expert tensor lands in the grouped experts,
 ``expert_pieces``); DeepSeek-V3 and gpt-oss are refused in one line naming what shardlab lacks for them; GPT-2 becomes
-``model.arch=gpt`` (shardlab_tasks/lm/model.py). A field of config.json that would change the
+``model.arch=gpt`` (shardlab_tasks/lm/models/model.py). A field of config.json that would change the
 computation and that the architecture cannot express is refused in one line naming it (``HFConfigError``), before
 any weight is read. Fields that change nothing shardlab computes in training (token ids, ``use_cache``,
 ``initializer_range``, ``dtype``) are not read, nor GPT-2's dropout rates: model.dropout is the fine-tuner's choice.
@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 from shardlab.errors import first_cause
 from shardlab.files.regular_file import NotAFile, read_small_file
-from shardlab_tasks.lm import hf_fields as fields
-from shardlab_tasks.lm import moe_hub
-from shardlab_tasks.lm.hf_fields import HFConfigError
+from shardlab_tasks.lm.hf import hf_fields as fields
+from shardlab_tasks.lm.hf import moe_hub
+from shardlab_tasks.lm.hf.hf_fields import HFConfigError
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """config.json model_type values read as model.arch=llama."""
@@ -83,7 +83,7 @@ def weight_names(model_cfg: Any) -> dict[str, HFName]:
 
 def expert_pieces(model_cfg: Any) -> dict[str, list[moe_hub.Piece]]:
     """An MoE model's grouped expert weights -> the hub's per-expert tensors each is made of, and where each lies in
-    it ({} for a dense model): what loading reads and the export writes back (shardlab_tasks/lm/moe_hub.py)."""
+    it ({} for a dense model): what loading reads and the export writes back (shardlab_tasks/lm/hf/moe_hub.py)."""
     return moe_hub.expert_pieces(model_cfg) if model_cfg.get("moe") is not None else {}
 
 
@@ -139,7 +139,8 @@ def read_config_json(folder: Path) -> dict[str, Any]:
 def model_section(hf: dict[str, Any], path: Path) -> dict[str, Any]:
     """The model section (arch and every key config.json decides) that computes what ``hf`` (a config.json, at
     ``path``) describes; refused in one line naming the first field it cannot express, of the wrong type or out of
-    range (shardlab_tasks/lm/hf_fields.py), or a shape beyond the plan's bound (counted before any module is built)."""
+    range (shardlab_tasks/lm/hf/hf_fields.py), or a shape beyond the plan's bound (counted before any module is
+    built)."""
     model_type = hf.get("model_type")
     if isinstance(model_type, str) and model_type in REFUSED_FAMILIES:
         raise HFConfigError(

@@ -1,10 +1,10 @@
 """Preference tuning: the DPO loss on chosen/rejected pairs (data.format=preference, conf/task/dpo.yaml), as TRL's
 DPOTrainer computes it.
 
-Each answer's log-probability is the sum over its answer tokens (shardlab_tasks/lm/preference.py marks them) of the
-model's log-probability of the token; the chosen and rejected answers of a micro-batch go through the model in one
-forward, each in a row of its own, or with data.pack=true packed into shared rows as segments
-(shardlab_tasks/lm/preference.py: pack_pairs), each answer's tokens summed back to its pair (pair_logps).
+Each answer's log-probability is the sum over its answer tokens (shardlab_tasks/lm/finetuning/preference.py marks them)
+of the model's log-probability of the token; the chosen and rejected answers of a micro-batch go through the model in
+one forward, each in a row of its own, or with data.pack=true packed into shared rows as segments
+(shardlab_tasks/lm/finetuning/preference.py: pack_pairs), each answer's tokens summed back to its pair (pair_logps).
 Against the reference model's log-probabilities, the log-ratios r = log pi(y|x) - log pi_ref(y|x) give
 - task.dpo.loss_type=sigmoid (DPO): -log sigmoid(beta (r_c - r_r)), with task.dpo.label_smoothing e the
   conservative DPO of noisy labels, (1 - e) of it plus e of -log sigmoid(-beta (r_c - r_r));
@@ -15,7 +15,8 @@ chosen one's is higher (accuracy), and the answers' log-probabilities (TRL's rew
 
 The reference:
 - with LoRA (model.lora.rank > 0): the model itself with its adapters switched off
-  (shardlab_tasks.lm.lora.adapters_off), a no-grad forward of the same rows each step; no second copy of any weight;
+  (shardlab_tasks.lm.models.lora.adapters_off), a no-grad forward of the same rows each step; no second copy of any
+  weight;
 - full fine-tuning: the starting model's log-probabilities of every pair, train and validation, computed once before
   the first step (a no-grad pass over the pairs, on every rank in the same order, so it holds under any layout) and
   kept as training state: step folders hold them beside the weights, so a resume reads them back instead of needing
@@ -104,7 +105,7 @@ def pair_logps(model: nn.Module, batch: dict, device: torch.device) -> tuple[tor
 
 def lora_reference(model: nn.Module, batch: dict, device: torch.device) -> torch.Tensor:
     """The base model's answer log-probabilities (pairs, 2): the adapters off, no gradient."""
-    from shardlab_tasks.lm.lora import adapters_off
+    from shardlab_tasks.lm.models.lora import adapters_off
 
     with torch.no_grad(), adapters_off(model):
         return pair_logps(model, batch, device)[0]

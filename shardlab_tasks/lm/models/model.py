@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardlab_tasks.lm.architecture import LMArchitecture, below_one
 from shardlab_tasks.lm.config import GPTConfig
+from shardlab_tasks.lm.models.architecture import LMArchitecture, below_one
 from shardlab_tasks.lm.sft_packing import document_mask, segment_positions
 
 
@@ -24,7 +24,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, d = x.shape
         # -1 heads: under tensor parallelism each rank holds num_heads / tp of them
-        # (shardlab_tasks/lm/tensor_parallel.py).
+        # (shardlab_tasks/lm/models/tensor_parallel.py).
         q, k, v = self.qkv(x).view(b, t, 3, -1, d // self.num_heads).permute(2, 0, 3, 1, 4)
         # A packed row's mask (shardlab_tasks/lm/sft_packing.py) keeps attention within each sample; without one, the
         # causal kernel of pretraining, untouched.
@@ -101,7 +101,7 @@ class GPT(LMArchitecture):
         """Logits of ``idx`` (batch, length); ``segments`` (batch, length), for packed rows: which sample each
         position belongs to (shardlab_tasks/lm/sft_packing.py): positions restart and attention stays within each.
         ``positions`` (length,): each token's index in the whole sequence, under context parallelism (this rank's
-        load-balanced slice of it, shardlab_tasks/lm/context_parallel.py)."""
+        load-balanced slice of it, shardlab_tasks/lm/models/context_parallel.py)."""
         if segments is None:
             x, mask = self.embed(idx, positions), None
         else:
@@ -118,13 +118,13 @@ class GPT(LMArchitecture):
         return [self.embed, *self.blocks, self.head]
 
     def tensor_parallel_plan(self) -> dict:
-        from shardlab_tasks.lm.tensor_parallel import gpt_plan
+        from shardlab_tasks.lm.models.tensor_parallel import gpt_plan
 
         return gpt_plan(self.cfg.dim)
 
     @classmethod
     def tensor_parallel_errors(cls, m: GPTConfig, vocab_size: int, degree: int) -> list[str]:
-        from shardlab_tasks.lm.tensor_parallel import divisibility_errors
+        from shardlab_tasks.lm.models.tensor_parallel import divisibility_errors
 
         sizes = {
             "model.num_heads": m.num_heads,

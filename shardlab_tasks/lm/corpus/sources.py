@@ -1,8 +1,9 @@
 """What the corpus readers share: a corpus file (``Source``), a piece read from it (``Block``), an optional package
 asked for by name (``require``), and the one way a corpus file is opened (``open_regular``).
 
-A leaf: shardlab_tasks/lm/corpus.py (text and JSONL, and finding the files) and shardlab_tasks/lm/columnar.py (Parquet
-and Arrow) both import it, and it imports neither, so the two readers never need each other. Nothing here imports torch.
+A leaf: shardlab_tasks/lm/corpus/corpus.py (text and JSONL, and finding the files) and
+shardlab_tasks/lm/corpus/columnar.py (Parquet and Arrow) both import it, and it imports neither, so the two readers
+never need each other. Nothing here imports torch.
 
 A corpus file is opened as a file, never as whatever the name points at (shardlab.files.regular_file, the one
 place that opens an untrusted file): the link it may be is resolved and must stay inside the corpus folder

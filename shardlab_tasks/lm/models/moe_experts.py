@@ -3,8 +3,8 @@
 Weights as transformers 5 holds them in memory (``MixtralExperts``, ``Qwen2MoeExperts``, ``Qwen3MoeExperts``,
 ``DeepseekV3Experts``): ``gate_up_proj`` of shape (experts, 2 * ffn, dim), the gate rows first and the up rows
 after, and ``down_proj`` of shape (experts, dim, ffn); each expert's slice is an ``nn.Linear`` weight (out, in). The
-hub files hold one tensor per expert (``experts.E.gate_proj.weight``...); shardlab_tasks/lm/moe.py's docstring says how
-they map.
+hub files hold one tensor per expert (``experts.E.gate_proj.weight``...); shardlab_tasks/lm/models/moe.py's docstring
+says how they map.
 
 The computation: every (token, choice) assignment is sorted by expert (a stable sort, so within an expert the
 tokens keep their order), the token rows are gathered in that order, each expert's contiguous group goes through its
@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from shardlab.distributed.expert_parallel import local_experts
-from shardlab_tasks.lm.moe_parallel import expert_parallel_run, grad_summed
+from shardlab_tasks.lm.models.moe_parallel import expert_parallel_run, grad_summed
 
 EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 """model.moe.experts_impl values: auto = grouped_mm where the device and dtype have it, else the loop."""
@@ -148,9 +148,10 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.expert_group: ProcessGroup | None = None
         """Set by expert parallelism (shardlab/distributed/expert_parallel.py), which splits both weights by experts
-        over this group: the rows then travel to their experts' ranks and back (shardlab_tasks/lm/moe_parallel.py)."""
+        over this group: the rows then travel to their experts' ranks and back
+        (shardlab_tasks/lm/models/moe_parallel.py)."""
         self.token_group: ProcessGroup | None = None
-        """Set by tensor parallelism (shardlab_tasks/lm/tensor_parallel.py's SequenceShardedMoE): its ranks route
+        """Set by tensor parallelism (shardlab_tasks/lm/models/tensor_parallel.py's SequenceShardedMoE): its ranks route
         different tokens through the same experts, so each weight's gradient is summed over it
         (moe_parallel.grad_summed)."""
 

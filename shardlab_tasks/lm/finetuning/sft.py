@@ -4,7 +4,7 @@ Records come from JSONL files (.gz and .zst too) or Parquet files (data.path: a 
 data.path=null, from the embedded demo: one record per documented function of a few standard-library modules (its
 signature and docstring the prompt, its body the answer). Two formats (data.format):
 - ``chat``: a list of {role, content} messages (data.messages_field), rendered with the model's chat template
-  (shardlab_tasks/lm/sft_template.py); the assistant turns are the answer;
+  (shardlab_tasks/lm/finetuning/sft_template.py); the assistant turns are the answer;
 - ``prompt_completion``: a prompt and its answer (data.prompt_field, data.completion_field), rendered as a user and
   an assistant turn when there is a chat template, else joined as prompt + completion + end-of-text.
 Only answer tokens are targets. A record goes to the validation split when a hash of its file and record number
@@ -31,11 +31,11 @@ import torch
 from torch.utils.data import Dataset
 
 from shardlab.errors import DataError
-from shardlab_tasks.lm.binarize import is_valid_document
+from shardlab_tasks.lm.corpus.binarize import is_valid_document
+from shardlab_tasks.lm.finetuning.sft_render import BoundedRenderer
+from shardlab_tasks.lm.finetuning.sft_template import ChatTemplate
 from shardlab_tasks.lm.loss import token_cross_entropy
 from shardlab_tasks.lm.sft_packing import IGNORE, pack, packed_row
-from shardlab_tasks.lm.sft_render import BoundedRenderer
-from shardlab_tasks.lm.sft_template import ChatTemplate
 
 FORMATS = ("text", "chat", "prompt_completion")
 """data.format values: text is pretraining on documents; the others are fine-tuning records."""
@@ -129,7 +129,7 @@ def _function_pair(fn) -> tuple[str, str] | None:
 
 def file_records(path: str) -> Iterator[tuple[str, str, dict]]:
     """(split key, where, record) for each record of the JSONL and Parquet files under data.path, in file order."""
-    from shardlab_tasks.lm.corpus import find_sources, read_blocks
+    from shardlab_tasks.lm.corpus.corpus import find_sources, read_blocks
 
     for source in find_sources(Path(path).expanduser()):
         if source.format == "parquet":
@@ -157,7 +157,7 @@ def _json_record(line: bytes, path: Path, n: int) -> dict:
 
 
 def _parquet_records(source) -> Iterator[tuple[str, str, dict]]:
-    from shardlab_tasks.lm import columnar
+    from shardlab_tasks.lm.corpus import columnar
 
     pq = columnar.require("pyarrow.parquet", f"{source.path} (a Parquet file)")
     for n, record in enumerate(pq.read_table(source.path).to_pylist(), start=1):
@@ -177,7 +177,7 @@ def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int
 
 def encode_with_starts(tokenizer, text: str) -> tuple[list[int], list[int]]:
     """(token ids of ``text``, the character where each token starts): encode_with_offsets' starts (the preference
-    pairs of shardlab_tasks/lm/preference.py read them)."""
+    pairs of shardlab_tasks/lm/finetuning/preference.py read them)."""
     ids, offsets = encode_with_offsets(tokenizer, text)
     return ids, [start for start, _ in offsets]
 

@@ -1,6 +1,6 @@
-"""The Hugging Face side of the MoE block (shardlab_tasks/lm/moe.py), ready for shardlab_tasks/lm/hf_models.py to call:
-a config.json's MoE fields as a ``model.moe`` section, and where each hub tensor of a layer lands in the block's grouped
-weights.
+"""The Hugging Face side of the MoE block (shardlab_tasks/lm/models/moe.py), ready for shardlab_tasks/lm/hf/hf_models.py
+to call: a config.json's MoE fields as a ``model.moe`` section, and where each hub tensor of a layer lands in the
+block's grouped weights.
 
 Hub files hold one tensor per expert; the block holds them stacked. For MoE layer N, F = ffn_dim, and the hub prefix
 ``model.layers.N.mlp.`` (Mixtral: ``model.layers.N.block_sparse_moe.``), block tensors under ``blocks.N.mlp.``:
@@ -16,17 +16,17 @@ Hub files hold one tensor per expert; the block holds them stacked. For MoE laye
 Each placement is a slice of one expert's rows: a rank that holds experts [a, b) (FSDP2's shards of the experts'
 dim, expert parallelism) reads only the hub tensors of those experts (shardlab/checkpoint/hf_folder.py, ``pieces``),
 and the export writes each slice back under its hub name, bit-exact (no arithmetic: views of the grouped tensor).
-shardlab_tasks/lm/hf_models.py reads a folder's config.json through ``moe_section`` and ``attention_options``, and names
-the model's tensors through ``single_names`` and ``expert_pieces``. No transformers import: config.json is JSON.
+shardlab_tasks/lm/hf/hf_models.py reads a folder's config.json through ``moe_section`` and ``attention_options``, and
+names the model's tensors through ``single_names`` and ``expert_pieces``. No transformers import: config.json is JSON.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from shardlab_tasks.lm import hf_fields as fields
-from shardlab_tasks.lm.hf_fields import HFConfigError
-from shardlab_tasks.lm.moe import family_config
+from shardlab_tasks.lm.hf import hf_fields as fields
+from shardlab_tasks.lm.hf.hf_fields import HFConfigError
+from shardlab_tasks.lm.models.moe import family_config
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
@@ -44,7 +44,8 @@ class Placement(NamedTuple):
 
 def moe_section(hf: dict[str, Any], path: Any) -> dict[str, Any]:
     """The ``model.moe`` fields of a config.json of an MoE family (with ``family``: its model_type), or one line
-    naming the field that cannot be expressed, is of the wrong type or out of range (shardlab_tasks/lm/hf_fields.py)."""
+    naming the field that cannot be expressed, is of the wrong type or out of range
+    (shardlab_tasks/lm/hf/hf_fields.py)."""
     model_type = hf.get("model_type")
     if model_type not in MOE_FAMILIES:
         raise HFConfigError(f"{path}: model_type={model_type!r} is not an MoE family; known: {MOE_FAMILIES}")

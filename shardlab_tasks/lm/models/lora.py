@@ -11,12 +11,12 @@ accept the result, but (1) importing peft imports transformers, which shardlab n
 renames every adapted weight (``attn.q.weight`` -> ``attn.q.base_layer.weight``) and adds an adapter-name level
 (``lora_A.default``), so the Hugging Face name mapping, the seeded init and checkpoints of the base would need a
 second set of names. The layer below computes what peft's ``lora.Linear`` computes (tests compare them), and
-``write_peft_adapter`` writes peft's own folder format, so ``peft.PeftModel.from_pretrained`` loads the result.
+``write_peft_adapter`` (shardlab_tasks/lm/hf/peft.py) writes peft's own folder format, which
+``peft.PeftModel.from_pretrained`` loads.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlab.errors import CheckpointError
-from shardlab.files.durable import follow_umask
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
 """The adapter submodules of a LoRALinear (peft's names): A projects down to the rank, B back up."""
@@ -70,7 +69,7 @@ class LoRALinear(nn.Linear):
 @contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """Within it, every LoRALinear of ``model`` computes its frozen base alone: the model before its adapters, the
-    reference of preference tuning (shardlab_tasks/lm/dpo.py) with no second copy of a weight (peft's
+    reference of preference tuning (shardlab_tasks/lm/finetuning/dpo.py) with no second copy of a weight (peft's
     disable_adapter)."""
     layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
     for layer in layers:
@@ -191,60 +190,7 @@ def init_adapter(name: str, tensor: torch.Tensor, generator: torch.Generator) ->
         tensor.uniform_(-bound, bound, generator=generator)
 
 
-# ---- a PEFT adapter folder, and the adapters merged into the weights -----------------------------------------------
-def _layer_names(model_cfg: Any, layers: list[str]) -> dict[str, str]:
-    """shardlab layer name -> the transformers module name that carries its weight (shardlab_tasks/lm/hf_models.py)."""
-    from shardlab_tasks.lm.hf_models import weight_names
-
-    names = weight_names(model_cfg)
-    out = {}
-    for layer in layers:
-        hf = names.get(f"{layer}.weight")
-        if hf is None:  # a tied output projection: transformers has no weight of its own there
-            raise ValueError(f"model.lora: {layer} has no weight of its own in the Hugging Face model; do not adapt it")
-        out[layer] = hf.key.removesuffix(".weight")
-    return out
-
-
-def peft_adapter(state: Mapping[str, torch.Tensor], model_cfg: Any) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json, adapter_model.safetensors' tensors) in peft's format for the transformers model of
-    ``model_cfg``, from the full (unsharded) adapter tensors of ``state`` (shardlab names; other keys ignored)."""
-    lora = model_cfg["lora"]
-    layers = sorted({k.rsplit(".", 2)[0] for k in state if is_adapter(k)})
-    hf = _layer_names(model_cfg, layers)
-    tensors = {
-        f"base_model.model.{hf[layer]}.{part}.weight": state[f"{layer}.{part}.weight"].detach().contiguous().cpu()
-        for layer in layers
-        for part in ADAPTER_PARTS
-    }
-    gpt2 = model_cfg["arch"] == "gpt"
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": int(lora["rank"]),
-        "lora_alpha": float(lora["alpha"]),
-        "lora_dropout": float(lora["dropout"]),
-        "target_modules": sorted(hf.values()),  # full module names: peft matches exactly these layers
-        "bias": "none",
-        "fan_in_fan_out": gpt2,  # GPT-2's Conv1D stores its weight (in, out): peft transposes when it merges
-        "base_model_name_or_path": model_cfg.get("pretrained"),
-        "inference_mode": True,
-    }
-    return config, tensors
-
-
-def write_peft_adapter(state: Mapping[str, torch.Tensor], model_cfg: Any, folder: Path) -> Path:
-    """Write ``folder``/adapter_config.json and adapter_model.safetensors (``peft_adapter``); returns the folder."""
-    from safetensors.torch import save_file
-
-    config, tensors = peft_adapter(state, model_cfg)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    follow_umask(folder / "adapter_model.safetensors")  # safetensors writes 0600
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return folder
-
-
+# ---- the adapters merged into the weights -------------------------------------------------------------------------
 def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     """One adapted layer's weight with its adapter folded in, in fp32: W + scaling * B @ A (W (out, in), A (rank,
     in), B (out, rank)): the plain layer that computes what the LoRALinear computes."""
@@ -261,7 +207,7 @@ def scaling_of(model_cfg: Any) -> float:
 def merge_lora(state: Mapping[str, torch.Tensor], model_cfg: Any) -> dict[str, torch.Tensor]:
     """The model state with every adapter merged into its layer's weight (``merge_weight``, cast back to W's dtype)
     and the adapter keys gone: the state of the plain model that computes the same. Full tensors, shardlab names
-    (what shardlab_tasks/lm/export_hf.py maps to Hugging Face names); without adapters: returned as is. The export
+    (what shardlab_tasks/lm/hf/export_hf.py maps to Hugging Face names); without adapters: returned as is. The export
     streams the same merge a tensor at a time (``merged_reader``)."""
     if not lora_on(model_cfg):
         return dict(state)
@@ -313,13 +259,3 @@ def merged_reader(
         return state
 
     return {k: v for k, v in base_shapes.items() if not is_adapter(k)}, read
-
-
-def adapter_from_checkpoint(checkpoint: Path, out: Path) -> Path:
-    """A LoRA run's step folder (its adapters only: small, read whole on the CPU) as a peft adapter folder."""
-    from shardlab.checkpoint import weights
-
-    model_cfg = weights.describe(checkpoint)["model_config"]
-    if not lora_on(model_cfg):
-        raise CheckpointError(f"{checkpoint} is not of a LoRA run (its model.lora.rank is 0); it has no adapter")
-    return write_peft_adapter(weights.read_full(checkpoint), model_cfg, out)

@@ -4,7 +4,7 @@ character spans of the assistant turns in the result.
 
 A template with transformers' ``{% generation %}`` ... ``{% endgeneration %}`` marks gives its spans itself: what the
 marked blocks output, counted as transformers counts them (the characters the render has yielded when a block
-ends), from one render; the answer tokens are then those overlapping a span (shardlab_tasks/lm/sft.py), as
+ends), from one render; the answer tokens are then those overlapping a span (shardlab_tasks/lm/finetuning/sft.py), as
 ``return_assistant_tokens_mask`` gives them. A template without marks is searched as follows.
 
 Rendering: jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, loop controls, transformers'
@@ -131,8 +131,8 @@ def _compile(source: str):
 
 
 RENDER_MAX_CHARS = 64 * 2**20
-"""The most characters one render may output: a record's messages hold at most 4 Mi (shardlab_tasks/lm/sft.py), the
-template's own text around them is far less."""
+"""The most characters one render may output: a record's messages hold at most 4 Mi
+(shardlab_tasks/lm/finetuning/sft.py), the template's own text around them is far less."""
 
 
 class RenderTooLarge(Exception):

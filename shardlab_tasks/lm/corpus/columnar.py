@@ -3,8 +3,8 @@
 A row is one document, its text in the column ``data.text_field``. Only that column is read, a record batch at a
 time (Parquet: row group by row group; Arrow: memory-mapped), so memory follows one row group, not the file.
 pyarrow is an optional extra (``pip install 'shardlab[corpora]'``), imported only when such a file is read; worker
-processes never read files. This module imports the corpus reader's shared pieces from shardlab_tasks/lm/sources.py,
-never shardlab_tasks/lm/corpus.py (which imports this one).
+processes never read files. This module imports the corpus reader's shared pieces from
+shardlab_tasks/lm/corpus/sources.py, never shardlab_tasks/lm/corpus/corpus.py (which imports this one).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from shardlab.errors import DataError
-from shardlab_tasks.lm.sources import Block, Source, read_small, regular_path, require
+from shardlab_tasks.lm.corpus.sources import Block, Source, read_small, regular_path, require
 
 ROWS_PER_BATCH = 256
 """Rows decoded at once from a Parquet row group: a transient ~MBs for documents of KBs (the batch is then cut into

@@ -1,7 +1,7 @@
 """Preference pairs (data.format=preference): a prompt with a chosen and a rejected answer, as token rows for DPO.
 
-Records come as the SFT records do (shardlab_tasks/lm/sft.py: JSONL or Parquet under data.path, or the embedded demo
-with data.path=null) in TRL's two preference formats:
+Records come as the SFT records do (shardlab_tasks/lm/finetuning/sft.py: JSONL or Parquet under data.path, or the
+embedded demo with data.path=null) in TRL's two preference formats:
 - standard: ``prompt``, ``chosen`` and ``rejected`` strings (data.prompt_field, data.chosen_field,
   data.rejected_field); each answer gets the end-of-text token, as TRL's DPOTrainer appends the EOS;
 - conversational: ``prompt`` a list of {role, content} messages and ``chosen``/``rejected`` lists holding the
@@ -29,10 +29,10 @@ import torch
 from torch.utils.data import Dataset
 
 from shardlab.errors import DataError
-from shardlab_tasks.lm.binarize import is_valid_document
-from shardlab_tasks.lm.sft import DEMO_MAX_CHARS, Sample, demo_records, encode_with_starts, file_records
+from shardlab_tasks.lm.corpus.binarize import is_valid_document
+from shardlab_tasks.lm.finetuning.sft import DEMO_MAX_CHARS, Sample, demo_records, encode_with_starts, file_records
+from shardlab_tasks.lm.finetuning.sft_template import ChatTemplate
 from shardlab_tasks.lm.sft_packing import IGNORE, PAD_SEGMENT, pack, packed_row, rounded_up
-from shardlab_tasks.lm.sft_template import ChatTemplate
 
 
 @dataclass
@@ -127,7 +127,7 @@ def record_pair(record: dict, where: str, d: Any, tokenizer, template: ChatTempl
 class PairRows(Dataset):
     """Pair i as {"rows": a (2, 3, seq_len) tensor, its chosen and its rejected sample each in a row of its own
     (shardlab_tasks/lm/sft_packing.py), "index": i + offset}: the index names the pair in the precomputed reference
-    log-probabilities (shardlab_tasks/lm/dpo.py), the validation split's after the training split's."""
+    log-probabilities (shardlab_tasks/lm/finetuning/dpo.py), the validation split's after the training split's."""
 
     def __init__(self, pairs: list[Pair], seq_len: int, pad_id: int, offset: int = 0) -> None:
         self.pairs, self.seq_len, self.pad_id, self.offset = pairs, seq_len, pad_id, offset
@@ -210,8 +210,9 @@ def pack_pairs(
     rejected 2 j + 1, filled in that order into rows of seq_len positions (sft_packing.pack: next fit, so it depends
     on the micro-batch alone and every rank and every replay packs alike), each sequence a segment whose id is its
     number: the models keep attention within it and restart its positions, and the loss sums its log-probabilities
-    back to its pair (shardlab_tasks/lm/dpo.py: pair_logps). A pair's two answers may land in different rows: the whole
-    micro-batch goes through one forward either way. Rows cut after the longest row's last sequence (rounded up to
+    back to its pair (shardlab_tasks/lm/finetuning/dpo.py: pair_logps). A pair's two answers may land in different rows:
+    the whole micro-batch goes through one forward either way. Rows cut after the longest row's last sequence (rounded
+    up to
     ``multiple``); "index" as collate_pairs gives it (the precomputed reference's pair numbers)."""
     sequences = []
     for item in items:
