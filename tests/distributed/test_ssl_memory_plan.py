@@ -4,10 +4,13 @@ against the fullest rank's measured training-step peak at world size 2 (CPU, glo
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import compose_config
 from tests.distributed.harness import run_spawned
 
 
+@pytest.mark.slow  # ~45 s: the suite's budget; the LM's plan against its measured peak runs by default
 def test_predicted_peak_of_swav_multi_crop_matches_the_measured_one(tmp_path):
     # SwAV multi-crop (regnet_cifar, 2 x 32 + 4 x 16 crops, as on ImageNet) with 128 images per rank: ~0.6 GiB of
     # activations, well above a rank's runtime noise.
