@@ -32,7 +32,16 @@ from omegaconf import DictConfig, OmegaConf
 from shardlab.config import DistributedConfig, field_errors
 from shardlab.errors import ConfigError
 from shardlab.jobs.conf_options import options_of, task_section_package
-from shardlab.registry import BACKENDS, LR_SCHEDULERS, MODELS, OPTIMIZERS, TASKS, load_plugins, plugin_packages
+from shardlab.registry import (
+    BACKENDS,
+    LR_SCHEDULERS,
+    MODELS,
+    OPTIMIZERS,
+    TASKS,
+    load_plugins,
+    package_of,
+    plugin_packages,
+)
 
 _checked: dict[str, Any] = {}
 """The task of each config this process checked, by ``_fingerprint``: the run that follows the pre-flight in the
@@ -201,7 +210,7 @@ def registered_name_errors(cfg: DictConfig) -> list[str]:
 
 def plugin_package(factory) -> str:
     """The task plug-in package a registered factory or schema class comes from (e.g. shardlab_tasks.lm)."""
-    return factory.__module__.rpartition(".")[0]
+    return package_of(factory.__module__)
 
 
 def section_package(task_name: str, section: str) -> str:
@@ -238,7 +247,7 @@ def architecture_errors(cfg: DictConfig) -> list[str]:
     from shardlab.registry import unknown_name_message
 
     package = section_package(cfg.task.name, "model")
-    own = [name for name in MODELS.names() if not another_plugins(MODELS.module_of(name).rpartition(".")[0], package)]
+    own = [name for name in MODELS.names() if not another_plugins(package_of(MODELS.module_of(name)), package)]
     if cfg.model.arch not in own:
         return [unknown_name_message(cfg.model.arch, f"model architecture of task {cfg.task.name}", own, "model.arch")]
     return []

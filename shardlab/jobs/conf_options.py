@@ -10,6 +10,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from shardlab.config import CONF_DIR
+from shardlab.registry import package_of
 
 
 def group_options(group: str, user_conf: Path | None = None) -> list[str]:
@@ -26,7 +27,7 @@ def option_package(group: str, option: str) -> str | None:
     for entry in OmegaConf.load(path).get("defaults", []):
         if isinstance(entry, str) and entry.startswith("/schema/"):
             node = ConfigStore.instance().load(f"schema/{entry.removeprefix('/schema/').split('@')[0]}.yaml").node
-            return OmegaConf.get_type(node).__module__.rpartition(".")[0]
+            return package_of(OmegaConf.get_type(node).__module__)
     return None
 
 

@@ -247,6 +247,13 @@ def plugin_packages() -> set[str]:
     return {ep.value.rpartition(".")[0] for ep in entry_points(group="shardlab.tasks")}
 
 
+def package_of(module: str) -> str:
+    """The installed task plug-in holding ``module``, from any depth of its sub-packages (shardlab_tasks.lm.models.model
+    is shardlab_tasks.lm's); else the module's own package (a user_dir's)."""
+    holders = [package for package in plugin_packages() if module.startswith(package + ".")]
+    return max(holders, key=len) if holders else module.rpartition(".")[0]
+
+
 def load_plugins(user_dir: str | None = None) -> None:
     """Import every task plug-in's config module (cheap: dataclasses and registrations only), then the modules of
     ``user_dir`` (a directory of the user's own plug-ins) where one is given; idempotent."""

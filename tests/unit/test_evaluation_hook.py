@@ -38,10 +38,10 @@ def test_the_evaluate_command_imports_no_task_plugin():
 
 
 def test_the_command_check_finds_a_planted_task_import_inside_a_function(tmp_path):
-    for package in ("shardlab_commands", "shardlab_tasks", "shardlab_tasks/lm"):
+    for package in ("shardlab_commands", "shardlab_tasks", "shardlab_tasks/lm", "shardlab_tasks/lm/corpus"):
         (tmp_path / package).mkdir(parents=True, exist_ok=True)
         (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "shardlab_tasks" / "lm" / "data.py").write_text("")
+    (tmp_path / "shardlab_tasks" / "lm" / "corpus" / "data.py").write_text("")
     (tmp_path / "shardlab_commands" / "evaluate.py").write_text("def f():\n    return 1\n")
     assert task_readers(imports(tmp_path)) == {}
     (tmp_path / "shardlab_commands" / "evaluate.py").write_text(
