@@ -302,7 +302,7 @@ def page_stand_ins(root: Path, home: Path, work: Path) -> None:
     for i in range(2):
         pq.write_table(pa.table({"text": text[i::2]}), root / "stand-ins" / "fineweb" / f"shard{i}.parquet")
     image_folder(root / "stand-ins" / "imagenet")
-    image_folder(home / "data" / "flowers")
+    image_folder(home / "data" / "flowers", per_class=100)  # a validation batch of the vision default (200) fits
     image_folder(home / "data" / "unlabelled", splits=("train", "val"))
     (work / "held_out.txt").write_text("\n\n".join(text[:100]))
     torch.save(torchvision.models.regnet_y_400mf().state_dict(), work / "regnet_y_400mf.pth")
