@@ -32,14 +32,14 @@ MAX_LOCK_BYTES (``_read_lock``). A lock that is not one (such a path, or content
 start is refused naming the file and its content, and the file is left alone (shardlab cannot tell whose it is).
 
 Held by global rank 0 of a job (the launcher process of local ranks), from before Hydra writes the run's record
-(shardlab.jobs.preflight) until the job ends, when it is renamed aside and removed only if it still names this job. The
+(shardlab.cli.preflight) until the job ends, when it is renamed aside and removed only if it still names this job. The
 heartbeat survives a lock it cannot read or find for a while (a passing NFS error, another starter renaming it aside to
 compare): it tries again, and gives the lock up only when the file names another holder. Then ``lost()`` says why
 (who took the folder, and since when by that job's clock), and the trainer stops at the next step saving nothing;
 ``lost_now()`` reads the files again, for the checkpoint manager to ask immediately before each publish and prune.
 
 A checkpoint folder outside the run is locked at its real path, and refused if it lies in another run's folder
-(``another_runs_folder``); system folders and ``~`` are refused by the pre-flight (shardlab.jobs.run_dir).
+(``another_runs_folder``); system folders and ``~`` are refused by the pre-flight (shardlab.cli.run_names).
 
 The pid check, the heartbeat's touch and its watch are shardlab.files.liveness.
 """
@@ -62,6 +62,7 @@ from shardlab.distributed.env import current_job
 from shardlab.errors import ConfigError, RunFolderInUse
 from shardlab.files.liveness import HeartbeatWatch, process_alive, process_start, touch
 from shardlab.files.regular_file import LINK, NotAFile, read_file
+from shardlab.jobs.run_folders import folder_errors, writable_dir_problem  # the pre-flight's rules and words
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 30.0
@@ -235,8 +236,6 @@ class RunLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            from shardlab.jobs.checks import writable_dir_problem  # its words for why (the path checks' own)
-
             problem = writable_dir_problem(self.path.parent) or e.strerror or str(e)
             raise ConfigError(
                 f"{self.key}: cannot create or write {self.path.parent} ({problem}); choose a writable directory"
@@ -510,8 +509,8 @@ def _key(run_dir: Path) -> Path:
 def checkpoint_folder_outside(run_dir: Path, checkpoint_dir: str) -> Path | None:
     """The checkpoint folder by its real path (symlinks followed) when that lies outside the run folder's real path
     (an absolute path, or a link elsewhere): it gets its own lock there, so two runs never share it, whatever path
-    each names it by. None when the run's lock covers it. (``~`` is refused by the pre-flight, run_dir.folder_errors:
-    Hydra leaves it as it is, so the files and the lock would read it differently.)"""
+    each names it by. None when the run's lock covers it. (``~`` is refused by the pre-flight,
+    run_folders.folder_errors: Hydra leaves it as it is, so the files and the lock would read it differently.)"""
     run = _key(run_dir).resolve()
     folder = (run / checkpoint_dir).resolve()
     return None if folder.is_relative_to(run) else folder
@@ -548,8 +547,6 @@ def take(run_dir: Path, checkpoint_dir: str | None = None) -> list[RunLock]:
     key = _key(run_dir)
     if key in _held:
         return _held[key]
-    from shardlab.jobs.run_dir import folder_errors  # the pre-flight's rule, here for sweep points and callers
-
     if where := folder_errors(key, checkpoint_dir if checkpoint_dir is not None else "."):
         raise ConfigError("; ".join(where))
     locks = [RunLock(key)]

@@ -71,7 +71,7 @@ class LanguageModelingTask(Task):
     unit = "tokens"
     resumable_model_changes = ("dropout", "lora")
     """model.lora may differ from the weights a run begins from (checkpoint.init_from a run without LoRA); a resume of
-    the same run still compares the whole config (shardlab.jobs.run_dir)."""
+    the same run still compares the whole config (shardlab.cli.run_names)."""
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
