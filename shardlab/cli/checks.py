@@ -159,9 +159,6 @@ def job_world_size(cfg: DictConfig, launcher_world_size: int | None = None) -> i
 def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
     """distributed.pipeline_*: what shardlab.distributed.pipeline can run, given the task's cut (None: the task's model
     cannot be pipelined) and the world size (the degree against the world and the task: axis_checks)."""
-    from shardlab.distributed.mesh import ParallelDims
-    from shardlab.distributed.pipeline import MULTI_STAGE
-
     d, o = cfg.distributed, cfg.optimization
     pp, per_rank, schedule = d.pipeline_parallel_degree, d.pipeline_stages_per_rank, d.pipeline_schedule
     if pp == 1:
@@ -169,6 +166,10 @@ def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
                                          "pipeline_parallel_degree > 1; drop it"]  # fmt: skip
     if pp < 1 or world % pp or cut is None:  # shardlab.cli.axis_checks says why (the degree, the task)
         return []
+    # only for a pipeline: torch's pipelining imports torch._dynamo (~1 s), which a run without one never needs
+    from shardlab.distributed.mesh import ParallelDims
+    from shardlab.distributed.pipeline import MULTI_STAGE
+
     stages, micro = pp * per_rank, o.update_freq
     data = ParallelDims.from_config(d, world).dp  # the ranks a validation batch splits over (not the TP/CP ones)
     errors = failed([
