@@ -13,6 +13,8 @@ import stat
 import tempfile
 from pathlib import Path, PurePath
 
+from shardlab.jobs.lock_holder import LOCK_FILE, holder_of, read_lock, who
+
 
 def checkpoint_dir_error(checkpoint_dir: str) -> str | None:
     """checkpoint.dir climbing out of the run folder with ``..`` (``../shared``, ``../../elsewhere``): every run of
@@ -123,3 +125,37 @@ def _writable_dir_problem(path: Path, keep: bool) -> tuple[str | None, bool]:
             except OSError:
                 break
     return None, False
+
+
+# ---- a checkpoint folder outside the run -----------------------------------------------------------------------------
+def checkpoint_folder_outside(run_dir: Path, checkpoint_dir: str) -> Path | None:
+    """The checkpoint folder by its real path (symlinks followed) when that lies outside the run folder's real path
+    (an absolute path, or a link elsewhere): it gets its own lock there, so two runs never share it, whatever path
+    each names it by. None when the run's lock covers it. (``~`` is refused by the pre-flight,
+    folder_errors: Hydra leaves it as it is, so the files and the lock would read it differently.)"""
+    run = Path(run_dir).expanduser().absolute().resolve()
+    folder = (run / checkpoint_dir).resolve()
+    return None if folder.is_relative_to(run) else folder
+
+
+def another_runs_folder(folder: Path) -> str | None:
+    """Why checkpoint folder ``folder`` (a real path outside this run's folder) belongs to another run: it or a
+    folder above it is a run folder (``.hydra/`` or ``status.json``) or is locked by another job (a ``run.lock``
+    above it; its own is judged by ``acquire``, which takes a dead holder's or an earlier incarnation's over).
+    Refused in one line naming that job: its saves would prune that run's checkpoints, and that run's lock does not
+    cover a folder it never locks. None if no such folder is found."""
+    for place in [folder, *folder.parents]:
+        if place.parent == place:  # the file system's root: not a run folder (refused as one by the pre-flight)
+            return None
+        lock = place / LOCK_FILE
+        marks = [m for m in (".hydra", "status.json") if os.path.lexists(place / m)]
+        if place != folder and os.path.lexists(lock):
+            try:
+                holder = holder_of(read_lock(lock)[0])
+                whose = who(holder) if holder else "a malformed lock"
+            except OSError as e:
+                whose = f"a lock that cannot be read ({e.strerror})"
+            return f"{place} is locked by {whose} ({lock})"
+        if marks:
+            return f"{place} is another run's folder (it holds {' and '.join(marks)})"
+    return None
