@@ -7,7 +7,7 @@ defaults a run starts from are conf/*.yaml's.
 One place per key: a key with a fixed set of values declares them beside its field (``choice``), a number its range
 (``bounded``), and ``field_errors`` - one generic walker over the composed config, schemas of task plug-ins and
 user_dirs included - refuses every value outside them, each in one line naming the dotted key and listing the valid
-values. shardlab.jobs.checks runs it first on every composed config, before any other check (the pre-flight: before
+values. shardlab.cli.checks runs it first on every composed config, before any other check (the pre-flight: before
 a folder, lock or process exists), and keeps only the rules that span sections or need the world and the device.
 
 Why metadata and not ``Enum`` fields: OmegaConf (2.3) has no ``Literal``, and its EnumNode matches a string by the
@@ -19,7 +19,7 @@ mechanism, and the values stay plain ``str``: the saved config.yaml, shardlab.js
 requeue's re-composition read exactly as before.
 
 Keys that name a registry entry (task.name, model.arch, optimizer.name, lr_scheduler.name, distributed.backend,
-distributed.plan_device) are open sets that plug-ins extend: ``registry_name`` marks them, and shardlab.jobs.checks
+distributed.plan_device) are open sets that plug-ins extend: ``registry_name`` marks them, and shardlab.cli.checks
 checks them against the registry, listing the names it knows.
 """
 
@@ -61,7 +61,7 @@ def bounded(default: Any = MISSING, factory: Callable[[], Any] | None = None, no
 
 def registry_name(default: Any, registry: str) -> Any:
     """A field naming an entry of ``registry`` (a name in shardlab.registry: TASKS, MODELS, ...), an open set that
-    plug-ins extend: checked against the registry by shardlab.jobs.checks, not here."""
+    plug-ins extend: checked against the registry by shardlab.cli.checks, not here."""
     return field(default=default, metadata={"registry": registry})
 
 
@@ -407,7 +407,7 @@ class TrainConfig:
 
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-"""The config groups' options (conf/<group>/<option>.yaml): shardlab.jobs.conf_options reads them."""
+"""The config groups' options (conf/<group>/<option>.yaml): shardlab.cli.conf_options reads them."""
 
 
 def register_schemas() -> None:
@@ -467,7 +467,7 @@ def value_problem(key: str, value: Any, meta: Any) -> str | None:
 
 def in_range(value: Any, meta: Any) -> bool:
     """Whether a number is within the field's bounds (a value that is no number: its type is Hydra's to check; NaN
-    and infinity: shardlab.jobs.checks.nonfinite_errors's, which says so for every number of the config)."""
+    and infinity: shardlab.cli.checks.nonfinite_errors's, which says so for every number of the config)."""
     if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
         return True
     tests = {"gt": value.__gt__, "ge": value.__ge__, "lt": value.__lt__, "le": value.__le__}

@@ -143,12 +143,12 @@ class Task(ABC):
 
     def config_errors(self) -> list[str]:
         """Task-specific config problems (model/data sections); each names its dotted key. Asked once per start, by
-        shardlab.jobs.checks before anything is written; the ranks do not ask again."""
+        shardlab.cli.checks before anything is written; the ranks do not ask again."""
         return []
 
     def world_errors(self, world_size: int) -> list[str]:
         """Problems of the config with ``world_size`` ranks (a group size that must divide it), asked with
-        config_errors by shardlab.jobs.checks: the world is known before any rank starts."""
+        config_errors by shardlab.cli.checks: the world is known before any rank starts."""
         return []
 
     @abstractmethod

@@ -1,6 +1,6 @@
 """Entry point: `python -m shardlab.train [group=option ...] [key=value ...]`.
 
-Hydra composes the command line (twice: once for the run mode, once for the run); shardlab.jobs.preflight checks it
+Hydra composes the command line (twice: once for the run mode, once for the run); shardlab.cli.preflight checks it
 before and after, so a mistake comes back as one line with a fix and exit code 2, not a stack trace, before the run
 directory exists, and takes the run's lock before Hydra writes its record there (a job refused a folder in use
 changes nothing in it). Hydra's task function then hands the job to shardlab.runner.
@@ -21,10 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from shardlab.config import CONF_DIR, register_schemas
-from shardlab.errors import MasterUnreachable, ShardlabError, one_line
-from shardlab.jobs import run_lock
-from shardlab.jobs.preflight import (
+from shardlab.cli.preflight import (
     ComposedConfigChecks,
     ConfigRefused,
     check_command_line,
@@ -35,7 +32,10 @@ from shardlab.jobs.preflight import (
     remove_dry_run_folders,
     with_user_dir,
 )
-from shardlab.jobs.run_dir import register_resolvers
+from shardlab.cli.run_names import register_resolvers
+from shardlab.config import CONF_DIR, register_schemas
+from shardlab.errors import MasterUnreachable, ShardlabError, one_line
+from shardlab.jobs import run_lock
 from shardlab.registry import load_plugins
 
 register_schemas()

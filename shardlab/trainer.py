@@ -23,6 +23,7 @@ from shardlab.checkpoint.manager import Checkpointer
 from shardlab.checkpoint.policy import SavePolicy, inconsistent_state, save_after_error, save_on_error_notice
 from shardlab.checkpoint.readers import dcp_reader
 from shardlab.checkpoint.resume import restore_training
+from shardlab.cli.run_names import run_key_differences
 from shardlab.data import GlobalOrder, rank_loader, sample_seed, weighted_micro_batches
 from shardlab.distributed.base import Backend
 from shardlab.distributed.compile import FirstSteps
@@ -32,7 +33,6 @@ from shardlab.distributed.tensor_parallel import loss_parallel_on, split_vocabul
 from shardlab.errors import CheckpointError, ConfigError, RunFolderInUse, one_line
 from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import StopSignals, torchrun_agent_warning
-from shardlab.jobs.run_dir import run_key_differences
 from shardlab.logging import RunLogger
 from shardlab.logging.throughput import ThroughputWindow
 from shardlab.memory.meter import PeakMeter, beside_plan, memory_gib
@@ -455,7 +455,7 @@ class Trainer:
         if not len(dataset):  # data.valid_percent=0 with validation off (Task.data_errors): nothing held out
             return {}
         # The task's: fit_validation_batch lowers it there to fit a small split, and the task the CLI's pre-flight
-        # built holds its own copy of the config (shardlab.jobs.checks.checked), not this one.
+        # built holds its own copy of the config (shardlab.cli.checks.checked), not this one.
         vb = self.task.cfg.validation.batch_size
         available = len(dataset) // vb
         num_batches = min(cfg.validation.num_batches or available, available)

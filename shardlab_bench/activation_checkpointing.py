@@ -37,8 +37,8 @@ def run_one(model: str, mode: str, steps: int, warmup: int, overrides: list[str]
     """One training run in this process (the child's side): its memory report and step times."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed import env as dist_env
-    from shardlab.jobs.preflight import compose_config
     from shardlab.runner import run_rank
 
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:

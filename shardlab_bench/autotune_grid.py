@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 def grid(overrides: list[str]) -> tuple[list[dict], dict]:
     """Every (layout, split) the plan predicts to fit: the overrides that select it and its predicted peak."""
     from shardlab import runner
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed.units import model_on_meta
-    from shardlab.jobs.preflight import compose_config
     from shardlab.memory.budget import fitting, sharded_only
     from shardlab.memory.devices import GiB
     from shardlab.memory.plan import profile_config

@@ -33,8 +33,8 @@ def peak_rss_gib() -> float:
 
 
 def one(model: str, mode: str, saves: int, interval: int, batch: int, seq_len: int, run_dir: Path) -> dict:
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed import env as dist_env
-    from shardlab.jobs.preflight import compose_config
     from shardlab.runner import run_rank
 
     overrides = [

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task
 from shardlab_bench.provenance import collect, finish
 from shardlab_tasks.lm.finetuning.dpo import preference_loss

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task
 from shardlab_bench.provenance import collect, finish
 from shardlab_tasks.lm.finetuning.dpo import ReferenceLogProbs, answer_logps, preference_loss

@@ -34,8 +34,8 @@ RUN = [
 
 def make_checkpoint(root: Path, layers: int, dim: int, ffn_dim: int) -> Path:
     """A one-step Llama run's step folder under ``root``."""
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed import env as dist_env
-    from shardlab.jobs.preflight import compose_config
     from shardlab.runner import run_rank
 
     shape = [f"model.num_layers={layers}", f"model.dim={dim}", f"model.ffn_dim={ffn_dim}"]

@@ -75,8 +75,8 @@ def run_overrides(opts, layout: str, k: int, batch: int) -> list[str]:
 # ---- prediction ------------------------------------------------------------------------------------------------------
 def predict(overrides: list[str], world_size: int) -> dict:
     """The memory plan of a run, as the run itself will print it (per rank), and the auto rule's need per machine."""
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed.units import model_on_meta
-    from shardlab.jobs.preflight import compose_config
     from shardlab.memory import budget as memory_budget
     from shardlab.memory.estimate import estimate
     from shardlab.memory.layout import layout_of

@@ -117,8 +117,8 @@ CHOICES = [
 def plan(overrides: list[str], split: str = "shardlab") -> dict[str, Any]:
     """What dry_run plans for ``overrides`` (``split``: whose cut of the layers into stages): the fullest rank's
     figures, its axes, and the layout's label."""
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed.units import model_on_meta
-    from shardlab.jobs.preflight import compose_config
     from shardlab.memory.estimate import estimate
     from shardlab.memory.layout import layout_of
     from shardlab.memory.plan import profile_config
@@ -147,7 +147,7 @@ def verify(overrides: list[str]) -> dict[str, Any]:
     fully_shard on the fake process group, seen from the first and the last rank)."""
     import time
 
-    from shardlab.jobs.preflight import compose_config
+    from shardlab.cli.preflight import compose_config
     from shardlab.memory.verify import verify_plan
     from shardlab.runner import build_task
 

@@ -88,8 +88,8 @@ def keys(model: str, world: int, batch: int, seq_len: int) -> list[str]:
 def plan(overrides: list[str], ep: int) -> dict[str, Any]:
     """What dry_run plans for ``overrides`` at expert-parallel degree ``ep``: the fullest rank's figures and the MoE
     ones (shardlab.memory.experts)."""
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed.units import model_on_meta
-    from shardlab.jobs.preflight import compose_config
     from shardlab.memory.estimate import estimate
     from shardlab.memory.experts import plan_experts
     from shardlab.memory.layout import layout_of

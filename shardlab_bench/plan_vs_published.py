@@ -140,8 +140,8 @@ def overrides(p: dict[str, Any], as_torchtitan: bool = True) -> list[str]:
 def plan(p: dict[str, Any]) -> dict[str, Any]:
     """Plan one published run: the peak, the allocator's term, the reserved figure, with torchtitan's checkpointing
     and with the mode's defaults."""
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed.units import model_on_meta
-    from shardlab.jobs.preflight import compose_config
     from shardlab.memory.estimate import estimate
     from shardlab.memory.layout import layout_of
     from shardlab.memory.plan import profile_config

@@ -58,8 +58,8 @@ def make_folder(root: Path, layers: int, dim: int, ffn_dim: int, vocab: int) -> 
 
 
 def _task_and_model(folder: Path, *overrides: str):
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed.units import model_on_meta
-    from shardlab.jobs.preflight import compose_config
     from shardlab.runner import build_task
 
     task = build_task(compose_config([f"model.pretrained={folder}", "data.seq_len=64", *overrides]), world_size=1)
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     import torch
 
-    from shardlab.jobs.run_dir import register_resolvers
+    from shardlab.cli.run_names import register_resolvers
     from shardlab.registry import load_plugins
 
     register_resolvers()

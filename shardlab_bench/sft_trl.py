@@ -66,8 +66,8 @@ def shardlab_overrides(folder: Path, data: Path, args: argparse.Namespace, packe
 
 
 def run_shardlab(folder: Path, data: Path, args: argparse.Namespace, packed: bool, tmp: Path) -> dict:
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed import env as dist_env
-    from shardlab.jobs.preflight import compose_config
     from shardlab.runner import run_rank
 
     cfg = compose_config(shardlab_overrides(folder, data, args, packed))
@@ -82,9 +82,9 @@ def initial_adapters(folder: Path, data: Path, args: argparse.Namespace, out: Pa
     """shardlab's seeded initial adapters (A uniform, B = 0) as a peft folder, for TRL to start from."""
     import torch
 
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed.materialize import materialize
     from shardlab.distributed.units import model_on_meta
-    from shardlab.jobs.preflight import compose_config
     from shardlab.runner import build_task
     from shardlab_tasks.lm.hf.peft import write_peft_adapter
     from shardlab_tasks.lm.models.lora import is_adapter

@@ -126,7 +126,7 @@ def reference_rank(rank: int, world: int, port: int, cfg_yaml: str, opts: dict) 
 def run_reference(overrides: list[str], world: int, opts: dict) -> dict:
     import torch.multiprocessing as mp
 
-    from shardlab.jobs.preflight import compose_config
+    from shardlab.cli.preflight import compose_config
 
     cfg = compose_config(["distributed=fully_sharded", f"distributed.world_size={world}", *overrides])
     set_local_rank_defaults(world)

@@ -464,7 +464,7 @@ def write(out: dict, path: str) -> None:
 
 
 def compose(overrides: list[str], total_steps: int):
-    from shardlab.jobs.preflight import check_group_choices, compose_config
+    from shardlab.cli.preflight import check_group_choices, compose_config
 
     check_group_choices(overrides)
     given = {o.partition("=")[0].lstrip("+~") for o in overrides}

@@ -50,9 +50,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from shardlab.checkpoint import weights
+from shardlab.cli.preflight import GROUPS, check_group_choices, compose_config
 from shardlab.distributed.materialize import materialize
 from shardlab.errors import CheckpointError, ConfigError, DataError, first_cause
-from shardlab.jobs.preflight import GROUPS, check_group_choices, compose_config
 from shardlab.registry import TASKS
 from shardlab.runner import build_task
 from shardlab.task import Evaluation, EvaluationRequest, Task

@@ -21,9 +21,9 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardlab.cli.run_names import names_the_run
 from shardlab.errors import ConfigError, DataError
 from shardlab.files.regular_file import SMALL_FILE_MAX_BYTES, read_regular
-from shardlab.jobs.run_dir import names_the_run
 from shardlab.jobs.sweep import collect
 from shardlab.logging import LOG_FILE
 

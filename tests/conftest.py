@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config  # noqa: F401  (the tests compose through the CLI's own helper)
+from shardlab.cli.run_names import register_resolvers
 from shardlab.config import register_schemas
-from shardlab.jobs.preflight import compose_config  # noqa: F401  (the tests compose through the CLI's own helper)
-from shardlab.jobs.run_dir import register_resolvers
 from shardlab.registry import load_plugins
 
 register_schemas()  # at import as well: some tests compose through Hydra directly (test_run_dir) or read registries

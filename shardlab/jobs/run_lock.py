@@ -28,20 +28,24 @@ the others, each in its turn, find a lock other than the one they judged and jud
 writes nothing: it reads the lock, and creates files only when the lock is absent or stale.
 
 The lock file is read as a file: never through a symlink, never waiting on a FIFO, a regular file of at most
-MAX_LOCK_BYTES (``_read_lock``). A lock that is not one (such a path, or content naming no holder) is malformed: the
-start is refused naming the file and its content, and the file is left alone (shardlab cannot tell whose it is).
+MAX_LOCK_BYTES (shardlab.jobs.lock_holder, which knows the file's format and words its holder). A lock that is not one
+(such a path, or content naming no holder) is malformed: the start is refused naming the file and its content, and the
+file is left alone (shardlab cannot tell whose it is).
 
 Held by global rank 0 of a job (the launcher process of local ranks), from before Hydra writes the run's record
-(shardlab.jobs.preflight) until the job ends, when it is renamed aside and removed only if it still names this job. The
+(shardlab.cli.preflight) until the job ends, when it is renamed aside and removed only if it still names this job. The
 heartbeat survives a lock it cannot read or find for a while (a passing NFS error, another starter renaming it aside to
 compare): it tries again, and gives the lock up only when the file names another holder. Then ``lost()`` says why
 (who took the folder, and since when by that job's clock), and the trainer stops at the next step saving nothing;
 ``lost_now()`` reads the files again, for the checkpoint manager to ask immediately before each publish and prune.
 
 A checkpoint folder outside the run is locked at its real path, and refused if it lies in another run's folder
-(``another_runs_folder``); system folders and ``~`` are refused by the pre-flight (shardlab.jobs.run_dir).
+(``another_runs_folder``); system folders and ``~`` are refused by the pre-flight and again here (both rules are
+shardlab.jobs.run_folders').
 
-The pid check, the heartbeat's touch and its watch are shardlab.files.liveness.
+Here: the lease (``RunLock``: judge, take over, create, beat, release, under a guard), the locks of this process's
+runs (``take``, ``lost``, ``lost_now``) and the follower of a spawned rank. The pid check, the heartbeat's touch and
+its watch are shardlab.files.liveness.
 """
 
 from __future__ import annotations
@@ -61,9 +65,25 @@ from typing import Any
 from shardlab.distributed.env import current_job
 from shardlab.errors import ConfigError, RunFolderInUse
 from shardlab.files.liveness import HeartbeatWatch, process_alive, process_start, touch
-from shardlab.files.regular_file import LINK, NotAFile, read_file
+from shardlab.jobs.lock_holder import (
+    LOCK_FILE,
+    NotALock,
+    current_restart,
+    field,
+    holder_of,
+    lost_line,
+    malformed,
+    read_lock,
+    read_lock_or_none,
+    who,
+)
+from shardlab.jobs.run_folders import (  # the pre-flight's rules and words
+    another_runs_folder,
+    checkpoint_folder_outside,
+    folder_errors,
+    writable_dir_problem,
+)
 
-LOCK_FILE = "run.lock"
 HEARTBEAT_S = 30.0
 """How often the holder touches its lock (having checked that the lock is still its own)."""
 LEASE_S = 300.0
@@ -74,8 +94,6 @@ UNREADABLE_WAIT_S = 0.2
 MISSING_BEATS = 3
 """Beats in a row that find the lock gone before the holder creates it again (exclusively: a job that took it over
 since keeps it): a lock renamed aside for a moment by a starter comparing it comes back by itself."""
-MAX_LOCK_BYTES = 4096
-"""A lock is a few hundred bytes of JSON: more is not a lock, and is not read past this."""
 PID_MAX = 1 << 22
 """Linux's largest pid (/proc/sys/kernel/pid_max at most): a lock naming another is no live process of this host."""
 GUARD_FILE = ".run.lock.guard"
@@ -85,64 +103,6 @@ GUARD_WAIT_S = 60.0
 """How long a starter waits for another starter's change of the lock (a few file operations) before it gives up."""
 HOLDER_ENV = "SHARDLAB_RUN_LOCKS"
 """Set by the holder for the ranks it spawns: the locks' paths and tokens, so rank 0 can tell whether they were lost."""
-
-
-# ---- who this job is -------------------------------------------------------------------------------------------------
-def current_restart() -> int:
-    """Which incarnation of the job this is: Slurm counts requeues (unset before the first), torchrun its restarts."""
-    for key in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
-        with contextlib.suppress(ValueError):
-            return int(os.environ.get(key, ""))
-    return 0
-
-
-class NotALock(OSError):
-    """A lock path that holds no lock file: a symlink, a FIFO, a device, a folder, or a file over MAX_LOCK_BYTES."""
-
-
-def _read_lock(path: Path) -> tuple[bytes, int]:
-    """A lock's bytes and its heartbeat (its mtime), from one open file: the same file's both, however its name
-    moves, and fresh on NFS (opening a file revalidates the attributes that a stat by name may take from a cache).
-    Opened as a file and nothing else (shardlab.files.regular_file): never through a symlink, never waiting on a
-    FIFO's writer, a regular file only, at most MAX_LOCK_BYTES read (however it grows after its fstat); anything
-    else raises NotALock saying what it is."""
-    try:
-        data, info = read_file(path, max_bytes=MAX_LOCK_BYTES)
-    except NotAFile as e:
-        code = errno.EFBIG if e.size is not None else errno.ELOOP if e.kind == LINK else errno.EINVAL
-        raise NotALock(code, f"{_what(e)}, not a lock file") from None
-    return data, info.st_mtime_ns
-
-
-def _what(refused: NotAFile) -> str:
-    return f"over {MAX_LOCK_BYTES} bytes" if refused.size is not None else refused.kind
-
-
-def _read_lock_or_none(path: Path) -> tuple[bytes, int] | None:
-    try:
-        return _read_lock(path)
-    except OSError:
-        return None
-
-
-def _holder(data: bytes) -> dict[str, Any] | None:
-    """The holder a lock's bytes name, or None if they are not a lock (shardlab writes a JSON object with a string
-    token, whole: anything else was written by something else, or by a creator without hard links, mid-write)."""
-    try:
-        holder = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-    return holder if isinstance(holder, dict) and isinstance(holder.get("token"), str) else None
-
-
-def _malformed(path: Path, why: str, data: bytes = b"") -> str:
-    """The refusal of a lock that is not one: its path, what it is, the start of its content, the fix."""
-    excerpt = f": {data[:60]!r}{'...' if len(data) > 60 else ''}" if data or not why else ""
-    return (
-        f"{path} is malformed ({why or 'not a JSON object naming a holder'}{excerpt}); shardlab creates its locks "
-        f"whole, so this job cannot tell whose it is and leaves it alone: remove it if no job uses {path.parent}, "
-        "then start again"
-    )
 
 
 class RunLock:
@@ -192,7 +152,7 @@ class RunLock:
                         time.sleep(min(1.0, LEASE_S / 20))
                         continue
             with self._guard():  # one starter at a time: the others find a lock other than the one they judged
-                if _read_lock_or_none(self.path) == judged:  # still the stale lock judged (or still none)
+                if read_lock_or_none(self.path) == judged:  # still the stale lock judged (or still none)
                     if judged is not None:
                         self._remove_if_unchanged(judged)
                     if self._create():
@@ -226,7 +186,7 @@ class RunLock:
         if self.lost is None:
             state, holder = _owner(self.path, self.me["token"])
             if state == "theirs":
-                self.lost = _lost_line(self.path, holder or {})
+                self.lost = lost_line(self.path, holder or {})
         return self.lost is not None
 
     # ---- helpers ------------------------------------------------------------------------------------------------
@@ -235,8 +195,6 @@ class RunLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            from shardlab.jobs.checks import writable_dir_problem  # its words for why (the path checks' own)
-
             problem = writable_dir_problem(self.path.parent) or e.strerror or str(e)
             raise ConfigError(
                 f"{self.key}: cannot create or write {self.path.parent} ({problem}); choose a writable directory"
@@ -254,23 +212,23 @@ class RunLock:
         seen = (b"", 0)
         for pause in (UNREADABLE_WAIT_S, UNREADABLE_WAIT_S, 0.0):
             try:
-                seen = _read_lock(self.path)
+                seen = read_lock(self.path)
             except FileNotFoundError:
                 return {}, None
             except NotALock as e:
-                raise RunFolderInUse(_malformed(self.path, e.strerror)) from None
+                raise RunFolderInUse(malformed(self.path, e.strerror)) from None
             except OSError as e:
                 error = e
                 time.sleep(pause)
                 continue
-            holder = _holder(seen[0])
+            holder = holder_of(seen[0])
             if holder is not None:
                 return holder, seen
             error = None
             time.sleep(pause)
         if error is not None:
             raise RunFolderInUse(f"cannot read {self.path} ({error.strerror or error}); {self._fix()}")
-        raise RunFolderInUse(_malformed(self.path, "", seen[0]))
+        raise RunFolderInUse(malformed(self.path, "", seen[0]))
 
     def _judge(self, holder: dict[str, Any]) -> tuple[bool, str | None]:
         """(True, the refusal) for a holder known alive; (False, None) for one known gone (or this process);
@@ -285,7 +243,7 @@ class RunLock:
                 return False, None
             return True, self._describe(holder, "alive on this host")
         return False, (
-            f"{self.path.parent} is held by {_who(holder)}; its host is not this one, so this job watches the "
+            f"{self.path.parent} is held by {who(holder)}; its host is not this one, so this job watches the "
             f"lock: it is refused as soon as the heartbeat moves, and takes the folder over if the heartbeat stays "
             f"unchanged for {LEASE_S:.0f} s by this host's clock"
         )
@@ -307,7 +265,7 @@ class RunLock:
         at once). It is renamed aside, atomically, so that of several jobs taking over only one gets it (a rename keeps
         the mtime); a file another job created or beat since was moved by mistake and goes back (unless a third job
         created a lock meanwhile, whose lock then stands)."""
-        self._remove_aside_if(lambda aside: _read_lock_or_none(aside) == judged)
+        self._remove_aside_if(lambda aside: read_lock_or_none(aside) == judged)
 
     def _remove_aside_if(self, still: Callable[[Path], bool]) -> None:
         """Rename the lock aside and remove it if ``still(the file moved)``, else put it back."""
@@ -422,7 +380,7 @@ class RunLock:
         while not self._stop.wait(HEARTBEAT_S):
             state, holder = _owner(self.path, self.me["token"])
             if state == "theirs":  # sure: a whole lock naming another holder
-                self.lost = _lost_line(self.path, holder or {})
+                self.lost = lost_line(self.path, holder or {})
                 self.say(f"[run] {self.lost}", flush=True)
                 return
             missing = missing + 1 if state == "missing" else 0
@@ -437,8 +395,8 @@ class RunLock:
             # "unreadable" or missing for a moment: touched again once it reads as ours
 
     def _describe(self, holder: dict[str, Any], detail: str) -> str:
-        job = f"job {_field(holder, 'job')}" if holder.get("job") else "a job"
-        where = f"host {_field(holder, 'host')}, pid {_field(holder, 'pid')}"
+        job = f"job {field(holder, 'job')}" if holder.get("job") else "a job"
+        where = f"host {field(holder, 'host')}, pid {field(holder, 'pid')}"
         return f"{self.path.parent} is in use by {job} ({where}, {detail}); {self._fix()}"
 
     def _fix(self) -> str:
@@ -446,33 +404,6 @@ class RunLock:
             f"wait for it to end or stop it, or choose another hydra.run.dir (another host's lock is taken over once "
             f"its heartbeat stays unchanged for {LEASE_S:.0f} s; delete {self.path} if that job is surely gone)"
         )
-
-
-def _field(holder: dict[str, Any], key: str) -> str:
-    """A holder's field for a message: one line, at most 64 characters (a lock's content is not trusted)."""
-    value = holder.get(key)
-    text = "?" if value is None else "".join(c if c.isprintable() else "?" for c in str(value))
-    return text[:64]
-
-
-def _who(holder: dict[str, Any]) -> str:
-    job = f"job {_field(holder, 'job')}" if holder.get("job") else "a job"
-    restart = f", restart {holder['restart']}" if holder.get("job") and type(holder.get("restart")) is int else ""
-    return f"{job} (host {_field(holder, 'host')}, pid {_field(holder, 'pid')}{restart})"
-
-
-def _lost_line(path: Path, holder: dict[str, Any]) -> str:
-    """What happened, as the new holder's lock records it: who, and since when by that job's own host's clock (never
-    compared with this host's)."""
-    since = (
-        f"since {_field(holder, 'since')} by its host's clock"
-        if holder.get("since")
-        else "since a time it does not record"
-    )
-    return (
-        f"the lock of {path.parent} was taken over by {_who(holder)}, which holds it {since}; this job no longer "
-        "writes, publishes or prunes there"
-    )
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -487,12 +418,12 @@ def _owner(path: Path, token: str) -> tuple[str, dict[str, Any] | None]:
     another token, the one answer that means the lock is lost. Read as ``_read_lock`` reads: a symlink, a FIFO or
     content that names no holder is "unreadable"."""
     try:
-        data, _ = _read_lock(path)
+        data, _ = read_lock(path)
     except FileNotFoundError:
         return "missing", None
     except OSError:
         return "unreadable", None
-    holder = _holder(data)
+    holder = holder_of(data)
     if holder is None:
         return "unreadable", None
     return ("ours" if holder["token"] == token else "theirs"), holder
@@ -507,39 +438,6 @@ def _key(run_dir: Path) -> Path:
     return Path(run_dir).expanduser().absolute()
 
 
-def checkpoint_folder_outside(run_dir: Path, checkpoint_dir: str) -> Path | None:
-    """The checkpoint folder by its real path (symlinks followed) when that lies outside the run folder's real path
-    (an absolute path, or a link elsewhere): it gets its own lock there, so two runs never share it, whatever path
-    each names it by. None when the run's lock covers it. (``~`` is refused by the pre-flight, run_dir.folder_errors:
-    Hydra leaves it as it is, so the files and the lock would read it differently.)"""
-    run = _key(run_dir).resolve()
-    folder = (run / checkpoint_dir).resolve()
-    return None if folder.is_relative_to(run) else folder
-
-
-def another_runs_folder(folder: Path) -> str | None:
-    """Why checkpoint folder ``folder`` (a real path outside this run's folder) belongs to another run: it or a
-    folder above it is a run folder (``.hydra/`` or ``status.json``) or is locked by another job (a ``run.lock``
-    above it; its own is judged by ``acquire``, which takes a dead holder's or an earlier incarnation's over).
-    Refused in one line naming that job: its saves would prune that run's checkpoints, and that run's lock does not
-    cover a folder it never locks. None if no such folder is found."""
-    for place in [folder, *folder.parents]:
-        if place.parent == place:  # the file system's root: not a run folder (refused as one by the pre-flight)
-            return None
-        lock = place / LOCK_FILE
-        marks = [m for m in (".hydra", "status.json") if os.path.lexists(place / m)]
-        if place != folder and os.path.lexists(lock):
-            try:
-                holder = _holder(_read_lock(lock)[0])
-                who = _who(holder) if holder else "a malformed lock"
-            except OSError as e:
-                who = f"a lock that cannot be read ({e.strerror})"
-            return f"{place} is locked by {who} ({lock})"
-        if marks:
-            return f"{place} is another run's folder (it holds {' and '.join(marks)})"
-    return None
-
-
 def take(run_dir: Path, checkpoint_dir: str | None = None) -> list[RunLock]:
     """The locks of a run (its folder's, and its checkpoint folder's when that lies outside, by its real path),
     held by this process: taken now, or the ones this process took already (the pre-flight takes them before Hydra
@@ -548,8 +446,6 @@ def take(run_dir: Path, checkpoint_dir: str | None = None) -> list[RunLock]:
     key = _key(run_dir)
     if key in _held:
         return _held[key]
-    from shardlab.jobs.run_dir import folder_errors  # the pre-flight's rule, here for sweep points and callers
-
     if where := folder_errors(key, checkpoint_dir if checkpoint_dir is not None else "."):
         raise ConfigError("; ".join(where))
     locks = [RunLock(key)]
@@ -620,7 +516,7 @@ def lost_now(run_dir: Path) -> str | None:
     for path, token in _spawned_locks().items():
         state, holder = _owner(Path(path), token)
         if state == "theirs":
-            return _lost_line(Path(path), holder or {})
+            return lost_line(Path(path), holder or {})
     return None
 
 
@@ -643,7 +539,7 @@ def lost_reason(run_dir: Path) -> str:
     for path, token in files:
         state, holder = _owner(path, token)
         if state == "theirs":
-            return _lost_line(path, holder or {})
+            return lost_line(path, holder or {})
     return f"the lock of {run_dir} was taken over by another job"
 
 
@@ -671,4 +567,4 @@ class _Follower:
             for path, token in self.locks.items():
                 state, holder = _owner(path, token)
                 if state == "theirs":
-                    self.lost = _lost_line(path, holder or {})
+                    self.lost = lost_line(path, holder or {})

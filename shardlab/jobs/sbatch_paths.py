@@ -2,7 +2,7 @@
 
 sbatch and srun read those two options as filename patterns (``%j`` the job id, ``%t`` the task, ``%A_%a`` an array's
 ids, ``%%`` a literal ``%``), and submitit writes its folder into them as it is. A sweep over an absolute path is
-named ``data.path=%2Fa%2Fb,...`` (shardlab.jobs.run_dir percent-escapes a slash), so its jobs' logs went to another
+named ``data.path=%2Fa%2Fb,...`` (shardlab.cli.run_names percent-escapes a slash), so its jobs' logs went to another
 path than the folder submitit reads them from, and submitit failed every job for want of its log. Here each ``%`` of
 the folder is doubled in those options only, in the submission file submitit writes; submitit's own reads and the
 job's command line (``python -m submitit.core._submit <folder>``) keep the folder as it is.

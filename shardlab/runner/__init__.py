@@ -22,18 +22,19 @@ from omegaconf import DictConfig, OmegaConf
 
 import shardlab.optim  # noqa: F401  (the built-in optimizers, registered before a user_dir's plug-ins)
 from shardlab import errors
+from shardlab.cli import checks
+from shardlab.cli.checks import job_world_size, path_errors
+from shardlab.cli.run_names import former_run_name, run_name
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError, DataError, HostLost, RankFailed, RunFolderInUse, ShardlabError, one_line
-from shardlab.jobs import checks, run_lock, run_record
-from shardlab.jobs.checks import job_world_size, path_errors
+from shardlab.jobs import run_lock, run_record
 from shardlab.jobs.preemption import (
     REQUEUE_SIGNALS,
     STOPPED_EXIT_CODE,
     StopSignals,
     requeue_slurm_job,
 )
-from shardlab.jobs.run_dir import former_run_name, run_name
 from shardlab.memory import budget as memory_budget
 from shardlab.memory.plan import one_profile_per_run, plan_run
 from shardlab.registry import BACKENDS, TASKS, load_plugins
@@ -51,7 +52,7 @@ __all__ = [
 
 
 def build_task(cfg: DictConfig, world_size: int | None = None, run_dir: Path | None = None, check_budget: bool = True):
-    """The task for ``cfg``, after every config check (shardlab.jobs.checks.check: one ConfigError for all), for tools
+    """The task for ``cfg``, after every config check (shardlab.cli.checks.check: one ConfigError for all), for tools
     and tests that compose a config and build its task themselves.
 
     ``run_dir``: also check that it and the checkpoint directory in it can be written. ``check_budget=False`` skips
@@ -69,7 +70,7 @@ def choose_layout(cfg: DictConfig, task, world_size: int, planned: bool = True) 
     """backend=auto becomes a layout by the memory plan alone (written into ``cfg``; with auto_tune, the ranks measure
     later and this only checks that one fits). ``planned=False``: only where the ranks will not tune (a rank given
     backend=auto with auto_tune measures it itself, shardlab.runner.autotune). A choice, not a check: the checks
-    (shardlab.jobs.checks) hold an explicit backend to the budget."""
+    (shardlab.cli.checks) hold an explicit backend to the budget."""
     if cfg.distributed.backend == "auto" and (planned or not cfg.distributed.auto_tune):
         chosen = memory_budget.resolve(cfg, task, world_size, model_on_meta(task))
         if chosen and dist_env.detect().is_main:
@@ -78,7 +79,7 @@ def choose_layout(cfg: DictConfig, task, world_size: int, planned: bool = True) 
 
 def rank_task(cfg: DictConfig):
     """The task of a checked config, built without checking it again: a rank trusts the pre-flight of the process that
-    started it (shardlab.jobs.checks) and checks only what it alone sees (its data, devices and world)."""
+    started it (shardlab.cli.checks) and checks only what it alone sees (its data, devices and world)."""
     from shardlab.distributed import load_backends
 
     load_plugins(cfg.get("user_dir"))  # a spawned rank imports afresh: the plug-ins register again

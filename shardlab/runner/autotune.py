@@ -279,7 +279,7 @@ def _optimizer_with(cfg: DictConfig, choice: Choice) -> str:
 
 
 HELD = ("optimization.batch_size", "optimization.update_freq", "optimizer.name")
-"""What of a decision names the run (shardlab/jobs/run_dir.py): kept when the run's layout is measured again."""
+"""What of a decision names the run (shardlab/cli/run_names.py): kept when the run's layout is measured again."""
 
 
 def _hold(cfg: DictConfig, held: dict[str, Any], world: int) -> None:

@@ -71,7 +71,7 @@ class LanguageModelingTask(Task):
     unit = "tokens"
     resumable_model_changes = ("dropout", "lora")
     """model.lora may differ from the weights a run begins from (checkpoint.init_from a run without LoRA); a resume of
-    the same run still compares the whole config (shardlab.jobs.run_dir)."""
+    the same run still compares the whole config (shardlab.cli.run_names)."""
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -191,10 +191,13 @@ class LanguageModelingTask(Task):
 
     def lora_errors(self) -> list[str]:
         """model.lora: a valid rank, alpha and dropout, and target patterns that each select a linear layer."""
-        if not self.cfg.model.get("lora"):
+        lora = self.cfg.model.get("lora")
+        if not lora:
             return []
         from shardlab_tasks.lm.models.lora import lora_errors
 
+        if lora.rank <= 0:  # off, or refused by its rank alone: no model to build (on meta it imports torch._dynamo)
+            return lora_errors(self.cfg.model, [])
         with torch.device("meta"):  # shapes only: cheap at any size
             model = self.architecture(self.cfg.model, self.vocab_size)
         return lora_errors(self.cfg.model, [n for n, m in model.named_modules() if isinstance(m, nn.Linear)])

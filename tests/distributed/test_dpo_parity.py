@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
 from tests.distributed.harness import run_spawned
 

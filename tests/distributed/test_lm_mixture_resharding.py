@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
 from tests.conftest import TINY_LM
 from tests.distributed.harness import run_spawned

@@ -13,8 +13,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
 from tests.distributed.harness import run_spawned
 from tests.hf_folders import make_folder

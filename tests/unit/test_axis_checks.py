@@ -1,12 +1,12 @@
-"""The pre-flight's refusals of the mesh's axes beyond data parallelism (shardlab/jobs/axis_checks.py): each one line
+"""The pre-flight's refusals of the mesh's axes beyond data parallelism (shardlab/cli/axis_checks.py): each one line
 naming the key, before any process starts; through the command line, exit code 2 and no run folder."""
 
 from __future__ import annotations
 
 import pytest
 
+from shardlab.cli import checks
 from shardlab.errors import ConfigError
-from shardlab.jobs import checks
 from tests.conftest import compose_config
 from tests.unit.test_cli import train_cli
 
@@ -136,7 +136,7 @@ def test_context_parallel_refusals_on_a_cuda_machine(case, tiny_lm):
 
 def test_context_parallel_with_compile_is_refused_on_a_cuda_machine(tiny_lm):
     """Asked of the axis checks alone: the whole pre-flight would probe this machine's (absent) driver for compile."""
-    from shardlab.jobs.axis_checks import axis_errors
+    from shardlab.cli.axis_checks import axis_errors
     from shardlab.runner import rank_task
 
     cfg = tiny_lm(*LLAMA, *CP, "distributed.compile=true")

@@ -1,4 +1,4 @@
-"""Every config check in one place (shardlab.jobs.checks), run once per start, before anything is written: ranks
+"""Every config check in one place (shardlab.cli.checks), run once per start, before anything is written: ranks
 trust the checked config and check only what they alone see (issue #29, item 7)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ COUNTED = """
 # asks nonfinite_errors first) leaves a line naming the check and its process
 import os as _os
 
-import shardlab.jobs.checks as _checks
+import shardlab.cli.checks as _checks
 
 
 def _counted(name, check):
@@ -95,8 +95,8 @@ def test_the_checks_run_once_per_start_in_the_starting_process_and_never_on_its_
 def test_the_run_finds_the_preflights_check_done_and_checks_a_config_it_was_not_given(tiny_lm, tmp_path, monkeypatch):
     """In-process, as the CLI's Hydra callback and task function run: the pre-flight checks, run_job reuses its task."""
     from shardlab import runner
-    from shardlab.jobs import checks
-    from shardlab.jobs.preflight import check_composed
+    from shardlab.cli import checks
+    from shardlab.cli.preflight import check_composed
     from shardlab_tasks.lm.task import LanguageModelingTask
 
     calls, validated = [], []
@@ -116,8 +116,8 @@ def test_the_run_finds_the_preflights_check_done_and_checks_a_config_it_was_not_
 @pytest.mark.parametrize("group, world, refused", [(3, 4, True), (8, 4, True), (2, 4, False), (0, 4, False)])
 def test_a_bn_group_that_does_not_divide_the_world_is_refused_before_any_rank_starts(group, world, refused):
     """Found by every rank once its process group was up, before; now by the checks, from the job's world size."""
+    from shardlab.cli import checks
     from shardlab.errors import ConfigError
-    from shardlab.jobs import checks
     from tests.conftest import compose_config
 
     cfg = compose_config(
@@ -133,8 +133,8 @@ def test_a_bn_group_that_does_not_divide_the_world_is_refused_before_any_rank_st
 
 def test_planning_for_this_machines_gpu_without_one_is_refused_by_the_checks(tiny_lm):
     """Every rank's plan found it, once its process group was up; the checks know this machine's GPUs first."""
+    from shardlab.cli import checks
     from shardlab.errors import ConfigError
-    from shardlab.jobs import checks
 
     with pytest.raises(
         ConfigError, match=r"^distributed.plan_device=cuda plans for this machine's GPU, but it has none"
@@ -146,8 +146,8 @@ def test_planning_for_this_machines_gpu_without_one_is_refused_by_the_checks(tin
 def test_skipping_a_unit_the_model_lacks_is_refused_by_the_checks(tiny_lm):
     """The units exist only in the model: every rank found a wrong distributed.ac_skip_units index when it wrapped its
     model, after the run folder was written; the checks build the model on meta and ask first."""
+    from shardlab.cli import checks
     from shardlab.errors import ConfigError
-    from shardlab.jobs import checks
 
     with pytest.raises(ConfigError, match=r"^distributed.ac_skip_units=\[99\] names units \[99\], but the task has"):
         checks.check(tiny_lm("distributed.activation_checkpointing=full", "distributed.ac_skip_units=[99]"))
@@ -184,21 +184,21 @@ def test_values_found_after_status_json_or_at_the_optimizer_before_now_leave_the
 
 # ---- the rule: the pure checks are made in one place -----------------------------------------------------------------
 CHECKS_CALLED_ONLY_BY = {
-    "validate": {"shardlab/jobs/checks.py"},
+    "validate": {"shardlab/cli/checks.py"},
     # SSL's extend its parent's; the LM's asks its architecture's (model.arch) as a part of its own
-    "config_errors": {"shardlab/jobs/checks.py", "shardlab_tasks/self_supervised/task.py", "shardlab_tasks/lm/task.py"},
-    "world_errors": {"shardlab/jobs/checks.py"},
-    "compile_errors": {"shardlab/jobs/checks.py"},
-    "foreign_section_errors": {"shardlab/jobs/checks.py"},
-    "architecture_errors": {"shardlab/jobs/checks.py"},
+    "config_errors": {"shardlab/cli/checks.py", "shardlab_tasks/self_supervised/task.py", "shardlab_tasks/lm/task.py"},
+    "world_errors": {"shardlab/cli/checks.py"},
+    "compile_errors": {"shardlab/cli/checks.py"},
+    "foreign_section_errors": {"shardlab/cli/checks.py"},
+    "architecture_errors": {"shardlab/cli/checks.py"},
 }
-"""Each pure check is asked by shardlab.jobs.checks.check alone (a subclass may extend its parent's): a module that asks
+"""Each pure check is asked by shardlab.cli.checks.check alone (a subclass may extend its parent's): a module that asks
 one itself runs it a second time per start, or on a rank."""
 
 RAISES_CONFIG_ERROR = {
     # the pure checks, and what reads only the command line or the registries
-    "shardlab/jobs/checks.py": "the checks",
-    "shardlab/jobs/preflight.py": "the command line and its composition, before Hydra starts",
+    "shardlab/cli/checks.py": "the checks",
+    "shardlab/cli/preflight.py": "the command line and its composition, before Hydra starts",
     "shardlab/registry/__init__.py": "unknown and clashing names (a lookup the checks make first)",
     "shardlab/registry/user_dir.py": "the user_dir folder and its imports, before the config composes",
     "shardlab_tasks/lm/task.py": "model.arch of another kind, asked by the LM's config_errors",
@@ -235,7 +235,7 @@ RAISES_CONFIG_ERROR = {
     ),
 }
 """Where a ConfigError may be raised, and why there: a new one elsewhere is either a pure config value, which belongs
-in shardlab.jobs.checks (or a task's config_errors), or something only a rank, its data or its machine shows, to add
+in shardlab.cli.checks (or a task's config_errors), or something only a rank, its data or its machine shows, to add
 here with its reason."""
 
 
@@ -261,8 +261,8 @@ def test_each_pure_check_is_asked_from_the_checks_module_alone():
         for name in called_names(ast.parse(path.read_text())) & set(CHECKS_CALLED_ONLY_BY):
             callers[name].add(str(path.relative_to(ROOT)))
     for name, where in callers.items():
-        assert "shardlab/jobs/checks.py" in where, name
-        assert where <= CHECKS_CALLED_ONLY_BY[name], f"{name} is asked outside shardlab/jobs/checks.py: {where}"
+        assert "shardlab/cli/checks.py" in where, name
+        assert where <= CHECKS_CALLED_ONLY_BY[name], f"{name} is asked outside shardlab/cli/checks.py: {where}"
 
 
 def test_config_errors_are_raised_only_where_the_rule_allows():
@@ -271,8 +271,8 @@ def test_config_errors_are_raised_only_where_the_rule_allows():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ConfigError":
                 raising.add(str(path.relative_to(ROOT)))
-    assert "shardlab/jobs/checks.py" in raising
+    assert "shardlab/cli/checks.py" in raising
     assert raising <= set(RAISES_CONFIG_ERROR), (
         "a module raises ConfigError without a reason in RAISES_CONFIG_ERROR: move a pure config check into "
-        "shardlab/jobs/checks.py (or the task's config_errors), or name what only a rank or its machine shows there"
+        "shardlab/cli/checks.py (or the task's config_errors), or name what only a rank or its machine shows there"
     )

@@ -9,8 +9,8 @@ import pytest
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from shardlab.cli.preflight import preflight
 from shardlab.errors import ConfigError
-from shardlab.jobs.preflight import preflight
 from shardlab.registry import Registry
 from shardlab.runner import build_task
 from tests.conftest import compose_config

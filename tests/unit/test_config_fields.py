@@ -18,10 +18,10 @@ import pytest
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from shardlab.cli import checks
+from shardlab.cli.preflight import compose_config, preflight
 from shardlab.config import TrainConfig, declared_values, field_errors, range_text
 from shardlab.errors import ConfigError
-from shardlab.jobs import checks
-from shardlab.jobs.preflight import compose_config, preflight
 from shardlab_tasks.lm.config import RopeScalingConfig
 
 SETUPS: dict[str, tuple[list[str], dict[str, typing.Any]]] = {

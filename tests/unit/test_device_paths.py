@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from shardlab.cli.checks import validate
 from shardlab.config import DistributedConfig
 from shardlab.distributed import base, cpu_allocator
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.base import Backend, process_group_backend
-from shardlab.jobs.checks import validate
 from shardlab.runner import run_rank
 from tests.conftest import compose_config
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from shardlab.cli.preflight import preflight
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
-from shardlab.jobs.preflight import preflight
 from shardlab.runner import run_rank
 from shardlab_commands import evaluate
 from shardlab_tasks.self_supervised.dino import Center, WeightNormLinear, collapse_stats, dino_loss, teacher_temperature

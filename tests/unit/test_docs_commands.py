@@ -45,10 +45,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ValueType
 
+from shardlab.cli.preflight import check_command_line, job_overrides, with_home_expanded, with_user_dir
+from shardlab.cli.run_names import run_name
 from shardlab.config import CONF_DIR
 from shardlab.errors import ShardlabError
-from shardlab.jobs.preflight import check_command_line, job_overrides, with_home_expanded, with_user_dir
-from shardlab.jobs.run_dir import run_name
 from shardlab_bench import benchmarks
 from shardlab_commands import COMMANDS
 

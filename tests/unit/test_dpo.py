@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.errors import ConfigError, DataError
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task
 from shardlab_tasks.lm.finetuning.dpo import DPOSettings, dpo_loss
 from shardlab_tasks.lm.finetuning.preference import collate_pairs, demo_pairs, record_pair

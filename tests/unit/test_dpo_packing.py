@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
 from shardlab_tasks.lm.dpo_task import PreferenceTask
 from shardlab_tasks.lm.finetuning.preference import collate_pairs, pack_pairs

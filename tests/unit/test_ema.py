@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from shardlab.checkpoint import weights
+from shardlab.cli.preflight import preflight
 from shardlab.distributed import env as dist_env
 from shardlab.errors import CheckpointError, ConfigError, IncompatibleCheckpointError
-from shardlab.jobs.preflight import preflight
 from shardlab.optim.ema import WeightAverage, ema_decay
 from shardlab.runner import run_rank
 from shardlab_commands import export_hf
@@ -162,7 +162,7 @@ def test_a_checkpoint_without_an_average_is_refused_in_one_line_by_export_and_re
 
 
 def test_the_memory_plan_counts_the_average_beside_the_optimizer_state():
-    from shardlab.jobs.preflight import compose_config
+    from shardlab.cli.preflight import compose_config
     from shardlab.memory.estimate import PlanContext
 
     def state_bytes(*overrides: str) -> int:

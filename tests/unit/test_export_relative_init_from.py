@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
 from shardlab_commands import consolidate, export_hf
 from tests.conftest import TINY_LM

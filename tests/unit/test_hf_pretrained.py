@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import CheckpointError, ConfigError
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task
 from tests.hf_folders import FAMILIES, make_folder, reference
 

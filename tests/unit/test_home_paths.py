@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardlab.jobs.preflight import with_home_expanded
+from shardlab.cli.preflight import with_home_expanded
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -81,8 +81,8 @@ def test_without_exclusion_biases_are_adapted_and_decayed_and_zero_weights_take_
 
 
 def test_trust_coefficient_must_be_positive():
+    from shardlab.cli.checks import validate
     from shardlab.errors import ConfigError
-    from shardlab.jobs.checks import validate
 
     with pytest.raises(ConfigError, match=r"optimizer.trust_coefficient must be > 0, got 0.0"):
         validate(compose_config(["optimizer=lars", "optimizer.trust_coefficient=0"]))

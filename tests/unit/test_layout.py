@@ -11,9 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "shardlab"
-MAX_TOP_LEVEL = 17
-"""16 rooms, and shardlab.files (issue #50): the file handling checkpoint/, jobs/ and the tasks share, a floor of its
-own below them, where it had lived in checkpoint/ "because the top level is full"."""
+MAX_TOP_LEVEL = 18
+"""16 rooms, and two of issue #50: shardlab.files, the file handling checkpoint/, jobs/ and the tasks share, a floor of
+its own below them, where it had lived in checkpoint/ "because the top level is full"; and shardlab.cli, what a command
+line means (pre-flight, config checks, run names), out of jobs/, which keeps the job's own concerns."""
 TOPS = ("shardlab", "shardlab_tasks", "shardlab_commands")
 """The packages a wheel installs (with hydra_plugins, which only Hydra loads): each under shardlab's own name."""
 COVERED = (*TOPS, "shardlab_bench")
@@ -30,12 +31,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("shardlab_tasks.lm.hf",),
     ("shardlab_tasks.lm.models", "shardlab_tasks.lm.corpus"),
     ("shardlab_tasks.lm.config", "shardlab_tasks.lm.loss", "shardlab_tasks.lm.sft_packing"),
-    ("shardlab.train",),  # the CLI
+    ("shardlab.train",),  # the entry (python -m shardlab.train): checked by the CLI's rules, run by the runner
     ("shardlab.runner",),  # the job: local ranks or a launcher's rank; autotune's trials, built by trainer.assemble
     ("shardlab.trainer",),
     ("shardlab.logging",),
-    # the run's folder, lock, record and sweep manifest, the checks and the pre-flight: the trainer writes the record
-    # and holds the lock, logging reads the sweep's manifest, so jobs/ sits below them
+    # what a command line means: the pre-flight, every config check, conf options, run names. The runner checks a
+    # sweep point by them and the trainer compares a resumed run's keys by them, so it sits below both; the pre-flight
+    # takes the run lock, so it sits above jobs/
+    ("shardlab.cli",),
+    # the run's folder rules, lock, record, stop signals, Slurm launcher and sweep manifest: the trainer writes the
+    # record and holds the lock, logging reads the sweep's manifest, so jobs/ sits below them
     ("shardlab.jobs",),
     ("shardlab.checkpoint", "shardlab.optim", "shardlab.memory"),
     ("shardlab.distributed",),
@@ -139,7 +144,7 @@ def cycle_from(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_package_has_at_most_17_top_level_entries():
+def test_the_package_has_at_most_18_top_level_entries():
     # conf/ is the Hydra configs shipped as package data (issue 50), not a room of code
     entries = sorted(p.name for p in PACKAGE.iterdir() if p.name not in ("__pycache__", "conf"))
     assert len(entries) <= MAX_TOP_LEVEL, f"{len(entries)} entries in shardlab/: {entries}; group them into packages"
@@ -168,7 +173,7 @@ def test_no_two_packages_import_each_other():
 
 
 def test_the_schemas_import_no_other_shardlab_package():
-    """config.py holds the dataclasses only: its checks are shardlab.jobs.checks', the resolvers the CLI's."""
+    """config.py holds the dataclasses only: its checks are shardlab.cli.checks', the resolvers the CLI's."""
     assert repo_imports()["shardlab.config"] == {}
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import CheckpointError, ConfigError
-from shardlab.jobs.preflight import compose_config
 from shardlab.optim import OPTIMIZERS
 from shardlab.runner import build_task
 from shardlab_tasks.lm.hf.peft import write_peft_adapter

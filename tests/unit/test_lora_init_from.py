@@ -11,10 +11,10 @@ import torch
 from omegaconf import OmegaConf
 
 from shardlab.checkpoint import weights
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task, run_rank
 from shardlab_tasks.lm.models.lora import is_adapter
 from tests.conftest import TINY_LM

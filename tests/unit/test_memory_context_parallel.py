@@ -98,8 +98,8 @@ def test_the_plan_of_torchtitans_context_parallel_runs_is_within_ten_percent(cp)
     ranks only (local batch 1 x 8/C) and dry_run=true: context parallelism is planned on a machine without CUDA.
     Float8 and compile enter as for that row: inside the one recomputed block under full AC, they change nothing
     kept."""
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed.units import model_on_meta
-    from shardlab.jobs.preflight import compose_config
     from shardlab.memory.estimate import estimate
     from shardlab.memory.layout import layout_of
     from shardlab.memory.plan import profile_config

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.config import OptimizerConfig
 from shardlab.distributed import env as dist_env
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
 from shardlab_commands import evaluate, generate
 

@@ -14,9 +14,9 @@ import torch
 from omegaconf import OmegaConf
 
 from shardlab.checkpoint import weights
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.errors import IncompatibleCheckpointError
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
 
 NEW_LLAMA_KEYS = ("head_dim", "tie_embeddings", "qkv_bias", "out_bias", "qk_norm", "rope_scaling", "pretrained", "lora")

@@ -1,12 +1,12 @@
 """The pre-flight refuses what pipeline parallelism cannot run, in one line naming the key, before any rank starts
-(shardlab.jobs.checks.pipeline_errors; the LM's own in LanguageModelingTask.pipeline_errors)."""
+(shardlab.cli.checks.pipeline_errors; the LM's own in LanguageModelingTask.pipeline_errors)."""
 
 from __future__ import annotations
 
 import pytest
 
+from shardlab.cli import checks
 from shardlab.errors import ConfigError
-from shardlab.jobs import checks
 from tests.conftest import compose_config
 
 PP = ["distributed.backend=fully_sharded", "distributed.world_size=2", "distributed.pipeline_parallel_degree=2"]

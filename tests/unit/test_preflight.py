@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from shardlab.cli.checks import path_errors
+from shardlab.cli.preflight import preflight
 from shardlab.errors import ConfigError, DataError
-from shardlab.jobs.checks import path_errors, writable_dir_problem
-from shardlab.jobs.preflight import preflight
+from shardlab.jobs.run_folders import writable_dir_problem
 from shardlab.runner import build_task, prepare_data
 from tests.conftest import ROOT, TINY_LM, compose_config
 
@@ -72,8 +73,8 @@ def test_ranks_of_one_job_never_remove_the_run_directory_another_is_starting_in(
     """Four torchrun ranks check one new run directory; each then does what Hydra does once its checks pass: make the
     directory and open its log file there. A rank's clean-up removed the directory between another's mkdir and its
     open (a CI failure: "Unable to configure handler 'file'" on two ranks, the other node waiting for them)."""
-    from shardlab.jobs import checks
-    from shardlab.jobs.preflight import check_composed
+    from shardlab.cli import checks
+    from shardlab.cli.preflight import check_composed
 
     # The race is in the directory probe: the config's value checks (the same config 800 times) only slow it down.
     monkeypatch.setattr(checks, "check", lambda cfg: None)
@@ -241,9 +242,9 @@ def test_only_global_rank_0_records_the_run_and_holds_its_lock(tmp_path, monkeyp
     holds the lock, so a rank of a refused job writes nothing in a running job's folder either."""
     from hydra import compose, initialize_config_dir
 
+    from shardlab.cli.preflight import hold_the_run, resolved_run_dir
     from shardlab.config import CONF_DIR
     from shardlab.jobs import run_lock
-    from shardlab.jobs.preflight import hold_the_run, resolved_run_dir
 
     run = tmp_path / "run"
     for rank in (1, 0):

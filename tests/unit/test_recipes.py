@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from shardlab.cli.preflight import compose_config
 from shardlab.config import CONF_DIR
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_job
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,15 +6,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 
+from shardlab.cli.run_names import MAX_NAME, run_key_differences, run_name, sweep_dir_name
 from shardlab.config import CONF_DIR
-from shardlab.jobs.run_dir import (
-    MAX_NAME,
-    checkpoint_dir_error,
-    folder_errors,
-    run_key_differences,
-    run_name,
-    sweep_dir_name,
-)
+from shardlab.jobs.run_folders import checkpoint_dir_error, folder_errors
 
 
 def hydra_dirs(overrides: list[str]) -> tuple[str, str]:
@@ -168,8 +162,8 @@ def test_a_checkpoint_dir_starting_with_a_tilde_is_refused_in_one_line():
 
 
 def test_the_preflight_refuses_a_system_run_folder_before_anything_is_written():
+    from shardlab.cli.preflight import preflight
     from shardlab.errors import ConfigError
-    from shardlab.jobs.preflight import preflight
 
     with pytest.raises(ConfigError, match=r"^hydra.run.dir=/etc is /etc, a system folder itself"):
         preflight(["hydra.run.dir=/etc"])
@@ -177,7 +171,7 @@ def test_the_preflight_refuses_a_system_run_folder_before_anything_is_written():
 
 def sweep_folder(overrides: list[str]) -> str:
     """multirun/<...> as NameTheSweep names it for this command line (Hydra splits it into task and hydra overrides)."""
-    from shardlab.jobs import run_dir
+    from shardlab.cli import run_names as run_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, DataError
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import build_task, run_rank
 from shardlab_tasks.lm.finetuning.sft import (
     RECORD_MAX_CHARS,

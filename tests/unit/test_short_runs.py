@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardlab.cli import checks
 from shardlab.config import LRSchedulerConfig
-from shardlab.jobs import checks
 from shardlab.optim.schedules import build_schedule, clipped_warmup_line, warmup_steps
 from tests.conftest import compose_config
 

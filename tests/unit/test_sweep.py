@@ -209,7 +209,7 @@ def test_a_sweep_points_record_is_the_one_hydra_writes_without_shardlabs_marker(
 
     from omegaconf import OmegaConf
 
-    from shardlab.jobs.preflight import RECORD_AFTER_LOCK
+    from shardlab.cli.preflight import RECORD_AFTER_LOCK
     from tests.conftest import ROOT
 
     sweep_dir = tmp_path / "sweep"

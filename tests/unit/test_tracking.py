@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from shardlab.cli.checks import validate
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
-from shardlab.jobs.checks import validate
 from shardlab.runner import run_rank
 from tests.tracker_files import mlflow_history, mlflow_runs, wandb_offline_runs
 
@@ -191,7 +191,7 @@ NO_STORE = (
 
 
 def test_a_tracking_uri_mlflow_has_no_store_for_is_refused_at_the_preflight(tiny_lm, monkeypatch):
-    from shardlab.jobs.checks import check
+    from shardlab.cli.checks import check
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(ConfigError) as refused:

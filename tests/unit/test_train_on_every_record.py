@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.errors import DataError
-from shardlab.jobs.preflight import compose_config
 from shardlab.runner import run_rank
 
 SFT = [
@@ -71,7 +71,7 @@ def test_a_validation_batch_larger_than_the_split_is_lowered_to_fit_it_with_a_li
 
 def test_the_lowered_batch_validates_when_the_task_holds_its_own_copy_of_the_config(tmp_path):
     """The CLI's pre-flight builds the run's task from its own composition of the command line
-    (shardlab.jobs.checks.checked): the batch lowered in the task's config is the one validation reads (the README's
+    (shardlab.cli.checks.checked): the batch lowered in the task's config is the one validation reads (the README's
     SFT line failed with 'stack expects a non-empty TensorList' at its first validation)."""
     from shardlab.runner import rank_task
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from shardlab.cli.preflight import preflight
 from shardlab.errors import ConfigError
-from shardlab.jobs.preflight import preflight
 from shardlab.registry import LR_SCHEDULERS, MODELS, OPTIMIZERS, TASKS
 from tests.conftest import ROOT, compose_config
 

@@ -39,7 +39,7 @@ Refusal = Callable[[Path, dict, str], str | None]
 
 KeyDifferences = Callable[[Mapping[str, Any], Mapping[str, Any]], list[tuple[str, Any, Any]]]
 """(saved config, this run's config) -> (key, saved, current) for each key that names the run and differs
-(shardlab.jobs.run_dir.run_key_differences)."""
+(shardlab.cli.run_names.run_key_differences)."""
 
 
 def restore_training(

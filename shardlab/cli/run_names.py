@@ -15,9 +15,8 @@ must equal the run's before it continues that run (``run_key_differences``).
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path, PurePath
+from pathlib import PurePath
 from typing import Any
 from urllib.parse import quote
 
@@ -204,67 +203,3 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver(
             "shardlab_sweep_name", lambda num, overrides: f"{num}_{run_name(overrides, ALWAYS_EXCLUDED, parent=())}"
         )
-
-
-def checkpoint_dir_error(checkpoint_dir: str) -> str | None:
-    """checkpoint.dir climbing out of the run folder with ``..`` (``../shared``, ``../../elsewhere``): every run of
-    a sweep or of a task would resolve it to the same folder, where they would resume, save and prune each other's
-    checkpoints while each holds only its own folder's lock. Refused. A folder named outright (an absolute path, a
-    scratch file system) is a deliberate choice and gets its own lock (shardlab.jobs.run_lock.take)."""
-    path = PurePath(str(checkpoint_dir))
-    if path.is_absolute() or ".." not in path.parts:
-        return None
-    inside = PurePath("run")
-    for part in path.parts:  # sub/../ckpt stays inside: only a path that leaves the run folder is refused
-        inside = inside.parent if part == ".." else inside / part
-        if inside == PurePath("."):
-            return (
-                f"checkpoint.dir={checkpoint_dir} leaves the run folder through '..', where other runs would share its "
-                "checkpoints; use a folder inside the run (the default: checkpoint.dir=checkpoints), an absolute path "
-                "for a folder of this run's own, or another hydra.run.dir"
-            )
-    return None
-
-
-SYSTEM_PREFIXES = (
-    *("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/run", "/sbin", "/sys"),
-    *("/usr", "/var/cache", "/var/lib", "/var/lock", "/var/log", "/var/mail", "/var/run", "/var/spool"),
-)
-"""The system's own folders: refused as a run or checkpoint folder, and every folder below them."""
-SYSTEM_FOLDERS = ("/", "/home", "/media", "/mnt", "/opt", "/root", "/srv", "/tmp", "/var")
-"""Refused themselves (folders below them are where runs live), as is the user's home folder itself."""
-
-
-def system_folder_error(key: str, path: str | os.PathLike) -> str | None:
-    """The refusal of a run or checkpoint folder that is a system folder: the root, the home folder itself, one of
-    SYSTEM_FOLDERS, or anything at or below SYSTEM_PREFIXES, by the path as named and by its real path (``/var/run``
-    is ``/run``). A run there would write its lock, record and checkpoints among the system's files, and prune
-    ``step_*`` folders there; as root nothing would stop it."""
-    named = Path(os.path.abspath(path))
-    home = Path(os.path.expanduser("~")).resolve()
-    for place in dict.fromkeys((named, named.resolve())):
-        below = next((p for p in SYSTEM_PREFIXES if place.is_relative_to(p)), None)
-        if below or str(place) in SYSTEM_FOLDERS or place == home:
-            what = f"inside the system folder {below}" if below and str(place) != below else "a system folder itself"
-            if place == home and not below and str(place) not in SYSTEM_FOLDERS:
-                what = "the home folder itself"
-            return (
-                f"{key}={path} is {place}, {what}: a run writes its lock, record and checkpoints in its folders and "
-                "prunes step_* folders there; choose a folder of its own (e.g. runs/... or a scratch folder)"
-            )
-    return None
-
-
-def folder_errors(run_dir: str | os.PathLike, checkpoint_dir: str) -> list[str]:
-    """What the pre-flight refuses of where a run writes, before anything is written: a system folder as the run's
-    or the checkpoint folder (``system_folder_error``), and ``~`` in checkpoint.dir (Hydra does not expand it, so
-    the files would go to ``<run>/~/...``)."""
-    if str(checkpoint_dir).startswith("~"):
-        return [
-            f"checkpoint.dir={checkpoint_dir} starts with '~', which Hydra leaves as it is (a folder named '~' in the "
-            "run folder); write the folder out, e.g. checkpoint.dir=${oc.env:HOME}/ck"
-        ]
-    checkpoint = Path(run_dir) / checkpoint_dir
-    # The checkpoint folder usually lies inside the run folder: one line is enough.
-    found = system_folder_error("hydra.run.dir", run_dir) or system_folder_error("checkpoint.dir", checkpoint)
-    return [found] if found else []

@@ -10,7 +10,7 @@ and ``Task.world_errors``, written beside each task in shardlab_tasks/<task>/), 
 held to distributed.memory_budget_gb (the memory plan, on the meta device). The paths a run will write (``path_errors``)
 are checked here too, by writing there, by whoever is about to make them.
 
-Who runs it, once: the CLI's pre-flight (``shardlab.jobs.preflight``, a Hydra callback), after Hydra composed the
+Who runs it, once: the CLI's pre-flight (``shardlab.cli.preflight``, a Hydra callback), after Hydra composed the
 config and before anything is written - no run folder, lock, ``.hydra/`` or status.json. The run in the same process
 finds the config checked (``checked``) and does not check it again; a sweep point, which Hydra starts without
 that callback, and a caller of ``runner.run_job`` that composed its own config, are checked there instead, once.
@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import json
 import os
-import stat
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from shardlab.cli.conf_options import options_of, task_section_package
 from shardlab.config import DistributedConfig, field_errors
 from shardlab.errors import ConfigError
-from shardlab.jobs.conf_options import options_of, task_section_package
+from shardlab.jobs.run_folders import writable_dir_problem
 from shardlab.registry import (
     BACKENDS,
     LR_SCHEDULERS,
@@ -56,9 +55,9 @@ def check(cfg: DictConfig, world_size: int | None = None, num_cuda_devices: int 
     to distributed.memory_budget_gb (tools that only read a trained run's model)."""
     import torch
 
+    from shardlab.cli.axis_checks import axis_errors
     from shardlab.distributed import load_backends
     from shardlab.distributed.compile import compile_errors
-    from shardlab.jobs.axis_checks import axis_errors
     from shardlab.task import Task
 
     load_plugins(cfg.get("user_dir"))  # .get: configs recorded before user_dir existed lack it
@@ -160,16 +159,17 @@ def job_world_size(cfg: DictConfig, launcher_world_size: int | None = None) -> i
 def pipeline_errors(cfg: DictConfig, cut, world: int) -> list[str]:
     """distributed.pipeline_*: what shardlab.distributed.pipeline can run, given the task's cut (None: the task's model
     cannot be pipelined) and the world size (the degree against the world and the task: axis_checks)."""
-    from shardlab.distributed.mesh import ParallelDims
-    from shardlab.distributed.pipeline import MULTI_STAGE
-
     d, o = cfg.distributed, cfg.optimization
     pp, per_rank, schedule = d.pipeline_parallel_degree, d.pipeline_stages_per_rank, d.pipeline_schedule
     if pp == 1:
         return [] if per_rank == 1 else [f"distributed.pipeline_stages_per_rank ({per_rank}) needs distributed."
                                          "pipeline_parallel_degree > 1; drop it"]  # fmt: skip
-    if pp < 1 or world % pp or cut is None:  # shardlab.jobs.axis_checks says why (the degree, the task)
+    if pp < 1 or world % pp or cut is None:  # shardlab.cli.axis_checks says why (the degree, the task)
         return []
+    # only for a pipeline: torch's pipelining imports torch._dynamo (~1 s), which a run without one never needs
+    from shardlab.distributed.mesh import ParallelDims
+    from shardlab.distributed.pipeline import MULTI_STAGE
+
     stages, micro = pp * per_rank, o.update_freq
     data = ParallelDims.from_config(d, world).dp  # the ranks a validation batch splits over (not the TP/CP ones)
     errors = failed([
@@ -409,53 +409,6 @@ def path_errors(cfg: DictConfig, run_dir: str | os.PathLike, keep_run_dir: bool 
             # The checkpoint directory usually lives inside the run directory: one message is enough.
             return [f"{key}: cannot create or write {path} ({problem}); choose a writable directory"]
     return []
-
-
-def writable_dir_problem(path: Path, attempts: int = 20, keep: bool = False) -> str | None:
-    """Why ``path`` cannot be created as a directory and written in, or None; leaves the filesystem as it was, unless
-    ``keep``: then the directories it made stay.
-
-    Every rank of a job checks the same run directory at once, and one rank's clean-up may remove a directory
-    another has just made or found: "no such file or directory" (under /proc the answer) and "file exists" are tried
-    again."""
-    problem = None
-    for _ in range(attempts):
-        problem, vanished = _writable_dir_problem(path, keep)
-        if not vanished:
-            break
-    return problem
-
-
-def _writable_dir_problem(path: Path, keep: bool) -> tuple[str | None, bool]:
-    """One try of writable_dir_problem: (the problem or None, whether a directory was missing that may come back)."""
-    missing = []
-    existing = path
-    while True:
-        try:  # one stat per path: an exists() then an is_dir() may see another rank remove and remake it between
-            mode = existing.stat().st_mode
-            break
-        except (FileNotFoundError, NotADirectoryError):
-            missing.append(existing)
-            existing = existing.parent
-    if not stat.S_ISDIR(mode):
-        return f"{existing} is a file, not a directory", False
-    step = "creating it"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        step = "writing a file in it"
-        fd, probe = tempfile.mkstemp(prefix=".shardlab-write-test-", dir=path)  # a name no other rank uses
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        # Path.mkdir(exist_ok=True) says "exists" where the directory went between its mkdir and its is_dir
-        return f"{step} failed: {e.strerror or e}", isinstance(e, (FileNotFoundError, FileExistsError))
-    finally:
-        for created in [] if keep else missing:  # deepest first; one another process filled meanwhile stays
-            try:
-                created.rmdir()
-            except OSError:
-                break
-    return None, False
 
 
 # ---- keys and flag combinations ------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ imported).
 shardlab adds no composition of its own to a plain run's (Hydra composes it twice: for the run mode, then the run):
 what the command line alone shows (renamed keys, group options) is checked before Hydra starts
 (``check_command_line``); Hydra's composition errors are turned into one line (``composition_error``, the CLI has
-Hydra raise them rather than print them); and the composed config is checked (every check of ``shardlab.jobs.checks``,
+Hydra raise them rather than print them); and the composed config is checked (every check of ``shardlab.cli.checks``,
 once) by ``ComposedConfigChecks``, a Hydra callback that runs between the composition and the run directory
 (``check_composed``), and that takes the run's lock before Hydra writes anything there (``hold_the_run``).
 ``preflight`` does all three in-process for tools and tests, composing through ``compose_config`` as every tool does.
@@ -27,13 +27,15 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 import shardlab.optim  # noqa: F401  (registers the built-in optimizers and schedules with their schemas)
+from shardlab.cli import checks
+from shardlab.cli.checks import path_errors
+from shardlab.cli.conf_options import group_options, option_package, options_of, task_default_options
+from shardlab.cli.run_names import register_resolvers
 from shardlab.config import CONF_DIR, register_schemas
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, ShardlabError
-from shardlab.jobs import checks, run_lock
-from shardlab.jobs.checks import path_errors
-from shardlab.jobs.conf_options import group_options, option_package, options_of, task_default_options
-from shardlab.jobs.run_dir import checkpoint_dir_error, folder_errors, register_resolvers
+from shardlab.jobs import run_lock
+from shardlab.jobs.run_folders import checkpoint_dir_error, folder_errors
 from shardlab.registry import load_plugins, unknown_name_message, user_dir
 
 GROUPS = ("task", "model", "data", "optimizer", "lr_scheduler", "distributed")
@@ -167,7 +169,7 @@ def composition_error(error: BaseException) -> ConfigError:
 def check_composed(
     cfg: DictConfig, argv: list[str], run_dir: str | None = None, before_paths: Callable[[], None] | None = None
 ) -> None:
-    """The composed config's values (every check of shardlab.jobs.checks, once: the run that follows in this process
+    """The composed config's values (every check of shardlab.cli.checks, once: the run that follows in this process
     finds them done), and the run and checkpoint directories, before Hydra creates the run directory (failing with a
     traceback where it cannot). ``run_dir``: the run's folder as Hydra resolved it (the callback); otherwise an
     explicit hydra.run.dir is checked, or the default's parent (runs/ here; ``build_task(run_dir=...)`` checks an

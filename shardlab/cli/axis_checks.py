@@ -1,7 +1,7 @@
 """The pre-flight's checks of the mesh's axes beyond data parallelism (distributed.tensor_parallel_degree,
 pipeline_parallel_degree, context_parallel_degree and context_parallel_rotate_method, expert_parallel_degree,
 async_tensor_parallel): each refusal one line naming the key, before any process starts (asked by
-shardlab.jobs.checks.check)."""
+shardlab.cli.checks.check)."""
 
 from __future__ import annotations
 
