@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import os
 import shutil
@@ -131,11 +132,14 @@ def worker_group(nodeid: str) -> str:
 
 
 def _slurm_first(items) -> None:
-    """The Slurm group, the longest, first: it runs beside the rest rather than after it."""
+    """The Slurm group, the longest, first: it runs beside the rest rather than after it. Then the groups of more tests
+    first (xdist's own order for load-scope scheduling, which the scheduler below keeps from reordering the Slurm
+    group): the many one- or two-test files come last and even out the workers' ends."""
     for item in items:
         if item.get_closest_marker("slurm") and worker_group(item.nodeid) != "slurm":
             raise pytest.UsageError(f"{item.nodeid} needs Slurm: put it under tests/slurm/ (see worker_group)")
-    items.sort(key=lambda item: worker_group(item.nodeid) != "slurm")  # stable: file order kept within each
+    sizes = collections.Counter(worker_group(item.nodeid) for item in items)
+    items.sort(key=lambda item: (worker_group(item.nodeid) != "slurm", -sizes[worker_group(item.nodeid)]))  # stable
 
 
 if importlib.util.find_spec("xdist") is not None:
@@ -147,7 +151,12 @@ if importlib.util.find_spec("xdist") is not None:
         return max(3, min(8, (os.cpu_count() or 2) // 2))
 
     def pytest_xdist_make_scheduler(config, log):
+        """Work groups in the order the collection hook sorts them (_slurm_first): xdist's default for load-scope
+        scheduling reorders every group by its number of tests, which put the Slurm group (few, long tests) mid-run,
+        where it could outlast the rest."""
         from xdist.scheduler import LoadScopeScheduling
+
+        config.option.loadscopereorder = False
 
         class ByWorkerGroup(LoadScopeScheduling):
             def _split_scope(self, nodeid: str) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardlab.runner import build_task, print_plan
+from tests.cli_forks import CliForks
 from tests.conftest import TINY_LM, compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +36,15 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     proc = train_cli(*args)
     out, err = proc.communicate(timeout=300)
     return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def cli_forks(tmp_path_factory):
+    """The refusal cases' CLI: one start, a fork per command (tests/cli_forks.py);
+    test_a_fresh_interpreter_refuses_as_the_forks_do checks a fork shows what a fresh ``python -m`` shows."""
+    forks = CliForks(tmp_path_factory.mktemp("cli_forks"))
+    yield forks
+    forks.close()
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +114,20 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_input_gets_one_line_error_and_nonzero_exit(case, bad_paths):
-    args, pattern = BAD_INPUTS[case]
-    args = [a.format(root=bad_paths) for a in args]
+def bad_input_command(case: str, bad_paths: Path) -> tuple[list[str], Path, bool]:
+    """BAD_INPUTS[case]'s command line, the run folder it names, and whether the case names its own."""
+    args = [a.format(root=bad_paths) for a in BAD_INPUTS[case][0]]
     own_dir = any(a.startswith("hydra.run.dir=") for a in args)  # the cases about the folders name their own
     run = bad_paths / "runs" / re.sub(r"\W+", "_", case)
-    code, out, err = run_cli(*args, f"data.cache_dir={bad_paths}/cache", *([] if own_dir else [f"hydra.run.dir={run}"]))
+    return [*args, f"data.cache_dir={bad_paths}/cache", *([] if own_dir else [f"hydra.run.dir={run}"])], run, own_dir
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gets_one_line_error_and_nonzero_exit(case, bad_paths, cli_forks):
+    pattern = BAD_INPUTS[case][1]
+    command, run, own_dir = bad_input_command(case, bad_paths)
+    done = cli_forks.run(*command)
+    code, out, err = done.returncode, done.stdout, done.stderr
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, (out, err)
     assert own_dir or not run.exists(), f"{case}: refused, but after its run folder was written"
@@ -130,19 +147,35 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_a_refused_config_makes_no_run_directory(case, tmp_path):
+def test_a_refused_config_makes_no_run_directory(case, tmp_path, cli_forks):
     """Hydra composes the run; the composed config is checked before Hydra makes the run directory, and a composition
     error stops it before that too: one line, exit code 2, whatever Hydra's error switch says."""
     args, env = REFUSED[case]
-    proc = train_cli(*args, f"hydra.run.dir={tmp_path}/run", env=env)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    done = cli_forks.run(*args, f"hydra.run.dir={tmp_path}/run", env=env)
+    err = done.stderr
+    assert done.returncode == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
 
 
-def test_corrupt_checkpoint_error_leaves_the_file_in_place(bad_paths):
-    meta = bad_paths / "run" / "checkpoints" / "step_00000004" / "shardlab.json"
-    assert meta.read_text() == "{not json"
+FRESH = ("unknown task", "negative lr", "run dir cannot be created", "user's HYDRA_FULL_ERROR=0")
+"""A refusal before Hydra runs (the command line's own check), one by the composed config's checks, one of a folder,
+and one under the user's Hydra error switch: each as a fresh interpreter shows it, against the fork the other cases
+run in."""
+
+
+@pytest.mark.parametrize("case", FRESH)
+def test_a_fresh_interpreter_refuses_as_the_forks_do(case, bad_paths, cli_forks, tmp_path):
+    if case in REFUSED:
+        (args, env), run, own_dir = REFUSED[case], tmp_path / "run", False
+        command = [*args, f"hydra.run.dir={run}"]
+    else:
+        (command, run, own_dir), env = bad_input_command(case, bad_paths), {}
+    fresh = train_cli(*command, env=env)
+    out, err = fresh.communicate(timeout=300)
+    assert fresh.returncode == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert own_dir or not run.exists()
+    forked = cli_forks.run(*command, env=env)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, out, err)
 
 
 def test_dry_run_prints_size_of_large_model_without_allocating_it(capsys):
@@ -230,12 +263,13 @@ def test_train_log_holds_the_console_lines_and_the_logged_lr_is_the_steps_own(tm
     assert lrs == ["2.00e-04", "4.00e-04", "6.00e-04", "8.00e-04", "1.00e-03", "1.00e-03"]  # warmup (s+1)/5, then peak
 
 
-@pytest.mark.parametrize("shadow", ["tasks/__init__.py", "conf/config.yaml"])
-def test_cli_runs_from_a_directory_holding_its_own_tasks_and_conf(tmp_path, shadow):
+def test_cli_runs_from_a_directory_holding_its_own_tasks_and_conf(tmp_path):
     """Python puts the working directory first on sys.path, and a project has its own tasks/ and conf/: neither may
-    replace the built-in task plug-ins (``shardlab_tasks``) or shardlab's configs (``shardlab/conf``)."""
-    (tmp_path / shadow).parent.mkdir(parents=True, exist_ok=True)
-    (tmp_path / shadow).write_text("raise RuntimeError('the user module was imported')\n")
+    replace the built-in task plug-ins (``shardlab_tasks``) or shardlab's configs (``shardlab/conf``). Both in one
+    folder, one run: either one taken would fail it (the module raises; the YAML holds no config)."""
+    for shadow in ("tasks/__init__.py", "conf/config.yaml"):
+        (tmp_path / shadow).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / shadow).write_text("raise RuntimeError('the user module was imported')\n")
     proc = subprocess.run(
         [sys.executable, "-m", "shardlab.train", "task=image_classification", "dry_run=true"],
         cwd=tmp_path,

@@ -253,6 +253,14 @@ def why_refused(argv: list[str]) -> str | None:
     return check_tool(argv)
 
 
+@functools.cache
+def page_problems(page: Path) -> tuple[list[str], list[str]]:
+    """problems() of a docs page, read once per process: the page's own test and the count of the commands not
+    checked read the same result (the pages and the configs they compose do not change during the suite). Called
+    from the tests only, in the repository's root (in_the_repository)."""
+    return problems(page.read_text(), page.name in RUN_AS_WRITTEN)
+
+
 @pytest.fixture(autouse=True)
 def in_the_repository(monkeypatch):
     monkeypatch.chdir(REPO)  # the commands are written for the repository's root
@@ -260,7 +268,7 @@ def in_the_repository(monkeypatch):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_command_in_the_docs_composes_or_is_marked_not_checked(page):
-    failed, _ = problems(page.read_text(), page.name in RUN_AS_WRITTEN)
+    failed, _ = page_problems(page)
     assert not failed, "\n".join(failed)
 
 
@@ -319,7 +327,7 @@ def test_lines_split_as_the_shell_splits_them():
 
 
 def test_the_commands_not_checked_are_few_and_each_marked_with_a_listed_kind(capsys):
-    skipped = [command for page in PAGES for command in problems(page.read_text(), page.name in RUN_AS_WRITTEN)[1]]
+    skipped = [command for page in PAGES for command in page_problems(page)[1]]
     with capsys.disabled():  # the list, for a reader of the suite's output (-s)
         print(f"\n{len(skipped)} doc commands not checked (NOT_CHECKED says why):", *skipped, sep="\n  ")
     # 46 on 36 lines: 17 installs, shells and the suite's own commands, 10 Slurm beyond the test cluster, 9 GPU (the

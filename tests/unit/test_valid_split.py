@@ -3,6 +3,7 @@ writes, compared with a plain one-piece-at-a-time reference encoding (issue 42, 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -155,18 +156,32 @@ def mixed_corpus(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def plain_encoding(mixed_corpus, tmp_path_factory):
+    """``plain_encoding(kind)``: (the tokenizer's spec, the plain encoding's tokens per split), made once per kind: the
+    BPE trained and the corpus encoded token by token take ~15 s, and each worker setting must give the same tokens."""
+
+    @functools.cache
+    def make(kind: str) -> tuple[str, dict]:
+        spec = "byte"
+        if kind == "bpe":
+            texts = [p.read_text() for p in mixed_corpus.iterdir()]
+            spec = str(train_bpe(texts, 600, tmp_path_factory.mktemp("tok") / "t.json"))
+        return spec, reference_tokens(mixed_corpus, load_tokenizer(spec), 10.0)
+
+    return make
+
+
 @pytest.mark.parametrize("workers", [0, 2, "2 processes"])
 @pytest.mark.parametrize("kind", ["byte", "bpe"])
-def test_binarize_writes_the_tokens_of_the_plain_encoding(tmp_path, mixed_corpus, kind, workers, monkeypatch):
+def test_binarize_writes_the_tokens_of_the_plain_encoding(
+    tmp_path, mixed_corpus, plain_encoding, kind, workers, monkeypatch
+):
     if workers == "2 processes":  # the library's threads off: worker processes tokenize a tokenizer file's blocks
         monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
         workers = 2
-    spec = "byte"
-    if kind == "bpe":
-        spec = str(train_bpe([p.read_text() for p in mixed_corpus.iterdir()], 600, tmp_path / "tok" / "t.json"))
-    tokenizer = load_tokenizer(spec)
+    spec, expected = plain_encoding(kind)
     corpus = prepare_corpus(str(mixed_corpus), str(tmp_path / "cache"), spec, 10.0, 0, num_workers=workers)
-    expected = reference_tokens(mixed_corpus, tokenizer, 10.0)
     for split in ("train", "valid"):
         assert len(expected[split]) > 1000
         assert tokens(corpus, split).tolist() == expected[split]
