@@ -28,17 +28,13 @@ import atexit, importlib, json, os, sys, traceback
 
 import shardlab.train
 
-for name in ("torch", "torch.distributed.tensor", "hydra.utils", "shardlab.jobs.checks", "shardlab.jobs.axis_checks",
+# What a refusal imports, loaded once before the forks (a name that moves fails here, loudly, instead of silently
+# leaving each fork to pay for it again).
+for name in ("torch", "torch.distributed.tensor", "hydra.utils", "shardlab.cli.checks", "shardlab.cli.axis_checks",
              "shardlab.jobs.sweep", "shardlab.distributed.join", "shardlab.runner"):
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass  # moved or renamed: the child imports what it needs
-try:
-    from shardlab.distributed import load_backends
-    load_backends()
-except ImportError:
-    pass
+    importlib.import_module(name)
+from shardlab.distributed import load_backends
+load_backends()
 
 def run(case):
     os.chdir(case["cwd"])
