@@ -82,6 +82,9 @@ def assemble(
     env = backend.env
     speaks = env.is_main and not trial
     backend.setup(prepare_data=prepare_data)
+    # Opening its data, the task may lower validation.batch_size to fit its split (Task.fit_validation_batch, in the
+    # task's DictConfig, which the typed config was made from before): the run validates with and records that value.
+    cfg.validation.batch_size = task.cfg.validation.batch_size
     if speaks and (summary := task.data_summary()):
         print(summary, flush=True)
     if (line := settle_precision(cfg.distributed, backend)) and speaks:  # precision=auto: one dtype for all ranks
