@@ -4,6 +4,7 @@ together: the trainer, the backend and the checkpointer read them, and what the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from omegaconf import DictConfig, OmegaConf
@@ -21,6 +22,8 @@ from shardlab.config import (
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
 from tests.conftest import compose_config
+
+OLD_CHECKPOINT = Path(__file__).parent.parent / "data" / "checkpoint_0b6f597" / "step_00000002"
 
 
 def test_the_trainer_backend_and_checkpointer_read_the_typed_config_and_the_record_is_the_composed_one(
@@ -63,3 +66,13 @@ def test_a_config_without_schemas_types_the_generic_sections_and_keeps_the_plugi
     assert isinstance(plain.distributed, DistributedConfig) and isinstance(plain.checkpoint, CheckpointConfig)
     assert all(isinstance(getattr(plain, s), DictConfig) for s in ("task", "model", "data"))
     assert plain.task.dpo.beta == composed.task.dpo.beta
+
+
+def test_a_checkpoints_config_read_back_carries_no_schema_so_the_tasks_own_choice_check_answers_an_override():
+    """Why the task plug-ins keep their choice checks beside the schema walker: shardlab-evaluate reads the config a
+    checkpoint recorded (untyped), the walker finds no schema there, and the LM task's own check refuses the value."""
+    from shardlab.errors import ConfigError
+    from shardlab_commands import evaluate
+
+    with pytest.raises(ConfigError, match=r"^data.format='bogus' is not a data format; known: text, chat"):
+        evaluate.main([str(OLD_CHECKPOINT), "data.format=bogus"])
