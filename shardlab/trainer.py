@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from omegaconf.errors import MissingMandatoryValue
 from torch.profiler import record_function
 
 from shardlab.checkpoint.manager import Checkpointer
@@ -46,6 +47,17 @@ from shardlab.task import Task
 from shardlab.train_state import TrainState
 
 
+def run_config(cfg: TrainConfig | DictConfig) -> TrainConfig:
+    """The run's config as the dataclasses (shardlab.config.typed), made once per run by run_rank and per trial of
+    backend=auto: what the backend, the trainer and its checkpointer read. A value left missing (``???``), which no
+    check reads and the conversion must, is refused in one line naming its key."""
+    try:
+        return typed(cfg)
+    except MissingMandatoryValue as e:
+        key = e.full_key or str(e.key)
+        raise ConfigError(f"{key} has no value (???): give it one, {key}=<value>") from None
+
+
 def assemble(
     cfg: TrainConfig | DictConfig,
     task: Task,
@@ -71,19 +83,18 @@ def assemble(
     ``trial``: a backend=auto measurement whose model is thrown away: the seeded init, nothing printed, and the run
     directory not touched (its checkpointer exists but is never written to).
 
-    ``cfg``: the run's config typed (shardlab.config.typed: run_rank and autotune's trials pass it so); a caller's
-    composed DictConfig (a test's, a benchmark's) is typed here, the one place a run's config enters the trainer."""
+    ``cfg``: the run's config typed (``run_config``: run_rank and autotune's trials pass it so); a caller's composed
+    DictConfig (a test's, a benchmark's) is typed here, the one place a run's config enters the trainer."""
     from shardlab.checkpoint.shared import require_shared_folder
     from shardlab.distributed.mesh import placement_warning
     from shardlab.distributed.precision import settle as settle_precision
     from shardlab.distributed.units import model_on_meta
 
-    cfg = typed(cfg)
+    cfg = run_config(cfg)
     env = backend.env
     speaks = env.is_main and not trial
     backend.setup(prepare_data=prepare_data)
-    # Opening its data, the task may lower validation.batch_size to fit its split (Task.fit_validation_batch, in the
-    # task's DictConfig, which the typed config was made from before): the run validates with and records that value.
+    # the task's DictConfig may have lowered validation.batch_size to fit its split: run and record that value
     cfg.validation.batch_size = task.cfg.validation.batch_size
     if speaks and (summary := task.data_summary()):
         print(summary, flush=True)

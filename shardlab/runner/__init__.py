@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import shardlab.optim  # noqa: F401  (the built-in optimizers, registered before a user_dir's plug-ins)
 from shardlab import errors
-from shardlab.config import section_types, typed, with_section_types
+from shardlab.config import section_types, with_section_types
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError, DataError, HostLost, RankFailed, RunFolderInUse, ShardlabError, one_line
@@ -205,7 +205,7 @@ def run_rank(
 
 def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals: StopSignals) -> dict:
     from shardlab.distributed.network import collective_reason
-    from shardlab.trainer import assemble
+    from shardlab.trainer import assemble, run_config
 
     if task is None:  # the checked config's task (run_job passes the one it checked)
         task = rank_task(cfg)
@@ -214,7 +214,7 @@ def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals:
         tune_layout(cfg, task, env, run_dir)
     # From here the run's config is typed (the dataclasses of shardlab.config, made once): the backend, the trainer
     # and its checkpointer read it; the task keeps the DictConfig it was built from.
-    run_cfg = typed(cfg)
+    run_cfg = run_config(cfg)
     backend = BACKENDS.build(run_cfg.distributed.backend, run_cfg.distributed, env, key="distributed.backend")
     try:
         # The corpus cache makes one writer per cache and lets the other ranks wait for it; the ranks then agree

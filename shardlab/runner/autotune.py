@@ -50,7 +50,6 @@ from torch import nn
 
 from shardlab.checkpoint.agreement import broadcast_text
 from shardlab.checkpoint.layout import complete_checkpoints
-from shardlab.config import typed
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.base import pick_device
 from shardlab.distributed.compile import FirstSteps
@@ -63,7 +62,7 @@ from shardlab.memory.devices import GiB
 from shardlab.memory.layout import Layout
 from shardlab.memory.plan import profile_config
 from shardlab.registry import BACKENDS
-from shardlab.trainer import Trainer, assemble
+from shardlab.trainer import Trainer, assemble, run_config
 
 DECISION_FILE = "autotune.json"
 
@@ -248,7 +247,7 @@ def _trial(cfg: DictConfig, task, env, device, run_dir: Path, choice: Choice, ba
         "optimization.update_freq": update_freq,
     }
     trial = Trial(choice.layout.label(world), overrides, batch, update_freq, choice.estimate.peak / GiB)
-    trial_cfg = typed(trial_cfg)  # as run_rank types the run's: the backend and the trainer read the dataclasses
+    trial_cfg = run_config(trial_cfg)  # as run_rank types the run's: the backend and the trainer read the dataclasses
     backend = BACKENDS.build(trial_cfg.distributed.backend, trial_cfg.distributed, env, key="distributed.backend")
     error, seconds, units, peak = None, [float("inf")], 0.0, 0
     try:

@@ -76,3 +76,15 @@ def test_a_checkpoints_config_read_back_carries_no_schema_so_the_tasks_own_choic
 
     with pytest.raises(ConfigError, match=r"^data.format='bogus' is not a data format; known: text, chat"):
         evaluate.main([str(OLD_CHECKPOINT), "data.format=bogus"])
+
+
+def test_a_value_left_missing_that_no_check_reads_is_refused_in_one_line_when_the_run_is_typed():
+    from omegaconf import MISSING
+
+    from shardlab.errors import ConfigError
+    from shardlab.trainer import run_config
+
+    cfg = compose_config([])
+    OmegaConf.update(cfg, "logging.wandb.entity", MISSING)
+    with pytest.raises(ConfigError, match=r"^logging.wandb.entity has no value \(\?\?\?\): give it one"):
+        run_config(cfg)
