@@ -26,6 +26,7 @@ checks them against the registry, listing the names it knows.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -389,6 +390,8 @@ class LoggingConfig:
 class TrainConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     model: Any = MISSING
+    """The architecture's own schema (model.arch's registration: GPTConfig, LlamaConfig, RegNetConfig, a user_dir's),
+    which the yaml option composes in; ``Any`` because OmegaConf types a field by one class and these share none."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -397,6 +400,8 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     data: Any = MISSING
+    """The task's data schema (its registration's ``data=``: LMDataConfig, ImageDataConfig, ...), composed in by the
+    yaml option; ``Any`` for the same reason as model."""
     seed: int = 1
     """Seeds parameter init, data order and dropout; the same seed gives the same run on any world size."""
     dry_run: bool = False
@@ -496,3 +501,82 @@ def declared_keys(schema: type, prefix: str = "") -> dict[str, Any]:
         elif f.metadata:
             keys[f"{prefix}{f.name}"] = f.metadata
     return keys
+
+
+# ---- the composed config, typed --------------------------------------------------------------------------------------
+PLUGIN_SECTIONS = ("task", "model", "data")
+"""The sections whose schema a plug-in registers (TrainConfig declares them ``Any`` or by a base): the composed node
+carries the schema its yaml option named, a config read back from text does not."""
+
+
+def typed(cfg: DictConfig | TrainConfig) -> TrainConfig:
+    """The composed config as the dataclasses (OmegaConf.to_object), made once where a run is put together
+    (shardlab.runner.run_rank) and passed typed to the trainer, the backend and the checkpointer. Sections that carry
+    no schema (a plug-in registered without ``dataclass=``/``data=``) stay a DictConfig, resolved: attribute access
+    reads them alike. A config that lost its schemas in text (a spawned rank's) is given them first
+    (``with_section_types``); one without the root's schema is typed section by section (``typed_by_section``)."""
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    if OmegaConf.get_type(cfg) is not TrainConfig:
+        return typed_by_section(cfg)
+    untyped = {
+        key: OmegaConf.create(OmegaConf.to_container(cfg[key], resolve=True))
+        for key in PLUGIN_SECTIONS
+        if isinstance(cfg.get(key), DictConfig) and not dataclasses.is_dataclass(OmegaConf.get_type(cfg, key))
+    }
+    result = OmegaConf.to_object(cfg)
+    assert isinstance(result, TrainConfig)
+    for key, section in untyped.items():
+        setattr(result, key, section)
+    return result
+
+
+def typed_by_section(cfg: DictConfig) -> TrainConfig:
+    """A config without TrainConfig's schema (made from a dict or text): each generic section merged onto its schema,
+    the plug-in sections kept as DictConfigs (no schema is guessed for them: task=lm composes TaskConfig, not the
+    LMTaskConfig its name registers)."""
+    hints, values = typing.get_type_hints(TrainConfig), {}
+    for key in cfg:
+        node = cfg[key]
+        if not isinstance(node, DictConfig):
+            values[key] = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+        elif key in PLUGIN_SECTIONS or not dataclasses.is_dataclass(hints.get(key)):
+            values[key] = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
+        else:
+            values[key] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(hints[key]), node))
+    return TrainConfig(**values)
+
+
+def as_container(section: Any) -> Any:
+    """A typed section (or a DictConfig) as the plain dicts and lists the run records (status.json, a checkpoint's
+    config and model_config): the same keys in the same order as the composed DictConfig gave."""
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        section = OmegaConf.structured(section)
+    return OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
+
+
+def section_types(cfg: DictConfig) -> dict[str, str]:
+    """``module:qualname`` of the schema each plug-in section of a composed config carries, for a config sent as text
+    to spawned ranks (shardlab.runner.launch_local), which ``with_section_types`` gives them back."""
+    types = {}
+    for key in PLUGIN_SECTIONS:
+        schema = OmegaConf.get_type(cfg, key) if isinstance(cfg.get(key), DictConfig) else None
+        if dataclasses.is_dataclass(schema):
+            types[key] = f"{schema.__module__}:{schema.__qualname__}"
+    return types
+
+
+def with_section_types(cfg: DictConfig, types: dict[str, str]) -> DictConfig:
+    """``cfg`` (read back from text) merged onto TrainConfig and onto each plug-in section's schema named in
+    ``types`` (``section_types``), as the composed config was; the plug-ins must be loaded (a user_dir's modules are
+    found in sys.modules). No ``types`` (the launcher's config had no schemas: a test's dict): ``cfg`` as it is."""
+    if not types:
+        return cfg
+    schema = OmegaConf.structured(TrainConfig)
+    for key, name in types.items():
+        module, _, qualname = name.partition(":")
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+        schema[key] = OmegaConf.structured(found)
+    return OmegaConf.merge(schema, cfg)

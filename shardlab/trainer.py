@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+from omegaconf.errors import MissingMandatoryValue
 from torch.profiler import record_function
 
 from shardlab.checkpoint.manager import Checkpointer
@@ -24,6 +25,7 @@ from shardlab.checkpoint.policy import SavePolicy, inconsistent_state, save_afte
 from shardlab.checkpoint.readers import dcp_reader
 from shardlab.checkpoint.resume import restore_training
 from shardlab.cli.run_names import run_key_differences
+from shardlab.config import TrainConfig, as_container, typed
 from shardlab.data import GlobalOrder, rank_loader, sample_seed, weighted_micro_batches
 from shardlab.distributed.base import Backend
 from shardlab.distributed.compile import FirstSteps
@@ -45,8 +47,19 @@ from shardlab.task import Task
 from shardlab.train_state import TrainState
 
 
+def run_config(cfg: TrainConfig | DictConfig) -> TrainConfig:
+    """The run's config as the dataclasses (shardlab.config.typed), made once per run by run_rank and per trial of
+    backend=auto: what the backend, the trainer and its checkpointer read. A value left missing (``???``), which no
+    check reads and the conversion must, is refused in one line naming its key."""
+    try:
+        return typed(cfg)
+    except MissingMandatoryValue as e:
+        key = e.full_key or str(e.key)
+        raise ConfigError(f"{key} has no value (???): give it one, {key}=<value>") from None
+
+
 def assemble(
-    cfg: DictConfig,
+    cfg: TrainConfig | DictConfig,
     task: Task,
     backend: Backend,
     run_dir: Path,
@@ -68,15 +81,21 @@ def assemble(
        the checkpointer, then the restore (checkpoint.resume, else checkpoint.init_from, else the seeded init).
 
     ``trial``: a backend=auto measurement whose model is thrown away: the seeded init, nothing printed, and the run
-    directory not touched (its checkpointer exists but is never written to)."""
+    directory not touched (its checkpointer exists but is never written to).
+
+    ``cfg``: the run's config typed (``run_config``: run_rank and autotune's trials pass it so); a caller's composed
+    DictConfig (a test's, a benchmark's) is typed here, the one place a run's config enters the trainer."""
     from shardlab.checkpoint.shared import require_shared_folder
     from shardlab.distributed.mesh import placement_warning
     from shardlab.distributed.precision import settle as settle_precision
     from shardlab.distributed.units import model_on_meta
 
+    cfg = run_config(cfg)
     env = backend.env
     speaks = env.is_main and not trial
     backend.setup(prepare_data=prepare_data)
+    # the task's DictConfig may have lowered validation.batch_size to fit its split: run and record that value
+    cfg.validation.batch_size = task.cfg.validation.batch_size
     if speaks and (summary := task.data_summary()):
         print(summary, flush=True)
     if (line := settle_precision(cfg.distributed, backend)) and speaks:  # precision=auto: one dtype for all ranks
@@ -103,7 +122,7 @@ def assemble(
 
 class Trainer:
     def __init__(
-        self, cfg: DictConfig, task: Task, backend: Backend, run_dir: Path, stop_signals: StopSignals | None = None
+        self, cfg: TrainConfig, task: Task, backend: Backend, run_dir: Path, stop_signals: StopSignals | None = None
     ) -> None:
         self.cfg = cfg
         self.task = task
@@ -178,7 +197,7 @@ class Trainer:
         self.ema = WeightAverage(self.model, o.ema, o.max_steps) if o.ema.enabled else None
         if self.ema is not None:  # saved through DCP beside the model, resharded like it (shardlab/optim/ema.py)
             self.state.tensors["ema"] = self.ema
-        self.model_config = OmegaConf.to_container(cfg.model, resolve=True)
+        self.model_config = as_container(cfg.model)
         # From here on every trainer has its checkpointer (a trial's is never written to); constructing it touches
         # no file: the folder is listed by the restore and made by the first save.
         self.checkpointer = Checkpointer(
@@ -556,7 +575,7 @@ class Trainer:
             "model_config": self.model_config,
             "world_size": self.backend.env.world_size,
             "backend": self.backend.name,
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "config": as_container(self.cfg),  # the composed config's keys, order and values
         }
         path = self.checkpointer.save(self.model, self.optimizer, self.state, described)
         self.save_policy.saved(self.state.step)

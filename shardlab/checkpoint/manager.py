@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -42,6 +41,7 @@ from torch.optim import Optimizer
 from shardlab.checkpoint import agreement
 from shardlab.checkpoint.layout import TMP, complete_checkpoints, publish, remove, step_name, to_prune
 from shardlab.checkpoint.readers import dcp_reader
+from shardlab.config import CheckpointConfig
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, RunFolderInUse, first_cause
 from shardlab.files.durable import fsync_path
 from shardlab.train_state import TrainState
@@ -95,7 +95,7 @@ class Checkpointer:
     def __init__(
         self,
         root: Path,
-        cfg: DictConfig,
+        cfg: CheckpointConfig,
         comm,
         log: Callable[[str], None] = print,
         folder_lost: Callable[[], str | None] = lambda: None,

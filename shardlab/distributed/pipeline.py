@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -32,6 +31,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from shardlab.config import TrainConfig
 from shardlab.task import PipelineCut, Task
 
 SCHEDULES = {
@@ -96,7 +96,7 @@ class Pipeline:
     """This rank's stages, their schedule, and what a training step and a validation batch run through them."""
 
     def __init__(
-        self, cfg: DictConfig, task: Task, stages: list[PipelineStage], model: nn.Module, group, device
+        self, cfg: TrainConfig, task: Task, stages: list[PipelineStage], model: nn.Module, group, device
     ) -> None:
         d = cfg.distributed
         self.task, self.stages, self.group, self.device = task, stages, group, device
@@ -187,7 +187,7 @@ class Pipeline:
 
 
 def build_pipeline(
-    cfg: DictConfig,
+    cfg: TrainConfig,
     task: Task,
     backend,
     model: nn.Module,

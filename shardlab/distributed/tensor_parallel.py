@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+from shardlab.config import TrainConfig
 from shardlab.distributed import torch_internals
 from shardlab.distributed.materialize import shared_parameter_slots
 
@@ -59,11 +59,11 @@ def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> bool:
     return True
 
 
-def loss_parallel_on(cfg: DictConfig) -> bool:
+def loss_parallel_on(cfg: TrainConfig) -> bool:
     """Whether the run's loss takes logits split over the vocabulary (distributed.loss_parallel under tensor
     parallelism); false for a stored config written before the key (it gathered them)."""
     d = cfg.distributed
-    return d.tensor_parallel_degree > 1 and bool(d.get("loss_parallel", False))
+    return d.tensor_parallel_degree > 1 and bool(getattr(d, "loss_parallel", False))
 
 
 def split_vocabulary_loss(on: bool) -> contextlib.AbstractContextManager:

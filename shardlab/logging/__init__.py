@@ -13,9 +13,8 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from shardlab.config import LoggingConfig
+from shardlab.config import LoggingConfig, TrainConfig
 from shardlab.jobs import run_record
 from shardlab.logging.trackers import Tracker, open_trackers
 
@@ -50,7 +49,7 @@ class RunLogger:
         is_main: bool,
         total_steps: int,
         start_step: int,
-        run_config: Any = None,
+        run_config: TrainConfig | None = None,
     ) -> None:
         self.is_main = is_main
         self.run_dir = run_dir

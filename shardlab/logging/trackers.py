@@ -20,8 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from omegaconf import DictConfig, OmegaConf
-
+from shardlab.config import TrainConfig, as_container
 from shardlab.errors import one_line
 from shardlab.files.durable import write_json_atomic
 from shardlab.files.regular_file import read_json_or_none
@@ -40,11 +39,11 @@ class Tracker(Protocol):
         """``status``: completed, stopped (to be resumed) or failed."""
 
 
-def open_trackers(cfg: DictConfig, run_dir: Path, say: Callable[[str], None]) -> list[Tracker]:
+def open_trackers(cfg: TrainConfig, run_dir: Path, say: Callable[[str], None]) -> list[Tracker]:
     """The enabled trackers for ``cfg`` (the composed config), continuing the runs ``run_dir`` recorded."""
     trackers: list[Tracker] = []
     for name, tracker in (("wandb", WandbTracker), ("mlflow", MlflowTracker)):
-        if cfg.logging[name].enabled:
+        if getattr(cfg.logging, name).enabled:
             try:
                 trackers.append(tracker(cfg, run_dir, say))
             except Exception as e:  # e.g. a tracking URI its library does not take: training goes on without it
@@ -52,9 +51,9 @@ def open_trackers(cfg: DictConfig, run_dir: Path, say: Callable[[str], None]) ->
     return trackers
 
 
-def flat_params(cfg: DictConfig) -> dict[str, str]:
+def flat_params(cfg: TrainConfig | Any) -> dict[str, str]:
     """The composed config as dotted keys (model.dim: 64), lists and None as text, Hydra's own node left out."""
-    tree = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    tree = as_container(cfg)  # the typed config, a DictConfig or a dict alike
     flat: dict[str, str] = {}
 
     def visit(node: Any, prefix: str) -> None:
@@ -100,7 +99,7 @@ class WandbTracker:
     """A W&B run under ``<run dir>/wandb``. Online without credentials or network, it goes offline rather than wait
     or fail, and says how to upload it later."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, say: Callable[[str], None]) -> None:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, say: Callable[[str], None]) -> None:
         import wandb
 
         w = cfg.logging.wandb
@@ -174,7 +173,7 @@ class MlflowTracker:
     """An MLflow run through ``MlflowClient`` (no global active run). A store that cannot be reached is reported once;
     its points are kept and sent with the next log line that reaches it."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, say: Callable[[str], None]) -> None:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, say: Callable[[str], None]) -> None:
         # MLflow retries an HTTP call up to 7 times with backoff (minutes) and waits 120 s for an answer: a step must
         # not wait that long. One quick try per log line; the next line retries. (The user's own settings win.)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")

@@ -53,7 +53,7 @@ class PlanContext:
         param, reduce = resolve_dtypes(d)
         tensors = OPTIMIZERS.state_tensors(opt.name, opt)  # as the optimizer's registration declares
         state = 4 * (UNDECLARED_STATE_TENSORS if tensors is None else tensors)
-        ema = cfg.optimization.get("ema")
+        ema = getattr(cfg.optimization, "ema", None)
         if ema is not None and ema.enabled:  # optimization.ema: an fp32 average beside each local parameter shard
             state += 4
         return cls(

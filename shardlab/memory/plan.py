@@ -110,7 +110,7 @@ def plan_target(cfg, world_size: int) -> tuple[str, str, int, int]:
     from shardlab.distributed import env as dist_env
     from shardlab.errors import ConfigError
 
-    name = cfg.distributed.get("plan_device", "auto")  # configs recorded before the key existed lack it
+    name = getattr(cfg.distributed, "plan_device", "auto")  # configs recorded before the key existed lack it
     per_node = dist_env.ranks_per_node(world_size)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from shardlab.config import EMAConfig
 from shardlab.distributed.materialize import clean_name
 
 
@@ -38,7 +38,7 @@ def _fp32_copy(param: Tensor) -> Tensor:
     )
 
 
-def ema_decay(cfg: Any, step: int, max_steps: int) -> float:
+def ema_decay(cfg: EMAConfig, step: int, max_steps: int) -> float:
     """The decay of the update after optimizer step ``step`` (0-based): optimization.ema.decay, or under
     schedule=cosine the half cosine from decay at start_step to final_decay at max_steps (DINO's momentum schedule)."""
     if cfg.schedule == "constant":
@@ -52,7 +52,7 @@ class WeightAverage:
     materialized. Stateful: ``state_dict`` gives {name: average} for DCP (tied parameters under each of their names,
     as the model's state dict lists them), ``load_state_dict`` reads it back in place."""
 
-    def __init__(self, model: nn.Module, cfg: Any, max_steps: int) -> None:
+    def __init__(self, model: nn.Module, cfg: EMAConfig, max_steps: int) -> None:
         self.cfg, self.max_steps = cfg, max_steps
         self.params: list[Tensor] = []
         """The model's parameters, each once: FSDP2 keeps the sharded objects (it swaps in gathered ones during a

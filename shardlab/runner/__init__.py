@@ -25,6 +25,7 @@ from shardlab import errors
 from shardlab.cli import checks
 from shardlab.cli.checks import job_world_size, path_errors
 from shardlab.cli.run_names import former_run_name, run_name
+from shardlab.config import section_types, with_section_types
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError, DataError, HostLost, RankFailed, RunFolderInUse, ShardlabError, one_line
@@ -205,18 +206,21 @@ def run_rank(
 
 def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals: StopSignals) -> dict:
     from shardlab.distributed.network import collective_reason
-    from shardlab.trainer import assemble
+    from shardlab.trainer import assemble, run_config
 
     if task is None:  # the checked config's task (run_job passes the one it checked)
         task = rank_task(cfg)
         choose_layout(cfg, task, env.world_size, planned=False)  # a caller's backend=auto without tuning
     if cfg.distributed.backend == "auto":  # measured on these ranks, then written into cfg
         tune_layout(cfg, task, env, run_dir)
-    backend = BACKENDS.build(cfg.distributed.backend, cfg.distributed, env, key="distributed.backend")
+    # From here the run's config is typed (the dataclasses of shardlab.config, made once): the backend, the trainer
+    # and its checkpointer read it; the task keeps the DictConfig it was built from.
+    run_cfg = run_config(cfg)
+    backend = BACKENDS.build(run_cfg.distributed.backend, run_cfg.distributed, env, key="distributed.backend")
     try:
         # The corpus cache makes one writer per cache and lets the other ranks wait for it; the ranks then agree
         # that they opened the same data.
-        trainer = assemble(cfg, task, backend, run_dir, prepare_data=lambda: prepare_data(task), signals=signals)
+        trainer = assemble(run_cfg, task, backend, run_dir, prepare_data=lambda: prepare_data(task), signals=signals)
         final = trainer.fit()
         extra = after_fit(trainer) if after_fit is not None else {}
         result = {
@@ -279,11 +283,17 @@ def tune_layout(cfg: DictConfig, task, env: dist_env.DistEnv, run_dir: Path) -> 
         print(decision.report, flush=True)
 
 
-def _spawned_entry(rank: int, cfg_yaml: str, run_dir: str, world_size: int, port: int, result_file: str) -> None:
+def _spawned_entry(
+    rank: int, cfg_yaml: str, types: dict[str, str], run_dir: str, world_size: int, port: int, result_file: str
+) -> None:
     """Body of a locally spawned rank (``rank``: its index on this machine): the first hands its result back through
-    ``result_file``; errors are reported with the rank and end the process non-zero."""
+    ``result_file``; errors are reported with the rank and end the process non-zero. ``cfg_yaml`` is the composed
+    config as text, ``types`` the schemas of its plug-in sections (shardlab.config.section_types), given back to it
+    once the plug-ins are imported, so this rank's config is typed as its launcher's was."""
     faulthandler.register(signal.SIGQUIT)  # `kill -QUIT <pid>` dumps a hung rank's stacks (USR1/2 are stop signals)
     cfg = OmegaConf.create(cfg_yaml)
+    load_plugins(cfg.get("user_dir"))  # a spawned rank imports afresh: the schemas' modules, a user_dir's too
+    cfg = with_section_types(cfg, types)
     env = dist_env.detect(spawned_rank=rank, spawned_world=world_size, spawned_port=port)
     rank = env.rank
     try:
@@ -319,12 +329,12 @@ def launch_local(
     first = dist_env.detect().rank * nprocs  # the global rank of this task's first one (0 on one machine)
     port = dist_env.free_port()
     dist_env.set_local_rank_defaults(nprocs)
-    cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    cfg_yaml, types = OmegaConf.to_yaml(cfg, resolve=True), section_types(cfg)
     with tempfile.TemporaryDirectory(prefix="shardlab-") as tmp:
         result_file = str(Path(tmp) / "result.json")
         context = mp.start_processes(
             _spawned_entry,
-            args=(cfg_yaml, str(run_dir), world_size, port, result_file),
+            args=(cfg_yaml, types, str(run_dir), world_size, port, result_file),
             nprocs=nprocs,
             join=False,
             start_method="spawn",

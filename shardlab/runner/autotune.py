@@ -62,7 +62,7 @@ from shardlab.memory.devices import GiB
 from shardlab.memory.layout import Layout
 from shardlab.memory.plan import profile_config
 from shardlab.registry import BACKENDS
-from shardlab.trainer import Trainer, assemble
+from shardlab.trainer import Trainer, assemble, run_config
 
 DECISION_FILE = "autotune.json"
 
@@ -247,6 +247,7 @@ def _trial(cfg: DictConfig, task, env, device, run_dir: Path, choice: Choice, ba
         "optimization.update_freq": update_freq,
     }
     trial = Trial(choice.layout.label(world), overrides, batch, update_freq, choice.estimate.peak / GiB)
+    trial_cfg = run_config(trial_cfg)  # as run_rank types the run's: the backend and the trainer read the dataclasses
     backend = BACKENDS.build(trial_cfg.distributed.backend, trial_cfg.distributed, env, key="distributed.backend")
     error, seconds, units, peak = None, [float("inf")], 0.0, 0
     try:

@@ -4,7 +4,9 @@ imported at start-up for every run (the task and model modules load when first b
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from shardlab.config import TaskConfig, choice, registry_name
 from shardlab.registry import MODELS, TASKS
@@ -237,6 +239,13 @@ class DPOConfig:
 class LMTaskConfig(TaskConfig):
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """The DPO loss of data.format=preference (docs/finetuning.md#preference-tuning-dpo)."""
+
+
+ModelSection = Mapping[str, Any]
+"""A model section as the LM's helpers read it (LoRA, the Hugging Face interop, the MoE hub names): the task's
+DictConfig, carrying GPTConfig's, LlamaConfig's or a user architecture's schema, or the plain dict a checkpoint
+recorded (shardlab.json's model_config) and the export reads back. Read by key, so both serve; not the dataclasses,
+which have no keys."""
 
 
 TASKS.register_lazy("lm", "shardlab_tasks.lm.task_choice:build_lm_task", dataclass=LMTaskConfig, data=LMDataConfig)

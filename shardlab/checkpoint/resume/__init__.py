@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.optim import Optimizer
 
@@ -28,6 +27,7 @@ from shardlab.checkpoint.manager import Checkpointer
 from shardlab.checkpoint.readers import dcp_reader
 from shardlab.checkpoint.resume.candidates import restore
 from shardlab.checkpoint.resume.line import start_of
+from shardlab.config import TrainConfig, as_container
 from shardlab.errors import CheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError, first_cause
 from shardlab.train_state import TrainState
 
@@ -43,7 +43,7 @@ KeyDifferences = Callable[[Mapping[str, Any], Mapping[str, Any]], list[tuple[str
 
 
 def restore_training(
-    cfg: DictConfig,
+    cfg: TrainConfig,
     ckpt: Checkpointer,
     model: nn.Module,
     optimizer: Optimizer,
@@ -91,11 +91,11 @@ def restore_training(
 
 
 def _checker(
-    cfg: DictConfig, model_config: dict, resumable_changes, run_key_differences: KeyDifferences, refusal: Refusal
+    cfg: TrainConfig, model_config: dict, resumable_changes, run_key_differences: KeyDifferences, refusal: Refusal
 ) -> Callable[[Path, bool], dict]:
     """``check(path, continuing) -> meta`` for resume.restore: a checkpoint of this task and model shape, and when
     continuing, of this very run."""
-    full_config = OmegaConf.to_container(cfg, resolve=True)
+    full_config = as_container(cfg)
 
     def check(path: Path, continuing: bool) -> dict:
         meta = weights.describe(path)  # reads shardlab.json: an unreadable one is a torn checkpoint

@@ -26,6 +26,7 @@ The reference:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ class DPOSettings:
     label_smoothing: float = 0.0
 
     @classmethod
-    def of(cls, task_cfg: Any) -> DPOSettings:
+    def of(cls, task_cfg: Mapping[str, Any] | None) -> DPOSettings:
         """task.dpo of the config (conf/task/dpo.yaml picks its schema), or the defaults where it has none."""
         section = task_cfg.get("dpo") if task_cfg is not None else None
         return cls(**{k: section[k] for k in ("beta", "loss_type", "label_smoothing")}) if section else cls()

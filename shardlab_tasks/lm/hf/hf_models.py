@@ -19,8 +19,11 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from omegaconf import DictConfig
+
 from shardlab.errors import first_cause
 from shardlab.files.regular_file import NotAFile, read_small_file
+from shardlab_tasks.lm.config import ModelSection
 from shardlab_tasks.lm.hf import hf_fields as fields
 from shardlab_tasks.lm.hf import moe_hub
 from shardlab_tasks.lm.hf.hf_fields import HFConfigError
@@ -67,7 +70,7 @@ class HFName(NamedTuple):
     """Stored as the transpose of shardlab's tensor (GPT-2's Conv1D weights)."""
 
 
-def weight_names(model_cfg: Any) -> dict[str, HFName]:
+def weight_names(model_cfg: ModelSection) -> dict[str, HFName]:
     """shardlab parameter name -> its Hugging Face name, for every parameter of the model section ``model_cfg``
     that is one checkpoint tensor (a tied output projection has none: the checkpoint holds the embedding only; an
     MoE block's grouped experts are many: ``expert_pieces``)."""
@@ -81,7 +84,7 @@ def weight_names(model_cfg: Any) -> dict[str, HFName]:
     return {ours: hf for ours, hf in names.items() if ours not in mlp} | single
 
 
-def expert_pieces(model_cfg: Any) -> dict[str, list[moe_hub.Piece]]:
+def expert_pieces(model_cfg: ModelSection) -> dict[str, list[moe_hub.Piece]]:
     """An MoE model's grouped expert weights -> the hub's per-expert tensors each is made of, and where each lies in
     it ({} for a dense model): what loading reads and the export writes back (shardlab_tasks/lm/hf/moe_hub.py)."""
     return moe_hub.expert_pieces(model_cfg) if model_cfg.get("moe") is not None else {}
@@ -265,11 +268,12 @@ def _gpt2_section(hf: dict, path: Path) -> dict[str, Any]:
 
 
 # ---- model.pretrained: the folder's config.json and tokenizer as the run's model and data sections ------------------
-def apply_pretrained(cfg: Any) -> Path:
+def apply_pretrained(cfg: DictConfig) -> Path:
     """Write what the folder of model.pretrained decides into ``cfg``: the model section (its arch, shape and options,
     from config.json; init_std and the like stay the section's), and, where data.tokenizer is the default byte
     tokenizer, the folder's tokenizer.json with its end-of-text token. Idempotent (a rank given the resolved config
-    resolves it to the same). Returns the folder."""
+    resolves it to the same). Returns the folder. ``cfg``: the composed DictConfig, rewritten in place (the
+    pre-flight's, before the task is built; the dataclasses are made from it later)."""
     from omegaconf import OmegaConf, open_dict
 
     from shardlab_tasks.lm.config import GPTConfig, LlamaConfig

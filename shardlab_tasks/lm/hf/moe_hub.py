@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from shardlab_tasks.lm.config import ModelSection
 from shardlab_tasks.lm.hf import hf_fields as fields
 from shardlab_tasks.lm.hf.hf_fields import HFConfigError
 from shardlab_tasks.lm.models.moe import family_config
@@ -91,7 +92,7 @@ def attention_options(hf: dict[str, Any], path: Any, model_type: str, bias: bool
     return {"qkv_bias": bias, "out_bias": bias}
 
 
-def moe_family(model_cfg: Any) -> str:
+def moe_family(model_cfg: ModelSection) -> str:
     """The hub family whose tensor names an MoE model section's weights carry: Qwen3-MoE's q/k norms, Qwen2-MoE's
     gated shared expert, else Mixtral's (what each family's config.json makes of the section, moe_section)."""
     if model_cfg.get("qk_norm"):
@@ -99,12 +100,12 @@ def moe_family(model_cfg: Any) -> str:
     return "qwen2_moe" if model_cfg["moe"].get("shared_ffn_dim") else "mixtral"
 
 
-def _all_placements(model_cfg: Any) -> list[tuple[int, Placement]]:
+def _all_placements(model_cfg: ModelSection) -> list[tuple[int, Placement]]:
     family, moe = moe_family(model_cfg), dict(model_cfg["moe"])
     return [(i, p) for i in range(model_cfg["num_layers"]) for p in layer_placements(family, i, moe)]
 
 
-def single_names(model_cfg: Any) -> dict[str, str]:
+def single_names(model_cfg: ModelSection) -> dict[str, str]:
     """shardlab name -> hub name of an MoE model's block tensors that are one hub tensor each (router, shared
     expert and its gate)."""
     return {f"blocks.{i}.mlp.{p.ours}": p.hub_key for i, p in _all_placements(model_cfg) if p.index == ()}
@@ -117,7 +118,7 @@ class Piece(NamedTuple):
     """Where in the grouped tensor it lies (Placement.index)."""
 
 
-def expert_pieces(model_cfg: Any) -> dict[str, list[Piece]]:
+def expert_pieces(model_cfg: ModelSection) -> dict[str, list[Piece]]:
     """shardlab name of each grouped expert tensor -> the hub tensors it is made of, in expert order."""
     out: dict[str, list[Piece]] = {}
     for i, p in _all_placements(model_cfg):
@@ -170,7 +171,7 @@ def layer_placements(model_type: str, layer: int, moe: dict[str, Any]) -> list[P
 
 
 # ---- the export: which family writes an MoE model section, and its config.json fields --------------------------------
-def export_refusal(model_cfg: Any) -> str | None:
+def export_refusal(model_cfg: ModelSection) -> str | None:
     """Why no MoE family shardlab exports (Mixtral, Qwen2-MoE, Qwen3-MoE) computes what this model section does, or
     None when ``moe_family``'s does."""
     moe = model_cfg["moe"]
@@ -195,7 +196,7 @@ def export_refusal(model_cfg: Any) -> str | None:
     return None
 
 
-def hf_moe_fields(model_cfg: Any) -> dict[str, Any]:
+def hf_moe_fields(model_cfg: ModelSection) -> dict[str, Any]:
     """The config.json fields of ``moe_family``'s model that describe the MoE blocks of ``model_cfg``."""
     moe, family = model_cfg["moe"], moe_family(model_cfg)
     fields_ = {

@@ -7,17 +7,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from shardlab.errors import CheckpointError
 from shardlab.files.durable import follow_umask
+from shardlab_tasks.lm.config import ModelSection
 from shardlab_tasks.lm.hf.hf_models import weight_names
 from shardlab_tasks.lm.models.lora import ADAPTER_PARTS, is_adapter, lora_on
 
 
-def _layer_names(model_cfg: Any, layers: list[str]) -> dict[str, str]:
+def _layer_names(model_cfg: ModelSection, layers: list[str]) -> dict[str, str]:
     """shardlab layer name -> the transformers module name that carries its weight (hf_models.weight_names)."""
     names = weight_names(model_cfg)
     out = {}
@@ -29,7 +29,7 @@ def _layer_names(model_cfg: Any, layers: list[str]) -> dict[str, str]:
     return out
 
 
-def peft_adapter(state: Mapping[str, torch.Tensor], model_cfg: Any) -> tuple[dict, dict[str, torch.Tensor]]:
+def peft_adapter(state: Mapping[str, torch.Tensor], model_cfg: ModelSection) -> tuple[dict, dict[str, torch.Tensor]]:
     """(adapter_config.json, adapter_model.safetensors' tensors) in peft's format for the transformers model of
     ``model_cfg``, from the full (unsharded) adapter tensors of ``state`` (shardlab names; other keys ignored)."""
     lora = model_cfg["lora"]
@@ -56,7 +56,7 @@ def peft_adapter(state: Mapping[str, torch.Tensor], model_cfg: Any) -> tuple[dic
     return config, tensors
 
 
-def write_peft_adapter(state: Mapping[str, torch.Tensor], model_cfg: Any, folder: Path) -> Path:
+def write_peft_adapter(state: Mapping[str, torch.Tensor], model_cfg: ModelSection, folder: Path) -> Path:
     """Write ``folder``/adapter_config.json and adapter_model.safetensors (``peft_adapter``); returns the folder."""
     from safetensors.torch import save_file
 

@@ -6,16 +6,20 @@ An architecture is an ``nn.Module`` subclass of ``LMArchitecture`` registered in
 ``@MODELS.register(name, dataclass=...)`` on a user_dir's class. It is built as ``cls(model_cfg, vocab_size)`` and maps
 ``(batch, length)`` token ids to ``(batch, length, vocab_size)`` logits. Its model section has at least ``max_seq_len``
 and ``vocab_size`` (the task reads both); every other key is the architecture's own, and the task refuses keys of the
-section that ``config_class`` does not declare (a GPT key set on a Llama, say).
+section that ``config_class`` does not declare (a GPT key set on a Llama, say). The hooks below get the model section
+as the task holds it: a DictConfig carrying ``config_class``'s schema.
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
+
+from shardlab_tasks.lm.config import ModelSection
 
 
 class LMArchitecture(nn.Module):
@@ -23,12 +27,12 @@ class LMArchitecture(nn.Module):
     """The dataclass of this architecture's model section (also its schema in Hydra's ConfigStore)."""
 
     @classmethod
-    def config_errors(cls, cfg: Any) -> list[str]:
+    def config_errors(cls, cfg: DictConfig) -> list[str]:
         """Problems of the model section, each naming its dotted key (``model.dim``); checked before anything runs."""
         return []
 
     @classmethod
-    def init_tensor(cls, cfg: Any, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    def init_tensor(cls, cfg: DictConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the full value of parameter or buffer ``name`` in place from ``generator`` alone, so every rank of
         every world size draws the same model (shardlab.distributed.materialize)."""
         raise NotImplementedError(f"{cls.__name__} does not say how to initialise {name}")
@@ -44,7 +48,7 @@ class LMArchitecture(nn.Module):
         return None
 
     @classmethod
-    def tensor_parallel_errors(cls, cfg: Any, vocab_size: int, degree: int) -> list[str]:
+    def tensor_parallel_errors(cls, cfg: DictConfig, vocab_size: int, degree: int) -> list[str]:
         """Why the model section cannot split over ``degree`` tensor-parallel ranks, each line naming the key."""
         return []
 
@@ -53,6 +57,6 @@ class LMArchitecture(nn.Module):
         return {f.name for f in fields(cls.config_class)}
 
 
-def below_one(cfg: Any, keys: tuple[str, ...]) -> list[str]:
+def below_one(cfg: ModelSection, keys: tuple[str, ...]) -> list[str]:
     """Errors for the ``keys`` of the model section that are below 1."""
     return [f"model.{key} must be >= 1, got {cfg[key]}" for key in keys if cfg[key] < 1]

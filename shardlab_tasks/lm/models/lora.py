@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlab.errors import CheckpointError
+from shardlab_tasks.lm.config import ModelSection
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
 """The adapter submodules of a LoRALinear (peft's names): A projects down to the rank, B back up."""
@@ -39,7 +40,7 @@ def is_adapter(name: str) -> bool:
     return any(f".{part}." in f".{name}" for part in ADAPTER_PARTS)
 
 
-def lora_on(model_cfg: Any) -> bool:
+def lora_on(model_cfg: ModelSection) -> bool:
     """Whether the model section turns LoRA on (model.lora.rank > 0; sections of older checkpoints have no lora)."""
     lora = model_cfg.get("lora")
     return bool(lora) and lora["rank"] > 0
@@ -103,7 +104,7 @@ def apply_lora(model: nn.Module, lora: Any) -> list[str]:
     return names
 
 
-def lora_errors(model_cfg: Any, linear_names: list[str]) -> list[str]:
+def lora_errors(model_cfg: ModelSection, linear_names: list[str]) -> list[str]:
     """Problems of model.lora, given the names of the model's nn.Linear layers (for a pattern that selects none)."""
     lora = model_cfg.lora
     if lora.rank < 0:
@@ -198,13 +199,13 @@ def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling
         return weight.float() + scaling * (b.float() @ a.float())
 
 
-def scaling_of(model_cfg: Any) -> float:
+def scaling_of(model_cfg: ModelSection) -> float:
     """alpha / rank of model.lora: the factor each adapter's output is scaled by."""
     return model_cfg["lora"]["alpha"] / model_cfg["lora"]["rank"]
 
 
 @torch.no_grad()
-def merge_lora(state: Mapping[str, torch.Tensor], model_cfg: Any) -> dict[str, torch.Tensor]:
+def merge_lora(state: Mapping[str, torch.Tensor], model_cfg: ModelSection) -> dict[str, torch.Tensor]:
     """The model state with every adapter merged into its layer's weight (``merge_weight``, cast back to W's dtype)
     and the adapter keys gone: the state of the plain model that computes the same. Full tensors, shardlab names
     (what shardlab_tasks/lm/hf/export_hf.py maps to Hugging Face names); without adapters: returned as is. The export
@@ -225,7 +226,10 @@ Reader = Callable[[list[str]], dict[str, torch.Tensor]]
 
 
 def merged_reader(
-    base: tuple[dict[str, tuple], Reader], adapters: tuple[dict[str, tuple], Reader], model_cfg: Any, source: str
+    base: tuple[dict[str, tuple], Reader],
+    adapters: tuple[dict[str, tuple], Reader],
+    model_cfg: ModelSection,
+    source: str,
 ) -> tuple[dict[str, tuple], Reader]:
     """The plain model's tensors (shapes by name, and a Reader) from the frozen base's and the adapters' (each
     (shapes, reader), shardlab names): an adapted layer's weight is read with its two adapters and merged
