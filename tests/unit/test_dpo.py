@@ -10,11 +10,12 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from shardlab.cli.preflight import compose_config
 from shardlab.errors import ConfigError, DataError
 from shardlab.runner import build_task
-from shardlab_tasks.lm.finetuning.dpo import DPOSettings, dpo_loss
+from shardlab_tasks.lm.finetuning.dpo import DPOSettings, dpo_errors, dpo_loss
 from shardlab_tasks.lm.finetuning.preference import collate_pairs, demo_pairs, record_pair
 from shardlab_tasks.lm.models.lora import LoRALinear, adapters_off
 from tests.unit.test_sft import CHAT, LLAMA3_TEMPLATE, QWEN2_TEMPLATE, chat_folder, untagged
@@ -175,3 +176,12 @@ def test_the_reference_benchmark_writes_its_figures(tmp_path):
     assert result["pairs"] > 300 and result["table_bytes"] == result["pairs"] * 2 * 4
     assert result["precompute_s"] > 0 and result["frozen_reference_forward_per_step_s"] > 0
     assert result["meta"]["commit"] is not None and result["frozen_copy_bytes_fp32"] > result["table_bytes"]
+
+
+def test_a_partial_dpo_section_on_a_task_without_its_schema_is_refused_by_its_keys_not_a_key_error():
+    """`+task.dpo.loss_type=kto` on task=lm (no DPO schema there: the section holds only the key given) used to fail
+    reading the missing task.dpo.beta ("Key 'beta' is not in struct"); the keys not given take their defaults and the
+    refusal names the keys that are wrong."""
+    settings = DPOSettings.of(OmegaConf.create({"dpo": {"loss_type": "kto"}}))
+    assert (settings.beta, settings.label_smoothing) == (DPOSettings.beta, DPOSettings.label_smoothing)
+    assert dpo_errors(settings) == ["task.dpo.loss_type='kto' is not a DPO loss; known: sigmoid, ipo"]

@@ -52,9 +52,14 @@ class DPOSettings:
 
     @classmethod
     def of(cls, task_cfg: Mapping[str, Any] | None) -> DPOSettings:
-        """task.dpo of the config (conf/task/dpo.yaml picks its schema), or the defaults where it has none."""
+        """task.dpo of the config (conf/task/dpo.yaml picks its schema), or the defaults where it has none or only
+        some of its keys (`+task.dpo.loss_type=...` on a task without the schema: each missing key its default)."""
         section = task_cfg.get("dpo") if task_cfg is not None else None
-        return cls(**{k: section[k] for k in ("beta", "loss_type", "label_smoothing")}) if section else cls()
+        return (
+            cls(**{k: section[k] for k in ("beta", "loss_type", "label_smoothing") if k in section})
+            if section
+            else cls()
+        )
 
 
 def dpo_errors(s: DPOSettings) -> list[str]:
