@@ -315,6 +315,7 @@ def page_stand_ins(root: Path, home: Path, work: Path) -> None:
     # ImageNet's val split holds 50,000 images: the recipes' dry runs check it holds a validation batch (4096)
     image_folder(root / "stand-ins" / "imagenet", linked={"val": IMAGENET_VAL // 2})
     image_folder(home / "data" / "flowers", per_class=100)  # a validation batch of the vision default (200) fits
-    image_folder(home / "data" / "unlabelled", splits=("train", "val"))
+    # a training batch (128) and a validation batch (200) of the SSL tasks' defaults (model.pretrained's SwAV run)
+    image_folder(home / "data" / "unlabelled", splits=("train", "val"), linked={"train": 64, "val": 100})
     (work / "held_out.txt").write_text("\n\n".join(text[:100]))
     torch.save(torchvision.models.regnet_y_400mf().state_dict(), work / "regnet_y_400mf.pth")
