@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -163,6 +164,24 @@ def test_a_planted_broken_command_fails_the_walk(tmp_path):
     with pytest.raises(AssertionError, match="Traceback"):
         walk.run("python -c 'print(1)' && python -c 'print(\"Traceback (most recent call last):\")'")
     walk.run("python -c 'print(1)'")  # and a sound one passes
+
+
+def test_a_walk_fails_a_documented_error_that_does_not_come_and_a_run_that_trained_nothing(tmp_path):
+    """A line the docs show failing (``# error: ...`` below it) that exits 0, or fails with another error; a training
+    command that exits 0 saying its run is complete when this walk never trained that run (issue #51: nothing exits 0
+    having done nothing). No spawn of a training run: the walk's checks on what the commands printed."""
+    walk = Walk(cwd=tmp_path, env={**os.environ, "HOME": str(tmp_path)})
+    with pytest.raises(AssertionError):
+        walk.run("python -c 'print(1)'", error="error: data.path")
+    with pytest.raises(AssertionError, match="not the documented error"):
+        walk.run("python -c 'import sys; sys.exit(\"error: something else\")'", error="error: data.path")
+    walk.run("python -c 'import sys; sys.exit(\"error: data.path: no such folder\")'", error="error: data.path")
+    complete = "run complete: runs/lm/default has reached optimization.max_steps=300 (its step_00000300); ...\n"
+    proc = subprocess.CompletedProcess([], 0, complete, "")
+    with pytest.raises(AssertionError, match="complete before this walk trained it"):
+        walk.check_result(["python", "-m", "shardlab.train"], proc, set())
+    walk.trained.add("runs/lm/default")
+    walk.check_result(["python", "-m", "shardlab.train"], proc, set())  # the walk's own run, started again
 
 
 def test_a_marked_or_slurm_line_is_skipped_and_says_why():
