@@ -129,8 +129,8 @@ def walk_page(walk: Walk, page: str, lines: list[tuple[str, str | None]]) -> lis
     return skipped
 
 
-# slow: 0.5-22 min a page on 2 cores at load 3-9, two walks at once (2026-12-05: vision.md 22, memory-plan.md 10,
-# README 8, sweeps-and-slurm.md 7; all 11 pages 63 min); -s prints each command's time
+# slow: 0.5-22 min a page on 2 cores at load 3-9, two walks at once (2026-12-05: vision.md 22, 8.6 walked alone;
+# memory-plan.md 10, README 8, sweeps-and-slurm.md 7; all 11 pages 63 min); -s prints each command's time
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_every_command_of_the_page_runs(page, tmp_path, monkeypatch):
