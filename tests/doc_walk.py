@@ -66,6 +66,9 @@ held_out.txt and regnet_y_400mf.pth are made where the docs name them (stand_ins
 TINY_RUN = {"distributed.backend=auto": ["distributed.auto_tune_steps=2", "distributed.auto_tune_max_trials=2"]}
 """Overrides the walk appends to a training run whose line holds the key: backend=auto's measurement cut to 2 steps
 of 2 candidates (distributed.* keys name no run); with distributed.auto_tune=false nothing is measured."""
+IMAGENET_VAL = 4096
+"""Validation images of the /imagenet stand-in: one validation.batch_size of the ImageNet recipes
+(shardlab/conf/experiment/*_in1k*.yaml), which a run on a folder source checks the split holds."""
 TOOLS_OUTPUT = {
     "shardlab-evaluate": r"top-1|ppl|perplexity|loss",
     "shardlab-sweep-summary": r"completed",
@@ -271,8 +274,12 @@ def stand_ins(home: Path) -> None:
     write_jsonl(home / "dpo" / "pairs.jsonl", pairs)
 
 
-def image_folder(folder: Path, splits=("train", "val", "test"), classes: int = 2, per_class: int = 8) -> None:
-    """An ImageFolder tree (split/class/image.png, the ImageNet layout) of small generated images."""
+def image_folder(
+    folder: Path, splits=("train", "val", "test"), classes: int = 2, per_class: int = 8, linked: dict | None = None
+) -> None:
+    """An ImageFolder tree (split/class/image.png, the ImageNet layout) of small generated images. ``linked``: split
+    -> images per class it holds in all, the ones past ``per_class`` hard links to the generated ones (a count the
+    run checks, made in a second, with nothing more to decode than the generated images)."""
     from PIL import Image
 
     for split in splits:
@@ -282,6 +289,10 @@ def image_folder(folder: Path, splits=("train", "val", "test"), classes: int = 2
                 shade = (40 + 100 * c + 5 * i) % 256
                 Image.new("RGB", (40, 40), (shade, 255 - shade, (7 * i) % 256)).save(
                     folder / split / f"class{c}" / f"{i}.png"
+                )
+            for i in range(per_class, (linked or {}).get(split, 0)):
+                (folder / split / f"class{c}" / f"{i}.png").hardlink_to(
+                    folder / split / f"class{c}" / f"{i % per_class}.png"
                 )
 
 
@@ -301,8 +312,10 @@ def page_stand_ins(root: Path, home: Path, work: Path) -> None:
     (root / "stand-ins" / "fineweb").mkdir()
     for i in range(2):
         pq.write_table(pa.table({"text": text[i::2]}), root / "stand-ins" / "fineweb" / f"shard{i}.parquet")
-    image_folder(root / "stand-ins" / "imagenet")
+    # ImageNet's val split holds 50,000 images: the recipes' dry runs check it holds a validation batch (4096)
+    image_folder(root / "stand-ins" / "imagenet", linked={"val": IMAGENET_VAL // 2})
     image_folder(home / "data" / "flowers", per_class=100)  # a validation batch of the vision default (200) fits
-    image_folder(home / "data" / "unlabelled", splits=("train", "val"))
+    # a training batch (128) and a validation batch (200) of the SSL tasks' defaults (model.pretrained's SwAV run)
+    image_folder(home / "data" / "unlabelled", splits=("train", "val"), linked={"train": 64, "val": 100})
     (work / "held_out.txt").write_text("\n\n".join(text[:100]))
     torch.save(torchvision.models.regnet_y_400mf().state_dict(), work / "regnet_y_400mf.pth")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -128,7 +129,9 @@ def walk_page(walk: Walk, page: str, lines: list[tuple[str, str | None]]) -> lis
     return skipped
 
 
-@pytest.mark.slow  # a page takes 1.5-13 min at load 10-20 on 2 cores (memory-plan.md 13, sweeps ~10); -s: each time
+# slow: 0.5-22 min a page on 2 cores at load 3-9, two walks at once (2026-12-05: vision.md 22, 8.6 walked alone;
+# memory-plan.md 10, README 8, sweeps-and-slurm.md 7; all 11 pages 63 min); -s prints each command's time
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_every_command_of_the_page_runs(page, tmp_path, monkeypatch):
     walk = new_walk(tmp_path)
@@ -163,6 +166,24 @@ def test_a_planted_broken_command_fails_the_walk(tmp_path):
     with pytest.raises(AssertionError, match="Traceback"):
         walk.run("python -c 'print(1)' && python -c 'print(\"Traceback (most recent call last):\")'")
     walk.run("python -c 'print(1)'")  # and a sound one passes
+
+
+def test_a_walk_fails_a_documented_error_that_does_not_come_and_a_run_that_trained_nothing(tmp_path):
+    """A line the docs show failing (``# error: ...`` below it) that exits 0, or fails with another error; a training
+    command that exits 0 saying its run is complete when this walk never trained that run (issue #51: nothing exits 0
+    having done nothing). No spawn of a training run: the walk's checks on what the commands printed."""
+    walk = Walk(cwd=tmp_path, env={**os.environ, "HOME": str(tmp_path)})
+    with pytest.raises(AssertionError):
+        walk.run("python -c 'print(1)'", error="error: data.path")
+    with pytest.raises(AssertionError, match="not the documented error"):
+        walk.run("python -c 'import sys; sys.exit(\"error: something else\")'", error="error: data.path")
+    walk.run("python -c 'import sys; sys.exit(\"error: data.path: no such folder\")'", error="error: data.path")
+    complete = "run complete: runs/lm/default has reached optimization.max_steps=300 (its step_00000300); ...\n"
+    proc = subprocess.CompletedProcess([], 0, complete, "")
+    with pytest.raises(AssertionError, match="complete before this walk trained it"):
+        walk.check_result(["python", "-m", "shardlab.train"], proc, set())
+    walk.trained.add("runs/lm/default")
+    walk.check_result(["python", "-m", "shardlab.train"], proc, set())  # the walk's own run, started again
 
 
 def test_a_marked_or_slurm_line_is_skipped_and_says_why():
