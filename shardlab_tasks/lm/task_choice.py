@@ -5,11 +5,14 @@ cycle)."""
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from typing import Any
+
+from shardlab.task import setting
 
 
-def build_lm_task(cfg: DictConfig):
-    if cfg.data.get("format") == "preference":
+def build_lm_task(cfg: Any):
+    """The task of ``cfg``: a composed or recorded DictConfig, or a typed config (shardlab.task's docstring)."""
+    if setting(cfg.data, "format") == "preference":
         from shardlab_tasks.lm.dpo_task import PreferenceTask
 
         return PreferenceTask(cfg)

@@ -88,3 +88,34 @@ def test_a_value_left_missing_that_no_check_reads_is_refused_in_one_line_when_th
     OmegaConf.update(cfg, "logging.wandb.entity", MISSING)
     with pytest.raises(ConfigError, match=r"^logging.wandb.entity has no value \(\?\?\?\): give it one"):
         run_config(cfg)
+
+
+def test_the_runs_task_holds_the_trainers_typed_config_so_a_validation_batch_it_lowers_is_validated_and_recorded(
+    tiny_lm, tmp_path, monkeypatch
+):
+    """One config object in a run: the task reads and writes the trainer's dataclasses (Task.use_config, called by
+    assemble), so the validation batch fit_validation_batch lowers is the one validation reads and the checkpoint
+    records, also where the task was built from the pre-flight's own composition (shardlab.cli.checks.checked)."""
+    import copy
+
+    from shardlab.runner import build_task
+    from shardlab.trainer import Trainer
+
+    cfg = tiny_lm("optimization.max_steps=1", "validation.interval_steps=1", "validation.batch_size=100000")
+    task = build_task(copy.deepcopy(cfg), 1)  # the pre-flight's task holds its own DictConfig, not run_rank's
+    validated, loader = [], Trainer._loader
+
+    def recorded_loader(self, dataset, order, start, batch_size, num_batches=None):
+        if dataset is self.task.valid_dataset:
+            validated.append(batch_size)
+        return loader(self, dataset, order, start, batch_size, num_batches)
+
+    monkeypatch.setattr(Trainer, "_loader", recorded_loader)
+    result = run_rank(cfg, tmp_path, dist_env.detect(), task=task, after_fit=lambda t: {"trainer": t})
+    trainer = result["trainer"]
+    held = len(trainer.task.valid_dataset)
+    assert trainer.task.cfg is trainer.cfg and isinstance(trainer.task.cfg, TrainConfig)
+    assert 0 < held < 100000 and trainer.cfg.validation.batch_size == held
+    assert validated and set(validated) == {held}
+    meta = json.loads((tmp_path / "checkpoints" / "step_00000001" / "shardlab.json").read_text())
+    assert meta["config"]["validation"]["batch_size"] == held
