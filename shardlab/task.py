@@ -158,7 +158,7 @@ class Task(ABC):
     resumable_model_changes: tuple[str, ...] = ("dropout",)
     """Model config keys that may differ between a checkpoint and the run resuming it (no effect on shapes)."""
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig | TrainConfig) -> None:
         self.cfg: DictConfig | TrainConfig = cfg
         """The config this task reads (the module's docstring): the DictConfig it was built from (the pre-flight's,
         a tool's), until a run hands it its typed config (``use_config``)."""

@@ -421,7 +421,7 @@ class LanguageModelingTask(Task):
 
     def expert_parallel_errors(self, degree: int) -> list[str]:
         """A dense model, and an expert count the degree does not divide."""
-        moe = getattr(self.cfg.model, "moe", None)
+        moe = setting(self.cfg.model, "moe")
         if moe is None:
             return [
                 f"distributed.expert_parallel_degree ({degree}) needs a mixture-of-experts model (model.moe, e.g. "
@@ -440,7 +440,7 @@ class LanguageModelingTask(Task):
     def expert_layers(self, model: nn.Module) -> ExpertLayers | None:
         """model.moe: every block's routed experts (shardlab_tasks/lm/moe_experts.GroupedExperts), each token's
         data.seq_len rows through each of them."""
-        moe = getattr(self.cfg.model, "moe", None)
+        moe = setting(self.cfg.model, "moe")
         if moe is None:
             return None
         grouped = ("experts.gate_up_proj", "experts.down_proj")

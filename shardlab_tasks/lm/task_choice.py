@@ -5,12 +5,13 @@ cycle)."""
 
 from __future__ import annotations
 
-from typing import Any
+from omegaconf import DictConfig
 
+from shardlab.config import TrainConfig
 from shardlab.task import setting
 
 
-def build_lm_task(cfg: Any):
+def build_lm_task(cfg: DictConfig | TrainConfig):
     """The task of ``cfg``: a composed or recorded DictConfig, or a typed config (shardlab.task's docstring)."""
     if setting(cfg.data, "format") == "preference":
         from shardlab_tasks.lm.dpo_task import PreferenceTask

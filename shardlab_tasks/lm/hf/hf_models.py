@@ -19,7 +19,9 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from shardlab.config import as_container
+from omegaconf import DictConfig
+
+from shardlab.config import TrainConfig, as_container
 from shardlab.errors import first_cause
 from shardlab.files.regular_file import NotAFile, read_small_file
 from shardlab.task import setting
@@ -268,7 +270,7 @@ def _gpt2_section(hf: dict, path: Path) -> dict[str, Any]:
 
 
 # ---- model.pretrained: the folder's config.json and tokenizer as the run's model and data sections ------------------
-def apply_pretrained(cfg: Any) -> Path:
+def apply_pretrained(cfg: DictConfig | TrainConfig) -> Path:
     """Write what the folder of model.pretrained decides into ``cfg``: the model section (its arch, shape and options,
     from config.json; init_std and the like stay the section's), and, where data.tokenizer is the default byte
     tokenizer, the folder's tokenizer.json with its end-of-text token. Idempotent (a rank given the resolved config
