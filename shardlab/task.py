@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -29,8 +29,10 @@ from torch.utils.data import Dataset
 
 from shardlab.data import GlobalOrder
 
-if TYPE_CHECKING:
-    from shardlab.config import TrainConfig
+RunConfig = Any
+"""The config a task reads (Task.cfg), by attribute: the run's shardlab.config.TrainConfig, or the composed or recorded
+DictConfig (the module's docstring). ``Any`` because shardlab.task sits below shardlab.config
+(tests/unit/test_layout.py) and cannot name TrainConfig."""
 
 
 def setting(section: Any, key: str, default: Any = None) -> Any:
@@ -158,20 +160,21 @@ class Task(ABC):
     resumable_model_changes: tuple[str, ...] = ("dropout",)
     """Model config keys that may differ between a checkpoint and the run resuming it (no effect on shapes)."""
 
-    def __init__(self, cfg: DictConfig | TrainConfig) -> None:
-        self.cfg: DictConfig | TrainConfig = cfg
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg: RunConfig = cfg
         """The config this task reads (the module's docstring): the DictConfig it was built from (the pre-flight's,
         a tool's), until a run hands it its typed config (``use_config``)."""
         self.train_dataset: Dataset | None = None
         self.valid_dataset: Dataset | None = None
 
-    def use_config(self, cfg: TrainConfig) -> None:
-        """From now on read and write ``cfg``, the run's typed config, which the trainer, the backend and the
-        checkpointer hold: called by shardlab.trainer.assemble, before the data is opened, once per run and per trial
-        of backend=auto (each trial its config). The run's config was typed from the composed one the task was built
-        from, with what the task wrote into it while it was built (the LM's model.pretrained: the folder's model
-        section) and what the runner chose since (backend=auto's layout), so nothing the task read is lost; a task
-        that keeps values derived from its config (a tokenizer, the vocabulary size) derives them alike from both."""
+    def use_config(self, cfg: RunConfig) -> None:
+        """From now on read and write ``cfg``: the run's typed config, which the trainer, the backend and the
+        checkpointer hold, handed by shardlab.trainer.assemble before the data is opened (once per run, and per trial
+        of backend=auto: each trial its own). Before that, shardlab.runner hands a task the pre-flight built (from its
+        own composition of the command line) the rank's composed DictConfig, into which backend=auto's layout is
+        written and from which the run's config is typed. Each has the values of the one before it, what the task
+        wrote while it was built included (the LM's model.pretrained: the folder's model section), so a task that
+        keeps values derived from its config (a tokenizer, the vocabulary size) keeps them."""
         self.cfg = cfg
 
     def config_errors(self) -> list[str]:

@@ -71,8 +71,7 @@ def assemble(
     """A rank's run, put together in the one order that every run (shardlab.runner.run_rank) and every trial of
     distributed.backend=auto (shardlab.runner.autotune) follows; the only place a Trainer is made:
 
-    0. the task handed the run's typed config (``Task.use_config``): from here the task, the trainer, the backend and
-       the checkpointer read and write one config object;
+    0. the task handed the run's typed config (``Task.use_config``): the run's one config object from here on;
     1. the process group and the data: ``backend.setup(prepare_data)`` (each rank opens its data before the group
        exists, so preprocessing never runs under distributed.timeout_s; a trial's group and data exist already, so
        only its layout's mesh is made);

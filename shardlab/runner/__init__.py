@@ -211,6 +211,8 @@ def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals:
     if task is None:  # the checked config's task (run_job passes the one it checked)
         task = rank_task(cfg)
         choose_layout(cfg, task, env.world_size, planned=False)  # a caller's backend=auto without tuning
+    else:  # built by the pre-flight from its own composition: it reads this rank's, which the layout is written into
+        task.use_config(cfg)
     if cfg.distributed.backend == "auto":  # measured on these ranks, then written into cfg
         tune_layout(cfg, task, env, run_dir)
     # From here the run's config is typed (the dataclasses of shardlab.config, made once): the backend, the trainer,
