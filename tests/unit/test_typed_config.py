@@ -119,3 +119,28 @@ def test_the_runs_task_holds_the_trainers_typed_config_so_a_validation_batch_it_
     assert validated and set(validated) == {held}
     meta = json.loads((tmp_path / "checkpoints" / "step_00000001" / "shardlab.json").read_text())
     assert meta["config"]["validation"]["batch_size"] == held
+
+
+def test_the_section_model_pretrained_writes_is_the_runs_typed_one_and_recorded_also_for_a_task_built_typed(
+    tiny_lm, tmp_path
+):
+    """apply_pretrained writes the Hugging Face folder's model section into the config the task is built from: the
+    DictConfig a run types afterwards (the run trains, hands the task and records that section), or a typed config
+    (its section replaced by the folder schema's dataclass, as typing the DictConfig makes it)."""
+    from shardlab_tasks.lm.config import LlamaConfig
+    from shardlab_tasks.lm.task_choice import build_lm_task
+    from tests.hf_folders import make_folder
+
+    folder = make_folder("llama3", tmp_path / "hf")
+    cfg = tiny_lm(f"model.pretrained={folder}", "optimization.max_steps=1", "validation.interval_steps=0")
+    result = run_rank(cfg, tmp_path / "run", dist_env.detect(), after_fit=lambda t: {"trainer": t})
+    trainer = result["trainer"]
+    model = trainer.task.cfg.model
+    assert trainer.task.cfg is trainer.cfg and type(model) is LlamaConfig
+    assert (model.num_kv_heads, model.rope_theta, model.pretrained) == (2, 500000.0, str(folder.resolve()))
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "shardlab.json").read_text())
+    assert meta["model_config"] == as_container(model)
+
+    built_typed = build_lm_task(typed(tiny_lm(f"model.pretrained={folder}")))
+    assert type(built_typed.cfg.model) is LlamaConfig and built_typed.cfg.model == model
+    assert built_typed.cfg.data.tokenizer == str(folder.resolve() / "tokenizer.json")
