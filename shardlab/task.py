@@ -1,6 +1,17 @@
 """The Task interface: everything model- and data-specific the trainer needs, and nothing the trainer owns.
 
 A task plug-in (shardlab_tasks/<name>/) subclasses Task and registers a factory in TASKS from its light config module.
+
+Task.cfg, the config a task reads, is one of two kinds, and task code reads both alike (by attribute; a key an older
+run's record may lack through ``setting``; a section as plain dicts through shardlab.config.as_container):
+
+- in a run, the run's config typed (shardlab.config.TrainConfig: the dataclasses of the schemas, made once per run by
+  shardlab.trainer.run_config), handed to the task by the trainer's assemble (``Task.use_config``): the task's config
+  is then the trainer's, the backend's and the checkpointer's, the one object the run trains with and records, and
+  what the task writes into it (fit_validation_batch's validation.batch_size) is what the run uses;
+- before that (the pre-flight's checks, the memory plan, backend=auto's choice) and in the tools that read a finished
+  run back (shardlab_commands: evaluate, generate, export, consolidate), the composed or recorded DictConfig it was
+  built from. A recorded config is untyped on purpose: it may hold a key removed since, and lack one added since.
 """
 
 from __future__ import annotations
@@ -17,6 +28,19 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from shardlab.data import GlobalOrder
+
+RunConfig = Any
+"""The config a task reads (Task.cfg), by attribute: the run's shardlab.config.TrainConfig, or the composed or recorded
+DictConfig (the module's docstring). ``Any`` because shardlab.task sits below shardlab.config
+(tests/unit/test_layout.py) and cannot name TrainConfig."""
+
+
+def setting(section: Any, key: str, default: Any = None) -> Any:
+    """``section.key``, or ``default`` where ``section`` lacks the key: task code's one tolerant read. The run's typed
+    config has every key its schema declares, but a tool's task is built from a config an older run recorded, without
+    the keys added since (data.eod_token, data.format, ...), and a section without a schema (a user_dir's) holds only
+    the keys given. ``section``: a dataclass or a DictConfig (whose missing key raises an AttributeError)."""
+    return getattr(section, key, default)
 
 
 @dataclass(frozen=True)
@@ -136,10 +160,22 @@ class Task(ABC):
     resumable_model_changes: tuple[str, ...] = ("dropout",)
     """Model config keys that may differ between a checkpoint and the run resuming it (no effect on shapes)."""
 
-    def __init__(self, cfg: DictConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg: RunConfig = cfg
+        """The config this task reads (the module's docstring): the DictConfig it was built from (the pre-flight's,
+        a tool's), until a run hands it its typed config (``use_config``)."""
         self.train_dataset: Dataset | None = None
         self.valid_dataset: Dataset | None = None
+
+    def use_config(self, cfg: RunConfig) -> None:
+        """From now on read and write ``cfg``: the run's typed config, which the trainer, the backend and the
+        checkpointer hold, handed by shardlab.trainer.assemble before the data is opened (once per run, and per trial
+        of backend=auto: each trial its own). Before that, shardlab.runner hands a task the pre-flight built (from its
+        own composition of the command line) the rank's composed DictConfig, into which backend=auto's layout is
+        written and from which the run's config is typed. Each has the values of the one before it, what the task
+        wrote while it was built included (the LM's model.pretrained: the folder's model section), so a task that
+        keeps values derived from its config (a tokenizer, the vocabulary size) keeps them."""
+        self.cfg = cfg
 
     def config_errors(self) -> list[str]:
         """Task-specific config problems (model/data sections); each names its dotted key. Asked once per start, by

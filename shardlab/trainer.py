@@ -71,6 +71,7 @@ def assemble(
     """A rank's run, put together in the one order that every run (shardlab.runner.run_rank) and every trial of
     distributed.backend=auto (shardlab.runner.autotune) follows; the only place a Trainer is made:
 
+    0. the task handed the run's typed config (``Task.use_config``): the run's one config object from here on;
     1. the process group and the data: ``backend.setup(prepare_data)`` (each rank opens its data before the group
        exists, so preprocessing never runs under distributed.timeout_s; a trial's group and data exist already, so
        only its layout's mesh is made);
@@ -91,11 +92,10 @@ def assemble(
     from shardlab.distributed.units import model_on_meta
 
     cfg = run_config(cfg)
+    task.use_config(cfg)  # one config in the run: the batch the task fits to its split is the one run and recorded
     env = backend.env
     speaks = env.is_main and not trial
     backend.setup(prepare_data=prepare_data)
-    # the task's DictConfig may have lowered validation.batch_size to fit its split: run and record that value
-    cfg.validation.batch_size = task.cfg.validation.batch_size
     if speaks and (summary := task.data_summary()):
         print(summary, flush=True)
     if (line := settle_precision(cfg.distributed, backend)) and speaks:  # precision=auto: one dtype for all ranks
@@ -473,9 +473,7 @@ class Trainer:
         dataset = self.task.valid_dataset
         if not len(dataset):  # data.valid_percent=0 with validation off (Task.data_errors): nothing held out
             return {}
-        # The task's: fit_validation_batch lowers it there to fit a small split, and the task the CLI's pre-flight
-        # built holds its own copy of the config (shardlab.cli.checks.checked), not this one.
-        vb = self.task.cfg.validation.batch_size
+        vb = cfg.validation.batch_size  # the task's config too (assemble): as fit_validation_batch left it
         available = len(dataset) // vb
         num_batches = min(cfg.validation.num_batches or available, available)
         self.model.eval()

@@ -85,7 +85,7 @@ class GatedConvLM(LMArchitecture):
     def config_errors(cls, cfg: GatedConvConfig) -> list[str]:
         """Checked with every other config problem before anything starts; each message names its key."""
         keys = ("num_layers", "dim", "kernel_size", "max_seq_len")
-        return [f"model.{key} must be >= 1, got {cfg[key]}" for key in keys if cfg[key] < 1]
+        return [f"model.{key} must be >= 1, got {getattr(cfg, key)}" for key in keys if getattr(cfg, key) < 1]
 
     @classmethod
     def init_tensor(cls, cfg: GatedConvConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:

@@ -95,10 +95,11 @@ class SpiralsTask(Task):
     unit = "points"
 
     def config_errors(self) -> list[str]:
+        # self.cfg is read by attribute: the composed DictConfig here, in a run the typed dataclasses (shardlab.task)
         d, m = self.cfg.data, self.cfg.model
-        errors = [f"data.{k} must be >= 1, got {d[k]}" for k in ("num_arms", "num_train", "num_valid") if d[k] < 1]
-        errors += [f"model.{k} must be >= 1, got {m[k]}" for k in ("width", "num_blocks") if m[k] < 1]
-        return errors
+        keys = [("data", d, k) for k in ("num_arms", "num_train", "num_valid")]
+        keys += [("model", m, k) for k in ("width", "num_blocks")]
+        return [f"{s}.{k} must be >= 1, got {getattr(c, k)}" for s, c, k in keys if getattr(c, k) < 1]
 
     def prepare_data(self) -> None:
         d = self.cfg.data

@@ -211,10 +211,12 @@ def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals:
     if task is None:  # the checked config's task (run_job passes the one it checked)
         task = rank_task(cfg)
         choose_layout(cfg, task, env.world_size, planned=False)  # a caller's backend=auto without tuning
+    else:  # built by the pre-flight from its own composition: it reads this rank's, which the layout is written into
+        task.use_config(cfg)
     if cfg.distributed.backend == "auto":  # measured on these ranks, then written into cfg
         tune_layout(cfg, task, env, run_dir)
-    # From here the run's config is typed (the dataclasses of shardlab.config, made once): the backend, the trainer
-    # and its checkpointer read it; the task keeps the DictConfig it was built from.
+    # From here the run's config is typed (the dataclasses of shardlab.config, made once): the backend, the trainer,
+    # its checkpointer and the task (handed it by assemble) read it.
     run_cfg = run_config(cfg)
     backend = BACKENDS.build(run_cfg.distributed.backend, run_cfg.distributed, env, key="distributed.backend")
     try:
@@ -252,16 +254,17 @@ def _run_rank(cfg, run_dir: Path, env, after_fit, teardown: bool, task, signals:
 def prepare_data(task) -> str:
     """This rank's data step: preprocess or open the task's data and check it against the config (before the first
     step, so a validation split too small for its batch is not found at the first validation); returns what the rank
-    opened (Task.data_identity)."""
-    if task.train_dataset is None:  # once per process (backend=auto's tuning opens it before the backend's setup)
+    opened (Task.data_identity). The data is opened once per process (backend=auto's tuning opens it before the
+    backend's setup); the validation batch is fitted and the data checked against the task's config at every call:
+    the run's typed config, handed to the task after the tuning opened the data (Task.use_config), is fitted too."""
+    if task.train_dataset is None:
         task.prepare_data()
-        env = dist_env.detect()
-        note = task.fit_validation_batch(checks.data_parallel_readers(task.cfg, job_world_size(task.cfg)))
-        if note and env.is_main:
-            print(note, flush=True)
-        problems = task.data_errors()
-        if problems:
-            raise DataError("; ".join(problems))
+    note = task.fit_validation_batch(checks.data_parallel_readers(task.cfg, job_world_size(task.cfg)))
+    if note and dist_env.detect().is_main:
+        print(note, flush=True)
+    problems = task.data_errors()
+    if problems:
+        raise DataError("; ".join(problems))
     return task.data_identity()
 
 

@@ -13,7 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from shardlab.distributed.sync_bn import convert_sync_batchnorm
 from shardlab.errors import CheckpointError, ConfigError
 from shardlab.registry import MODELS, unknown_name_message
-from shardlab.task import Task
+from shardlab.task import Task, setting
 from shardlab_tasks.image_classification import model as regnet
 from shardlab_tasks.image_classification import pretrained
 from shardlab_tasks.image_classification.config import RegNetConfig
@@ -35,7 +35,7 @@ def ignored_model_keys(m) -> list[str]:
     own), model.flavor under arch=regnet_cifar."""
     defaults = RegNetConfig()
     if m.arch == "regnet":
-        changed = [f"model.{key}" for key in CIFAR_SHAPE_KEYS if m[key] != getattr(defaults, key)]
+        changed = [f"model.{key}" for key in CIFAR_SHAPE_KEYS if getattr(m, key) != getattr(defaults, key)]
         if changed:
             one = len(changed) == 1
             return [
@@ -112,7 +112,7 @@ class ImageClassificationTask(Task):
     def pretrained_errors(self) -> list[str]:
         """model.pretrained: a state-dict file whose tensors fit the trunk (read from its index, mapped, not loaded)."""
         m = self.cfg.model
-        if not m.get("pretrained"):
+        if not setting(m, "pretrained"):
             return []
         if self.cfg.checkpoint.init_from:
             return ["model.pretrained and checkpoint.init_from both give the starting weights; keep one"]
@@ -129,7 +129,7 @@ class ImageClassificationTask(Task):
     def load_pretrained(self, model: nn.Module, device: torch.device) -> Path | None:
         """model.pretrained's trunk into the wrapped, materialized model, each rank copying its shards' slices; the
         head keeps its seeded init."""
-        if not self.cfg.model.get("pretrained"):
+        if not setting(self.cfg.model, "pretrained"):
             return None
         return pretrained.load_trunk(model, Path(self.cfg.model.pretrained).expanduser(), self.trunk_prefix, device)
 
@@ -137,7 +137,7 @@ class ImageClassificationTask(Task):
         """With model.pretrained: the trunk's parameters and buffers, which load_trunk fills (it refuses, before any
         copy, a file that lacks one, so none is left as allocated); the head (classifier, projection, prototypes)
         keeps its seeded init. A dry run reads no file, so it draws everything."""
-        if not self.cfg.model.get("pretrained") or self.cfg.get("dry_run"):
+        if not setting(self.cfg.model, "pretrained") or setting(self.cfg, "dry_run"):
             return None
         prefix = self.trunk_prefix
         return lambda name: pretrained.is_trunk(name, prefix)

@@ -242,10 +242,14 @@ class LMTaskConfig(TaskConfig):
 
 
 ModelSection = Mapping[str, Any]
-"""A model section as the LM's helpers read it (LoRA, the Hugging Face interop, the MoE hub names): the task's
-DictConfig, carrying GPTConfig's, LlamaConfig's or a user architecture's schema, or the plain dict a checkpoint
-recorded (shardlab.json's model_config) and the export reads back. Read by key, so both serve; not the dataclasses,
-which have no keys."""
+"""A model section as the LM's helpers read it by key (LoRA, the Hugging Face interop, the MoE hub names): the plain
+dict a checkpoint recorded (shardlab.json's model_config) and the export reads back, a DictConfig, or the task's
+section as plain dicts (``LanguageModelingTask.model_section``: the run's typed section, a dataclass, has no keys)."""
+
+ModelConfig = Any
+"""The model section as the task holds it (Task.cfg.model), read by attribute: in a run the typed section, an instance
+of the architecture's config_class (GPTConfig, LlamaConfig, a user_dir's); in the pre-flight's checks and in the tools
+that read a run back (shardlab_commands), a DictConfig (carrying that schema, or none: a recorded config)."""
 
 
 TASKS.register_lazy("lm", "shardlab_tasks.lm.task_choice:build_lm_task", dataclass=LMTaskConfig, data=LMDataConfig)

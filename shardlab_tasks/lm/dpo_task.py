@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardlab.task import setting
 from shardlab_tasks.lm.finetuning.dpo import (
     DPOSettings,
     ReferenceLogProbs,
@@ -28,8 +29,8 @@ from shardlab_tasks.lm.task import LanguageModelingTask
 class PreferenceTask(LanguageModelingTask):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
-        self.dpo = DPOSettings.of(cfg.get("task"))
-        self.lora = lora_on(cfg.model)
+        self.dpo = DPOSettings.of(setting(cfg, "task"))
+        self.lora = lora_on(self.model_section)
         self.reference: ReferenceLogProbs | None = None
         """Full fine-tuning's precomputed reference (training_state); None with LoRA: the adapters-off forward."""
         self._checked_reference: ReferenceLogProbs | None = None

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from torch.utils.data import ConcatDataset, DataLoader
 
 from shardlab.errors import CheckpointError, ConfigError, DataError
-from shardlab.task import Evaluation, EvaluationRequest
+from shardlab.task import Evaluation, EvaluationRequest, setting
 from shardlab_tasks.lm.config import LMSourceConfig
 from shardlab_tasks.lm.corpus.cache import read_corpus_meta
 from shardlab_tasks.lm.corpus.data import open_split
@@ -109,7 +109,7 @@ def note_trained_mixture(cfg: DictConfig, trained: dict) -> None:
     """A run trained on data.sources, evaluated on no corpus of the command line's: say what is evaluated instead,
     and how to evaluate its sources (their paths are never read from the checkpoint)."""
     sources = trained.get("sources") or {}
-    if sources and not cfg.data.get("sources") and cfg.data.get("path") is None:
+    if sources and not setting(cfg.data, "sources") and setting(cfg.data, "path") is None:
         print(
             f"note: {', '.join(sources)} (the run's data.sources) are not read from its checkpoint: evaluating on the "
             "embedded corpus; give +data.sources='{name: {path: ...}, ...}' (weights default to the run's) for each "
@@ -127,7 +127,7 @@ def evaluate_perplexity(task, model, cfg, args) -> dict[str, float]:
     weighed)."""
     device = torch.device(args.device)
     seq_len = cfg.data.seq_len
-    if cfg.data.get("sources"):
+    if setting(cfg.data, "sources"):
         task.prepare_data()  # every source's cache, built first as data.path's is (task.mixture: names, weights)
         dataset = MixtureValid([split_blocks(corpus, args.split, seq_len) for corpus in task.mixture.corpora])
     else:
@@ -143,7 +143,7 @@ def evaluate_perplexity(task, model, cfg, args) -> dict[str, float]:
             sums[key] = sums.get(key, 0.0) + float(value)
     metrics = task.summarize(sums)
     metrics["tokens"] = int(sums["count"])
-    mixture = task.mixture if cfg.data.get("sources") else None
+    mixture = task.mixture if setting(cfg.data, "sources") else None
     for name in mixture.names if mixture is not None else []:
         metrics[f"{name}/tokens"] = int(sums.get(f"count/{name}", 0))
     print_perplexity(metrics, mixture, cfg, args)

@@ -12,10 +12,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardlab.config import as_container
 from shardlab.distributed.compile import compiled
 from shardlab.errors import CheckpointError, ConfigError, DataError
 from shardlab.registry import MODELS
-from shardlab.task import ExpertLayers, PipelineCut, Task
+from shardlab.task import ExpertLayers, PipelineCut, Task, setting
+from shardlab_tasks.lm.config import ModelSection
 from shardlab_tasks.lm.corpus import mixture
 from shardlab_tasks.lm.corpus.cache import corpus_sources, read_corpus_meta
 from shardlab_tasks.lm.corpus.data import open_splits, prepare_corpus
@@ -49,20 +51,22 @@ def record_lora_base(cfg, pretrained: Path | None) -> None:
     base cannot be read: the load refuses it in its own words."""
     from shardlab_tasks.lm.models.lora import base_refusal, lora_on
 
-    if not lora_on(cfg.model):
+    if not lora_on(as_container(cfg.model)):
         return
     from shardlab.checkpoint.hf_folder import weights_digest  # after: it imports DCP, which a plain run reads later
 
-    base = pretrained or cfg.checkpoint.get("init_from")
+    base = pretrained or setting(cfg.checkpoint, "init_from")
     try:
         digest = weights_digest(Path(base)) if base and Path(base).expanduser().exists() else None
     except CheckpointError:
         digest = None
     from omegaconf import OmegaConf, open_dict
 
-    if reason := base_refusal(OmegaConf.to_container(cfg.model, resolve=True), digest, str(base), "the run"):
+    if reason := base_refusal(as_container(cfg.model), digest, str(base), "the run"):
         raise CheckpointError(f"{reason}; put the base it began from back at that path")
-
+    if not OmegaConf.is_config(cfg):  # typed: the schema has the key
+        cfg.model.lora.base_digest = digest
+        return
     with open_dict(cfg):  # a config read back from an older checkpoint has no such key yet
         cfg.model.lora.base_digest = digest
 
@@ -77,21 +81,27 @@ class LanguageModelingTask(Task):
         super().__init__(cfg)
         # model.pretrained decides the model section and the tokenizer, so it is read first; a config.json field the
         # architectures cannot express stops the run here, before any weight is read.
-        self.pretrained = apply_pretrained(cfg) if cfg.model.get("pretrained") else None
+        self.pretrained = apply_pretrained(cfg) if setting(cfg.model, "pretrained") else None
         record_lora_base(cfg, self.pretrained)
         # Loaded here, before any data or model work, so a bad tokenizer file stops the run in its first second.
-        # .get: configs stored in checkpoints written before data.eod_token existed lack the key.
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
-        self.vocab_size = cfg.model.get("vocab_size") or padded_vocab(self.tokenizer.vocab_size)
-        # Fine-tuning records (data.format); .get: configs stored by older checkpoints lack the keys.
-        self.sft = cfg.data.get("format", "text") != "text"
+        # setting: configs stored in checkpoints written before data.eod_token existed lack the key.
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer, setting(cfg.data, "eod_token"))
+        self.vocab_size = setting(cfg.model, "vocab_size") or padded_vocab(self.tokenizer.vocab_size)
+        # Fine-tuning records (data.format); setting: configs stored by older checkpoints lack the keys.
+        self.sft = setting(cfg.data, "format", "text") != "text"
         self.chat_template = find_chat_template(cfg.data.chat_template, cfg.data.tokenizer) if self.sft else None
         self.mixture: mixture.Mixture | None = None
         """data.sources' corpora once prepare_data opened them (shardlab_tasks/lm/corpus/mixture.py); None: one
         corpus."""
-        moe = cfg.model.get("moe")
+        moe = setting(cfg.model, "moe")
         self.step_load = StepLoad(moe) if moe is not None else None
         """An MoE model's per-step expert load, for what follows each optimizer step (after_update)."""
+
+    @property
+    def model_section(self) -> ModelSection:
+        """The model section as plain dicts, for the helpers that read it by key (LoRA, the Hugging Face names), which
+        also read a checkpoint's recorded dict: the run's typed section (a dataclass) has no keys."""
+        return as_container(self.cfg.model)
 
     @property
     def architecture(self) -> type[LMArchitecture]:
@@ -111,8 +121,9 @@ class LanguageModelingTask(Task):
             arch = self.architecture
         except ConfigError as e:
             return [str(e)]
-        ignored = sorted(set(m) - arch.config_keys())
-        missing = sorted(arch.config_keys() - set(m))
+        keys = set(as_container(m))
+        ignored = sorted(keys - arch.config_keys())
+        missing = sorted(arch.config_keys() - keys)
         if ignored or missing:  # e.g. model=gpt_tiny model.arch=llama: the section is another architecture's
             return [
                 f"model.arch={m.arch} reads the keys of {arch.config_class.__name__}, but the model section "
@@ -145,7 +156,7 @@ class LanguageModelingTask(Task):
         errors += self.pipeline_errors()
         # A path with no corpus is refused before the run folder is written (listed, not read); beside data.sources
         # the path is refused already, so its tree is not walked (data.path=/tmp took 23 s to say so).
-        if d.path is not None and not d.get("sources"):
+        if d.path is not None and not setting(d, "sources"):
             try:
                 corpus_sources(d.path)
             except DataError as e:
@@ -161,7 +172,7 @@ class LanguageModelingTask(Task):
         errors = []
         if self.cfg.checkpoint.init_from:
             errors.append("model.pretrained and checkpoint.init_from both give the starting weights; keep one")
-        if not self.cfg.get("dry_run"):
+        if not setting(self.cfg, "dry_run"):
             if not weight_files(self.pretrained):
                 errors.append(
                     f"model.pretrained: {self.pretrained} holds no .safetensors weights; a config.json alone plans "
@@ -175,25 +186,26 @@ class LanguageModelingTask(Task):
 
     def pipeline_errors(self) -> list[str]:
         """distributed.pipeline_parallel_degree > 1: what the LM's pipeline cut cannot carry (yet)."""
-        if self.cfg.distributed.get("pipeline_parallel_degree", 1) == 1:
+        if setting(self.cfg.distributed, "pipeline_parallel_degree", 1) == 1:
             return []
         m, d = self.cfg.model, self.cfg.data
+        tied, data_format, moe = setting(m, "tie_embeddings", False), setting(d, "format"), setting(m, "moe")
         return [message for refused, message in (
-            (m.get("tie_embeddings", False), "model.tie_embeddings: the embedding (first pipeline stage) and the head "
+            (tied, "model.tie_embeddings: the embedding (first pipeline stage) and the head "
              "(last stage) would share one weight across ranks; set model.tie_embeddings=false to pipeline"),
-            (self.sft and d.get("pack", True), f"data.format={d.get('format')} with data.pack=true: packed rows' "
+            (self.sft and setting(d, "pack", True), f"data.format={data_format} with data.pack=true: packed rows' "
              "segments (each sample's attention and positions) do not travel between pipeline stages yet; set "
              "data.pack=false (a sample per row) or distributed.pipeline_parallel_degree=1"),
-            (m.get("moe") is not None, "model.moe: the pipeline stages do not carry the MoE blocks' auxiliary loss and "
+            (moe is not None, "model.moe: the pipeline stages do not carry the MoE blocks' auxiliary loss and "
              "routing statistics yet; use distributed.pipeline_parallel_degree=1 (and split experts with "
              "distributed.expert_parallel_degree)"),
-            (bool(d.get("sources")), "data.sources: a mixture's per-source validation does not run through the "
+            (bool(setting(d, "sources")), "data.sources: a mixture's per-source validation does not run through the "
              "pipeline yet; train on one corpus or use distributed.pipeline_parallel_degree=1"),
         ) if refused]  # fmt: skip
 
     def lora_errors(self) -> list[str]:
         """model.lora: a valid rank, alpha and dropout, and target patterns that each select a linear layer."""
-        lora = self.cfg.model.get("lora")
+        lora = setting(self.cfg.model, "lora")
         if not lora:
             return []
         from shardlab_tasks.lm.models.lora import lora_errors
@@ -209,23 +221,21 @@ class LanguageModelingTask(Task):
         (or the seeded init) at every start."""
         from shardlab_tasks.lm.models.lora import is_adapter, lora_on
 
-        return is_adapter if lora_on(self.cfg.model) else None
+        return is_adapter if lora_on(self.model_section) else None
 
     def checkpoint_refusal(self, path: Path, saved_model_config: dict, use: str) -> str | None:
         """model.lora: a LoRA step folder holds its adapters alone (shardlab_tasks/lm/models/lora.py's
         checkpoint_refusal)."""
-        from omegaconf import OmegaConf
-
         from shardlab_tasks.lm.models.lora import checkpoint_refusal
 
-        current = OmegaConf.to_container(self.cfg.model, resolve=True)
+        current = self.model_section
         return checkpoint_refusal(path, saved_model_config, current, use)
 
     def sft_errors(self) -> list[str]:
         """data.format and what fine-tuning records need: a chat template for chat, a model that takes segments for
         packed rows."""
         d = self.cfg.data
-        if d.get("format", "text") not in FORMATS:
+        if setting(d, "format", "text") not in FORMATS:
             return [f"data.format={d.format!r} is not a data format; known: {', '.join(FORMATS)}"]
         if not self.sft:
             return []
@@ -250,10 +260,11 @@ class LanguageModelingTask(Task):
     def pretrained_keys(self):
         """With model.pretrained: every parameter the folder fills (all but LoRA adapters, which keep their seeded
         init); load_pretrained refuses a folder that lacks one, so none is left as allocated."""
-        if self.pretrained is None or self.cfg.get("dry_run"):
+        if self.pretrained is None or setting(self.cfg, "dry_run"):
             return None
-        names = weight_names(self.cfg.model)  # the base's parameters: a LoRA adapter has no name here
-        names |= expert_pieces(self.cfg.model)
+        section = self.model_section
+        names = weight_names(section)  # the base's parameters: a LoRA adapter has no name here
+        names |= expert_pieces(section)
         return lambda name: name in names
 
     def load_pretrained(self, model: nn.Module, device: torch.device) -> Path | None:
@@ -263,10 +274,11 @@ class LanguageModelingTask(Task):
         from shardlab.checkpoint.hf_folder import load_hf_folder
         from shardlab_tasks.lm.models.lora import is_adapter
 
-        names = weight_names(self.cfg.model)
+        section = self.model_section
+        names = weight_names(section)
         # A LoRA model's adapters are not in the folder: they keep their init (B = 0, so the model starts as the base).
         # An MoE model's grouped experts are read expert by expert, each rank only the experts it holds.
-        ignored, pieces = IGNORED_CHECKPOINT_KEYS, expert_pieces(self.cfg.model)
+        ignored, pieces = IGNORED_CHECKPOINT_KEYS, expert_pieces(section)
         load_hf_folder(model, self.pretrained, names, device, ignored, lambda name: not is_adapter(name), pieces)
         return self.pretrained
 
@@ -276,7 +288,7 @@ class LanguageModelingTask(Task):
             self.sft_splits = open_sft_splits(d, self.tokenizer, self.chat_template, d.pack)
             self.train_dataset, self.valid_dataset = self.sft_splits.train, self.sft_splits.valid
             return
-        if self.cfg.data.get("sources"):  # a weighted mixture: each corpus its own cache, mixed by the data order
+        if setting(self.cfg.data, "sources"):  # a weighted mixture: each corpus its own cache, mixed by the data order
             self.mixture = mixture.open_mixture(self.cfg.data, self.tokenizer)
             self.train_dataset, self.valid_dataset = self.mixture.train, self.mixture.valid
             return
@@ -295,9 +307,9 @@ class LanguageModelingTask(Task):
             d.max_corpus_mb,
             # Named jsonl_field before Parquet and Arrow came; absent from configs of older checkpoints (generate.py
             # reloads those).
-            d.get("text_field", d.get("jsonl_field", "text")),
-            d.get("num_preprocess_workers", -1),
-            build_max_mb=d.get("build_cache_max_mb", 0.0),  # absent from older checkpoints' configs: no limit
+            setting(d, "text_field", setting(d, "jsonl_field", "text")),
+            setting(d, "num_preprocess_workers", -1),
+            build_max_mb=setting(d, "build_cache_max_mb", 0.0),  # absent from older checkpoints' configs: no limit
         )
 
     @property
@@ -339,7 +351,7 @@ class LanguageModelingTask(Task):
         model = self.architecture(self.cfg.model, self.vocab_size)
         from shardlab_tasks.lm.models.lora import apply_lora, lora_on
 
-        if lora_on(self.cfg.model):  # adapters swapped in on meta, before sharding; the rest frozen
+        if lora_on(self.model_section):  # adapters swapped in on meta, before sharding; the rest frozen
             apply_lora(model, self.cfg.model.lora)
         return model
 
@@ -364,7 +376,7 @@ class LanguageModelingTask(Task):
         plan = model.tensor_parallel_plan()
         if plan is not None and loss_parallel_on(self.cfg):
             plan = vocabulary_split_logits(plan)
-        return with_adapters(plan, model) if plan is not None and lora_on(self.cfg.model) else plan
+        return with_adapters(plan, model) if plan is not None and lora_on(self.model_section) else plan
 
     def tensor_parallel_errors(self, degree: int) -> list[str]:
         """An architecture without a plan, the sizes the degree must divide, and the rows' length: sequence
@@ -409,7 +421,7 @@ class LanguageModelingTask(Task):
 
     def expert_parallel_errors(self, degree: int) -> list[str]:
         """A dense model, and an expert count the degree does not divide."""
-        moe = getattr(self.cfg.model, "moe", None)
+        moe = setting(self.cfg.model, "moe")
         if moe is None:
             return [
                 f"distributed.expert_parallel_degree ({degree}) needs a mixture-of-experts model (model.moe, e.g. "
@@ -428,7 +440,7 @@ class LanguageModelingTask(Task):
     def expert_layers(self, model: nn.Module) -> ExpertLayers | None:
         """model.moe: every block's routed experts (shardlab_tasks/lm/moe_experts.GroupedExperts), each token's
         data.seq_len rows through each of them."""
-        moe = getattr(self.cfg.model, "moe", None)
+        moe = setting(self.cfg.model, "moe")
         if moe is None:
             return None
         grouped = ("experts.gate_up_proj", "experts.down_proj")
@@ -442,7 +454,7 @@ class LanguageModelingTask(Task):
         distributed.tensor_parallel_degree: sequence parallelism splits rows evenly or its collectives disagree."""
         batch = super().collate(samples)
         # (not through a pipeline: its stages exchange activations of the shape their first micro-batch had)
-        if self.sft and not self.cfg.data.pack and self.cfg.distributed.get("pipeline_parallel_degree", 1) == 1:
+        if self.sft and not self.cfg.data.pack and setting(self.cfg.distributed, "pipeline_parallel_degree", 1) == 1:
             batch = batch[..., : rounded_up(int(real_positions(batch).max()), self.sequence_multiple)].contiguous()
         return batch
 
@@ -450,7 +462,7 @@ class LanguageModelingTask(Task):
     def sequence_multiple(self) -> int:
         """What a cut row's length is rounded up to: the tensor-parallel degree, whose ranks each hold an equal slice
         of every row's positions between layers (sequence parallelism; an uneven split breaks its collectives)."""
-        return self.cfg.distributed.get("tensor_parallel_degree", 1)
+        return setting(self.cfg.distributed, "tensor_parallel_degree", 1)
 
     def example_batch(self, batch_size: int) -> torch.Tensor:
         if self.sft:  # rows of (inputs, targets, segments): shardlab_tasks/lm/sft_packing.py
@@ -497,7 +509,7 @@ class LanguageModelingTask(Task):
         # (the memory plan's shape-only pass on meta stays eager; configs stored by older checkpoints lack the key)
         # (not for logits split over the vocabulary, distributed.loss_parallel: each rank's fp32 copy is already 1/tp
         # of them, and the compiled loss over loss_parallel's DTensor op handlers is not exercised here)
-        fuse = self.cfg.distributed.get("compile", False) and logits.device.type != "meta"
+        fuse = setting(self.cfg.distributed, "compile", False) and logits.device.type != "meta"
         fuse = fuse and not isinstance(logits, DTensor)
         loss = (compiled(next_token_loss) if fuse else next_token_loss)(logits, targets)
         n = targets.numel()
@@ -526,7 +538,7 @@ class LanguageModelingTask(Task):
         return super().train_order(seed)
 
     def plan_lines(self) -> list[str]:
-        return mixture.plan_lines(self.cfg, self.tokenizer) if self.cfg.data.get("sources") else []
+        return mixture.plan_lines(self.cfg, self.tokenizer) if setting(self.cfg.data, "sources") else []
 
     def num_units(self, batch: torch.Tensor) -> int:
         """Tokens that carry loss or attention: a fine-tuning row's padding is not counted."""

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from shardlab.config import TrainConfig
+from shardlab.task import setting
 
-def build_lm_task(cfg: DictConfig):
-    if cfg.data.get("format") == "preference":
+
+def build_lm_task(cfg: DictConfig | TrainConfig):
+    """The task of ``cfg``: a composed or recorded DictConfig, or a typed config (shardlab.task's docstring)."""
+    if setting(cfg.data, "format") == "preference":
         from shardlab_tasks.lm.dpo_task import PreferenceTask
 
         return PreferenceTask(cfg)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardlab.registry import MODELS
+from shardlab.task import setting
 from shardlab_tasks.image_classification import model as regnet
 from shardlab_tasks.self_supervised.dino import WeightNormLinear
 
@@ -105,16 +106,16 @@ def build(cfg_model, task_cfg) -> SelfSupervisedModel:
     trunk = MODELS.build(cfg_model.arch, cfg_model, 1, key="model.arch")
     feature_dim = trunk.fc.in_features
     trunk.fc = nn.Identity()
-    prototypes = getattr(task_cfg, "num_prototypes", 0)
+    prototypes = setting(task_cfg, "num_prototypes", 0)
     return SelfSupervisedModel(
         trunk,
         feature_dim,
         list(task_cfg.projection_dims),
         task_cfg.projection_bn,
         prototypes,
-        activation=getattr(task_cfg, "projection_activation", "relu"),
+        activation=setting(task_cfg, "projection_activation", "relu"),
         normalized_prototypes=task_cfg.name == "dino",
-        last_batch_norm=getattr(task_cfg, "projection_last_bn", False),  # absent from checkpoints before the key
+        last_batch_norm=setting(task_cfg, "projection_last_bn", False),  # absent from checkpoints before the key
     )
 
 

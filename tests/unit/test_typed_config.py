@@ -88,3 +88,59 @@ def test_a_value_left_missing_that_no_check_reads_is_refused_in_one_line_when_th
     OmegaConf.update(cfg, "logging.wandb.entity", MISSING)
     with pytest.raises(ConfigError, match=r"^logging.wandb.entity has no value \(\?\?\?\): give it one"):
         run_config(cfg)
+
+
+def test_the_runs_task_holds_the_trainers_typed_config_so_a_validation_batch_it_lowers_is_validated_and_recorded(
+    tiny_lm, tmp_path, monkeypatch
+):
+    """One config object in a run: the task reads and writes the trainer's dataclasses (Task.use_config, called by
+    assemble), so the validation batch fit_validation_batch lowers is the one validation reads and the checkpoint
+    records, also where the task was built from the pre-flight's own composition (shardlab.cli.checks.checked)."""
+    import copy
+
+    from shardlab.runner import build_task
+    from shardlab.trainer import Trainer
+
+    cfg = tiny_lm("optimization.max_steps=1", "validation.interval_steps=1", "validation.batch_size=100000")
+    task = build_task(copy.deepcopy(cfg), 1)  # the pre-flight's task holds its own DictConfig, not run_rank's
+    validated, loader = [], Trainer._loader
+
+    def recorded_loader(self, dataset, order, start, batch_size, num_batches=None):
+        if dataset is self.task.valid_dataset:
+            validated.append(batch_size)
+        return loader(self, dataset, order, start, batch_size, num_batches)
+
+    monkeypatch.setattr(Trainer, "_loader", recorded_loader)
+    result = run_rank(cfg, tmp_path, dist_env.detect(), task=task, after_fit=lambda t: {"trainer": t})
+    trainer = result["trainer"]
+    held = len(trainer.task.valid_dataset)
+    assert trainer.task.cfg is trainer.cfg and isinstance(trainer.task.cfg, TrainConfig)
+    assert 0 < held < 100000 and trainer.cfg.validation.batch_size == held
+    assert validated and set(validated) == {held}
+    meta = json.loads((tmp_path / "checkpoints" / "step_00000001" / "shardlab.json").read_text())
+    assert meta["config"]["validation"]["batch_size"] == held
+
+
+def test_the_section_model_pretrained_writes_is_the_runs_typed_one_and_recorded_also_for_a_task_built_typed(
+    tiny_lm, tmp_path
+):
+    """apply_pretrained writes the Hugging Face folder's model section into the config the task is built from: the
+    DictConfig a run types afterwards (the run trains, hands the task and records that section), or a typed config
+    (its section replaced by the folder schema's dataclass, as typing the DictConfig makes it)."""
+    from shardlab_tasks.lm.config import LlamaConfig
+    from shardlab_tasks.lm.task_choice import build_lm_task
+    from tests.hf_folders import make_folder
+
+    folder = make_folder("llama3", tmp_path / "hf")
+    cfg = tiny_lm(f"model.pretrained={folder}", "optimization.max_steps=1", "validation.interval_steps=0")
+    result = run_rank(cfg, tmp_path / "run", dist_env.detect(), after_fit=lambda t: {"trainer": t})
+    trainer = result["trainer"]
+    model = trainer.task.cfg.model
+    assert trainer.task.cfg is trainer.cfg and type(model) is LlamaConfig
+    assert (model.num_kv_heads, model.rope_theta, model.pretrained) == (2, 500000.0, str(folder.resolve()))
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "shardlab.json").read_text())
+    assert meta["model_config"] == as_container(model)
+
+    built_typed = build_lm_task(typed(tiny_lm(f"model.pretrained={folder}")))
+    assert type(built_typed.cfg.model) is LlamaConfig and built_typed.cfg.model == model
+    assert built_typed.cfg.data.tokenizer == str(folder.resolve() / "tokenizer.json")

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from shardlab.data import GlobalOrder
 from shardlab.errors import DataError
+from shardlab.task import setting
 from shardlab_tasks.lm.corpus.cache import cache_key, corpus_sources, read_corpus_meta
 from shardlab_tasks.lm.corpus.data import open_splits, prepare_corpus
 from shardlab_tasks.lm.loss import token_cross_entropy
@@ -239,7 +240,7 @@ class Mixture:
 
 def source_text_field(d, source) -> str:
     """A source's text field: its own, else data.text_field."""
-    return source.get("text_field") or d.get("text_field", "text")
+    return setting(source, "text_field") or setting(d, "text_field", "text")
 
 
 def open_mixture(d, tokenizer) -> Mixture:
@@ -248,7 +249,7 @@ def open_mixture(d, tokenizer) -> Mixture:
     for name, source in d.sources.items():
         corpus = prepare_corpus(
             source.path, d.cache_dir, tokenizer, d.valid_percent, d.max_corpus_mb, source_text_field(d, source),
-            d.get("num_preprocess_workers", -1),
+            setting(d, "num_preprocess_workers", -1),
         )  # fmt: skip
         try:
             train, valid = open_splits(corpus, d.seq_len)
@@ -267,7 +268,7 @@ def open_mixture(d, tokenizer) -> Mixture:
 
 def mixture_errors(d) -> list[str]:
     """data.sources' problems, each naming its key: one corpus key at a time, positive weights, corpora that exist."""
-    sources = d.get("sources") or {}
+    sources = setting(d, "sources") or {}
     if not sources:
         return []
     errors = [] if len(sources) <= PERIOD else [too_many_sources(len(sources))]
@@ -276,18 +277,18 @@ def mixture_errors(d) -> list[str]:
             "data.path and data.sources both name the training corpus; keep one (a mixture names each corpus in "
             "data.sources.<name>.path)"
         )
-    if d.get("format", "text") != "text":
+    if setting(d, "format", "text") != "text":
         errors.append(f"data.sources mixes pretraining corpora; data.format={d.format} reads one data.path")
     for name, source in sources.items():
         if "/" in name or not name:
             errors.append(f"data.sources: {name!r} cannot name a source (it names metrics: valid/<name>/loss)")
-        weight = source.get("weight")
+        weight = setting(source, "weight")
         if not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
             errors.append(
                 f"data.sources.{name}.weight must be a number > 0, finite (weights are relative: 0.8 and 0.2, or 4 "
                 f"and 1), got {weight}"
             )
-        if source.get("path") is not None:
+        if setting(source, "path") is not None:
             try:
                 corpus_sources(source.path)
             except DataError as e:
@@ -297,7 +298,7 @@ def mixture_errors(d) -> list[str]:
 
 def _weight_sum_errors(sources) -> list[str]:
     """Weights each finite can still sum past a float (1e308 twice: inf), and every share would then be 0."""
-    weights = [s.get("weight") for s in sources.values()]
+    weights = [setting(s, "weight") for s in sources.values()]
     if not all(isinstance(w, int | float) and math.isfinite(w) for w in weights):
         return []  # each bad weight is named above
     if math.isfinite(sum(float(w) for w in weights)):
@@ -320,7 +321,7 @@ def cached_meta(d, source, tokenizer) -> dict | None:
 def plan_lines(cfg, tokenizer) -> list[str]:
     """dry_run: each source's tokens, weight and the epochs of it the run reads; a warning for each that repeats."""
     d, o = cfg.data, cfg.optimization
-    samples = o.max_steps * o.batch_size * o.get("update_freq", 1)
+    samples = o.max_steps * o.batch_size * setting(o, "update_freq", 1)
     total = sum(float(s.weight) for s in d.sources.values())
     lines = [
         f"data.sources: {len(d.sources)} corpora, {samples:,} samples of {d.seq_len} tokens in {o.max_steps} steps"

@@ -26,7 +26,6 @@ The reference:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardlab.config import as_container
+from shardlab.task import setting
 from shardlab_tasks.lm.loss import token_cross_entropy
 from shardlab_tasks.lm.sft_packing import IGNORE
 
@@ -51,10 +52,10 @@ class DPOSettings:
     label_smoothing: float = 0.0
 
     @classmethod
-    def of(cls, task_cfg: Mapping[str, Any] | None) -> DPOSettings:
+    def of(cls, task_cfg: Any) -> DPOSettings:
         """task.dpo of the config (conf/task/dpo.yaml picks its schema), or the defaults where it has none or only
         some of its keys (`+task.dpo.loss_type=...` on a task without the schema: each missing key its default)."""
-        section = task_cfg.get("dpo") if task_cfg is not None else None
+        section = as_container(setting(task_cfg, "dpo"))  # a DictConfig, a dict or DPOConfig (typed)
         return (
             cls(**{k: section[k] for k in ("beta", "loss_type", "label_smoothing") if k in section})
             if section

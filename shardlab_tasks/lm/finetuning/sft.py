@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from shardlab.errors import DataError
+from shardlab.task import setting
 from shardlab_tasks.lm.corpus.binarize import is_valid_document
 from shardlab_tasks.lm.finetuning.sft_render import BoundedRenderer
 from shardlab_tasks.lm.finetuning.sft_template import ChatTemplate
@@ -249,11 +250,12 @@ def chat_sample(template: ChatTemplate, tokenizer, messages: Any, where: str, af
 
 def record_sample(record: dict, where: str, d: Any, tokenizer, template: ChatTemplate | None) -> Sample:
     """A record of data.format as a sample."""
+    after_end_of_turn = setting(d, "train_after_end_of_turn", True)
     if d.format == "chat":
         if d.messages_field not in record:
             raise DataError(f"{where}: no {d.messages_field!r} field (found: {', '.join(record)}); name it with "
                             "data.messages_field")  # fmt: skip
-        return chat_sample(template, tokenizer, record[d.messages_field], where, d.get("train_after_end_of_turn", True))
+        return chat_sample(template, tokenizer, record[d.messages_field], where, after_end_of_turn)
     for key in (d.prompt_field, d.completion_field):
         if key not in record:
             raise DataError(f"{where}: no {key!r} text field (found: {', '.join(record)}); name the fields with "
@@ -268,7 +270,7 @@ def record_sample(record: dict, where: str, d: Any, tokenizer, template: ChatTem
                         "(data.skip_bad_records=true skips such records)")  # fmt: skip
     if template is not None:
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        return chat_sample(template, tokenizer, messages, where, d.get("train_after_end_of_turn", True))
+        return chat_sample(template, tokenizer, messages, where, after_end_of_turn)
     p, c = tokenizer.encode(prompt), tokenizer.encode(completion) + [tokenizer.eod]
     return Sample(p + c, [False] * len(p) + [True] * len(c))
 
@@ -346,7 +348,7 @@ def open_sft_splits(d: Any, tokenizer, template: ChatTemplate | None, packed: bo
         records = file_records(d.path)
     splits: dict[str, list[Sample]] = {"train": [], "valid": []}
     cut, dropped, skipped, read = Named(), Named(), Named(), 0
-    skip_bad = d.get("skip_bad_records", False)
+    skip_bad = setting(d, "skip_bad_records", False)
     # a model folder's template is someone else's code: rendered in a child process with limits (sft_render.py)
     with BoundedRenderer(template) if template is not None else contextlib.nullcontext() as renderer:
         for key, where, record in records:

@@ -21,8 +21,10 @@ from typing import Any, NamedTuple
 
 from omegaconf import DictConfig
 
+from shardlab.config import TrainConfig, as_container
 from shardlab.errors import first_cause
 from shardlab.files.regular_file import NotAFile, read_small_file
+from shardlab.task import setting
 from shardlab_tasks.lm.config import ModelSection
 from shardlab_tasks.lm.hf import hf_fields as fields
 from shardlab_tasks.lm.hf import moe_hub
@@ -268,12 +270,14 @@ def _gpt2_section(hf: dict, path: Path) -> dict[str, Any]:
 
 
 # ---- model.pretrained: the folder's config.json and tokenizer as the run's model and data sections ------------------
-def apply_pretrained(cfg: DictConfig) -> Path:
+def apply_pretrained(cfg: DictConfig | TrainConfig) -> Path:
     """Write what the folder of model.pretrained decides into ``cfg``: the model section (its arch, shape and options,
     from config.json; init_std and the like stay the section's), and, where data.tokenizer is the default byte
     tokenizer, the folder's tokenizer.json with its end-of-text token. Idempotent (a rank given the resolved config
-    resolves it to the same). Returns the folder. ``cfg``: the composed DictConfig, rewritten in place (the
-    pre-flight's, before the task is built; the dataclasses are made from it later)."""
+    resolves it to the same). Returns the folder. ``cfg``: the config the task is built from, rewritten in place: the
+    composed DictConfig (the pre-flight's, or a rank's, as the task is built; the run's typed config is made from it
+    later, so the run trains with and records the folder's section), or a typed one (its model section replaced by
+    the folder's schema's dataclass)."""
     from omegaconf import OmegaConf, open_dict
 
     from shardlab_tasks.lm.config import GPTConfig, LlamaConfig
@@ -290,18 +294,19 @@ def apply_pretrained(cfg: DictConfig) -> Path:
         )
     section = model_section(read_config_json(folder), folder / "config.json")
     schema = {"gpt": GPTConfig, "llama": LlamaConfig}[section["arch"]]
-    kept = {
-        k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k in schema.__dataclass_fields__
-    }
+    kept = {k: v for k, v in as_container(cfg.model).items() if k in schema.__dataclass_fields__}
     model = OmegaConf.merge(OmegaConf.structured(schema), kept, section, {"pretrained": str(folder)})
-    with open_dict(cfg):
-        cfg.model = model
+    if not OmegaConf.is_config(cfg):  # typed: the section becomes the schema's dataclass, as typing would make it
+        cfg.model = OmegaConf.to_object(model)
+    else:
+        with open_dict(cfg):
+            cfg.model = model
     tokenizer = folder / "tokenizer.json"
     # Whatever is there (a FIFO, a dangling link) becomes data.tokenizer, for FileTokenizer to refuse in one line:
     # taken for "no tokenizer", the run would fall back to bytes against the folder's vocabulary.
     if cfg.data.tokenizer == "byte" and (tokenizer.exists() or tokenizer.is_symlink()):
         cfg.data.tokenizer = str(tokenizer)
-        if cfg.data.get("eod_token") is None:
+        if setting(cfg.data, "eod_token") is None:
             cfg.data.eod_token = eos_token(folder)
     return folder
 

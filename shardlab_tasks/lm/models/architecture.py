@@ -7,7 +7,8 @@ An architecture is an ``nn.Module`` subclass of ``LMArchitecture`` registered in
 ``(batch, length)`` token ids to ``(batch, length, vocab_size)`` logits. Its model section has at least ``max_seq_len``
 and ``vocab_size`` (the task reads both); every other key is the architecture's own, and the task refuses keys of the
 section that ``config_class`` does not declare (a GPT key set on a Llama, say). The hooks below get the model section
-as the task holds it: a DictConfig carrying ``config_class``'s schema.
+as the task holds it (shardlab_tasks.lm.config.ModelConfig), read by attribute: in a run an instance of
+``config_class``, in the pre-flight and the tools a DictConfig.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from dataclasses import fields
 from typing import ClassVar
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
-from shardlab_tasks.lm.config import ModelSection
+from shardlab_tasks.lm.config import ModelConfig
 
 
 class LMArchitecture(nn.Module):
@@ -27,12 +27,12 @@ class LMArchitecture(nn.Module):
     """The dataclass of this architecture's model section (also its schema in Hydra's ConfigStore)."""
 
     @classmethod
-    def config_errors(cls, cfg: DictConfig) -> list[str]:
+    def config_errors(cls, cfg: ModelConfig) -> list[str]:
         """Problems of the model section, each naming its dotted key (``model.dim``); checked before anything runs."""
         return []
 
     @classmethod
-    def init_tensor(cls, cfg: DictConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    def init_tensor(cls, cfg: ModelConfig, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the full value of parameter or buffer ``name`` in place from ``generator`` alone, so every rank of
         every world size draws the same model (shardlab.distributed.materialize)."""
         raise NotImplementedError(f"{cls.__name__} does not say how to initialise {name}")
@@ -48,7 +48,7 @@ class LMArchitecture(nn.Module):
         return None
 
     @classmethod
-    def tensor_parallel_errors(cls, cfg: DictConfig, vocab_size: int, degree: int) -> list[str]:
+    def tensor_parallel_errors(cls, cfg: ModelConfig, vocab_size: int, degree: int) -> list[str]:
         """Why the model section cannot split over ``degree`` tensor-parallel ranks, each line naming the key."""
         return []
 
@@ -57,6 +57,6 @@ class LMArchitecture(nn.Module):
         return {f.name for f in fields(cls.config_class)}
 
 
-def below_one(cfg: ModelSection, keys: tuple[str, ...]) -> list[str]:
+def below_one(cfg: ModelConfig, keys: tuple[str, ...]) -> list[str]:
     """Errors for the ``keys`` of the model section that are below 1."""
-    return [f"model.{key} must be >= 1, got {cfg[key]}" for key in keys if cfg[key] < 1]
+    return [f"model.{key} must be >= 1, got {getattr(cfg, key)}" for key in keys if getattr(cfg, key) < 1]

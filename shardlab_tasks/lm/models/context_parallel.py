@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardlab.task import SequenceShards
+from shardlab.task import SequenceShards, setting
 
 
 @dataclass(frozen=True)
@@ -36,18 +36,19 @@ def context_parallel_errors(cfg, degree: int, preference: bool, takes_positions:
     the task has a loss of its own (DPO's); ``takes_positions``: model.arch's forward takes ``positions``."""
     m, d = cfg.model, cfg.data
     key = f"distributed.context_parallel_degree ({degree})"
+    data_format, dropout = setting(d, "format", "text"), setting(m, "dropout", 0.0)
     refusals = (
         (d.seq_len % (2 * degree) != 0, f"{key}: data.seq_len ({d.seq_len}) must be a multiple of 2 x {degree} = "
          f"{2 * degree}: torch's load balancer gives each rank a head and a tail chunk of equal length"),
-        (d.get("format", "text") != "text", f"{key}: data.format={d.get('format')}: fine-tuning rows (per-sample "
+        (data_format != "text", f"{key}: data.format={data_format}: fine-tuning rows (per-sample "
          "masks, lengths cut per micro-batch) cannot split over the ring, which attends causally over whole rows; "
          "set it to 1"),
         (preference, f"{key}: the preference loss compares whole chosen and rejected rows; set it to 1"),
-        (bool(d.get("sources")), f"{key}: data.sources: a mixture's per-source validation does not split over "
+        (bool(setting(d, "sources")), f"{key}: data.sources: a mixture's per-source validation does not split over "
          "context ranks yet; train on one corpus or set it to 1"),
         (not takes_positions, f"{key}: model.arch={m.arch}'s forward takes no positions (each rank holds a "
          "load-balanced slice of every sequence, not positions 0..n); set it to 1"),
-        (m.get("dropout", 0.0) > 0, f"{key}: model.dropout ({m.get('dropout')}) inside the ring's attention would "
+        (dropout > 0, f"{key}: model.dropout ({dropout}) inside the ring's attention would "
          "draw other masks than one process does; set model.dropout=0"),
     )  # fmt: skip
     return [message for refused, message in refusals if refused]
