@@ -27,12 +27,12 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.data import Dataset
 
+from shardlab.config import TrainConfig
 from shardlab.data import GlobalOrder
 
-RunConfig = Any
-"""The config a task reads (Task.cfg), by attribute: the run's shardlab.config.TrainConfig, or the composed or recorded
-DictConfig (the module's docstring). ``Any`` because shardlab.task sits below shardlab.config
-(tests/unit/test_layout.py) and cannot name TrainConfig."""
+RunConfig = TrainConfig | DictConfig
+"""The config a task reads (Task.cfg), by attribute: the run's TrainConfig, or the composed or recorded DictConfig (the
+module's docstring)."""
 
 
 def setting(section: Any, key: str, default: Any = None) -> Any:

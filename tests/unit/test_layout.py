@@ -45,9 +45,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("shardlab.checkpoint", "shardlab.optim", "shardlab.memory"),
     ("shardlab.distributed",),
     ("shardlab.registry",),
+    ("shardlab.task",),  # the Task interface: a task reads the run's config, typed by the schemas below
     ("shardlab.config",),  # the schemas
     ("shardlab.files",),  # untrusted reads, durable writes, process liveness: for checkpoint/, jobs/ and the tasks
-    ("shardlab.data", "shardlab.task", "shardlab.errors", "shardlab.train_state", "shardlab"),
+    ("shardlab.data", "shardlab.errors", "shardlab.train_state", "shardlab"),
 ]
 """The floors from the top down. A module belongs to the longest name here that is it or a package holding it (the
 package ``shardlab`` itself only to its own __init__). A module may import its own floor and those below it, at
