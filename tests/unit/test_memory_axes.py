@@ -122,6 +122,20 @@ def test_pipeline_1f1b_holds_fewer_micro_batches_than_gpipe_and_interleaving_fre
     assert one.axes.traffic["pp"] > 0
 
 
+def test_the_last_stage_keeps_each_micro_batchs_output_to_the_end_of_the_step_and_concatenates_them():
+    """torch's schedule keeps the last stage's output of every micro-batch (output_chunks) and concatenates them
+    after the last backward (step's return_outputs, on as shardlab's PipelineRunner calls it): a 1F1B last stage
+    holds one micro-batch's activations at a time, but m outputs, then 2 m at the merge."""
+    logits = 5_000_000  # the head's output, far above everything else a stage keeps here
+    with_head = dataclasses.replace(profile(), output=logits)
+    layout = Layout("fully_sharded", 2, pp=4, schedule="1f1b")
+    for m in (4, 8):
+        plain = estimate_axes(profile(), layout, context(8, update_freq=m))
+        est = estimate_axes(with_head, layout, context(8, update_freq=m))
+        assert plain.axes.rank == 0 and est.axes.rank == 3  # the last stage is now the fullest
+        assert 2 * m * logits <= est.activations < 2 * m * logits + plain.activations
+
+
 def test_the_dry_run_lines_name_the_axes_and_compare_other_splits():
     prof, ctx = profile(), context(8, update_freq=8)
     chosen = Layout("fully_sharded", 2, tp=2, pp=2, activation_checkpointing=True)
