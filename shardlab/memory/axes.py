@@ -191,6 +191,10 @@ class _Stage:
     """torch's PipelineStage allocates, for every micro-batch, a buffer for the input it receives (not on the first
     stage) and one for its output's gradient (not on the last), and keeps them (stage.py, _create_act_recv_info and
     _create_grad_recv_info)."""
+    unit_grad: int = 0
+    """During every backward, the biggest unit's new gradients in the parameters' dtype, which autograd writes to
+    param.grad before FSDP's post-backward adds them into the accumulated (reduce-dtype) gradients and frees them
+    (torch 2.14 _fsdp_param.py, to_accumulated_grad_if_needed and accumulate_unsharded_grad_if_needed)."""
     step_output: int = 0
     """On the last stage, its output of one micro-batch (the logits), which torch keeps from that forward to the end
     of the step and then concatenates: forward_one_chunk appends it to output_chunks, which the schedule's step
@@ -290,6 +294,7 @@ def _stage_bytes(profile, stages, stage: int, per_unit, layout: Layout, ctx: Pla
         accumulated=ctx.reduce_bytes * trained, sharded_grads=state.grads, kept=kept, recompute=recompute,
         reduce_buffer=ctx.reduce_bytes * max((f * shard_numel(g, f) for g in sub.trainable()), default=0),
         receive_buffers=ctx.update_freq * _boundary(profile) * ((stage > 0) + (not last)),
+        unit_grad=ctx.param_bytes * max((f * shard_numel(g, f) for g in sub.trainable()), default=0),
         step_output=profile.output if last and per_unit is not None else 0,
     )  # fmt: skip
 
@@ -313,7 +318,7 @@ def _run(ops, stages: list[_Stage]) -> tuple[int, dict[str, int]]:
             continue
         live["gathered"] += s.accumulated if first else 0
         during = dict(live, activations=live["activations"] + s.recompute)
-        during["gathered"] += s.reduce_buffer if last else 0
+        during["gathered"] += s.unit_grad + (s.reduce_buffer if last else 0)
         if sum(during.values()) > peak:
             peak, at_peak = sum(during.values()), during
         live["activations"] -= s.kept

@@ -122,6 +122,17 @@ def test_pipeline_1f1b_holds_fewer_micro_batches_than_gpipe_and_interleaving_fre
     assert one.axes.traffic["pp"] > 0
 
 
+def test_a_stages_backward_holds_its_gathered_units_fp32_gradients_and_one_units_new_bf16_gradients():
+    """Under PP a stage keeps its units gathered (bf16) and their gradients unsharded in fp32 across the micro-batches;
+    during each backward the unit being differentiated also has its new gradients in bf16, which FSDP2's
+    post-backward adds into the fp32 ones and frees (_fsdp_param.py, accumulate_unsharded_grad_if_needed)."""
+    est = estimate_axes(profile(), Layout("fully_sharded", 4, pp=2, schedule="1f1b"), context(8, update_freq=8))
+    assert est.axes.rank == 0 and est.axes.stage_layers[0] == ((0, 1, 2, 3, 4),)  # embedding and four layers
+    embedding, layer = VOCAB * DIM, sum(r * w for r, w in LAYER)
+    stage = embedding + 4 * layer  # every row count divides by the 4 shards: no padding
+    assert est.gathered == (2 + 4) * stage + 2 * embedding  # the biggest unit's bf16 gradients on top
+
+
 def test_the_last_stage_keeps_each_micro_batchs_output_to_the_end_of_the_step_and_concatenates_them():
     """torch's schedule keeps the last stage's output of every micro-batch (output_chunks) and concatenates them
     after the last backward (step's return_outputs, on as shardlab's PipelineRunner calls it): a 1F1B last stage
