@@ -32,19 +32,18 @@ def test_the_70b_2d_run_is_planned_within_ten_percent_of_torchtitans_and_the_jso
 
 
 @pytest.mark.slow
-def test_the_405b_3d_runs_hold_todays_plan_and_the_schedules_difference_published():
-    """Llama 3.1 405B, FSDP 8 x TP 8 x PP 8 on 512 H100s: 1F1B 82.5 GiB, interleaved 1F1B 72.7 GiB published. The
-    plan is 14% under both (docs/distributed.md says what it leaves out); what the schedule changes it reproduces
-    within 2 GiB."""
+def test_the_405b_3d_runs_hold_todays_plan_and_where_each_schedules_fullest_rank_is():
+    """Llama 3.1 405B, FSDP 8 x TP 8 x PP 8 on 512 H100s: 1F1B 82.5 GiB, interleaved 1F1B 72.7 GiB published. 1F1B's
+    fullest rank is the first (its 8 micro-batches in flight), 13.5% under the published figure (docs/distributed.md
+    says what was checked for the rest); the interleaved run's is the last, which keeps the logits of all 8
+    micro-batches to the end of the step (torch's output_chunks), within 10%."""
     rows = recorded()
     one, loop = (plan_axes.plan(rows[k]["overrides"], "torchtitan") for k in ("405b_1f1b", "405b_interleaved"))
     assert one == rows["405b_1f1b"]["plan"] and loop == rows["405b_interleaved"]["plan"], STALE
-    assert one["in_flight"] == 8 and loop["in_flight"] == 16 and loop["bubble"] < one["bubble"]
-    published = rows["405b_1f1b"]["published_gib"] - rows["405b_interleaved"]["published_gib"]
-    planned = (one["reserved_bytes"] - loop["reserved_bytes"]) / GiB
-    assert abs(planned - published) < 2.0
-    for key, p in (("405b_1f1b", one), ("405b_interleaved", loop)):
-        assert 0.80 < p["reserved_bytes"] / GiB / rows[key]["published_gib"] < 1.0, key
+    assert (one["fullest_pipeline_rank"], one["in_flight"]) == (0, 8) and loop["fullest_pipeline_rank"] == 7
+    assert loop["bubble"] < one["bubble"] and loop["reserved_bytes"] < one["reserved_bytes"]
+    assert 0.80 < one["reserved_bytes"] / GiB / rows["405b_1f1b"]["published_gib"] < 0.90
+    assert abs(loop["reserved_bytes"] / GiB / rows["405b_interleaved"]["published_gib"] - 1) < 0.10
 
 
 def test_every_published_figure_cites_its_file_commit_table_and_row():
