@@ -26,8 +26,8 @@ checks them against the registry, listing the names it knows.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
+import pkgutil
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -574,9 +574,5 @@ def with_section_types(cfg: DictConfig, types: dict[str, str]) -> DictConfig:
         return cfg
     schema = OmegaConf.structured(TrainConfig)
     for key, name in types.items():
-        module, _, qualname = name.partition(":")
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-        schema[key] = OmegaConf.structured(found)
+        schema[key] = OmegaConf.structured(pkgutil.resolve_name(name))
     return OmegaConf.merge(schema, cfg)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import pkgutil
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -176,9 +177,8 @@ class Registry(Generic[T]):
         if name not in self._factories:
             raise ConfigError(unknown_name_message(name, self.kind, self.names(), key))
         entry = self._factories[name]
-        if isinstance(entry, str):
-            module, _, attribute = entry.partition(":")
-            entry = getattr(importlib.import_module(module), attribute)
+        if isinstance(entry, str):  # "module:attribute", imported now
+            entry = pkgutil.resolve_name(entry)
             self._factories[name] = entry
         return entry
 
