@@ -196,11 +196,12 @@ class _Stage:
     param.grad before FSDP's post-backward adds them into the accumulated (reduce-dtype) gradients and frees them
     (torch 2.14 _fsdp_param.py, to_accumulated_grad_if_needed and accumulate_unsharded_grad_if_needed)."""
     step_output: int = 0
-    """On the last stage, its output of one micro-batch (the logits), which torch keeps from that forward to the end
-    of the step and then concatenates: forward_one_chunk appends it to output_chunks, which the schedule's step
-    merges and returns (return_outputs, on unless the caller turns it off; shardlab's PipelineRunner leaves it on)
-    (torch 2.14 stage.py forward_one_chunk, schedules.py step). Torch before 2025-05 (pytorch#153383) kept every
-    stage's outputs so; other stages' outputs here go at their backward (fwd_cache), inside ``kept``."""
+    """On the last stage, where step's return_outputs is on (Layout.last_stage_outputs_kept: torch's default, as
+    torchtitan's published runs had it; shardlab's PipelineRunner turns it off), its output of one micro-batch (the
+    logits), which torch then keeps from that forward to the end of the step and concatenates: forward_one_chunk
+    appends it to output_chunks, which the schedule's step merges and returns (torch 2.14 stage.py
+    forward_one_chunk, schedules.py step). Torch before 2025-05 (pytorch#153383) kept every stage's outputs so;
+    other stages' outputs here go at their backward (fwd_cache), inside ``kept``."""
 
 
 def estimate_axes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryEstimate:
@@ -295,7 +296,7 @@ def _stage_bytes(profile, stages, stage: int, per_unit, layout: Layout, ctx: Pla
         reduce_buffer=ctx.reduce_bytes * max((f * shard_numel(g, f) for g in sub.trainable()), default=0),
         receive_buffers=ctx.update_freq * _boundary(profile) * ((stage > 0) + (not last)),
         unit_grad=ctx.param_bytes * max((f * shard_numel(g, f) for g in sub.trainable()), default=0),
-        step_output=profile.output if last and per_unit is not None else 0,
+        step_output=profile.output if last and layout.last_stage_outputs_kept and per_unit is not None else 0,
     )  # fmt: skip
 
 
