@@ -128,8 +128,12 @@ def plan(overrides: list[str], split: str = "shardlab") -> dict[str, Any]:
     world = cfg.distributed.world_size
     task = build_task(cfg, world_size=world)
     profile, ctx = profile_config(cfg, task, world, model_on_meta(task))
-    # torchtitan's published runs split the layers as torchtitan does (the middle stages taking the remainder)
-    layout = dataclasses.replace(layout_of(cfg.distributed, world), stage_split=split)
+    # torchtitan's published runs split the layers as torchtitan does (the middle stages taking the remainder), and
+    # their schedule kept the last stage's outputs (torch's step with return_outputs on, which shardlab turns off)
+    torchtitan = split == "torchtitan"
+    layout = dataclasses.replace(
+        layout_of(cfg.distributed, world), stage_split=split, last_stage_outputs_kept=torchtitan
+    )
     est = estimate(profile, layout, ctx)
     axes = est.axes
     return {

@@ -139,8 +139,11 @@ class Pipeline:
         inputs, targets = zip(*(self.task.pipeline_batch(b, self.device) for b in batches), strict=True)
         losses: list[torch.Tensor] = []
         self._stats = []
-        run = self.schedule.step if train else self.schedule.eval
-        run(arg_mbs=[(x,) for x in inputs] if self.is_first else None, target_mbs=list(targets), losses=losses)
+        arg_mbs = [(x,) for x in inputs] if self.is_first else None
+        if train:  # return_outputs off: the last stage would keep every micro-batch's logits to the step's end
+            self.schedule.step(arg_mbs=arg_mbs, target_mbs=list(targets), losses=losses, return_outputs=False)
+        else:
+            self.schedule.eval(arg_mbs=arg_mbs, target_mbs=list(targets), losses=losses)
         # The schedule may call the loss while it learns the stages' shapes: the micro-batches' are the last ones.
         stats = self._stats[len(self._stats) - len(losses) :] if self.is_last else []
         if self._keys is None:  # once: every rank learns the names of the sums, which only the last stage computes

@@ -119,6 +119,7 @@ def model_rank_profile(profile: ModelProfile, tp: int, cp: int) -> ModelProfile:
         unit_activations=acts,
         backward_workspace=workspace,
         unit_inputs=[part(n) for n in profile.unit_inputs],
+        output=part(profile.output),
         largest_outside=part(profile.largest_outside),
         activation_slack=part(profile.activation_slack),
         unit_op_outputs=None if profile.unit_op_outputs is None else [
@@ -190,6 +191,17 @@ class _Stage:
     """torch's PipelineStage allocates, for every micro-batch, a buffer for the input it receives (not on the first
     stage) and one for its output's gradient (not on the last), and keeps them (stage.py, _create_act_recv_info and
     _create_grad_recv_info)."""
+    unit_grad: int = 0
+    """During every backward, the biggest unit's new gradients in the parameters' dtype, which autograd writes to
+    param.grad before FSDP's post-backward adds them into the accumulated (reduce-dtype) gradients and frees them
+    (torch 2.14 _fsdp_param.py, to_accumulated_grad_if_needed and accumulate_unsharded_grad_if_needed)."""
+    step_output: int = 0
+    """On the last stage, where step's return_outputs is on (Layout.last_stage_outputs_kept: torch's default, as
+    torchtitan's published runs had it; shardlab's PipelineRunner turns it off), its output of one micro-batch (the
+    logits), which torch then keeps from that forward to the end of the step and concatenates: forward_one_chunk
+    appends it to output_chunks, which the schedule's step merges and returns (torch 2.14 stage.py
+    forward_one_chunk, schedules.py step). Torch before 2025-05 (pytorch#153383) kept every stage's outputs so;
+    other stages' outputs here go at their backward (fwd_cache), inside ``kept``."""
 
 
 def estimate_axes(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> MemoryEstimate:
@@ -283,13 +295,16 @@ def _stage_bytes(profile, stages, stage: int, per_unit, layout: Layout, ctx: Pla
         accumulated=ctx.reduce_bytes * trained, sharded_grads=state.grads, kept=kept, recompute=recompute,
         reduce_buffer=ctx.reduce_bytes * max((f * shard_numel(g, f) for g in sub.trainable()), default=0),
         receive_buffers=ctx.update_freq * _boundary(profile) * ((stage > 0) + (not last)),
+        unit_grad=ctx.param_bytes * max((f * shard_numel(g, f) for g in sub.trainable()), default=0),
+        step_output=profile.output if last and layout.last_stage_outputs_kept and per_unit is not None else 0,
     )  # fmt: skip
 
 
 def _run(ops, stages: list[_Stage]) -> tuple[int, dict[str, int]]:
     """The rank's peak over its ops and what it is made of: a stage's units are gathered at its first forward, its
     unsharded gradients appear at its first backward; both go at its last backward, which writes its sharded
-    gradients; each forward keeps its activations until its backward, during which the recomputation adds more."""
+    gradients; each forward keeps its activations until its backward, during which the recomputation adds more;
+    the last stage's outputs stay to the end, where the schedule concatenates them (_Stage.step_output)."""
     counts = Counter((op.stage, op.kind) for op in ops)
     seen: Counter = Counter()
     live = {"gathered": 0, "grads": 0, "activations": 0}
@@ -300,17 +315,20 @@ def _run(ops, stages: list[_Stage]) -> tuple[int, dict[str, int]]:
         first, last = seen[(op.stage, op.kind)] == 1, seen[(op.stage, op.kind)] == counts[(op.stage, op.kind)]
         if op.kind == "F":
             live["gathered"] += s.gathered if first else 0
-            live["activations"] += s.kept
+            live["activations"] += s.kept + s.step_output
             continue
         live["gathered"] += s.accumulated if first else 0
         during = dict(live, activations=live["activations"] + s.recompute)
-        during["gathered"] += s.reduce_buffer if last else 0
+        during["gathered"] += s.unit_grad + (s.reduce_buffer if last else 0)
         if sum(during.values()) > peak:
             peak, at_peak = sum(during.values()), during
         live["activations"] -= s.kept
         if last:
             live["gathered"] -= s.gathered + s.accumulated
             live["grads"] += s.sharded_grads
+    merged = sum(counts[(i, "F")] * s.step_output for i, s in enumerate(stages))
+    if merged and sum(live.values()) + merged > peak:  # after the last backward: the outputs and their concatenation
+        peak, at_peak = sum(live.values()) + merged, dict(live, activations=live["activations"] + merged)
     state = sum(s.state + s.receive_buffers for s in stages)
     at_peak["activations"] += sum(s.receive_buffers for s in stages)
     return state + peak, at_peak

@@ -58,6 +58,10 @@ class Layout:
     stage_split: str = "shardlab"
     """pp > 1: how layers split into stages (shardlab.memory.pipeline.stage_sizes): shardlab's cut, or torchtitan's
     (for comparing with its published runs; no config key)."""
+    last_stage_outputs_kept: bool = False
+    """pp > 1: whether the last stage keeps every micro-batch's output (the logits) to the end of the step, as torch's
+    schedule does when step's return_outputs is on (its default, under which torchtitan's published runs ran).
+    shardlab's PipelineRunner turns it off: it never reads them. No config key: for comparing with those runs."""
 
     @property
     def multi_axis(self) -> bool:

@@ -85,6 +85,9 @@ class ModelProfile:
     gradients and optimizer state; None: all train."""
     experts: ExpertProfile | None = None
     """A mixture-of-experts model's routed experts (shardlab.memory.experts); None: a dense model."""
+    output: int = 0
+    """Bytes of the model's output in one micro-batch (an LM's logits): what a pipeline's last stage returns, which
+    torch keeps past the micro-batch's backward (shardlab.memory.axes); 0: not traced (a profile made by hand)."""
 
     @property
     def root_params(self) -> int:
@@ -258,6 +261,8 @@ class _SavedTensors:
     the unit it was saved in (-1: outside the units), and each unit's input bytes (what checkpointing keeps)."""
 
     def __init__(self, model: nn.Module, units: list[nn.Module]) -> None:
+        self.model = model
+        self.output = 0
         self.units = units
         self.param_ids = {id(p) for p in model.parameters()}
         self.saved: dict[int, torch.Tensor] = {}  # by id of the base tensor: views of one tensor are kept once
@@ -283,10 +288,13 @@ class _SavedTensors:
     def _leave(self, module, args, output) -> None:
         self.current[0] = -1
 
+    def _returned(self, module, args, output) -> None:
+        self.output = _nbytes(output) if isinstance(output, torch.Tensor) else 0
+
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
         """Unit hooks that say which unit runs, and the saved-tensor hook, for the block."""
-        handles = []
+        handles = [self.model.register_forward_hook(self._returned)]
         for i, unit in enumerate(self.units):
             handles.append(unit.register_forward_pre_hook(self._enter(i)))
             handles.append(unit.register_forward_hook(self._leave))
@@ -339,7 +347,7 @@ def profile_model(
         restore()
     copies = list(autocast.weight_copies.values()) if autocast_device is not None else []
     fields = _activation_fields(saved, ops, copies)
-    return ModelProfile(params, unit_params, local_batch=local_batch, **shapes, **fields)
+    return ModelProfile(params, unit_params, local_batch=local_batch, output=saved.output, **shapes, **fields)
 
 
 def _activation_fields(saved: _SavedTensors, ops: _OpOutputs, copies: list[torch.Tensor]) -> dict:

@@ -122,6 +122,34 @@ def test_pipeline_1f1b_holds_fewer_micro_batches_than_gpipe_and_interleaving_fre
     assert one.axes.traffic["pp"] > 0
 
 
+def test_a_stages_backward_holds_its_gathered_units_fp32_gradients_and_one_units_new_bf16_gradients():
+    """Under PP a stage keeps its units gathered (bf16) and their gradients unsharded in fp32 across the micro-batches;
+    during each backward the unit being differentiated also has its new gradients in bf16, which FSDP2's
+    post-backward adds into the fp32 ones and frees (_fsdp_param.py, accumulate_unsharded_grad_if_needed)."""
+    est = estimate_axes(profile(), Layout("fully_sharded", 4, pp=2, schedule="1f1b"), context(8, update_freq=8))
+    assert est.axes.rank == 0 and est.axes.stage_layers[0] == ((0, 1, 2, 3, 4),)  # embedding and four layers
+    embedding, layer = VOCAB * DIM, sum(r * w for r, w in LAYER)
+    stage = embedding + 4 * layer  # every row count divides by the 4 shards: no padding
+    assert est.gathered == (2 + 4) * stage + 2 * embedding  # the biggest unit's bf16 gradients on top
+
+
+def test_a_last_stage_that_keeps_its_outputs_holds_every_micro_batchs_to_the_end_of_the_step_and_their_merge():
+    """With step's return_outputs on (torch's default, as torchtitan's published runs had it), the schedule keeps
+    the last stage's output of every micro-batch (output_chunks) and concatenates them after the last backward: a
+    1F1B last stage holds one micro-batch's activations at a time, but m outputs, then 2 m at the merge. shardlab's
+    PipelineRunner turns it off, and its plan (the default layout) keeps none."""
+    logits = 5_000_000  # the head's output, far above everything else a stage keeps here
+    with_head = dataclasses.replace(profile(), output=logits)
+    layout = Layout("fully_sharded", 2, pp=4, schedule="1f1b")
+    kept = dataclasses.replace(layout, last_stage_outputs_kept=True)
+    for m in (4, 8):
+        plain = estimate_axes(profile(), layout, context(8, update_freq=m))
+        est = estimate_axes(with_head, kept, context(8, update_freq=m))
+        assert plain.axes.rank == 0 and est.axes.rank == 3  # the last stage is now the fullest
+        assert 2 * m * logits <= est.activations < 2 * m * logits + plain.activations
+        assert estimate_axes(with_head, layout, context(8, update_freq=m)).peak == plain.peak
+
+
 def test_the_dry_run_lines_name_the_axes_and_compare_other_splits():
     prof, ctx = profile(), context(8, update_freq=8)
     chosen = Layout("fully_sharded", 2, tp=2, pp=2, activation_checkpointing=True)

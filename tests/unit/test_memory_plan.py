@@ -69,6 +69,9 @@ def test_activations_scale_with_the_batch_linearly_in_sequence_length_and_halve_
     assert sum(long.unit_activations) == pytest.approx(2 * sum(p32.unit_activations), rel=0.01)
     assert sum(p16.unit_activations) == pytest.approx(sum(p32.unit_activations) / 2, rel=0.05)
     assert p32.unit_activations[0] > 10 * p32.unit_inputs[0]  # a block keeps far more than its input
+    # the model's output, the fp32 logits (what a pipeline's last stage keeps per micro-batch): batch x seq x vocab
+    assert p32.output == 4 * (32 // 4) * 512 * compose_config(base).model.vocab_size
+    assert p16.output == p32.output // 2
 
 
 def test_activation_checkpointing_keeps_unit_inputs_and_one_recomputed_unit():

@@ -90,6 +90,30 @@ def test_a_dtensors_private_local_tensor_is_its_public_local_shard():
         dist.destroy_process_group()
 
 
+def test_a_pipeline_schedule_keeps_the_last_stages_outputs_only_when_step_returns_them():
+    """The memory plan's _Stage.step_output (shardlab.memory.axes): a schedule's step with return_outputs on (torch's
+    default, as torchtitan's published runs called it) ends holding every micro-batch's output in output_chunks and
+    returns their concatenation; called as shardlab's PipelineRunner calls it (return_outputs=False) it keeps none."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for returned in (True, False):
+            stage = PipelineStage(nn.Linear(4, 6), 0, 1, torch.device("cpu"))
+            schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=lambda out, target: (out - target).square().mean())
+            losses: list[torch.Tensor] = []
+            merged = schedule.step(arg_mbs=[(torch.randn(2, 4),) for _ in range(4)], target_mbs=[torch.zeros(2, 6)] * 4,
+                                   losses=losses, return_outputs=returned)  # fmt: skip
+            assert len(losses) == 4
+            if returned:
+                assert [o.shape for o in stage.output_chunks] == [(2, 6)] * 4 and merged.shape == (8, 6)
+            else:
+                assert stage.output_chunks == [] and merged is None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_async_tensor_parallels_switches_are_where_torchtitan_sets_them():
     """distributed.async_tensor_parallel sets inductor's micro-pipeline TP pass flag and enables symmetric memory for
     the tp group (CUDA only; here only that both names exist and the flag is a bool, off by default)."""
