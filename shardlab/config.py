@@ -511,10 +511,11 @@ carries the schema its yaml option named, a config read back from text does not.
 
 def typed(cfg: DictConfig | TrainConfig) -> TrainConfig:
     """The composed config as the dataclasses (OmegaConf.to_object), made once where a run is put together
-    (shardlab.runner.run_rank) and passed typed to the trainer, the backend and the checkpointer. Sections that carry
-    no schema (a plug-in registered without ``dataclass=``/``data=``) stay a DictConfig, resolved: attribute access
-    reads them alike. A config that lost its schemas in text (a spawned rank's) is given them first
-    (``with_section_types``); one without the root's schema is typed section by section (``typed_by_section``)."""
+    (shardlab.runner.run_rank) and passed typed to the trainer, the backend, the checkpointer and the task
+    (Task.use_config). Sections that carry no schema (a plug-in registered without ``dataclass=``/``data=``) stay a
+    DictConfig, resolved: attribute access reads them alike. A config that lost its schemas in text (a spawned
+    rank's) is given them first (``with_section_types``); one without the root's schema is typed section by section
+    (``typed_by_section``)."""
     if isinstance(cfg, TrainConfig):
         return cfg
     if OmegaConf.get_type(cfg) is not TrainConfig:
