@@ -211,11 +211,11 @@ def test_folder_without_class_folders_raises_one_line_data_error_naming_the_path
     assert one_line(e.value).startswith("data.path: ") and str(tmp_path) in str(e.value)
 
 
-def test_cli_answers_a_path_without_class_folders_in_one_line_with_exit_code_2(tmp_path):
+def test_cli_answers_a_path_without_class_folders_in_one_line_with_exit_code_2(tmp_path, cli_forks):
     (tmp_path / "data" / "train").mkdir(parents=True)
     (tmp_path / "data" / "val").mkdir()
     args = ["task=image_classification", f"data.path={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"]
-    out = subprocess.run([sys.executable, "-m", "shardlab.train", *args], capture_output=True, text=True)
+    out = cli_forks.run(*args)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == (
         f"error: data.path: {tmp_path / 'data' / 'train'} has no class folders with images (Couldn't find any class "
