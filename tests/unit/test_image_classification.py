@@ -75,10 +75,11 @@ def test_config_errors_are_collected_and_name_their_keys():
 
 
 def test_lm_path_never_imports_torchvision():
+    """Nor, for a run without a pipeline, torch's pipelining: it imports torch._dynamo (~1 s at every CLI start)."""
     code = (
-        "import sys; from tests.conftest import compose_config; from shardlab.runner import build_task; "
-        "build_task(compose_config(['task=lm'])); "
-        "print(sorted(m for m in sys.modules if m.startswith('torchvision')))"
+        "import sys; import shardlab.train, shardlab.cli.checks; from tests.conftest import compose_config; "
+        "from shardlab.runner import build_task; build_task(compose_config(['task=lm'])); "
+        "print(sorted(m for m in sys.modules if m.startswith(('torchvision', 'torch.distributed.pipelining'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
