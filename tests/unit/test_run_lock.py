@@ -603,9 +603,10 @@ def test_without_hard_links_the_lock_is_created_by_an_exclusive_open(tmp_path, m
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_second_training_job_on_a_folder_in_use_fails_in_one_line_naming_the_first(tmp_path, corpus_cache):
-    cmd = [sys.executable, "-m", "shardlab.train", *TINY_LM, f"data.cache_dir={corpus_cache}",
-           f"hydra.run.dir={tmp_path}", "optimization.max_steps=100000", "validation.interval_steps=0"]  # fmt: skip
+def test_a_second_training_job_on_a_folder_in_use_fails_in_one_line_naming_the_first(tmp_path, corpus_cache, cli_forks):
+    args = [*TINY_LM, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={tmp_path}", "optimization.max_steps=100000",
+            "validation.interval_steps=0"]  # fmt: skip
+    cmd = [sys.executable, "-m", "shardlab.train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "5151"}
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -613,8 +614,7 @@ def test_a_second_training_job_on_a_folder_in_use_fails_in_one_line_naming_the_f
         while (run_record.read(tmp_path) or {}).get("step", 0) < 1:
             assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-2000:]
             time.sleep(0.2)
-        second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                                timeout=180)  # fmt: skip
+        second = cli_forks.run(*args, env={"SLURM_JOB_ID": "5151"}, timeout=180)  # refused: a fork of the warm CLI
         assert second.returncode == 2
         (line,) = second.stderr.strip().splitlines()
         assert line.startswith(f"error: {tmp_path} is in use by job 5151 (host {socket.gethostname()}, pid {first.pid}")
