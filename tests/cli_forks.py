@@ -85,10 +85,11 @@ class Result:
 class CliForks:
     """One server (a test module's fixture holds it); ``run(*args, env=..., cwd=...)`` is one CLI command."""
 
-    def __init__(self, scratch: Path):
+    def __init__(self, scratch: Path, environ: dict[str, str] | None = None):
+        """``environ``: the server's environment (default: this process's now), which every command starts from."""
         self.scratch = scratch
         self.count = 0
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**(os.environ if environ is None else environ), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.server = subprocess.Popen(
             [sys.executable, "-c", SERVER],
             cwd=ROOT,

@@ -99,6 +99,24 @@ def crash_lm_loss_at(monkeypatch):
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
+SESSION_ENVIRON = dict(os.environ)
+"""The environment pytest started with: what cli_forks's commands start from."""
+
+
+@pytest.fixture(scope="session")
+def cli_forks(tmp_path_factory):
+    """The trainer's CLI for commands that end before training (refusals, dry runs): one start per worker, a fork per
+    command (tests/cli_forks.py). A session's, not a module's: a dozen files each ran ``python -m shardlab.train``
+    once or twice for ~0.5 s of work behind ~3 s of imports. test_cli's test_a_fresh_interpreter_refuses_as_the_forks_do
+    checks a fork shows what a fresh ``python -m`` shows."""
+    from tests.cli_forks import CliForks
+
+    # the session's environment, not that of the test that happens to ask first (a monkeypatched HOME, say)
+    forks = CliForks(tmp_path_factory.mktemp("cli_forks"), SESSION_ENVIRON)
+    yield forks
+    forks.close()
+
+
 @pytest.fixture(autouse=True)
 def stop_signal_handlers_are_put_back():
     """Each test starts with the stop-signal handlers the session had: a run in this process that a test cut short

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardlab.distributed.pipeline import layer_ranges
-from shardlab.distributed.pipeline import rank_stages as real_rank_stages
-
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
 """Schedules the plan knows, by distributed.pipeline_schedule."""
 LOOPED = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
@@ -32,6 +29,10 @@ def stage_sizes(num_layers: int, num_stages: int, split: str = "shardlab") -> li
     9dec370), ``num_layers // num_stages`` each and one more for each middle stage while the remainder lasts, the
     last stage taking what is left (the published runs shardlab_bench/plan_axes.py compares with)."""
     if split == "shardlab":  # the real cut's own function, so the plan cannot drift from what runs
+        # imported here, not at the top: that module imports torch's pipelining and with it torch._dynamo (~1 s), which
+        # every start (each CLI command, each spawned rank) paid through the runner's memory plan, pipeline or not
+        from shardlab.distributed.pipeline import layer_ranges
+
         return [len(layers) for layers in layer_ranges(num_layers, num_stages)]
     base, extra = divmod(num_layers, num_stages)
     sizes = [base] * num_stages
@@ -49,6 +50,8 @@ def rank_stages(rank: int, pp: int, stages_per_rank: int, schedule: str = "1f1b"
     schedule (zbv) folds back (rank, 2 pp - 1 - rank). The loop is shardlab.distributed.pipeline's own placement."""
     if schedule == "zbv_zero_bubble":
         return [rank, 2 * pp - 1 - rank]
+    from shardlab.distributed.pipeline import rank_stages as real_rank_stages  # here, not at the top: stage_sizes
+
     return real_rank_stages(rank, pp, stages_per_rank)
 
 

@@ -8,7 +8,6 @@ import pytest
 from shardlab.cli import checks
 from shardlab.errors import ConfigError
 from tests.conftest import compose_config
-from tests.unit.test_cli import train_cli
 
 LLAMA = ["model=llama_tiny", "model.dim=64", "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_dim=128"]
 TP = ["distributed.backend=fully_sharded", "distributed.tensor_parallel_degree"]
@@ -160,11 +159,11 @@ def test_context_parallel_passes_the_pre_flight_on_a_cuda_machine(tiny_lm):
         *(pytest.param(c, marks=pytest.mark.slow) for c in ("context on cpu", "experts the degree does not divide")),
     ],
 )
-def test_the_command_line_refuses_before_any_rank_starts(case, tmp_path, corpus_cache):
+def test_the_command_line_refuses_before_any_rank_starts(case, tmp_path, corpus_cache, cli_forks):
     """One line, exit code 2, nothing written: the run folder is never made."""
     overrides, pattern = REFUSED[case]
-    proc = train_cli(*overrides, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={tmp_path}/run")
-    out, err = proc.communicate(timeout=300)
+    proc = cli_forks.run(*overrides, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={tmp_path}/run")
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 2 and "[train]" not in out, (out, err)
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), err

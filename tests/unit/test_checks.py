@@ -162,7 +162,9 @@ def snapshot(folder: Path) -> dict[str, tuple[bytes | None, int]]:
     }
 
 
-def test_values_found_after_status_json_or_at_the_optimizer_before_now_leave_the_run_folder_untouched(tmp_path):
+def test_values_found_after_status_json_or_at_the_optimizer_before_now_leave_the_run_folder_untouched(
+    tmp_path, cli_forks
+):
     """model.num_heads, a task's own check, came after status.json and the lock; optimizer.name after the weights were
     materialized on every rank. Both now come in one line, before the run folder is touched."""
     run = tmp_path / "run"
@@ -173,7 +175,7 @@ def test_values_found_after_status_json_or_at_the_optimizer_before_now_leave_the
     (run / "checkpoints" / "step_10" / ".metadata").write_bytes(b"kept")
     before = snapshot(run)
     bad = ("model.num_heads=3", "optimizer.name=adamv")
-    done = cli("model.num_layers=1", "model.dim=64", "data.max_corpus_mb=1", *bad, f"hydra.run.dir={run}")
+    done = cli_forks.run("model.num_layers=1", "model.dim=64", "data.max_corpus_mb=1", *bad, f"hydra.run.dir={run}")
     assert done.returncode == 2, done.stderr[-2000:]
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith("error: "), done.stderr

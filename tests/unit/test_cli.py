@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from shardlab.runner import build_task, print_plan
-from tests.cli_forks import CliForks
 from tests.conftest import TINY_LM, compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,15 +35,6 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     proc = train_cli(*args)
     out, err = proc.communicate(timeout=300)
     return proc.returncode, out, err
-
-
-@pytest.fixture(scope="module")
-def cli_forks(tmp_path_factory):
-    """The refusal cases' CLI: one start, a fork per command (tests/cli_forks.py);
-    test_a_fresh_interpreter_refuses_as_the_forks_do checks a fork shows what a fresh ``python -m`` shows."""
-    forks = CliForks(tmp_path_factory.mktemp("cli_forks"))
-    yield forks
-    forks.close()
 
 
 @pytest.fixture(scope="module")

@@ -91,13 +91,10 @@ def test_a_number_that_is_not_finite_or_out_of_range_is_refused_in_one_line(over
     assert "\n" not in str(e.value)
 
 
-def test_the_cli_refuses_lr_inf_in_one_line_with_exit_code_2_and_writes_nothing(tmp_path):
-    import subprocess
-    import sys
-
+def test_the_cli_refuses_lr_inf_in_one_line_with_exit_code_2_and_writes_nothing(tmp_path, cli_forks):
     run = tmp_path / "run"
     args = ["optimizer.lr=inf", f"hydra.run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}"]
-    out = subprocess.run([sys.executable, "-m", "shardlab.train", *args], capture_output=True, text=True, cwd=tmp_path)
+    out = cli_forks.run(*args, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == "error: optimizer.lr must be a finite number, got inf; give a finite value"
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run folder, no cache, no lock

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import subprocess
-import sys
 import typing
 
 import pytest
@@ -241,9 +239,9 @@ def test_the_codes_own_tables_agree_with_the_schemas_choices():
     assert tuple(EXPERT_IMPLS) == choices["model.moe.experts_impl"]
 
 
-def test_the_cli_refuses_a_choice_in_one_line_with_exit_code_2_and_writes_nothing(tmp_path):
+def test_the_cli_refuses_a_choice_in_one_line_with_exit_code_2_and_writes_nothing(tmp_path, cli_forks):
     args = ["distributed.pipeline_schedule=2f2b", f"hydra.run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path}/c"]
-    out = subprocess.run([sys.executable, "-m", "shardlab.train", *args], capture_output=True, text=True, cwd=tmp_path)
+    out = cli_forks.run(*args, cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == (
         "error: distributed.pipeline_schedule must be one of gpipe, 1f1b, interleaved_1f1b, got '2f2b'"

@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from shardlab.cli.preflight import with_home_expanded
@@ -24,12 +21,10 @@ def test_a_leading_tilde_of_a_value_or_of_a_sweeps_value_is_the_home_folder(monk
     ]  # fmt: skip
 
 
-def test_the_cli_reads_a_tilde_path_from_home_instead_of_failing_in_hydras_lexer(tmp_path):
-    env = {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardlab.train", "model.pretrained=~/models/Qwen2.5-0.5B", "dry_run=true"],
-        cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+def test_the_cli_reads_a_tilde_path_from_home_instead_of_failing_in_hydras_lexer(tmp_path, cli_forks):
+    proc = cli_forks.run(
+        "model.pretrained=~/models/Qwen2.5-0.5B", "dry_run=true", env={"HOME": str(tmp_path)}, cwd=tmp_path
+    )
     assert proc.returncode == 2, proc.stderr
     assert "LexerNoViableAltException" not in proc.stderr
     assert f"{tmp_path}/models/Qwen2.5-0.5B" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -75,10 +75,11 @@ def test_config_errors_are_collected_and_name_their_keys():
 
 
 def test_lm_path_never_imports_torchvision():
+    """Nor, for a run without a pipeline, torch's pipelining: it imports torch._dynamo (~1 s at every CLI start)."""
     code = (
-        "import sys; from tests.conftest import compose_config; from shardlab.runner import build_task; "
-        "build_task(compose_config(['task=lm'])); "
-        "print(sorted(m for m in sys.modules if m.startswith('torchvision')))"
+        "import sys; import shardlab.train, shardlab.cli.checks; from tests.conftest import compose_config; "
+        "from shardlab.runner import build_task; build_task(compose_config(['task=lm'])); "
+        "print(sorted(m for m in sys.modules if m.startswith(('torchvision', 'torch.distributed.pipelining'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -211,11 +212,11 @@ def test_folder_without_class_folders_raises_one_line_data_error_naming_the_path
     assert one_line(e.value).startswith("data.path: ") and str(tmp_path) in str(e.value)
 
 
-def test_cli_answers_a_path_without_class_folders_in_one_line_with_exit_code_2(tmp_path):
+def test_cli_answers_a_path_without_class_folders_in_one_line_with_exit_code_2(tmp_path, cli_forks):
     (tmp_path / "data" / "train").mkdir(parents=True)
     (tmp_path / "data" / "val").mkdir()
     args = ["task=image_classification", f"data.path={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"]
-    out = subprocess.run([sys.executable, "-m", "shardlab.train", *args], capture_output=True, text=True)
+    out = cli_forks.run(*args)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == (
         f"error: data.path: {tmp_path / 'data' / 'train'} has no class folders with images (Couldn't find any class "

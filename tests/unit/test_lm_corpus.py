@@ -18,7 +18,7 @@ from shardlab_tasks.lm.corpus.cache import prepare_corpus
 from shardlab_tasks.lm.corpus.corpus import find_sources, read_blocks
 from shardlab_tasks.lm.corpus.data import open_splits
 from shardlab_tasks.lm.corpus.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
-from tests.unit.test_cli import ROOT, run_cli
+from tests.unit.test_cli import ROOT
 
 
 def tokens(corpus_dir, split="train"):
@@ -130,12 +130,13 @@ def test_an_interrupted_binarization_leaves_no_complete_looking_cache(tmp_path, 
     assert (out / "meta.json").is_file() and [p.name for p in (tmp_path / "cache").iterdir()] == [out.name]
 
 
-def test_a_tokenizer_file_that_does_not_parse_is_a_one_line_error_naming_it(tmp_path):
+def test_a_tokenizer_file_that_does_not_parse_is_a_one_line_error_naming_it(tmp_path, cli_forks):
     bad = tmp_path / "tokenizer.json"
     bad.write_text('{"model": "nope"}')
     with pytest.raises(DataError, match=rf"data.tokenizer: {bad} is not a tokenizer.json"):
         load_tokenizer(str(bad))
-    code, out, err = run_cli(f"data.tokenizer={bad}", f"data.cache_dir={tmp_path / 'cache'}")
+    done = cli_forks.run(f"data.tokenizer={bad}", f"data.cache_dir={tmp_path / 'cache'}")
+    code, err = done.returncode, done.stderr
     assert code == 2 and err.strip().startswith("error: data.tokenizer:") and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "cache").exists()  # refused before any data work
 
@@ -450,24 +451,25 @@ def test_a_glob_of_parquet_shards_reuses_the_cache_of_their_folder_and_a_replace
     assert changed != folder and not same_tokens(changed, folder)
 
 
-def refusal(tmp_path, path: Path, *overrides: str) -> str:
+def refusal(tmp_path, cli_forks, path: Path, *overrides: str) -> str:
     """The training CLI's stderr for data.path=``path``, asserting it is one line, exit code 2, and left no cache."""
     run = tmp_path / "run"
-    code, out, err = run_cli(
+    done = cli_forks.run(
         f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}", *overrides
     )
+    code, out, err = done.returncode, done.stdout, done.stderr
     assert code == 2, (out, err)
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert not [p for p in (tmp_path / "cache").glob("*") if (p / "meta.json").exists()]
     return err.strip()
 
 
-def test_a_corrupt_parquet_shard_is_refused_in_one_line_naming_it_before_training(tmp_path):
+def test_a_corrupt_parquet_shard_is_refused_in_one_line_naming_it_before_training(tmp_path, cli_forks):
     shards = [shipped_documents(30)[k::3] for k in range(3)]
     write_parquet_shards(tmp_path / "shards", shards)
     shard = tmp_path / "shards" / "part-2.parquet"
     shard.write_bytes(shard.read_bytes()[:-100])  # a download cut short: the footer is gone
-    err = refusal(tmp_path, tmp_path / "shards")
+    err = refusal(tmp_path, cli_forks, tmp_path / "shards")
     assert re.fullmatch(rf"error: {shard}: not a readable Parquet file \(.*\); the file is damaged: download .*", err)
     assert "Traceback" not in err
 

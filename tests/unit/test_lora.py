@@ -143,18 +143,19 @@ H100_8 = [
 def test_llama_3_1_8b_plans_for_8_h100s_with_lora_and_counts_grads_and_optimizer_of_the_adapters_only(capsys):
     from shardlab.memory.estimate import collectives
     from shardlab.memory.layout import layout_of
-    from shardlab.memory.plan import plan_run, profile_config
+    from shardlab.memory.plan import one_profile_per_run, plan_run, profile_config
     from shardlab.runner import print_plan
 
     lora = ["model.lora.rank=16", "model.lora.target_modules=[attn.*,mlp.*]"]
     plans, sent, ctx = {}, {}, None
-    for name, extra in (("full", []), ("lora", lora)):
-        task = task_of(LLAMA31_8B, *H100_8, *extra)
-        plans[name] = plan_run(task.cfg, task, 8, model_on_meta(task)).estimate
-        profile, ctx = profile_config(task.cfg, task, 8, model_on_meta(task))
-        for c in collectives(profile, layout_of(task.cfg.distributed, 8), ctx):  # each op's input over the 8 ranks
-            sent[name, c.op] = sent.get((name, c.op), 0) + c.bytes * c.group_size * c.count
-    print_plan(task.cfg, task)
+    with one_profile_per_run():  # as a run does: each 8B model's meta forward profiled once, not by every caller
+        for name, extra in (("full", []), ("lora", lora)):
+            task = task_of(LLAMA31_8B, *H100_8, *extra)
+            plans[name] = plan_run(task.cfg, task, 8, model_on_meta(task)).estimate
+            profile, ctx = profile_config(task.cfg, task, 8, model_on_meta(task))
+            for c in collectives(profile, layout_of(task.cfg.distributed, 8), ctx):  # each op's input over 8 ranks
+                sent[name, c.op] = sent.get((name, c.op), 0) + c.bytes * c.group_size * c.count
+        print_plan(task.cfg, task)
     assert "h100_80gb" in capsys.readouterr().out
     full, lora_plan = plans["full"], plans["lora"]
     # 8.03B base; per layer, rank 16 times (in + out) of q, o (4096, 4096), k, v (4096, 1024), gate, up, down (4096,

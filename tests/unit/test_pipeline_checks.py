@@ -60,11 +60,9 @@ def test_an_image_model_is_refused_a_pipeline_degree():
         checks.check(cfg)
 
 
-def test_the_command_line_refuses_a_pipeline_in_one_line_and_writes_nothing(tmp_path):
-    from tests.unit.test_cli import train_cli
-
-    proc = train_cli(*PP, "distributed.pipeline_schedule=interleaved_1f1b", f"hydra.run.dir={tmp_path}/run")
-    _, err = proc.communicate(timeout=300)
+def test_the_command_line_refuses_a_pipeline_in_one_line_and_writes_nothing(tmp_path, cli_forks):
+    proc = cli_forks.run(*PP, "distributed.pipeline_schedule=interleaved_1f1b", f"hydra.run.dir={tmp_path}/run")
+    err = proc.stderr
     assert proc.returncode == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert "distributed.pipeline_schedule=interleaved_1f1b runs several stages per rank" in err
     assert not (tmp_path / "run").exists()

@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +18,7 @@ from shardlab.cli.preflight import preflight
 from shardlab.errors import ConfigError, DataError
 from shardlab.jobs.run_folders import writable_dir_problem
 from shardlab.runner import build_task, prepare_data
-from tests.conftest import ROOT, TINY_LM, compose_config
+from tests.conftest import TINY_LM, compose_config
 
 
 # ---- directories: created, written in, and removed again ---------------------------------------------------------
@@ -98,14 +96,14 @@ def test_ranks_of_one_job_never_remove_the_run_directory_another_is_starting_in(
 
 
 def test_a_checkpoint_dir_that_climbs_out_of_the_run_is_refused_in_one_line_before_anything_is_written(
-    tmp_path, corpus_cache
+    tmp_path, corpus_cache, cli_forks
 ):
     """checkpoint.dir=../../elsewhere: every run would share that folder (resume, save and prune each other's
     checkpoints) while each held only its own run's lock. It used to be accepted."""
     run = tmp_path / "runs" / "a"
-    cmd = [sys.executable, "-m", "shardlab.train", *TINY_LM, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={run}",
-           "checkpoint.dir=../../elsewhere", "optimization.max_steps=3"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    args = [*TINY_LM, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={run}", "checkpoint.dir=../../elsewhere",
+            "optimization.max_steps=3"]  # fmt: skip
+    proc = cli_forks.run(*args)
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: checkpoint.dir=../../elsewhere leaves the run folder through '..'")

@@ -12,7 +12,7 @@ STEPS = ["optimization.max_steps=2", "checkpoint.interval_steps=2", "lr_schedule
 
 
 def test_a_requeue_without_its_pretrained_folder_is_refused_in_one_line_and_resumes_once_it_is_back(
-    tmp_path, corpus_cache
+    tmp_path, corpus_cache, cli_forks
 ):
     folder = make_folder("llama3_tied", tmp_path / "hf")
     command = [
@@ -23,7 +23,9 @@ def test_a_requeue_without_its_pretrained_folder_is_refused_in_one_line_and_resu
     assert code == 0, err
     assert (tmp_path / "run" / "checkpoints" / "step_00000002").is_dir()
     folder.rename(tmp_path / "moved")
-    code, out, err = run_cli(*command, "optimization.max_steps=3")  # the requeue: its checkpoint has the weights
+    # the requeue, refused in pre-flight: a fork of the warmed CLI (conftest's cli_forks) spares an interpreter start
+    refused = cli_forks.run(*command, "optimization.max_steps=3")  # its checkpoint has the weights
+    code, err = refused.returncode, refused.stderr
     lines = err.strip().splitlines()
     assert code != 0 and "Traceback" not in err
     assert lines[-1].startswith(f"error: model.pretrained: {folder} does not exist;"), err

@@ -472,7 +472,7 @@ def test_a_refused_job_leaves_the_running_jobs_folder_byte_identical(tmp_path, c
         holder.wait()
 
 
-def test_a_refused_sweep_point_leaves_the_running_points_folder_byte_identical(tmp_path, corpus_cache):
+def test_a_refused_sweep_point_leaves_the_running_points_folder_byte_identical(tmp_path, corpus_cache, cli_forks):
     """The same for a point of a sweep (Hydra's multirun), where Hydra's run_job wrote the point's .hydra/ before the
     task function took the lock: the point's record is now written once the lock is held (preflight:
     write_record_when_held), and a refused point writes none. The sweep goes on past it, the error in its words."""
@@ -486,10 +486,9 @@ def test_a_refused_sweep_point_leaves_the_running_points_folder_byte_identical(t
         for p in [run, *run.rglob("*")]:
             os.utime(p, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
         before = snapshot(run)
-        cmd = [sys.executable, "-m", "shardlab.train", "-m", *TINY_LM, f"data.cache_dir={corpus_cache}",
-               f"hydra.sweep.dir={run.parent}", "hydra.sweep.subdir=p0", "optimizer.lr=0.5"]  # fmt: skip
-        second = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "SLURM_JOB_ID": "5151"}, capture_output=True,
-                                text=True, timeout=180)  # fmt: skip
+        args = ["-m", *TINY_LM, f"data.cache_dir={corpus_cache}", f"hydra.sweep.dir={run.parent}",
+                "hydra.sweep.subdir=p0", "optimizer.lr=0.5"]  # fmt: skip
+        second = cli_forks.run(*args, env={"SLURM_JOB_ID": "5151"}, timeout=180)  # a fork of the warmed CLI
         assert f"error: {run} is in use by job 5151" in second.stderr, second.stderr[-3000:]
         assert "Callback" not in second.stderr  # no callback failed (Hydra turns their errors into warnings)
         assert snapshot(run) == before
@@ -603,9 +602,10 @@ def test_without_hard_links_the_lock_is_created_by_an_exclusive_open(tmp_path, m
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_second_training_job_on_a_folder_in_use_fails_in_one_line_naming_the_first(tmp_path, corpus_cache):
-    cmd = [sys.executable, "-m", "shardlab.train", *TINY_LM, f"data.cache_dir={corpus_cache}",
-           f"hydra.run.dir={tmp_path}", "optimization.max_steps=100000", "validation.interval_steps=0"]  # fmt: skip
+def test_a_second_training_job_on_a_folder_in_use_fails_in_one_line_naming_the_first(tmp_path, corpus_cache, cli_forks):
+    args = [*TINY_LM, f"data.cache_dir={corpus_cache}", f"hydra.run.dir={tmp_path}", "optimization.max_steps=100000",
+            "validation.interval_steps=0"]  # fmt: skip
+    cmd = [sys.executable, "-m", "shardlab.train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "5151"}
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -613,8 +613,7 @@ def test_a_second_training_job_on_a_folder_in_use_fails_in_one_line_naming_the_f
         while (run_record.read(tmp_path) or {}).get("step", 0) < 1:
             assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-2000:]
             time.sleep(0.2)
-        second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                                timeout=180)  # fmt: skip
+        second = cli_forks.run(*args, env={"SLURM_JOB_ID": "5151"}, timeout=180)  # refused: a fork of the warm CLI
         assert second.returncode == 2
         (line,) = second.stderr.strip().splitlines()
         assert line.startswith(f"error: {tmp_path} is in use by job 5151 (host {socket.gethostname()}, pid {first.pid}")

@@ -207,18 +207,10 @@ def test_a_tracking_uri_mlflow_has_no_store_for_is_refused_at_the_preflight(tiny
     assert not (ROOT / "never-created.db").exists()
 
 
-def test_the_cli_refuses_a_tracking_uri_mlflow_has_no_store_for_before_anything_is_written(tmp_path):
+def test_the_cli_refuses_a_tracking_uri_mlflow_has_no_store_for_before_anything_is_written(tmp_path, cli_forks):
     run_dir = tmp_path / "run"
     overrides = ["logging.mlflow.enabled=true", "logging.mlflow.tracking_uri=nosuchscheme://x"]
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    done = subprocess.run(
-        [sys.executable, "-m", "shardlab.train", *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    done = cli_forks.run(*overrides, f"hydra.run.dir={run_dir}", env={"MLFLOW_TRACKING_URI": None}, cwd=ROOT)
     assert done.returncode == 2  # it trained to the end and exited 0
     assert done.stderr.strip().splitlines() == ["error: " + NO_STORE.format(key="logging.mlflow.tracking_uri")]
     assert not run_dir.exists()
