@@ -4,9 +4,10 @@ that it ends exactly where an uninterrupted run ends and that a complete checkpo
     python -m shardlab_bench kill_loop --kills 10 --out kill_loop.json                        # the default LM run
     python -m shardlab_bench kill_loop --kills 3 --out k.json -- model.num_layers=2 ...       # any training overrides
 
-Every ``--save-every``-th kill waits for a checkpoint being written (a step_N.tmp folder) and kills during it; the
-others kill after a random delay. After each kill the newest complete checkpoint must load (its model tensors are read
-through DCP). The final checkpoint's weights are compared with torch.equal, the final validation line as printed.
+Every ``--save-every``-th kill waits for a checkpoint being written (a new step_N.tmp folder) beside a complete one
+and kills during it; the others kill after a random delay. After each kill the newest complete checkpoint must load
+(its model tensors are read through DCP). The final checkpoint's weights are compared with torch.equal, the final
+validation line as printed.
 """
 
 from __future__ import annotations
@@ -60,23 +61,42 @@ def run_to_end(run_dir: Path, overrides: list[str]) -> tuple[str, float]:
     return text, time.perf_counter() - began
 
 
+def saves_in_progress(root: Path) -> set[tuple[str, int]]:
+    """The step_N.tmp folders in ``root`` by (name, inode): a folder a killed start left behind keeps its inode, one a
+    later save writes anew has another."""
+    try:  # the pre-flight check creates and removes the folder once at start-up: it may vanish between two calls
+        return {(p.name, p.stat().st_ino) for p in root.iterdir() if p.name.endswith(".tmp")}
+    except FileNotFoundError:
+        return set()
+
+
+def has_complete(root: Path) -> bool:
+    """Whether ``root`` holds a complete checkpoint (by its listing: cheap enough to ask every few milliseconds)."""
+    try:
+        return bool(complete_checkpoints(root)) or any(p.name.endswith(REPLACED) for p in root.iterdir())
+    except FileNotFoundError:  # the pre-flight's check of the folder, or no folder yet
+        return False
+
+
 def kill_once(run_dir: Path, overrides: list[str], during_save: bool, delay: float, rng: random.Random) -> dict:
+    """Start the run and SIGKILL it: after ``delay`` seconds, or (``during_save``) while this start writes a checkpoint
+    beside a complete one, so that the kill tests that a save never costs the checkpoint before it. A step_N.tmp an
+    earlier kill left behind is not a save of this start."""
     root = run_dir / "checkpoints"
+    stale = saves_in_progress(root)
     proc = start(run_dir, overrides)
     began = time.perf_counter()
     saw_tmp = False
     while proc.poll() is None:
         now = time.perf_counter() - began
-        try:  # the pre-flight check creates and removes the folder once at start-up: it may vanish between two calls
-            saw_tmp = any(p.name.endswith(".tmp") for p in root.iterdir())
-        except FileNotFoundError:
-            saw_tmp = False
+        saw_tmp = bool(saves_in_progress(root) - stale) and has_complete(root)
         if (during_save and saw_tmp) or (not during_save and now >= delay):
             break
         time.sleep(0.002 if during_save else 0.05)
     if proc.poll() is not None:  # it finished first: nothing was killed
         proc.communicate()
         return {"killed": False, "after_s": round(time.perf_counter() - began, 2)}
+    before = newest_loadable(root)
     if during_save:
         time.sleep(rng.uniform(0, 0.02))  # somewhere inside the write, not always at its first file
     os.killpg(proc.pid, signal.SIGKILL)
@@ -85,6 +105,7 @@ def kill_once(run_dir: Path, overrides: list[str], during_save: bool, delay: flo
         "killed": True,
         "after_s": round(time.perf_counter() - began, 2),
         "during_save": saw_tmp,
+        "newest_complete_before": before,
         "newest_complete_after": newest_loadable(root),
     }
 
@@ -139,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         "kills": kills,
         "num_killed": sum(k["killed"] for k in kills),
         "num_killed_during_save": sum(bool(k.get("during_save")) for k in kills if k["killed"]),
+        "num_killed_beside_a_complete_checkpoint": sum(bool(k.get("newest_complete_before")) for k in kills),
         "always_a_complete_checkpoint": all(k["invariant_ok"] for k in kills),
         "final_uninterrupted": final_line(ref_out),
         "final_killed": final_line(out),

@@ -20,5 +20,6 @@ def test_killed_and_restarted_run_ends_with_the_uninterrupted_weights_and_loss(c
     ]
     result = kill_loop.main(["--kills", "2", "--save-every", "1", "--workdir", str(tmp_path), "--", *overrides])
     assert result["num_killed"] == 2 and result["num_killed_during_save"] == 2
-    assert result["always_a_complete_checkpoint"]
+    # each kill landed in a save of its own start, beside a complete checkpoint that was still there after it
+    assert result["num_killed_beside_a_complete_checkpoint"] == 2 and result["always_a_complete_checkpoint"]
     assert result["final_weights_equal"] and result["final_killed"] == result["final_uninterrupted"]
