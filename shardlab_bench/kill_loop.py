@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         record["invariant_ok"] = not ever_saved or record.get("newest_complete_after") is not None
         kills.append(record)
         print(json.dumps(record), flush=True)
-        if not record["killed"]:  # the run finished: start over from an empty directory to keep killing
+        if not record["killed"]:  # the run finished before its kill: no kill can land after it (the result says so)
             break
     out, _ = run_to_end(run_dir, args.overrides)
     ref_final = sorted(complete_checkpoints(ref_dir / "checkpoints"))[-1]
