@@ -39,13 +39,19 @@ def final_line(output: str) -> str | None:
     return lines[-1] if lines else None
 
 
+def complete_ones(root: Path) -> list[Path]:
+    """The complete checkpoints in ``root`` by their listing, and each step_N.replaced (whose step_N, if missing, the
+    next start restores); none where ``root`` is missing, or vanishes while listed (the pre-flight's check of the
+    folder creates and removes it once at start-up)."""
+    try:
+        return complete_checkpoints(root) + [p for p in root.iterdir() if p.name.endswith(REPLACED)]
+    except FileNotFoundError:
+        return []
+
+
 def newest_loadable(root: Path) -> str | None:
-    """The newest complete checkpoint, if its model tensors load; a step_N.replaced whose step_N is missing counts
-    (the next start restores it)."""
-    found = complete_checkpoints(root)
-    if root.is_dir():
-        found += [p for p in root.iterdir() if p.name.endswith(REPLACED)]
-    for path in sorted(found, key=lambda p: p.name)[::-1]:
+    """The newest complete checkpoint (complete_ones), if its model tensors load."""
+    for path in sorted(complete_ones(root), key=lambda p: p.name)[::-1]:
         weights.read_full(path)  # raises on a torn checkpoint
         return path.name
     return None
@@ -70,14 +76,6 @@ def saves_in_progress(root: Path) -> set[tuple[str, int]]:
         return set()
 
 
-def has_complete(root: Path) -> bool:
-    """Whether ``root`` holds a complete checkpoint (by its listing: cheap enough to ask every few milliseconds)."""
-    try:
-        return bool(complete_checkpoints(root)) or any(p.name.endswith(REPLACED) for p in root.iterdir())
-    except FileNotFoundError:  # the pre-flight's check of the folder, or no folder yet
-        return False
-
-
 def kill_once(run_dir: Path, overrides: list[str], during_save: bool, delay: float, rng: random.Random) -> dict:
     """Start the run and SIGKILL it: after ``delay`` seconds, or (``during_save``) while this start writes a checkpoint
     beside a complete one, so that the kill tests that a save never costs the checkpoint before it. A step_N.tmp an
@@ -89,7 +87,7 @@ def kill_once(run_dir: Path, overrides: list[str], during_save: bool, delay: flo
     saw_tmp = False
     while proc.poll() is None:
         now = time.perf_counter() - began
-        saw_tmp = bool(saves_in_progress(root) - stale) and has_complete(root)
+        saw_tmp = bool(saves_in_progress(root) - stale) and bool(complete_ones(root))  # listed: cheap to poll
         if (during_save and saw_tmp) or (not during_save and now >= delay):
             break
         time.sleep(0.002 if during_save else 0.05)
