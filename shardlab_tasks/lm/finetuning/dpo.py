@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig
 from torch import nn
 
-from shardlab.config import as_container
+from shardlab.config import TaskConfig, as_container
 from shardlab.task import setting
 from shardlab_tasks.lm.loss import token_cross_entropy
 from shardlab_tasks.lm.sft_packing import IGNORE
@@ -52,7 +52,7 @@ class DPOSettings:
     label_smoothing: float = 0.0
 
     @classmethod
-    def of(cls, task_cfg: Any) -> DPOSettings:
+    def of(cls, task_cfg: TaskConfig | DictConfig | None) -> DPOSettings:
         """task.dpo of the config (conf/task/dpo.yaml picks its schema), or the defaults where it has none or only
         some of its keys (`+task.dpo.loss_type=...` on a task without the schema: each missing key its default)."""
         section = as_container(setting(task_cfg, "dpo"))  # a DictConfig, a dict or DPOConfig (typed)
