@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import collections
-import copy
-import functools
 import importlib.util
 import os
 import shutil
@@ -13,37 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import DictConfig
 
-from shardlab.cli import preflight
+from shardlab.cli.preflight import compose_config  # noqa: F401  (the tests compose through the CLI's own helper)
 from shardlab.cli.run_names import register_resolvers
 from shardlab.config import register_schemas
-from shardlab.registry import load_plugins, user_dir
+from shardlab.registry import load_plugins
 
 register_schemas()  # at import as well: some tests compose through Hydra directly (test_run_dir) or read registries
 register_resolvers()  # as the CLI does: the run folder's name in conf/config.yaml needs them
 load_plugins()
-
-
-def compose_config(overrides: list[str]) -> DictConfig:
-    """The config ``overrides`` compose to, through the CLI's own helper (shardlab.cli.preflight.compose_config),
-    remembered per pytest process: Hydra takes ~0.2 s of CPU a composition, and more than half of the suite's ~1,000
-    compositions repeat one composed before in the same worker. Each call gets its own copy (tests change what they
-    get); a composition that fails is not remembered. The user_dir's side effects (its conf/ on Hydra's search path,
-    its plug-ins) happen on every call as they would; a command line naming a user_dir is composed anew each time,
-    since tests write its YAML between calls."""
-    overrides = list(overrides)
-    if user_dir.find(overrides) is not None:
-        return preflight.compose_config(overrides)
-    preflight.with_user_dir(overrides)
-    return copy.deepcopy(_composed(tuple(overrides), os.environ.get("HOME")))
-
-
-@functools.lru_cache(maxsize=256)  # ~0.4 MB a composed config
-def _composed(overrides: tuple[str, ...], home: str | None) -> DictConfig:
-    """One composition per command line and HOME (``~`` in an override expands to it)."""
-    return preflight.compose_config(list(overrides))
-
 
 # Tiny models gain nothing from a second thread, and OpenMP threads that spin-wait on an oversubscribed 2-core machine
 # (spawned ranks beside this process) slow every op ~50x. One thread each keeps the suite fast and steady.

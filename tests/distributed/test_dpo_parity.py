@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
-from tests.conftest import compose_config
 from tests.distributed.harness import run_spawned
 
 RTOL = 1e-5

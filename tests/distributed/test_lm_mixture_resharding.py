@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
-from tests.conftest import TINY_LM, compose_config
+from tests.conftest import TINY_LM
 from tests.distributed.harness import run_spawned
 from tests.distributed.test_lm_resharding import RTOL, assert_continues, train_losses
 

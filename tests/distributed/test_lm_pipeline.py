@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
-from tests.conftest import compose_config
 from tests.distributed.harness import run_spawned
 from tests.distributed.test_tensor_parallel import SFT
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
-from tests.conftest import compose_config
 from tests.distributed.harness import run_spawned
 from tests.unit.test_sft import SFT_TINY
 

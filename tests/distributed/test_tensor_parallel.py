@@ -13,9 +13,9 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
-from tests.conftest import compose_config
 from tests.distributed.harness import run_spawned
 from tests.hf_folders import make_folder
 from tests.unit.test_sft import SFT_TINY

@@ -17,11 +17,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from shardlab.cli import checks
-from shardlab.cli.preflight import preflight
+from shardlab.cli.preflight import compose_config, preflight
 from shardlab.config import TrainConfig, declared_values, field_errors, range_text
 from shardlab.errors import ConfigError
 from shardlab_tasks.lm.config import RopeScalingConfig
-from tests.conftest import compose_config
 
 SETUPS: dict[str, tuple[list[str], dict[str, typing.Any]]] = {
     "lm": ([], {}),

@@ -12,12 +12,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from shardlab.cli.preflight import compose_config
 from shardlab.errors import ConfigError, DataError
 from shardlab.runner import build_task
 from shardlab_tasks.lm.finetuning.dpo import DPOSettings, dpo_errors, dpo_loss
 from shardlab_tasks.lm.finetuning.preference import collate_pairs, demo_pairs, record_pair
 from shardlab_tasks.lm.models.lora import LoRALinear, adapters_off
-from tests.conftest import compose_config
 from tests.unit.test_sft import CHAT, LLAMA3_TEMPLATE, QWEN2_TEMPLATE, chat_folder, untagged
 
 TINY = ["task=dpo", "model.num_layers=1", "model.dim=32", "model.num_heads=2", "data.seq_len=64"]

@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
 from shardlab_tasks.lm.dpo_task import PreferenceTask
 from shardlab_tasks.lm.finetuning.preference import collate_pairs, pack_pairs
 from shardlab_tasks.lm.sft_packing import IGNORE, PAD_SEGMENT, packed_row
-from tests.conftest import compose_config
 from tests.unit.test_dpo_trl import records
 
 STEPS = 3

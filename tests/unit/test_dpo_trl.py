@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.runner import build_task, run_rank
 from shardlab_tasks.lm.hf.peft import write_peft_adapter
 from shardlab_tasks.lm.models.lora import is_adapter
-from tests.conftest import compose_config
 from tests.hf_folders import make_folder
 
 STEPS = 20

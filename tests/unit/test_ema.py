@@ -162,8 +162,8 @@ def test_a_checkpoint_without_an_average_is_refused_in_one_line_by_export_and_re
 
 
 def test_the_memory_plan_counts_the_average_beside_the_optimizer_state():
+    from shardlab.cli.preflight import compose_config
     from shardlab.memory.estimate import PlanContext
-    from tests.conftest import compose_config
 
     def state_bytes(*overrides: str) -> int:
         return PlanContext.from_config(compose_config(list(overrides)), 1, 1, "cpu").optimizer_state_bytes

@@ -40,7 +40,8 @@ def source_tensors(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def loaded_checkpoints(tmp_path_factory, corpus_cache) -> dict[str, tuple[Path, Path]]:
     """family -> (its transformers-made folder, the step folder of a run that loaded it and did not change it)."""
-    from tests.conftest import TINY_LM, compose_config
+    from shardlab.cli.preflight import compose_config
+    from tests.conftest import TINY_LM
 
     root = tmp_path_factory.mktemp("roundtrip")
     out = {}

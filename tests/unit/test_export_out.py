@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, corpus_cache) -> dict[str, Path]:
     """A 1-step LoRA run on a transformers-made Llama folder: {"base", "run", "step"}."""
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed import env as dist_env
     from shardlab.runner import run_rank
-    from tests.conftest import TINY_LM, compose_config
+    from tests.conftest import TINY_LM
 
     root = tmp_path_factory.mktemp("export_out")
     base = make_folder("llama3", root / "base")
@@ -140,10 +141,11 @@ def test_a_lora_base_changed_since_the_run_recorded_it_is_refused_at_resume_and_
     import shutil
 
     from shardlab.checkpoint import weights
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed import env as dist_env
     from shardlab.errors import CheckpointError, IncompatibleCheckpointError
     from shardlab.runner import run_rank
-    from tests.conftest import TINY_LM, compose_config
+    from tests.conftest import TINY_LM
 
     base = make_folder("llama3", tmp_path / "base")
     run = [*TINY_LM, f"data.cache_dir={corpus_cache}", f"model.pretrained={base}", "model.lora.rank=4"]

@@ -13,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError
 from shardlab.runner import run_rank
 from shardlab_commands import consolidate, export_hf
-from tests.conftest import TINY_LM, compose_config
+from tests.conftest import TINY_LM
 
 RUN = ["optimization.max_steps=2", "checkpoint.interval_steps=2", "validation.interval_steps=0"]
 LORA = ["model=llama_tiny", "model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[attn.*,mlp.*]"]

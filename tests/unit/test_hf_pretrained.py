@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import CheckpointError, ConfigError
 from shardlab.runner import build_task
-from tests.conftest import compose_config
 from tests.hf_folders import FAMILIES, make_folder, reference
 
 SEQ = 32

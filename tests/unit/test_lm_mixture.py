@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from shardlab.cli.preflight import compose_config
 from shardlab.data import RankBatchSampler
 from shardlab.distributed import env as dist_env
 from shardlab.errors import DataError
 from shardlab.registry import TASKS
 from shardlab.runner import print_plan, run_rank
 from shardlab_tasks.lm.corpus.mixture import MixtureOrder, MixtureValid, chunk_counts, mixture_errors, summarize_sources
-from tests.conftest import TINY_LM, compose_config
+from tests.conftest import TINY_LM
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 

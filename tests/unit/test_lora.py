@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import CheckpointError, ConfigError
@@ -15,7 +16,6 @@ from shardlab.optim import OPTIMIZERS
 from shardlab.runner import build_task
 from shardlab_tasks.lm.hf.peft import write_peft_adapter
 from shardlab_tasks.lm.models.lora import LoRALinear, is_adapter, merge_lora
-from tests.conftest import compose_config
 from tests.hf_folders import make_folder
 
 SEQ = 16

@@ -11,12 +11,13 @@ import torch
 from omegaconf import OmegaConf
 
 from shardlab.checkpoint import weights
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.distributed.materialize import materialize
 from shardlab.distributed.units import model_on_meta
 from shardlab.runner import build_task, run_rank
 from shardlab_tasks.lm.models.lora import is_adapter
-from tests.conftest import TINY_LM, compose_config
+from tests.conftest import TINY_LM
 
 RUN = ["optimization.max_steps=2", "checkpoint.interval_steps=2", "validation.interval_steps=0"]
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optimizer.lr=1e-2"]

@@ -98,13 +98,13 @@ def test_the_plan_of_torchtitans_context_parallel_runs_is_within_ten_percent(cp)
     ranks only (local batch 1 x 8/C) and dry_run=true: context parallelism is planned on a machine without CUDA.
     Float8 and compile enter as for that row: inside the one recomputed block under full AC, they change nothing
     kept."""
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed.units import model_on_meta
     from shardlab.memory.estimate import estimate
     from shardlab.memory.layout import layout_of
     from shardlab.memory.plan import profile_config
     from shardlab.runner import build_task
     from shardlab_bench import plan_vs_published as pvp
-    from tests.conftest import compose_config
 
     row = {**next(p for p in pvp.PUBLISHED if p["key"] == "t2_fsdp8_cp1"), "seq_len": 32768 * cp}
     batch = f"{8 // cp}"

@@ -26,7 +26,8 @@ transformers = pytest.importorskip("transformers")
 def runs(tmp_path_factory, corpus_cache) -> dict[str, tuple[Path, Path, Path]]:
     """family -> (its transformers-made folder, the step folder of a run that loaded it and changed nothing, the
     step folder of a run that fine-tuned it for 3 steps)."""
-    from tests.conftest import TINY_LM, compose_config
+    from shardlab.cli.preflight import compose_config
+    from tests.conftest import TINY_LM
 
     root = tmp_path_factory.mktemp("moe_export")
     out = {}

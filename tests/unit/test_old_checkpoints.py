@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
+from shardlab.cli.preflight import compose_config
 from shardlab.config import OptimizerConfig
 from shardlab.distributed import env as dist_env
 from shardlab.runner import run_rank
 from shardlab_commands import evaluate, generate
-from tests.conftest import compose_config
 
 OLD_CHECKPOINT = Path(__file__).parent.parent / "data" / "checkpoint_0b6f597" / "step_00000002"
 OLD_RUN = [

@@ -14,10 +14,10 @@ import torch
 from omegaconf import OmegaConf
 
 from shardlab.checkpoint import weights
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.errors import IncompatibleCheckpointError
 from shardlab.runner import run_rank
-from tests.conftest import compose_config
 
 NEW_LLAMA_KEYS = ("head_dim", "tie_embeddings", "qkv_bias", "out_bias", "qk_norm", "rope_scaling", "pretrained", "lora")
 """The Llama keys added by issue 40's work: a checkpoint saved before holds none of them."""

@@ -140,13 +140,13 @@ def test_the_plans_recomputed_405b_layer_holds_what_an_eager_one_peaks_at():
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.checkpoint import checkpoint
 
+    from shardlab.cli.preflight import compose_config
     from shardlab.distributed.units import model_on_meta
     from shardlab.memory.axes import layer_units, model_rank_profile
     from shardlab.memory.byte_model import unit_activation_bytes
     from shardlab.memory.layout import layout_of
     from shardlab.memory.plan import profile_config
     from shardlab.runner import build_task
-    from tests.conftest import compose_config
 
     with FakeTensorMode():
         torch.set_default_dtype(torch.bfloat16)

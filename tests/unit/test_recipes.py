@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from shardlab.cli.preflight import compose_config
 from shardlab.config import CONF_DIR
 from shardlab.runner import run_job
-from tests.conftest import compose_config
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((CONF_DIR / "experiment").glob("*.yaml"))

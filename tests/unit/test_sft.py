@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.errors import ConfigError, DataError
 from shardlab.runner import build_task, run_rank
@@ -25,7 +26,6 @@ from shardlab_tasks.lm.finetuning.sft import (
 from shardlab_tasks.lm.finetuning.sft_render import BoundedRenderer
 from shardlab_tasks.lm.finetuning.sft_template import PREFIX_RENDER_MAX_TURNS, ChatTemplate, load_chat_template
 from shardlab_tasks.lm.sft_packing import IGNORE, document_mask, pack, segment_positions
-from tests.conftest import compose_config
 from tests.hf_folders import write_tokenizer
 
 LLAMA3_TEMPLATE = (

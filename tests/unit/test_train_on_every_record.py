@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from shardlab.cli.preflight import compose_config
 from shardlab.distributed import env as dist_env
 from shardlab.errors import DataError
 from shardlab.runner import run_rank
-from tests.conftest import compose_config
 
 SFT = [
     "task=sft", "model.num_layers=1", "model.dim=32", "model.num_heads=2", "model.max_seq_len=64",
