@@ -51,10 +51,11 @@ def complete_ones(root: Path) -> list[Path]:
 
 def newest_loadable(root: Path) -> str | None:
     """The newest complete checkpoint (complete_ones), if its model tensors load."""
-    for path in sorted(complete_ones(root), key=lambda p: p.name)[::-1]:
-        weights.read_full(path)  # raises on a torn checkpoint
-        return path.name
-    return None
+    newest = max(complete_ones(root), key=lambda p: p.name, default=None)
+    if newest is None:
+        return None
+    weights.read_full(newest)  # raises on a torn checkpoint
+    return newest.name
 
 
 def run_to_end(run_dir: Path, overrides: list[str]) -> tuple[str, float]:
