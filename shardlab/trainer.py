@@ -564,6 +564,12 @@ class Trainer:
             self.cfg.distributed.timeout_s, log.info,
         )  # fmt: skip
 
+    @functools.cached_property
+    def config_record(self) -> dict:
+        """The composed config's keys, order and values, as each checkpoint records them: made at the first save, not
+        at each (~20 ms)."""
+        return as_container(self.cfg)
+
     def save(self) -> Path:
         """Save this step: every save comes here (the loop's, a stop's, the last, save_on_error's), and none is
         made of weights that are not finite."""
@@ -573,7 +579,7 @@ class Trainer:
             "model_config": self.model_config,
             "world_size": self.backend.env.world_size,
             "backend": self.backend.name,
-            "config": as_container(self.cfg),  # the composed config's keys, order and values
+            "config": self.config_record,
         }
         path = self.checkpointer.save(self.model, self.optimizer, self.state, described)
         self.save_policy.saved(self.state.step)
