@@ -128,14 +128,36 @@ def stop_signal_handlers_are_put_back():
             signal.signal(sig, handler)
 
 
+def pytest_itemcollected(item):
+    """Every test that needs the Slurm cluster starts whole jobs on it: an e2e test too (``-m e2e`` selects it)."""
+    if item.get_closest_marker("slurm") and not item.get_closest_marker("e2e"):
+        item.add_marker("e2e")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked slow run only when ``-m`` names slow (``-m slow``, or ``-m "slow or not slow"`` for everything):
-    the fault matrix's other cells, the sbatch requeue tests, compiled runs of real model sizes, world size 4 and the
-    like, which together take hours on 2 cores. The default suite keeps one test of each behaviour."""
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    if slow and "slow" not in (config.option.markexpr or ""):
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    """Two sets leave the default suite, each run when ``-m`` names it:
+
+    - ``slow`` (``-m slow``): the fault matrix's other cells, the sbatch requeue tests, compiled runs of real model
+      sizes, world size 4 and the like, which together take hours on 2 cores.
+    - ``e2e`` (``-m e2e``; ``-m slurm`` or ``-m slow`` name it too): whole jobs started as a user starts them, through
+      torchrun, Hydra multirun and submitit, Slurm on one host and on two, the tutorial's and the docs' pages, the
+      kill loop: the costliest tests per behaviour, each fresh interpreters that import torch and train. CI runs this
+      pass after the default suite (.ci/run), so nothing leaves CI; ``-m "slow or not slow"`` runs everything.
+
+    The default suite keeps the rest, one test of each behaviour: in this process, on ranks forked from a preloaded
+    server (tests/distributed/harness.py), and the CLI's own path: its refusals, dry runs and single-process runs
+    (tests/unit/test_cli.py) and a run on two local ranks it spawns (tests/distributed/test_memory_plan.py)."""
+    markexpr = config.option.markexpr or ""
+    left_out = [
+        item
+        for item in items
+        if (item.get_closest_marker("slow") and "slow" not in markexpr)
+        or (item.get_closest_marker("e2e") and not any(name in markexpr for name in ("e2e", "slurm", "slow")))
+    ]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        dropped = set(map(id, left_out))
+        items[:] = [item for item in items if id(item) not in dropped]
     _slurm_first(items)
 
 

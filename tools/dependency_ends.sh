@@ -3,7 +3,7 @@
 # from this checkout (editable, with the test extra, as CI installs it):
 #   bash tools/dependency_ends.sh lowest  [PYTEST ARGS...]   the framework's dependencies at their floors
 #   bash tools/dependency_ends.sh highest [PYTEST ARGS...]   the newest releases the ranges allow (no pre-releases)
-# PYTEST ARGS default to the whole suite (~25 min on 2 cores); e.g. `tests/unit tests/distributed/test_sweeps.py`.
+# PYTEST ARGS default to the default suite; e.g. `tests/unit tests/distributed/test_sweeps.py -m "e2e or not e2e"`.
 # VENV=DIR picks the environment (default: $TMPDIR/shardlab-lowest or -highest, rebuilt each time; KEEP=1 reuses it).
 #
 # lowest pins, from pyproject.toml itself (so the floors tested are the floors declared): torch, torchvision,

@@ -7,8 +7,9 @@ points, an --out file or folder, a tool's text).
 
 Which page runs where:
 
-- the default suite (under ~60 s of real runs): test_the_cheapest_commands_run, one walk over a handful of cheap
-  lines (README's --help, a plan, configuration.md's EMA run and its export), and the planted broken commands;
+- the default suite: the planted broken commands (the walk's own checks);
+- ``-m e2e`` (CI's pass after the default suite; under ~60 s of real runs): test_the_cheapest_commands_run, one walk
+  over a handful of cheap lines (README's --help, a plan, configuration.md's EMA run and its export);
 - ``-m slow``: test_every_command_of_the_page_runs, one test per page of PAGES, every command of the page;
 - elsewhere: docs/finetuning.md and the README's fine-tuning section (tests/distributed/test_finetuning_commands.py),
   docs/tutorial.md (tests/distributed/test_tutorial.py), the lines that submit to Slurm (hydra/launcher=slurm,
@@ -146,8 +147,9 @@ def cheap_lines() -> list[tuple[str, str]]:
     return found
 
 
+@pytest.mark.e2e  # the docs' commands as written: CI runs it after the suite (tests/conftest.py)
 def test_the_cheapest_commands_run(tmp_path, monkeypatch):
-    """The default suite's share: a few lines, one walk (the slow set runs every page)."""
+    """The end-to-end pass's share: a few lines, one walk (the slow set runs every page)."""
     walk = new_walk(tmp_path)
     monkeypatch.setenv("HOME", walk.env["HOME"])
     for page, line in cheap_lines():

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from shardlab.distributed import env as dist_env
@@ -18,6 +19,8 @@ from shardlab.distributed.env import free_port
 from shardlab.runner import run_rank
 from tests.conftest import TINY_LM
 from tests.events import scalars
+
+pytestmark = pytest.mark.e2e  # torchrun and local ranks as commands: CI runs it after the suite (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 

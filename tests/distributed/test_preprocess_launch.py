@@ -22,6 +22,8 @@ from shardlab_tasks.lm.corpus.cache import embedded_corpus_files, prepare_corpus
 from shardlab_tasks.lm.corpus.tokenizer import train_bpe
 from tests.conftest import TINY_LM
 
+pytestmark = pytest.mark.e2e  # torchrun and local-rank jobs as commands: CI runs it after the suite (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 5
 MIN_CORPUS_MB = 32

@@ -15,6 +15,8 @@ import yaml
 
 from tests.conftest import TINY_LM
 
+pytestmark = pytest.mark.e2e  # multiruns and submitit jobs as commands: CI runs it after the suite (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -90,6 +90,7 @@ def test_the_tutorial_shows_what_it_promises():
     assert any("dry_run=true" in c for c in commands) and sum(on_slurm(c) for c in commands) == 1
 
 
+@pytest.mark.e2e  # the tutorial's commands as written: CI runs it after the suite (tests/conftest.py)
 def test_every_command_of_the_tutorial_runs(ran):
     for command, proc in ran.items():
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
@@ -106,6 +107,7 @@ def test_every_command_of_the_tutorial_runs(ran):
     assert re.search(r"^\[valid\] step 100 \| loss \S+ \| accuracy 0\.9\d* \|", spirals, flags=re.MULTILINE), spirals
 
 
+@pytest.mark.e2e  # the tutorial's commands as written: CI runs it after the suite (tests/conftest.py)
 def test_the_sweep_trains_both_plugins_sharded_on_two_ranks_as_one_process_does(ran, research_root, earlier_sweeps):
     (sweep,) = [c for c in ran if is_multirun(c)]
     assert ran[sweep].returncode == 0, ran[sweep].stderr[-3000:]

@@ -45,6 +45,8 @@ from tests.slurm.conftest import cluster
 from tests.slurm.test_multinode import node_state, start_once_pending
 from tests.slurm.test_slurm import start_requeued_job_now
 
+pytestmark = pytest.mark.e2e  # jobs requeued as each layout does: CI runs it after the suite (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 SITE = ROOT / "tests" / "faults" / "site"
 TIMEOUT_S = 30

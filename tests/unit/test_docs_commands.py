@@ -20,10 +20,11 @@ The rule, for the suite's budget (15 min on 2 cores for ~1,000 tests): this test
 a command and checking a tool's options catch what a renamed key or flag breaks, in about a second each. The commands
 run for real, as written, in order, on stand-ins (a temporary HOME, the docs' placeholder paths mapped to tiny
 stand-ins, each training run shortened to optimization.max_steps=1 by the harness: tests/doc_walk.py), by the tests of
-RUN_AS_WRITTEN: in the default suite only a few cheap lines (test_docs_pages_run.py: test_the_cheapest_commands_run,
-and the planted broken commands); every page under ``-m slow`` (one test per page); the lines that submit to Slurm on
-the test cluster (``-m slurm``). docs/tutorial.md runs in tests/distributed/test_tutorial.py; docs/benchmarks.md's
-benchmarks (minutes each) are only composed and option-checked here. On a page of RUN_AS_WRITTEN a command of any
+RUN_AS_WRITTEN: in CI's end-to-end pass (``-m e2e``) only a few cheap lines (test_docs_pages_run.py:
+test_the_cheapest_commands_run; the planted broken commands in the default suite); every page under ``-m slow`` (one
+test per page); the lines that submit to Slurm on the test cluster (``-m slurm``). docs/tutorial.md runs in
+tests/distributed/test_tutorial.py (``-m e2e``); docs/benchmarks.md's benchmarks (minutes each) are only composed and
+option-checked here. On a page of RUN_AS_WRITTEN a command of any
 kind needs no mark (its walk runs it), and a marked line is one its walk does not run: listed with its kind.
 """
 

@@ -5,8 +5,12 @@ default run."""
 
 from __future__ import annotations
 
+import pytest
+
 from shardlab_bench import kill_loop
 from tests.conftest import TINY_LM
+
+pytestmark = pytest.mark.e2e  # a training command killed and restarted: CI runs it after the suite (tests/conftest.py)
 
 
 def test_killed_and_restarted_run_ends_with_the_uninterrupted_weights_and_loss(corpus_cache, tmp_path):

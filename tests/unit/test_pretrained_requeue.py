@@ -4,9 +4,13 @@ the folder back at its path, the same command resumes the run's checkpoint."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import TINY_LM
 from tests.hf_folders import make_folder
 from tests.unit.test_cli import run_cli
+
+pytestmark = pytest.mark.e2e  # a training command and its requeue: CI runs it after the suite (tests/conftest.py)
 
 STEPS = ["optimization.max_steps=2", "checkpoint.interval_steps=2", "lr_scheduler.warmup_steps=0"]
 
