@@ -39,7 +39,7 @@ def sweep(sweep_dir: Path, corpus_cache: str, *overrides: str) -> subprocess.Com
     )
 
 
-@pytest.mark.slow  # by default, the tutorial's 2-point sweep on 2 ranks checks each point's folder and summary
+@pytest.mark.slow  # in the e2e pass, the tutorial's 2-point sweep on 2 ranks checks each point's folder and summary
 def test_four_point_sweep_on_two_ranks_each_gets_its_own_directory_and_summary(tmp_path, corpus_cache):
     proc = sweep(
         tmp_path, corpus_cache, "optimizer.lr=1e-3,3e-3", "model.num_layers=1,2", "distributed.backend=ddp",

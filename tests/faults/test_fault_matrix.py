@@ -13,7 +13,8 @@ rely on:
   the folder's newest checkpoint (never at the resume path or the init_from weights it began from);
 - the final losses equal the uninterrupted run's, step by step (TensorBoard's float32 scalars, rtol 1e-5).
 
-The cells that run by default are DEFAULT_CELLS (about a minute and a half on 2 cores); the rest run with ``-m slow``.
+The cells CI runs are DEFAULT_CELLS (about a minute and a half on 2 cores, in its ``-m e2e`` pass, as the whole file
+is end-to-end); the rest run with ``-m slow``.
 ``SHARDLAB_FAULT_MATRIX_OUT=<json>`` collects each cell's outcome (tests/faults/conftest.py) for
 shardlab_bench/fault_matrix.py to render as docs/fault-matrix.md.
 """
@@ -73,7 +74,7 @@ DEFAULT_CELLS = {
 }
 """The layouts the other default tests do not fault: torchrun, and a one-task Slurm job that starts its ranks (USR2,
 resumed by auto; by an explicit path with -m slow, as tests/unit/test_requeue.py resumes by path by default).
-Elsewhere by default: Slurm's one task per rank (tests/slurm/test_slurm.py: USR2, scontrol requeue, cancellation,
+Elsewhere in CI: Slurm's one task per rank (tests/slurm/test_slurm.py: USR2, scontrol requeue, cancellation,
 SIGKILL), local ranks (tests/distributed/test_preemption.py: a signal on one rank, Ctrl-C; errors and requeues with
 every resume setting in tests/unit/test_requeue.py), SIGKILL (test_kill_loop.py), a failing save and a failing
 set-aside (tests/distributed/test_checkpoint_agreement.py). All 104 cells: -m "slow or not slow"."""

@@ -16,7 +16,7 @@ from tests.conftest import compose_config
 from tests.distributed.test_tutorial import on_slurm, run_command, tutorial_commands
 from tests.events import scalars
 
-# Slow (~55 s on 2 cores): the suite's budget; the tutorial's commands run by default in test_tutorial.py, and Slurm
+# Slow (~55 s on 2 cores): the tutorial's commands run in CI's e2e pass in test_tutorial.py, and Slurm
 # sweeps in tests/slurm/test_slurm.py.
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -216,7 +216,7 @@ def final_line(out: str) -> str:
     return next(line for line in out.splitlines() if line.startswith("final validation:"))
 
 
-@pytest.mark.slow  # by default, test_kill_loop.py kills the CLI twice mid-run and ends with the same weights
+@pytest.mark.slow  # in CI's e2e pass, test_kill_loop.py kills the CLI twice mid-run: the same weights at the end
 def test_killed_run_rerun_with_resume_auto_ends_like_an_uninterrupted_one(tmp_path, corpus_cache):
     common = [*KILL_RUN, f"data.cache_dir={corpus_cache}"]
     code, out, err = run_cli(*common, f"hydra.run.dir={tmp_path / 'whole'}")

@@ -16,7 +16,7 @@ is split as the shell splits it, and
 - after the quickstart, each README everyday command that trains names a run folder of its own (one that named the
   quickstart's would find it complete and train nothing), and each step folder the README names is the quickstart's.
 
-The rule, for the suite's budget (15 min on 2 cores for ~1,000 tests): this test runs nothing for real; composing
+The rule, for the default suite's budget (15 min on 2 cores): this test runs nothing for real; composing
 a command and checking a tool's options catch what a renamed key or flag breaks, in about a second each. The commands
 run for real, as written, in order, on stand-ins (a temporary HOME, the docs' placeholder paths mapped to tiny
 stand-ins, each training run shortened to optimization.max_steps=1 by the harness: tests/doc_walk.py), by the tests of
