@@ -16,6 +16,7 @@ torchtitan leaves outside checkpointing, wrapping only the transformer blocks).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -97,11 +98,20 @@ def _selective_context(saved: frozenset, matmul_every: int = 1):
     return create_selective_checkpoint_contexts(policy)
 
 
-def checkpoint_units(model: nn.Module, units: list[nn.Module], cfg) -> list[nn.Module]:
+def checkpoint_units(
+    model: nn.Module, units: list[nn.Module], cfg, recomputed: Sequence[int] | None = None
+) -> list[nn.Module]:
     """Apply ``cfg.activation_checkpointing`` (the distributed section) to ``units``: each unit that recomputes is
-    replaced in its parent by a checkpoint wrapper. Returns the units, wrapped where they were, in the same order."""
+    replaced in its parent by a checkpoint wrapper. Returns the units, wrapped where they were, in the same order.
+    ``recomputed``: the indices into ``units`` of those that recompute, where the caller decided it over more units
+    than it passes (a pipeline stage's, over the whole model's: shardlab.distributed.pipeline.build_pipeline);
+    by default checkpointed_units over ``units``."""
     mode = cfg.activation_checkpointing
-    picked = set(checkpointed_units(len(units), mode, cfg.ac_every_k_units, cfg.ac_skip_units))
+    if mode == "none":
+        return list(units)
+    if recomputed is None:
+        recomputed = checkpointed_units(len(units), mode, cfg.ac_every_k_units, cfg.ac_skip_units)
+    picked = set(recomputed)
     if not picked:
         return list(units)
     context_fn = None

@@ -212,19 +212,22 @@ class Backend:
         full_precision_modules: Sequence[nn.Module] = (),
         tensor_parallel_plan: dict | None = None,
         expert_modules: Sequence[nn.Module] = (),
+        recomputed: Sequence[int] | None = None,
     ) -> nn.Module:
         """Wrap ``model`` (built on meta) for this backend and materialize its weights with ``materialize``.
         ``full_precision_modules`` (Task.full_precision_modules) compute in fp32 whatever the param dtype: their own
         fp32 units under fully_sharded; autocast leaves them alone elsewhere. ``tensor_parallel_plan``
         (Task.tensor_parallel_plan, given when distributed.tensor_parallel_degree > 1): only fully_sharded applies
         one (the pre-flight refuses tensor parallelism elsewhere); so for ``expert_modules`` (Task.expert_modules,
-        given when distributed.expert_parallel_degree > 1)."""
+        given when distributed.expert_parallel_degree > 1). ``recomputed``: which of ``units`` activation
+        checkpointing wraps, where the caller decided it over the whole model's units (a pipeline stage's:
+        checkpoint_units); by default checkpoint_units decides over ``units``."""
         refuse_tensor_parallel(self.name, tensor_parallel_plan, expert_modules)
         materialize(model)
         if self.cfg.activation_checkpointing != "none":
             from shardlab.distributed.activation_checkpointing import checkpoint_units
 
-            units = checkpoint_units(model, units, self.cfg)
+            units = checkpoint_units(model, units, self.cfg, recomputed)
         self.compile_units(units or [model])
         return model
 

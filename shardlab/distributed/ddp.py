@@ -27,10 +27,11 @@ class DDPBackend(Backend):
         full_precision_modules: Sequence[nn.Module] = (),
         tensor_parallel_plan: dict | None = None,
         expert_modules: Sequence[nn.Module] = (),
+        recomputed: Sequence[int] | None = None,
     ) -> nn.Module:
         refuse_tensor_parallel(self.name, tensor_parallel_plan, expert_modules)
         materialize(model)
-        units = checkpoint_units(model, units, self.cfg)
+        units = checkpoint_units(model, units, self.cfg, recomputed)
         self.compile_units(units or [model])
         ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         # Reduce in the configured dtype: DDP's compression hooks cast each bucket before the all-reduce.

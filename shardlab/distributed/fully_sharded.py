@@ -74,6 +74,7 @@ class FullyShardedBackend(Backend):
         full_precision_modules: Sequence[nn.Module] = (),
         tensor_parallel_plan: dict | None = None,
         expert_modules: Sequence[nn.Module] = (),
+        recomputed: Sequence[int] | None = None,
     ) -> nn.Module:
         """Tensor parallelism (the task's plan over mesh["tp"]), expert parallelism (``expert_modules``, given when
         distributed.expert_parallel_degree > 1), activation checkpointing and compile, then FSDP2 over the data
@@ -84,7 +85,7 @@ class FullyShardedBackend(Backend):
         if expert_mesh is not None:  # the experts split by rows over 'ep' (shardlab/distributed/expert_parallel.py)
             split_experts(expert_modules, expert_mesh["ep"])
         units = units or generic_units(model, self.cfg.wrap_min_num_params)
-        units = checkpoint_units(model, units, self.cfg)
+        units = checkpoint_units(model, units, self.cfg, recomputed)
         self.units = units
         self.compile_units(units or [model])
         self.reduce_comm: AllReduceReduceScatter | None = None

@@ -196,9 +196,14 @@ def build_pipeline(
     model: nn.Module,
     units: list[nn.Module],
     materialize: Callable[[nn.Module], None],
+    stage_metadata: Callable[[int], dict] | None = None,
 ) -> Pipeline:
     """This rank's stages of ``model`` (built on meta), each parallelized alone by ``backend`` over the units inside
-    it and materialized, and the schedule over them."""
+    it and materialized, and the schedule over them. ``stage_metadata``: PipelineStage's static shapes of a stage
+    (its keyword arguments input_args, output_args, ...) by stage index, where torch cannot learn them at the first
+    step (on a fake process group: shardlab.memory.stage_step); by default it learns them."""
+    from shardlab.distributed.activation_checkpointing import checkpointed_units
+
     d = cfg.distributed
     cut = task.pipeline_cut()
     pp_mesh = backend.mesh["pp"]  # the one mesh's pipeline axis (fully_sharded builds it from ParallelDims)
@@ -206,19 +211,28 @@ def build_pipeline(
     num_stages = pp * d.pipeline_stages_per_rank
     ranges = layer_ranges(cut.num_layers, num_stages)
     held = rank_stages(pp_rank, pp, d.pipeline_stages_per_rank)
+    # distributed.ac_skip_units and ac_every_k_units count the whole model's units, as the memory plan does: [0, -1]
+    # is the embedding and the head, not each stage's first and last block.
+    recomputing = set(checkpointed_units(len(units), d.activation_checkpointing, d.ac_every_k_units, d.ac_skip_units))
     stages = []
     for index in held:
         first, last = index == 0, index == num_stages - 1
         module = pruned(model, cut, ranges[index], first=first, last=last)
         inside = {id(m) for m in module.modules()}
         plan = stage_tensor_parallel_plan(task, module) if backend.dims.tp > 1 else None
-        stage_units, full_precision = [u for u in units if id(u) in inside], task.full_precision_modules(module)
+        positions = [i for i, u in enumerate(units) if id(u) in inside]
         module = backend.parallelize(
-            module, stage_units, materialize, full_precision_modules=full_precision, tensor_parallel_plan=plan
+            module,
+            [units[i] for i in positions],
+            materialize,
+            full_precision_modules=task.full_precision_modules(module),
+            tensor_parallel_plan=plan,
+            recomputed=[k for k, i in enumerate(positions) if i in recomputing],
         )
-        if plan is not None:
-            whole_sequence_between_stages(getattr(module, cut.layers), backend.mesh["tp"], first, last)
-        stages.append(PipelineStage(module, index, num_stages, backend.device, group=pp_mesh.get_group()))
+        if plan is not None and not first:
+            whole_sequence_within_stage(module, getattr(module, cut.layers), backend.mesh["tp"])
+        static = stage_metadata(index) if stage_metadata is not None else {}
+        stages.append(PipelineStage(module, index, num_stages, backend.device, group=pp_mesh.get_group(), **static))
     layer_ids = [i for index in held for i in ranges[index]]
     rank_model = pruned(model, cut, layer_ids, first=0 in held, last=num_stages - 1 in held)
     return Pipeline(cfg, task, stages, rank_model, pp_mesh.get_group(), backend.device)
@@ -235,20 +249,19 @@ def stage_tensor_parallel_plan(task: Task, module: nn.Module) -> dict:
     }
 
 
-def whole_sequence_between_stages(layers: nn.Module, tp_mesh: DeviceMesh, first: bool, last: bool) -> None:
+def whole_sequence_within_stage(stage: nn.Module, layers: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Under tensor parallelism the residual stream between layers is split by sequence over the TP ranks (sequence
-    parallelism); between stages it travels whole: all-gathered after a stage's last layer, each rank's slice taken
-    again before the next stage's first. So every stage's forward sees the sequence length the unsplit model sees
-    (the Llama sizes its rotary tables by its input), and both moves are autograd's (DTensor redistributes)."""
-    layers = list(layers)
-    if not last:
-        layers[-1].register_forward_hook(
-            lambda _module, _args, out: DTensor.from_local(out, tp_mesh, [Shard(1)]).full_tensor()
+    parallelism), and it crosses stages split too: each TP rank sends its slice to the same TP rank of the next
+    stage, 1/tp of the sequence (torchtitan's stages send their local slice as well), and the receiving stage keeps
+    that slice for its backward. A stage after the first all-gathers the slice it receives before its forward, whose
+    model code sizes what it builds by its input (the Llama's rotary tables), and its first layer takes its slice
+    again: both moves are autograd's (DTensor redistributes), so the gradient sent back is a slice too."""
+    stage.register_forward_pre_hook(
+        lambda _module, args: (DTensor.from_local(args[0], tp_mesh, [Shard(1)]).full_tensor(), *args[1:])
+    )
+    next(iter(layers)).register_forward_pre_hook(
+        lambda _module, args: (
+            DTensor.from_local(args[0], tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(1)]).to_local(),
+            *args[1:],
         )
-    if not first:
-        layers[0].register_forward_pre_hook(
-            lambda _module, args: (
-                DTensor.from_local(args[0], tp_mesh, [Replicate()]).redistribute(tp_mesh, [Shard(1)]).to_local(),
-                *args[1:],
-            )
-        )
+    )
