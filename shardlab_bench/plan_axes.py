@@ -159,7 +159,35 @@ def verify(overrides: list[str]) -> dict[str, Any]:
     world = cfg.distributed.world_size
     started = time.perf_counter()
     lines = verify_plan(cfg, build_task(cfg, world_size=world), world)
-    return {"overrides": overrides, "seconds": round(time.perf_counter() - started, 1), "line": lines[0]}
+    return {"overrides": overrides, "seconds": round(time.perf_counter() - started, 1), "line": lines[0],
+            "lines": lines}  # fmt: skip
+
+
+def measured_step(overrides: list[str]) -> dict[str, Any]:
+    """Pipeline rank 0's step of a layout on fake tensors (shardlab.memory.stage_step: shardlab's own build of that
+    rank, through torch's schedule, on the fake process group), beside the plan of that rank as shardlab runs it
+    (shardlab's cut of the layers)."""
+    from shardlab.cli.preflight import compose_config
+    from shardlab.distributed.units import model_on_meta
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.layout import layout_of
+    from shardlab.memory.plan import profile_config
+    from shardlab.memory.stage_step import measure_stage_step
+    from shardlab.runner import build_task
+
+    cfg = compose_config(overrides)
+    world = cfg.distributed.world_size
+    task = build_task(cfg, world_size=world)
+    step = measure_stage_step(cfg, task, world)
+    if isinstance(step, str):
+        raise RuntimeError(f"pipeline rank 0's step on fake tensors did not run: {step}")
+    profile, ctx = profile_config(cfg, task, world, model_on_meta(task))
+    layout = layout_of(cfg.distributed, world)
+    return {
+        "overrides": overrides, "label": layout.label(world), "stages": list(step.stages), "peak_bytes": step.peak,
+        "state_bytes": step.state, "plan_rank0_bytes": estimate(profile, layout, ctx).axes.rank_peaks[0],
+        "ops": step.ops, "seconds": round(step.seconds, 1),
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         "published": [{**p, "plan": plan(p["overrides"], "torchtitan")} for p in PUBLISHED],
         "choices": [{"model": model, "overrides": o, "plan": plan(o)} for model, o in CHOICES],
         "verify": verify(PUBLISHED[1]["overrides"]),
-    }
+        "measured_steps": [measured_step(p["overrides"]) for p in PUBLISHED
+                           if "distributed.pipeline_parallel_degree=1" not in p["overrides"]],
+    }  # fmt: skip
     results["meta"] = finish(meta)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(

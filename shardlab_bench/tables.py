@@ -687,7 +687,20 @@ def plan_axes_published(sources: list[Source]) -> list[str]:
     for _, d in sources:
         if d.get("verify"):
             v = d["verify"]
-            lines += ["", f"`distributed.verify_plan` of the 405B 3D layout, timed: {v['seconds']} s. {v['line']}"]
+            said = ". ".join(v.get("lines", [v["line"]]))
+            lines += ["", f"`distributed.verify_plan` of the 405B 3D layout, timed: {v['seconds']} s. {said}"]
+        if d.get("measured_steps"):
+            lines += ["", "Pipeline rank 0's step as shardlab builds and runs it, on fake tensors "
+                      "(shardlab.memory.stage_step), beside the plan of that rank:", ""]  # fmt: skip
+            lines += header("layout (shardlab's cut of the layers)", "stages on rank 0", "step's peak of live bytes",
+                            "of it parameters and optimizer state", "plan of rank 0", "measured in")  # fmt: skip
+            for m in d["measured_steps"]:
+                peak, planned = m["peak_bytes"] / GiB, m["plan_rank0_bytes"] / GiB
+                lines.append(
+                    row(m["label"], ", ".join(map(str, m["stages"])), f"{peak:.1f} GiB",
+                        f"{m['state_bytes'] / GiB:.1f} GiB", f"**{planned:.1f} GiB ({planned / peak - 1:+.1%})**",
+                        f"{m['seconds']} s ({m['ops']:,} ops)")
+                )  # fmt: skip
     return lines
 
 

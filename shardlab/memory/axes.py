@@ -63,6 +63,9 @@ class AxesDetail:
     """The most micro-batches' activations the fullest rank holds at once (summed over its stages)."""
     bubble: float
     traffic: dict[str, int]
+    rank_peaks: tuple[int, ...] = ()
+    """Each pipeline rank's peak bytes (its state, gathered units, gradients and activations; without the CPU
+    runtime or allocator terms), by pipeline rank: what shardlab.memory.stage_step measures rank 0's against."""
     """Bytes one rank sends per optimizer step on each axis: fsdp (data), tp, pp, and cp where the layout has it."""
 
 
@@ -195,6 +198,9 @@ class _Stage:
     """During every backward, the biggest unit's new gradients in the parameters' dtype, which autograd writes to
     param.grad before FSDP's post-backward adds them into the accumulated (reduce-dtype) gradients and frees them
     (torch 2.14 _fsdp_param.py, to_accumulated_grad_if_needed and accumulate_unsharded_grad_if_needed)."""
+    embedding_grad: int = 0
+    """On the first stage under tensor parallelism, the embedding's new gradient in the parameters' dtype, whole over
+    the vocabulary (_embedding_gradient_whole), written during its backward, the last of each micro-batch's."""
     step_output: int = 0
     """On the last stage, where step's return_outputs is on (Layout.last_stage_outputs_kept: torch's default, as
     torchtitan's published runs had it; shardlab's PipelineRunner turns it off), its output of one micro-batch (the
@@ -238,12 +244,13 @@ def _pipelined(profile: ModelProfile, layout: Layout, data_layout: Layout, ctx: 
     pp, v, m = layout.pp, layout.stages_per_rank, ctx.update_freq
     stages = stage_units(profile, pp * v, layout.stage_split)
     per_unit = unit_activation_bytes(profile, data_layout) if profile.activations is not None else None
-    best = None
+    best, rank_peaks = None, []
     for rank in range(pp):
         mine = rank_stages(rank, pp, v, layout.schedule)
-        bytes_ = [_stage_bytes(profile, stages, s, per_unit, data_layout, ctx) for s in mine]
+        bytes_ = [_stage_bytes(profile, stages, s, per_unit, data_layout, ctx, layout.tp) for s in mine]
         ops = schedule_ops(layout.schedule, pp, rank, m, v)
         peak, parts = _run(ops, bytes_)
+        rank_peaks.append(peak)
         if best is None or peak > best[0]:
             best = (peak, parts, rank, mine, bytes_, ops)
     _, parts, rank, mine, bytes_, ops = best
@@ -256,7 +263,7 @@ def _pipelined(profile: ModelProfile, layout: Layout, data_layout: Layout, ctx: 
     }
     detail = AxesDetail(
         rank, tuple(tuple(tuple(stages[s]) for s in rank_stages(r, pp, v, layout.schedule)) for r in range(pp)),
-        max_in_flight(ops), bubble_fraction(pp, m, v), traffic,
+        max_in_flight(ops), bubble_fraction(pp, m, v), traffic, tuple(rank_peaks),
     )  # fmt: skip
     est = MemoryEstimate(
         layout, params=sum(s.params for s in state), optimizer=sum(s.optimizer for s in state), grad_buffers=0,
@@ -269,7 +276,7 @@ def _pipelined(profile: ModelProfile, layout: Layout, data_layout: Layout, ctx: 
     return est
 
 
-def _stage_bytes(profile, stages, stage: int, per_unit, layout: Layout, ctx: PlanContext) -> _Stage:
+def _stage_bytes(profile, stages, stage: int, per_unit, layout: Layout, ctx: PlanContext, tp: int = 1) -> _Stage:
     """One global stage's bytes on a rank: its sharded state, its gathered units and unsharded gradients, and what
     each micro-batch in flight keeps."""
     last = stage == len(stages) - 1
@@ -277,7 +284,8 @@ def _stage_bytes(profile, stages, stage: int, per_unit, layout: Layout, ctx: Pla
     f = layout.sharding_degree
     state = rank_state(sub, layout, ctx)
     unsharded = sum(f * shard_numel(g, f) for g in sub.groups())
-    trained = sum(f * shard_numel(g, f) for g in sub.trainable())
+    whole_vocabulary = _embedding_gradient_whole(profile, stages[stage], tp)
+    trained = sum(f * shard_numel(g, f) for g in sub.trainable()) + whole_vocabulary - whole_vocabulary // tp
     kept = recompute = 0
     if per_unit is not None:
         kept_per_unit, recomputed = per_unit
@@ -296,8 +304,25 @@ def _stage_bytes(profile, stages, stage: int, per_unit, layout: Layout, ctx: Pla
         reduce_buffer=ctx.reduce_bytes * max((f * shard_numel(g, f) for g in sub.trainable()), default=0),
         receive_buffers=ctx.update_freq * _boundary(profile) * ((stage > 0) + (not last)),
         unit_grad=ctx.param_bytes * max((f * shard_numel(g, f) for g in sub.trainable()), default=0),
+        embedding_grad=ctx.param_bytes * whole_vocabulary,
         step_output=profile.output if last and layout.last_stage_outputs_kept and per_unit is not None else 0,
     )  # fmt: skip
+
+
+def _embedding_gradient_whole(profile: ModelProfile, units: list[int], tp: int) -> int:
+    """Elements of the embedding's gradient on a tensor-parallel rank: the vocabulary whole, not its 1/tp rows.
+    torch's DTensor has no vocabulary-sharded strategy for the embedding's backward (torch 2.14
+    distributed/tensor/_ops/_embedding_ops.py, embedding_dense_backward_strategy: the gradient sharded by columns,
+    or Partial), so a RowwiseParallel embedding whose output gradient arrives split by sequence computes a Partial
+    gradient of the whole table on each rank, which FSDP2 reduce-scatters over TP only when it reads it
+    (_fsdp_param.py, _get_grad_inner_tensor); in between, gradients accumulated unsharded across micro-batches (PP)
+    are that whole table in the reduce dtype (to_accumulated_grad_if_needed). The embedding is the trained units
+    before the first layer (their matrices; tests/unit/test_torch_internals.py checks torch still does this)."""
+    layers = layer_units(profile)
+    if tp == 1 or not layers:
+        return 0
+    trained = profile.trainable()
+    return tp * sum(r * w for u in units if u < layers[0] for r, w in trained[u] if r > 1 and w > 1)
 
 
 def _run(ops, stages: list[_Stage]) -> tuple[int, dict[str, int]]:
@@ -320,8 +345,12 @@ def _run(ops, stages: list[_Stage]) -> tuple[int, dict[str, int]]:
         live["gathered"] += s.accumulated if first else 0
         during = dict(live, activations=live["activations"] + s.recompute)
         during["gathered"] += s.unit_grad + (s.reduce_buffer if last else 0)
-        if sum(during.values()) > peak:
-            peak, at_peak = sum(during.values()), during
+        # the embedding's backward comes last, the micro-batch's layers (their recomputation, their activations) done
+        closing = dict(live, activations=live["activations"] - s.kept)
+        closing["gathered"] += s.embedding_grad + (s.reduce_buffer if last else 0)
+        for moment in (during, closing) if s.embedding_grad else (during,):
+            if sum(moment.values()) > peak:
+                peak, at_peak = sum(moment.values()), moment
         live["activations"] -= s.kept
         if last:
             live["gathered"] -= s.gathered + s.accumulated

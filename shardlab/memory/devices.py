@@ -21,6 +21,11 @@ MiB = 2**20
 GiB = 2**30
 
 
+def size_text(n: int) -> str:
+    """Bytes in GiB, or MiB below a tenth of one (a small model's buffers: '0.00 GiB' said nothing)."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.2f} MiB"
+
+
 @dataclass(frozen=True)
 class Device:
     title: str

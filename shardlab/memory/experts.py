@@ -40,7 +40,7 @@ from shardlab.distributed.activation_checkpointing import checkpointed_units
 from shardlab.memory.byte_model import MemoryEstimate, RankState, gathered_bytes, rank_state
 from shardlab.memory.communication import Collective, collectives, group_collectives
 from shardlab.memory.context import PlanContext
-from shardlab.memory.devices import GiB
+from shardlab.memory.devices import size_text
 from shardlab.memory.layout import Layout, shard_numel, shard_rows
 from shardlab.memory.profile import ExpertProfile, ModelProfile
 
@@ -309,25 +309,20 @@ def experts_line(profile: ModelProfile, layout: Layout, ctx: PlanContext) -> str
         text += f"no EP: all {plan.experts_per_rank} experts of each layer computed on every rank"
     if plan.expert_shard_ranks > 1:
         text += f", sharded over {plan.expert_shard_ranks} FSDP ranks"
-    text += f": {_size(4 * plan.expert_numel)} of fp32 expert weights held per rank"
+    text += f": {size_text(4 * plan.expert_numel)} of fp32 expert weights held per rank"
     if plan.expert_numel > 1.01 * plan.row_sharded_numel:
-        rows = _size(4 * plan.row_sharded_numel)
+        rows = size_text(4 * plan.row_sharded_numel)
         text += f" (whole experts padded: sharding each expert's rows would hold {rows})"
     text += (
-        f", {_size(ctx.param_bytes * plan.gathered_layer_numel)} gathered per layer; {plan.tokens} tokens per "
-        f"micro-batch: dispatch {_size(plan.dispatch_bytes)} per copy, router logits and probs "
-        f"{_size(plan.router_bytes)} per layer"
+        f", {size_text(ctx.param_bytes * plan.gathered_layer_numel)} gathered per layer; {plan.tokens} tokens per "
+        f"micro-batch: dispatch {size_text(plan.dispatch_bytes)} per copy, router logits and probs "
+        f"{size_text(plan.router_bytes)} per layer"
     )
     if plan.ep > 1:
-        text += f"; all-to-all sends {_size(plan.all_to_all_bytes)} per step per EP rank (balanced routing)"
+        text += f"; all-to-all sends {size_text(plan.all_to_all_bytes)} per step per EP rank (balanced routing)"
     elif layout.ep > 1:
         text += f"; distributed.expert_parallel_degree={layout.ep} not planned for {layout.label(ctx.world_size)}"
     return text
-
-
-def _size(n: int) -> str:
-    """Bytes in GiB, or MiB below a tenth of one (a small model's buffers: '0.00 GiB' said nothing)."""
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.2f} MiB"
 
 
 def _count(n: int) -> str:

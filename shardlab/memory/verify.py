@@ -32,6 +32,11 @@ MoE's routing counts tokens per expert with bincount); the line says when it did
 private torch API: shardlab.distributed.torch_internals.fsdp_mem_tracker gives it on a tested torch only, and
 tests/unit/test_torch_internals.py fails loudly when torch changes it.
 
+A layout with a pipeline axis gets a third check, of its peak rather than its state: pipeline rank 0's step as
+training builds and runs it, on fake tensors (shardlab.memory.stage_step), whose peak of live bytes the plan of that
+rank must not be below (PlanMismatch); the line gives both. Where that step cannot run (context or expert
+parallelism, a task plan whose stage boundary is not the sequence-split residual stream) the line says why.
+
 Private torch names, used on a tested torch only (shardlab.distributed.torch_internals.TESTED_TORCH), checked by
 tests/unit/test_memory_plan.py::test_verify_plan_private_torch_names_still_behave: the fake backend's FakeStore
 (torch.testing._internal.distributed.fake_pg), FSDPModule._get_fsdp_state(), its _fsdp_param_group (fsdp_params,
@@ -53,7 +58,7 @@ from torch import nn
 from shardlab.distributed import torch_internals
 from shardlab.distributed.units import model_on_meta
 from shardlab.errors import ConfigError, ShardlabError
-from shardlab.memory.devices import GiB
+from shardlab.memory.devices import GiB, size_text
 from shardlab.memory.estimate import Collective
 from shardlab.memory.experts import expert_collectives, expert_rank_state
 from shardlab.memory.layout import layout_of
@@ -317,11 +322,37 @@ def verify_axes(cfg, task, world_size: int) -> list[str]:
     tp_note = "the task's tensor-parallel plan applied" if tp_applied else (
         "tensor parallelism NOT applied: the task gives no tensor-parallel plan, so the FSDP part was checked on "
         "whole layers" if dims.tp > 1 else "no tensor axis")  # fmt: skip
-    return [
+    lines = [
         f"verify_plan: the real mesh ({dims.describe()}) and fully_shard at world size {world_size} on a fake process "
         f"group match the plan ({tp_note}): {'; '.join(checked)}; checked in {time.perf_counter() - started:.1f} s, "
         "nothing allocated"
     ]
+    return lines + ([_stage_step_line(cfg, task, world_size)] if dims.pp > 1 else [])
+
+
+def _stage_step_line(cfg, task, world_size: int) -> str:
+    """Pipeline rank 0's step on fake tensors (shardlab.memory.stage_step) against the plan's peak of that rank: the
+    plan must not count less than the step held."""
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.stage_step import measure_stage_step
+
+    step = measure_stage_step(cfg, task, world_size)
+    if isinstance(step, str):
+        return f"verify_plan: pipeline rank 0's step on fake tensors not run: {step}"
+    profile, ctx = profile_config(cfg, task, world_size, model_on_meta(task))
+    layout = layout_of(cfg.distributed, world_size)
+    planned = estimate(profile, layout, ctx).axes.rank_peaks[0]
+    if planned < step.peak:
+        raise PlanMismatch(
+            f"verify_plan: pipeline rank 0's step on fake tensors held {size_text(step.peak)} at its peak, the "
+            f"memory plan {size_text(planned)} for that rank ({layout.label(world_size)})"
+        )
+    return (
+        f"verify_plan: pipeline rank 0's step (stages {', '.join(map(str, step.stages))}) through torch's schedule on "
+        f"fake tensors held {size_text(step.peak)} at its peak ({size_text(step.state)} of it parameters and "
+        f"optimizer state); the plan's rank 0: {size_text(planned)} ({planned / step.peak - 1:+.1%}); measured in "
+        f"{step.seconds:.1f} s"
+    )
 
 
 def _sharded_stage_state(cfg, task, mesh, dims, units: list[int], state_bytes: int) -> tuple[dict, bool]:

@@ -33,17 +33,25 @@ def test_the_70b_2d_run_is_planned_within_ten_percent_of_torchtitans_and_the_jso
 
 @pytest.mark.slow
 def test_the_405b_3d_runs_hold_todays_plan_and_where_each_schedules_fullest_rank_is():
-    """Llama 3.1 405B, FSDP 8 x TP 8 x PP 8 on 512 H100s: 1F1B 82.5 GiB, interleaved 1F1B 72.7 GiB published. 1F1B's
-    fullest rank is the first (its 8 micro-batches in flight), 13.5% under the published figure (docs/distributed.md
-    says what was checked for the rest); the interleaved run's is the last, which keeps the logits of all 8
-    micro-batches to the end of the step (torch's output_chunks), within 10%."""
+    """Llama 3.1 405B, FSDP 8 x TP 8 x PP 8 on 512 H100s: 1F1B 82.5 GiB, interleaved 1F1B 72.7 GiB published, each
+    planned within 10%. 1F1B's fullest rank is the first (its 8 micro-batches in flight, and the embedding's gradient
+    whole over the vocabulary in fp32 across them); the interleaved run's is the last, which keeps the logits of all 8
+    micro-batches to the end of the step (torch's output_chunks). Pipeline rank 0's step as shardlab runs it, on fake
+    tensors, is planned within 10% above what it held (the JSON's measured_steps; measured again here for 1F1B)."""
     rows = recorded()
     one, loop = (plan_axes.plan(rows[k]["overrides"], "torchtitan") for k in ("405b_1f1b", "405b_interleaved"))
     assert one == rows["405b_1f1b"]["plan"] and loop == rows["405b_interleaved"]["plan"], STALE
     assert (one["fullest_pipeline_rank"], one["in_flight"]) == (0, 8) and loop["fullest_pipeline_rank"] == 7
     assert loop["bubble"] < one["bubble"] and loop["reserved_bytes"] < one["reserved_bytes"]
-    assert 0.80 < one["reserved_bytes"] / GiB / rows["405b_1f1b"]["published_gib"] < 0.90
+    assert abs(one["reserved_bytes"] / GiB / rows["405b_1f1b"]["published_gib"] - 1) < 0.10
     assert abs(loop["reserved_bytes"] / GiB / rows["405b_interleaved"]["published_gib"] - 1) < 0.10
+    steps = json.loads(JSON.read_text())["measured_steps"]
+    assert [s["overrides"] for s in steps] == [rows[k]["overrides"] for k in ("405b_1f1b", "405b_interleaved")]
+    for step in steps:
+        assert step["peak_bytes"] <= step["plan_rank0_bytes"] < 1.10 * step["peak_bytes"], step
+    again = plan_axes.measured_step(steps[0]["overrides"])
+    assert again["plan_rank0_bytes"] == steps[0]["plan_rank0_bytes"], STALE
+    assert again["peak_bytes"] == pytest.approx(steps[0]["peak_bytes"], rel=0.01)  # the cyclic GC frees some late
 
 
 def test_every_published_figure_cites_its_file_commit_table_and_row():

@@ -2,7 +2,7 @@
 it, seen on torch's fake process group: the blocks every stage recomputes under distributed.ac_skip_units and
 ac_every_k_units are counted over the whole model's units, as the memory plan counts them; the step runs through
 torch's schedule with the stage boundary split by sequence under TP (the stages' static shapes say so, and torch
-checks every output against them)."""
+checks every output against them); and the plan of rank 0 holds at least what the step held, and not much more."""
 
 from __future__ import annotations
 
@@ -66,15 +66,39 @@ def test_activation_checkpointing_under_a_pipeline_counts_the_whole_models_units
 
 
 @pytest.mark.parametrize("overrides", [FSDP2_TP2_PP2, INTERLEAVED_BF16], ids=["fsdp2_tp2_pp2", "interleaved_bf16"])
-def test_pipeline_rank_0s_step_runs_on_fake_tensors_with_the_boundary_split_by_sequence(overrides):
-    """Torch's schedule runs rank 0's stages two steps on fake tensors (the second measured). Under TP the stage
-    boundary is the sequence's 1/tp slice: torch checks each stage's output against the static shapes given."""
+def test_pipeline_rank_0s_step_on_fake_tensors_holds_what_its_plan_says(overrides):
+    """Torch's schedule runs rank 0's stages two steps on fake tensors (the second measured); the plan of that rank
+    (its state, gathered units, unsharded gradients and activations) is not below the step's peak of live bytes, nor
+    a quarter above it. Under TP the stage boundary is the sequence's 1/tp slice: torch checks each stage's output
+    against the static shapes the measurement gives it."""
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.layout import layout_of
+    from shardlab.memory.plan import profile_config
     from shardlab.runner import build_task
     from tests.conftest import compose_config
 
     cfg = compose_config(overrides)
     world = cfg.distributed.world_size
-    step = measure_stage_step(cfg, build_task(cfg, world_size=world), world)
+    task = build_task(cfg, world_size=world)
+    step = measure_stage_step(cfg, task, world)
     assert not isinstance(step, str), step
+    from shardlab.distributed.units import model_on_meta
+
+    profile, ctx = profile_config(cfg, task, world, model_on_meta(task))
+    planned = estimate(profile, layout_of(cfg.distributed, world), ctx).axes.rank_peaks[0]
     assert step.stages == ((0,) if cfg.distributed.pipeline_stages_per_rank == 1 else (0, 2))
-    assert 0 < step.state < step.peak and step.ops > 0
+    assert 0 < step.state < step.peak <= planned < 1.25 * step.peak, (step, planned)
+
+
+def test_verify_plan_reports_the_fake_step_and_says_why_when_it_cannot_run():
+    from shardlab.memory.verify import verify_plan
+    from tests.unit.test_memory_axes import TINY_3D, colwise_rowwise_plan
+
+    cfg, task = tiny_task(TINY_3D)
+    lines = verify_plan(cfg, task, 16)
+    assert len(lines) == 2 and "pipeline rank 0's step (stages 0) through torch's schedule" in lines[1], lines
+    assert "the plan's rank 0" in lines[1]
+    # a plan without sequence parallelism hands the whole sequence across stages: not the shapes the step is given
+    task.tensor_parallel_plan = colwise_rowwise_plan
+    lines = verify_plan(cfg, task, 16)
+    assert "not run: the step failed on fake tensors" in lines[1], lines

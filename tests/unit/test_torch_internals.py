@@ -204,3 +204,37 @@ def test_fsdp_mem_tracker_counts_shards_grads_and_moments_under_fake_tensors():
             counted[rank] = tracked_state(Task(), layer, optimizer_state_bytes=8, expert_degree=1)
     assert counted[0] == {"params": 55 * 4, "grads": 55 * 4, "optimizer": 2 * 55 * 4}, counted
     assert counted[7] == {"params": 0, "grads": 55 * 4, "optimizer": 2 * 22 * 4}, counted
+
+
+def test_a_rowwise_parallel_embeddings_gradient_is_the_whole_vocabulary_on_each_rank():
+    """The memory plan counts this (shardlab.memory.axes._embedding_gradient_whole): DTensor has no
+    vocabulary-sharded strategy for the embedding's backward, so a RowwiseParallel embedding whose output goes on
+    split by sequence computes the gradient of the whole table on each tensor-parallel rank (here: 64 rows, not its
+    32). When this fails, torch computes a rank's rows only: drop that term from the plan."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardlab.memory.verify import fake_process_group
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.backward = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.embedding_dense_backward.default:
+                self.backward.append(tuple(out.shape))
+            return out
+
+    with fake_process_group(2, 0):
+        style = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        embedding = parallelize_module(nn.Embedding(64, 8), DeviceMesh("cpu", [0, 1]), style)
+        assert embedding.weight.to_local().shape == (32, 8)
+        out = embedding(torch.zeros(1, 4, dtype=torch.long))
+        with Shapes() as seen:
+            out.sum().backward()
+    assert seen.backward == [(64, 8)], seen.backward
+    assert embedding.weight.grad.to_local().shape == (64, 8)
