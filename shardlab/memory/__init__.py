@@ -7,7 +7,8 @@
   data-parallel ``byte_model``, the model ``axes``, ``experts``; what they depend on, ``context``), ``communication``
   (the collectives a step issues and the bytes they send), ``plan_warnings`` and ``console`` (the lines printed).
 - ``budget``: ``distributed.memory_budget_gb`` held against the plan, and ``distributed.backend=auto``'s choice.
-- ``verify``: the plan held against the real ``fully_shard`` on a fake process group (``distributed.verify_plan``);
+- ``verify``: the plan held against the real ``fully_shard`` on a fake process group (``fake_group``;
+  ``distributed.verify_plan``);
   ``stage_step``: a pipeline rank's real training step there on fake tensors, its peak of live bytes.
 - ``meter``: what a rank really held (the training-step peak above its start), printed beside the plan at the end.
 - ``devices``: the devices a plan can be made for, and what a CUDA rank holds besides its tensors.

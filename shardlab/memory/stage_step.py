@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from shardlab.memory.verify import fake_process_group
+from shardlab.memory.fake_group import fake_process_group
 
 
 class LiveBytes(TorchDispatchMode):

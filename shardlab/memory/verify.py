@@ -45,14 +45,11 @@ mesh_info, post_forward_mesh_info, mp_policy) and FSDPParam._sharded_param_data.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import time
-from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardlab.distributed import torch_internals
@@ -61,6 +58,7 @@ from shardlab.errors import ConfigError, ShardlabError
 from shardlab.memory.devices import GiB, size_text
 from shardlab.memory.estimate import Collective
 from shardlab.memory.experts import expert_collectives, expert_rank_state
+from shardlab.memory.fake_group import fake_process_group
 from shardlab.memory.layout import layout_of
 from shardlab.memory.plan import profile_config
 
@@ -69,25 +67,6 @@ class PlanMismatch(ShardlabError):
     """The memory plan disagrees with what fully_shard did: a bug in the plan, not a user mistake (exit code 1)."""
 
     exit_code = 1
-
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
-    """The default process group as torch's fake backend, rank ``rank`` of ``world_size``, for the block."""
-    if not torch_internals.tested():
-        raise ConfigError(
-            "distributed.verify_plan uses torch's fake process group and FSDP2 internals, checked on torch "
-            f"{'.'.join(map(str, torch_internals.TESTED_TORCH[0]))} only; this is {torch.__version__}: drop it"
-        )
-    if dist.is_initialized():
-        raise ConfigError("distributed.verify_plan runs in a process without a process group (a dry run)")
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def shard_on_fake_group(cfg, task, world_size: int, rank: int):
