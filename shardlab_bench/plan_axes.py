@@ -128,12 +128,14 @@ def plan(overrides: list[str], split: str = "shardlab") -> dict[str, Any]:
     world = cfg.distributed.world_size
     task = build_task(cfg, world_size=world)
     profile, ctx = profile_config(cfg, task, world, model_on_meta(task))
-    # torchtitan's published runs split the layers as torchtitan does (the middle stages taking the remainder), and
-    # their schedule kept the last stage's outputs (torch's step with return_outputs on, which shardlab turns off)
+    # torchtitan's published runs split the layers as torchtitan does (the middle stages taking the remainder), their
+    # schedule kept the last stage's outputs (torch's step with return_outputs on, which shardlab turns off), and
+    # their embedding was torch's RowwiseParallel, whose gradient is the whole vocabulary on each TP rank
     torchtitan = split == "torchtitan"
     layout = dataclasses.replace(
-        layout_of(cfg.distributed, world), stage_split=split, last_stage_outputs_kept=torchtitan
-    )
+        layout_of(cfg.distributed, world), stage_split=split, last_stage_outputs_kept=torchtitan,
+        embedding_gradient_whole=torchtitan,
+    )  # fmt: skip
     est = estimate(profile, layout, ctx)
     axes = est.axes
     return {

@@ -199,8 +199,9 @@ class _Stage:
     param.grad before FSDP's post-backward adds them into the accumulated (reduce-dtype) gradients and frees them
     (torch 2.14 _fsdp_param.py, to_accumulated_grad_if_needed and accumulate_unsharded_grad_if_needed)."""
     embedding_grad: int = 0
-    """On the first stage under tensor parallelism, the embedding's new gradient in the parameters' dtype, whole over
-    the vocabulary (_embedding_gradient_whole), written during its backward, the last of each micro-batch's."""
+    """On the first stage under torch's RowwiseParallel embedding (Layout.embedding_gradient_whole), its new
+    gradient in the parameters' dtype, whole over the vocabulary, written during its backward, the last of each
+    micro-batch's."""
     step_output: int = 0
     """On the last stage, where step's return_outputs is on (Layout.last_stage_outputs_kept: torch's default, as
     torchtitan's published runs had it; shardlab's PipelineRunner turns it off), its output of one micro-batch (the
@@ -284,7 +285,7 @@ def _stage_bytes(profile, stages, stage: int, per_unit, layout: Layout, ctx: Pla
     f = layout.sharding_degree
     state = rank_state(sub, layout, ctx)
     unsharded = sum(f * shard_numel(g, f) for g in sub.groups())
-    whole_vocabulary = _embedding_gradient_whole(profile, stages[stage], tp)
+    whole_vocabulary = _embedding_gradient_whole(profile, stages[stage], tp) if layout.embedding_gradient_whole else 0
     trained = sum(f * shard_numel(g, f) for g in sub.trainable()) + whole_vocabulary - whole_vocabulary // tp
     kept = recompute = 0
     if per_unit is not None:
@@ -310,14 +311,15 @@ def _stage_bytes(profile, stages, stage: int, per_unit, layout: Layout, ctx: Pla
 
 
 def _embedding_gradient_whole(profile: ModelProfile, units: list[int], tp: int) -> int:
-    """Elements of the embedding's gradient on a tensor-parallel rank: the vocabulary whole, not its 1/tp rows.
+    """Elements of the embedding's gradient on a tensor-parallel rank where torch's RowwiseParallel splits it
+    (Layout.embedding_gradient_whole: torchtitan's published runs): the vocabulary whole, not its 1/tp rows.
     torch's DTensor has no vocabulary-sharded strategy for the embedding's backward (torch 2.14
     distributed/tensor/_ops/_embedding_ops.py, embedding_dense_backward_strategy: the gradient sharded by columns,
-    or Partial), so a RowwiseParallel embedding whose output gradient arrives split by sequence computes a Partial
-    gradient of the whole table on each rank, which FSDP2 reduce-scatters over TP only when it reads it
-    (_fsdp_param.py, _get_grad_inner_tensor); in between, gradients accumulated unsharded across micro-batches (PP)
-    are that whole table in the reduce dtype (to_accumulated_grad_if_needed). The embedding is the trained units
-    before the first layer (their matrices; tests/unit/test_torch_internals.py checks torch still does this)."""
+    or Partial), so such an embedding computes a Partial gradient of the whole table on each rank, which FSDP2
+    reduces over TP only when it reads it (_fsdp_param.py, _get_grad_inner_tensor); in between, gradients accumulated
+    unsharded across micro-batches (PP) are that whole table in the reduce dtype (to_accumulated_grad_if_needed).
+    The embedding is the trained units before the first layer (their matrices; tests/unit/test_torch_internals.py
+    checks torch still does this). shardlab's own VocabularySplitEmbedding writes each rank's rows only."""
     layers = layer_units(profile)
     if tp == 1 or not layers:
         return 0

@@ -62,6 +62,11 @@ class Layout:
     """pp > 1: whether the last stage keeps every micro-batch's output (the logits) to the end of the step, as torch's
     schedule does when step's return_outputs is on (its default, under which torchtitan's published runs ran).
     shardlab's PipelineRunner turns it off: it never reads them. No config key: for comparing with those runs."""
+    embedding_gradient_whole: bool = False
+    """tp > 1: whether each TP rank computes the embedding's gradient over the whole vocabulary, as torch's
+    RowwiseParallel embedding does (torchtitan's, under which its published runs ran: shardlab.memory.axes,
+    _embedding_gradient_whole). shardlab's VocabularySplitEmbedding computes each rank's rows only. No config key:
+    for comparing with those runs."""
 
     @property
     def multi_axis(self) -> bool:

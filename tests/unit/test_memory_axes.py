@@ -133,15 +133,23 @@ def test_a_stages_backward_holds_its_gathered_units_fp32_gradients_and_one_units
     assert est.gathered == (2 + 4) * stage + 2 * embedding  # the biggest unit's bf16 gradients on top
 
 
-def test_under_tensor_parallelism_the_first_stage_accumulates_the_embeddings_gradient_whole():
-    """A RowwiseParallel embedding's gradient is the whole vocabulary on each TP rank (torch's DTensor strategy:
-    tests/unit/test_torch_internals.py), so the first stage's unsharded fp32 gradients hold the whole table where its
-    weights hold their half; its new bf16 gradient, whole too, is written after the micro-batch's layers are done."""
-    est = estimate_axes(profile(), Layout("fully_sharded", 4, tp=2, pp=2, schedule="1f1b"), context(16, update_freq=8))
-    assert est.axes.rank == 0 and est.axes.stage_layers[0] == ((0, 1, 2, 3, 4),)
+def test_under_torchs_rowwise_embedding_the_first_stage_accumulates_the_embeddings_gradient_whole():
+    """torch's RowwiseParallel embedding computes its gradient over the whole vocabulary on each TP rank (DTensor's
+    strategy: tests/unit/test_torch_internals.py), so where it splits the embedding (torchtitan's runs:
+    Layout.embedding_gradient_whole) the first stage's unsharded fp32 gradients hold the whole table where its weights
+    hold their half; shardlab's VocabularySplitEmbedding holds the rank's rows only."""
+    layout = Layout("fully_sharded", 4, tp=2, pp=2, schedule="1f1b")
+    ctx = context(16, update_freq=8)
+    torchs, ours = (
+        estimate_axes(profile(), dataclasses.replace(layout, embedding_gradient_whole=whole), ctx)
+        for whole in (True, False)
+    )
+    assert torchs.axes.rank == ours.axes.rank == 0 and torchs.axes.stage_layers[0] == ((0, 1, 2, 3, 4),)
     embedding, layer = VOCAB * DIM, sum((r // 2 if r > 1 and w > 1 else r) * w for r, w in LAYER)
     stage = embedding // 2 + 4 * layer  # the TP rank's share: half the embedding's rows, half of each layer's
-    assert est.gathered == 2 * stage + 4 * (stage + embedding // 2) + 2 * max(embedding // 2, layer)
+    biggest_new_grads = 2 * max(embedding // 2, layer)
+    assert ours.gathered == (2 + 4) * stage + biggest_new_grads  # bf16 weights, fp32 gradients, as the rank holds them
+    assert torchs.gathered == 2 * stage + 4 * (stage + embedding // 2) + biggest_new_grads
 
 
 def test_a_last_stage_that_keeps_its_outputs_holds_every_micro_batchs_to_the_end_of_the_step_and_their_merge():

@@ -92,3 +92,40 @@ def test_every_gpt_parameter_is_placed(tied, tp_mesh):
     apply_tensor_parallel(model, model.tensor_parallel_plan(), tp_mesh)
     assert [n for n, p in model.named_parameters(remove_duplicate=False) if not isinstance(p, DTensor)] == []
     assert (model.head.out.weight is model.embed.tok.weight) == tied
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_vocabulary_split_embedding_looks_up_its_rows_and_its_backward_writes_only_them(rank):
+    """Rank ``rank`` of 2 (torch's fake process group: collectives answer without communicating, so the test reads
+    the rank's own partial sums): the tokens in its half of the vocabulary get their rows, the others zeros, and the
+    backward's gradient is the rank's 32 rows, where torch's RowwiseParallel computes all 64
+    (tests/unit/test_torch_internals.py)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from shardlab.memory.fake_group import fake_process_group
+    from shardlab_tasks.lm.models.tensor_parallel import VocabularySplitEmbedding
+
+    whole = torch.nn.Embedding(64, 8)
+    tokens = torch.tensor([[3, 40, 31, 32, 63, 0]])
+    lookups = []
+    with fake_process_group(2, rank):
+        mesh = DeviceMesh("cpu", [0, 1])
+        split = VocabularySplitEmbedding(Replicate())._apply(torch.nn.Embedding(64, 8), mesh)
+        split.weight.to_local().data.copy_(whole.weight.data[32 * rank : 32 * (rank + 1)])
+        original = DTensor.redistribute
+
+        def partial_sums(self, *args, **kwargs):  # the rank's own sums, before the fake all-reduce
+            if self.placements == (Partial(),):
+                lookups.append(self.to_local().detach().clone())
+            return original(self, *args, **kwargs)
+
+        DTensor.redistribute = partial_sums
+        try:
+            split(tokens).sum().backward()
+        finally:
+            DTensor.redistribute = original
+    mine = (tokens >= 32 * rank) & (tokens < 32 * (rank + 1))
+    expected = torch.where(mine.unsqueeze(-1), whole(tokens), torch.zeros(()))
+    torch.testing.assert_close(lookups[0], expected.detach())
+    assert split.weight.grad.placements == (Shard(0),) and split.weight.grad.to_local().shape == (32, 8)

@@ -4,13 +4,14 @@ each module path to the torch ParallelStyle that splits it over distributed.tens
 Between blocks the residual stream is split by sequence (sequence parallelism: Shard(1)), so norms and the residual
 adds run on a 1/tp slice of the tokens. Entering attention or the MLP it is all-gathered; q, k, v, gate and up are
 column-wise (each rank computes its own heads, its own slice of the FFN width), o and down row-wise, their partial
-sums reduce-scattered back onto the sequence. The embedding is split by vocabulary rows and hands on the sequence
-slice; the head is column-wise over the vocabulary, its logits gathered whole, or, with distributed.loss_parallel,
-left split over the vocabulary (vocabulary_split_logits) for torch's loss-parallel cross-entropy
-(shardlab_tasks/lm/loss.py). A tied embedding and head share one weight split by vocabulary rows both ways. Qwen3's q/k
-norms are sequence-parallel over the heads dimension (their weight's gradient is summed over the tensor-parallel ranks,
-each of which saw its heads). LoRA's adapted layers are split with their adapters (SplitAdaptedLinear); GPT's fused qkv
-projection with its output regrouped by heads (FusedQKVColwise).
+sums reduce-scattered back onto the sequence. The embedding is split by vocabulary rows (VocabularySplitEmbedding:
+its backward writes each rank's rows only) and hands on the sequence slice; the head is column-wise over the
+vocabulary, its logits gathered whole, or, with distributed.loss_parallel, left split over the vocabulary
+(vocabulary_split_logits) for torch's loss-parallel cross-entropy (shardlab_tasks/lm/loss.py). A tied embedding
+and head share one weight split by vocabulary rows both ways. Qwen3's q/k norms are sequence-parallel over the heads
+dimension (their weight's gradient is summed over the tensor-parallel ranks, each of which saw its heads). LoRA's
+adapted layers are split with their adapters (SplitAdaptedLinear); GPT's fused qkv projection with its output
+regrouped by heads (FusedQKVColwise).
 
 A mixture-of-experts block (model.moe) is not split: it runs on each rank's slice of the sequence as it comes
 (SequenceShardedMoE), each rank routing its own tokens with the whole router, experts and shared expert, held alike on
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -76,7 +77,7 @@ def llama_plan(qk_norm: bool, moe: bool = False) -> dict:
     takes (x, cos, sin, mask), so attention's prepared inputs are four, the rotary tables and mask left alone. With
     ``moe`` (Mixtral, Qwen2/3-MoE) every block's MLP is an MoE block on the local tokens (SequenceShardedMoE)."""
     plan = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "embed": VocabularySplitEmbedding(output_layout=Shard(1)),
         "blocks.*.attn_norm": SequenceParallel(),
         "blocks.*.attn": PrepareModuleInput(
             input_layouts=(Shard(1), None, None, None),
@@ -105,6 +106,42 @@ def llama_plan(qk_norm: bool, moe: bool = False) -> dict:
         plan["blocks.*.attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["blocks.*.attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
+
+
+class VocabularySplitEmbedding(ParallelStyle):
+    """An nn.Embedding split by vocabulary rows over the tensor-parallel ranks (Megatron's VocabParallelEmbedding):
+    each rank looks up the tokens its rows hold, zeros for the others, and the ranks' sums are the output, reduce-
+    scattered onto the sequence or all-reduced whole (``output_layout``). Its backward writes the rank's own rows
+    only. torch's RowwiseParallel computes the same forward, but DTensor has no vocabulary-sharded strategy for the
+    embedding's backward: every rank computes the gradient of the whole table and keeps 1/tp of it, and FSDP2
+    accumulates that whole table in fp32 across micro-batches (7.8 GiB a rank at Llama 3.1 405B, TP 8, under a
+    pipeline: tests/unit/test_torch_internals.py shows torch's behaviour). The weight is a Shard(0) DTensor, as
+    RowwiseParallel places it, so checkpoints, exports and a tied head are unchanged."""
+
+    def __init__(self, output_layout: Shard | Replicate) -> None:
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:
+            raise ValueError(f"VocabularySplitEmbedding splits a plain nn.Embedding, not {module!r}")
+        weight = module.weight
+        split = nn.Parameter(distribute_tensor(weight, device_mesh, [Shard(0)]), requires_grad=weight.requires_grad)
+        module.register_parameter("weight", split)
+        module.forward = functools.partial(vocabulary_split_lookup, module, device_mesh, self.output_layout)
+        return module
+
+
+def vocabulary_split_lookup(
+    module: nn.Embedding, device_mesh: DeviceMesh, output_layout, tokens: torch.Tensor
+) -> torch.Tensor:
+    """The embedding of ``tokens`` (whole on every rank) from this rank's rows of the table, summed over the ranks."""
+    local = module.weight.to_local()  # its gradient comes back as this rank's rows (Shard(0))
+    start = device_mesh.get_local_rank() * local.shape[0]
+    elsewhere = (tokens < start) | (tokens >= start + local.shape[0])
+    rows = torch.nn.functional.embedding(torch.where(elsewhere, 0, tokens - start), local)
+    partial = DTensor.from_local(rows.masked_fill(elsewhere.unsqueeze(-1), 0), device_mesh, [Partial()])
+    return partial.redistribute(device_mesh, [output_layout]).to_local()
 
 
 def divisibility_errors(degree: int, sizes: dict[str, int]) -> list[str]:
@@ -244,8 +281,8 @@ def gpt_plan(dim: int) -> dict:
     """shardlab_tasks.lm.models.model.GPT: the token and position embeddings split by rows (the sum gathered whole, then
     handed on split by sequence), the fused qkv projection by FusedQKVColwise, the rest as the Llama plan."""
     return {
-        "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "embed.pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "embed.tok": VocabularySplitEmbedding(output_layout=Replicate()),
+        "embed.pos": VocabularySplitEmbedding(output_layout=Replicate()),
         "embed": PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
         ),
