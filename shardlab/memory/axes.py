@@ -63,10 +63,10 @@ class AxesDetail:
     """The most micro-batches' activations the fullest rank holds at once (summed over its stages)."""
     bubble: float
     traffic: dict[str, int]
+    """Bytes one rank sends per optimizer step on each axis: fsdp (data), tp, pp, and cp where the layout has it."""
     rank_peaks: tuple[int, ...] = ()
     """Each pipeline rank's peak bytes (its state, gathered units, gradients and activations; without the CPU
     runtime or allocator terms), by pipeline rank: what shardlab.memory.stage_step measures rank 0's against."""
-    """Bytes one rank sends per optimizer step on each axis: fsdp (data), tp, pp, and cp where the layout has it."""
 
 
 def tp_shapes(shapes: list[tuple[int, int]], tp: int, whole: list[tuple[int, int]] = ()) -> list[tuple[int, int]]:
