@@ -223,6 +223,7 @@ RAISES_CONFIG_ERROR = {
     "shardlab/memory/budget.py": "the memory plan against distributed.memory_budget_gb (asked by the checks)",
     "shardlab/runner/autotune.py": "the layouts measured on the ranks",
     "shardlab/memory/verify.py": "the real fully_shard against the plan (a dry run's)",
+    "shardlab/memory/fake_group.py": "the installed torch and the process, for verify_plan's fake process group",
     "shardlab_tasks/lm/corpus/tokenizer.py": "the tokenizer file the data names",
     "shardlab_tasks/lm/corpus/shards.py": (
         "the shard plan a cache being preprocessed already follows (shardlab-preprocess --shards)"
