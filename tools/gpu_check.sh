@@ -23,7 +23,12 @@
 #   5. shardlab_bench train on gpt_125m and gpt_350m (fully_sharded, bf16, 1 GPU), eager then compiled for each model, in a
 #      fresh inductor cache: tokens/s and MFU of both, the speed-up, and the cold compile time (gpu_check.json's
 #      "compile" block). MFU counts the model's FLOPs, not the kernels inductor fused them into.
-# Usage: bash tools/gpu_check.sh [compile]   (from the repository root, with the project installed; PYTHON=... to pick)
+#   bash tools/gpu_check.sh memory    (~4 minutes at most)
+#   6. pipeline rank 0's training step (Llama 3.1 8B at FSDP 4 x TP 2 x PP 2, one GPU standing for rank 0 of 16 on
+#      torch's fake process group) on CUDA tensors beside the same step on fake tensors, which is what
+#      distributed.verify_plan holds the plan to on a CPU: LiveBytes' count on each, the CUDA caching allocator's peak
+#      of allocated bytes, and the plan of rank 0 (gpu_check.json's "stage_step" block; shardlab_bench/stage_step.py).
+# Usage: bash tools/gpu_check.sh [compile|memory]   (from the repository root, with the project installed; PYTHON=...)
 set -uo pipefail
 out="${OUT:-.}"
 py="${PYTHON:-python}"
@@ -55,7 +60,9 @@ bench() {  # bench NAME LIMIT_S MODEL [OVERRIDES...]: shardlab_bench train, full
         --warmup 3 --out "$out/$name.json"
 }
 
-if [ "${1:-}" = compile ]; then
+if [ "${1:-}" = memory ]; then
+    step stage_step_cuda 240 "$py" -m shardlab_bench stage_step --storage cuda --out "$out/stage_step.json"
+elif [ "${1:-}" = compile ]; then
     step gpu_tests 150 "$py" -m pytest -m gpu tests/gpu -k compiled -q -rs -p no:cacheprovider \
         --junitxml="$out/gpu_tests.xml"
     cache=$(mktemp -d)  # a fresh inductor cache: the compile time reported is a cold one
@@ -133,6 +140,11 @@ for name, b in summary["bench"].items():
         }
 if compiled:
     summary["compile"] = compiled
+if (out / "stage_step.json").exists():
+    stage = json.loads((out / "stage_step.json").read_text())
+    summary["stage_step"] = {"label": stage["label"], "plan_rank0_bytes": stage["plan_rank0_bytes"], **{
+        storage: {k: step.get(k) for k in ("peak", "device_peak", "seconds", "not_run")}
+        for storage, step in stage["steps"].items()}}  # fmt: skip
 failed = [n for n, s in summary["steps"].items() if s["exit_code"] not in (0, "skipped")] + [
     n for n, t in tests.items() if t["outcome"] in ("failure", "error")
 ]

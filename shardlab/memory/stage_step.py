@@ -85,11 +85,17 @@ class StageStep:
     """The global stages rank 0 holds."""
     ops: int
     seconds: float
+    device_peak: int | None = None
+    """On CUDA (``storage="cuda"``): the caching allocator's peak of allocated bytes over the measured step
+    (torch.cuda.max_memory_allocated), what ``peak`` stands for on fake tensors; None elsewhere."""
 
 
-def measure_stage_step(cfg, task, world_size: int) -> StageStep | str:
+def measure_stage_step(cfg, task, world_size: int, storage: str = "fake") -> StageStep | str:
     """Pipeline rank 0's second training step under ``cfg`` (distributed.pipeline_parallel_degree > 1, the
-    fully_sharded backend) at ``world_size`` ranks, on fake tensors; or why it cannot run, in a phrase."""
+    fully_sharded backend) at ``world_size`` ranks, on fake tensors; or why it cannot run, in a phrase.
+    ``storage="cuda"`` (or "cpu") runs it on real, uninitialized tensors of that device instead, still on the fake
+    process group (its collectives leave their outputs unwritten, so values mean nothing): what tools/gpu_check.sh
+    holds the fake count to, beside the CUDA allocator's own peak."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from shardlab.distributed.units import model_on_meta
@@ -105,19 +111,21 @@ def measure_stage_step(cfg, task, world_size: int) -> StageStep | str:
     moments = {0: 0, 4: 1, 8: 2}.get(ctx.optimizer_state_bytes)
     if moments is None:
         return f"the plan counts {ctx.optimizer_state_bytes} bytes of optimizer state, not fp32 moments"
+    place = FakeTensorMode(allow_non_fake_inputs=True) if storage == "fake" else storage
     try:
-        return _measure(cfg, task, world_size, FakeTensorMode(allow_non_fake_inputs=True), profile, ctx, moments, width)
+        return _measure(cfg, task, world_size, place, profile, ctx, moments, width)
     except Exception as e:  # a check that cannot run says so (verify_plan's other checks stand)
-        return f"the step failed on fake tensors ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        return f"the step failed on {storage} tensors ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
 
-def _measure(cfg, task, world_size: int, fake, profile, ctx, moments: int, width: int) -> StageStep | str:
+def _measure(cfg, task, world_size: int, storage, profile, ctx, moments: int, width: int) -> StageStep | str:
     started = time.perf_counter()
     shape = (profile.local_batch, cfg.data.seq_len, width)
-    with fake_rank_pipeline(cfg, task, world_size, 0, fake, shape) as pipeline:
+    cuda = storage == "cuda"
+    with fake_rank_pipeline(cfg, task, world_size, 0, storage, shape) as pipeline:
         if pipeline.is_last:
             return "pipeline rank 0 holds the last stage (its loss's shapes are not given)"
-        with fake:
+        with storage if not isinstance(storage, str) else contextlib.nullcontext():
             trainable = [p for p in pipeline.model.parameters() if p.requires_grad]
             # as many fp32 moments per parameter as the plan counts: SGD (0), SGD with momentum (1), AdamW (2)
             optimizer = torch.optim.AdamW(trainable) if moments == 2 else torch.optim.SGD(trainable, momentum=moments)
@@ -131,37 +139,46 @@ def _measure(cfg, task, world_size: int, fake, profile, ctx, moments: int, width
                     for tensor in [*pipeline.model.parameters(), *moments_held]:
                         tracker.track(tensor)
                     state = tracker.now
+                    if cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
                 with tracker if step == 1 else contextlib.nullcontext():
                     pipeline.train_step(batches)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
+            device_peak = torch.cuda.max_memory_allocated() if cuda else None
         stages = tuple(s.stage_index for s in pipeline.stages)
     return StageStep(
-        peak=tracker.peak, state=state, stages=stages, ops=tracker.ops, seconds=time.perf_counter() - started
-    )
+        peak=tracker.peak, state=state, stages=stages, ops=tracker.ops, seconds=time.perf_counter() - started,
+        device_peak=device_peak,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
-def fake_rank_pipeline(cfg, task, world_size: int, rank: int, fake=None, shape: tuple[int, int, int] | None = None):
+def fake_rank_pipeline(cfg, task, world_size: int, rank: int, storage=None, shape: tuple[int, int, int] | None = None):
     """Pipeline rank ``rank``'s stages and schedule, built as training builds them (FullyShardedBackend on the mesh
-    its setup makes, shardlab.distributed.pipeline.build_pipeline) on the fake process group, for the block. With
-    ``fake`` (a FakeTensorMode) the stages are materialized as its fake tensors, else left on meta; with ``shape``
-    (samples per micro-batch, sequence length, width) the stages are given their static shapes, so the schedule can
-    run: the first stage's token ids, and between stages the residual stream, split by sequence under TP."""
+    its setup makes, shardlab.distributed.pipeline.build_pipeline) on the fake process group, for the block. Its
+    parameters are materialized as ``storage`` says: a FakeTensorMode's fake tensors, a device's ("cpu", "cuda":
+    uninitialized), or not at all (None: left on meta). With ``shape`` (samples per micro-batch, sequence length,
+    width) the stages are given their static shapes, so the schedule can run: the first stage's token ids, and
+    between stages the residual stream, split by sequence under TP."""
     from shardlab.distributed.env import DistEnv
     from shardlab.distributed.fully_sharded import FullyShardedBackend
     from shardlab.distributed.pipeline import build_pipeline
     from shardlab.distributed.units import model_on_meta
 
+    on = storage if isinstance(storage, str) else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if on == "cuda" else torch.device(on)
+
     def materialize(module: torch.nn.Module) -> None:
-        if fake is not None:
-            with fake:
-                module.to_empty(device="cpu")
+        if storage is not None:
+            with storage if not isinstance(storage, str) else contextlib.nullcontext():
+                module.to_empty(device=device)
 
     with fake_process_group(world_size, rank):
         backend = FullyShardedBackend(cfg.distributed, DistEnv(rank, world_size, rank, "127.0.0.1", 0, "none"))
-        backend.device = torch.device("cpu")  # the fake backend serves any device; nothing is placed on it
-        backend.mesh = backend.dims.build("cpu", keep=("dp_shard",))  # as FullyShardedBackend.setup makes it
+        backend.device = device  # the fake backend serves any device
+        backend.mesh = backend.dims.build(device.type, keep=("dp_shard",))  # as FullyShardedBackend.setup makes it
         metadata = None
         if shape is not None:
             samples, length, width = shape

@@ -102,3 +102,19 @@ def test_verify_plan_reports_the_fake_step_and_says_why_when_it_cannot_run():
     task.tensor_parallel_plan = colwise_rowwise_plan
     lines = verify_plan(cfg, task, 16)
     assert "not run: the step failed on fake tensors" in lines[1], lines
+
+
+def test_real_tensors_hold_what_the_fake_step_counted_to_the_byte(tmp_path):
+    """shardlab_bench stage_step runs rank 0's step on fake tensors and on a device's real ones (on a GPU:
+    tools/gpu_check.sh memory, beside the CUDA allocator's peak); on CPU the two counts are the same bytes, so the
+    fake step measures the storages a run makes, not an artifact of fake tensors."""
+    import json
+
+    from shardlab_bench import stage_step
+
+    out = tmp_path / "stage_step.json"
+    assert stage_step.main(["--storage", "cpu", "--out", str(out), *FSDP2_TP2_PP2]) == 0
+    result = json.loads(out.read_text())
+    fake, real = result["steps"]["fake"], result["steps"]["cpu"]
+    assert fake["peak"] == real["peak"] and fake["state"] == real["state"] and real["device_peak"] is None
+    assert fake["peak"] <= result["plan_rank0_bytes"] and result["label"].startswith("FSDP 2 x TP 2 x PP 2 (1f1b)")
