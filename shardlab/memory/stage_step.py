@@ -16,9 +16,11 @@ kernel stands in for CUDA's flash attention (both keep the output and the log-su
 learn the stages' shapes at the first step (torch refuses), so they are given (stage_metadata): the first stage's
 token ids, and the residual stream crossing each stage boundary, split by sequence under TP. Values are fake too: a
 step's losses and norms mean nothing, so the trainer's checks on them are not run, only the schedule and the
-optimizer.
+optimizer. The same step runs on a device's real tensors too (``storage``: "cpu", "cuda"), where CUDA's caching
+allocator gives its own peak beside LiveBytes' (shardlab_bench/stage_step.py, tools/gpu_check.sh memory); on CPU the
+real count equals the fake one to the byte.
 
-Private torch names, as verify.py uses them (torch_internals.TESTED_TORCH): FakeStore (verify.fake_process_group),
+Private torch names, as verify.py uses them (torch_internals.TESTED_TORCH): FakeStore (fake_group.fake_process_group),
 FakeTensorMode, and TorchDispatchMode (torch.utils._python_dispatch, what torch's own memory trackers subclass);
 tests/unit/test_stage_step.py fails when they stop measuring.
 """
