@@ -170,25 +170,19 @@ def measured_step(overrides: list[str]) -> dict[str, Any]:
     rank, through torch's schedule, on the fake process group), beside the plan of that rank as shardlab runs it
     (shardlab's cut of the layers)."""
     from shardlab.cli.preflight import compose_config
-    from shardlab.distributed.units import model_on_meta
-    from shardlab.memory.estimate import estimate
     from shardlab.memory.layout import layout_of
-    from shardlab.memory.plan import profile_config
     from shardlab.memory.stage_step import measure_stage_step
     from shardlab.runner import build_task
 
     cfg = compose_config(overrides)
     world = cfg.distributed.world_size
-    task = build_task(cfg, world_size=world)
-    step = measure_stage_step(cfg, task, world)
+    step = measure_stage_step(cfg, build_task(cfg, world_size=world), world)
     if isinstance(step, str):
         raise RuntimeError(f"pipeline rank 0's step on fake tensors did not run: {step}")
-    profile, ctx = profile_config(cfg, task, world, model_on_meta(task))
-    layout = layout_of(cfg.distributed, world)
     return {
-        "overrides": overrides, "label": layout.label(world), "stages": list(step.stages), "peak_bytes": step.peak,
-        "state_bytes": step.state, "plan_rank0_bytes": estimate(profile, layout, ctx).axes.rank_peaks[0],
-        "ops": step.ops, "seconds": round(step.seconds, 1),
+        "overrides": overrides, "label": layout_of(cfg.distributed, world).label(world), "stages": list(step.stages),
+        "peak_bytes": step.peak, "state_bytes": step.state, "plan_rank0_bytes": step.planned, "ops": step.ops,
+        "seconds": round(step.seconds, 1),
     }  # fmt: skip
 
 

@@ -85,6 +85,9 @@ class StageStep:
     """Live bytes before it: the sharded parameters and the optimizer state."""
     stages: tuple[int, ...]
     """The global stages rank 0 holds."""
+    planned: int
+    """The memory plan's peak of pipeline rank 0 for the same layout (AxesDetail.rank_peaks[0]: without the CPU
+    runtime or allocator terms), from the profile the step's shapes came from."""
     ops: int
     seconds: float
     device_peak: int | None = None
@@ -121,6 +124,9 @@ def measure_stage_step(cfg, task, world_size: int, storage: str = "fake") -> Sta
 
 
 def _measure(cfg, task, world_size: int, storage, profile, ctx, moments: int, width: int) -> StageStep | str:
+    from shardlab.memory.estimate import estimate
+    from shardlab.memory.layout import layout_of
+
     started = time.perf_counter()
     shape = (profile.local_batch, cfg.data.seq_len, width)
     cuda = storage == "cuda"
@@ -150,9 +156,10 @@ def _measure(cfg, task, world_size: int, storage, profile, ctx, moments: int, wi
                     optimizer.zero_grad(set_to_none=True)
             device_peak = torch.cuda.max_memory_allocated() if cuda else None
         stages = tuple(s.stage_index for s in pipeline.stages)
+    planned = estimate(profile, layout_of(cfg.distributed, world_size), ctx).axes.rank_peaks[0]
     return StageStep(
-        peak=tracker.peak, state=state, stages=stages, ops=tracker.ops, seconds=time.perf_counter() - started,
-        device_peak=device_peak,
+        peak=tracker.peak, state=state, stages=stages, planned=planned, ops=tracker.ops,
+        seconds=time.perf_counter() - started, device_peak=device_peak,
     )  # fmt: skip
 
 

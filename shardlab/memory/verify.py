@@ -312,15 +312,12 @@ def verify_axes(cfg, task, world_size: int) -> list[str]:
 def _stage_step_line(cfg, task, world_size: int) -> str:
     """Pipeline rank 0's step on fake tensors (shardlab.memory.stage_step) against the plan's peak of that rank: the
     plan must not count less than the step held."""
-    from shardlab.memory.estimate import estimate
     from shardlab.memory.stage_step import measure_stage_step
 
     step = measure_stage_step(cfg, task, world_size)
     if isinstance(step, str):
         return f"verify_plan: pipeline rank 0's step on fake tensors not run: {step}"
-    profile, ctx = profile_config(cfg, task, world_size, model_on_meta(task))
-    layout = layout_of(cfg.distributed, world_size)
-    planned = estimate(profile, layout, ctx).axes.rank_peaks[0]
+    layout, planned = layout_of(cfg.distributed, world_size), step.planned
     if planned < step.peak:
         raise PlanMismatch(
             f"verify_plan: pipeline rank 0's step on fake tensors held {size_text(step.peak)} at its peak, the "

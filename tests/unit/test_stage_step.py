@@ -88,6 +88,7 @@ def test_pipeline_rank_0s_step_on_fake_tensors_holds_what_its_plan_says(override
     planned = estimate(profile, layout_of(cfg.distributed, world), ctx).axes.rank_peaks[0]
     assert step.stages == ((0,) if cfg.distributed.pipeline_stages_per_rank == 1 else (0, 2))
     assert 0 < step.state < step.peak <= planned < 1.25 * step.peak, (step, planned)
+    assert step.planned == planned  # what verify_plan and the benchmarks hold the step to
 
 
 def test_verify_plan_reports_the_fake_step_and_says_why_when_it_cannot_run():
